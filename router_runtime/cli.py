@@ -1,0 +1,41 @@
+"""``routerfleet-router``: run the router until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from .app import run_router
+from .config import RouterConfig, parse_args
+
+log = logging.getLogger("routerfleet.router")
+
+
+async def _serve(config: RouterConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with run_router(config) as (_router, url):
+        log.info("router listening on %s with %d static workers", url, len(config.workers))
+        await stop.wait()
+    log.info("router stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_args(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        import uvloop  # optional: faster event loop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(_serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Worker (engine) discovery: a static list, or Kubernetes EndpointSlices."""

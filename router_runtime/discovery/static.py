@@ -1,0 +1,49 @@
+"""Static workers from the command line: ``--worker url=URL[,kv=tcp://H:P][,replay=tcp://H:P][,dp=N]``.
+
+``kv`` and ``replay`` are rank 0's endpoints; rank r uses port + r, as vLLM and SGLang bind them.
+A worker without ``kv`` publishes no events (only text-prefix policies can use it).
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+from ..kv.plane import WorkerSpec
+
+_KEYS = {"url", "kv", "replay", "dp", "topic"}
+
+
+def parse_worker(text: str) -> WorkerSpec:
+    """Parse one ``--worker`` value; raises ValueError with a message fit for the command line."""
+    fields: dict[str, str] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep:
+            if "url" in fields or "://" not in part:
+                raise ValueError(f"expected key=value, got {part!r}")
+            key, value = "url", part  # a bare URL is the url field
+        if key not in _KEYS:
+            raise ValueError(f"unknown key {key!r} (known: {', '.join(sorted(_KEYS))})")
+        fields[key] = value.strip()
+    url = fields.get("url")
+    if not url or urlparse(url).scheme not in ("http", "https") or not urlparse(url).netloc:
+        raise ValueError(f"url must be an http(s) URL, got {url!r}")
+    for key in ("kv", "replay"):
+        ep = fields.get(key)
+        if ep is not None and not (ep.startswith("tcp://") and ep.rpartition(":")[2].isdigit()):
+            raise ValueError(f"{key} must be tcp://host:port, got {ep!r}")
+    try:
+        dp = int(fields.get("dp", "1"))
+    except ValueError:
+        raise ValueError(f"dp must be a positive integer, got {fields['dp']!r}") from None
+    if dp < 1:
+        raise ValueError(f"dp must be a positive integer, got {dp}")
+    return WorkerSpec(
+        engine=url.rstrip("/"),
+        url=url.rstrip("/"),
+        kv=fields.get("kv"),
+        replay=fields.get("replay"),
+        dp_size=dp,
+        topic=fields.get("topic", "").encode(),
+    )

@@ -1,0 +1,398 @@
+"""The radix index: which carrier (engine, DP rank) holds which KV blocks, in which tiers.
+
+Storage. A node is one block position in the prefix trie, keyed by the router's chained block key
+(see ``hashing``): the key identifies the whole path from the root, so the trie lives in one flat dict
+``key -> _Node`` and a lookup is one dict probe per block. Each node keeps its parent key (for
+pruning and for the DFS pre-order export the peer bootstrap needs), a child count, and its carriers
+packed into one int: 4 tier bits per carrier id (``Tier`` values), so most nodes share a small cached
+int and a node costs one slotted object. Each carrier keeps ``engine hash -> key`` for its own blocks,
+because removals and parent links arrive as engine hashes, which are opaque and only meaningful per
+(engine, rank).
+
+Run cold, never wrong. A store whose parent this carrier never announced, with a different block
+size, a non-full-attention group or an unknown medium is skipped and counted, never hung off the
+root (that would invent a prefix the engine does not hold).
+
+One writer. Every mutation is synchronous (no await inside), and all of them are called from the
+index writer task, so a reader on the same event loop never sees a half-applied batch.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from .events import (
+    ALL_TIERS,
+    MEDIUM_TIERS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    Tier,
+)
+from .hashing import PLAIN_ROOT, block_keys, namespace_root
+
+ROOT = -1  # parent key of the first block of every chain (block keys are u64, never negative)
+
+TIER_ORDER = (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.EXTERNAL)  # best first
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Carrier:
+    """Who holds a block: one engine's data-parallel rank. ``engine`` is the worker identity string."""
+
+    engine: str
+    rank: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.engine}#{self.rank}"
+
+
+class Skip(enum.StrEnum):
+    """Why an event (or some of its blocks) was not indexed. Exported as a metric label."""
+
+    BLOCK_SIZE_MISMATCH = "block_size_mismatch"
+    UNKNOWN_PARENT = "unknown_parent"
+    UNKNOWN_MEDIUM = "unknown_medium"
+    OTHER_GROUP = "other_group"
+    TOKEN_COUNT = "token_count"
+    UNKNOWN_BLOCK = "unknown_block"  # a remove for a block this carrier never announced
+
+
+@dataclass(slots=True)
+class ApplyStats:
+    """What applying one batch did; the writer turns it into metrics."""
+
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    events: Counter = field(default_factory=Counter)  # (event type, medium) -> count
+    skipped: Counter = field(default_factory=Counter)  # Skip -> blocks
+
+
+@dataclass(frozen=True, slots=True)
+class CarrierMatch:
+    """A carrier's matched prefix: its length in blocks, and how many of those blocks it holds at best
+    in each tier (device, host, disk, external), so a policy can weight partial credit per tier."""
+
+    blocks: int
+    tier_blocks: tuple[int, int, int, int]
+
+    @property
+    def device_blocks(self) -> int:
+        return self.tier_blocks[0]
+
+
+class _Node:
+    __slots__ = ("carriers", "children", "parent")
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+        self.carriers = 0  # nibble per carrier id: Tier bits
+        self.children = 0
+
+
+class _CarrierState:
+    __slots__ = ("by_engine_hash", "carrier", "cid", "shift", "tier_blocks")
+
+    def __init__(self, carrier: Carrier, cid: int) -> None:
+        self.carrier = carrier
+        self.cid = cid
+        self.shift = cid * 4
+        self.by_engine_hash: dict[int, int] = {}
+        self.tier_blocks = [0, 0, 0, 0]  # blocks held per tier, parallel to TIER_ORDER
+
+
+_TIER_SLOT = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2, Tier.EXTERNAL: 3}
+
+
+def _bit_slots(bits: int) -> Iterator[int]:
+    for t, slot in _TIER_SLOT.items():
+        if bits & t:
+            yield slot
+
+
+class RadixIndex:
+    """The index. Mutations: ``apply_batch``, ``clear_carrier``, ``remove_carrier``; reads: ``match``,
+    ``match_keys``, ``carrier_blocks``, ``node_count``, ``carrier_engine_hashes``."""
+
+    def __init__(self, block_size: int, *, full_attention_group: int = 0) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self.block_size = block_size
+        self.full_attention_group = full_attention_group
+        self._nodes: dict[int, _Node] = {}
+        self._carriers: dict[Carrier, _CarrierState] = {}
+        self._by_cid: list[_CarrierState | None] = []
+        self._any_mask = 0  # bit 0 of every allocated carrier nibble
+
+    # ---- carriers -------------------------------------------------------------------------------
+
+    def _state(self, carrier: Carrier) -> _CarrierState:
+        st = self._carriers.get(carrier)
+        if st is None:
+            # Lowest free id keeps the packed carrier ints small.
+            cid = next((i for i, s in enumerate(self._by_cid) if s is None), len(self._by_cid))
+            st = _CarrierState(carrier, cid)
+            if cid == len(self._by_cid):
+                self._by_cid.append(st)
+            else:
+                self._by_cid[cid] = st
+            self._carriers[carrier] = st
+            self._any_mask |= 1 << st.shift
+        return st
+
+    @property
+    def carriers(self) -> list[Carrier]:
+        return sorted(self._carriers)
+
+    def node_count(self) -> int:
+        return len(self._nodes)
+
+    def carrier_blocks(self, carrier: Carrier) -> dict[Tier, int]:
+        st = self._carriers.get(carrier)
+        counts = st.tier_blocks if st else [0, 0, 0, 0]
+        return dict(zip(TIER_ORDER, counts, strict=True))
+
+    def carrier_engine_hashes(self, carrier: Carrier) -> dict[Tier, set[int]]:
+        """The engine hashes this carrier holds, per tier: what the index believes the engine holds,
+        in the engine's own terms, so it can be compared with the engine's state."""
+        out: dict[Tier, set[int]] = {t: set() for t in TIER_ORDER}
+        st = self._carriers.get(carrier)
+        if st is None:
+            return out
+        for h, key in st.by_engine_hash.items():
+            nib = (self._nodes[key].carriers >> st.shift) & 0xF
+            for t in TIER_ORDER:
+                if nib & t:
+                    out[t].add(h)
+        return out
+
+    # ---- mutations (writer only) ---------------------------------------------------------------
+
+    def apply_batch(self, carrier: Carrier, batch: EventBatch) -> ApplyStats:
+        stats = ApplyStats()
+        st = self._state(carrier)
+        for ev in batch.events:
+            if type(ev) is BlockStored:
+                self._store(st, ev, stats)
+            elif type(ev) is BlockRemoved:
+                self._remove(st, ev, stats)
+            elif type(ev) is AllBlocksCleared:
+                stats.events["AllBlocksCleared", ""] += 1
+                stats.cleared += self._clear(st)
+        return stats
+
+    def clear_carrier(self, carrier: Carrier) -> int:
+        """Forget every block of a carrier (AllBlocksCleared, a gap replay could not cover, a restart).
+        Returns how many blocks it held."""
+        st = self._carriers.get(carrier)
+        return self._clear(st) if st else 0
+
+    def remove_carrier(self, carrier: Carrier) -> int:
+        """Forget a carrier entirely (its engine left discovery or restarted as a new incarnation)."""
+        st = self._carriers.pop(carrier, None)
+        if st is None:
+            return 0
+        n = self._clear(st)
+        self._by_cid[st.cid] = None
+        self._any_mask &= ~(1 << st.shift)
+        return n
+
+    def _store(self, st: _CarrierState, ev: BlockStored, stats: ApplyStats) -> None:
+        medium = ev.medium
+        stats.events["BlockStored", medium or ""] += 1
+        n = len(ev.block_hashes)
+        if medium is None:
+            tier = Tier.DEVICE
+        else:
+            tier = MEDIUM_TIERS.get(medium)
+            if tier is None:
+                stats.skipped[Skip.UNKNOWN_MEDIUM] += n
+                return
+        if ev.kv_cache_spec_kind not in (None, "full_attention") or (
+            ev.group_idx is not None and ev.group_idx != self.full_attention_group
+        ):
+            stats.skipped[Skip.OTHER_GROUP] += n
+            return
+        if ev.block_size != self.block_size:
+            stats.skipped[Skip.BLOCK_SIZE_MISMATCH] += n
+            return
+        if len(ev.token_ids) != n * self.block_size:
+            stats.skipped[Skip.TOKEN_COUNT] += n
+            return
+        if ev.parent_block_hash is None:
+            parent = ROOT
+            seed = (
+                PLAIN_ROOT
+                if ev.lora_name is None and ev.cache_salt is None
+                else namespace_root(ev.lora_name, ev.cache_salt)
+            )
+        else:
+            parent = st.by_engine_hash.get(ev.parent_block_hash)
+            if parent is None:
+                stats.skipped[Skip.UNKNOWN_PARENT] += n
+                return
+            seed = parent
+        keys = block_keys(ev.token_ids, self.block_size, seed, ev.extra_keys)
+        nodes = self._nodes
+        bit = int(tier) << st.shift
+        slot = _TIER_SLOT[tier]
+        by_hash = st.by_engine_hash
+        stale: list[int] = []
+        for h, key in zip(ev.block_hashes, keys, strict=True):
+            old = by_hash.get(h)
+            if old is not None and old != key:
+                # The engine reused a hash for other content: the old position is no longer held.
+                self._clear_node(st, old, ALL_TIERS)
+                stale.append(old)
+            node = nodes.get(key)
+            if node is None:
+                node = nodes[key] = _Node(parent)
+                if parent != ROOT:
+                    nodes[parent].children += 1
+            c = node.carriers
+            if not c & bit:
+                node.carriers = c | bit
+                st.tier_blocks[slot] += 1
+                stats.stored += 1
+            by_hash[h] = key
+            parent = key
+        for key in stale:
+            self._prune(key)
+
+    def _remove(self, st: _CarrierState, ev: BlockRemoved, stats: ApplyStats) -> None:
+        stats.events["BlockRemoved", ev.medium or ""] += 1
+        if ev.group_idx is not None and ev.group_idx != self.full_attention_group:
+            stats.skipped[Skip.OTHER_GROUP] += len(ev.block_hashes)
+            return
+        # Untagged or unknown medium: clear every tier (the engine no longer holds it anywhere we know).
+        tiers = MEDIUM_TIERS.get(ev.medium, ALL_TIERS) if ev.medium is not None else ALL_TIERS
+        by_hash = st.by_engine_hash
+        for h in ev.block_hashes:
+            key = by_hash.get(h)
+            if key is None:
+                stats.skipped[Skip.UNKNOWN_BLOCK] += 1
+                continue
+            stats.removed += self._clear_node(st, key, tiers)
+            if not (self._nodes[key].carriers >> st.shift) & 0xF:
+                del by_hash[h]
+                self._prune(key)
+
+    def _clear_node(self, st: _CarrierState, key: int, tiers: Tier) -> int:
+        """Clear ``tiers`` of one carrier on one node; returns the tier-blocks cleared. No pruning."""
+        node = self._nodes.get(key)
+        if node is None:
+            return 0
+        held = (node.carriers >> st.shift) & 0xF
+        gone = held & int(tiers)
+        if not gone:
+            return 0
+        node.carriers &= ~(gone << st.shift)
+        for slot in _bit_slots(gone):
+            st.tier_blocks[slot] -= 1
+        return 1
+
+    def _prune(self, key: int) -> None:
+        nodes = self._nodes
+        while key != ROOT:
+            node = nodes.get(key)
+            if node is None or node.carriers or node.children:
+                return
+            del nodes[key]
+            key = node.parent
+            if key != ROOT:
+                nodes[key].children -= 1
+
+    def _clear(self, st: _CarrierState) -> int:
+        n = 0
+        keep = ~(0xF << st.shift)
+        nodes = self._nodes
+        for key in st.by_engine_hash.values():
+            node = nodes.get(key)
+            if node is not None and node.carriers & ~keep:
+                node.carriers &= keep
+                n += 1
+        for key in st.by_engine_hash.values():
+            self._prune(key)
+        st.by_engine_hash.clear()
+        st.tier_blocks[:] = [0, 0, 0, 0]
+        return n
+
+    # ---- reads ---------------------------------------------------------------------------------
+
+    def keys_for(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[int]:
+        return block_keys(token_ids, self.block_size, namespace_root(lora_name, cache_salt))
+
+    def match(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[Carrier, CarrierMatch]:
+        """Per carrier that holds at least the first block: its matched prefix."""
+        return self.match_keys(self.keys_for(token_ids, lora_name=lora_name, cache_salt=cache_salt))
+
+    def match_keys(self, keys: Iterable[int]) -> dict[Carrier, CarrierMatch]:
+        # Walk while any carrier still holds the prefix, recording runs of nodes whose packed carrier
+        # int is identical (along a hot path it rarely changes), then settle per carrier per run.
+        nodes = self._nodes
+        any_mask = self._any_mask
+        alive = any_mask
+        runs: list[list[int]] = []  # [packed carriers, run length]
+        prev = -1
+        for key in keys:
+            node = nodes.get(key)
+            if node is None:
+                break
+            c = node.carriers
+            if c == prev:
+                runs[-1][1] += 1
+                continue
+            present = (c | c >> 1 | c >> 2 | c >> 3) & any_mask
+            alive &= present
+            if not alive:
+                break
+            runs.append([c, 1])
+            prev = c
+        if not runs:
+            return {}
+        out: dict[Carrier, CarrierMatch] = {}
+        first = runs[0][0]
+        for st in self._by_cid:
+            if st is None or not (first >> st.shift) & 0xF:
+                continue
+            shift = st.shift
+            counts = [0, 0, 0, 0]
+            total = 0
+            for c, length in runs:
+                nib = (c >> shift) & 0xF
+                if not nib:
+                    break
+                # Best tier held: lowest set bit (DEVICE=1 < HOST=2 < DISK=4 < EXTERNAL=8).
+                counts[(nib & -nib).bit_length() - 1] += length
+                total += length
+            out[st.carrier] = CarrierMatch(total, tuple(counts))
+        return out
+
+    def iter_nodes(self) -> Iterator[tuple[int, int, dict[Carrier, Tier]]]:
+        """(key, parent key, carriers with tiers) for every node, in no particular order; for tests and
+        debugging. The snapshot export walks in DFS pre-order instead."""
+        for key, node in self._nodes.items():
+            held = {}
+            for st in self._by_cid:
+                if st is not None:
+                    nib = (node.carriers >> st.shift) & 0xF
+                    if nib:
+                        held[st.carrier] = Tier(nib)
+            yield key, node.parent, held

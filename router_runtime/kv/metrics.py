@@ -1,0 +1,55 @@
+"""Prometheus metrics of the KV event plane. One instance per router, on the router's own registry (so
+several routers can run in one process, as the tests do)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class KVMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        p = "routerfleet_kv_"
+        self.events = Counter(
+            p + "events", "KV events applied, by type and medium", ["event", "medium"], registry=registry
+        )
+        self.blocks = Counter(
+            p + "event_blocks", "Block tiers stored or removed in the index", ["op"], registry=registry
+        )
+        self.batches = Counter(p + "batches", "Event batches applied", registry=registry)
+        self.gaps = Counter(p + "gaps", "Sequence gaps detected on a rank's stream", registry=registry)
+        self.replays = Counter(p + "replays", "Gap replays, by outcome", ["outcome"], registry=registry)
+        self.ranks_cleared = Counter(
+            p + "ranks_cleared", "Ranks whose blocks were cleared, by reason", ["reason"], registry=registry
+        )
+        self.malformed = Counter(
+            p + "malformed_frames", "Frames skipped as malformed, by reason", ["reason"], registry=registry
+        )
+        self.skipped_events = Counter(
+            p + "skipped_events", "Events or fields skipped while decoding", ["reason"], registry=registry
+        )
+        self.skipped_blocks = Counter(
+            p + "skipped_blocks", "Blocks not indexed, by reason", ["reason"], registry=registry
+        )
+        self.nodes = Gauge(p + "index_nodes", "Nodes in the radix index", registry=registry)
+        self.index_blocks = Gauge(
+            p + "index_blocks",
+            "Blocks held per engine, rank and tier",
+            ["engine", "rank", "tier"],
+            registry=registry,
+        )
+        self.subscriptions_live = Gauge(
+            p + "subscriptions_live", "Rank subscriptions receiving events", registry=registry
+        )
+        self.queue_depth = Gauge(p + "queue_depth", "Batches waiting for the index writer", registry=registry)
+        self.queue_bytes = Gauge(
+            p + "queue_bytes", "Payload bytes waiting for the index writer", registry=registry
+        )
+        self.queue_overflows = Counter(
+            p + "queue_overflows", "Batches dropped on a full writer queue", registry=registry
+        )
+        self.apply_seconds = Histogram(
+            p + "apply_seconds",
+            "Time to apply one batch to the index",
+            registry=registry,
+            buckets=(1e-6, 5e-6, 2e-5, 1e-4, 5e-4, 2e-3, 1e-2, 5e-2, 0.25),
+        )

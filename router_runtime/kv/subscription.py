@@ -1,0 +1,241 @@
+"""One subscription per (engine, DP rank): a ZMQ SUB on the engine's PUB endpoint, sequence tracking,
+and gap replay over a DEALER on the engine's replay endpoint.
+
+While a replay runs, live batches simply wait in the SUB socket's queue (bounded by its high-water
+mark; anything ZMQ drops past it shows up as the next gap). Every doubt resolves to a cleared rank,
+never to a guess: a replay that cannot cover the gap, a publisher restart, a batch that does not decode
+or does not fit the writer's queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from .cursor import Arrival, classify
+from .decode import MalformedFrame, decode_batch, parse_pub_message, parse_replay_reply, topic_matches
+from .events import DecodeStats, SequencedBatch
+from .index import Carrier
+from .metrics import KVMetrics
+from .writer import ClearReason, IndexWriter
+
+log = logging.getLogger(__name__)
+
+
+class ReplayOutcome(enum.StrEnum):
+    FILLED = "filled"  # every missing batch came back
+    UNCOVERED = "uncovered"  # the buffer had moved on: its first sequence was past our cursor + 1
+    TRUNCATED = "truncated"  # some batches, then silence (old vLLM's send HWM drops the tail)
+    TIMEOUT = "timeout"  # nothing at all
+    MALFORMED = "malformed"
+    HOLE = "hole"  # the replay itself skipped a sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    pub: str
+    replay: str | None
+    topic: bytes = b""
+
+
+@dataclass(slots=True)
+class ReplayTimeouts:
+    idle_s: float = 1.0  # silence between replies (vLLM services replay between queue polls, ~100 ms)
+    total_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    outcome: ReplayOutcome
+    batches: list[tuple[int, bytes]]  # contiguous from the first replayed sequence
+
+
+class RankSubscription:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        carrier: Carrier,
+        endpoints: Endpoints,
+        writer: IndexWriter,
+        metrics: KVMetrics,
+        *,
+        timeouts: ReplayTimeouts | None = None,
+        rcvhwm: int = 100_000,
+    ) -> None:
+        self.ctx = ctx
+        self.carrier = carrier
+        self.endpoints = endpoints
+        self.writer = writer
+        self.metrics = metrics
+        self.timeouts = timeouts or ReplayTimeouts()
+        self.rcvhwm = rcvhwm
+        self.cursor: int | None = None  # last sequence handed to the writer
+        self.live_last: int | None = None  # last sequence seen on the live stream
+        self.connected = False
+        self.last_event_at: float | None = None
+        self._stats = DecodeStats()
+
+    # ---- the live loop -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        # ZMQ reconnects by itself; bound its backoff so a restarted engine is picked up quickly.
+        sub.setsockopt(zmq.RECONNECT_IVL, 100)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.endpoints.topic)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.connect(self.endpoints.pub)
+        watch = asyncio.create_task(self._watch(monitor))
+        try:
+            while True:
+                frames = await sub.recv_multipart(copy=True)
+                await self.on_live(frames)
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            self.connected = False
+            sub.disable_monitor()
+            monitor.close(0)
+            sub.close(0)
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            msg = parse_monitor_message(await monitor.recv_multipart())
+            self.connected = msg["event"] == zmq.EVENT_CONNECTED
+            log.info("rank %s %s", self.carrier, "connected" if self.connected else "disconnected")
+
+    async def on_live(self, frames: list[bytes]) -> None:
+        try:
+            topic, seq, payload = parse_pub_message(frames)
+        except MalformedFrame as exc:
+            self.metrics.malformed.labels(str(exc.reason)).inc()
+            return
+        if not topic_matches(topic, self.endpoints.topic):
+            return
+        self.last_event_at = time.monotonic()
+        arrival = classify(self.cursor, seq, live_last=self.live_last)
+        self.live_last = seq
+        if arrival is Arrival.RESTART:
+            self._clear(ClearReason.PUBLISHER_RESTART)
+            self.cursor = -1  # the new publisher's stream begins at 0
+            arrival = classify(self.cursor, seq)
+        if arrival is Arrival.GAP:
+            self.metrics.gaps.inc()
+            await self._fill_gap(seq)
+            arrival = classify(self.cursor, seq)
+            if arrival is Arrival.GAP:  # the replay could not reach the live stream
+                self._clear(ClearReason.REPLAY_FAILED)
+                arrival = Arrival.FIRST
+        if arrival is not Arrival.DUPLICATE:
+            self._accept(seq, payload)
+
+    # ---- applying ------------------------------------------------------------------------------
+
+    def _accept(self, seq: int, payload: bytes) -> None:
+        self.cursor = seq
+        try:
+            batch = decode_batch(payload, self._stats)
+        except MalformedFrame as exc:
+            # The batch is lost to us and may have removed blocks: forget this rank rather than guess.
+            self.metrics.malformed.labels(str(exc.reason)).inc()
+            self._clear(ClearReason.MALFORMED_BATCH)
+            return
+        self._flush_decode_stats()
+        if batch.data_parallel_rank is not None and batch.data_parallel_rank != self.carrier.rank:
+            self.metrics.malformed.labels("rank_mismatch").inc()
+            self._clear(ClearReason.MALFORMED_BATCH)
+            return
+        if not self.writer.submit_batch(self.carrier, SequencedBatch(seq, batch, len(payload))):
+            self._clear(ClearReason.OVERFLOW)
+
+    def _clear(self, reason: ClearReason) -> None:
+        self.writer.submit_clear(self.carrier, reason)
+
+    def _flush_decode_stats(self) -> None:
+        s = self._stats
+        if s.unknown_tags:
+            self.metrics.skipped_events.labels("unknown_tag").inc(sum(s.unknown_tags.values()))
+            s.unknown_tags.clear()
+        if s.unknown_fields:
+            self.metrics.skipped_events.labels("unknown_field").inc(s.unknown_fields)
+            s.unknown_fields = 0
+
+    # ---- replay --------------------------------------------------------------------------------
+
+    async def _fill_gap(self, live_seq: int) -> None:
+        start = self.cursor + 1
+        if self.endpoints.replay is None:
+            self.metrics.replays.labels("unavailable").inc()
+            return
+        result = await replay(self.ctx, self.endpoints.replay, start, self.timeouts, stop_at=live_seq)
+        self.metrics.replays.labels(str(result.outcome)).inc()
+        log.info("rank %s replay from %d: %s", self.carrier, start, result.outcome.value)
+        if result.outcome is ReplayOutcome.UNCOVERED:
+            # What happened between our cursor and the buffer's oldest batch is unknowable.
+            self._clear(ClearReason.UNCOVERED_GAP)
+            self.cursor = (result.batches[0][0] if result.batches else live_seq) - 1
+        for seq, payload in result.batches:
+            if classify(self.cursor, seq) is Arrival.NEXT:
+                self._accept(seq, payload)
+
+
+async def replay(
+    ctx: zmq.asyncio.Context,
+    endpoint: str,
+    start: int,
+    timeouts: ReplayTimeouts,
+    *,
+    stop_at: int | None = None,
+) -> ReplayResult:
+    """Ask a replay ROUTER for every buffered batch from ``start``; collect until the end marker, or
+    (once ``stop_at`` is reached) stop early. Returns the contiguous run it got and how it ended."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    got: list[tuple[int, bytes]] = []
+    outcome = ReplayOutcome.TIMEOUT
+    try:
+        await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        deadline = time.monotonic() + timeouts.total_s
+        while True:
+            left = min(timeouts.idle_s, deadline - time.monotonic())
+            if left <= 0 or not await dealer.poll(left * 1000):
+                outcome = ReplayOutcome.TRUNCATED if got else ReplayOutcome.TIMEOUT
+                break
+            try:
+                reply = parse_replay_reply(await dealer.recv_multipart())
+            except MalformedFrame:
+                outcome = ReplayOutcome.MALFORMED
+                break
+            if reply is None:
+                outcome = ReplayOutcome.FILLED
+                break
+            seq, payload = reply
+            if seq < start:
+                continue
+            if got and seq != got[-1][0] + 1:
+                outcome = ReplayOutcome.HOLE
+                break
+            got.append((seq, payload))
+            if stop_at is not None and seq >= stop_at:
+                outcome = ReplayOutcome.FILLED
+                break
+    finally:
+        dealer.close(0)
+    if got and got[0][0] != start:
+        outcome = ReplayOutcome.UNCOVERED
+    elif not got and outcome is ReplayOutcome.FILLED:
+        outcome = ReplayOutcome.UNCOVERED  # an empty buffer past our cursor covers nothing
+    return ReplayResult(outcome, got)

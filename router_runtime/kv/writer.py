@@ -1,0 +1,176 @@
+"""The index writer: the one task that mutates the index.
+
+Subscriptions hand it decoded batches and control commands; it applies them in arrival order, each
+synchronously, so readers on the same loop only ever see whole batches. Batches are bounded in count
+and bytes: a batch that does not fit is refused and the subscription treats it as lost (it clears its
+rank: cold, never wrong). Control commands (clear, remove) are never refused, so ordering holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .events import SequencedBatch
+from .index import TIER_ORDER, ApplyStats, Carrier, RadixIndex
+from .metrics import KVMetrics
+
+log = logging.getLogger(__name__)
+
+
+class ClearReason(enum.StrEnum):
+    """Why a rank's blocks were dropped; a metric label."""
+
+    PUBLISHER_RESTART = "publisher_restart"
+    UNCOVERED_GAP = "uncovered_gap"  # the engine's replay buffer had moved past our cursor
+    REPLAY_FAILED = "replay_failed"  # the replay timed out, was truncated or malformed
+    MALFORMED_BATCH = "malformed_batch"
+    OVERFLOW = "overflow"
+    WORKER_REMOVED = "worker_removed"
+
+
+@dataclass(slots=True)
+class _Item:
+    carrier: Carrier
+    batch: SequencedBatch | None = None
+    clear: ClearReason | None = None
+    remove: bool = False
+    call: Callable[[RadixIndex], object] | None = None
+    done: asyncio.Future | None = None
+
+
+class IndexWriter:
+    def __init__(
+        self,
+        index: RadixIndex,
+        metrics: KVMetrics,
+        *,
+        max_batches: int = 10_000,
+        max_bytes: int = 256 << 20,
+        yield_every: int = 64,
+    ) -> None:
+        self.index = index
+        self.metrics = metrics
+        self.max_batches = max_batches
+        self.max_bytes = max_bytes
+        self.yield_every = yield_every
+        self._queue: deque[_Item] = deque()
+        self._batches = 0
+        self._bytes = 0
+        self._wake = asyncio.Event()
+        self._touched: set[Carrier] = set()
+
+    # ---- producers -----------------------------------------------------------------------------
+
+    def submit_batch(self, carrier: Carrier, batch: SequencedBatch) -> bool:
+        if self._batches >= self.max_batches or self._bytes + batch.nbytes > self.max_bytes:
+            self.metrics.queue_overflows.inc()
+            return False
+        self._batches += 1
+        self._bytes += batch.nbytes
+        self._push(_Item(carrier, batch=batch))
+        return True
+
+    def submit_clear(self, carrier: Carrier, reason: ClearReason) -> None:
+        self._push(_Item(carrier, clear=reason))
+
+    def submit_remove(self, carrier: Carrier) -> None:
+        self._push(_Item(carrier, remove=True, clear=ClearReason.WORKER_REMOVED))
+
+    def call(self, fn: Callable[[RadixIndex], object]) -> asyncio.Future:
+        """Run ``fn(index)`` on the writer, in order with everything queued before it."""
+        fut = asyncio.get_running_loop().create_future()
+        self._push(_Item(Carrier(""), call=fn, done=fut))
+        return fut
+
+    async def drain(self) -> None:
+        """Wait until everything queued so far has been applied."""
+        await self.call(lambda _index: None)
+
+    def _push(self, item: _Item) -> None:
+        self._queue.append(item)
+        self.metrics.queue_depth.set(self._batches)
+        self.metrics.queue_bytes.set(self._bytes)
+        self._wake.set()
+
+    # ---- the writer task -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            n = 0
+            while self._queue:
+                self._apply(self._queue.popleft())
+                n += 1
+                if n % self.yield_every == 0:
+                    self._publish_gauges()
+                    await asyncio.sleep(0)  # let readers and the sockets in between batches
+            self._publish_gauges()
+
+    def _apply(self, item: _Item) -> None:
+        m = self.metrics
+        index = self.index
+        if item.call is not None:
+            try:
+                result = item.call(index)
+            except Exception as exc:  # the caller gets it; the writer goes on
+                if not item.done.done():
+                    item.done.set_exception(exc)
+            else:
+                if not item.done.done():
+                    item.done.set_result(result)
+            return
+        self._touched.add(item.carrier)
+        if item.batch is not None:
+            sb = item.batch
+            self._batches -= 1
+            self._bytes -= sb.nbytes
+            t0 = time.perf_counter()
+            stats = index.apply_batch(item.carrier, sb.batch)
+            m.apply_seconds.observe(time.perf_counter() - t0)
+            m.batches.inc()
+            self._count(stats)
+            return
+        if item.remove:
+            index.remove_carrier(item.carrier)
+        else:
+            index.clear_carrier(item.carrier)
+        m.ranks_cleared.labels(item.clear.value).inc()
+        log.info("rank %s cleared: %s", item.carrier, item.clear.value)
+
+    def _count(self, stats: ApplyStats) -> None:
+        m = self.metrics
+        for (event, medium), n in stats.events.items():
+            m.events.labels(event, medium or "none").inc(n)
+            if event == "AllBlocksCleared":
+                m.ranks_cleared.labels("all_blocks_cleared").inc(n)
+        if stats.stored:
+            m.blocks.labels("stored").inc(stats.stored)
+        if stats.removed:
+            m.blocks.labels("removed").inc(stats.removed)
+        for reason, n in stats.skipped.items():
+            m.skipped_blocks.labels(str(reason)).inc(n)
+
+    def _publish_gauges(self) -> None:
+        m = self.metrics
+        m.queue_depth.set(self._batches)
+        m.queue_bytes.set(self._bytes)
+        m.nodes.set(self.index.node_count())
+        known = set(self.index.carriers)
+        for carrier in self._touched:
+            counts = self.index.carrier_blocks(carrier)
+            for tier in TIER_ORDER:
+                labels = (carrier.engine, str(carrier.rank), tier.name.lower())
+                if carrier in known:
+                    m.index_blocks.labels(*labels).set(counts[tier])
+                else:
+                    with contextlib.suppress(KeyError):
+                        m.index_blocks.remove(*labels)
+        self._touched.clear()
