@@ -56,6 +56,7 @@ class KVPlane:
         queue_batches: int = 10_000,
         queue_bytes: int = 256 << 20,
     ) -> None:
+        self.registry = registry
         self.index = RadixIndex(block_size)
         self.metrics = KVMetrics(registry)
         self.writer = IndexWriter(self.index, self.metrics, max_batches=queue_batches, max_bytes=queue_bytes)

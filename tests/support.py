@@ -1,0 +1,33 @@
+"""Shared test helpers: wait on conditions (never fixed sleeps), and join a publisher's stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from router_runtime.fake_engine.publisher import KvPublisher
+from router_runtime.kv.subscription import RankSubscription
+
+
+async def eventually(predicate: Callable[[], object], timeout: float = 5.0, what: str = "condition"):
+    """Poll ``predicate`` until it is truthy; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def join_stream(publisher: KvPublisher, sub: RankSubscription, rank: int = 0) -> None:
+    """ZMQ drops what a PUB sends before the SUB's subscription arrives, so publish empty batches until
+    the subscription has taken one: from then on the stream is contiguous."""
+    deadline = time.monotonic() + 5
+    while sub.cursor is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"subscription {sub.carrier} never received a batch")
+        publisher.publish(rank, ())
+        await asyncio.sleep(0.02)

@@ -1,0 +1,150 @@
+"""Subscriptions over real ZMQ sockets against the fake engine's publisher: live apply, gap replay,
+an uncovered gap, a publisher restart, malformed batches, a dead replay socket, writer overflow."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from router_runtime.fake_engine.publisher import Drop, KvPublisher
+from router_runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Dialect
+from router_runtime.kv.index import Carrier
+from router_runtime.kv.plane import KVPlane, WorkerSpec
+from router_runtime.kv.subscription import ReplayTimeouts
+
+from .support import eventually, join_stream
+
+BS = 4
+ENGINE = "http://engine-a"
+
+
+def store(h: int, tokens: list[int], parent: int | None = None, medium: str | None = "GPU") -> BlockStored:
+    return BlockStored((h,), parent, tuple(tokens), BS, medium=medium)
+
+
+def sample(plane: KVPlane, name: str, **labels) -> float:
+    return plane.registry.get_sample_value(name, labels) or 0.0
+
+
+@contextlib.asynccontextmanager
+async def setup(dialect=Dialect.VLLM_033, dp=1, replay_buffer=10_000, replay_endpoint=True, **plane_kw):
+    pub = KvPublisher(dialect=dialect, dp_size=dp, host="127.0.0.1", kv_port=0, replay_port=0,
+                      topic="kv-topic", replay_buffer=replay_buffer)
+    pub.start()
+    registry = CollectorRegistry()
+    plane = KVPlane(BS, registry, replay_timeouts=ReplayTimeouts(idle_s=0.3, total_s=2), **plane_kw)
+    await plane.start()
+    plane.set_workers([
+        WorkerSpec(ENGINE, ENGINE, kv=pub.kv_endpoint(0),
+                   replay=pub.replay_endpoint(0) if replay_endpoint else "tcp://127.0.0.1:1",
+                   dp_size=dp, topic=b"kv-topic"),
+    ])
+    try:
+        for sub in sorted(plane.subscriptions(), key=lambda s: s.carrier.rank):
+            await join_stream(pub, sub, sub.carrier.rank)
+        yield pub, plane
+    finally:
+        await plane.stop()
+        await pub.close()
+
+
+def matched(plane: KVPlane, tokens: list[int]) -> dict[Carrier, int]:
+    return {c: m.blocks for c, m in plane.index.match(tokens).items()}
+
+
+@pytest.mark.parametrize("dialect", list(Dialect))
+async def test_live_events_reach_the_index_in_every_dialect(dialect):
+    async with setup(dialect, dp=2) as (pub, plane):
+        pub.publish(0, [store(11, [1, 2, 3, 4]), store(12, [5, 6, 7, 8], parent=11)])
+        pub.publish(1, [store(21, [1, 2, 3, 4], medium="CPU" if dialect != Dialect.SGLANG else "CPU_PINNED")])
+        r0, r1 = Carrier(ENGINE, 0), Carrier(ENGINE, 1)
+        await eventually(lambda: matched(plane, [1, 2, 3, 4, 5, 6, 7, 8]) == {r0: 2, r1: 1}, what="both ranks")
+        m = plane.index.match([1, 2, 3, 4])
+        assert m[r0].tier_blocks == (1, 0, 0, 0) and m[r1].tier_blocks == (0, 1, 0, 0)
+        pub.publish(0, [BlockRemoved((12,), "GPU")])
+        await eventually(lambda: matched(plane, [1, 2, 3, 4, 5, 6, 7, 8]) == {r0: 1, r1: 1}, what="removal")
+        pub.publish(1, [AllBlocksCleared()])
+        await eventually(lambda: matched(plane, [1, 2, 3, 4]) == {r0: 1}, what="clear")
+
+
+async def test_a_gap_is_filled_from_the_replay_buffer():
+    async with setup() as (pub, plane):
+        pub.publish(0, [store(1, [1, 2, 3, 4])], drop=Drop.PUB)  # lost on PUB, still in the buffer
+        pub.publish(0, [store(2, [5, 6, 7, 8], parent=1)])
+        await eventually(lambda: matched(plane, [1, 2, 3, 4, 5, 6, 7, 8]), what="replayed store")
+        assert matched(plane, [1, 2, 3, 4, 5, 6, 7, 8]) == {Carrier(ENGINE, 0): 2}
+        assert sample(plane, "routerfleet_kv_gaps_total") == 1
+        assert sample(plane, "routerfleet_kv_replays_total", outcome="filled") == 1
+        assert sample(plane, "routerfleet_kv_ranks_cleared_total", reason="uncovered_gap") == 0
+        sub = plane.subscriptions()[0]
+        await eventually(lambda: sub.cursor == pub.last_seq(0), what="cursor at the publisher's last seq")
+
+
+async def test_a_gap_the_buffer_no_longer_covers_clears_the_rank():
+    async with setup(replay_buffer=2) as (pub, plane):
+        pub.publish(0, [store(1, [1, 2, 3, 4])])
+        await eventually(lambda: matched(plane, [1, 2, 3, 4]), what="first store")
+        pub.publish(0, [BlockRemoved((1,), None)], drop=Drop.PUB)  # the removal we will never see...
+        pub.skip(0, 3)  # ...because the 2-batch buffer moves past it
+        pub.publish(0, [store(9, [9, 9, 9, 9])])
+        await eventually(lambda: matched(plane, [9, 9, 9, 9]), what="store after the gap")
+        # Cold, never wrong: the block whose removal was lost is gone from the index too.
+        assert matched(plane, [1, 2, 3, 4]) == {}
+        assert sample(plane, "routerfleet_kv_replays_total", outcome="uncovered") == 1
+        assert sample(plane, "routerfleet_kv_ranks_cleared_total", reason="uncovered_gap") == 1
+
+
+async def test_a_publisher_restart_clears_the_rank():
+    async with setup() as (pub, plane):
+        pub.publish(0, [store(1, [1, 2, 3, 4])])
+        pub.publish(0, [store(2, [5, 6, 7, 8])])
+        await eventually(lambda: matched(plane, [5, 6, 7, 8]), what="stores")
+        pub.reset()  # a new incarnation: sequences start again at 0
+        pub.publish(0, [store(3, [7, 7, 7, 7])])
+        await eventually(lambda: matched(plane, [7, 7, 7, 7]), what="store after the restart")
+        assert matched(plane, [1, 2, 3, 4]) == {} and matched(plane, [5, 6, 7, 8]) == {}
+        assert sample(plane, "routerfleet_kv_ranks_cleared_total", reason="publisher_restart") == 1
+
+
+async def test_a_malformed_batch_is_counted_and_clears_the_rank():
+    async with setup() as (pub, plane):
+        pub.publish(0, [store(1, [1, 2, 3, 4])])
+        await eventually(lambda: matched(plane, [1, 2, 3, 4]), what="store")
+        pub.publish_payload(0, b"\x93\xcb\x00")  # truncated msgpack
+        pub.publish(0, [store(2, [5, 6, 7, 8])])
+        await eventually(lambda: matched(plane, [5, 6, 7, 8]), what="store after the bad batch")
+        assert matched(plane, [1, 2, 3, 4]) == {}
+        assert sample(plane, "routerfleet_kv_ranks_cleared_total", reason="malformed_batch") == 1
+        reasons = {s.labels["reason"] for m in plane.registry.collect() for s in m.samples
+                   if s.name == "routerfleet_kv_malformed_frames_total"}
+        assert reasons, "the malformed payload is counted by reason"
+
+
+async def test_an_unanswered_replay_fails_cold():
+    async with setup(replay_endpoint=False) as (pub, plane):
+        pub.publish(0, [store(1, [1, 2, 3, 4])])
+        await eventually(lambda: matched(plane, [1, 2, 3, 4]), what="store")
+        pub.skip(0, 1)
+        pub.publish(0, [store(2, [5, 6, 7, 8])])
+        await eventually(lambda: matched(plane, [5, 6, 7, 8]), what="store after the failed replay")
+        assert matched(plane, [1, 2, 3, 4]) == {}
+        assert sample(plane, "routerfleet_kv_replays_total", outcome="timeout") == 1
+        assert sample(plane, "routerfleet_kv_ranks_cleared_total", reason="replay_failed") == 1
+
+
+async def test_writer_overflow_is_handled_as_lost_batches():
+    async with setup(queue_batches=2) as (pub, plane):
+        await plane.writer.drain()
+        plane._writer_task.cancel()  # stall the writer so the queue fills
+        for i in range(5):
+            pub.publish(0, [store(100 + i, [i] * 4)])
+        sub = plane.subscriptions()[0]
+        await eventually(lambda: sub.cursor == pub.last_seq(0), what="all batches received")
+        plane._writer_task = asyncio.create_task(plane.writer.run())
+        await plane.writer.drain()
+        assert sample(plane, "routerfleet_kv_queue_overflows_total") == 3
+        assert sample(plane, "routerfleet_kv_ranks_cleared_total", reason="overflow") == 3
+        assert all(matched(plane, [i] * 4) == {} for i in range(5))
