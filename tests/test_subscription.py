@@ -31,17 +31,31 @@ def sample(plane: KVPlane, name: str, **labels) -> float:
 
 @contextlib.asynccontextmanager
 async def setup(dialect=Dialect.VLLM_033, dp=1, replay_buffer=10_000, replay_endpoint=True, **plane_kw):
-    pub = KvPublisher(dialect=dialect, dp_size=dp, host="127.0.0.1", kv_port=0, replay_port=0,
-                      topic="kv-topic", replay_buffer=replay_buffer)
+    pub = KvPublisher(
+        dialect=dialect,
+        dp_size=dp,
+        host="127.0.0.1",
+        kv_port=0,
+        replay_port=0,
+        topic="kv-topic",
+        replay_buffer=replay_buffer,
+    )
     pub.start()
     registry = CollectorRegistry()
     plane = KVPlane(BS, registry, replay_timeouts=ReplayTimeouts(idle_s=0.3, total_s=2), **plane_kw)
     await plane.start()
-    plane.set_workers([
-        WorkerSpec(ENGINE, ENGINE, kv=pub.kv_endpoint(0),
-                   replay=pub.replay_endpoint(0) if replay_endpoint else "tcp://127.0.0.1:1",
-                   dp_size=dp, topic=b"kv-topic"),
-    ])
+    plane.set_workers(
+        [
+            WorkerSpec(
+                ENGINE,
+                ENGINE,
+                kv=pub.kv_endpoint(0),
+                replay=pub.replay_endpoint(0) if replay_endpoint else "tcp://127.0.0.1:1",
+                dp_size=dp,
+                topic=b"kv-topic",
+            ),
+        ]
+    )
     try:
         for sub in sorted(plane.subscriptions(), key=lambda s: s.carrier.rank):
             await join_stream(pub, sub, sub.carrier.rank)
@@ -61,7 +75,9 @@ async def test_live_events_reach_the_index_in_every_dialect(dialect):
         pub.publish(0, [store(11, [1, 2, 3, 4]), store(12, [5, 6, 7, 8], parent=11)])
         pub.publish(1, [store(21, [1, 2, 3, 4], medium="CPU" if dialect != Dialect.SGLANG else "CPU_PINNED")])
         r0, r1 = Carrier(ENGINE, 0), Carrier(ENGINE, 1)
-        await eventually(lambda: matched(plane, [1, 2, 3, 4, 5, 6, 7, 8]) == {r0: 2, r1: 1}, what="both ranks")
+        await eventually(
+            lambda: matched(plane, [1, 2, 3, 4, 5, 6, 7, 8]) == {r0: 2, r1: 1}, what="both ranks"
+        )
         m = plane.index.match([1, 2, 3, 4])
         assert m[r0].tier_blocks == (1, 0, 0, 0) and m[r1].tier_blocks == (0, 1, 0, 0)
         pub.publish(0, [BlockRemoved((12,), "GPU")])
@@ -118,8 +134,12 @@ async def test_a_malformed_batch_is_counted_and_clears_the_rank():
         await eventually(lambda: matched(plane, [5, 6, 7, 8]), what="store after the bad batch")
         assert matched(plane, [1, 2, 3, 4]) == {}
         assert sample(plane, "routerfleet_kv_ranks_cleared_total", reason="malformed_batch") == 1
-        reasons = {s.labels["reason"] for m in plane.registry.collect() for s in m.samples
-                   if s.name == "routerfleet_kv_malformed_frames_total"}
+        reasons = {
+            s.labels["reason"]
+            for m in plane.registry.collect()
+            for s in m.samples
+            if s.name == "routerfleet_kv_malformed_frames_total"
+        }
         assert reasons, "the malformed payload is counted by reason"
 
 

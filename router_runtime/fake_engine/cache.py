@@ -1,0 +1,276 @@
+"""The fake engine's prefix cache: the functional core (no I/O, no clocks, no randomness).
+
+One ``RankCache`` per data-parallel rank holds full blocks keyed by their engine hash (see
+``hashing.py``), in a device tier and an optional host tier, each an LRU of bounded size. Every mutation
+returns the KV events a real engine would publish for it, in order, so the imperative shell only has
+to batch and send them. Same inputs, same call order -> same hashes, same events.
+
+How it models vLLM's block pool (and where it simplifies):
+
+* Only full blocks are cached; a prompt's trailing partial block is neither matched nor stored.
+* A block is in exactly one tier. Evicting from device moves it to host when a host tier exists
+  (``BlockStored`` host medium, then ``BlockRemoved`` GPU); evicting from host drops it
+  (``BlockRemoved`` host medium). A host hit is promoted back to device on admission
+  (``BlockStored`` GPU, then ``BlockRemoved`` host medium): copy first, free second, as offloading does.
+* After an admission the request's blocks are touched leaf-first, so the chain's root is the most
+  recently used: like vLLM's free queue, tails are evicted before the prefixes they hang off.
+* Blocks of the request being admitted are never evicted to make room for the same request; a chain
+  longer than the device tier is truncated to the device capacity (vLLM would refuse to schedule it).
+* Cached prefix = leading blocks resident in either tier, counted in full blocks. (Real vLLM also
+  recomputes the last prompt token, so a fully cached block-aligned prompt reports one block fewer;
+  the fake does not, which keeps ``cached_tokens`` a plain multiple of the block size.)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from router_runtime.fake_engine.hashing import (
+    PLAIN,
+    Namespace,
+    block_hashes,
+    vllm_event_extra_keys,
+)
+from router_runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Dialect, KVEvent, Tier
+
+DEVICE_MEDIUM = "GPU"
+
+
+def host_medium(dialect: Dialect) -> str:
+    """The host tier's medium name in each engine's vocabulary."""
+    return "CPU_PINNED" if dialect is Dialect.SGLANG else "CPU"
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    dialect: Dialect
+    block_size: int = 16
+    device_capacity: int = 4096  # blocks
+    host_capacity: int = 0  # blocks; 0 = no host tier
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.device_capacity < 1:
+            raise ValueError("device_capacity must be >= 1")
+        if self.host_capacity < 0:
+            raise ValueError("host_capacity must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class CachedBlock:
+    hash: int  # engine hash as u64
+    parent: int | None  # hash of the previous block in the chain, None at the root
+    tokens: tuple[int, ...]
+    namespace: Namespace
+    index: int  # position in its chain; vLLM's cache salt rides on index 0 only
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """How much of a prompt is already resident, counted from the root in full blocks."""
+
+    device_blocks: int
+    host_blocks: int
+    block_size: int
+
+    @property
+    def blocks(self) -> int:
+        return self.device_blocks + self.host_blocks
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.blocks * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The result of running a request's prompt through the cache."""
+
+    match: PrefixMatch  # what was resident before the admission (the request's cache hit)
+    events: tuple[KVEvent, ...]  # what the engine publishes for this scheduler step
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.match.cached_tokens
+
+
+class RankCache:
+    """The prefix cache of one DP rank. Mutable, but pure in the sense that matters: no I/O."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        # Insertion order is LRU order: first = least recently used.
+        self._device: OrderedDict[int, CachedBlock] = OrderedDict()
+        self._host: OrderedDict[int, CachedBlock] = OrderedDict()
+
+    # ----------------------------------------------------------------- queries
+
+    def chain(self, tokens: Sequence[int], namespace: Namespace = PLAIN) -> list[CachedBlock]:
+        """The blocks ``tokens`` would occupy (full blocks only), without touching the cache."""
+        bs = self.config.block_size
+        hashes = block_hashes(self.config.dialect, tokens, bs, namespace)
+        return [
+            CachedBlock(h, hashes[i - 1] if i else None, tuple(tokens[i * bs : (i + 1) * bs]), namespace, i)
+            for i, h in enumerate(hashes)
+        ]
+
+    def lookup(self, tokens: Sequence[int], namespace: Namespace = PLAIN) -> PrefixMatch:
+        """The resident prefix of ``tokens`` (device and host hits both count). Changes nothing: the
+        promotion of host hits happens in ``admit``, which is where events can be emitted."""
+        return self._match(self.chain(tokens, namespace)[: self.config.device_capacity])
+
+    def device_hashes(self) -> list[int]:
+        """Device-resident hashes, least recently used first."""
+        return list(self._device)
+
+    def host_hashes(self) -> list[int]:
+        """Host-resident hashes, least recently used first."""
+        return list(self._host)
+
+    def resident(self, tier: Tier) -> int:
+        return len(self._device) if tier is Tier.DEVICE else len(self._host) if tier is Tier.HOST else 0
+
+    # --------------------------------------------------------------- mutations
+
+    def admit(self, tokens: Sequence[int], namespace: Namespace = PLAIN) -> Admission:
+        """Run a prompt through the cache as a request would: report the hit, touch device hits, promote
+        host hits, store the missing blocks on device (evicting LRU blocks as needed)."""
+        blocks = self.chain(tokens, namespace)[: self.config.device_capacity]
+        match = self._match(blocks)
+        pinned = {b.hash for b in blocks}
+        events: list[KVEvent] = []
+        promoted: list[int] = []
+        run: list[CachedBlock] = []
+        for block in blocks:
+            if block.hash in self._device:
+                self._flush(run, DEVICE_MEDIUM, events)
+                continue
+            if block.hash in self._host:
+                del self._host[block.hash]
+                promoted.append(block.hash)
+            self._make_room_on_device(pinned, events)
+            self._device[block.hash] = block
+            run.append(block)
+        self._flush(run, DEVICE_MEDIUM, events)
+        medium = host_medium(self.config.dialect)
+        events.extend(BlockRemoved((h,), medium) for h in promoted)
+        self._touch_leaf_first(self._device, blocks)
+        return Admission(match, tuple(events))
+
+    def store(
+        self, tokens: Sequence[int], namespace: Namespace = PLAIN, tier: Tier = Tier.DEVICE
+    ) -> list[KVEvent]:
+        """Admin: put a prompt's blocks in ``tier``. Device behaves exactly like ``admit``. Host stores the
+        blocks not already resident (a device-resident block stays where it is) and raises ValueError
+        when no host tier is configured."""
+        if tier is Tier.DEVICE:
+            return list(self.admit(tokens, namespace).events)
+        if tier is not Tier.HOST:
+            raise ValueError(f"the fake engine has no {tier.name.lower()} tier")
+        if self.config.host_capacity == 0:
+            raise ValueError("no host tier configured (host capacity is 0)")
+        blocks = self.chain(tokens, namespace)[: self.config.host_capacity]
+        pinned = {b.hash for b in blocks}
+        medium = host_medium(self.config.dialect)
+        events: list[KVEvent] = []
+        run: list[CachedBlock] = []
+        for block in blocks:
+            if block.hash in self._device or block.hash in self._host:
+                self._flush(run, medium, events)
+                continue
+            self._make_room_on_host(pinned, events)
+            self._host[block.hash] = block
+            run.append(block)
+        self._flush(run, medium, events)
+        self._touch_leaf_first(self._host, blocks)
+        return events
+
+    def remove(
+        self, tokens: Sequence[int], namespace: Namespace = PLAIN, tier: Tier | None = None
+    ) -> list[KVEvent]:
+        """Admin: evict a prompt's blocks from ``tier`` (None = from whichever tier holds them). A plain
+        drop, one ``BlockRemoved`` per block as vLLM emits them; nothing moves to host."""
+        events: list[KVEvent] = []
+        medium = host_medium(self.config.dialect)
+        for block in self.chain(tokens, namespace):
+            if tier in (None, Tier.DEVICE) and self._device.pop(block.hash, None) is not None:
+                events.append(BlockRemoved((block.hash,), DEVICE_MEDIUM))
+            if tier in (None, Tier.HOST) and self._host.pop(block.hash, None) is not None:
+                events.append(BlockRemoved((block.hash,), medium))
+        return events
+
+    def clear(self) -> list[KVEvent]:
+        """A prefix-cache reset: everything goes, announced as one AllBlocksCleared."""
+        self.reset()
+        return [AllBlocksCleared()]
+
+    def reset(self) -> None:
+        """Forget everything silently, as a restarted engine does (it publishes nothing about it)."""
+        self._device.clear()
+        self._host.clear()
+
+    # ---------------------------------------------------------------- internals
+
+    def _match(self, blocks: Iterable[CachedBlock]) -> PrefixMatch:
+        device = host = 0
+        for block in blocks:
+            if block.hash in self._device:
+                device += 1
+            elif block.hash in self._host:
+                host += 1
+            else:
+                break
+        return PrefixMatch(device, host, self.config.block_size)
+
+    @staticmethod
+    def _touch_leaf_first(tier: OrderedDict[int, CachedBlock], blocks: Sequence[CachedBlock]) -> None:
+        for block in reversed(blocks):
+            if block.hash in tier:
+                tier.move_to_end(block.hash)
+
+    @staticmethod
+    def _victim(tier: OrderedDict[int, CachedBlock], pinned: set[int]) -> int:
+        # The LRU block that is not part of the chain being admitted; if everything is pinned (a host
+        # tier smaller than the chain), fall back to plain LRU.
+        return next((h for h in tier if h not in pinned), next(iter(tier)))
+
+    def _make_room_on_device(self, pinned: set[int], events: list[KVEvent]) -> None:
+        while len(self._device) >= self.config.device_capacity:
+            victim = self._device.pop(self._victim(self._device, pinned))
+            if self.config.host_capacity > 0:
+                self._make_room_on_host(pinned, events)
+                self._host[victim.hash] = victim
+                events.append(self._stored([victim], host_medium(self.config.dialect)))
+            events.append(BlockRemoved((victim.hash,), DEVICE_MEDIUM))
+
+    def _make_room_on_host(self, pinned: set[int], events: list[KVEvent]) -> None:
+        while len(self._host) >= self.config.host_capacity:
+            victim = self._victim(self._host, pinned)
+            del self._host[victim]
+            events.append(BlockRemoved((victim,), host_medium(self.config.dialect)))
+
+    def _flush(self, run: list[CachedBlock], medium: str, events: list[KVEvent]) -> None:
+        # One BlockStored per contiguous run of newly resident blocks (vLLM: one per cache_full_blocks).
+        if run:
+            events.append(self._stored(run, medium))
+            run.clear()
+
+    def _stored(self, run: Sequence[CachedBlock], medium: str) -> BlockStored:
+        ns = run[0].namespace
+        vllm = self.config.dialect is not Dialect.SGLANG
+        return BlockStored(
+            block_hashes=tuple(b.hash for b in run),
+            parent_block_hash=run[0].parent,
+            token_ids=tuple(t for b in run for t in b.tokens),
+            block_size=self.config.block_size,
+            medium=medium,
+            lora_name=ns.lora_name,
+            # vLLM carries the namespace as per-block extra keys; SGLang has a cache_salt field instead.
+            extra_keys=tuple(vllm_event_extra_keys(ns, b.index) for b in run)
+            if vllm and not ns.is_plain
+            else None,
+            cache_salt=ns.cache_salt if not vllm else None,
+        )

@@ -1,0 +1,163 @@
+"""``routerfleet-fake-engine``: run one fake vLLM/SGLang engine until SIGTERM/SIGINT.
+
+Bad flag values are argparse errors (one line naming the flag, exit 2). Logs go to stderr and never
+contain prompts, token IDs or hashes. On startup one INFO line reports the URL, dialect and the actual
+ZMQ port bases (useful with port 0, which picks free ports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Callable, Sequence
+
+import zmq
+
+from router_runtime.fake_engine.config import (
+    DEFAULT_KV_PORT,
+    DEFAULT_REPLAY_PORT,
+    ConfigError,
+    FakeEngineConfig,
+)
+from router_runtime.fake_engine.server import FakeEngine
+from router_runtime.kv.events import Dialect
+
+log = logging.getLogger("router_runtime.fake_engine")
+
+
+def _bounded(kind: Callable[[str], float], lo: float, hi: float | None = None) -> Callable[[str], float]:
+    """An argparse type: ``kind`` within [lo, hi]; argparse names the flag in its error line."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a valid {kind.__name__}: {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = FakeEngineConfig()
+    p = argparse.ArgumentParser(
+        prog="routerfleet-fake-engine",
+        description="A deterministic fake vLLM/SGLang engine: OpenAI HTTP API plus real-wire ZMQ KV events.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    port = _bounded(int, 0, 65535)
+    p.add_argument("--host", default="0.0.0.0", help="bind host for HTTP and ZMQ (0.0.0.0 binds ZMQ on *)")
+    p.add_argument("--port", type=port, default=8000, help="HTTP port (0 = ephemeral)")
+    p.add_argument("--kv-port", type=port, default=DEFAULT_KV_PORT, help="PUB base port; rank r uses base+r")
+    p.add_argument("--replay-port", type=port, default=DEFAULT_REPLAY_PORT, help="replay ROUTER base port")
+    p.add_argument("--dp-size", type=_bounded(int, 1, 256), default=d.dp_size, help="data-parallel ranks")
+    p.add_argument("--block-size", type=_bounded(int, 1), default=d.block_size, help="tokens per block")
+    p.add_argument(
+        "--capacity-blocks", type=_bounded(int, 1), default=d.capacity_blocks, help="device blocks per rank"
+    )
+    p.add_argument(
+        "--host-capacity-blocks",
+        type=_bounded(int, 0),
+        default=d.host_capacity_blocks,
+        help="host-tier blocks per rank (0 = no host tier)",
+    )
+    p.add_argument("--dialect", choices=[x.value for x in Dialect], default=d.dialect.value)
+    p.add_argument("--topic", default=d.topic, help="ZMQ topic (default empty, like vLLM)")
+    p.add_argument(
+        "--replay-buffer", type=_bounded(int, 1), default=d.replay_buffer, help="batches kept for replay"
+    )
+    p.add_argument(
+        "--prefill-us-per-token",
+        type=_bounded(float, 0),
+        default=d.prefill_us_per_token,
+        help="simulated prefill time per uncached prompt token",
+    )
+    p.add_argument(
+        "--decode-tokens-per-s",
+        type=_bounded(float, 0),
+        default=d.decode_tokens_per_s,
+        help="simulated decode rate (0 = instant)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=_bounded(int, 0),
+        default=d.max_concurrency,
+        help="requests running at once; the rest queue (0 = unlimited)",
+    )
+    p.add_argument("--model", default=d.model, help="model name served")
+    p.add_argument(
+        "--cache-generated",
+        action="store_true",
+        help="also cache the full blocks of prompt+output when a request finishes (like a real engine)",
+    )
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> FakeEngineConfig:
+    return FakeEngineConfig(
+        host=args.host,
+        port=args.port,
+        kv_port=args.kv_port,
+        replay_port=args.replay_port,
+        dp_size=args.dp_size,
+        block_size=args.block_size,
+        capacity_blocks=args.capacity_blocks,
+        host_capacity_blocks=args.host_capacity_blocks,
+        dialect=Dialect(args.dialect),
+        topic=args.topic,
+        replay_buffer=args.replay_buffer,
+        prefill_us_per_token=args.prefill_us_per_token,
+        decode_tokens_per_s=args.decode_tokens_per_s,
+        max_concurrency=args.max_concurrency,
+        model=args.model,
+        cache_generated=args.cache_generated,
+    )
+
+
+async def serve(config: FakeEngineConfig) -> None:
+    """Run until SIGTERM or SIGINT, then close HTTP and ZMQ sockets."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine = FakeEngine(config)
+    await engine.start()
+    try:
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await engine.stop()
+        log.info("stopped")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = config_from_args(args)
+    try:
+        config.validate()  # cross-flag checks (overlapping port ranges)
+    except ConfigError as e:
+        parser.error(f"argument --{e.field.replace('_', '-')}: {e.message.replace('_', '-')}")
+    logging.basicConfig(
+        stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(serve(config))
+    except (OSError, zmq.ZMQError) as e:
+        log.error("cannot start: %s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

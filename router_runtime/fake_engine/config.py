@@ -1,0 +1,74 @@
+"""The fake engine's configuration: one frozen dataclass shared by the CLI and the in-process helper."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router_runtime.kv.events import Dialect
+
+# Port 0 means "pick free ports": for the ZMQ bases the publisher then finds dp_size *consecutive* free
+# ports, so /server_info's base+rank contract still holds (see publisher.bind_port_range).
+DEFAULT_KV_PORT = 5557
+DEFAULT_REPLAY_PORT = 5657  # 100 above the PUB base so DP ranks never collide (vLLM leaves it to you)
+
+
+class ConfigError(ValueError):
+    """An invalid config field; ``field`` names it (the CLI maps it to its flag)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"invalid {field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class FakeEngineConfig:
+    host: str = "127.0.0.1"  # HTTP and ZMQ bind host; "0.0.0.0" binds ZMQ on "*" (reported as "*")
+    port: int = 0  # HTTP port; 0 = ephemeral
+    kv_port: int = 0  # PUB base port (rank r binds kv_port + r); 0 = consecutive free ports
+    replay_port: int = 0  # replay ROUTER base port; 0 = consecutive free ports
+    dp_size: int = 1
+    block_size: int = 16
+    capacity_blocks: int = 4096  # device tier, per rank
+    host_capacity_blocks: int = 0  # host tier, per rank; 0 = no host tier
+    dialect: Dialect = Dialect.VLLM_033
+    # vLLM's default topic is the empty string, and an empty SUB subscription matches everything.
+    topic: str = ""
+    replay_buffer: int = 10_000  # batches kept per rank for replay, like vLLM's buffer_steps
+    prefill_us_per_token: float = 20.0  # simulated prefill cost per *uncached* prompt token
+    decode_tokens_per_s: float = 2000.0  # 0 = instant
+    max_concurrency: int = 0  # requests running at once per engine; the rest queue; 0 = unlimited
+    model: str = "routerfleet/fake-model"
+    cache_generated: bool = False  # also cache full blocks of prompt+output when a request finishes
+    max_model_len: int = 1 << 20
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad field (the CLI turns it into an argparse error)."""
+        checks = [
+            ("port", 0 <= self.port <= 65535),
+            ("kv_port", self.kv_port >= 0 and self.kv_port + self.dp_size - 1 <= 65535),
+            ("replay_port", self.replay_port >= 0 and self.replay_port + self.dp_size - 1 <= 65535),
+            ("dp_size", 1 <= self.dp_size <= 256),
+            ("block_size", self.block_size >= 1),
+            ("capacity_blocks", self.capacity_blocks >= 1),
+            ("host_capacity_blocks", self.host_capacity_blocks >= 0),
+            ("replay_buffer", self.replay_buffer >= 1),
+            ("prefill_us_per_token", self.prefill_us_per_token >= 0),
+            ("decode_tokens_per_s", self.decode_tokens_per_s >= 0),
+            ("max_concurrency", self.max_concurrency >= 0),
+            ("model", bool(self.model)),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ConfigError(name, f"{getattr(self, name)!r} is out of range")
+        if self.kv_port and self.replay_port:
+            kv = range(self.kv_port, self.kv_port + self.dp_size)
+            replay = range(self.replay_port, self.replay_port + self.dp_size)
+            if set(kv) & set(replay):
+                raise ConfigError("replay_port", "its per-rank range overlaps the kv_port range")
+            if self.port and (self.port in kv or self.port in replay):
+                raise ConfigError("port", "it collides with a ZMQ port")
+
+    @property
+    def zmq_host(self) -> str:
+        return "*" if self.host in ("0.0.0.0", "", "*", "::") else self.host

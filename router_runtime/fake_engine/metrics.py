@@ -1,0 +1,74 @@
+"""Prometheus metrics of one fake engine, read from its state at scrape time.
+
+A custom collector on the engine's own registry (several engines share a test process, so the global
+registry is out), which also means resident-block gauges can never drift from the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router_runtime.kv.events import Tier
+
+if TYPE_CHECKING:
+    from router_runtime.fake_engine.server import FakeEngine
+
+_P = "routerfleet_fake_engine_"
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine: FakeEngine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine
+        cfg = engine.config
+        info = GaugeMetricFamily(
+            _P + "info", "Fake engine identity", labels=["incarnation", "dialect", "model"]
+        )
+        info.add_metric([engine.incarnation, str(cfg.dialect), cfg.model], 1)
+        yield info
+
+        requests = CounterMetricFamily(
+            _P + "requests", "Generation requests admitted", labels=["rank", "endpoint"]
+        )
+        prompt = CounterMetricFamily(_P + "prompt_tokens", "Prompt tokens admitted", labels=["rank"])
+        cached = CounterMetricFamily(_P + "cached_tokens", "Prompt tokens served from cache", labels=["rank"])
+        generated = CounterMetricFamily(_P + "generation_tokens", "Tokens generated", labels=["rank"])
+        blocks = GaugeMetricFamily(_P + "blocks_resident", "Blocks resident", labels=["rank", "tier"])
+        batches = CounterMetricFamily(
+            _P + "kv_batches", "KV event batches sequenced (including dropped)", labels=["rank"]
+        )
+        events = CounterMetricFamily(_P + "kv_events", "KV events published", labels=["rank", "event"])
+        replays = CounterMetricFamily(_P + "kv_replay_requests", "Replay requests served", labels=["rank"])
+        for rank, (stats, cache) in enumerate(zip(engine.rank_stats, engine.caches, strict=True)):
+            r = str(rank)
+            for endpoint, n in sorted(stats.requests.items()):
+                requests.add_metric([r, str(endpoint)], n)
+            prompt.add_metric([r], stats.prompt_tokens)
+            cached.add_metric([r], stats.cached_tokens)
+            generated.add_metric([r], stats.generation_tokens)
+            blocks.add_metric([r, "device"], cache.resident(Tier.DEVICE))
+            blocks.add_metric([r, "host"], cache.resident(Tier.HOST))
+            if engine._publisher is not None:
+                pstats = engine.publisher.stats(rank)
+                batches.add_metric([r], pstats.batches)
+                replays.add_metric([r], pstats.replays)
+                for name, n in sorted(pstats.events.items()):
+                    events.add_metric([r, name], n)
+        yield from (requests, prompt, cached, generated, blocks, batches, events, replays)
+
+        running = GaugeMetricFamily(_P + "requests_running", "Requests holding a running slot")
+        running.add_metric([], engine.load.running)
+        waiting = GaugeMetricFamily(_P + "requests_waiting", "Requests queued for a slot (--max-concurrency)")
+        waiting.add_metric([], engine.load.waiting)
+        yield from (running, waiting)
+        # vLLM's names for the same gauges, for load-aware routers that scrape real engines.
+        for name, value in (("running", engine.load.running), ("waiting", engine.load.waiting)):
+            vllm = GaugeMetricFamily(f"vllm:num_requests_{name}", f"Requests {name}", labels=["model_name"])
+            vllm.add_metric([cfg.model], value)
+            yield vllm

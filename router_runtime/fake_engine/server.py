@@ -1,0 +1,431 @@
+"""The fake engine's imperative shell: the aiohttp server, the KV publisher and the per-rank caches.
+
+Everything runs on one asyncio loop. A request's cache admission and the publication of its events are
+one synchronous step (no ``await`` in between), so each scheduler step is exactly one sequenced batch
+and batches appear on the wire in the order the cache changed.
+
+Use it in-process from a test::
+
+    async with run_fake_engine(FakeEngineConfig(dp_size=2, block_size=4)) as engine:
+        engine.http_url            # "http://127.0.0.1:<port>"
+        engine.kv_endpoint(1)      # "tcp://127.0.0.1:<kv base + 1>"   (SUB connects here)
+        engine.replay_endpoint(1)  # "tcp://127.0.0.1:<replay base + 1>"  (DEALER connects here)
+
+Ports default to 0: HTTP gets an ephemeral port and each ZMQ base gets ``dp_size`` consecutive free
+ports, so tests can run in parallel. HTTP routes are documented on ``FakeEngine._routes``; the admin
+API is in ``admin.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from router_runtime.fake_engine.admin import admin_routes
+from router_runtime.fake_engine.cache import Admission, CacheConfig, RankCache
+from router_runtime.fake_engine.config import FakeEngineConfig
+from router_runtime.fake_engine.hashing import Namespace
+from router_runtime.fake_engine.metrics import EngineCollector
+from router_runtime.fake_engine.openai_api import (
+    GenerationRequest,
+    Kind,
+    RequestError,
+    ResponseHeader,
+    generate_tokens,
+    parse_chat,
+    parse_completion,
+    parse_json_body,
+    usage_json,
+)
+from router_runtime.fake_engine.publisher import Drop, KvPublisher
+from router_runtime.kv.events import KVEvent
+from router_runtime.tokens import decode
+
+log = logging.getLogger(__name__)
+
+RANK_HEADER = "X-Data-Parallel-Rank"
+INCARNATION_HEADER = "X-Engine-Incarnation"
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+@dataclass(slots=True)
+class RankRequestStats:
+    """Monotonic per-rank request counters (kept across admin restarts, as Prometheus expects)."""
+
+    requests: dict[str, int] = field(default_factory=dict)  # by endpoint kind
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+
+
+@dataclass(slots=True)
+class LoadStats:
+    running: int = 0
+    waiting: int = 0
+
+
+def bad_request(e: RequestError) -> web.Response:
+    return web.json_response(e.to_json(), status=400)
+
+
+class FakeEngine:
+    """One fake vLLM/SGLang server: HTTP API, ``dp_size`` ranks of prefix cache, and their KV streams."""
+
+    def __init__(self, config: FakeEngineConfig, *, clock: Callable[[], float] = time.time) -> None:
+        config.validate()
+        self.config = config
+        self._clock = clock
+        cache_config = CacheConfig(
+            dialect=config.dialect,
+            block_size=config.block_size,
+            device_capacity=config.capacity_blocks,
+            host_capacity=config.host_capacity_blocks,
+        )
+        self.caches = [RankCache(cache_config) for _ in range(config.dp_size)]
+        self.incarnation = self._new_incarnation()
+        self.rank_stats = [RankRequestStats() for _ in range(config.dp_size)]
+        self.load = LoadStats()
+        self._round_robin = itertools.cycle(range(config.dp_size))
+        self._request_ids = itertools.count(1)
+        self._slots: asyncio.Semaphore | None = None
+        self._publisher: KvPublisher | None = None
+        self._runner: web.AppRunner | None = None
+        self._port = 0
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(self))
+        self.app = self._build_app()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @staticmethod
+    def _new_incarnation() -> str:
+        # The one random thing about the engine: a restart must be told apart from the previous run.
+        return secrets.token_hex(8)
+
+    async def start(self) -> None:
+        """Bind ZMQ and HTTP and start serving. Raises (and releases what it bound) on failure."""
+        cfg = self.config
+        self._slots = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        self._publisher = KvPublisher(
+            dialect=cfg.dialect,
+            dp_size=cfg.dp_size,
+            host=cfg.zmq_host,
+            kv_port=cfg.kv_port,
+            replay_port=cfg.replay_port,
+            topic=cfg.topic,
+            replay_buffer=cfg.replay_buffer,
+            clock=self._clock,
+        )
+        try:
+            self._publisher.start()
+            # No access log: request lines are noise at benchmark rates. A short shutdown timeout:
+            # on SIGTERM in-flight requests get a moment to finish, then are cut (not aiohttp's minute).
+            self._runner = web.AppRunner(
+                self.app, access_log=None, handle_signals=False, shutdown_timeout=0.5
+            )
+            await self._runner.setup()
+            await web.TCPSite(self._runner, cfg.host, cfg.port).start()
+            self._port = self._runner.addresses[0][1]
+        except BaseException:
+            await self.stop()
+            raise
+        log.info(
+            "fake engine ready: url=%s dialect=%s dp_size=%d block_size=%d kv_port_base=%d "
+            "replay_port_base=%d incarnation=%s",
+            self.http_url,
+            cfg.dialect,
+            cfg.dp_size,
+            cfg.block_size,
+            self._publisher.kv_port_base,
+            self._publisher.replay_port_base,
+            self.incarnation,
+        )
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._publisher is not None:
+            await self._publisher.close()
+
+    # ---------------------------------------------------------------- addresses
+
+    @property
+    def publisher(self) -> KvPublisher:
+        if self._publisher is None:
+            raise RuntimeError("engine not started")
+        return self._publisher
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def http_url(self) -> str:
+        host = "127.0.0.1" if self.config.zmq_host == "*" else self.config.host
+        return f"http://{host}:{self._port}"
+
+    def kv_endpoint(self, rank: int = 0) -> str:
+        return self.publisher.kv_endpoint(rank)
+
+    def replay_endpoint(self, rank: int = 0) -> str:
+        return self.publisher.replay_endpoint(rank)
+
+    # ----------------------------------------------- scheduler steps (sync: one step = one batch)
+
+    def emit(self, rank: int, events: Sequence[KVEvent], drop: Drop = Drop.NONE) -> int | None:
+        """Publish a step's events as one batch; a step without events publishes nothing, as in vLLM."""
+        return self.publisher.publish(rank, events, drop) if events else None
+
+    def admit(self, rank: int, tokens: Sequence[int], namespace: Namespace) -> Admission:
+        admission = self.caches[rank].admit(tokens, namespace)
+        self.emit(rank, admission.events)
+        return admission
+
+    def restart(self) -> str:
+        """Become a new incarnation: empty caches, sequences back at 0, replay buffers empty. Publishes
+        nothing (a real restart announces nothing either; consumers see the seq go back to 0)."""
+        for cache in self.caches:
+            cache.reset()
+        self.publisher.reset()
+        self.incarnation = self._new_incarnation()
+        self._round_robin = itertools.cycle(range(self.config.dp_size))
+        log.info("restarted as incarnation %s", self.incarnation)
+        return self.incarnation
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "incarnation": self.incarnation,
+            "dialect": str(self.config.dialect),
+            "block_size": self.config.block_size,
+            "ranks": [
+                {
+                    "rank": rank,
+                    "last_seq": self.publisher.last_seq(rank),
+                    "blocks": {"device": cache.device_hashes(), "host": cache.host_hashes()},
+                }
+                for rank, cache in enumerate(self.caches)
+            ],
+        }
+
+    # --------------------------------------------------------------------- HTTP
+
+    def _build_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.add_routes(
+            [
+                web.post("/v1/completions", self._completions),
+                web.post("/v1/chat/completions", self._chat_completions),
+                web.get("/v1/models", self._models),
+                web.get("/health", self._health),
+                web.get("/metrics", self._metrics),
+                web.get("/server_info", self._server_info),
+                web.get("/get_server_info", self._server_info),  # older SGLang spelling
+                *admin_routes(self),
+            ]
+        )
+        return app
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        model = {
+            "id": self.config.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "routerfleet",
+            "root": self.config.model,
+            "max_model_len": self.config.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _server_info(self, _request: web.Request) -> web.Response:
+        cfg = self.config
+        return web.json_response(
+            {
+                "kv_events": {
+                    "publisher": "zmq",
+                    "endpoint_host": cfg.zmq_host,  # "*" = use the host of this server's URL
+                    "endpoint_port_base": self.publisher.kv_port_base,
+                    "replay_port_base": self.publisher.replay_port_base,
+                    "topic": cfg.topic,
+                    "block_size": cfg.block_size,
+                    "dp_size": cfg.dp_size,
+                    "dialect": str(cfg.dialect),
+                },
+                "incarnation": self.incarnation,
+                "model": cfg.model,
+                "model_path": cfg.model,
+                "dp_size": cfg.dp_size,
+                "page_size": cfg.block_size,
+                "speculative_algorithm": None,
+            }
+        )
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion)
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat)
+
+    def _pick_rank(self, req: GenerationRequest, request: web.Request) -> int:
+        rank = req.rank
+        if rank is None and RANK_HEADER in request.headers:
+            try:
+                rank = int(request.headers[RANK_HEADER])
+            except ValueError:
+                raise RequestError(f"{RANK_HEADER} must be an integer", "data_parallel_rank") from None
+        if rank is None:
+            return next(self._round_robin)
+        if not 0 <= rank < self.config.dp_size:
+            raise RequestError(
+                f"data_parallel_rank {rank} out of range for dp_size {self.config.dp_size}",
+                "data_parallel_rank",
+            )
+        return rank
+
+    @contextlib.asynccontextmanager
+    async def _slot(self) -> AsyncIterator[None]:
+        """Hold one of ``max_concurrency`` running slots; beyond that, requests wait (FIFO)."""
+        self.load.waiting += 1
+        try:
+            if self._slots is not None:
+                await self._slots.acquire()
+        finally:
+            self.load.waiting -= 1
+        self.load.running += 1
+        try:
+            yield
+        finally:
+            self.load.running -= 1
+            if self._slots is not None:
+                self._slots.release()
+
+    async def _generate(
+        self, request: web.Request, parse: Callable[[Any], GenerationRequest]
+    ) -> web.StreamResponse:
+        try:
+            req = parse(parse_json_body(await request.read()))
+            rank = self._pick_rank(req, request)
+        except RequestError as e:
+            return bad_request(e)
+        cfg = self.config
+        async with self._slot():
+            admission = self.admit(rank, req.prompt_tokens, req.namespace)
+            cached = admission.cached_tokens
+            n_prompt = len(req.prompt_tokens)
+            stats = self.rank_stats[rank]
+            stats.requests[req.kind] = stats.requests.get(req.kind, 0) + 1
+            stats.prompt_tokens += n_prompt
+            stats.cached_tokens += cached
+            log.debug("request rank=%d prompt_tokens=%d cached_tokens=%d", rank, n_prompt, cached)
+
+            await _sleep((n_prompt - cached) * cfg.prefill_us_per_token / 1e6)  # prefill: uncached only
+            output = generate_tokens(req.prompt_tokens, req.max_tokens)
+            prefix = "cmpl" if req.kind is Kind.COMPLETION else "chatcmpl"
+            header = ResponseHeader(
+                id=f"{prefix}-{self.incarnation[:8]}-{next(self._request_ids)}",
+                created=int(time.time()),
+                model=req.model or cfg.model,
+                kind=req.kind,
+            )
+            usage = usage_json(n_prompt, len(output), cached)
+            headers = {RANK_HEADER: str(rank), INCARNATION_HEADER: self.incarnation}
+            try:
+                if req.stream:
+                    response = await self._stream(request, req, header, output, usage, headers)
+                else:
+                    await _sleep(len(output) / cfg.decode_tokens_per_s if cfg.decode_tokens_per_s else 0)
+                    body = header.full(decode(output), "length", usage)
+                    response = web.json_response(body, headers=headers)
+            finally:
+                # Counted even if the client went away mid-stream: the engine did the work.
+                stats.generation_tokens += len(output)
+                if cfg.cache_generated and output:
+                    self.admit(rank, (*req.prompt_tokens, *output), req.namespace)
+            return response
+
+    async def _stream(
+        self,
+        request: web.Request,
+        req: GenerationRequest,
+        header: ResponseHeader,
+        output: list[int],
+        usage: dict[str, Any],
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        """SSE: one chunk per generated token; the chunk carrying ``finish_reason`` always also carries
+        ``usage`` (so clients get ``cached_tokens`` without opting in); with
+        ``stream_options.include_usage`` an OpenAI-style usage-only chunk follows; then ``[DONE]``."""
+        response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
+        await response.prepare(request)
+        rate = self.config.decode_tokens_per_s
+        start = time.monotonic()
+        first = True
+        try:
+            for i, token in enumerate(output):
+                if rate:
+                    await _sleep(start + (i + 1) / rate - time.monotonic())
+                last = i == len(output) - 1
+                chunk = header.chunk(
+                    decode([token]),
+                    first=first,
+                    finish_reason="length" if last else None,
+                    usage=usage if last else None,
+                )
+                first = False
+                await response.write(_sse(chunk))
+            if not output:
+                await response.write(_sse(header.chunk("", first=True, finish_reason="length", usage=usage)))
+            if req.include_usage:
+                await response.write(_sse(header.usage_chunk(usage)))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            log.debug("client went away mid-stream")
+            raise
+        return response
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _sleep(seconds: float) -> None:
+    if seconds > 0:
+        await asyncio.sleep(seconds)
+
+
+@contextlib.asynccontextmanager
+async def run_fake_engine(
+    config: FakeEngineConfig | None = None, *, clock: Callable[[], float] = time.time, **overrides: Any
+) -> AsyncIterator[FakeEngine]:
+    """Start a fake engine in this event loop for the duration of the block.
+
+    ``overrides`` replace config fields: ``run_fake_engine(dp_size=2, block_size=4)``. The default
+    config binds 127.0.0.1 on free ports, so any number of engines can run side by side.
+    """
+    config = dataclasses.replace(config or FakeEngineConfig(), **overrides)
+    engine = FakeEngine(config, clock=clock)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
