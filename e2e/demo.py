@@ -72,6 +72,8 @@ class Engine:
                 sys.executable,
                 "-m",
                 "router_runtime.fake_engine.cli",
+                "--host",
+                "127.0.0.1",
                 "--port",
                 str(self.port),
                 "--kv-port",
