@@ -1,0 +1,117 @@
+"""python -m e2e.cluster {up,run}
+
+  up  [--workdir DIR]      start the control plane in a private netns, print the admin kubeconfig
+                           path, block until SIGINT/SIGTERM, then stop it.
+  run [--workdir DIR] -- CMD...
+                           private netns + control plane, run CMD with KUBECONFIG set, tear down,
+                           exit with CMD's code (work dir kept if CMD failed or with --keep).
+
+Binaries: --bin DIR, else $ROUTERFLEET_KUBE_BIN, else e2e/kube/build.sh (resolved before entering
+the netns, which has no network). --no-netns uses the current network namespace as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .binaries import ENV as BIN_ENV
+from .binaries import kube_bin_dir
+from .cluster import Cluster, ClusterError
+from .netns import in_private_netns, reexec_in_netns
+
+
+def _say(msg: str) -> None:
+    print(f"[e2e.cluster] {msg}", file=sys.stderr, flush=True)
+
+
+def _sigterm(signum, frame):  # turn SIGTERM into a clean unwind through the finally blocks
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m e2e.cluster",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("up", "run"):
+        p = sub.add_parser(name)
+        p.add_argument("--workdir", type=Path, help="PKI, etcd data, logs, kubeconfigs")
+        p.add_argument("--bin", type=Path, help="dir with etcd, kube-apiserver, ... (default: build.sh)")
+        p.add_argument("--no-netns", action="store_true", help="do not create a private netns")
+        p.add_argument("-v", "--verbosity", type=int, default=1, help="klog --v for the components")
+        if name == "run":
+            p.add_argument("--keep", action="store_true", help="keep the work dir")
+            p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    a = ap.parse_args(argv)
+
+    if a.cmd == "run":
+        if a.command[:1] == ["--"]:
+            a.command = a.command[1:]
+        if not a.command:
+            ap.error("run needs a command after --")
+
+    if a.bin:
+        os.environ[BIN_ENV] = str(a.bin.resolve())
+    if a.workdir:
+        a.workdir.mkdir(parents=True, exist_ok=True)
+    if not a.no_netns and not in_private_netns():
+        os.environ[BIN_ENV] = str(kube_bin_dir())  # may build: needs the network, so before unshare
+        reexec_in_netns()  # does not return
+
+    signal.signal(signal.SIGTERM, _sigterm)
+    workdir = a.workdir or Path(tempfile.mkdtemp(prefix="routerfleet-cluster-"))
+    cluster = Cluster(kube_bin_dir(), workdir, verbosity=a.verbosity)
+    t0 = time.monotonic()
+    rc = 1
+    try:
+        cluster.start()
+        _say(f"control plane ready in {time.monotonic() - t0:.1f}s; logs in {cluster.logs}")
+        if a.cmd == "up":
+            _say(
+                f"enter the netns with: nsenter --net=/proc/{os.getpid()}/ns/net "
+                f"(add --user --preserve-credentials when not root); Ctrl-C stops"
+            )
+            print(cluster.kubeconfig, flush=True)
+            while True:
+                cluster.check_alive()
+                time.sleep(1)
+        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+        env["PATH"] = f"{cluster.bin_dir}{os.pathsep}{env.get('PATH', '')}"
+        child = subprocess.Popen(a.command, env=env)
+        try:
+            rc = child.wait()
+        finally:
+            if child.poll() is None:
+                child.terminate()
+                try:
+                    child.wait(10)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+        return rc
+    except ClusterError as e:
+        _say(f"error: {e}")
+        return 1
+    except KeyboardInterrupt:
+        rc = 0 if a.cmd == "up" else 130
+        return rc
+    finally:
+        cluster.stop()
+        if a.cmd == "run" and not a.workdir:
+            if rc == 0 and not a.keep:
+                shutil.rmtree(workdir, ignore_errors=True)
+            else:
+                _say(f"work dir kept: {workdir}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
