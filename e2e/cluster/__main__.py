@@ -2,12 +2,13 @@
 
   up  [--workdir DIR]      start the control plane in a private netns, print the admin kubeconfig
                            path, block until SIGINT/SIGTERM, then stop it.
-  run [--workdir DIR] -- CMD...
+  run [--workdir DIR] [--node-agent NODE] -- CMD...
                            private netns + control plane, run CMD with KUBECONFIG set, tear down,
                            exit with CMD's code (work dir kept if CMD failed or with --keep).
 
 Binaries: --bin DIR, else $ROUTERFLEET_KUBE_BIN, else e2e/kube/build.sh (resolved before entering
-the netns, which has no network). --no-netns uses the current network namespace as it is.
+the netns, which has no network). --node-agent NODE also runs the process node agent
+(e2e/cluster/node_agent.py) as NODE. --no-netns uses the current network namespace as it is.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--workdir", type=Path, help="PKI, etcd data, logs, kubeconfigs")
         p.add_argument("--bin", type=Path, help="dir with etcd, kube-apiserver, ... (default: build.sh)")
         p.add_argument("--no-netns", action="store_true", help="do not create a private netns")
+        p.add_argument("--node-agent", metavar="NODE", help="also run e2e.cluster.node_agent as NODE")
         p.add_argument("-v", "--verbosity", type=int, default=1, help="klog --v for the components")
         if name == "run":
             p.add_argument("--keep", action="store_true", help="keep the work dir")
@@ -75,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     rc = 1
     try:
         cluster.start()
+        if a.node_agent:
+            cluster.start_node_agent(a.node_agent)
         _say(f"control plane ready in {time.monotonic() - t0:.1f}s; logs in {cluster.logs}")
         if a.cmd == "up":
             _say(

@@ -15,9 +15,11 @@ import base64
 import contextlib
 import ctypes
 import json
+import os
 import signal
 import ssl
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -175,6 +177,17 @@ class Cluster:
         pair = self.pki.issue(name, cn, orgs)
         return _kubeconfig(self.work_dir / f"{name}.kubeconfig", self.server, self.pki.ca_cert, cn, pair)
 
+    def start_node_agent(self, node: str = "node-1") -> subprocess.Popen:
+        """Run e2e.cluster.node_agent as `node` (CN=system:node:<node>, O=system:nodes); it is stopped
+        first by stop() and watched by check_alive(). Log: <work_dir>/logs/node-agent.log."""
+        kubeconfig = self.issue_client(node, f"system:node:{node}", ("system:nodes",))
+        return self._spawn(
+            "node-agent",
+            ["--kubeconfig", str(kubeconfig), "--node", node, "--workdir", str(self.work_dir)],
+            argv0=[sys.executable, "-m", "e2e.cluster.node_agent"],
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        )
+
     def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(
             [str(self.bin_dir / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
@@ -208,19 +221,22 @@ class Cluster:
         self._ssl = ssl.create_default_context(cafile=str(pki.ca_cert))
         self._ssl.load_cert_chain(str(admin.cert), str(admin.key))
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(
+        self, name: str, args: list[str], argv0: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 (closed in stop())
         self._log_files.append(log)
         log.write(f"# {' '.join([name, *args])}\n".encode())
         log.flush()
         p = subprocess.Popen(
-            [str(self.bin_dir / name), *args],
+            [*(argv0 or [str(self.bin_dir / name)]), *args],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=self.work_dir,
             start_new_session=True,
             preexec_fn=_pdeathsig,
+            env=env,
         )
         self.procs[name] = p
         return p
