@@ -33,7 +33,7 @@ demo: setup
 	$(BIN)/python -m e2e.demo
 
 bench: setup
-	$(BIN)/python -m bench.ingest_match
+	$(BIN)/pip install -q ai-dynamo-runtime && $(BIN)/python -m bench.ingest_match
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
