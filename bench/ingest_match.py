@@ -575,6 +575,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, help="timed passes over the prompts per run")
     ap.add_argument("--no-dynamo", action="store_true", help="ours only")
     ap.add_argument("--no-rss", action="store_true", help="skip the RSS subprocesses")
+    ap.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="do not pin the process to one CPU (Dynamo's tree thread then wakes across cores: noisy)",
+    )
     ap.add_argument("--profile", action="store_true", help="cProfile our ingestion and match, then exit")
     ap.add_argument("--json", help="also write the raw figures to this file")
     ap.add_argument("--rss-child", choices=["ours", "dynamo"], help=argparse.SUPPRESS)
@@ -597,12 +602,21 @@ def main(argv: list[str] | None = None) -> int:
         have_dynamo, dyn_note = False, "disabled (--no-dynamo)"
     else:
         have_dynamo, dyn_note = dynamo_available()
+    pinned = "no (--no-pin)"
+    if not args.no_pin and hasattr(os, "sched_setaffinity"):
+        # One core for everything, both sides. Dynamo's binding hands every call to its tree thread
+        # and waits; across two cores each hand-off is a cross-CPU wake-up, which on this VM costs
+        # 5-20 us more and swings 3-5x with the neighbours' load. On one core it is cheap and stable,
+        # so pinning gives Dynamo its best and steadiest figures (ours is single-threaded either way).
+        cpu = max(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpu})
+        pinned = f"CPU {cpu} (the RSS children inherit it)"
     t_start = time.perf_counter()
 
     print(f"# RouterFleet ingest/match bench, {time.strftime('%Y-%m-%d %H:%M %Z')}")
     print(f"# {_machine()}")
     print(f"# ai-dynamo-runtime: {dyn_note if have_dynamo else 'NOT AVAILABLE: ' + dyn_note}")
-    print(f"# runs={runs}: figures are medians, (min-max) over runs")
+    print(f"# runs={runs}: figures are medians, (min-max) over runs; pinned to {pinned}")
 
     workloads = {}
     for size in sizes:
