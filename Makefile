@@ -32,8 +32,18 @@ test: lint kube
 demo: setup
 	$(BIN)/python -m e2e.demo
 
-bench: setup
-	$(BIN)/pip install -q ai-dynamo-runtime && $(BIN)/python -m bench.ingest_match
+# The anchors (Dynamo's runtime, vllm-router, sglang-router) live in their own venv: ai-dynamo-runtime
+# pins a pydantic that kubernetes/kopf cannot use.
+BENCH := .venv-bench/bin
+$(BENCH)/.installed: pyproject.toml
+	$(PYTHON) -m venv .venv-bench
+	$(BENCH)/pip install -q --upgrade pip
+	$(BENCH)/pip install -q pyzmq msgpack xxhash aiohttp prometheus-client ai-dynamo-runtime
+	$(BENCH)/pip install -q --no-deps -e .
+	touch $@
+
+bench: $(BENCH)/.installed
+	$(BENCH)/python -m bench.ingest_match
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-bench .pytest_cache .ruff_cache .hypothesis
