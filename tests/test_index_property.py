@@ -49,6 +49,9 @@ class Reference:
                 old = by_hash.get(h)
                 if old is not None and old != path:
                     held.pop(old, None)
+                # One engine hash per position per carrier: the latest announcement wins.
+                for other in [o for o, p in by_hash.items() if p == path and o != h]:
+                    del by_hash[other]
                 held[path] = held.get(path, 0) | tier
                 by_hash[h] = path
         elif isinstance(ev, BlockRemoved):
@@ -116,11 +119,13 @@ def test_index_matches_reference(steps, queries):
     for carrier, ev in steps:
         index.apply_batch(carrier, EventBatch(0.0, (ev,)))
         ref.apply(carrier, ev)
+        index.maintain(budget=3)  # compaction interleaved with events
     for q in queries:
         tokens = [t for b in q for t in b]
         assert index.match(tokens) == ref.match(tokens)
     # Nothing dangles: every node is held by some carrier.
     assert all(held for _key, _parent, held in index.iter_nodes())
+    assert_invariants(index)
     # Per-tier counters agree with the reference.
     for c in CARRIERS:
         want = [0, 0, 0, 0]
@@ -128,6 +133,17 @@ def test_index_matches_reference(steps, queries):
             for slot, t in enumerate((Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.EXTERNAL)):
                 want[slot] += bool(tiers & t)
         assert list(index.carrier_blocks(c).values()) == want
+
+
+def assert_invariants(index: RadixIndex) -> None:
+    """White-box: each carrier's engine-hash maps are inverse bijections over the blocks it holds, and
+    the creation-order list still covers every live node (the export walks it)."""
+    for st in index._carriers.values():
+        assert {k: h for h, k in st.by_engine_hash.items()} == st.hash_of
+        assert all((index._carriers_of[k] >> st.shift) & 0xF for k in st.hash_of)
+    assert set(index._carriers_of) <= set(index._order) | set(
+        index._compaction[0] if index._compaction else ()
+    )
 
 
 def test_removing_a_carrier_empties_the_tree():

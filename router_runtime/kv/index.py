@@ -94,13 +94,16 @@ class CarrierMatch:
 
 
 class _CarrierState:
-    __slots__ = ("by_engine_hash", "carrier", "cid", "shift", "tier_blocks")
+    __slots__ = ("by_engine_hash", "carrier", "cid", "hash_of", "shift", "tier_blocks")
 
     def __init__(self, carrier: Carrier, cid: int) -> None:
         self.carrier = carrier
         self.cid = cid
         self.shift = cid * 4
+        # engine hash <-> key, a bijection over the blocks this carrier holds (nibble non-zero): removals
+        # and parents arrive as engine hashes; the snapshot export needs the way back.
         self.by_engine_hash: dict[int, int] = {}
+        self.hash_of: dict[int, int] = {}
         self.tier_blocks = [0, 0, 0, 0]  # blocks held per tier, parallel to TIER_ORDER
 
 
@@ -122,6 +125,10 @@ class RadixIndex:
         self.full_attention_group = full_attention_group
         self._carriers_of: dict[int, int] = {}  # key -> packed carriers; a node exists iff it is here
         self._parent: dict[int, int] = {}
+        # Every key in creation order (deleted ones linger until compaction): lets an export walk the
+        # trie in chunks while the writer keeps applying events, which a dict iteration cannot.
+        self._order: list[int] = []
+        self._compaction: tuple[list[int], int] | None = None
         self._carriers: dict[Carrier, _CarrierState] = {}
         self._by_cid: list[_CarrierState | None] = []
         self._any_mask = 0  # bit 0 of every allocated carrier nibble
@@ -236,29 +243,44 @@ class RadixIndex:
                 return
             seed = parent
         keys = block_keys(ev.token_ids, self.block_size, seed, ev.extra_keys)
-        carriers_of, parents = self._carriers_of, self._parent
-        bit = int(tier) << st.shift
-        slot = _TIER_SLOT[tier]
-        by_hash = st.by_engine_hash
-        stale: list[int] = []
+        bits = int(tier)
         for h, key in zip(ev.block_hashes, keys, strict=True):
-            old = by_hash.get(h)
-            if old is not None and old != key:
-                # The engine reused a hash for other content: the old position is no longer held.
-                self._clear_node(st, old, ALL_TIERS)
-                stale.append(old)
-            c = carriers_of.get(key)
-            if c is None:
-                c = 0
-                parents[key] = parent
-            if not c & bit:
-                carriers_of[key] = c | bit
-                st.tier_blocks[slot] += 1
-                stats.stored += 1
-            by_hash[h] = key
+            stats.stored += self._hold(st, key, parent, bits, h)
             parent = key
-        for key in stale:
-            self._prune(key)
+
+    def _hold(self, st: _CarrierState, key: int, parent: int, bits: int, h: int) -> int:
+        """Record that carrier ``st`` holds ``key`` (under ``parent``) in ``bits`` tiers as engine hash
+        ``h``. The one way a carrier gains a block: events and snapshot grafts both come here. Returns
+        how many tier bits were new."""
+        carriers_of = self._carriers_of
+        old = st.by_engine_hash.get(h)
+        if old is not None and old != key:
+            # The engine reused a hash for other content: the old position is no longer held.
+            self._clear_node(st, old, ALL_TIERS)
+            self._drop_hash(st, h, old)
+            self._prune(old)
+        old_h = st.hash_of.get(key)
+        if old_h is not None and old_h != h:
+            del st.by_engine_hash[old_h]  # the same position, announced under a new engine hash
+        c = carriers_of.get(key)
+        if c is None:
+            c = 0
+            self._parent[key] = parent
+            self._order.append(key)
+        new = bits & ~(c >> st.shift)
+        if new:
+            carriers_of[key] = c | (new << st.shift)
+            tb = st.tier_blocks
+            for slot in _NIBBLE_SLOTS[new & 0xF]:
+                tb[slot] += 1
+        st.by_engine_hash[h] = key
+        st.hash_of[key] = h
+        return len(_NIBBLE_SLOTS[new & 0xF])
+
+    @staticmethod
+    def _drop_hash(st: _CarrierState, h: int, key: int) -> None:
+        del st.by_engine_hash[h]
+        st.hash_of.pop(key, None)
 
     def _remove(self, st: _CarrierState, ev: BlockRemoved, stats: ApplyStats) -> None:
         stats.events["BlockRemoved", ev.medium or ""] += 1
@@ -275,7 +297,7 @@ class RadixIndex:
                 continue
             stats.removed += self._clear_node(st, key, tiers)
             if not (self._carriers_of.get(key, 0) >> st.shift) & 0xF:
-                del by_hash[h]
+                self._drop_hash(st, h, key)
                 self._prune(key)
 
     def _clear_node(self, st: _CarrierState, key: int, tiers: Tier) -> int:
@@ -309,8 +331,29 @@ class RadixIndex:
         for key in st.by_engine_hash.values():
             self._prune(key)
         st.by_engine_hash.clear()
+        st.hash_of.clear()
         st.tier_blocks[:] = [0, 0, 0, 0]
         return n
+
+    def maintain(self, budget: int = 65_536) -> None:
+        """Compact ``_order`` (drop deleted keys) a chunk at a time, so no single writer turn stalls on
+        it. Called by the writer between batches; cheap when there is nothing to do."""
+        order = self._order
+        if self._compaction is None:
+            if len(order) <= 2 * len(self._carriers_of) + 4096:
+                return
+            self._compaction = ([], 0)
+        fresh, pos = self._compaction
+        live = self._carriers_of
+        fresh.extend([k for k in order[pos : pos + budget] if k in live])
+        pos += budget
+        if pos < len(order):
+            self._compaction = (fresh, pos)
+            return
+        # Done: anything appended meanwhile was already copied (pos reached the moving end). An
+        # export holding the old list keeps its own reference and is unaffected.
+        self._order = fresh
+        self._compaction = None
 
     # ---- reads ---------------------------------------------------------------------------------
 

@@ -110,8 +110,10 @@ class IndexWriter:
                 self._apply(self._queue.popleft())
                 n += 1
                 if n % self.yield_every == 0:
+                    self.index.maintain()
                     self._publish_gauges()
                     await asyncio.sleep(0)  # let readers and the sockets in between batches
+            self.index.maintain()
             self._publish_gauges()
 
     def _apply(self, item: _Item) -> None:
