@@ -138,9 +138,9 @@ def test_index_matches_reference(steps, queries):
 def assert_invariants(index: RadixIndex) -> None:
     """White-box: each carrier's engine-hash maps are inverse bijections over the blocks it holds, and
     the creation-order list still covers every live node (the export walks it)."""
-    for st in index._carriers.values():
-        assert {k: h for h, k in st.by_engine_hash.items()} == st.hash_of
-        assert all((index._carriers_of[k] >> st.shift) & 0xF for k in st.hash_of)
+    for state in index._carriers.values():
+        assert {k: h for h, k in state.by_engine_hash.items()} == state.hash_of
+        assert all((index._carriers_of[k] >> state.shift) & 0xF for k in state.hash_of)
     assert set(index._carriers_of) <= set(index._order) | set(
         index._compaction[0] if index._compaction else ()
     )

@@ -99,10 +99,19 @@ def test_graft_unions_into_a_live_index_and_skips_unadmitted_carriers():
     assert b not in dst.match([1, 2])
 
 
-def test_orphaned_chains_are_not_exported():
+def test_orphaned_chains_travel_under_a_placeholder():
     a = Carrier("a", 0)
     src = RadixIndex(BS)
     src.apply_batch(a, EventBatch(0.0, (BlockStored((1, 2, 3), None, (1, 2, 3, 4, 5, 6), BS),)))
     src.apply_batch(a, EventBatch(0.0, (BlockRemoved((1,), None),)))  # the root block is evicted
     ex = export_all(src)
-    assert len(ex.columns) == 0  # blocks 2 and 3 are unreachable: nothing to send
+    # Blocks 2 and 3 are unreachable now, but storing block 1 again makes them reachable: they travel
+    # under a carrier-less placeholder for block 1.
+    assert list(ex.columns.ncar) == [0, 1, 1] and list(ex.columns.parent) == [-1, 0, 1]
+    dst = RadixIndex(BS)
+    graft_all(dst, ex)
+    assert dst.match([1, 2, 3, 4, 5, 6]) == {}
+    for idx in (src, dst):
+        idx.apply_batch(a, EventBatch(0.0, (BlockStored((1,), None, (1, 2), BS),)))
+    assert dst.match([1, 2, 3, 4, 5, 6]) == src.match([1, 2, 3, 4, 5, 6])
+    assert dst.match([1, 2, 3, 4, 5, 6])[a].blocks == 3

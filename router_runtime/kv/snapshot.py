@@ -1,8 +1,9 @@
 """Export the index as flat columns, and graft such columns back, a chunk at a time.
 
 The export is a list of node records where every parent precedes its children and is referenced by
-record index (never by hash): ``parent[i] < i``, -1 for a chain's first block. Each record carries its
-block key and its carriers, each with its tier bits and its engine hash (future removals and parent
+record index (never by hash): ``parent[i] < i``, -1 for a chain's first block. A record with no
+carriers is structure only (the parent of records that have some). Each record carries its block key
+and its carriers, each with its tier bits and its engine hash (future removals and parent
 links arrive as engine hashes, so a graft without them could never be corrected by the live stream).
 
 Both passes run on the index writer and stop every ``budget`` records so live events keep flowing.
@@ -51,7 +52,6 @@ class Exporter:
         self._pos = 0
         self._include = include or (lambda _c: True)
         self._index_of: dict[int, int] = {}
-        self._orphans: set[int] = set()
         self.columns = Columns()
         self.workers: list[Carrier] = []
         self._worker_idx: dict[Carrier, int] = {}
@@ -64,28 +64,37 @@ class Exporter:
         """Export up to ``budget`` more entries of the creation order; True when the walk is done."""
         idx = self._index
         carriers_of, parents = idx._carriers_of, idx._parent
-        index_of, orphans = self._index_of, self._orphans
+        index_of = self._index_of
         stop = min(self._pos + budget, self._end)
         for key in self._order[self._pos : stop]:
-            if key in index_of or key in orphans or key not in carriers_of:
+            if key in index_of or key not in carriers_of:
                 continue
             chain = [key]
             p = parents[key]
-            while p != ROOT and p not in index_of:
-                if p in orphans or p not in carriers_of:
-                    # The chain hangs under a block nobody holds: unreachable, so not worth sending.
-                    orphans.update(chain)
-                    chain = []
-                    break
+            while p != ROOT and p not in index_of and p in carriers_of:
                 chain.append(p)
                 p = parents[p]
-            if not chain:
-                continue
-            pidx = -1 if p == ROOT else index_of[p]
+            if p == ROOT:
+                pidx = -1
+            elif p in index_of:
+                pidx = index_of[p]
+            else:
+                # The chain hangs under a block nobody holds now. It is unreachable today, but a later
+                # event may store that block again and make it reachable, so the chain is sent under a
+                # carrier-less placeholder that only names the missing block's key.
+                pidx = self._placeholder(p)
             for k in reversed(chain):
                 pidx = self._emit(k, pidx)
         self._pos = stop
         return self.done
+
+    def _placeholder(self, key: int) -> int:
+        cols = self.columns
+        i = self._index_of[key] = len(cols.key)
+        cols.parent.append(-1)  # its own parent is unknown; it is never created, only referenced
+        cols.key.append(key)
+        cols.ncar.append(0)
+        return i
 
     def _emit(self, key: int, pidx: int) -> int:
         cols = self.columns
