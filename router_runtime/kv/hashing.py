@@ -20,6 +20,9 @@ import xxhash
 
 _h = xxhash.xxh3_64_intdigest
 
+# Names the key scheme below; two routers' keys are comparable only when block size and scheme match.
+SCHEME = "xxh3_64-chain-u32le/v1"
+
 # The root seed of the plain namespace. A constant, so every router replica and every build agrees.
 PLAIN_ROOT = _h(b"routerfleet/block-key/v1")
 

@@ -1,0 +1,170 @@
+"""The trust boundary: ``vet`` is the only way a peer's ``WireSnapshot`` becomes a ``VettedSnapshot``,
+the only type the graft accepts.
+
+Vetting rejects rather than repairs. A rejected snapshot leaves ranks cold, which is slow and visible;
+a snapshot grafted on a hope can hide a missed removal as a permanent false cache hit, which is silent.
+Every wire worker is resolved against the engines this replica discovered itself (identity AND
+incarnation), so a peer can never introduce an engine we do not know; entries for other workers are
+dropped, as are tier bits this build does not rank (dropped, never folded onto device).
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..kv.index import Carrier
+from ..kv.snapshot import Columns
+from .wire import Limits, WireSnapshot
+
+KNOWN_TIERS = 0xF  # device, host, disk, external
+
+
+class VetError(enum.StrEnum):
+    UNKNOWN_FORMAT = "unknown_format"
+    PRODUCER_COLD = "producer_cold"  # not ready: empty, unsettled or hashing not established
+    HASHING_MISMATCH = "hashing_mismatch"  # another block size or key scheme
+    INVALID_PARENT = "invalid_parent"  # forward, self or out-of-range parent reference
+    WORKER_OUT_OF_RANGE = "worker_out_of_range"
+    TOO_DEEP = "too_deep"
+    NOTHING_USABLE = "nothing_usable"  # no entry names a worker we know, in a tier we rank
+
+    @property
+    def cold_peer(self) -> bool:
+        """The peer is fine but has nothing for us (counted apart from rejections)."""
+        return self in (VetError.PRODUCER_COLD, VetError.NOTHING_USABLE)
+
+
+class VetFailed(Exception):
+    def __init__(self, error: VetError) -> None:
+        super().__init__(error.value)
+        self.error = error
+
+
+@dataclass(frozen=True, slots=True)
+class HashingConfig:
+    """What makes two routers' block keys comparable; read as one value."""
+
+    block_size: int
+    scheme: str
+
+
+@dataclass(frozen=True, slots=True)
+class LocalWorker:
+    carrier: Carrier
+    incarnation: str
+
+
+_TOKEN = object()
+
+
+class VettedSnapshot:
+    """Columns whose every worker index resolves to a local carrier (or None: skip), with parents
+    proven backward, tiers masked to known bits and cursors per local carrier. Built only by ``vet``."""
+
+    __slots__ = ("built_ms", "carriers", "columns", "cursors", "producer_id", "usable_entries")
+
+    def __init__(
+        self,
+        token: object,
+        *,
+        columns: Columns,
+        carriers: list[Carrier | None],
+        cursors: dict[Carrier, int],
+        built_ms: int,
+        producer_id: str,
+        usable_entries: int,
+    ) -> None:
+        if token is not _TOKEN:
+            raise TypeError("VettedSnapshot is built only by vetting.vet()")
+        self.columns = columns
+        self.carriers = carriers
+        self.cursors = cursors
+        self.built_ms = built_ms
+        self.producer_id = producer_id
+        self.usable_entries = usable_entries
+
+
+def vet(
+    wire: WireSnapshot,
+    local: Mapping[tuple[str, int], LocalWorker],
+    hashing: HashingConfig,
+    limits: Limits | None = None,
+) -> VettedSnapshot:
+    """Check a decoded snapshot against this replica's own view; raise ``VetFailed`` or return the
+    only graftable form. ``local`` maps (engine, rank) to the carrier and incarnation we discovered.
+    Consumes ``wire``: its columns are masked and remapped in place (no copy of a large tree)."""
+    limits = limits or Limits()
+    if wire.format != 1:
+        raise VetFailed(VetError.UNKNOWN_FORMAT)
+    if not wire.producer_ready:
+        raise VetFailed(VetError.PRODUCER_COLD)
+    if wire.block_size != hashing.block_size or wire.scheme != hashing.scheme:
+        raise VetFailed(VetError.HASHING_MISMATCH)
+    cols = wire.columns
+    n = len(cols.key)
+    # Parents strictly backward, and depth bounded: one pass, no recursion.
+    parent = cols.parent
+    depth = array("I", bytes(4 * n))
+    max_depth = limits.max_depth
+    for i in range(n):
+        p = parent[i]
+        if p < 0:
+            if p != -1:
+                raise VetFailed(VetError.INVALID_PARENT)
+            depth[i] = 1
+        elif p >= i:
+            raise VetFailed(VetError.INVALID_PARENT)
+        else:
+            d = depth[p] + 1
+            if d > max_depth:
+                raise VetFailed(VetError.TOO_DEEP)
+            depth[i] = d
+    del depth
+    # Workers: resolve identity and incarnation; unknown ones map to None and are skipped. A worker
+    # without a cursor is skipped too: nothing could prove our stream joins the snapshot for it.
+    carriers: list[Carrier | None] = []
+    for w in wire.workers:
+        mine = local.get((w.engine, w.rank))
+        carriers.append(mine.carrier if mine is not None and mine.incarnation == w.incarnation else None)
+    cursors: dict[Carrier, int] = {}
+    with_cursor = set()
+    for w, seq in wire.cursors:
+        c = carriers[w]
+        if c is not None:
+            cursors[c] = seq
+            with_cursor.add(w)
+    carriers = [c if i in with_cursor else None for i, c in enumerate(carriers)]
+    nworkers = len(carriers)
+    if any(w >= nworkers for w in cols.worker):
+        raise VetFailed(VetError.WORKER_OUT_OF_RANGE)
+    # Tiers: keep known bits only; an entry left with none is dropped by pointing it at no worker.
+    usable = 0
+    tiers = cols.tiers
+    worker = cols.worker
+    for j in range(len(tiers)):
+        t = tiers[j] & KNOWN_TIERS
+        tiers[j] = t
+        if t and carriers[worker[j]] is not None:
+            usable += 1
+    if usable == 0:
+        raise VetFailed(VetError.NOTHING_USABLE)
+    # Entries whose tiers became empty must not be grafted as "held in no tier": give the grafter an
+    # explicit skip by mapping them to a worker slot that resolves to None.
+    if any(t == 0 for t in tiers):
+        skip = len(carriers)
+        carriers.append(None)
+        for j in range(len(tiers)):
+            if tiers[j] == 0:
+                worker[j] = skip
+    return VettedSnapshot(
+        _TOKEN,
+        columns=cols,
+        carriers=carriers,
+        cursors=cursors,
+        built_ms=wire.built_ms,
+        producer_id=wire.producer_id,
+        usable_entries=usable,
+    )

@@ -1,0 +1,235 @@
+"""The peer snapshot envelope: versioned, binary (msgpack), checksummed, bounded while reading.
+
+Outer frame: ``msgpack({"format": 1, "body": bin, "checksum": bin16})``, the checksum being xxh3-128
+of ``body``, so corruption is caught before the body is even unpacked. The body is a msgpack map:
+
+- ``producer``: ``{"id", "incarnation"}``, who built it (a pod name and a per-process id);
+- ``producer_ready``: the producer's tree is non-empty, its hashing configuration is set and its own
+  bootstrap has settled; a consumer never grafts from a producer that is not ready;
+- ``hashing``: ``{"block_size", "scheme"}``, read by the producer as one value;
+- ``workers``: ``[[engine, rank, incarnation], ...]``; ``cursors``: ``[[worker, last_seq], ...]``;
+- ``built_ms``: when the producer stamped the build (before it read the cursors);
+- ``records`` and the node columns as little-endian arrays: ``parent`` (i64), ``key`` (u64),
+  ``ncar`` (u16), and per carrier entry ``worker`` (u32), ``tiers`` (u8), ``hash`` (u64).
+  Columnar arrays keep encoding and decoding at C speed for trees of millions of nodes.
+
+Compression is the HTTP layer's (gzip when the client accepts it); ``inflate`` bounds it.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+import zlib
+from array import array
+from dataclasses import dataclass, field
+
+import msgpack
+import xxhash
+
+from ..kv.snapshot import Columns
+
+FORMAT = 1
+
+
+class WireErrorKind(enum.StrEnum):
+    MALFORMED = "malformed"
+    TRUNCATED = "truncated"
+    TOO_LARGE = "too_large"
+    CHECKSUM = "checksum"
+    UNKNOWN_FORMAT = "unknown_format"
+
+
+class WireError(Exception):
+    """The body is not a well-formed snapshot. ``kind`` is a metric label; messages carry no data."""
+
+    def __init__(self, kind: WireErrorKind, detail: str = "") -> None:
+        super().__init__(f"{kind}: {detail}" if detail else kind)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Every bound a reader enforces before it allocates for what a peer claims."""
+
+    max_bytes: int = 1 << 30  # inflated envelope
+    max_records: int = 20_000_000
+    max_carrier_entries: int = 80_000_000
+    max_workers: int = 65_536
+    max_depth: int = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class WireWorker:
+    engine: str
+    rank: int
+    incarnation: str
+
+
+@dataclass(slots=True)
+class WireSnapshot:
+    """A decoded envelope: well-formed, NOT trusted. Only ``vetting.vet`` turns it into something that
+    can touch the index."""
+
+    format: int
+    producer_id: str
+    producer_incarnation: str
+    producer_ready: bool
+    block_size: int
+    scheme: str
+    workers: list[WireWorker]
+    cursors: list[tuple[int, int]]
+    built_ms: int
+    columns: Columns = field(default_factory=Columns)
+
+
+def _le(a: array) -> bytes:
+    if sys.byteorder == "big":
+        a = array(a.typecode, a)
+        a.byteswap()
+    return a.tobytes()
+
+
+def _from_le(typecode: str, data: object, count: int, name: str) -> array:
+    if not isinstance(data, bytes):
+        raise WireError(WireErrorKind.MALFORMED, f"{name} is not bytes")
+    a = array(typecode)
+    if len(data) != count * a.itemsize:
+        raise WireError(WireErrorKind.MALFORMED, f"{name} has {len(data)} bytes for {count} entries")
+    a.frombytes(data)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a
+
+
+def encode(snap: WireSnapshot) -> bytes:
+    cols = snap.columns
+    body = msgpack.packb(
+        {
+            "format": snap.format,
+            "producer": {"id": snap.producer_id, "incarnation": snap.producer_incarnation},
+            "producer_ready": snap.producer_ready,
+            "hashing": {"block_size": snap.block_size, "scheme": snap.scheme},
+            "workers": [[w.engine, w.rank, w.incarnation] for w in snap.workers],
+            "cursors": [list(c) for c in snap.cursors],
+            "built_ms": snap.built_ms,
+            "records": len(cols.key),
+            "parent": _le(cols.parent),
+            "key": _le(cols.key),
+            "ncar": _le(cols.ncar),
+            "worker": _le(cols.worker),
+            "tiers": cols.tiers.tobytes(),
+            "hash": _le(cols.hash),
+        },
+        use_bin_type=True,
+    )
+    return msgpack.packb(
+        {"format": FORMAT, "body": body, "checksum": xxhash.xxh3_128_digest(body)}, use_bin_type=True
+    )
+
+
+def inflate(data: bytes, limits: Limits) -> bytes:
+    """Gunzip with a hard bound on the inflated size: a compression bomb costs ``max_bytes``, no more."""
+    d = zlib.decompressobj(wbits=31)
+    try:
+        out = d.decompress(data, limits.max_bytes + 1)
+    except zlib.error:
+        raise WireError(WireErrorKind.MALFORMED, "not gzip") from None
+    if len(out) > limits.max_bytes or d.unconsumed_tail:
+        raise WireError(WireErrorKind.TOO_LARGE, "inflated body over the limit")
+    if not d.eof:
+        raise WireError(WireErrorKind.TRUNCATED, "gzip stream ends early")
+    return out
+
+
+def decode(data: bytes, limits: Limits) -> WireSnapshot:
+    """Parse an (inflated) envelope; raises WireError for anything malformed, corrupt or over a bound."""
+    if len(data) > limits.max_bytes:
+        raise WireError(WireErrorKind.TOO_LARGE, "envelope over the limit")
+    try:
+        outer = msgpack.unpackb(
+            data, raw=False, max_bin_len=limits.max_bytes, max_str_len=64, max_array_len=0, max_map_len=8
+        )
+    except (ValueError, msgpack.UnpackException, TypeError) as exc:
+        raise WireError(WireErrorKind.MALFORMED, type(exc).__name__) from None
+    if not isinstance(outer, dict):
+        raise WireError(WireErrorKind.MALFORMED, "envelope is not a map")
+    if outer.get("format") != FORMAT:
+        raise WireError(WireErrorKind.UNKNOWN_FORMAT, str(outer.get("format"))[:16])
+    body, checksum = outer.get("body"), outer.get("checksum")
+    if not isinstance(body, bytes) or not isinstance(checksum, bytes):
+        raise WireError(WireErrorKind.MALFORMED, "body or checksum missing")
+    if xxhash.xxh3_128_digest(body) != checksum:
+        raise WireError(WireErrorKind.CHECKSUM, "body does not match its checksum")
+    try:
+        b = msgpack.unpackb(
+            body,
+            raw=False,
+            max_bin_len=limits.max_bytes,
+            max_str_len=4096,
+            max_array_len=limits.max_workers,
+            max_map_len=32,
+        )
+        return _body(b, limits)
+    except WireError:
+        raise
+    except (ValueError, msgpack.UnpackException, TypeError, KeyError, IndexError) as exc:
+        raise WireError(WireErrorKind.MALFORMED, type(exc).__name__) from None
+
+
+def _int(v: object, name: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise WireError(WireErrorKind.MALFORMED, f"{name} out of range")
+    return v
+
+
+def _str(v: object, name: str) -> str:
+    if not isinstance(v, str):
+        raise WireError(WireErrorKind.MALFORMED, f"{name} is not a string")
+    return v
+
+
+def _body(b: dict, limits: Limits) -> WireSnapshot:
+    if not isinstance(b, dict):
+        raise WireError(WireErrorKind.MALFORMED, "body is not a map")
+    fmt = _int(b["format"], "format")
+    if fmt != FORMAT:
+        raise WireError(WireErrorKind.UNKNOWN_FORMAT, str(fmt))
+    producer, hashing = b["producer"], b["hashing"]
+    workers = []
+    for w in b["workers"]:
+        if not isinstance(w, list) or len(w) != 3:
+            raise WireError(WireErrorKind.MALFORMED, "worker entry")
+        workers.append(
+            WireWorker(_str(w[0], "engine"), _int(w[1], "rank", 0, 1 << 16), _str(w[2], "incarnation"))
+        )
+    cursors = []
+    for c in b["cursors"]:
+        if not isinstance(c, list) or len(c) != 2:
+            raise WireError(WireErrorKind.MALFORMED, "cursor entry")
+        cursors.append((_int(c[0], "cursor worker", 0, len(workers) - 1), _int(c[1], "cursor seq", -1)))
+    records = _int(b["records"], "records")
+    if records > limits.max_records:
+        raise WireError(WireErrorKind.TOO_LARGE, "record count over the limit")
+    cols = Columns()
+    cols.parent = _from_le("q", b["parent"], records, "parent")
+    cols.key = _from_le("Q", b["key"], records, "key")
+    cols.ncar = _from_le("H", b["ncar"], records, "ncar")
+    entries = sum(cols.ncar)
+    if entries > limits.max_carrier_entries:
+        raise WireError(WireErrorKind.TOO_LARGE, "carrier entries over the limit")
+    cols.worker = _from_le("I", b["worker"], entries, "worker")
+    cols.tiers = _from_le("B", b["tiers"], entries, "tiers")
+    cols.hash = _from_le("Q", b["hash"], entries, "hash")
+    return WireSnapshot(
+        format=fmt,
+        producer_id=_str(producer["id"], "producer id"),
+        producer_incarnation=_str(producer["incarnation"], "producer incarnation"),
+        producer_ready=bool(b["producer_ready"]),
+        block_size=_int(hashing["block_size"], "block_size", 1, 1 << 20),
+        scheme=_str(hashing["scheme"], "scheme"),
+        workers=workers,
+        cursors=cursors,
+        built_ms=_int(b["built_ms"], "built_ms"),
+        columns=cols,
+    )

@@ -1,0 +1,86 @@
+"""Every routing tunable in one frozen config, and the factory from a policy name. Defaults and their
+reasoning are in docs/routing.md."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, fields
+
+from .approx_prefix import ApproxPrefixPolicy
+from .kv_aware import KvAwarePolicy
+from .simple import LeastLoadedPolicy, PowerOfTwoPolicy, RoundRobinPolicy
+from .types import Policy
+
+POLICY_NAMES = ("kv_aware", "approx_prefix", "round_robin", "least_loaded", "power_of_two")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    # Imbalance guard (kv_aware, approx_prefix): least loaded when max - min > abs AND max > min * rel.
+    balance_abs_threshold: int = 16
+    balance_rel_threshold: float = 1.5
+    # kv_aware: credit per matched block by the best tier holding it (device = 1.0).
+    host_weight: float = 0.5
+    disk_weight: float = 0.25
+    external_weight: float = 0.1
+    # kv_aware: one in-flight request costs as much as prefilling this many uncached tokens.
+    load_cost_tokens: float = 256.0
+    # kv_aware: break full ties by a hash of the request (spreads new conversations); else target order.
+    spread_ties: bool = True
+    # approx_prefix: route by prefix only above this matched fraction of the text.
+    cache_threshold: float = 0.3
+    # approx_prefix: characters each target's tree may hold before LRU eviction.
+    max_tree_size: int = 1 << 22
+    # power_of_two: seed for its random.Random (None: OS entropy).
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"routing config {name}={getattr(self, name)!r}: {why}")
+
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise bad(f.name, "must be finite")
+        if self.balance_abs_threshold < 0:
+            raise bad("balance_abs_threshold", "must be >= 0")
+        if self.balance_rel_threshold < 1:
+            raise bad("balance_rel_threshold", "must be >= 1")
+        for name in ("host_weight", "disk_weight", "external_weight"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise bad(name, "must be within [0, 1] (a device block is worth 1)")
+        if self.load_cost_tokens < 0:
+            raise bad("load_cost_tokens", "must be >= 0")
+        if not 0 <= self.cache_threshold <= 1:
+            raise bad("cache_threshold", "must be within [0, 1]")
+        if self.max_tree_size <= 0:
+            raise bad("max_tree_size", "must be positive")
+
+
+def make_policy(name: str, config: PolicyConfig | None = None) -> Policy:
+    c = config if config is not None else PolicyConfig()
+    if name == "kv_aware":
+        return KvAwarePolicy(
+            host_weight=c.host_weight,
+            disk_weight=c.disk_weight,
+            external_weight=c.external_weight,
+            load_cost_tokens=c.load_cost_tokens,
+            balance_abs_threshold=c.balance_abs_threshold,
+            balance_rel_threshold=c.balance_rel_threshold,
+            spread_ties=c.spread_ties,
+        )
+    if name == "approx_prefix":
+        return ApproxPrefixPolicy(
+            cache_threshold=c.cache_threshold,
+            max_tree_size=c.max_tree_size,
+            balance_abs_threshold=c.balance_abs_threshold,
+            balance_rel_threshold=c.balance_rel_threshold,
+        )
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "least_loaded":
+        return LeastLoadedPolicy()
+    if name == "power_of_two":
+        return PowerOfTwoPolicy(random.Random(c.seed))
+    raise ValueError(f"unknown routing policy {name!r} (expected one of {', '.join(POLICY_NAMES)})")

@@ -1,0 +1,72 @@
+"""Shapes shared by the policies and the proxy."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..kv.index import Carrier, RadixIndex
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Target:
+    """Where a request can go: one engine, optionally pinned to one DP rank (sent to the engine as the
+    ``X-Data-Parallel-Rank`` header). KV-aware routing targets (engine, rank) pairs, since each rank
+    has its own cache; other policies may target whole engines (``rank=None``)."""
+
+    engine: str
+    url: str
+    rank: int | None = None
+
+    @property
+    def carrier(self) -> Carrier:
+        return Carrier(self.engine, self.rank or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    tokens: Sequence[int] | None = None  # token IDs for KV matching (None: not tokenized)
+    text: str | None = None  # the prompt text (chat: the rendered template) for text-prefix policies
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+class Reason(enum.StrEnum):
+    """Why a target was chosen; a metric label."""
+
+    PREFIX = "prefix"  # the best cached prefix won
+    NO_MATCH = "no_match"  # nothing useful cached: least loaded (or smallest tree)
+    IMBALANCED = "imbalanced"  # the imbalance guard switched to least loaded
+    LEAST_LOADED = "least_loaded"
+    ROUND_ROBIN = "round_robin"
+    POWER_OF_TWO = "power_of_two"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    target: Target
+    reason: Reason
+    matched_blocks: int = 0  # the chosen target's matched prefix (KV policies)
+    total_blocks: int = 0  # full blocks in the request
+    # matched / total characters for text-prefix routing
+    matched_chars: int = 0
+    total_chars: int = 0
+
+
+class Policy(Protocol):
+    name: str
+    needs_tokens: bool  # whether the proxy must tokenize text requests for this policy
+
+    def choose(
+        self,
+        request: RouteRequest,
+        targets: Sequence[Target],
+        loads: Mapping[Target, int],
+        index: RadixIndex | None,
+    ) -> Decision:
+        """Pick one of ``targets`` (never empty). ``loads`` is the router's in-flight count per target
+        (missing = 0). Must not mutate the index; may update the policy's own state (round-robin
+        cursor, text tree)."""
+        ...

@@ -1,0 +1,215 @@
+"""The snapshot envelope and its vetting: a round trip grafts to an equal index; every malformed,
+corrupt, oversized or foreign snapshot is refused before it can touch the index."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import random
+
+import msgpack
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router_runtime.bootstrap.vetting import HashingConfig, LocalWorker, VetError, VetFailed, vet
+from router_runtime.bootstrap.wire import Limits, WireError, WireSnapshot, WireWorker, decode, encode, inflate
+from router_runtime.kv.events import BlockStored, EventBatch
+from router_runtime.kv.hashing import SCHEME
+from router_runtime.kv.index import Carrier, RadixIndex
+from router_runtime.kv.snapshot import Exporter, Grafter
+
+BS = 4
+A, B = Carrier("http://a", 0), Carrier("http://b", 1)
+HASHING = HashingConfig(BS, SCHEME)
+LOCAL = {("http://a", 0): LocalWorker(A, "inc-a"), ("http://b", 1): LocalWorker(B, "inc-b")}
+
+
+def warm_index(seed: int = 1, conversations: int = 40) -> RadixIndex:
+    rng = random.Random(seed)
+    index = RadixIndex(BS)
+    system = [rng.randrange(1000) for _ in range(BS * 3)]
+    h = 1
+    for _ in range(conversations):
+        carrier = rng.choice([A, B])
+        toks = system + [rng.randrange(1000) for _ in range(BS * rng.randrange(1, 6))]
+        n = len(toks) // BS
+        hashes = tuple(range(h, h + n))
+        h += n
+        medium = rng.choice(["GPU", "GPU", "CPU"])
+        index.apply_batch(
+            carrier, EventBatch(0.0, (BlockStored(hashes, None, tuple(toks[: n * BS]), BS, medium),))
+        )
+    return index
+
+
+def export(index: RadixIndex, **over) -> WireSnapshot:
+    ex = Exporter(index)
+    while not ex.step():
+        pass
+    incs = {A: "inc-a", B: "inc-b"}
+    snap = WireSnapshot(
+        format=1,
+        producer_id="router-0",
+        producer_incarnation="p1",
+        producer_ready=True,
+        block_size=BS,
+        scheme=SCHEME,
+        workers=[WireWorker(c.engine, c.rank, incs[c]) for c in ex.workers],
+        cursors=[(i, 41) for i in range(len(ex.workers))],
+        built_ms=1,
+        columns=ex.columns,
+    )
+    for k, v in over.items():
+        setattr(snap, k, v)
+    return snap
+
+
+def graft(snapshot) -> RadixIndex:
+    dst = RadixIndex(BS)
+    g = Grafter(dst, snapshot.columns, snapshot.carriers)
+    while not g.step():
+        pass
+    return dst
+
+
+def test_round_trip_grafts_an_index_that_answers_like_the_source():
+    src = warm_index()
+    body = gzip.compress(encode(export(src)), compresslevel=1)
+    vetted = vet(decode(inflate(body, Limits()), Limits()), LOCAL, HASHING)
+    dst = graft(vetted)
+    assert vetted.cursors == {A: 41, B: 41}
+    assert sorted((k, p, tuple(sorted(h.items()))) for k, p, h in dst.iter_nodes()) == sorted(
+        (k, p, tuple(sorted(h.items()))) for k, p, h in src.iter_nodes()
+    )
+    for c in (A, B):
+        assert dst.carrier_engine_hashes(c) == src.carrier_engine_hashes(c)
+
+
+def test_unknown_workers_and_other_incarnations_are_dropped():
+    src = warm_index()
+    local = {("http://a", 0): LocalWorker(A, "inc-a"), ("http://b", 1): LocalWorker(B, "restarted")}
+    vetted = vet(decode(encode(export(src)), Limits()), local, HASHING)
+    dst = graft(vetted)
+    assert dst.carrier_blocks(B) == dict.fromkeys(dst.carrier_blocks(B), 0)
+    assert sum(dst.carrier_blocks(A).values()) == sum(src.carrier_blocks(A).values())
+    with pytest.raises(VetFailed) as err:
+        vet(decode(encode(export(src)), Limits()), {}, HASHING)
+    assert err.value.error is VetError.NOTHING_USABLE and err.value.error.cold_peer
+
+
+def test_unknown_tier_bits_are_dropped_not_folded():
+    src = warm_index()
+    snap = export(src)
+    snap.columns.tiers[0] = 0x10  # a tier this build does not know
+    snap.columns.tiers[1] |= 0x20
+    vetted = vet(decode(encode(snap), Limits()), LOCAL, HASHING)
+    assert vetted.columns.tiers[1] & 0xF0 == 0
+    assert vetted.carriers[vetted.columns.worker[0]] is None  # entry 0 has no known tier left
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error"),
+    [
+        (lambda s: setattr(s, "producer_ready", False), VetError.PRODUCER_COLD),
+        (lambda s: setattr(s, "block_size", BS * 2), VetError.HASHING_MISMATCH),
+        (lambda s: setattr(s, "scheme", "sha256-chain"), VetError.HASHING_MISMATCH),
+        (lambda s: s.columns.parent.__setitem__(0, 5), VetError.INVALID_PARENT),  # forward
+        (lambda s: s.columns.parent.__setitem__(3, 3), VetError.INVALID_PARENT),  # self
+        (lambda s: s.columns.parent.__setitem__(2, -7), VetError.INVALID_PARENT),  # out of range
+        (lambda s: s.columns.worker.__setitem__(0, 99), VetError.WORKER_OUT_OF_RANGE),
+        (lambda s: setattr(s, "cursors", []), VetError.NOTHING_USABLE),  # nothing proves continuity
+    ],
+)
+def test_vetting_refuses(mutate, error):
+    snap = export(warm_index())
+    mutate(snap)
+    with pytest.raises(VetFailed) as err:
+        vet(decode(encode(snap), Limits()), LOCAL, HASHING)
+    assert err.value.error is error
+
+
+def test_depth_is_bounded():
+    with pytest.raises(VetFailed) as err:
+        vet(decode(encode(export(warm_index())), Limits()), LOCAL, HASHING, Limits(max_depth=3))
+    assert err.value.error is VetError.TOO_DEEP
+
+
+def test_a_compression_bomb_costs_only_the_limit():
+    bomb = gzip.compress(b"\0" * (64 << 20), compresslevel=9)
+    assert len(bomb) < 100_000
+    with pytest.raises(WireError) as err:
+        inflate(bomb, Limits(max_bytes=1 << 20))
+    assert err.value.kind == "too_large"
+
+
+def test_corruption_and_truncation_are_refused():
+    body = encode(export(warm_index()))
+    flipped = bytearray(body)
+    flipped[len(body) // 2] ^= 0x40
+    with pytest.raises(WireError) as err:
+        decode(bytes(flipped), Limits())
+    assert err.value.kind in ("checksum", "malformed")
+    with pytest.raises(WireError):
+        decode(body[: len(body) // 2], Limits())
+    with pytest.raises(WireError) as err:
+        inflate(gzip.compress(body)[:-20], Limits())
+    assert err.value.kind == "truncated"
+    with pytest.raises(WireError) as err:
+        decode(body, Limits(max_records=3))
+    assert err.value.kind == "too_large"
+
+
+def test_the_vetted_type_cannot_be_built_outside_vetting():
+    from router_runtime.bootstrap.vetting import VettedSnapshot
+
+    with pytest.raises(TypeError):
+        VettedSnapshot(
+            object(), columns=None, carriers=[], cursors={}, built_ms=0, producer_id="", usable_entries=1
+        )
+
+
+msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.binary(max_size=64)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
+    max_leaves=20,
+)
+FIELDS = [
+    "format",
+    "producer",
+    "producer_ready",
+    "hashing",
+    "workers",
+    "cursors",
+    "built_ms",
+    "records",
+    "parent",
+    "key",
+    "ncar",
+    "worker",
+    "tiers",
+    "hash",
+]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=2000), st.dictionaries(st.sampled_from(FIELDS), msgpack_values), st.data())
+def test_arbitrary_input_only_ever_raises_wire_errors(data, fields, draw):
+    with contextlib.suppress(WireError):
+        decode(data, Limits())
+    # A well-checksummed body with arbitrary field values: the checksum passes, the shape does not.
+    good = msgpack.unpackb(msgpack.unpackb(encode(export(warm_index(conversations=3))))["body"])
+    good.update(fields)
+    body = msgpack.packb(good)
+    envelope = msgpack.packb({"format": 1, "body": body, "checksum": xxhash.xxh3_128_digest(body)})
+    try:
+        snap = decode(envelope, Limits())
+    except WireError:
+        return
+    with contextlib.suppress(VetFailed):
+        vet(snap, LOCAL, HASHING)
