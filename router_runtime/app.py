@@ -1,9 +1,17 @@
-"""The router process: the KV plane plus its HTTP surface (health, readiness, metrics, index summary)."""
+"""The router process: the KV plane, the routing policy and the request plane behind one HTTP surface.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (the proxy, see
+``proxy/server.py``), ``/healthz``, ``/readyz``, ``/metrics``, ``/debug/index``.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -12,12 +20,27 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from .config import RouterConfig
 from .kv.hashing import hash_set_digest
 from .kv.index import TIER_ORDER
-from .kv.plane import KVPlane
+from .kv.plane import KVPlane, WorkerSpec
 from .kv.subscription import ReplayTimeouts
+from .proxy.health import BreakerConfig, BreakerState, HealthBoard, HealthChecker
+from .proxy.load import LoadTracker
+from .proxy.metrics import ProxyMetrics
+from .proxy.server import Proxy, Timeouts
+from .proxy.targets import TargetBook
+from .routing.policies import make_policy
+from .routing.types import Policy
+from .tokens.tokenizer import AsyncTokenizer, Tokenizer, load_tokenizer
 
 
 class Router:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        policy: Policy | None = None,
+        tokenizer: Tokenizer | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.registry = CollectorRegistry()
         self.kv = KVPlane(
@@ -27,18 +50,87 @@ class Router:
             queue_batches=config.queue_batches,
             queue_bytes=config.queue_bytes,
         )
+        self.policy = policy if policy is not None else make_policy(config.policy, config.policy_config)
+        self.metrics = ProxyMetrics(self.registry)
+        self.health = HealthBoard(
+            BreakerConfig(config.breaker_failures, config.breaker_cooldown_s),
+            clock=clock,
+            on_transition=lambda _engine, state: self.metrics.breaker_transitions.labels(state).inc(),
+        )
+        self.load = LoadTracker()
+        # KV policies target (engine, rank); the others whole engines.
+        self.targets = TargetBook(self.health, per_rank=bool(self.policy.needs_tokens))
+        self.executor = ThreadPoolExecutor(
+            max_workers=config.tokenizer_threads or min(4, os.cpu_count() or 1), thread_name_prefix="tokenize"
+        )
+        self.proxy = Proxy(
+            policy=self.policy,
+            tokenizer=AsyncTokenizer(
+                tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer),
+                self.executor,
+                config.tokenize_inline_max_bytes,
+            ),
+            targets=self.targets,
+            health=self.health,
+            load=self.load,
+            metrics=self.metrics,
+            index_fn=lambda: self.kv.index,
+            timeouts=Timeouts(
+                config.connect_timeout_s,
+                config.first_byte_timeout_s,
+                config.total_timeout_s,
+                config.idle_timeout_s,
+            ),
+            max_body_bytes=config.max_body_bytes,
+            executor=self.executor,
+            keepalive_s=config.upstream_keepalive_s,
+        )
+        self.checker = HealthChecker(
+            self.health,
+            lambda: self.proxy.session,
+            lambda: self.targets.urls,
+            interval_s=config.health_interval_s,
+            timeout_s=config.health_timeout_s,
+        )
+        self._checker_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.kv.start()
-        self.kv.set_workers(list(self.config.workers))
+        await self.proxy.start()
+        self.set_workers(list(self.config.workers))
+        if self.config.health_interval_s > 0:
+            self._checker_task = asyncio.create_task(self.checker.run(), name="engine-health")
 
     async def stop(self) -> None:
+        if self._checker_task is not None:
+            self._checker_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._checker_task
+            self._checker_task = None
+        await self.proxy.close()
         await self.kv.stop()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def set_workers(self, specs: Iterable[WorkerSpec]) -> None:
+        """The complete current worker set (static flags, or discovery): KV subscriptions, targets and
+        breakers follow it. An engine that left takes its policy state (text trees) with it."""
+        specs = list(specs)
+        before = self.targets.all_targets()
+        self.kv.set_workers(specs)
+        self.targets.set_workers(specs)
+        after = self.targets.all_targets()
+        remove = getattr(self.policy, "remove_target", None)
+        if remove is not None:
+            for t in before - after:
+                remove(t)
+        self.metrics.forget_engines({s.engine for s in specs} | set(self.load.engines()))
 
     def ready(self) -> tuple[bool, str]:
-        if not self.kv.workers:
+        if not self.targets.urls:
             return False, "no engines discovered"
-        if any(w.kv for w in self.kv.workers.values()) and not self.kv.live():
+        if not self.targets.candidates():
+            return False, "no healthy engine"
+        if self.policy.needs_tokens and any(w.kv for w in self.kv.workers.values()) and not self.kv.live():
             return False, "no live KV event subscription"
         return True, "ready"
 
@@ -67,7 +159,11 @@ class Router:
     # ---- HTTP ----------------------------------------------------------------------------------
 
     def build_app(self) -> web.Application:
-        app = web.Application()
+        # aiohttp refuses a body of client_max_size or more; the proxy answers 413 itself above the limit.
+        app = web.Application(client_max_size=self.config.max_body_bytes + 1)
+        app.router.add_post("/v1/completions", self.proxy.completions)
+        app.router.add_post("/v1/chat/completions", self.proxy.chat_completions)
+        app.router.add_get("/v1/models", self.proxy.models)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics)
@@ -83,6 +179,9 @@ class Router:
 
     async def _metrics(self, _req: web.Request) -> web.Response:
         self.kv.live()  # refresh the live-subscription gauge
+        states = list(self.health.states().values())
+        for state in BreakerState:
+            self.metrics.engines.labels(state).set(states.count(state))
         return web.Response(
             body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
@@ -92,16 +191,21 @@ class Router:
 
 
 @contextlib.asynccontextmanager
-async def run_router(config: RouterConfig) -> AsyncIterator[tuple[Router, str]]:
-    """Start a router in this event loop; yields it and its base URL. For tests, the demo and benches."""
-    router = Router(config)
+async def run_router(
+    config: RouterConfig, *, policy: Policy | None = None, tokenizer: Tokenizer | None = None
+) -> AsyncIterator[tuple[Router, str]]:
+    """Start a router in this event loop; yields it and its base URL. For tests, the demo and benches.
+    ``policy`` and ``tokenizer`` override the config's (tests)."""
+    router = Router(config, policy=policy, tokenizer=tokenizer)
     await router.start()
-    runner = web.AppRunner(router.build_app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    port = runner.addresses[0][1]
+    # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
+    # request, so the engine stops working for nobody.
+    runner = web.AppRunner(router.build_app(), access_log=None, handler_cancellation=True)
     try:
+        await runner.setup()
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        port = runner.addresses[0][1]
         yield router, f"http://{config.host}:{port}"
     finally:
         await runner.cleanup()

@@ -18,7 +18,13 @@ async def _serve(config: RouterConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with run_router(config) as (_router, url):
-        log.info("router listening on %s with %d static workers", url, len(config.workers))
+        log.info(
+            "router listening on %s: policy %s, tokenizer %s, %d static workers",
+            url,
+            config.policy,
+            "bytes" if config.tokenizer == "bytes" else "hf",
+            len(config.workers),
+        )
         await stop.wait()
     log.info("router stopped")
 

@@ -1,0 +1,67 @@
+"""Errors the router answers itself, in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+
+class ProxyError(Exception):
+    """An error the router answers itself: ``status`` and OpenAI's ``{"error": {...}}`` body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        outcome: str = "invalid",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.outcome = outcome  # the requests_total label
+
+    def to_json(self) -> dict[str, Any]:
+        return error_json(self.message, type_=self.type, param=self.param, code=self.code)
+
+    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        return web.Response(
+            status=self.status,
+            body=json.dumps(self.to_json()).encode(),
+            content_type="application/json",
+            headers=headers,
+        )
+
+
+def error_json(
+    message: str, *, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> ProxyError:
+    return ProxyError(400, message, param=param, code="invalid_request")
+
+
+def too_large(limit: int) -> ProxyError:
+    return ProxyError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+
+
+def no_engine(why: str) -> ProxyError:
+    return ProxyError(503, why, type_="service_unavailable", code="no_engine_available", outcome="no_engine")
+
+
+def bad_gateway(message: str, code: str) -> ProxyError:
+    return ProxyError(502, message, type_="upstream_error", code=code, outcome="upstream_error")
+
+
+def gateway_timeout(message: str, code: str) -> ProxyError:
+    return ProxyError(504, message, type_="upstream_timeout", code=code, outcome="timeout")

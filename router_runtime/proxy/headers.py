@@ -1,0 +1,61 @@
+"""Header filtering between the client and the engine (pure).
+
+Hop-by-hop headers (RFC 9110 7.6.1: Connection, Keep-Alive, Proxy-*, TE, Trailer, Transfer-Encoding,
+Upgrade, and every header the Connection header names) belong to one connection and are stripped
+both ways. Host and Content-Length are the client session's to set; the DP rank header is the
+router's to set (a client cannot pin a rank of an engine it did not choose).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from multidict import CIMultiDict
+
+RANK_HEADER = "X-Data-Parallel-Rank"
+ENGINE_HEADER = "X-RouterFleet-Engine"
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", RANK_HEADER.lower()}
+_RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
+
+
+def _connection_named(values: Iterable[str]) -> set[str]:
+    return {token.strip().lower() for value in values for token in value.split(",") if token.strip()}
+
+
+def _filter(headers: CIMultiDict | dict, drop: frozenset[str]) -> CIMultiDict:
+    out: CIMultiDict = CIMultiDict()
+    named = None
+    if "Connection" in headers:
+        getall = getattr(headers, "getall", None)
+        named = _connection_named(getall("Connection") if getall else [headers["Connection"]])
+    for name, value in headers.items():
+        low = name.lower()
+        if low in drop or low.startswith("proxy-") or (named and low in named):
+            continue
+        out.add(name, value)
+    return out
+
+
+def request_headers(headers) -> CIMultiDict:
+    """What to send the engine of the client's request headers."""
+    return _filter(headers, _REQUEST_DROP)
+
+
+def response_headers(headers) -> CIMultiDict:
+    """What to send the client of the engine's response headers (Content-Length is set separately)."""
+    return _filter(headers, _RESPONSE_DROP)

@@ -1,0 +1,103 @@
+"""Prometheus metrics of the request plane, on the router's own registry (like ``KVMetrics``).
+
+Label children are cached per label tuple, so the hot path costs a dict lookup and an ``inc`` rather
+than ``labels()``'s lock and validation per request.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 5e-3, 2.5e-2)
+_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+_UPSTREAM_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ProxyMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        p = "routerfleet_"
+        self.requests = Counter(
+            p + "requests",
+            "Requests answered, by policy, outcome and the status sent to the client",
+            ["policy", "outcome", "status"],
+            registry=registry,
+        )
+        self.decision_seconds = Histogram(
+            p + "routing_decision_seconds",
+            "Time the policy took to choose a target",
+            registry=registry,
+            buckets=_DECISION_BUCKETS,
+        )
+        self.matched_ratio = Histogram(
+            p + "routing_matched_prefix_ratio",
+            "Matched share of the request's prefix on the chosen target (blocks, or characters)",
+            registry=registry,
+            buckets=_RATIO_BUCKETS,
+        )
+        self.inflight = Gauge(
+            p + "inflight", "Requests the router has in flight, per engine", ["engine"], registry=registry
+        )
+        self.upstream_seconds = Histogram(
+            p + "upstream_seconds",
+            "Engine response time: to the response headers (first_byte) and to its end (total)",
+            ["phase"],
+            registry=registry,
+            buckets=_UPSTREAM_BUCKETS,
+        )
+        self.retries = Counter(
+            p + "retries", "Requests retried on another engine, by reason", ["reason"], registry=registry
+        )
+        self.decisions = Counter(
+            p + "routing_decisions",
+            "Routing decisions, by policy and reason",
+            ["policy", "reason"],
+            registry=registry,
+        )
+        self.engines = Gauge(
+            p + "engines", "Known engines by circuit-breaker state", ["state"], registry=registry
+        )
+        self.breaker_transitions = Counter(
+            p + "breaker_transitions",
+            "Circuit-breaker state changes, by the state entered",
+            ["state"],
+            registry=registry,
+        )
+        self.first_byte = self.upstream_seconds.labels("first_byte")
+        self.total = self.upstream_seconds.labels("total")
+        self._requests: dict[tuple[str, str, int], object] = {}
+        self._decisions: dict[tuple[str, str], object] = {}
+        self._inflight: dict[str, object] = {}
+        self._retries: dict[str, object] = {}
+
+    def request(self, policy: str, outcome: str, status: int) -> None:
+        key = (policy, outcome, status)
+        child = self._requests.get(key)
+        if child is None:
+            child = self._requests[key] = self.requests.labels(policy, outcome, str(status))
+        child.inc()
+
+    def decision(self, policy: str, reason: str) -> None:
+        key = (policy, reason)
+        child = self._decisions.get(key)
+        if child is None:
+            child = self._decisions[key] = self.decisions.labels(policy, reason)
+        child.inc()
+
+    def retry(self, reason: str) -> None:
+        child = self._retries.get(reason)
+        if child is None:
+            child = self._retries[reason] = self.retries.labels(reason)
+        child.inc()
+
+    def set_inflight(self, engine: str, n: int) -> None:
+        child = self._inflight.get(engine)
+        if child is None:
+            child = self._inflight[engine] = self.inflight.labels(engine)
+        child.set(n)
+
+    def forget_engines(self, keep: set[str]) -> None:
+        """Drop the inflight series of engines that left (and have nothing in flight)."""
+        for engine in list(self._inflight):
+            if engine not in keep:
+                del self._inflight[engine]
+                self.inflight.remove(engine)

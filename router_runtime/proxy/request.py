@@ -1,0 +1,140 @@
+"""Request bodies: validate what the router needs and extract the prompt for matching (pure).
+
+The router checks what it must read to route (the prompt or the messages, ``stream``) and leaves
+everything else to the engine, whose 4xx answers are passed through. The body itself is forwarded as
+the client's original bytes; nothing here re-serializes it.
+
+Prompts: ``"text"``, ``[ids...]``, ``["text", ...]`` or ``[[ids...], ...]``; a batch of several prompts
+is routed by its first. Token IDs must be integers in [0, 2**32) (converted in C by ``array``, so a
+100k-token prompt costs microseconds; JSON ``true``/``false`` slip through as 1/0 and are left to the
+engine to reject).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ProxyError, bad_request
+
+
+class Kind(enum.StrEnum):
+    COMPLETION = "completion"
+    CHAT = "chat"
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    kind: Kind
+    stream: bool
+    text: str | None = None  # a completion's text prompt
+    tokens: array | None = None  # a completion's token-ID prompt (array('I'))
+    messages: list | None = None  # a chat request's messages
+    template_kwargs: dict[str, Any] | None = None  # chat: tools and chat_template_kwargs for the template
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise bad_request("request body is not valid JSON") from None
+
+
+def _ids(value: list, param: str) -> array:
+    try:
+        return array("I", value)
+    except (TypeError, OverflowError):
+        raise bad_request(f"'{param}' token IDs must be integers in [0, 2**32)", param) from None
+
+
+def _prompt(prompt: Any) -> tuple[str | None, array | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if not isinstance(prompt, list):
+        raise bad_request("'prompt' must be a string or a list of token IDs", "prompt")
+    if not prompt:
+        raise bad_request("'prompt' must not be empty", "prompt")
+    first = prompt[0]
+    if type(first) is int:
+        return None, _ids(prompt, "prompt")
+    if isinstance(first, str):
+        if not all(isinstance(p, str) for p in prompt):
+            raise bad_request("'prompt' must not mix strings and other values", "prompt")
+        return first, None
+    if isinstance(first, list):
+        if not all(isinstance(p, list) for p in prompt):
+            raise bad_request("'prompt' must not mix token lists and other values", "prompt")
+        for p in prompt[1:]:
+            _ids(p, "prompt")
+        return None, _ids(first, "prompt")
+    raise bad_request(
+        "'prompt' must be a string, a list of token IDs, or a list of strings or token-ID lists", "prompt"
+    )
+
+
+def _messages(messages: Any) -> list:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    for m in messages:
+        if not isinstance(m, dict):
+            raise bad_request("each message must be an object", "messages")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise bad_request("each message needs a non-empty string 'role'", "messages")
+    return messages
+
+
+def _opt_str(body: dict, key: str) -> str | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise bad_request(f"'{key}' must be a string", key)
+    return v or None
+
+
+def parse_request(body: Any, kind: Kind) -> ParsedRequest:
+    """A decoded JSON body -> what routing needs. Raises ProxyError (400)."""
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    elif type(stream) is not bool:
+        raise bad_request("'stream' must be a boolean", "stream")
+    lora_name, cache_salt = _opt_str(body, "lora_name"), _opt_str(body, "cache_salt")
+    if kind is Kind.COMPLETION:
+        if "prompt" not in body:
+            raise bad_request("'prompt' is required", "prompt")
+        text, tokens = _prompt(body["prompt"])
+        return ParsedRequest(
+            kind, stream, text=text, tokens=tokens, lora_name=lora_name, cache_salt=cache_salt
+        )
+    if "messages" not in body:
+        raise bad_request("'messages' is required", "messages")
+    messages = _messages(body["messages"])
+    template_kwargs: dict[str, Any] | None = None
+    extra = body.get("chat_template_kwargs")
+    if extra is not None and not isinstance(extra, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    if extra or body.get("tools") is not None:
+        # The engine renders tools into the prompt too, so they are part of the prefix to match.
+        template_kwargs = {**(extra or {})}
+        if body.get("tools") is not None:
+            template_kwargs["tools"] = body["tools"]
+    return ParsedRequest(
+        kind,
+        stream,
+        messages=messages,
+        template_kwargs=template_kwargs,
+        lora_name=lora_name,
+        cache_salt=cache_salt,
+    )
+
+
+__all__ = ["Kind", "ParsedRequest", "ProxyError", "parse_json", "parse_request"]

@@ -1,0 +1,378 @@
+"""The OpenAI-compatible proxy: parse, tokenize if the policy needs it, choose, forward, relay.
+
+One request::
+
+    read body (413 over the limit) -> parse JSON, validate (400) -> tokens/text for the policy
+    -> candidates (503 if none) -> policy.choose -> acquire load -> POST to the engine
+       connect failure before any byte: release, breaker failure, retry ONCE without that engine
+    -> relay status, headers (hop-by-hop stripped, X-RouterFleet-Engine added) and body chunk by chunk
+    -> release load (always exactly once: success, error, timeout or client gone)
+
+The body is forwarded as the client's bytes; responses are relayed as they arrive (``readany`` then
+``write``, which waits for the client to drain), never buffered whole. Once the response has started,
+an upstream failure can only be reported by cutting the client's connection, so it is cut (a chunked
+response then lacks its terminator and the client sees the truncation). A client that goes away
+cancels the handler (``handler_cancellation``), which closes the upstream connection, so the engine
+stops generating.
+
+Never logged: prompts, token IDs, block hashes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from ..kv.index import RadixIndex
+from ..routing.types import Decision, Policy, RouteRequest, Target
+from ..tokens.tokenizer import AsyncTokenizer
+from .errors import ProxyError, bad_gateway, gateway_timeout, no_engine, too_large
+from .headers import ENGINE_HEADER, RANK_HEADER, request_headers, response_headers
+from .health import HealthBoard
+from .load import LoadTracker
+from .metrics import ProxyMetrics
+from .request import Kind, ParsedRequest, parse_json, parse_request
+from .targets import TargetBook
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect_s: float = 5.0  # TCP connect to an engine
+    first_byte_s: float = 600.0  # dispatch to the engine's response headers
+    total_s: float = 3600.0  # dispatch to the end of the response
+    idle_s: float = 300.0  # between two chunks of a response body
+
+    def __post_init__(self) -> None:
+        for name in ("connect_s", "first_byte_s", "total_s", "idle_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+
+
+class _ConnectFailed(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # retries_total label
+        self.message = message
+
+
+class _Ctx:
+    """What the metrics need to know about one request when it ends, however it ends."""
+
+    __slots__ = ("engine", "outcome", "status")
+
+    def __init__(self) -> None:
+        self.status = 499  # nothing sent yet: if the handler is cancelled, the client closed
+        self.outcome = "cancelled"
+        self.engine: str | None = None
+
+
+class Proxy:
+    def __init__(
+        self,
+        *,
+        policy: Policy,
+        tokenizer: AsyncTokenizer,
+        targets: TargetBook,
+        health: HealthBoard,
+        load: LoadTracker,
+        metrics: ProxyMetrics,
+        index_fn: Callable[[], RadixIndex | None],
+        timeouts: Timeouts,
+        max_body_bytes: int,
+        executor: Executor | None = None,
+        parse_inline_max_bytes: int = 256 << 10,
+        keepalive_s: float = 4.0,
+        models_timeout_s: float = 10.0,
+    ) -> None:
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.targets = targets
+        self.health = health
+        self.load = load
+        self.metrics = metrics
+        self.index_fn = index_fn
+        self.timeouts = timeouts
+        self.max_body_bytes = max_body_bytes
+        self.executor = executor
+        self.parse_inline_max_bytes = parse_inline_max_bytes
+        self.keepalive_s = keepalive_s
+        self.models_timeout = aiohttp.ClientTimeout(total=models_timeout_s)
+        self.needs_tokens = bool(policy.needs_tokens)
+        # Text-prefix policies need a chat request's rendered prompt; the Policy protocol only declares
+        # needs_tokens, so a policy may declare needs_text, and approx_prefix is known to need it.
+        self.needs_text = bool(getattr(policy, "needs_text", policy.name == "approx_prefix"))
+        self._session: aiohttp.ClientSession | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        # One session, one pool for every engine. No connection limit (the engines queue, and the
+        # policy sees the router's in-flight load); idle connections are dropped before uvicorn's 5 s
+        # keep-alive would drop them under us. No cookies, no decompression, no added headers: the
+        # bytes pass through.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s),
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("proxy not started")
+        return self._session
+
+    # ---- handlers ------------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, Kind.COMPLETION)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, Kind.CHAT)
+
+    async def _handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        ctx = _Ctx()
+        try:
+            return await self._serve(request, kind, ctx)
+        except ProxyError as e:
+            ctx.status, ctx.outcome = e.status, e.outcome
+            return e.response({ENGINE_HEADER: ctx.engine} if ctx.engine else None)
+        except Exception:  # a bug: aiohttp answers 500 (or cuts a started response) and logs it
+            ctx.outcome = "error"
+            if ctx.status == 499:
+                ctx.status = 500
+            raise
+        finally:
+            self.metrics.request(self.policy.name, ctx.outcome, ctx.status)
+
+    async def _serve(self, request: web.Request, kind: Kind, ctx: _Ctx) -> web.StreamResponse:
+        raw = await self._read_body(request)
+        parsed = parse_request(await self._parse(raw), kind)
+        targets = self.targets.candidates()
+        if not targets:
+            raise no_engine("no engine can take the request (none discovered, or all unhealthy)")
+        route = await self._route_request(parsed, len(raw))
+        index = self.index_fn()
+        loop = asyncio.get_running_loop()
+        for attempt in (0, 1):
+            decision = self._decide(route, targets, index)
+            target = decision.target
+            ctx.engine = target.engine
+            self._acquire(target)
+            try:
+                start = loop.time()
+                try:
+                    upstream = await self._open(request, target, raw)
+                except _ConnectFailed as e:
+                    self.health.failure(target.engine)
+                    remaining = tuple(t for t in targets if t.engine != target.engine)
+                    if attempt == 0 and remaining:
+                        self.metrics.retry(e.reason)
+                        targets = remaining
+                        continue
+                    if e.reason == "connect_timeout":
+                        raise gateway_timeout(e.message, "connect_timeout") from None
+                    raise bad_gateway(e.message, "upstream_connect_failed") from None
+                return await self._relay(request, upstream, target, start, ctx)
+            finally:
+                self._release(target)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # ---- request side --------------------------------------------------------------------------
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        length = request.content_length
+        if length is not None and length > self.max_body_bytes:
+            raise too_large(self.max_body_bytes)
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large(self.max_body_bytes) from None
+
+    async def _parse(self, raw: bytes) -> Any:
+        if self.executor is not None and len(raw) > self.parse_inline_max_bytes:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, parse_json, raw)
+        return parse_json(raw)
+
+    async def _route_request(self, parsed: ParsedRequest, size: int) -> RouteRequest:
+        tokens: Sequence[int] | None = None
+        text = parsed.text
+        if self.needs_tokens:
+            if parsed.tokens is not None:
+                tokens = parsed.tokens
+            elif parsed.text is not None:
+                tokens = await self.tokenizer.prompt(parsed.text, size)
+            else:
+                tokens = await self.tokenizer.chat_tokens(parsed.messages, parsed.template_kwargs, size)
+        if self.needs_text and parsed.messages is not None:
+            text = await self.tokenizer.chat_text(parsed.messages, parsed.template_kwargs, size)
+        return RouteRequest(
+            tokens=tokens, text=text, lora_name=parsed.lora_name, cache_salt=parsed.cache_salt
+        )
+
+    def _decide(self, route: RouteRequest, targets: Sequence[Target], index: RadixIndex | None) -> Decision:
+        m = self.metrics
+        t0 = time.perf_counter()
+        decision = self.policy.choose(route, targets, self.load.view, index)
+        m.decision_seconds.observe(time.perf_counter() - t0)
+        m.decision(self.policy.name, decision.reason)
+        if decision.total_blocks:
+            m.matched_ratio.observe(decision.matched_blocks / decision.total_blocks)
+        elif decision.total_chars:
+            m.matched_ratio.observe(decision.matched_chars / decision.total_chars)
+        return decision
+
+    def _acquire(self, target: Target) -> None:
+        self.metrics.set_inflight(target.engine, self.load.acquire(target))
+
+    def _release(self, target: Target) -> None:
+        self.metrics.set_inflight(target.engine, self.load.release(target))
+
+    async def _open(self, request: web.Request, target: Target, raw: bytes) -> aiohttp.ClientResponse:
+        """POST to the engine and wait for its response headers."""
+        headers = request_headers(request.headers)
+        if "Content-Type" not in headers:  # the body parsed as JSON; say so (FastAPI servers insist)
+            headers["Content-Type"] = "application/json"
+        if target.rank is not None:
+            headers[RANK_HEADER] = str(target.rank)
+        t = self.timeouts
+        try:
+            async with asyncio.timeout(min(t.first_byte_s, t.total_s)):
+                return await self.session.post(target.url + request.path_qs, data=raw, headers=headers)
+        except aiohttp.ConnectionTimeoutError:
+            raise _ConnectFailed("connect_timeout", "timed out connecting to the engine") from None
+        except aiohttp.ClientConnectorError:
+            raise _ConnectFailed("connect", "cannot connect to the engine") from None
+        except TimeoutError:
+            raise gateway_timeout("the engine did not respond in time", "first_byte_timeout") from None
+        except aiohttp.ServerDisconnectedError:
+            self.health.failure(target.engine)
+            raise bad_gateway(
+                "the engine closed the connection before responding", "upstream_disconnected"
+            ) from None
+        except aiohttp.ClientError as e:
+            raise bad_gateway(f"upstream error ({type(e).__name__})", "upstream_error") from None
+
+    # ---- response side -------------------------------------------------------------------------
+
+    async def _relay(
+        self, request: web.Request, up: aiohttp.ClientResponse, target: Target, start: float, ctx: _Ctx
+    ) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        done = False
+        try:
+            status = up.status
+            self.metrics.first_byte.observe(loop.time() - start)
+            if status >= 500:
+                self.health.failure(target.engine)
+            else:
+                self.health.success(target.engine)
+            headers = response_headers(up.headers)
+            headers[ENGINE_HEADER] = target.engine
+            resp = web.StreamResponse(status=status, reason=up.reason, headers=headers)
+            if up.content_length is not None and "Transfer-Encoding" not in up.headers:
+                resp.content_length = up.content_length
+            t = self.timeouts
+            deadline = start + t.total_s
+            idle = t.idle_s
+            content = up.content
+            writing = True  # to the client: a failure there means the client went away
+            try:
+                await resp.prepare(request)
+                ctx.status = status
+                async with asyncio.timeout_at(min(loop.time() + idle, deadline)) as cm:
+                    while True:
+                        writing = False
+                        chunk = await content.readany()
+                        if not chunk:
+                            break
+                        cm.reschedule(deadline)  # a slow client is not an idle engine
+                        writing = True
+                        await resp.write(chunk)
+                        cm.reschedule(min(loop.time() + idle, deadline))
+                done = True  # the engine's response is complete: its connection can be reused
+                writing = True
+                await resp.write_eof()
+            except asyncio.CancelledError:  # the client went away (handler cancellation)
+                ctx.outcome = "cancelled"
+                raise
+            except TimeoutError:
+                ctx.outcome = "timeout"
+                self._cut(request)
+                return resp
+            except (aiohttp.ClientError, OSError):  # OSError: ConnectionResetError and friends
+                if writing:
+                    ctx.outcome = "cancelled"
+                else:
+                    ctx.outcome = "upstream_error"
+                    self._cut(request)
+                return resp
+            self.metrics.total.observe(loop.time() - start)
+            ctx.outcome = "ok" if status < 400 else "upstream_status"
+            return resp
+        finally:
+            if done:
+                up.release()
+            else:
+                up.close()
+
+    @staticmethod
+    def _cut(request: web.Request) -> None:
+        """End a response that already started without its terminator: the client sees a truncation,
+        never a complete-looking body."""
+        transport = request.transport
+        if transport is not None:
+            transport.close()
+
+    # ---- /v1/models ----------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        engines: dict[str, str] = {}
+        for t in self.targets.candidates():
+            engines.setdefault(t.engine, t.url)
+        if not engines:
+            return no_engine("no healthy engine").response()
+        headers = request_headers(request.headers)
+        results = await asyncio.gather(
+            *(self._engine_models(url, headers) for url in engines.values()), return_exceptions=True
+        )
+        merged: dict[str, Any] = {}
+        answered = 0
+        for r in results:
+            if isinstance(r, list):
+                answered += 1
+                for m in r:
+                    if isinstance(m, dict) and isinstance(m.get("id"), str):
+                        merged.setdefault(m["id"], m)
+        if not answered:
+            return bad_gateway("no engine answered /v1/models", "upstream_error").response()
+        return web.json_response({"object": "list", "data": list(merged.values())})
+
+    async def _engine_models(self, url: str, headers) -> list:
+        async with self.session.get(url + "/v1/models", headers=headers, timeout=self.models_timeout) as r:
+            if r.status != 200:
+                raise ValueError(f"status {r.status}")
+            body = json.loads(await r.read())
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list):
+            raise ValueError("no data list")
+        return data

@@ -1,0 +1,57 @@
+"""The candidate targets: the current workers' targets, less the engines whose breaker is open.
+
+A KV policy targets each (engine, rank) of a worker with ``dp_size > 1`` (each rank has its own cache;
+the rank is pinned with ``X-Data-Parallel-Rank``) and the engine itself otherwise; other policies
+target whole engines (``rank=None``) and let the engine balance its ranks. The candidate tuple is
+cached until the worker set or a breaker changes, so a request pays one comparison for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..kv.plane import WorkerSpec
+from ..routing.types import Target
+from .health import HealthBoard
+
+
+def worker_targets(spec: WorkerSpec, per_rank: bool) -> tuple[Target, ...]:
+    if per_rank and spec.dp_size > 1:
+        return tuple(Target(spec.engine, spec.url, r) for r in range(spec.dp_size))
+    return (Target(spec.engine, spec.url),)
+
+
+class TargetBook:
+    def __init__(self, board: HealthBoard, *, per_rank: bool) -> None:
+        self.board = board
+        self.per_rank = per_rank
+        self._by_engine: dict[str, tuple[Target, ...]] = {}
+        self._urls: dict[str, str] = {}
+        self._cache: tuple[Target, ...] = ()
+        self._cache_version = -1
+        self._cache_until = 0.0
+
+    def set_workers(self, specs: Iterable[WorkerSpec]) -> None:
+        specs = sorted(specs, key=lambda s: s.engine)
+        self._by_engine = {s.engine: worker_targets(s, self.per_rank) for s in specs}
+        self._urls = {s.engine: s.url for s in specs}
+        self.board.sync(self._by_engine)  # bumps the board's version: the cache is stale
+
+    def all_targets(self) -> set[Target]:
+        """Every known target, healthy or not."""
+        return {t for ts in self._by_engine.values() for t in ts}
+
+    @property
+    def urls(self) -> dict[str, str]:
+        """engine -> base URL of every known engine, healthy or not."""
+        return self._urls
+
+    def candidates(self) -> tuple[Target, ...]:
+        board = self.board
+        if board.version != self._cache_version or board.clock() >= self._cache_until:
+            self._cache = tuple(
+                t for engine, ts in self._by_engine.items() if board.available(engine) for t in ts
+            )
+            self._cache_version = board.version
+            self._cache_until = board.next_change()
+        return self._cache

@@ -1,0 +1,165 @@
+"""The router's command line: the request-plane flags map onto RouterConfig, every policy tunable has
+a flag, bad values fail with one line naming the flag, and the real process serves requests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+
+import aiohttp
+import pytest
+
+from router_runtime.config import RouterConfig, parse_args
+from router_runtime.fake_engine.server import run_fake_engine
+from router_runtime.routing.policies import PolicyConfig
+
+from .test_tokens_hf import build_tokenizer_dir
+
+
+def test_defaults_keep_the_existing_behaviour_and_add_the_request_plane():
+    c = parse_args([])
+    assert c == RouterConfig()
+    assert c.policy == "kv_aware" and c.policy_config == PolicyConfig() and c.tokenizer == "bytes"
+    assert c.max_body_bytes == 32 << 20 and c.health_interval_s == 5 and c.breaker_failures == 3
+
+
+def test_flags_map_onto_the_config(tmp_path):
+    build_tokenizer_dir(tmp_path / "tok")
+    c = parse_args(
+        [
+            "--port", "9000",
+            "--worker", "url=http://e1:8000,kv=tcp://e1:5557,dp=2",
+            "--block-size", "32",
+            "--policy", "power_of_two",
+            "--balance-abs-threshold", "8",
+            "--balance-rel-threshold", "2.5",
+            "--host-weight", "0.75",
+            "--load-cost-tokens", "128",
+            "--no-spread-ties",
+            "--cache-threshold", "0.5",
+            "--max-tree-size", "1000",
+            "--seed", "7",
+            "--tokenizer", str(tmp_path / "tok"),
+            "--tokenizer-threads", "2",
+            "--connect-timeout-ms", "250",
+            "--first-byte-timeout-ms", "1500",
+            "--total-timeout-ms", "60000",
+            "--idle-timeout-ms", "2000",
+            "--upstream-keepalive-ms", "1000",
+            "--max-body-bytes", "1024",
+            "--health-interval-ms", "0",
+            "--health-timeout-ms", "300",
+            "--breaker-failures", "5",
+            "--breaker-cooldown-ms", "0",
+        ]
+    )  # fmt: skip
+    assert (c.port, c.block_size, c.workers[0].dp_size) == (9000, 32, 2)
+    assert c.policy == "power_of_two"
+    assert c.policy_config == PolicyConfig(
+        balance_abs_threshold=8,
+        balance_rel_threshold=2.5,
+        host_weight=0.75,
+        load_cost_tokens=128.0,
+        spread_ties=False,
+        cache_threshold=0.5,
+        max_tree_size=1000,
+        seed=7,
+    )
+    assert c.tokenizer == str(tmp_path / "tok") and c.tokenizer_threads == 2
+    assert (c.connect_timeout_s, c.first_byte_timeout_s, c.total_timeout_s, c.idle_timeout_s) == (
+        0.25,
+        1.5,
+        60,
+        2,
+    )
+    assert (c.upstream_keepalive_s, c.max_body_bytes) == (1, 1024)
+    assert (c.health_interval_s, c.health_timeout_s, c.breaker_failures, c.breaker_cooldown_s) == (
+        0,
+        0.3,
+        5,
+        0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--policy", "fastest"], "--policy"),
+        (["--host-weight", "1.5"], "--host-weight"),
+        (["--balance-rel-threshold", "0.5"], "--balance-rel-threshold"),
+        (["--balance-abs-threshold", "x"], "--balance-abs-threshold"),
+        (["--cache-threshold", "nan"], "--cache-threshold"),
+        (["--tokenizer", "/no/such/dir"], "--tokenizer"),
+        (["--connect-timeout-ms", "0"], "--connect-timeout-ms"),
+        (["--max-body-bytes", "-5"], "--max-body-bytes"),
+        (["--health-interval-ms", "-1"], "--health-interval-ms"),
+        (["--breaker-failures", "0"], "--breaker-failures"),
+        (["--breaker-cooldown-ms", "soon"], "--breaker-cooldown-ms"),
+        (["--worker", "url=http://a", "--worker", "url=http://a"], "--worker"),
+    ],
+)
+def test_bad_flags_fail_with_one_line_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"routerfleet-router: error: argument {flag}"), err[-1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_the_router_process_serves_requests():
+    async with run_fake_engine(block_size=16) as engine:
+        port = free_port()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "router_runtime.cli",
+            "--port",
+            str(port),
+            "--worker",
+            f"url={engine.http_url},kv={engine.kv_endpoint(0)},replay={engine.replay_endpoint(0)}",
+            "--health-interval-ms",
+            "100",
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+
+                async def ready() -> bool:
+                    try:
+                        async with s.get(url + "/readyz") as r:
+                            return r.status == 200
+                    except aiohttp.ClientConnectionError:
+                        return False
+
+                async def wait_ready():  # poll until ready (an async `eventually`)
+                    while not await ready():
+                        assert proc.returncode is None, "the router exited"
+                        await asyncio.sleep(0.05)
+
+                await asyncio.wait_for(wait_ready(), 20)
+                async with s.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3}) as r:
+                    assert r.status == 200 and r.headers["X-RouterFleet-Engine"] == engine.http_url
+                    assert len((await r.json())["choices"][0]["text"]) == 3
+                async with s.get(url + "/metrics") as r:
+                    text = await r.text()
+                    assert (
+                        'routerfleet_requests_total{outcome="ok",policy="kv_aware",status="200"} 1.0' in text
+                    )
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = await asyncio.wait_for(proc.communicate(), 20)
+        assert proc.returncode == 0, stderr.decode()[-2000:]
+        log = stderr.decode()
+        assert "policy kv_aware" in log and "hello" not in log  # never log prompts

@@ -1,0 +1,276 @@
+"""Routing end to end: three fake engines publish KV events to a router, and requests whose prefix one
+engine caches go to that engine (token IDs, text, chat; the bytes and a Hugging Face tokenizer), until
+load skew trips the imbalance guard. Also: which policies make the router tokenize at all."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+
+from router_runtime.app import run_router
+from router_runtime.config import RouterConfig
+from router_runtime.fake_engine.server import run_fake_engine
+from router_runtime.kv.index import Carrier
+from router_runtime.kv.plane import WorkerSpec
+from router_runtime.routing.policies import PolicyConfig
+from router_runtime.tokens.hf import HFTokenizer
+from router_runtime.tokens.tokenizer import BytesTokenizer
+
+from .support import eventually, join_stream
+from .test_tokens_hf import build_tokenizer_dir
+
+BS = 4
+ENGINE_HEADER = "X-RouterFleet-Engine"
+
+
+@contextlib.asynccontextmanager
+async def kv_fleet(n: int = 3, engine_kw=None, tokenizer=None, **config):
+    """``n`` engines publishing KV events to one kv_aware router, every subscription joined."""
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [
+            await stack.enter_async_context(run_fake_engine(block_size=BS, **(engine_kw or {})))
+            for _ in range(n)
+        ]
+        workers = tuple(
+            WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
+            for e in engines
+        )
+        cfg = RouterConfig(port=0, workers=workers, block_size=BS, health_interval_s=0, **config)
+        router, url = await stack.enter_async_context(run_router(cfg, tokenizer=tokenizer))
+        by_url = {e.http_url: e for e in engines}
+        for sub in router.kv.subscriptions():
+            await join_stream(by_url[sub.carrier.engine].publisher, sub)
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        yield engines, router, url, session
+
+
+def cached_blocks(router, engine, tokens) -> int:
+    m = router.kv.index.match(tokens).get(Carrier(engine.http_url, 0))
+    return m.blocks if m else 0
+
+
+async def routed_to(session, url, body, path="/v1/completions") -> str:
+    async with session.post(url + path, json=body) as r:
+        assert r.status == 200, await r.text()
+        await r.read()
+        return r.headers[ENGINE_HEADER]
+
+
+def sample(router, name, **labels) -> float:
+    return router.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_token_id_prompts_go_to_the_engine_caching_their_prefix():
+    async with kv_fleet() as (engines, router, url, s):
+        prefixes = {i: [1000 * (i + 1) + t for t in range(64)] for i in range(3)}
+        # Engine i caches prefix i (through its admin API: events only, no request).
+        for i, e in enumerate(engines):
+            async with s.post(e.http_url + "/admin/store", json={"token_ids": prefixes[i]}) as r:
+                assert r.status == 200
+        for i, e in enumerate(engines):
+            await eventually(
+                lambda e=e, i=i: cached_blocks(router, e, prefixes[i]) == 16, what=f"engine {i} indexed"
+            )
+        for _ in range(2):
+            for i in (2, 0, 1):
+                assert (
+                    await routed_to(s, url, {"prompt": [*prefixes[i], 7, 7, 7], "max_tokens": 2})
+                    == engines[i].http_url
+                )
+        assert sample(router, "routerfleet_routing_decisions_total", policy="kv_aware", reason="prefix") == 6
+        assert sample(router, "routerfleet_routing_matched_prefix_ratio_count") == 6
+        # The engines agree: the prompt was served from their cache.
+        for e in engines:
+            assert e.rank_stats[0].cached_tokens == 2 * 64
+
+
+async def test_text_and_chat_requests_follow_what_the_engines_cached_from_earlier_requests():
+    async with kv_fleet() as (engines, router, url, s):
+        text = "Summarize the following document in three sentences: " + "lorem ipsum " * 10
+        chat = [
+            {"role": "system", "content": "You are terse. " * 5},
+            {"role": "user", "content": "hello there"},
+        ]
+        # Earlier requests, sent to the engines directly: they cache those prompts and publish it.
+        async with s.post(
+            engines[2].http_url + "/v1/completions", json={"prompt": text, "max_tokens": 1}
+        ) as r:
+            assert r.status == 200
+        async with s.post(
+            engines[1].http_url + "/v1/chat/completions", json={"messages": chat, "max_tokens": 1}
+        ) as r:
+            assert r.status == 200
+        tok = BytesTokenizer()
+        await eventually(
+            lambda: cached_blocks(router, engines[2], tok.encode(text)) > 10, what="text indexed"
+        )
+        await eventually(
+            lambda: cached_blocks(router, engines[1], tok.encode_chat(chat)) > 10, what="chat indexed"
+        )
+        assert (
+            await routed_to(s, url, {"prompt": text + " And then some.", "max_tokens": 2})
+            == engines[2].http_url
+        )
+        follow_up = [*chat, {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "more"}]
+        assert (
+            await routed_to(s, url, {"messages": follow_up, "max_tokens": 2}, "/v1/chat/completions")
+            == engines[1].http_url
+        )
+
+
+async def test_a_hugging_face_tokenizer_drives_matching(tmp_path):
+    build_tokenizer_dir(tmp_path / "tok")
+    hf = HFTokenizer.from_dir(str(tmp_path / "tok"))
+    text = "the quick brown fox jumps over the lazy dog " * 2
+    chat = [
+        {"role": "system", "content": "you are a helpful assistant"},
+        {"role": "user", "content": "hello world"},
+    ]
+    async with kv_fleet(tokenizer=hf) as (engines, router, url, s):
+        # The engines cache what the router's tokenizer makes of these prompts.
+        for engine, ids in ((engines[0], hf.encode(text)), (engines[2], hf.encode_chat(chat))):
+            async with s.post(engine.http_url + "/admin/store", json={"token_ids": ids}) as r:
+                assert r.status == 200
+        await eventually(lambda: cached_blocks(router, engines[0], hf.encode(text)) >= 4, what="text indexed")
+        await eventually(
+            lambda: cached_blocks(router, engines[2], hf.encode_chat(chat)) >= 3, what="chat indexed"
+        )
+        assert await routed_to(s, url, {"prompt": text + "paris", "max_tokens": 1}) == engines[0].http_url
+        assert (
+            await routed_to(s, url, {"messages": chat, "max_tokens": 1}, "/v1/chat/completions")
+            == engines[2].http_url
+        )
+
+
+async def test_load_skew_trips_the_imbalance_guard():
+    policy = PolicyConfig(balance_abs_threshold=2, balance_rel_threshold=1.5, load_cost_tokens=0)
+    async with kv_fleet(engine_kw={"decode_tokens_per_s": 20}, policy_config=policy) as (
+        engines,
+        router,
+        url,
+        s,
+    ):
+        hot = engines[1]
+        prefix = list(range(100, 164))
+        async with s.post(hot.http_url + "/admin/store", json={"token_ids": prefix}) as r:
+            assert r.status == 200
+        await eventually(lambda: cached_blocks(router, hot, prefix) == 16, what="prefix indexed")
+        holds = []
+        try:
+            for i in range(3):  # long streams that stay on the hot engine
+                r = await s.post(
+                    url + "/v1/completions", json={"prompt": [*prefix, i], "max_tokens": 1000, "stream": True}
+                )
+                holds.append(r)
+                assert r.headers[ENGINE_HEADER] == hot.http_url
+                await r.content.readany()
+            assert router.load.engine(hot.http_url) == 3
+            # Loads (0, 3, 0): 3 - 0 > 2 and 3 > 0 * 1.5, so the cached prefix no longer wins.
+            elsewhere = await routed_to(s, url, {"prompt": [*prefix, 99], "max_tokens": 1})
+            assert elsewhere != hot.http_url
+            assert (
+                sample(router, "routerfleet_routing_decisions_total", policy="kv_aware", reason="imbalanced")
+                == 1
+            )
+        finally:
+            for r in holds:
+                r.close()
+        await eventually(lambda: router.load.total == 0, what="holds released")
+        # Balanced again: the prefix wins again (the engine that took the overflow request now caches
+        # the prefix too, so either of the two may win the tie).
+        before = sample(router, "routerfleet_routing_decisions_total", policy="kv_aware", reason="prefix")
+        assert await routed_to(s, url, {"prompt": [*prefix, 98], "max_tokens": 1}) in (
+            hot.http_url,
+            elsewhere,
+        )
+        assert (
+            sample(router, "routerfleet_routing_decisions_total", policy="kv_aware", reason="prefix")
+            == before + 1
+        )
+        await eventually(lambda: hot.load.running == 0, what="the hot engine's streams cancelled")
+
+
+class CountingTokenizer(BytesTokenizer):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def encode(self, text):
+        self.calls += 1
+        return super().encode(text)
+
+    def encode_chat(self, messages, template_kwargs=None, *, unlocked=False):
+        self.calls += 1
+        return super().encode_chat(messages)
+
+    def render_chat(self, messages, template_kwargs=None):
+        self.calls += 1
+        return super().render_chat(messages)
+
+
+async def test_only_policies_that_match_tokens_or_text_make_the_router_tokenize():
+    bodies = [
+        ("/v1/completions", {"prompt": "some text prompt " * 4, "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 20}], "max_tokens": 1}),
+    ]
+    calls = {}
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(run_fake_engine(block_size=BS)) for _ in range(2)]
+        workers = tuple(WorkerSpec(e.http_url, e.http_url) for e in engines)
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        for policy in ("round_robin", "least_loaded", "power_of_two", "approx_prefix", "kv_aware"):
+            tok = CountingTokenizer()
+            cfg = RouterConfig(port=0, workers=workers, block_size=BS, health_interval_s=0, policy=policy)
+            async with run_router(cfg, tokenizer=tok) as (router, url):
+                for _ in range(2):
+                    for path, body in bodies:
+                        await routed_to(session, url, body, path)
+                calls[policy] = tok.calls
+                if policy == "approx_prefix":  # text routing: the second time, the same engine by prefix
+                    assert (
+                        sample(router, "routerfleet_routing_decisions_total", policy=policy, reason="prefix")
+                        == 2
+                    )
+    # Text prompts need no tokenizer; chat needs the template rendered (approx_prefix) or tokenized.
+    assert calls == {
+        "round_robin": 0,
+        "least_loaded": 0,
+        "power_of_two": 0,
+        "approx_prefix": 2,
+        "kv_aware": 4,
+    }
+
+
+class CountingExecutor(ThreadPoolExecutor):
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.submitted = 0
+
+    def submit(self, *a, **kw):
+        self.submitted += 1
+        return super().submit(*a, **kw)
+
+
+async def test_large_bodies_are_parsed_and_tokenized_off_the_loop_and_still_routed():
+    async with kv_fleet(n=2, tokenize_inline_max_bytes=1024) as (engines, router, url, s):
+        pool = CountingExecutor()
+        router.proxy.executor = router.proxy.tokenizer.executor = pool
+        router.proxy.parse_inline_max_bytes = 1024
+        text = "x" * 8000
+        async with s.post(
+            engines[0].http_url + "/v1/completions", json={"prompt": text, "max_tokens": 1}
+        ) as r:
+            assert r.status == 200
+        await eventually(
+            lambda: cached_blocks(router, engines[0], list(text.encode())) == 2000, what="indexed"
+        )
+        results = await asyncio.gather(
+            *(routed_to(s, url, {"prompt": text + "y", "max_tokens": 1}) for _ in range(3))
+        )
+        assert set(results) == {engines[0].http_url}
+        assert pool.submitted == 6  # each request: its JSON parsed and its prompt tokenized on the pool
+        small = await routed_to(s, url, {"prompt": "x" * 100, "max_tokens": 1})
+        assert small == engines[0].http_url and pool.submitted == 6  # small ones stay inline
+        pool.shutdown()

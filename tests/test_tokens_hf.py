@@ -1,0 +1,203 @@
+"""The router's tokenizers: the byte tokenizer behind the common interface, a Hugging Face
+tokenizer.json built here with the ``tokenizers`` library itself (no download), its chat template
+from tokenizer_config.json in a jinja2 sandbox, and off-loop tokenization of large prompts."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+from router_runtime.tokens import encode, render_chat
+from router_runtime.tokens.hf import ChatTemplateError, HFTokenizer, TokenizerError
+from router_runtime.tokens.tokenizer import AsyncTokenizer, BytesTokenizer, load_tokenizer
+
+CORPUS = [
+    "hello world",
+    "the quick brown fox jumps over the lazy dog",
+    "you are a helpful assistant",
+    "what is the capital of france",
+    "paris is the capital",
+]
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m.role not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}"
+    "<|{{ m.role }}|> {{ m.content }} {{ eos_token }} "
+    "{% endfor %}{% if tools %}<|tools|> {{ tools | tojson }} {% endif %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tokenizer_dir(path, template=TEMPLATE, config_extra=None):
+    """A WordLevel tokenizer trained on a few strings, with role markers and BOS/EOS as special tokens
+    and a post-processor that adds BOS, as Llama-style tokenizers do."""
+    specials = ["[UNK]", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tools|>"]
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(CORPUS, trainers.WordLevelTrainer(special_tokens=specials))
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "bos_token": "<s>",
+        "eos_token": {"content": "</s>", "lstrip": False, "normalized": False, "special": True},
+        "chat_template": template,
+        **(config_extra or {}),
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    build_tokenizer_dir(tmp_path / "tok")
+    return tmp_path / "tok"
+
+
+def test_completion_encoding_adds_bos(hf_dir):
+    raw = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    tok = HFTokenizer.from_dir(str(hf_dir))
+    bos = raw.token_to_id("<s>")
+    ids = tok.encode("hello world")
+    assert ids == [bos, raw.token_to_id("hello"), raw.token_to_id("world")]
+    assert tok.encode_unlocked("hello world") == ids
+
+
+def test_chat_template_renders_with_generation_prompt_and_special_tokens(hf_dir):
+    tok = HFTokenizer.from_dir(str(hf_dir))
+    raw = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    messages = [
+        {"role": "system", "content": "you are a helpful assistant"},
+        {"role": "user", "content": "hello"},
+    ]
+    text = tok.render_chat(messages)
+    assert text == "<s><|system|> you are a helpful assistant </s> <|user|> hello </s> <|assistant|>"
+    ids = tok.encode_chat(messages)
+    # The template carries the BOS: encoded without special tokens, so there is exactly one.
+    assert ids == raw.encode(text, add_special_tokens=False).ids
+    assert ids.count(raw.token_to_id("<s>")) == 1 and ids[0] == raw.token_to_id("<s>")
+    assert tok.encode_chat(messages, unlocked=True) == ids
+    # A later turn extends the earlier prompt: the property prefix routing relies on.
+    longer = [*messages, {"role": "assistant", "content": "paris"}, {"role": "user", "content": "world"}]
+    assert tok.render_chat(longer).startswith(text.removesuffix("<|assistant|>"))
+    # Tools are rendered through the transformers-style tojson (non-ASCII kept).
+    with_tools = tok.render_chat(messages, {"tools": [{"name": "é"}]})
+    assert '<|tools|> [{"name": "é"}]' in with_tools
+
+
+def test_template_errors_and_sandbox_violations_are_chat_template_errors(tmp_path, hf_dir):
+    tok = HFTokenizer.from_dir(str(hf_dir))
+    with pytest.raises(ChatTemplateError):
+        tok.render_chat([{"role": "tool", "content": "x"}])  # raise_exception() in the template
+    build_tokenizer_dir(tmp_path / "evil", template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ChatTemplateError):
+        HFTokenizer.from_dir(str(tmp_path / "evil")).render_chat([{"role": "user", "content": "x"}])
+
+
+def test_template_list_form_and_missing_template(tmp_path):
+    build_tokenizer_dir(
+        tmp_path / "named",
+        template=[
+            {"name": "tool_use", "template": "nope"},
+            {"name": "default", "template": "{{ bos_token }}!"},
+        ],
+    )
+    assert (
+        HFTokenizer.from_dir(str(tmp_path / "named")).render_chat([{"role": "user", "content": "x"}])
+        == "<s>!"
+    )
+    build_tokenizer_dir(tmp_path / "none", template=None)
+    tok = HFTokenizer.from_dir(str(tmp_path / "none"))
+    assert not tok.has_chat_template
+    with pytest.raises(ChatTemplateError):
+        tok.encode_chat([{"role": "user", "content": "x"}])
+
+
+def test_tokenizer_json_without_config(tmp_path, hf_dir):
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
+    tok = HFTokenizer.from_dir(str(tmp_path / "bare"))
+    assert len(tok.encode("hello")) == 2 and not tok.has_chat_template
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda p: None, "is not a directory"),
+        (lambda p: p.mkdir(), "no tokenizer.json"),
+        (lambda p: (p.mkdir(), (p / "tokenizer.json").write_text("{nope")), "cannot load"),
+    ],
+)
+def test_load_errors_are_one_line(tmp_path, setup, message):
+    path = tmp_path / "t"
+    setup(path)
+    with pytest.raises(TokenizerError, match=message) as e:
+        HFTokenizer.from_dir(str(path))
+    assert "\n" not in str(e.value)
+
+
+def test_bad_config_and_template_syntax(tmp_path, hf_dir):
+    build_tokenizer_dir(tmp_path / "syntax", template="{% for %}")
+    with pytest.raises(TokenizerError, match="invalid chat template"):
+        HFTokenizer.from_dir(str(tmp_path / "syntax"))
+    (hf_dir / "tokenizer_config.json").write_text("[1]")
+    with pytest.raises(TokenizerError, match="not a JSON object"):
+        HFTokenizer.from_dir(str(hf_dir))
+
+
+def test_load_tokenizer_spec(hf_dir):
+    assert isinstance(load_tokenizer("bytes"), BytesTokenizer)
+    tok = load_tokenizer(str(hf_dir))
+    assert isinstance(tok, HFTokenizer) and load_tokenizer(str(hf_dir)) is tok  # cached
+
+
+def test_bytes_tokenizer_matches_the_fake_engine():
+    tok = BytesTokenizer()
+    msgs = [{"role": "user", "content": "héllo"}]
+    assert tok.encode("héllo") == encode("héllo")
+    assert tok.render_chat(msgs) == render_chat(msgs)
+    assert tok.encode_chat(msgs) == encode(render_chat(msgs))
+
+
+class _Recording:
+    """Wraps a tokenizer and records the thread each call ran on."""
+
+    def __init__(self, inner):
+        self.inner, self.threads = inner, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.inner, name)
+
+        def call(*a, **kw):
+            self.threads.append(threading.current_thread())
+            return fn(*a, **kw)
+
+        return call
+
+
+async def test_large_prompts_are_tokenized_off_the_event_loop(hf_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    rec = _Recording(HFTokenizer.from_dir(str(hf_dir)))
+    msgs = [{"role": "user", "content": "hello world"}]
+    with ThreadPoolExecutor(1) as pool:
+        tok = AsyncTokenizer(rec, pool, inline_max_bytes=100)
+        small = await tok.prompt("hello world", size=50)
+        assert rec.threads.pop() is threading.main_thread()
+        big = await tok.prompt("hello world", size=101)
+        assert rec.threads.pop() is not threading.main_thread()
+        assert small == big
+        assert await tok.chat_tokens(msgs, None, 101) == await tok.chat_tokens(msgs, None, 1)
+        assert rec.threads[0] is not threading.main_thread() and rec.threads[1] is threading.main_thread()
+        assert await tok.chat_text(msgs, None, 101) == await tok.chat_text(msgs, None, 1)
+        # A chat the tokenizer cannot render routes without tokens rather than failing.
+        assert await tok.chat_tokens([{"role": "tool", "content": "x"}], None, 1) is None
+        assert await tok.chat_tokens([{"role": "tool", "content": "x"}], None, 1000) is None
+        assert await tok.chat_text([{"role": "tool", "content": "x"}], None, 1) is None
+    bytes_tok = AsyncTokenizer(BytesTokenizer(), None)
+    assert (
+        await bytes_tok.chat_tokens([{"role": "user", "content": [{"type": "image_url"}]}], None, 1) is None
+    )
