@@ -1,0 +1,580 @@
+"""Kubernetes discovery: watch the engines' EndpointSlices and publish complete worker sets.
+
+    watcher = EndpointSliceWatcher("llm", "kubernetes.io/service-name=engine", plane.set_workers,
+                                   config=EngineDiscoveryConfig(kv_port=5557, replay_port=5657),
+                                   registry=registry)
+    await watcher.start()          # loads KUBECONFIG / in-cluster credentials; raises if there are none
+    ...
+    await watcher.stop()
+
+List-then-watch, all on the event loop (aiohttp against the API server; credentials come from the
+kubernetes client's own kubeconfig / in-cluster loaders, so exec plugins, token files and rotation work):
+
+* list every page (``limit``/``continue``), then publish the mapped set: a set is only ever published
+  from a complete list, never from part of one (a list that fails mid-way publishes nothing);
+* watch from the list's resourceVersion (with bookmarks); every event updates the local cache of slices
+  and the set is recomputed from the cache and published if it changed; a watch that ends normally (the
+  server-side timeout) is resumed from the last resourceVersion;
+* 410 Gone (on the watch, or a continue token that expired) relists at once; any other failure (HTTP
+  error, connection, timeout, undecodable body) marks the watcher unsynced, is counted by reason, and
+  relists after a bounded, jittered exponential backoff.
+
+``synced`` is False until the first complete list and again after any failure, until a relist succeeds.
+The set last published stays in force while unsynced (emptying it would turn an API-server or RBAC
+problem into an outage); ``synced``, ``last_error`` and the metrics make the condition visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import ssl
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+from urllib.parse import quote
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import Counter as PromCounter
+
+from ..kv.plane import WorkerSpec
+from .endpointslices import EngineDiscoveryConfig, map_slices
+
+log = logging.getLogger(__name__)
+
+GROUP_PATH = "/apis/discovery.k8s.io/v1"
+MAX_EVENT_BYTES = 64 << 20
+
+# errors_total reasons, pre-created at 0 so dashboards and alerts see them before the first error
+REASONS = (
+    "forbidden",  # 403: RBAC does not allow list/watch of endpointslices
+    "unauthorized",  # 401: bad or expired credentials
+    "gone",  # 410: resourceVersion or continue token too old (relisted at once; routine)
+    "not_found",  # 404: e.g. the discovery.k8s.io/v1 API is not served
+    "throttled",  # 429
+    "server_error",  # 5xx
+    "http_error",  # any other HTTP status
+    "watch_error",  # an ERROR event on the watch stream other than 410
+    "connection",  # could not connect, or the connection broke
+    "timeout",  # connect or read timeout
+    "decode",  # a response or event that is not the JSON we expect
+    "callback",  # on_change raised
+    "internal",  # anything else (a bug): logged with its traceback
+)
+
+
+class ApiError(Exception):
+    """A failed API request or watch ERROR event, with the metric ``reason`` it counts under."""
+
+    def __init__(self, status: int, message: str, reason: str | None = None) -> None:
+        super().__init__(f"HTTP {status}: {message}" if status else message)
+        self.status = status
+        self.reason = reason or _reason_for(status)
+
+
+def _reason_for(status: int) -> str:
+    if status == 401:
+        return "unauthorized"
+    if status == 403:
+        return "forbidden"
+    if status == 404:
+        return "not_found"
+    if status == 410:
+        return "gone"
+    if status == 429:
+        return "throttled"
+    if status >= 500:
+        return "server_error"
+    return "http_error"
+
+
+class SliceApi(Protocol):
+    """What the watcher needs from the API server (``KubeApi``; tests pass an in-memory fake)."""
+
+    async def list_slices(
+        self, namespace: str | None, label_selector: str, *, limit: int, continue_token: str | None
+    ) -> dict: ...
+
+    def watch_slices(
+        self, namespace: str | None, label_selector: str, *, resource_version: str, timeout_s: int
+    ) -> AsyncIterator[dict]: ...
+
+    async def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------------------- API client
+
+
+def load_kube_configuration(kubeconfig: str | None = None, context: str | None = None):
+    """A ``kubernetes.client.Configuration``: the ``kubeconfig`` file if given, else $KUBECONFIG, else
+    the in-cluster service account, else ~/.kube/config (controller-runtime's order). Raises
+    ``kubernetes.config.ConfigException`` when none is usable."""
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    path = kubeconfig or os.environ.get("KUBECONFIG")
+    if path:
+        config.load_kube_config(
+            config_file=path, context=context, client_configuration=cfg, persist_config=False
+        )
+    elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config(client_configuration=cfg)
+    else:
+        config.load_kube_config(context=context, client_configuration=cfg, persist_config=False)
+    return cfg
+
+
+SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def default_namespace(kubeconfig: str | None = None, context: str | None = None) -> str:
+    """The namespace to watch when none is given: $POD_NAMESPACE, else the service account's (in a pod),
+    else the kubeconfig context's (``context``, or the current one), else "default"."""
+    if ns := os.environ.get("POD_NAMESPACE", "").strip():
+        return ns
+    with contextlib.suppress(OSError), open(SA_NAMESPACE_FILE) as f:
+        if ns := f.read().strip():
+            return ns
+    with contextlib.suppress(Exception):  # no kubeconfig: fine, "default"
+        from kubernetes import config
+
+        contexts, active = config.list_kube_config_contexts(kubeconfig or os.environ.get("KUBECONFIG"))
+        chosen = next((c for c in contexts if c.get("name") == context), None) if context else active
+        if ns := ((chosen or {}).get("context") or {}).get("namespace"):
+            return ns
+    return "default"
+
+
+def _ssl_context(cfg) -> ssl.SSLContext | None:
+    if not cfg.host.startswith("https"):
+        return None
+    ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert or None)
+    if cfg.cert_file:
+        ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+    if not cfg.verify_ssl:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+class KubeApi:
+    """A minimal async client for EndpointSlices, on aiohttp, with kubernetes-client credentials."""
+
+    def __init__(self, cfg, *, connect_timeout: float = 10.0, request_timeout: float = 30.0) -> None:
+        self.cfg = cfg
+        self.host = cfg.host.rstrip("/")
+        self._ssl = _ssl_context(cfg)
+        self._server_hostname = getattr(cfg, "tls_server_name", None) or None
+        self._connect_timeout = connect_timeout
+        self._request_timeout = request_timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_environment(cls, kubeconfig: str | None = None, context: str | None = None, **kw) -> KubeApi:
+        return cls(load_kube_configuration(kubeconfig, context), **kw)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=self._ssl if self._ssl is not None else False),
+                headers={"Accept": "application/json", "User-Agent": "routerfleet-router/discovery"},
+            )
+        return self._session
+
+    async def _headers(self) -> dict[str, str]:
+        # the refresh hook may re-read a token file or run an exec plugin: keep it off the loop
+        # ("Bearer <token>", or "Basic ..." for a kubeconfig user/password)
+        token = await asyncio.to_thread(self.cfg.get_api_key_with_prefix, "BearerToken", "authorization")
+        return {"Authorization": token} if token else {}
+
+    def _path(self, namespace: str | None) -> str:
+        if namespace:
+            return f"{self.host}{GROUP_PATH}/namespaces/{quote(namespace, safe='')}/endpointslices"
+        return f"{self.host}{GROUP_PATH}/endpointslices"
+
+    def _kw(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {}
+        if self._server_hostname:
+            kw["server_hostname"] = self._server_hostname
+        if getattr(self.cfg, "proxy", None):
+            kw["proxy"] = self.cfg.proxy
+        return kw
+
+    @staticmethod
+    async def _raise_for(r: aiohttp.ClientResponse) -> None:
+        if r.status == 200:
+            return
+        text = (await r.text(errors="replace"))[:1000]
+        try:
+            message = json.loads(text).get("message") or text
+        except (ValueError, AttributeError):
+            message = text
+        raise ApiError(r.status, message)
+
+    async def list_slices(
+        self, namespace: str | None, label_selector: str, *, limit: int, continue_token: str | None
+    ) -> dict:
+        params = {"labelSelector": label_selector, "limit": str(limit)}
+        if continue_token:
+            params["continue"] = continue_token
+        timeout = aiohttp.ClientTimeout(total=self._request_timeout, sock_connect=self._connect_timeout)
+        async with self._sess().get(
+            self._path(namespace), params=params, headers=await self._headers(), timeout=timeout, **self._kw()
+        ) as r:
+            await self._raise_for(r)
+            try:
+                body = await r.json(content_type=None)
+            except ValueError as e:
+                raise ApiError(r.status, f"list response is not JSON: {e}", "decode") from e
+        if not isinstance(body, dict):
+            raise ApiError(200, "list response is not a JSON object", "decode")
+        return body
+
+    async def watch_slices(
+        self, namespace: str | None, label_selector: str, *, resource_version: str, timeout_s: int
+    ) -> AsyncIterator[dict]:
+        params = {
+            "watch": "1",
+            "labelSelector": label_selector,
+            "resourceVersion": resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(timeout_s),
+        }
+        # no total timeout; a read gap well past the server-side timeout means a dead connection
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self._connect_timeout, sock_read=timeout_s + 30
+        )
+        async with self._sess().get(
+            self._path(namespace), params=params, headers=await self._headers(), timeout=timeout, **self._kw()
+        ) as r:
+            await self._raise_for(r)
+            async for ev in watch_events(r.content.iter_any()):
+                yield ev
+
+
+async def watch_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict]:
+    """A watch response body (one JSON event per line, in arbitrary chunks) as events. Lines may exceed
+    aiohttp's readline limit (a 1000-endpoint slice), so split here, up to ``MAX_EVENT_BYTES``."""
+    buf = bytearray()
+    async for chunk in chunks:
+        scan = len(buf)
+        buf += chunk
+        start = 0
+        while (nl := buf.find(b"\n", scan)) >= 0:
+            line = bytes(buf[start:nl])
+            start = scan = nl + 1
+            if line.strip():
+                yield _event(line)
+        del buf[:start]
+        if len(buf) > MAX_EVENT_BYTES:
+            raise ApiError(0, f"watch event longer than {MAX_EVENT_BYTES} bytes", "decode")
+    if buf.strip():
+        yield _event(bytes(buf))
+
+
+def _event(line: bytes) -> dict:
+    try:
+        ev = json.loads(line)
+    except ValueError as e:
+        raise ApiError(0, f"watch event is not JSON: {e}", "decode") from e
+    if not isinstance(ev, dict) or not isinstance(ev.get("object"), dict) or "type" not in ev:
+        raise ApiError(0, "watch event lacks type/object", "decode")
+    return ev
+
+
+# --------------------------------------------------------------------------------------- watcher
+
+
+class DiscoveryMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        p = "routerfleet_discovery_"
+        self.synced = Gauge(
+            p + "synced", "1 when the worker set mirrors a complete, current list", registry=registry
+        )
+        self.errors = PromCounter(
+            p + "errors", "Discovery list/watch failures, by reason", ["reason"], registry=registry
+        )
+        for reason in REASONS:
+            self.errors.labels(reason)
+        self.workers = Gauge(p + "workers", "Workers in the set last published", registry=registry)
+        self.endpoints = Gauge(
+            p + "endpoints",
+            "Endpoints in the watched slices, by state (see endpointslices.py)",
+            ["state"],
+            registry=registry,
+        )
+        self.lists = PromCounter(
+            p + "lists", "Complete lists of the watched EndpointSlices", registry=registry
+        )
+
+
+class _Gone(Exception):
+    pass
+
+
+class Backoff:
+    """Exponential with jitter, bounded by ``maximum``; back to ``initial`` after a quiet period."""
+
+    def __init__(self, initial: float, maximum: float, *, reset_after: float | None = None) -> None:
+        self.initial, self.maximum = initial, maximum
+        self.reset_after = reset_after if reset_after is not None else 2 * maximum
+        self._current = initial
+        self._last = -float("inf")
+
+    def next(self) -> float:
+        now = time.monotonic()
+        if now - self._last > self.reset_after:
+            self._current = self.initial
+        self._last = now
+        delay = self._current
+        self._current = min(self.maximum, self._current * 2)
+        return delay * random.uniform(0.5, 1.0)
+
+
+class EndpointSliceWatcher:
+    """Publishes the complete worker set of the EndpointSlices matching ``label_selector`` in
+    ``namespace`` (None: all namespaces) to ``on_change``, on the event loop, each time it changes.
+
+    The first call, after the first complete list, may be an empty list ("synced and empty"); before it
+    ``synced`` is False and ``workers`` is None ("not synced yet")."""
+
+    def __init__(
+        self,
+        namespace: str | None,
+        label_selector: str,
+        on_change: Callable[[list[WorkerSpec]], None],
+        *,
+        config: EngineDiscoveryConfig | None = None,
+        api: SliceApi | None = None,
+        kubeconfig: str | None = None,
+        context: str | None = None,
+        registry: CollectorRegistry | None = None,
+        watch_timeout_s: float = 300.0,
+        page_limit: int = 500,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+    ) -> None:
+        self.namespace = namespace or None
+        self.label_selector = label_selector
+        self.on_change = on_change
+        self.config = config or EngineDiscoveryConfig()
+        self._api = api
+        self._kubeconfig, self._context = kubeconfig, context
+        self.metrics = DiscoveryMetrics(registry if registry is not None else CollectorRegistry())
+        self.watch_timeout_s = watch_timeout_s
+        self.page_limit = page_limit
+        self._backoff = Backoff(backoff_initial_s, backoff_max_s)
+        self._slices: dict[tuple[str, str], dict] = {}
+        self._published: list[WorkerSpec] | None = None
+        self._synced = False
+        self._synced_event = asyncio.Event()
+        self.last_error: str | None = None
+        self.errors: Counter[str] = Counter()
+        self._task: asyncio.Task | None = None
+        self._warned: set[str] = set()
+
+    # ---- state ------------------------------------------------------------------------------
+
+    @property
+    def synced(self) -> bool:
+        return self._synced
+
+    @property
+    def workers(self) -> list[WorkerSpec] | None:
+        """The set last published (a copy); None until the first one ("not synced yet")."""
+        return list(self._published) if self._published is not None else None
+
+    async def wait_synced(self, timeout: float | None = None) -> bool:
+        """Wait until synced (True) or ``timeout`` passes (False)."""
+        try:
+            await asyncio.wait_for(self._synced_event.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def _set_synced(self, value: bool) -> None:
+        self._synced = value
+        self.metrics.synced.set(1 if value else 0)
+        if value:
+            self._synced_event.set()
+        else:
+            self._synced_event.clear()
+
+    def _count(self, reason: str) -> None:
+        self.errors[reason] += 1
+        self.metrics.errors.labels(reason).inc()
+
+    def _fail(self, reason: str, message: str) -> None:
+        self._count(reason)
+        self.last_error = f"{reason}: {message}"
+        self._set_synced(False)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start watching. Loads credentials first (raises if there are none); never waits for sync."""
+        if self._task is not None:
+            raise RuntimeError("watcher already started")
+        if self._api is None:
+            # file reads, maybe an exec plugin: off the loop
+            self._api = await asyncio.to_thread(KubeApi.from_environment, self._kubeconfig, self._context)
+        self._task = asyncio.create_task(self.run(), name=f"discovery-{self.namespace}-{self.label_selector}")
+
+    async def stop(self) -> None:
+        """Cancel the watch and close the API client's connections."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._api is not None:
+            await self._api.close()
+        self._set_synced(False)
+
+    async def run(self) -> None:
+        """The list/watch loop; runs until cancelled."""
+        assert self._api is not None
+        last_gone = -float("inf")
+        while True:
+            try:
+                rv = await self._relist()
+                while True:
+                    t0 = time.monotonic()
+                    rv, events = await self._watch(rv)
+                    if not events and time.monotonic() - t0 < 1.0:  # closed at once: do not spin
+                        await asyncio.sleep(self._backoff.next())
+            except asyncio.CancelledError:
+                raise
+            except _Gone as e:
+                self._count("gone")
+                now, prev = time.monotonic(), last_gone
+                last_gone = now
+                if now - prev > 1.0:  # routine: relist at once, and stay synced meanwhile
+                    log.info("discovery of %s: %s; relisting", self._what(), e)
+                    continue
+                self.last_error = f"gone: {e}"
+            except ApiError as e:
+                self._fail(e.reason, str(e))
+            except TimeoutError as e:
+                self._fail("timeout", repr(e))
+            except (aiohttp.ClientError, OSError) as e:
+                self._fail("connection", repr(e))
+            except Exception as e:
+                log.exception("discovery of %s: unexpected error", self._what())
+                self._fail("internal", repr(e))
+            delay = self._backoff.next()
+            log.warning("discovery of %s: %s; retrying in %.1fs", self._what(), self.last_error, delay)
+            await asyncio.sleep(delay)
+
+    def _what(self) -> str:
+        return f"endpointslices {self.label_selector!r} in {self.namespace or 'all namespaces'}"
+
+    # ---- list / watch ---------------------------------------------------------------------------
+
+    async def _relist(self) -> str:
+        items: dict[tuple[str, str], dict] = {}
+        token: str | None = None
+        rv = ""
+        while True:
+            try:
+                page = await self._api.list_slices(
+                    self.namespace, self.label_selector, limit=self.page_limit, continue_token=token
+                )
+            except ApiError as e:
+                if e.status == 410:  # continue token expired mid-list: start over, publish nothing
+                    raise _Gone(f"list continue token expired ({e})") from e
+                raise
+            meta = page.get("metadata") or {}
+            for item in page.get("items") or []:
+                items[_key(item)] = item
+            rv = meta.get("resourceVersion") or rv
+            token = meta.get("continue") or None
+            if token is None:
+                break
+        if not rv:
+            raise ApiError(200, "list response has no resourceVersion", "decode")
+        self._slices = items  # only now: a failed or partial list never touches the cache
+        self.metrics.lists.inc()
+        self.last_error = None
+        self._set_synced(True)
+        self._publish()
+        return rv
+
+    async def _watch(self, rv: str) -> tuple[str, int]:
+        """Apply one watch's events; returns the last resourceVersion and the number of events."""
+        timeout = max(1, round(self.watch_timeout_s * random.uniform(1.0, 1.5)))
+        n = 0
+        stream = self._api.watch_slices(
+            self.namespace, self.label_selector, resource_version=rv, timeout_s=timeout
+        )
+        try:
+            async with contextlib.aclosing(stream):
+                async for ev in stream:
+                    n += 1
+                    kind, obj = ev["type"], ev["object"]
+                    if kind == "ERROR":
+                        code = int(obj.get("code") or 0)
+                        if code == 410:
+                            raise _Gone(f"watch expired: {obj.get('message', '')}")
+                        raise ApiError(code, obj.get("message") or json.dumps(obj)[:500], "watch_error")
+                    if kind in ("ADDED", "MODIFIED"):
+                        self._slices[_key(obj)] = obj
+                    elif kind == "DELETED":
+                        self._slices.pop(_key(obj), None)
+                    elif kind != "BOOKMARK":
+                        raise ApiError(0, f"unknown watch event type {kind!r}", "decode")
+                    rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
+                    if kind != "BOOKMARK":
+                        self._publish()
+        except ApiError as e:
+            if e.status == 410:
+                raise _Gone(f"watch refused: {e}") from e
+            raise
+        return rv, n  # the server ended the watch (its timeout): resume from rv
+
+    def _publish(self) -> None:
+        mapping = map_slices(self._slices.values(), self.config)
+        self.metrics.endpoints.clear()
+        for state, n in mapping.states.items():
+            self.metrics.endpoints.labels(state).set(n)
+            if state.startswith("port_missing:") and state not in self._warned:
+                self._warned.add(state)
+                log.warning(
+                    "discovery: %d endpoint(s) of %s unusable: slice lists no port named %r",
+                    n,
+                    self._what(),
+                    state.partition(":")[2],
+                )
+        if mapping.workers == self._published:
+            return
+        try:
+            self.on_change(list(mapping.workers))
+        except Exception as e:
+            log.exception("discovery: on_change failed")
+            self._count("callback")
+            self.last_error = f"callback: {e!r}"
+            return  # not recorded as published: the next change (or relist) tries again
+        self._published = mapping.workers
+        self.metrics.workers.set(len(mapping.workers))
+        log.info(
+            "discovery: %d worker(s): %s", len(mapping.workers), ", ".join(w.engine for w in mapping.workers)
+        )
+
+
+def _key(obj: dict) -> tuple[str, str]:
+    meta = obj.get("metadata") or {}
+    name = meta.get("name")
+    if not name:
+        raise ApiError(0, "EndpointSlice without metadata.name", "decode")
+    return meta.get("namespace") or "", name
