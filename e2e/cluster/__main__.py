@@ -1,14 +1,19 @@
-"""python -m e2e.cluster {up,run}
+"""python -m e2e.cluster {up,run,pytest}
 
   up  [--workdir DIR]      start the control plane in a private netns, print the admin kubeconfig
                            path, block until SIGINT/SIGTERM, then stop it.
   run [--workdir DIR] [--node-agent NODE] -- CMD...
                            private netns + control plane, run CMD with KUBECONFIG set, tear down,
                            exit with CMD's code (work dir kept if CMD failed or with --keep).
+  pytest [PYTEST ARGS]     python -m pytest -m e2e ARGS in a private netns; the tests' session
+                           fixture starts the cluster (tests/e2e/conftest.py). Only needed when
+                           not root: as root the fixture enters a netns by itself.
 
 Binaries: --bin DIR, else $ROUTERFLEET_KUBE_BIN, else e2e/kube/build.sh (resolved before entering
 the netns, which has no network). --node-agent NODE also runs the process node agent
-(e2e/cluster/node_agent.py) as NODE. --no-netns uses the current network namespace as it is.
+(e2e/cluster/node_agent.py) as NODE, and tells tests/e2e (via $ROUTERFLEET_E2E_WORKDIR) to use this
+cluster instead of starting one. up/run always make a fresh netns (nested inside the current one if
+that is private too, so two clusters never share ports); --no-netns uses the current one as it is.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from e2e.provider import WORKDIR_ENV
+
 from .binaries import ENV as BIN_ENV
 from .binaries import kube_bin_dir
 from .cluster import Cluster, ClusterError
-from .netns import in_private_netns, reexec_in_netns
+from .netns import reexec_in_netns, unshare_command
 
 
 def _say(msg: str) -> None:
@@ -54,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         if name == "run":
             p.add_argument("--keep", action="store_true", help="keep the work dir")
             p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["pytest"]:  # everything after it belongs to pytest
+        os.environ[BIN_ENV] = str(kube_bin_dir())  # may build: needs the network, so before unshare
+        cmd = [sys.executable, "-m", "pytest", "-m", "e2e", *argv[1:]]
+        reexec_in_netns(cmd)  # does not return unless already in the netns
+        os.execv(cmd[0], cmd)
+    sub.add_parser("pytest", help="run the e2e tests in a private netns: pytest [PYTEST ARGS]")
     a = ap.parse_args(argv)
 
     if a.cmd == "run":
@@ -66,9 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[BIN_ENV] = str(a.bin.resolve())
     if a.workdir:
         a.workdir.mkdir(parents=True, exist_ok=True)
-    if not a.no_netns and not in_private_netns():
+    if not a.no_netns:  # always a fresh netns (nested if need be): never the ports of another cluster
         os.environ[BIN_ENV] = str(kube_bin_dir())  # may build: needs the network, so before unshare
-        reexec_in_netns()  # does not return
+        cmd = unshare_command([sys.executable, "-m", "e2e.cluster", argv[0], "--no-netns", *argv[1:]])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execvp(cmd[0], cmd)
 
     signal.signal(signal.SIGTERM, _sigterm)
     workdir = a.workdir or Path(tempfile.mkdtemp(prefix="routerfleet-cluster-"))
@@ -90,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                 cluster.check_alive()
                 time.sleep(1)
         env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+        if a.node_agent:  # tests/e2e reuse this cluster instead of starting their own
+            env[WORKDIR_ENV] = str(workdir)
         env["PATH"] = f"{cluster.bin_dir}{os.pathsep}{env.get('PATH', '')}"
         child = subprocess.Popen(a.command, env=env)
         try:

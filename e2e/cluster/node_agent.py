@@ -4,21 +4,36 @@
 
 Authenticates as system:node:<node> (so the Node authorizer and NodeRestriction apply, as for a real
 kubelet), registers the Node and renews its Lease, watches the pods bound to it and for each one:
-allocates a pod IP 10.244.x.y (local in the test netns), runs every container's command+args as a
-process (the image is ignored; the venv's bin dir leads PATH), probes readiness (httpGet, tcpSocket),
-restarts exited containers (restartPolicy Always/OnFailure), writes the pod status like kubelet/kwok,
-and on deletion sends SIGTERM, waits the grace period, SIGKILLs and deletes the pod with grace 0.
+- allocates a pod IP 10.244.x.y (local in the test netns);
+- materialises its volumes in <pod dir>/volumes/<name>: emptyDir, secret, configMap, downwardAPI and
+  projected (serviceAccountToken via the TokenRequest API, bound to the pod and renewed after 80% of
+  its lifetime; configMap; secret; downwardAPI). The ServiceAccount admission plugin adds the usual
+  kube-api-access projected volume, so pods get token, ca.crt and namespace like on a real node;
+- runs every container's command+args as a process (the image is ignored; the venv's bin dir leads
+  PATH) in a private mount namespace (`unshare --mount --propagation private`) with each volumeMount
+  bind-mounted at its mountPath (missing mount points are created, empty, in the host's tree);
+- builds the environment as kubelet does: KUBERNETES_SERVICE_HOST/PORT = the API server as reachable
+  in the netns (127.0.0.1:6443, a SAN of its certificate), so in-cluster config works unchanged with
+  the pod's own token and RBAC; envFrom; env with $(VAR) expansion, fieldRefs, secretKeyRef and
+  configMapKeyRef (a missing reference: CreateContainerConfigError, retried);
+- probes: startupProbe gates the others; livenessProbe failure kills the container (SIGTERM, the
+  grace period, SIGKILL; a `Killing` event); readinessProbe sets `ready`; httpGet, tcpSocket, exec;
+- restarts exited containers (restartPolicy Always/OnFailure, backoff up to 10 s), writes the pod
+  status like kubelet/kwok (phase, conditions incl. readinessGates, containerStatuses, podIP(s)),
+  and on deletion sends SIGTERM, waits the grace period, SIGKILLs and deletes the pod with grace 0.
 
 Container output goes to <workdir>/pods/<namespace>_<pod>_<uid>/<container>.log.
 
-Not done: liveness/startup/exec probes, volumes, TokenRequest credentials, init containers,
-preStop hooks, resources, configMap/secret env refs.
+Not done: init and sidecar containers, lifecycle hooks (preStop/postStart), resources and cgroups,
+securityContext (processes run as the agent's user), hostPath/PVC volumes, image pulls, kubelet's
+HTTP server (no `kubectl logs/exec`), resourceFieldRef env, per-service env variables.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import ctypes
 import datetime as dt
@@ -29,6 +44,9 @@ import os
 import signal
 import ssl
 import sys
+import time
+import urllib.parse
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,19 +118,200 @@ def field_ref(pod: dict, path: str, pod_ip: str, host_ip: str) -> str:
     raise ValueError(f"unsupported fieldRef {path!r}")
 
 
-def container_env(pod: dict, container: dict, pod_ip: str, host_ip: str) -> dict[str, str]:
-    """The container's `env`, in order, with `$(VAR)` expansion against the earlier entries."""
-    env: dict[str, str] = {}
+SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+Objects = dict[tuple[str, str], "dict[str, bytes] | None"]  # ("secrets"|"configmaps", name) -> data
+
+
+def object_refs(pod: dict) -> set[tuple[str, str]]:
+    """Every Secret and ConfigMap the pod's env, envFrom and volumes refer to."""
+    refs: set[tuple[str, str]] = set()
+    for c in pod["spec"].get("containers") or []:
+        for e in c.get("env") or []:
+            vf = e.get("valueFrom") or {}
+            if "secretKeyRef" in vf:
+                refs.add(("secrets", vf["secretKeyRef"]["name"]))
+            if "configMapKeyRef" in vf:
+                refs.add(("configmaps", vf["configMapKeyRef"]["name"]))
+        for ef in c.get("envFrom") or []:
+            if "secretRef" in ef:
+                refs.add(("secrets", ef["secretRef"]["name"]))
+            if "configMapRef" in ef:
+                refs.add(("configmaps", ef["configMapRef"]["name"]))
+    for v in pod["spec"].get("volumes") or []:
+        sources = [v, *((v.get("projected") or {}).get("sources") or [])]
+        for src in sources:
+            if "secret" in src:
+                refs.add(("secrets", src["secret"].get("secretName") or src["secret"].get("name")))
+            if "configMap" in src:
+                refs.add(("configmaps", src["configMap"]["name"]))
+    return refs
+
+
+def object_data(kind: str, obj: dict) -> dict[str, bytes]:
+    """A Secret's or ConfigMap's keys as bytes (Secret data and ConfigMap binaryData are base64)."""
+    if kind == "secrets":
+        return {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
+    out = {k: v.encode() for k, v in (obj.get("data") or {}).items()}
+    out.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
+    return out
+
+
+def _key_ref(ref: dict, kind: str, objects: Objects) -> str | None:
+    data = objects.get((kind, ref["name"]))
+    if data is None or ref["key"] not in data:
+        if ref.get("optional"):
+            return None
+        what = "secret" if kind == "secrets" else "configmap"
+        raise ValueError(f"{what} {ref['name']!r} or its key {ref['key']!r} not found")
+    return data[ref["key"]].decode()
+
+
+def container_env(
+    pod: dict,
+    container: dict,
+    pod_ip: str,
+    host_ip: str,
+    objects: Objects | None = None,
+    base: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The container's environment as kubelet builds it: `base` (the service variables), then
+    `envFrom`, then `env` in order with `$(VAR)` expansion against everything before it.
+
+    `objects` holds the referenced Secrets/ConfigMaps (None: does not exist); a missing non-optional
+    reference raises ValueError (kubelet: CreateContainerConfigError)."""
+    objects = objects or {}
+    env: dict[str, str] = dict(base or {})
+    for ef in container.get("envFrom") or []:
+        kind, ref = ("secrets", ef["secretRef"]) if "secretRef" in ef else ("configmaps", ef["configMapRef"])
+        data = objects.get((kind, ref["name"]))
+        if data is None and not ref.get("optional"):
+            raise ValueError(f"{kind[:-1]} {ref['name']!r} not found")
+        for k, v in (data or {}).items():
+            env[ef.get("prefix", "") + k] = v.decode()
     for e in container.get("env") or []:
-        if "value" in e:
-            env[e["name"]] = expand(e["value"], env)
-        elif (vf := e.get("valueFrom") or {}).get("fieldRef"):
+        vf = e.get("valueFrom")
+        if vf is None:
+            env[e["name"]] = expand(e.get("value", ""), env)
+        elif "fieldRef" in vf:
             env[e["name"]] = field_ref(pod, vf["fieldRef"]["fieldPath"], pod_ip, host_ip)
-        elif vf:
-            raise ValueError(f"unsupported valueFrom in env {e['name']!r}: {sorted(vf)}")
+        elif "secretKeyRef" in vf or "configMapKeyRef" in vf:
+            kind = "secrets" if "secretKeyRef" in vf else "configmaps"
+            value = _key_ref(vf.get("secretKeyRef") or vf["configMapKeyRef"], kind, objects)
+            if value is not None:
+                env[e["name"]] = value
         else:
-            env[e["name"]] = ""
+            raise ValueError(f"unsupported valueFrom in env {e['name']!r}: {sorted(vf)}")
     return env
+
+
+def _token_key(t: dict) -> tuple[str, int]:
+    return t.get("audience", ""), t.get("expirationSeconds", 3600)
+
+
+def token_requests(pod: dict) -> set[tuple[str, int]]:
+    """(audience, expirationSeconds) of every projected serviceAccountToken source."""
+    return {
+        _token_key(s["serviceAccountToken"])
+        for v in pod["spec"].get("volumes") or []
+        for s in (v.get("projected") or {}).get("sources") or []
+        if "serviceAccountToken" in s
+    }
+
+
+def _items(data: dict[str, bytes], items: list | None, mode: int, what: str) -> dict[str, tuple[bytes, int]]:
+    if not items:
+        return {k: (v, mode) for k, v in data.items()}
+    out = {}
+    for it in items:
+        if it["key"] not in data:
+            raise ValueError(f"{what} has no key {it['key']!r}")
+        out[it["path"]] = (data[it["key"]], it.get("mode", mode))
+    return out
+
+
+def _downward(pod: dict, items: list, mode: int, pod_ip: str, host_ip: str) -> dict[str, tuple[bytes, int]]:
+    out = {}
+    for it in items:
+        path = it["fieldRef"]["fieldPath"]
+        if path in ("metadata.labels", "metadata.annotations"):
+            kv = pod["metadata"].get(path.split(".")[1]) or {}
+            value = "\n".join(f"{k}={json.dumps(v)}" for k, v in sorted(kv.items()))
+        else:
+            value = field_ref(pod, path, pod_ip, host_ip)
+        out[it["path"]] = (value.encode(), it.get("mode", mode))
+    return out
+
+
+def volume_files(
+    vol: dict, pod: dict, objects: Objects, tokens: dict[tuple[str, int], str], pod_ip: str, host_ip: str
+) -> dict[str, tuple[bytes, int]] | None:
+    """The files (relative path -> (content, mode)) of one volume; None for an emptyDir.
+
+    Secret, ConfigMap, downwardAPI and projected (serviceAccountToken, secret, configMap,
+    downwardAPI) volumes. Raises ValueError for a missing non-optional object or an unsupported kind."""
+    if "emptyDir" in vol:
+        return None
+    if "projected" in vol:
+        mode = vol["projected"].get("defaultMode", 0o644)
+        out: dict[str, tuple[bytes, int]] = {}
+        for s in vol["projected"].get("sources") or []:
+            if "serviceAccountToken" in s:
+                t = s["serviceAccountToken"]
+                out[t["path"]] = (tokens[_token_key(t)].encode(), mode)
+            elif "downwardAPI" in s:
+                out.update(_downward(pod, s["downwardAPI"].get("items") or [], mode, pod_ip, host_ip))
+            else:
+                out.update(_object_volume(s, objects, mode) or {})
+        return out
+    if "downwardAPI" in vol:
+        d = vol["downwardAPI"]
+        return _downward(pod, d.get("items") or [], d.get("defaultMode", 0o644), pod_ip, host_ip)
+    if "secret" in vol or "configMap" in vol:
+        src = vol.get("secret") or vol["configMap"]
+        return _object_volume(vol, objects, src.get("defaultMode", 0o644)) or {}
+    raise ValueError(f"unsupported volume {vol['name']!r}: {sorted(k for k in vol if k != 'name')}")
+
+
+def _object_volume(src: dict, objects: Objects, mode: int) -> dict[str, tuple[bytes, int]] | None:
+    kind = "secrets" if "secret" in src else "configmaps"
+    ref = src["secret"] if kind == "secrets" else src["configMap"]
+    name = ref.get("secretName") or ref.get("name")
+    data = objects.get((kind, name))
+    if data is None:
+        if ref.get("optional"):
+            return None
+        raise ValueError(f"{kind[:-1]} {name!r} not found")
+    return _items(data, ref.get("items"), mode, f"{kind[:-1]} {name!r}")
+
+
+_MOUNT_SCRIPT = (
+    'set -e; while [ "$1" != -- ]; do '
+    'if [ -d "$1" ]; then mkdir -p "$2"; else mkdir -p "$(dirname "$2")"; [ -e "$2" ] || : > "$2"; fi; '
+    'mount --bind -o "$3" "$1" "$2"; shift 3; done; shift; exec "$@"'
+)
+
+
+def container_mounts(container: dict, volume_dir: Path) -> list[tuple[str, str, str]]:
+    """(source in the pod dir, mountPath, "ro"|"rw") for each volumeMount (subPath supported)."""
+    out = []
+    for m in container.get("volumeMounts") or []:
+        src = volume_dir / m["name"]
+        if m.get("subPath"):
+            src = src / m["subPath"]
+        out.append((str(src), m["mountPath"], "ro" if m.get("readOnly") else "rw"))
+    return out
+
+
+def with_mounts(mounts: list[tuple[str, str, str]], argv: list[str]) -> list[str]:
+    """`argv` run in a private mount namespace with each (src, dst, mode) bind-mounted first.
+
+    `unshare` and `sh` exec in place, so the pid is the container process's pid. Missing mount points
+    are created (empty) in the host's tree; the mounts themselves are visible only to the process."""
+    if not mounts:
+        return argv
+    flat = [x for m in mounts for x in m]
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _MOUNT_SCRIPT, "mount",
+            *flat, "--", *argv]  # fmt: skip
 
 
 def container_argv(container: dict, env: dict[str, str]) -> list[str]:
@@ -140,6 +339,7 @@ class ContainerRuntime:
     pid: int | None = None
     started_at: str | None = None
     running: bool = False
+    started: bool = False  # startup probe passed (or none)
     ready: bool = False
     restart_count: int = 0
     exit_code: int | None = None
@@ -185,7 +385,7 @@ def _container_status(c: ContainerRuntime) -> dict:
         "image": c.image,
         "imageID": "",
         "ready": c.ready,
-        "started": c.running,
+        "started": c.running and c.started,
         "restartCount": c.restart_count,
         "state": state,
         "lastState": {"terminated": c.last_terminated} if c.last_terminated else {},
@@ -380,7 +580,7 @@ def _killpg(proc: asyncio.subprocess.Process, sig: int) -> None:
 
 
 class PodWorker:
-    """Runs one pod: processes, probes, status, termination."""
+    """Runs one pod: volumes and credentials, processes, probes, status, termination."""
 
     def __init__(self, agent: NodeAgent, pod: dict, pod_ip: str):
         self.agent, self.pod, self.pod_ip = agent, pod, pod_ip
@@ -391,8 +591,11 @@ class PodWorker:
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.terminating = asyncio.Event()
         self.dirty = asyncio.Event()
+        self.volumes_ready = asyncio.Event()
         self.log_dir = agent.workdir / "pods" / f"{self.ns}_{self.name}_{self.uid}"
+        self.volume_dir = self.log_dir / "volumes"
         self.tasks: list[asyncio.Task] = []
+        self.tokens: dict[tuple[str, int], tuple[str, float]] = {}  # key -> (token, refresh at)
 
     def update(self, pod: dict) -> None:
         self.pod = pod
@@ -404,7 +607,7 @@ class PodWorker:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.dirty.set()
         writer = asyncio.create_task(self._status_writer())
-        self.tasks = [
+        self.tasks = [asyncio.create_task(self._volumes())] + [
             asyncio.create_task(self._container(spec, rt))
             for spec, rt in zip(self.pod["spec"]["containers"], self.containers, strict=True)
         ]
@@ -437,11 +640,12 @@ class PodWorker:
         for p in self.procs.values():
             _killpg(p, signal.SIGKILL)
 
+    def _grace(self) -> int:
+        grace = self.pod["metadata"].get("deletionGracePeriodSeconds")
+        return self.pod["spec"].get("terminationGracePeriodSeconds", 30) if grace is None else grace
+
     async def _terminate(self) -> None:
-        md = self.pod["metadata"]
-        grace = md.get("deletionGracePeriodSeconds")
-        if grace is None:
-            grace = self.pod["spec"].get("terminationGracePeriodSeconds", 30)
+        grace = self._grace()
         live = [p for p in self.procs.values() if p.returncode is None]
         log.info("pod %s/%s: terminating %d processes (grace %ss)", self.ns, self.name, len(live), grace)
         for p in live:
@@ -454,25 +658,98 @@ class PodWorker:
             await asyncio.gather(*pending, return_exceptions=True)
         await asyncio.sleep(0)  # let container tasks record the exits
 
+    # ------------------------------------------------------------ volumes, credentials, env
+
+    async def _objects(self) -> Objects:
+        """The Secrets/ConfigMaps the pod refers to (the Node authorizer lets the node read exactly those)."""
+        out: Objects = {}
+        for kind, name in object_refs(self.pod):
+            try:
+                obj = await self.agent.api.call("GET", f"/api/v1/namespaces/{self.ns}/{kind}/{name}")
+                out[kind, name] = object_data(kind, obj)
+            except ApiError as e:
+                if e.status != 404:
+                    raise
+                out[kind, name] = None
+        return out
+
+    async def _token(self, audience: str, expiration: int) -> str:
+        """A TokenRequest token bound to this pod, renewed after 80% of its lifetime, as kubelet does."""
+        key = (audience, expiration)
+        cached = self.tokens.get(key)
+        if cached and time.time() < cached[1]:
+            return cached[0]
+        sa = self.pod["spec"].get("serviceAccountName") or "default"
+        spec: dict[str, Any] = {
+            "expirationSeconds": expiration,
+            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": self.name, "uid": self.uid},
+        }
+        if audience:
+            spec["audiences"] = [audience]
+        t0 = time.time()
+        tr = await self.agent.api.call(
+            "POST",
+            f"/api/v1/namespaces/{self.ns}/serviceaccounts/{sa}/token",
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
+        )
+        expires = dt.datetime.fromisoformat(tr["status"]["expirationTimestamp"].replace("Z", "+00:00"))
+        self.tokens[key] = (tr["status"]["token"], t0 + 0.8 * (expires.timestamp() - t0))
+        return tr["status"]["token"]
+
+    async def _sync_volumes(self) -> None:
+        objects = await self._objects()
+        tokens = {k: await self._token(*k) for k in token_requests(self.pod)}
+        for vol in self.pod["spec"].get("volumes") or []:
+            files = volume_files(vol, self.pod, objects, tokens, self.pod_ip, self.agent.host_ip)
+            d = self.volume_dir / vol["name"]
+            d.mkdir(parents=True, exist_ok=True)
+            for rel, (data, mode) in (files or {}).items():
+                write_atomic(d / rel, data, mode)
+
+    async def _volumes(self) -> None:
+        """Materialise the volumes before any container starts, then keep them current (Secret and
+        ConfigMap changes, token renewal) like kubelet's periodic sync."""
+        while True:
+            try:
+                await self._sync_volumes()
+                self.volumes_ready.set()
+                delay = 30.0
+            except (ApiError, ValueError, KeyError, aiohttp.ClientError) as e:
+                log.warning("pod %s/%s volumes: %s", self.ns, self.name, e)
+                delay = 1.0
+            await asyncio.sleep(delay)
+
+    async def _prepare(self, spec: dict) -> tuple[list[str], dict[str, str], list]:
+        """argv (wrapped for the mounts), environment and mounts of one container start."""
+        env = container_env(
+            self.pod, spec, self.pod_ip, self.agent.host_ip, await self._objects(), self.agent.service_env
+        )
+        argv = container_argv(spec, env)
+        penv = {
+            "PATH": self.agent.path,
+            "HOME": os.environ.get("HOME", "/root"),
+            "HOSTNAME": self.name,
+            **env,
+        }
+        mounts = container_mounts(spec, self.volume_dir)
+        return with_mounts(mounts, argv), penv, mounts
+
+    # ------------------------------------------------------------ containers
+
     async def _container(self, spec: dict, rt: ContainerRuntime) -> None:
         policy = self.pod["spec"].get("restartPolicy", "Always")
         backoff = 1.0
+        await self.volumes_ready.wait()
         while not self.terminating.is_set():
             try:
-                env = container_env(self.pod, spec, self.pod_ip, self.agent.host_ip)
-                argv = container_argv(spec, env)
-            except ValueError as e:  # bad/unsupported spec: report it and wait for deletion
+                argv, penv, mounts = await self._prepare(spec)
+            except (ValueError, ApiError, aiohttp.ClientError) as e:  # e.g. a Secret not created yet
                 log.warning("pod %s/%s container %s: %s", self.ns, self.name, spec["name"], e)
                 rt.waiting_reason = "CreateContainerConfigError"
                 self.dirty.set()
-                await self.terminating.wait()
-                return
-            penv = {
-                "PATH": self.agent.path,
-                "HOME": os.environ.get("HOME", "/root"),
-                "HOSTNAME": self.name,
-                **env,
-            }
+                await self._backoff(backoff)
+                backoff = min(backoff * 2, 10)
+                continue
             logf = open(self.log_dir / f"{spec['name']}.log", "ab")  # noqa: SIM115
             logf.write(f"# {now_micro()} start {argv}\n".encode())
             logf.flush()
@@ -500,16 +777,16 @@ class PodWorker:
                     logf.close()
             self.procs[spec["name"]] = proc
             rt.pid, rt.started_at, rt.running, rt.exit_code = proc.pid, now_rfc3339(), True, None
-            rt.ready = "readinessProbe" not in spec
+            rt.ready = rt.started = False
             self.dirty.set()
-            prober = asyncio.create_task(self._probe(spec, rt)) if "readinessProbe" in spec else None
+            prober = asyncio.create_task(self._probes(spec, rt, proc, penv, mounts))
             try:
                 code = await proc.wait()
                 code = 128 - code if code < 0 else code  # killed by signal N: 128+N
             finally:
-                if prober:
-                    prober.cancel()
-            rt.running, rt.ready, rt.exit_code, rt.finished_at = False, False, code, now_rfc3339()
+                prober.cancel()
+            rt.running, rt.ready, rt.started = False, False, False
+            rt.exit_code, rt.finished_at = code, now_rfc3339()
             log.info("pod %s/%s container %s exited %s", self.ns, self.name, spec["name"], code)
             self.dirty.set()
             if self.terminating.is_set() or policy == "Never" or (policy == "OnFailure" and code == 0):
@@ -531,23 +808,63 @@ class PodWorker:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.terminating.wait(), delay)
 
-    async def _probe(self, spec: dict, rt: ContainerRuntime) -> None:
-        pr = spec["readinessProbe"]
-        period = pr.get("periodSeconds", 10)
-        timeout = pr.get("timeoutSeconds", 1)
-        fail_th, ok_th = pr.get("failureThreshold", 3), pr.get("successThreshold", 1)
-        await asyncio.sleep(pr.get("initialDelaySeconds", 0))
-        oks = fails = 0
-        while True:
-            ok = await probe_once(pr, spec, self.pod_ip, timeout)
-            oks, fails = (oks + 1, 0) if ok else (0, fails + 1)
-            if ok and oks >= ok_th and not rt.ready:
-                rt.ready = True
-                self.dirty.set()
-            elif not ok and fails >= fail_th and rt.ready:
-                rt.ready = False
-                self.dirty.set()
-            await asyncio.sleep(period)
+    async def _probes(self, spec: dict, rt: ContainerRuntime, proc, env: dict[str, str], mounts) -> None:
+        """kubelet's probe semantics: the startup probe runs first and gates the others; a failed
+        startup or liveness probe kills the container (restartPolicy decides what follows); readiness
+        sets `ready`. Without a startup probe the container counts as started at once."""
+
+        def check(pr: dict):
+            return lambda: probe_once(pr, spec, self.pod_ip, env, mounts)
+
+        if sp := spec.get("startupProbe"):
+            async for ok in probe_verdicts(sp, check(sp)):
+                if not ok:
+                    await self._kill_container(spec, proc, sp, "startup")
+                    return
+                break
+        rt.started, rt.ready = True, "readinessProbe" not in spec
+        self.dirty.set()
+
+        async def readiness(pr: dict) -> None:
+            async for ok in probe_verdicts(pr, check(pr)):
+                if rt.ready != ok:
+                    rt.ready = ok
+                    self.dirty.set()
+
+        async def liveness(pr: dict) -> None:
+            async for ok in probe_verdicts(pr, check(pr)):
+                if not ok:
+                    await self._kill_container(spec, proc, pr, "liveness")
+                    return
+
+        loops = []
+        if rp := spec.get("readinessProbe"):
+            loops.append(readiness(rp))
+        if lp := spec.get("livenessProbe"):
+            loops.append(liveness(lp))
+        await asyncio.gather(*loops)
+
+    async def _kill_container(self, spec: dict, proc, pr: dict, which: str) -> None:
+        grace = pr.get("terminationGracePeriodSeconds") or self.pod["spec"].get(
+            "terminationGracePeriodSeconds", 30
+        )
+        log.info(
+            "pod %s/%s container %s failed %s probe, will be restarted",
+            self.ns,
+            self.name,
+            spec["name"],
+            which,
+        )
+        await self.agent.event(
+            self.pod, "Killing", f"Container {spec['name']} failed {which} probe, will be restarted", "Normal"
+        )
+        _killpg(proc, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), grace)
+        except TimeoutError:
+            _killpg(proc, signal.SIGKILL)
+
+    # ------------------------------------------------------------ status
 
     async def _status_writer(self) -> None:
         while True:
@@ -580,7 +897,42 @@ class PodWorker:
             )
 
 
-async def probe_once(pr: dict, spec: dict, pod_ip: str, timeout: float) -> bool:
+def write_atomic(path: Path, data: bytes, mode: int) -> None:
+    """Replace `path` in one rename, so a reader (a client re-reading its token) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    tmp.chmod(mode)
+    os.replace(tmp, path)
+
+
+async def probe_verdicts(pr: dict, check) -> AsyncIterator[bool]:
+    """Run `check()` every periodSeconds after initialDelaySeconds; yield True once successThreshold
+    consecutive successes are seen and False once failureThreshold consecutive failures are, each time
+    the verdict changes (kubelet's prober worker)."""
+    period = pr.get("periodSeconds", 10)
+    fail_th, ok_th = pr.get("failureThreshold", 3), pr.get("successThreshold", 1)
+    await asyncio.sleep(pr.get("initialDelaySeconds", 0))
+    oks = fails = 0
+    verdict = None
+    while True:
+        ok = await check()
+        oks, fails = (oks + 1, 0) if ok else (0, fails + 1)
+        if ok and oks >= ok_th and verdict is not True:
+            verdict = True
+            yield True
+        elif not ok and fails >= fail_th and verdict is not False:
+            verdict = False
+            yield False
+        await asyncio.sleep(period)
+
+
+async def probe_once(
+    pr: dict, spec: dict, pod_ip: str, env: dict[str, str] | None = None, mounts: list | None = None
+) -> bool:
+    """One httpGet / tcpSocket / exec probe with timeoutSeconds. exec runs the command with the
+    container's environment and mounts; exit code 0 is success."""
+    timeout = pr.get("timeoutSeconds", 1)
     try:
         if "httpGet" in pr:
             h = pr["httpGet"]
@@ -600,7 +952,23 @@ async def probe_once(pr: dict, spec: dict, pod_ip: str, timeout: float) -> bool:
             )
             w.close()
             return True
-        log.warning("unsupported readiness probe %s: treated as failing", sorted(pr))
+        if "exec" in pr:
+            p = await asyncio.create_subprocess_exec(
+                *with_mounts(mounts or [], pr["exec"]["command"]),
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_pdeathsig,
+            )
+            try:
+                return await asyncio.wait_for(p.wait(), timeout) == 0
+            except TimeoutError:
+                _killpg(p, signal.SIGKILL)
+                await p.wait()
+                return False
+        log.warning("unsupported probe %s: treated as failing", sorted(pr))
         return False
     except (OSError, TimeoutError, aiohttp.ClientError, ValueError):
         return False
@@ -624,6 +992,38 @@ class NodeAgent:
     worker_tasks: dict[str, asyncio.Task] = field(default_factory=dict)
     _next_ip: int = 2
     _ips: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def service_env(self) -> dict[str, str]:
+        """KUBERNETES_SERVICE_HOST/PORT: the API server as the pods reach it in the test netns (its
+        serving certificate has 127.0.0.1 among its SANs), so in-cluster config works unchanged."""
+        u = urllib.parse.urlsplit(self.api.base)
+        return {"KUBERNETES_SERVICE_HOST": u.hostname or "", "KUBERNETES_SERVICE_PORT": str(u.port or 443)}
+
+    async def event(self, pod: dict, reason: str, message: str, type_: str = "Normal") -> None:
+        """A core/v1 Event about `pod`, as kubelet records them; failures are only logged."""
+        md, now = pod["metadata"], now_rfc3339()
+        body = {
+            "metadata": {"generateName": f"{md['name']}."},
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "namespace": md["namespace"],
+                "name": md["name"],
+                "uid": md["uid"],
+            },
+            "reason": reason,
+            "message": message,
+            "type": type_,
+            "source": {"component": "kubelet", "host": self.node},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            await self.api.call("POST", f"/api/v1/namespaces/{md['namespace']}/events", body)
+        except (ApiError, aiohttp.ClientError) as e:
+            log.warning("event %s for %s/%s not written: %s", reason, md["namespace"], md["name"], e)
 
     def allocate_ip(self, uid: str) -> str:
         """10.244.0.2, .3, ... in order, never reusing an address within one agent's life."""

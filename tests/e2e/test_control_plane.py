@@ -1,6 +1,8 @@
 """The real control plane (e2e/kube + e2e/cluster) comes up and its controllers act.
 
-Runs `python -m e2e.cluster run -- python -m e2e.cluster.smoke` in a subprocess (private netns).
+Runs `python -m e2e.cluster run -- python -m e2e.cluster.smoke` in a subprocess: a cluster of its own,
+without a node (the smoke checks that the scheduler finds no node, then plays a node itself), in a
+netns of its own nested in the tests' one, so it never meets the session cluster of conftest.py.
 Binaries come from $ROUTERFLEET_KUBE_BIN or e2e/kube/build.sh: a no-op once built, tens of minutes
 cold. Deselect with `-m "not e2e"`.
 """

@@ -1,27 +1,38 @@
 """The process node agent (e2e/cluster/node_agent.py) runs pods as local processes on a real control plane.
 
-The e2e test runs `python -m e2e.cluster run --node-agent node-1 -- python -m e2e.cluster.node_smoke`
-in a subprocess (private netns); the other tests check the agent's pure helpers. Deselect with
-`-m "not e2e"`.
+The first tests check the agent's pure helpers (no cluster); the others use the `cluster` and
+`namespace` fixtures of conftest.py and are marked e2e. One of them:
+
+    .venv/bin/python -m pytest tests/e2e/test_node_agent.py::test_serviceaccount_token_and_rbac
 """
 
-import subprocess
-import sys
-from pathlib import Path
+import asyncio
+import base64
+import json
+import os
+import time
+import urllib.request
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster.node_agent import (
     ContainerRuntime,
     compute_pod_status,
     container_argv,
     container_env,
+    container_mounts,
     expand,
+    object_refs,
+    probe_verdicts,
     resolve_port,
+    token_requests,
+    volume_files,
+    with_mounts,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.e2e
+NODE = "node-1"
+
 NOW = "2026-01-01T00:00:00Z"
 
 
@@ -92,32 +103,507 @@ def test_compute_pod_status_phases_and_readiness_gates():
     assert compute_pod_status(_pod(), [done], **kw)["phase"] == "Running"  # Always: being restarted
 
 
-def test_node_agent_smoke(tmp_path):
-    work = tmp_path / "cluster"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "e2e.cluster",
-            "run",
-            "--workdir",
-            str(work),
-            "--node-agent",
-            "node-1",
-            "--",
-            sys.executable,
-            "-m",
-            "e2e.cluster.node_smoke",
+def test_env_from_secrets_and_configmaps():
+    c = {
+        "name": "c",
+        "envFrom": [{"configMapRef": {"name": "cm"}, "prefix": "CM_"}],
+        "env": [
+            {"name": "PASS", "valueFrom": {"secretKeyRef": {"name": "s", "key": "password"}}},
+            {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "mode"}}},
+            {"name": "OPT", "valueFrom": {"secretKeyRef": {"name": "nope", "key": "k", "optional": True}}},
+            {"name": "URL", "value": "https://$(KUBERNETES_SERVICE_HOST)/$(MODE)"},
         ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1800,
+    }
+    pod = _pod(containers=[c])
+    assert object_refs(pod) == {("secrets", "s"), ("configmaps", "cm"), ("secrets", "nope")}
+    objs = {("secrets", "s"): {"password": b"hunter2"}, ("configmaps", "cm"): {"mode": b"fast"}}
+    env = container_env(pod, c, "10.244.0.7", "10.244.0.1", objs, {"KUBERNETES_SERVICE_HOST": "127.0.0.1"})
+    assert env["PASS"] == "hunter2" and env["MODE"] == "fast" and env["CM_mode"] == "fast"
+    assert "OPT" not in env and env["URL"] == "https://127.0.0.1/fast"
+    with pytest.raises(ValueError, match="secret 's'"):
+        container_env(pod, c, "10.244.0.7", "10.244.0.1", {("configmaps", "cm"): {"mode": b"x"}})
+
+
+def test_volume_files_and_mounts(tmp_path):
+    pod = _pod(
+        volumes=[
+            {
+                "name": "kube-api-access",
+                "projected": {
+                    "sources": [
+                        {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+                        {
+                            "configMap": {
+                                "name": "kube-root-ca.crt",
+                                "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                            }
+                        },
+                        {
+                            "downwardAPI": {
+                                "items": [
+                                    {"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}
+                                ]
+                            }
+                        },
+                    ]
+                },
+            },
+            {"name": "conf", "secret": {"secretName": "s", "defaultMode": 0o400}},
+            {"name": "scratch", "emptyDir": {}},
+        ]
     )
-    if r.returncode != 0:
-        logs = "".join(
-            f"\n--- {p.name} (tail)\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
-            for p in sorted((work / "logs").glob("*.log"))
+    assert token_requests(pod) == {("", 3607)}
+    objs = {("configmaps", "kube-root-ca.crt"): {"ca.crt": b"PEM"}, ("secrets", "s"): {"a": b"1"}}
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    files = volume_files(vols["kube-api-access"], pod, objs, {("", 3607): "tok"}, "10.244.0.7", "10.244.0.1")
+    assert files == {"token": (b"tok", 0o644), "ca.crt": (b"PEM", 0o644), "namespace": (b"ns", 0o644)}
+    assert volume_files(vols["conf"], pod, objs, {}, "", "") == {"a": (b"1", 0o400)}
+    assert volume_files(vols["scratch"], pod, objs, {}, "", "") is None
+    with pytest.raises(ValueError, match="secret 's'"):
+        volume_files(vols["conf"], pod, {}, {}, "", "")
+
+    c = {"volumeMounts": [{"name": "conf", "mountPath": "/etc/conf", "readOnly": True}]}
+    mounts = container_mounts(c, tmp_path)
+    assert mounts == [(str(tmp_path / "conf"), "/etc/conf", "ro")]
+    assert with_mounts([], ["x"]) == ["x"]
+    argv = with_mounts(mounts, ["cat", "/etc/conf/a"])
+    assert argv[:4] == ["unshare", "--mount", "--propagation", "private"] and argv[-3:] == [
+        "--",
+        "cat",
+        "/etc/conf/a",
+    ]
+
+
+async def test_probe_verdicts_thresholds():
+    results = iter([False, False, True, True, False, False, False])
+
+    async def check():
+        return next(results)
+
+    pr = {"periodSeconds": 0, "successThreshold": 2, "failureThreshold": 2}
+    got = []
+    async for v in probe_verdicts(pr, check):
+        got.append(v)
+        if len(got) == 3:
+            break
+    assert got == [False, True, False]
+    await asyncio.sleep(0)
+
+
+# ------------------------------------------------------------------------------------------ on the cluster
+
+
+IMAGE = os.environ.get("ROUTERFLEET_E2E_IMAGE", "routerfleet:e2e")  # the kind provider's image
+
+
+def _container(name: str, *command: str, **extra) -> dict:
+    return {"name": name, "image": IMAGE, "command": list(command), **extra}
+
+
+def _local_only(cluster, why: str) -> None:
+    if cluster.provider.name != "local":
+        pytest.skip(f"needs the local provider: {why}")
+
+
+def _pod_body(name: str, *containers: dict, **spec) -> dict:
+    return {"metadata": {"name": name}, "spec": {"containers": list(containers), **spec}}
+
+
+def _gone(core, ns: str, name: str) -> bool:
+    try:
+        core.read_namespaced_pod(name, ns)
+        return False
+    except ApiException as e:
+        return e.status == 404
+
+
+def test_node_registered_with_lease(cluster):
+    _local_only(cluster, "checks the process node agent's Node and Lease")
+    node = cluster.core.read_node(NODE)
+    assert node.metadata.labels["kubernetes.io/hostname"] == NODE, node.metadata.labels
+    assert cluster.conditions(node)["Ready"] == "True"
+    lease = cluster.coord.read_namespaced_lease(NODE, "kube-node-lease")
+    assert lease.spec.holder_identity == NODE and lease.spec.renew_time, lease.spec
+    assert lease.metadata.owner_references[0].uid == node.metadata.uid
+
+
+def test_deployment_endpoints_and_replacement(cluster, namespace):
+    """2 fake engines bound to their pod IPs with an httpGet readiness probe behind a Service: both Ready
+    on 10.244.x IPs, the EndpointSlice lists both, a completion answers, a deleted pod is replaced."""
+    _local_only(cluster, "connects to a pod IP")
+    ns, core = namespace, cluster.core
+    labels = {"app": "engine"}
+    container = _container(
+        "engine",
+        "routerfleet-fake-engine",
+        args=["--host", "$(POD_IP)", "--port", "8000", "--kv-port", "5557", "--replay-port", "5657"],
+        env=[
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        ],
+        ports=[{"name": "http", "containerPort": 8000}],
+        readinessProbe={
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 1,
+            "failureThreshold": 3,
+        },
+    )
+    cluster.apps.create_namespaced_deployment(
+        ns,
+        {
+            "metadata": {"name": "engine"},
+            "spec": {
+                "replicas": 2,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {"containers": [container], "terminationGracePeriodSeconds": 5},
+                },
+            },
+        },
+    )
+    core.create_namespaced_service(
+        ns,
+        {
+            "metadata": {"name": "engine"},
+            "spec": {"selector": labels, "ports": [{"name": "http", "port": 8000, "targetPort": "http"}]},
+        },
+    )
+    cluster.wait_deployment_available(ns, "engine")
+    running = cluster.wait_pods_ready(ns, "app=engine", 2)
+    for p in running:
+        cs = p.status.container_statuses[0]
+        assert cs.ready and cs.started and cs.state.running and cs.restart_count == 0, cs
+        assert p.spec.node_name == NODE and p.status.host_ip == "10.244.0.1", p.status
+        assert p.status.pod_ip.startswith("10.244."), p.status.pod_ip
+        assert [i.ip for i in p.status.pod_ips] == [p.status.pod_ip], p.status.pod_ips
+    ips = sorted(p.status.pod_ip for p in running)
+    assert len(set(ips)) == 2, ips
+
+    def slice_ready_ips(objs):
+        return sorted(
+            a for s in objs.values() for e in s.endpoints or [] if e.conditions.ready for a in e.addresses
         )
-        pytest.fail(f"exit {r.returncode}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr[-4000:]}{logs}")
-    assert "node smoke: all checks passed" in r.stdout
+
+    slices = (
+        cluster.disc.list_namespaced_endpoint_slice,
+        {"namespace": ns, "label_selector": "kubernetes.io/service-name=engine"},
+    )
+    cluster.wait_for(
+        "EndpointSlice lists both pod IPs as ready", lambda o: slice_ready_ips(o) == ips, 60, slices
+    )
+
+    body = json.dumps({"model": "routerfleet/fake-model", "prompt": "hello node agent", "max_tokens": 4})
+    req = urllib.request.Request(
+        f"http://{ips[0]}:8000/v1/completions",
+        data=body.encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        out = json.loads(r.read())
+    assert r.status == 200 and out.get("choices"), out
+
+    victim = next(p for p in running if p.status.pod_ip == ips[0])
+    core.delete_namespaced_pod(victim.metadata.name, ns)
+    cluster.wait_pod_gone(ns, victim.metadata.name)
+    replaced = cluster.wait_pods_ready(ns, "app=engine", 2)
+    new_ips = sorted(p.status.pod_ip for p in replaced)
+    assert ips[1] in new_ips and ips[0] not in new_ips, (ips, new_ips)
+    cluster.wait_for(
+        "EndpointSlice follows (old IP gone, new IP ready)",
+        lambda o: slice_ready_ips(o) == new_ips,
+        60,
+        slices,
+    )
+
+    cluster.apps.delete_namespaced_deployment("engine", ns, propagation_policy="Foreground")
+    cluster.wait_for(
+        "Deployment deleted, all pods removed by the agent",
+        lambda objs: not objs,
+        60,
+        (core.list_namespaced_pod, {"namespace": ns, "label_selector": "app=engine"}),
+    )
+
+
+def test_restart_policy_and_readiness_gates(cluster, namespace):
+    """restartPolicy Always bumps restartCount; a tcpSocket probe plus an unmet readiness gate gives
+    ContainersReady=True but Ready=False until someone sets the gate's condition True."""
+    ns, core = namespace, cluster.core
+    core.create_namespaced_pod(
+        ns, _pod_body("crasher", _container("c", "python", "-c", "import sys; print('bye'); sys.exit(3)"))
+    )
+
+    def restarted(p):
+        cs = (p.status.container_statuses or [None])[0]
+        return (
+            cs
+            and cs.restart_count >= 1
+            and cs.last_state.terminated
+            and cs.last_state.terminated.exit_code == 3
+        )
+
+    p = cluster.wait_pod(ns, "crasher", restarted, "restarted (restartCount >= 1, lastState exit 3)")
+    assert not cluster.pod_ready(p), p.status
+    assert "bye" in cluster.container_log(ns, "crasher", "c")
+
+    gate = "example.com/gate"
+    web = _container(
+        "web",
+        "python",
+        "-m",
+        "http.server",
+        args=["--bind", "$(ADDR)", "9000"],
+        env=[
+            {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "ADDR", "value": "$(IP)"},
+        ],
+        readinessProbe={"tcpSocket": {"port": 9000}, "periodSeconds": 1},
+    )
+    core.create_namespaced_pod(ns, _pod_body("gated", web, readinessGates=[{"conditionType": gate}]))
+    cluster.wait_pod(
+        ns,
+        "gated",
+        lambda p: (c := cluster.conditions(p)).get("ContainersReady") == "True" and c.get("Ready") == "False",
+        "ContainersReady=True, Ready=False (gate unset)",
+    )
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    core.patch_namespaced_pod_status(
+        "gated", ns, {"status": {"conditions": [{"type": gate, "status": "True", "lastTransitionTime": now}]}}
+    )
+    cluster.wait_pod(
+        ns, "gated", lambda p: cluster.conditions(p).get("Ready") == "True", "Ready once the gate is True"
+    )
+
+
+def test_grace_period_then_sigkill(cluster, namespace):
+    """SIGTERM ignored: SIGKILL after the (1 s) grace period, then the agent deletes the pod."""
+    ns, core = namespace, cluster.core
+    ignore_term = (
+        "import os, signal, socket, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "s = socket.socket(); s.bind((os.environ['IP'], 9000)); s.listen(); time.sleep(600)"
+    )
+    stubborn = _container(
+        "c",
+        "python",
+        "-c",
+        ignore_term,
+        env=[{"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        readinessProbe={"tcpSocket": {"port": 9000}, "periodSeconds": 1},  # Ready once SIGTERM is ignored
+    )
+    core.create_namespaced_pod(ns, _pod_body("stubborn", stubborn, terminationGracePeriodSeconds=1))
+    cluster.wait_pod(ns, "stubborn", cluster.pod_ready, "Ready")
+    t0 = time.monotonic()
+    core.delete_namespaced_pod("stubborn", ns)
+    cluster.wait_pod_gone(ns, "stubborn", timeout=20)
+    assert time.monotonic() - t0 >= 1.0
+
+
+LIST_SLICES = """
+import sys
+from kubernetes import client, config
+config.load_incluster_config()
+ns = open('/var/run/secrets/kubernetes.io/serviceaccount/namespace').read()
+try:
+    n = len(client.DiscoveryV1Api().list_namespaced_endpoint_slice(ns).items)
+except client.exceptions.ApiException as e:
+    print('status', e.status, flush=True)
+    sys.exit(3)
+print('listed', n, 'slices', flush=True)
+"""
+
+
+def test_serviceaccount_token_and_rbac(cluster, namespace):
+    """In-cluster config works unchanged: the projected token (a TokenRequest bound to the pod), ca.crt
+    and namespace at /var/run/secrets/kubernetes.io/serviceaccount plus KUBERNETES_SERVICE_HOST/PORT.
+    RBAC applies to the pod's ServiceAccount: 403 without a Role, allowed with one."""
+    ns, core = namespace, cluster.core
+    core.create_namespaced_service_account(ns, {"metadata": {"name": "lister"}})
+    pod = _pod_body(
+        "denied",
+        _container("c", "python", "-c", LIST_SLICES),
+        restartPolicy="Never",
+        serviceAccountName="lister",
+    )
+    core.create_namespaced_pod(ns, pod)
+    p = cluster.wait_pod(ns, "denied", lambda p: p.status.phase in ("Succeeded", "Failed"), "finished")
+    assert p.status.phase == "Failed", cluster.container_log(ns, "denied", "c")
+    assert "status 403" in cluster.container_log(ns, "denied", "c")
+
+    cluster.rbac.create_namespaced_role(
+        ns,
+        {
+            "metadata": {"name": "slices"},
+            "rules": [
+                {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]}
+            ],
+        },
+    )
+    cluster.rbac.create_namespaced_role_binding(
+        ns,
+        {
+            "metadata": {"name": "slices"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "slices"},
+            "subjects": [{"kind": "ServiceAccount", "name": "lister", "namespace": ns}],
+        },
+    )
+    pod["metadata"]["name"] = "allowed"
+    core.create_namespaced_pod(ns, pod)
+    p = cluster.wait_pod(ns, "allowed", lambda p: p.status.phase in ("Succeeded", "Failed"), "finished")
+    log = cluster.container_log(ns, "allowed", "c")
+    assert p.status.phase == "Succeeded" and "listed 0 slices" in log, log
+
+    # the token is bound to the pod (TokenRequest boundObjectRef), as kubelet's
+    claims_of = "import base64, json; t = open('/var/run/secrets/kubernetes.io/serviceaccount/token').read()"
+    claims_of += "; print(base64.urlsafe_b64decode(t.split('.')[1] + '==').decode())"
+    core.create_namespaced_pod(
+        ns, _pod_body("claims", _container("c", "python", "-c", claims_of), restartPolicy="Never")
+    )
+    cluster.wait_pod(ns, "claims", lambda p: p.status.phase == "Succeeded", "Succeeded")
+    claims = json.loads(cluster.container_log(ns, "claims", "c").splitlines()[-1])
+    k8s = claims["kubernetes.io"]
+    assert (
+        k8s["namespace"] == ns
+        and k8s["pod"]["name"] == "claims"
+        and k8s["serviceaccount"]["name"] == "default"
+    )
+
+
+def test_secret_and_configmap_env_and_volumes(cluster, namespace):
+    ns, core = namespace, cluster.core
+    core.create_namespaced_secret(
+        ns, {"metadata": {"name": "creds"}, "data": {"password": base64.b64encode(b"hunter2").decode()}}
+    )
+    core.create_namespaced_config_map(
+        ns, {"metadata": {"name": "conf"}, "data": {"mode": "fast", "app.ini": "x=1\n"}}
+    )
+    script = (
+        "import os; p = '/etc/app/password'; print('env', os.environ['PASS'], os.environ['MODE']); "
+        "print('file', open(p).read(), oct(os.stat(p).st_mode & 0o777)); "
+        "print('ini', open('/etc/conf/app.ini').read().strip()); "
+        "open('/scratch/x', 'w').write('ok'); print('scratch', open('/scratch/x').read())"
+    )
+    c = _container(
+        "c",
+        "python",
+        "-c",
+        script,
+        env=[
+            {"name": "PASS", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "password"}}},
+            {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "conf", "key": "mode"}}},
+        ],
+        volumeMounts=[
+            {"name": "creds", "mountPath": "/etc/app", "readOnly": True},
+            {"name": "conf", "mountPath": "/etc/conf"},
+            {"name": "scratch", "mountPath": "/scratch"},
+        ],
+    )
+    volumes = [
+        {"name": "creds", "secret": {"secretName": "creds", "defaultMode": 0o400}},
+        {"name": "conf", "configMap": {"name": "conf"}},
+        {"name": "scratch", "emptyDir": {}},
+    ]
+    core.create_namespaced_pod(ns, _pod_body("reader", c, volumes=volumes, restartPolicy="Never"))
+    p = cluster.wait_pod(ns, "reader", lambda p: p.status.phase in ("Succeeded", "Failed"), "finished")
+    log = cluster.container_log(ns, "reader", "c")
+    assert p.status.phase == "Succeeded", log
+    assert (
+        "env hunter2 fast" in log and "file hunter2 0o400" in log and "ini x=1" in log and "scratch ok" in log
+    ), log
+
+    # a missing Secret: CreateContainerConfigError until it exists, then the container runs
+    c2 = _container(
+        "c",
+        "python",
+        "-c",
+        "import os; print('late', os.environ['LATE'])",
+        env=[{"name": "LATE", "valueFrom": {"secretKeyRef": {"name": "late", "key": "k"}}}],
+    )
+    core.create_namespaced_pod(ns, _pod_body("waiter", c2, restartPolicy="Never"))
+
+    def config_error(p):
+        cs = (p.status.container_statuses or [None])[0]
+        return cs and cs.state.waiting and cs.state.waiting.reason == "CreateContainerConfigError"
+
+    cluster.wait_pod(ns, "waiter", config_error, "waiting: CreateContainerConfigError")
+    core.create_namespaced_secret(ns, {"metadata": {"name": "late"}, "stringData": {"k": "here"}})
+    cluster.wait_pod(
+        ns, "waiter", lambda p: p.status.phase == "Succeeded", "Succeeded once the Secret exists"
+    )
+    assert "late here" in cluster.container_log(ns, "waiter", "c")
+
+
+HTTP_AFTER = """
+import http.server, os, sys, time
+delay, port = float(sys.argv[1]), int(sys.argv[2])
+time.sleep(delay)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        ok = not os.path.exists('/tmp/sick-' + os.environ['POD'])
+        self.send_response(200 if ok else 500); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer((os.environ['IP'], port), H).serve_forever()
+"""
+
+
+def test_startup_liveness_and_exec_probes(cluster, namespace):
+    """The startup probe gates readiness (started=False until it passes); a failing liveness probe
+    restarts the container; an exec readiness probe decides `ready`."""
+    _local_only(cluster, "the test flips the probes with files in the node's /tmp")
+    ns, core = namespace, cluster.core
+    env = [
+        {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+    ]
+    probe = {"periodSeconds": 1, "failureThreshold": 2}
+    c = _container(
+        "web",
+        "python",
+        "-c",
+        HTTP_AFTER,
+        "3",
+        "8080",
+        env=env,
+        startupProbe={"tcpSocket": {"port": 8080}, "periodSeconds": 1, "failureThreshold": 30},
+        livenessProbe={"httpGet": {"path": "/", "port": 8080}, **probe},
+        readinessProbe={"exec": {"command": ["sh", "-c", "test ! -e /tmp/unready-$POD"]}, **probe},
+    )
+    pod = core.create_namespaced_pod(ns, _pod_body("probed", c, terminationGracePeriodSeconds=2))
+    uid = pod.metadata.uid
+
+    def running_not_started(p):
+        cs = (p.status.container_statuses or [None])[0]
+        return cs and cs.state.running and not cs.started and not cs.ready
+
+    cluster.wait_pod(ns, "probed", running_not_started, "running, not started yet (startup probe pending)")
+    cluster.wait_pod(ns, "probed", cluster.pod_ready, "Ready after the startup probe passed")
+
+    # exec readiness probe fails -> not Ready, container keeps running (no restart)
+    marker = f"/tmp/unready-{uid}"
+    open(marker, "w").close()
+    try:
+        p = cluster.wait_pod(
+            ns, "probed", lambda p: cluster.conditions(p).get("Ready") == "False", "unready (exec)"
+        )
+        assert (
+            p.status.container_statuses[0].restart_count == 0 and p.status.container_statuses[0].state.running
+        )
+    finally:
+        os.unlink(marker)
+    cluster.wait_pod(ns, "probed", cluster.pod_ready, "Ready again (exec probe passes)")
+
+    # liveness fails -> container killed and restarted, lastState terminated; Ready again afterwards
+    sick = f"/tmp/sick-{uid}"
+    open(sick, "w").close()
+    try:
+        cluster.wait_pod(
+            ns,
+            "probed",
+            lambda p: p.status.container_statuses[0].restart_count >= 1,
+            "restarted by the liveness probe",
+        )
+    finally:
+        os.unlink(sick)
+    p = cluster.wait_pod(ns, "probed", cluster.pod_ready, "Ready after the restart")
+    assert p.status.container_statuses[0].last_state.terminated is not None
+    events = core.list_namespaced_event(ns, field_selector="involvedObject.name=probed").items
+    assert any(e.reason == "Killing" and "liveness" in e.message for e in events), [e.message for e in events]
