@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
@@ -18,6 +19,12 @@ from .subscription import Endpoints, RankSubscription, ReplayTimeouts
 from .writer import IndexWriter
 
 log = logging.getLogger(__name__)
+
+
+class RankListener(Protocol):
+    def rank_added(self, sub: RankSubscription) -> None: ...
+
+    def rank_removed(self, carrier: Carrier) -> None: ...
 
 
 def rank_endpoint(base: str, rank: int) -> str:
@@ -65,6 +72,8 @@ class KVPlane:
         self._workers: dict[str, WorkerSpec] = {}
         self._subs: dict[Carrier, tuple[RankSubscription, asyncio.Task]] = {}
         self._writer_task: asyncio.Task | None = None
+        # The bootstrap listens here: a new rank starts holding; a removed one stops mattering.
+        self.rank_listener: RankListener | None = None
 
     async def start(self) -> None:
         self._writer_task = asyncio.create_task(self.writer.run(), name="kv-index-writer")
@@ -109,6 +118,8 @@ class KVPlane:
             sub = RankSubscription(
                 self._ctx, carrier, endpoints, self.writer, self.metrics, timeouts=self.replay_timeouts
             )
+            if self.rank_listener is not None:
+                self.rank_listener.rank_added(sub)  # before the socket exists: nothing escapes the hold
             task = asyncio.create_task(sub.run(), name=f"kv-sub-{carrier}")
             self._subs[carrier] = (sub, task)
         log.info("subscribed to engine %s (%d ranks)", spec.engine, spec.dp_size)
@@ -118,6 +129,8 @@ class KVPlane:
             entry = self._subs.pop(carrier, None)
             if entry:
                 entry[1].cancel()
+            if self.rank_listener is not None:
+                self.rank_listener.rank_removed(carrier)
             self.writer.submit_remove(carrier)
         log.info("dropped engine %s", spec.engine)
 

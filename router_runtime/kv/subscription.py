@@ -14,6 +14,7 @@ import contextlib
 import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -22,6 +23,7 @@ import zmq.asyncio
 from .cursor import Arrival, classify
 from .decode import MalformedFrame, decode_batch, parse_pub_message, parse_replay_reply, topic_matches
 from .events import DecodeStats, SequencedBatch
+from .hold import HoldEnd, RankHold
 from .index import Carrier
 from .metrics import KVMetrics
 from .writer import ClearReason, IndexWriter
@@ -80,6 +82,13 @@ class RankSubscription:
         self.live_last: int | None = None  # last sequence seen on the live stream
         self.connected = False
         self.last_event_at: float | None = None
+        # Set by the bootstrap while this rank is pending: batches wait here instead of the writer.
+        self.hold: RankHold | None = None
+        # Set by the bootstrap after a graft whose held batches did not reach past the snapshot's
+        # cursor: batches at or below it are already in the graft and are dropped; the first one above
+        # it is reported to ``on_splice`` (proved if it is exactly watermark + 1) before it is applied.
+        self.splice_watermark: int | None = None
+        self.on_splice: Callable[[int], None] | None = None
         self._stats = DecodeStats()
 
     # ---- the live loop -------------------------------------------------------------------------
@@ -157,11 +166,25 @@ class RankSubscription:
             self.metrics.malformed.labels("rank_mismatch").inc()
             self._clear(ClearReason.MALFORMED_BATCH)
             return
-        if not self.writer.submit_batch(self.carrier, SequencedBatch(seq, batch, len(payload))):
+        sb = SequencedBatch(seq, batch, len(payload))
+        hold = self.hold
+        if hold is not None and hold.active:
+            hold.add(sb)
+            return
+        wm = self.splice_watermark
+        if wm is not None:
+            if seq <= wm:
+                return  # the graft already reflects it; re-applying an old store could undo a removal
+            self.splice_watermark = None
+            if self.on_splice is not None:
+                self.on_splice(seq)  # may clear the rank (a gap) before this batch is applied
+        if not self.writer.submit_batch(self.carrier, sb):
             self._clear(ClearReason.OVERFLOW)
 
     def _clear(self, reason: ClearReason) -> None:
         self.writer.submit_clear(self.carrier, reason)
+        if self.hold is not None:
+            self.hold.end(HoldEnd.PUBLISHER_RESET)
 
     def _flush_decode_stats(self) -> None:
         s = self._stats

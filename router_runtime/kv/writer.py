@@ -65,6 +65,9 @@ class IndexWriter:
         self._bytes = 0
         self._wake = asyncio.Event()
         self._touched: set[Carrier] = set()
+        # The last sequence applied per carrier: the cursors a snapshot export reports. A cleared or
+        # removed carrier has none until its next batch (nothing could prove continuity for it).
+        self.applied: dict[Carrier, int] = {}
 
     # ---- producers -----------------------------------------------------------------------------
 
@@ -136,10 +139,12 @@ class IndexWriter:
             self._bytes -= sb.nbytes
             t0 = time.perf_counter()
             stats = index.apply_batch(item.carrier, sb.batch)
+            self.applied[item.carrier] = sb.seq
             m.apply_seconds.observe(time.perf_counter() - t0)
             m.batches.inc()
             self._count(stats)
             return
+        self.applied.pop(item.carrier, None)
         if item.remove:
             index.remove_carrier(item.carrier)
         else:

@@ -1,0 +1,99 @@
+"""The consumer's fetch client: three bounds, not one.
+
+A single total timeout has two opposite jobs: cut a peer that is gone, and let a large body finish.
+Sized for the first it rejects every peer whose snapshot is big enough to be worth having. So
+``connect`` cuts a peer that is gone, ``read_idle`` one that stopped sending mid-body, and ``total``
+bounds only a transfer that is progressing. The body is read with a hard size cap and inflated with
+one (``wire.inflate``), never by the HTTP library's automatic decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+import aiohttp
+
+from .peers import Peer
+from .state import SnapshotOutcome
+from .wire import Limits, WireError, WireSnapshot, decode, inflate
+
+
+@dataclass(frozen=True, slots=True)
+class FetchBounds:
+    connect_s: float = 5.0
+    read_idle_s: float = 15.0
+    total_s: float = 300.0
+
+
+class FetchFailed(Exception):
+    def __init__(self, outcome: SnapshotOutcome, detail: str) -> None:
+        super().__init__(f"{outcome.value}: {detail}")
+        self.outcome = outcome
+
+
+class SnapshotFetcher:
+    def __init__(self, token: str, bounds: FetchBounds | None = None, limits: Limits | None = None) -> None:
+        self.token = token
+        self.bounds = bounds or FetchBounds()
+        self.limits = limits or Limits()
+        self._session: aiohttp.ClientSession | None = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            b = self.bounds
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(
+                    total=b.total_s, sock_connect=b.connect_s, sock_read=b.read_idle_s
+                ),
+                auto_decompress=False,
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _get(self, peer: Peer, params: dict[str, str], gzip_ok: bool) -> tuple[int, bytes, str]:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        if gzip_ok:
+            headers["Accept-Encoding"] = "gzip"
+        cap = self.limits.max_bytes
+        try:
+            async with self._sess().get(
+                peer.url + "/internal/kv_snapshot", params=params, headers=headers
+            ) as r:
+                body = bytearray()
+                async for chunk in r.content.iter_chunked(1 << 20):
+                    body += chunk
+                    if len(body) > cap:
+                        raise FetchFailed(SnapshotOutcome.REJECTED, "body over the limit")
+                return r.status, bytes(body), r.headers.get("Content-Encoding", "")
+        except FetchFailed:
+            raise
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise FetchFailed(SnapshotOutcome.UNREACHABLE, type(exc).__name__) from None
+
+    async def snapshot(self, peer: Peer, max_age_ms: int) -> WireSnapshot:
+        status, body, encoding = await self._get(peer, {"max_age_ms": str(max_age_ms)}, gzip_ok=True)
+        if status == 404:  # no index there, or an older image: as good as cold
+            raise FetchFailed(SnapshotOutcome.COLD_PEER, "404")
+        if status != 200:
+            raise FetchFailed(SnapshotOutcome.UNREACHABLE, f"HTTP {status}")
+        try:
+            raw = inflate(body, self.limits) if encoding == "gzip" else body
+            return await asyncio.get_running_loop().run_in_executor(None, decode, raw, self.limits)
+        except WireError as exc:
+            raise FetchFailed(SnapshotOutcome.REJECTED, exc.kind) from None
+
+    async def cursors(self, peer: Peer) -> dict[tuple[str, int, str], int]:
+        """A peer's live cursor table: (engine, rank, incarnation) -> last applied seq."""
+        status, body, _enc = await self._get(peer, {"cursors_only": "true"}, gzip_ok=False)
+        if status != 200:
+            raise FetchFailed(SnapshotOutcome.UNREACHABLE, f"HTTP {status}")
+        try:
+            doc = json.loads(body)
+            return {(c["engine"], int(c["rank"]), c["incarnation"]): int(c["seq"]) for c in doc["cursors"]}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FetchFailed(SnapshotOutcome.REJECTED, type(exc).__name__) from None

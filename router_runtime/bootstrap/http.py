@@ -1,0 +1,89 @@
+"""The internal port: ``GET /internal/kv_snapshot`` (the producer) and ``GET /internal/bootstrap`` (the
+verdict the operator reads). Separate from the public proxy port and authenticated with the fleet's
+bearer token: a request without it gets 401."""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+from aiohttp import web
+
+from .producer import SnapshotProducer
+from .sweep import Bootstrapper
+
+
+def read_token(path: str) -> str:
+    """The fleet token from a file (a mounted Secret). Refuses an empty one: it would authorize all."""
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"the token file {path} is empty")
+    return token
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
+        status=status,
+    )
+
+
+def internal_app(
+    token: str, bootstrapper: Bootstrapper | None, producer: SnapshotProducer | None
+) -> web.Application:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        got = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(got, expected):
+            return _error(401, "missing or wrong bearer token", "unauthorized")
+        return await handler(request)
+
+    async def kv_snapshot(request: web.Request) -> web.StreamResponse:
+        if producer is None:  # this replica keeps no index: as good as cold to a consumer
+            return _error(404, "this router keeps no KV index", "no_index")
+        q = request.query
+        if q.get("cursors_only") == "true":
+            return web.json_response(
+                {
+                    "format": 1,
+                    "cursors": [
+                        {"engine": c.engine, "rank": c.rank, "incarnation": inc, "seq": seq}
+                        for c, inc, seq in producer.cursors()
+                    ],
+                }
+            )
+        max_age_s = None
+        if "max_age_ms" in q:
+            try:
+                max_age_ms = int(q["max_age_ms"])
+            except ValueError:
+                return _error(400, "max_age_ms must be an integer", "invalid_max_age")
+            if max_age_ms < 0:
+                return _error(400, "max_age_ms must be >= 0", "invalid_max_age")
+            max_age_s = max_age_ms / 1000
+        built = await producer.get(max_age_s)
+        if "gzip" in request.headers.get("Accept-Encoding", ""):
+            return web.Response(
+                body=built.gzipped, content_type="application/x-msgpack", headers={"Content-Encoding": "gzip"}
+            )
+        return web.Response(body=built.body, content_type="application/x-msgpack")
+
+    async def bootstrap(_request: web.Request) -> web.Response:
+        if bootstrapper is None:
+            return web.json_response(
+                {
+                    "apiVersion": "routerfleet.io/bootstrap/v1",
+                    "settled": True,
+                    "verdict": "disabled",
+                    "seedFailed": False,
+                    "ranks": [],
+                }
+            )
+        return web.json_response(bootstrapper.report())
+
+    app = web.Application(middlewares=[auth])
+    app.router.add_get("/internal/kv_snapshot", kv_snapshot)
+    app.router.add_get("/internal/bootstrap", bootstrap)
+    return app

@@ -1,0 +1,131 @@
+"""The producer half: builds this replica's snapshot for booting siblings.
+
+Builds are single-flighted and the encoded body is cached, so a boot herd shares one walk. The entry
+is stamped BEFORE the cursors are read, and the cursors are read in the same writer turn that starts
+the walk, so a body never claims to cover more of a publisher's stream than it does; the consumer's
+``max_age_ms`` (its strictest holding-since) decides whether a cached body is fresh enough.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..kv.index import Carrier
+from ..kv.plane import KVPlane
+from ..kv.snapshot import Columns, Exporter
+from .vetting import HashingConfig
+from .wire import FORMAT, WireSnapshot, WireWorker, encode
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    at: float  # monotonic stamp taken before the cursors were read
+    body: bytes
+    gzipped: bytes
+    ready: bool
+    records: int
+
+
+class SnapshotProducer:
+    def __init__(
+        self,
+        plane: KVPlane,
+        hashing: HashingConfig,
+        *,
+        producer_id: str,
+        producer_incarnation: str,
+        ready: Callable[[], bool],
+        include: Callable[[Carrier], bool],
+        default_max_age_s: float = 2.0,
+        chunk: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.plane = plane
+        self.hashing = hashing
+        self.producer_id = producer_id
+        self.producer_incarnation = producer_incarnation
+        self._ready = ready
+        self._include = include
+        self.default_max_age_s = default_max_age_s
+        self.chunk = chunk
+        self._clock, self._wall = clock, wall
+        self._cached: Built | None = None
+        self._inflight: asyncio.Task | None = None
+
+    def ready(self) -> bool:
+        """Non-empty tree, hashing established (static here) and our own bootstrap settled."""
+        return self.plane.index.node_count() > 0 and self._ready()
+
+    def _incarnation(self, carrier: Carrier) -> str:
+        spec = self.plane.workers.get(carrier.engine)
+        return spec.incarnation if spec is not None else ""
+
+    def cursors(self) -> list[tuple[Carrier, str, int]]:
+        """The live cursor table, never cached: a witness only needs to have seen the stream, so this
+        is a superset of what an export covers."""
+        return [
+            (c, self._incarnation(c), seq)
+            for c, seq in sorted(self.plane.writer.applied.items())
+            if self._include(c)
+        ]
+
+    async def get(self, max_age_s: float | None = None) -> Built:
+        """A body stamped no earlier than ``max_age_s`` before this call. The bound is fixed when the
+        request arrives, so a build started after it always qualifies (no rebuild chase)."""
+        not_before = self._clock() - (self.default_max_age_s if max_age_s is None else max_age_s)
+        while True:
+            cached = self._cached
+            if cached is not None and cached.at >= not_before:
+                return cached
+            if self._inflight is None:
+                self._inflight = asyncio.ensure_future(self._build())
+                self._inflight.add_done_callback(lambda _t: setattr(self, "_inflight", None))
+            built = await asyncio.shield(self._inflight)
+            if built.at >= not_before:
+                return built
+            # That build started before the caller's bound: the next one will not.
+
+    async def _build(self) -> Built:
+        at = self._clock()
+        if not self.ready():
+            built = Built(at, *self._encode([], {}, Columns(), ready=False), ready=False, records=0)
+            self._cached = built
+            return built
+        writer = self.plane.writer
+
+        def start(index):
+            applied = {c: s for c, s in writer.applied.items() if self._include(c)}
+            return applied, Exporter(index, include=lambda c: c in applied)
+
+        applied, ex = await writer.call(start)
+        while not await writer.call(lambda _index: ex.step(self.chunk)):
+            pass
+        body, gz = await asyncio.get_running_loop().run_in_executor(
+            None, self._encode, ex.workers, applied, ex.columns, True
+        )
+        built = Built(at, body, gz, True, len(ex.columns))
+        self._cached = built
+        return built
+
+    def _encode(self, workers: list[Carrier], applied: dict[Carrier, int], cols: Columns, ready: bool):
+        snap = WireSnapshot(
+            format=FORMAT,
+            producer_id=self.producer_id,
+            producer_incarnation=self.producer_incarnation,
+            producer_ready=ready,
+            block_size=self.hashing.block_size,
+            scheme=self.hashing.scheme,
+            workers=[WireWorker(c.engine, c.rank, self._incarnation(c)) for c in workers],
+            cursors=[(i, applied[c]) for i, c in enumerate(workers) if c in applied],
+            built_ms=int(self._wall() * 1000),
+            columns=cols,
+        )
+        body = encode(snap)
+        # Level 1: the body is repetitive, so the fastest level already shrinks it several-fold, and
+        # this runs on a replica that is serving traffic during a boot herd.
+        return body, gzip.compress(body, compresslevel=1)

@@ -1,0 +1,500 @@
+"""The consumer: hold each new rank's batches, pull one snapshot for every pending rank, graft it
+beneath the held batches, and prove the live stream joins it.
+
+Ordering is the design. The subscription exists (and holds) before any fetch, so no delta can fall
+between a peer's export and our first received batch. The peer's cursor then does two jobs: as a
+FILTER it drops held batches the snapshot already reflects, and as a WATERMARK it proves the stream
+resumes at cursor + 1. A hole there means a lost delta, and a lost removal is a permanent false cache
+hit, so every doubt resolves to a cold rank: an unreachable peer, a 404, a cold peer, a vetting
+refusal, an unknown worker, a sequence gap. Two paths are deliberately kept warm, both bounded: a
+gap gets one more sweep with a fresh stamp, and a graft that no batch and no peer can speak to is kept
+as ``warm_unwitnessed`` after a few unanswered probes (silence is not evidence; discarding on a timer
+would cost every quiet fleet its warm tree).
+
+One sweep serves every pending rank: a snapshot is fleet-wide, so sweeping per engine would download
+the same document once per engine. The strictest holding-since of the batch becomes ``max_age_ms``.
+Grafts run on the index writer, chunk by chunk, behind gates (same epoch, still pending), so a rank
+that restarted or left meanwhile is never grafted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..kv.hold import HoldEnd, RankHold
+from ..kv.index import Carrier
+from ..kv.plane import KVPlane
+from ..kv.snapshot import Grafter
+from ..kv.subscription import RankSubscription
+from ..kv.writer import ClearReason
+from .fetch import FetchFailed, SnapshotFetcher
+from .metrics import BootstrapMetrics
+from .peers import PeerRegistry
+from .state import (
+    Gate,
+    RankBoot,
+    RankOutcome,
+    RankState,
+    SnapshotOutcome,
+    SweepResult,
+    Verdict,
+    readiness,
+    seed_failed,
+    verdict,
+)
+from .vetting import HashingConfig, LocalWorker, VetFailed, VettedSnapshot, vet
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "routerfleet.io/bootstrap/v1"
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapConfig:
+    enabled: bool = True
+    timeout_s: float = 600.0
+    seed_required: bool = False
+    hold_batches: int = 50_000
+    hold_bytes: int = 256 << 20
+    retry_interval_s: float = 1.0  # between sweeps while peers are unsynced, unreachable or refused
+    probe_interval_s: float = 2.0  # silence before asking peers whether the watermark was passed
+    max_unknown_probes: int = 3
+    graft_chunk: int = 4096
+
+
+class Bootstrapper:
+    def __init__(
+        self,
+        plane: KVPlane,
+        peers: PeerRegistry,
+        fetcher: SnapshotFetcher,
+        hashing: HashingConfig,
+        metrics: BootstrapMetrics,
+        config: BootstrapConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.plane = plane
+        self.peers = peers
+        self.fetcher = fetcher
+        self.hashing = hashing
+        self.metrics = metrics
+        self.config = config or BootstrapConfig()
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self.ranks: dict[Carrier, RankBoot] = {}
+        self._subs: dict[Carrier, RankSubscription] = {}
+        self._queue: set[Carrier] = set()
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._task: asyncio.Task | None = None
+        self.first_rank_at: float | None = None  # the deadline is armed here, never at construction
+        self.last_sweep: SweepResult | None = None
+        self.candidates_seen = False
+        self._settled = False
+        self._ready_latched = False
+        self.settled_at: float | None = None
+        if self.config.enabled:
+            plane.rank_listener = self
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.config.enabled:
+            self._task = asyncio.create_task(self._run(), name="kv-bootstrap")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await self.fetcher.close()
+
+    # ---- the KV plane's hooks ------------------------------------------------------------------
+
+    def rank_added(self, sub: RankSubscription) -> None:
+        c = sub.carrier
+        now = self._clock()
+        if self.first_rank_at is None:
+            self.first_rank_at = now
+        if self.settled:
+            return  # a rank added after settling (a scale-up of engines) joins live, cold
+        old = self.ranks.get(c)
+        boot = RankBoot(epoch=(old.epoch + 1) if old else 1, since=now)
+        self.ranks[c] = boot
+        self._subs[c] = sub
+        sub.hold = self._new_hold(c, boot.epoch)
+        sub.on_splice = lambda seq, c=c, e=boot.epoch: self._spliced(c, e, seq)
+        self._queue.add(c)
+        self._wake.set()
+        self._export_state(c)
+
+    def rank_removed(self, carrier: Carrier) -> None:
+        boot = self.ranks.pop(carrier, None)
+        self._subs.pop(carrier, None)
+        self._queue.discard(carrier)
+        if boot is not None:
+            boot.epoch += 1  # refuses any graft chunk still in flight for it
+        self.metrics.forget(carrier)
+
+    def _new_hold(self, c: Carrier, epoch: int) -> RankHold:
+        return RankHold(
+            max_batches=self.config.hold_batches,
+            max_bytes=self.config.hold_bytes,
+            on_end=lambda why: self._hold_ended(c, epoch, why),
+            clock=self._clock,
+        )
+
+    def _hold_ended(self, c: Carrier, epoch: int, why: HoldEnd) -> None:
+        boot = self.ranks.get(c)
+        if boot is None or boot.epoch != epoch:
+            return
+        boot.epoch += 1
+        # A graft chunk may already have landed for this rank without its watermark proved.
+        self.plane.writer.submit_clear(
+            c, ClearReason.OVERFLOW if why is HoldEnd.OVERFLOW else ClearReason.PUBLISHER_RESTART
+        )
+        self._settle(c, RankOutcome.OVERFLOW if why is HoldEnd.OVERFLOW else RankOutcome.PUBLISHER_RESET)
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    @property
+    def settled(self) -> bool:
+        """A graft landed, every rank resolved, or the timeout passed; latches."""
+        if not self.config.enabled or self._settled:
+            return True
+        if self.first_rank_at is None:
+            return False
+        done = bool(self.ranks) and all(b.state is not RankState.PENDING for b in self.ranks.values())
+        if done or self._clock() >= self.first_rank_at + self.config.timeout_s:
+            self._settled = True
+            self.settled_at = self._clock()
+            self.metrics.settled.set(1)
+            self.metrics.seed_failed.set(1 if self.seed_failed else 0)
+            log.info("bootstrap settled: %s", self.verdict.value)
+        return self._settled
+
+    @property
+    def verdict(self) -> Verdict:
+        settled = self.settled
+        last = self.last_sweep
+        if (
+            settled
+            and last is None
+            and self.ranks
+            and any(b.state is RankState.PENDING for b in self.ranks.values())
+        ):
+            last = SweepResult.TIMED_OUT  # the deadline passed before any sweep could finish
+        return verdict(self.config.enabled, settled, self.ranks.values(), last)
+
+    @property
+    def seed_failed(self) -> bool:
+        return seed_failed(self.verdict, self.candidates_seen)
+
+    def readiness(self) -> tuple[bool, str]:
+        ok, why = readiness(
+            Gate(
+                enabled=self.config.enabled,
+                settled=self.settled,
+                seed_required=self.config.seed_required,
+                seed_failed=self.seed_failed,
+                first_rank_at=self.first_rank_at,
+                now=self._clock(),
+                timeout_s=self.config.timeout_s,
+                latched=self._ready_latched,
+            )
+        )
+        if ok and "expired" in why:
+            log.warning("bootstrap: seed required but not achieved within 3x the budget; opening readiness")
+        return ok, why
+
+    def exportable(self, c: Carrier) -> bool:
+        """Whether our producer may hand this rank's blocks to a sibling: not while it is pending or
+        still proving its graft (a graft is only as good as its witness)."""
+        boot = self.ranks.get(c)
+        return boot is None or boot.state is RankState.SETTLED
+
+    def latch_ready(self) -> None:
+        """The first 200 from /readyz latches readiness open: a serving replica never leaves again."""
+        self._ready_latched = True
+
+    def report(self) -> dict:
+        """The versioned verdict document served at ``/internal/bootstrap``."""
+        index = self.plane.index
+        return {
+            "apiVersion": API_VERSION,
+            "settled": self.settled,
+            "verdict": self.verdict.value,
+            "seedFailed": self.seed_failed,
+            "ranks": [
+                {
+                    "engine": c.engine,
+                    "rank": c.rank,
+                    "state": b.state.value,
+                    "outcome": b.outcome.value if b.outcome else None,
+                }
+                for c, b in sorted(self.ranks.items())
+            ],
+            "index": {
+                "nodes": index.node_count(),
+                "blocks": sum(sum(index.carrier_blocks(c).values()) for c in index.carriers),
+            },
+            "peers": {"seen": len(self.peers.peers), "synced": self.peers.synced},
+            "since": self.first_rank_at,
+            "settledAfterSeconds": (
+                None
+                if self.settled_at is None or self.first_rank_at is None
+                else self.settled_at - self.first_rank_at
+            ),
+        }
+
+    def _settle(self, c: Carrier, outcome: RankOutcome) -> None:
+        boot = self.ranks.get(c)
+        if boot is None:
+            return
+        boot.state = RankState.SETTLED
+        boot.outcome = outcome
+        self.metrics.ranks.labels(outcome.value).inc()
+        self._export_state(c)
+        log.info("bootstrap rank %s: %s", c, outcome.value)
+
+    def _export_state(self, c: Carrier) -> None:
+        boot = self.ranks.get(c)
+        if boot is not None:
+            self.metrics.set_state(c, boot.state)
+
+    # ---- the coordinator -----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch = {c for c in self._queue if c in self.ranks and self.ranks[c].state is RankState.PENDING}
+            self._queue.clear()
+            if batch:
+                await self._sweep(batch)
+            self.settled  # noqa: B018 (evaluates the latch)
+
+    def _pending(self, batch: set[Carrier]) -> set[Carrier]:
+        return {c for c in batch if c in self.ranks and self.ranks[c].state is RankState.PENDING}
+
+    async def _sweep(self, batch: set[Carrier]) -> None:
+        cfg = self.config
+        assert self.first_rank_at is not None
+        deadline = self.first_rank_at + cfg.timeout_s
+        while True:
+            live = self._pending(batch)
+            if not live:
+                return
+            now = self._clock()
+            if now >= deadline:
+                return self._give_up(live, SweepResult.TIMED_OUT)
+            if not self.peers.synced:
+                await asyncio.sleep(min(cfg.retry_interval_s, deadline - now))
+                continue
+            candidates = self.peers.candidates(self._rng)
+            if not candidates:
+                if self.peers.ever_had_peers:  # a dip to empty after siblings were seen is transient
+                    await asyncio.sleep(min(cfg.retry_interval_s, deadline - now))
+                    continue
+                return self._give_up(live, SweepResult.NO_PEERS)
+            self.candidates_seen = True
+            since = min(self.ranks[c].since for c in live)
+            max_age_ms = max(0, int((self._clock() - since) * 1000))
+            outcomes: list[SnapshotOutcome] = []
+            for peer in candidates:
+                try:
+                    # The fetch's own bounds cut a dead or stalled peer; the deadline bounds the hold.
+                    left = max(0.001, deadline - self._clock())
+                    try:
+                        wire = await asyncio.wait_for(self.fetcher.snapshot(peer, max_age_ms), left)
+                    except TimeoutError:
+                        raise FetchFailed(SnapshotOutcome.UNREACHABLE, "bootstrap deadline") from None
+                    vetted = vet(wire, self._local(), self.hashing)
+                except FetchFailed as exc:
+                    outcomes.append(exc.outcome)
+                    self.metrics.fetches.labels(exc.outcome.value).inc()
+                    log.info("bootstrap: peer %s: %s", peer.name, exc)
+                    continue
+                except VetFailed as exc:
+                    o = SnapshotOutcome.COLD_PEER if exc.error.cold_peer else SnapshotOutcome.REJECTED
+                    outcomes.append(o)
+                    self.metrics.fetches.labels(o.value).inc()
+                    self.metrics.vet_errors.labels(exc.error.value).inc()
+                    log.info("bootstrap: peer %s refused: %s", peer.name, exc.error.value)
+                    continue
+                self.metrics.fetches.labels(SnapshotOutcome.ACCEPTED.value).inc()
+                self.last_sweep = SweepResult.FOUND
+                self.metrics.sweeps.labels(SweepResult.FOUND.value).inc()
+                await self._graft(vetted, self._pending(live))
+                return
+            if outcomes and all(o is SnapshotOutcome.COLD_PEER for o in outcomes):
+                return self._give_up(live, SweepResult.FLEET_COLD)
+            await asyncio.sleep(min(cfg.retry_interval_s, max(0.0, deadline - self._clock())))
+
+    def _local(self) -> dict[tuple[str, int], LocalWorker]:
+        return {
+            (c.engine, c.rank): LocalWorker(c, spec.incarnation)
+            for spec in self.plane.workers.values()
+            for c in spec.carriers()
+        }
+
+    def _give_up(self, ranks: set[Carrier], result: SweepResult) -> None:
+        """Nothing to graft: release the held batches to the writer; the ranks run live from their
+        first held batch, cold (everything before our subscription is unknown, never guessed)."""
+        self.last_sweep = result
+        self.metrics.sweeps.labels(result.value).inc()
+        for c in ranks:
+            self._release(c)
+            self._settle(c, RankOutcome.ABANDONED)
+
+    def _release(self, c: Carrier) -> None:
+        sub = self._subs.get(c)
+        if sub is None or sub.hold is None:
+            return
+        hold = sub.hold
+        held = hold.take()
+        hold.active = False
+        for b in held:
+            if not self.plane.writer.submit_batch(c, b):
+                self.plane.writer.submit_clear(c, ClearReason.OVERFLOW)
+
+    async def _graft(self, vetted: VettedSnapshot, live: set[Carrier]) -> None:
+        ours = {c for c in live if c in vetted.cursors}
+        for c in live - ours:
+            self._release(c)
+            self._settle(c, RankOutcome.NOT_IN_SNAPSHOT)
+        if not ours:
+            return
+        epochs = {c: self.ranks[c].epoch for c in ours}
+
+        def admit(c: Carrier) -> bool:
+            boot = self.ranks.get(c)
+            return (
+                c in epochs
+                and boot is not None
+                and boot.epoch == epochs[c]
+                and boot.state is RankState.PENDING
+            )
+
+        carriers = [c if c in ours else None for c in vetted.carriers]
+        grafter = Grafter(self.plane.index, vetted.columns, carriers, admit)
+        chunk = self.config.graft_chunk
+        while not await self.plane.writer.call(lambda _index: grafter.step(chunk)):
+            pass
+        writer = self.plane.writer
+        for c in ours:
+            if admit(c):
+                # The graft reflects the publisher's stream up to the cursor: that is now our cursor too
+                # (what our own producer reports, until the next batch moves it).
+                writer.applied[c] = max(writer.applied.get(c, -1), vetted.cursors[c])
+                self._splice(c, vetted.cursors[c])
+
+    def _splice(self, c: Carrier, cursor: int) -> None:
+        boot, sub = self.ranks[c], self._subs[c]
+        hold = sub.hold
+        assert hold is not None
+        rest = [b for b in hold.take() if b.seq > cursor]
+        if rest and rest[0].seq != cursor + 1:
+            return self._gap(c, rest)
+        hold.active = False
+        writer = self.plane.writer
+        for b in rest:
+            if not writer.submit_batch(c, b):
+                writer.submit_clear(c, ClearReason.OVERFLOW)
+        if rest:
+            boot.state = RankState.SETTLED
+            self._settle(c, RankOutcome.WARM)
+            return
+        # Nothing held above the cursor: the first live batch must prove the join.
+        boot.state = RankState.RECOVERED
+        boot.watermark = cursor
+        sub.splice_watermark = cursor
+        self._export_state(c)
+        task = asyncio.create_task(self._probe(c, boot.epoch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _spliced(self, c: Carrier, epoch: int, seq: int) -> None:
+        """The first live batch above the watermark arrived (called before it is applied)."""
+        boot = self.ranks.get(c)
+        if boot is None or boot.epoch != epoch or boot.watermark is None:
+            return
+        if seq == boot.watermark + 1:
+            if boot.state is RankState.RECOVERED or boot.outcome is RankOutcome.WARM_UNWITNESSED:
+                self._settle(c, RankOutcome.WARM)
+        else:
+            self.plane.writer.submit_clear(c, ClearReason.UNCOVERED_GAP)
+            self._settle(c, RankOutcome.GAP)
+        boot.watermark = None
+
+    def _gap(self, c: Carrier, rest: list) -> None:
+        """The live stream does not join the graft: discard it; one more sweep, stamped now."""
+        boot, sub = self.ranks[c], self._subs[c]
+        self.plane.writer.submit_clear(c, ClearReason.UNCOVERED_GAP)
+        boot.epoch += 1
+        if boot.retried:
+            sub.hold.active = False
+            for b in rest:
+                self.plane.writer.submit_batch(c, b)
+            self._settle(c, RankOutcome.GAP)
+            return
+        boot.retried = True
+        boot.since = self._clock()
+        boot.state = RankState.PENDING
+        hold = self._new_hold(c, boot.epoch)
+        for b in rest:
+            hold.add(b)
+        sub.hold = hold
+        sub.on_splice = lambda seq, c=c, e=boot.epoch: self._spliced(c, e, seq)
+        self._queue.add(c)
+        self._wake.set()
+        log.info("bootstrap rank %s: gap after graft, retrying once", c)
+
+    async def _probe(self, c: Carrier, epoch: int) -> None:
+        """Silence is not evidence: ask the fleet whether the publisher moved past our watermark."""
+        cfg = self.config
+        unknown = 0
+        while True:
+            await asyncio.sleep(cfg.probe_interval_s)
+            boot = self.ranks.get(c)
+            if boot is None or boot.epoch != epoch or boot.watermark is None:
+                return
+            spec = self.plane.workers.get(c.engine)
+            incarnation = spec.incarnation if spec else ""
+            witness = False
+            for peer in self.peers.candidates(self._rng):
+                try:
+                    table = await self.fetcher.cursors(peer)
+                except FetchFailed:
+                    continue
+                seq = table.get((c.engine, c.rank, incarnation))
+                if seq is not None and boot.watermark is not None and seq > boot.watermark:
+                    witness = True
+                    break
+            boot = self.ranks.get(c)
+            if boot is None or boot.epoch != epoch or boot.watermark is None:
+                return
+            if witness:
+                # A batch above the watermark was published and we never saw it.
+                sub = self._subs.get(c)
+                if sub is not None:
+                    sub.splice_watermark = None
+                boot.watermark = None
+                self.plane.writer.submit_clear(c, ClearReason.UNCOVERED_GAP)
+                self._settle(c, RankOutcome.GAP)
+                return
+            unknown += 1
+            if unknown >= cfg.max_unknown_probes and boot.state is RankState.RECOVERED:
+                # Kept: the watermark check stays armed, so a later batch can still disprove it.
+                self._settle(c, RankOutcome.WARM_UNWITNESSED)
+                return

@@ -1,0 +1,321 @@
+"""Peer bootstrap end to end over real loopback HTTP and real ZMQ: a warm replica A, a booting replica
+B that grafts A's index beneath its live stream, and the ways it must refuse and stay cold."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from dataclasses import dataclass
+
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from router_runtime.bootstrap.fetch import FetchBounds, SnapshotFetcher
+from router_runtime.bootstrap.http import internal_app
+from router_runtime.bootstrap.metrics import BootstrapMetrics
+from router_runtime.bootstrap.peers import Peer, PeerRegistry
+from router_runtime.bootstrap.producer import SnapshotProducer
+from router_runtime.bootstrap.state import Verdict
+from router_runtime.bootstrap.sweep import BootstrapConfig, Bootstrapper
+from router_runtime.bootstrap.vetting import HashingConfig
+from router_runtime.fake_engine.cache import PLAIN
+from router_runtime.fake_engine.server import FakeEngine, run_fake_engine
+from router_runtime.kv.hashing import SCHEME
+from router_runtime.kv.plane import KVPlane, WorkerSpec
+from router_runtime.kv.subscription import ReplayTimeouts
+
+from .support import eventually
+
+BS = 4
+TOKEN = "fleet-secret"
+
+
+@dataclass
+class Replica:
+    name: str
+    plane: KVPlane
+    boot: Bootstrapper
+    url: str
+    registry: CollectorRegistry
+
+
+def spec(e: FakeEngine) -> WorkerSpec:
+    return WorkerSpec(
+        e.http_url,
+        e.http_url,
+        kv=e.kv_endpoint(0),
+        replay=e.replay_endpoint(0),
+        dp_size=e.config.dp_size,
+        incarnation=e.incarnation,
+    )
+
+
+@contextlib.asynccontextmanager
+async def replica(name, engines, peers, *, block_size=BS, token=TOKEN, peer_token=TOKEN, **cfg):
+    registry = CollectorRegistry()
+    plane = KVPlane(block_size, registry, replay_timeouts=ReplayTimeouts(0.3, 2))
+    await plane.start()
+    reg = PeerRegistry(self_name=name, self_ip="")
+    if peers is not None:
+        reg.publish([Peer(u, u) for u in peers])
+    hashing = HashingConfig(block_size, SCHEME)
+    config = BootstrapConfig(**{"timeout_s": 10, "probe_interval_s": 0.2, "retry_interval_s": 0.1, **cfg})
+    boot = Bootstrapper(
+        plane,
+        reg,
+        SnapshotFetcher(peer_token, FetchBounds(1, 5, 10)),
+        hashing,
+        BootstrapMetrics(registry),
+        config,
+    )
+    producer = SnapshotProducer(
+        plane,
+        hashing,
+        producer_id=name,
+        producer_incarnation=name,
+        ready=lambda: boot.settled,
+        include=boot.exportable,
+    )
+    runner = web.AppRunner(internal_app(token, boot, producer))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    boot.start()
+    plane.set_workers([spec(e) for e in engines])
+    try:
+        yield Replica(name, plane, boot, f"http://127.0.0.1:{runner.addresses[0][1]}", registry)
+    finally:
+        await runner.cleanup()
+        await boot.stop()
+        await plane.stop()
+
+
+def prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    systems = [[rng.randrange(1, 200) for _ in range(BS * 6)] for _ in range(5)]
+    return [
+        rng.choice(systems) + [rng.randrange(1, 200) for _ in range(BS * rng.randrange(1, 8))]
+        for _ in range(n)
+    ]
+
+
+async def connected(r: Replica) -> None:
+    await eventually(lambda: all(s.connected for s in r.plane.subscriptions()), what=f"{r.name} subscribed")
+    await asyncio.sleep(0.3)  # ZMQ's subscription handshake completes after the TCP connect
+
+
+def load(engines, batch: list[list[int]], seed: int) -> None:
+    rng = random.Random(seed)
+    for p in batch:
+        rng.choice(engines).admit(0, p, PLAIN)
+
+
+async def caught_up(r: Replica, engines) -> None:
+    def ok():
+        applied = r.plane.writer.applied
+        return all(applied.get(c) == e.publisher.last_seq(0) for e in engines for c in spec(e).carriers())
+
+    await eventually(ok, timeout=10, what=f"{r.name} applied every published batch")
+
+
+def queries(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    base = prompts(1, 400) + prompts(2, 100)
+    out = []
+    for _ in range(n):
+        p = rng.choice(base)
+        cut = rng.randrange(1, len(p) + 1)
+        out.append(p[:cut] + [rng.randrange(1, 200) for _ in range(rng.randrange(0, 3 * BS))])
+    return out
+
+
+def same_views(a: Replica, b: Replica, qs: list[list[int]]) -> int:
+    hits = 0
+    for q in qs:
+        ma, mb = a.plane.index.match(q), b.plane.index.match(q)
+        assert ma == mb
+        hits += bool(ma)
+    return hits
+
+
+async def test_a_booting_replica_grafts_a_warm_sibling_beneath_its_live_stream():
+    async with (
+        run_fake_engine(block_size=BS, capacity_blocks=600) as e1,
+        run_fake_engine(block_size=BS, capacity_blocks=600, dialect="sglang") as e2,
+    ):
+        engines = [e1, e2]
+        async with replica("a", engines, peers=[]) as a:
+            await connected(a)
+            load(engines, prompts(1, 400), seed=1)
+            await caught_up(a, engines)
+            assert a.boot.verdict is Verdict.NO_PEERS
+            async with replica("b", engines, peers=[a.url]) as b:
+                await connected(b)
+                load(engines, prompts(2, 50), seed=2)  # live batches arrive while b holds
+                await eventually(lambda: b.boot.settled, timeout=10, what="b settled")
+                await caught_up(b, engines)
+                await caught_up(a, engines)
+                fetches = {
+                    o: b.registry.get_sample_value(
+                        "routerfleet_bootstrap_snapshot_fetches_total", {"outcome": o}
+                    )
+                    for o in ("accepted", "unreachable", "cold_peer", "rejected")
+                }
+                assert b.boot.verdict is Verdict.WARM, (b.boot.report(), fetches)
+                qs = queries(10_000, seed=3)
+                hits = same_views(a, b, qs)
+                assert hits > 5_000  # the comparison is not vacuous
+                # Spliced under the stream, not substituted for it: new events keep both equal.
+                load(engines, prompts(4, 200), seed=4)
+                for e in engines:  # and evictions
+                    for p in prompts(1, 30):
+                        e.emit(0, e.caches[0].remove(p, PLAIN))
+                await caught_up(a, engines)
+                await caught_up(b, engines)
+                same_views(a, b, qs)
+                report = b.boot.report()
+                assert report["verdict"] == "warm" and report["settled"] and not report["seedFailed"]
+
+
+async def test_two_replicas_booting_together_never_seed_from_each_other():
+    async with run_fake_engine(block_size=BS) as e1:
+        load([e1], prompts(1, 50), seed=1)  # the engine is warm, but no router knows it yet
+        async with replica("b", [e1], peers=None) as b, replica("c", [e1], peers=None) as c:
+            b.boot.peers.publish([Peer(c.url, c.url)])
+            c.boot.peers.publish([Peer(b.url, b.url)])
+            await eventually(lambda: b.boot.settled and c.boot.settled, timeout=10, what="both settled")
+            assert b.boot.verdict is Verdict.FLEET_COLD and c.boot.verdict is Verdict.FLEET_COLD
+            assert b.plane.index.node_count() == 0 and c.plane.index.node_count() == 0
+
+
+@pytest.mark.parametrize("case", ["wrong_token", "wrong_block_size"])
+async def test_a_refused_snapshot_leaves_the_index_untouched_and_the_rank_cold(case):
+    async with run_fake_engine(block_size=BS) as e1, replica("a", [e1], peers=[]) as a:
+        await connected(a)
+        load([e1], prompts(1, 100), seed=1)
+        await caught_up(a, [e1])
+        kw = {"peer_token": "wrong"} if case == "wrong_token" else {"block_size": BS * 2}
+        async with replica("b", [e1], peers=[a.url], timeout_s=1.5, **kw) as b:
+            await eventually(lambda: b.boot.settled, timeout=10, what="b settled")
+            assert b.plane.index.node_count() == 0
+            assert b.boot.verdict is Verdict.TIMED_OUT and b.boot.seed_failed
+            outcome = "unreachable" if case == "wrong_token" else "rejected"
+            assert (
+                b.registry.get_sample_value(
+                    "routerfleet_bootstrap_snapshot_fetches_total", {"outcome": outcome}
+                )
+                > 0
+            )
+
+
+async def test_a_graft_with_nothing_held_is_proved_by_the_first_live_batch():
+    async with run_fake_engine(block_size=BS) as e1, replica("a", [e1], peers=[]) as a:
+        await connected(a)
+        load([e1], prompts(1, 100), seed=1)
+        await caught_up(a, [e1])
+        async with replica("b", [e1], peers=[a.url], probe_interval_s=30) as b:
+            await eventually(lambda: b.boot.settled, timeout=10, what="b settled")
+            assert b.boot.report()["ranks"][0]["state"] == "recovered"  # grafted, proving
+            assert b.boot.verdict is Verdict.WARM
+            await connected(b)
+            load([e1], prompts(5, 5), seed=5)
+            await caught_up(b, [e1])
+            await caught_up(a, [e1])
+            assert b.boot.report()["ranks"][0]["outcome"] == "warm"
+            same_views(a, b, queries(2_000, seed=6))
+
+
+async def test_a_graft_nobody_can_speak_to_is_kept_unwitnessed():
+    async with run_fake_engine(block_size=BS) as e1, replica("a", [e1], peers=[]) as a:
+        await connected(a)
+        load([e1], prompts(1, 100), seed=1)
+        await caught_up(a, [e1])
+        async with replica("b", [e1], peers=[a.url], probe_interval_s=0.05) as b:
+            ranks = lambda: b.boot.report()["ranks"]  # noqa: E731
+            await eventually(lambda: ranks()[0]["outcome"] == "warm_unwitnessed", timeout=10, what="kept")
+            assert b.boot.verdict is Verdict.WARM_UNWITNESSED
+            same_views(a, b, queries(2_000, seed=6))
+
+
+@contextlib.asynccontextmanager
+async def bad_peer(mode: str, body: bytes = b""):
+    """A peer that stalls before answering, or sends half a body and then stalls or dies."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if mode == "stall":
+            await asyncio.sleep(3600)
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-msgpack"})
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        await resp.write(body[: len(body) // 2])
+        if mode == "half_then_stall":
+            await asyncio.sleep(3600)
+        request.transport.close()  # half_then_die
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/internal/kv_snapshot", handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def snapshot_body(a: Replica) -> bytes:
+    import aiohttp
+
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(a.url + "/internal/kv_snapshot", headers={"Authorization": f"Bearer {TOKEN}"}) as r,
+    ):
+        return await r.read()
+
+
+@pytest.mark.parametrize("mode", ["stall", "half_then_stall", "half_then_die"])
+async def test_a_peer_that_stalls_or_dies_mid_body_leaves_the_rank_cold(mode):
+    async with run_fake_engine(block_size=BS) as e1, replica("a", [e1], peers=[]) as a:
+        await connected(a)
+        load([e1], prompts(1, 100), seed=1)
+        await caught_up(a, [e1])
+        body = await snapshot_body(a)
+        async with bad_peer(mode, body) as url, replica("b", [e1], peers=[url], timeout_s=2.5) as b:
+            await eventually(lambda: b.boot.settled, timeout=10, what="b settled")
+            assert b.boot.verdict is Verdict.TIMED_OUT and b.boot.seed_failed
+            assert b.plane.index.node_count() == 0
+            assert (
+                b.registry.get_sample_value(
+                    "routerfleet_bootstrap_snapshot_fetches_total", {"outcome": "unreachable"}
+                )
+                >= 1
+            )
+
+
+@pytest.mark.parametrize("event", ["gap", "restart"])
+async def test_a_gap_or_restart_while_holding_abandons_the_rank(event):
+    async with (
+        run_fake_engine(block_size=BS, replay_buffer=2) as e1,
+        bad_peer("stall") as url,
+        replica("b", [e1], peers=[url], timeout_s=30) as b,
+    ):
+        await connected(b)
+        load([e1], prompts(1, 3), seed=1)  # held
+        sub = b.plane.subscriptions()[0]
+        await eventually(lambda: sub.hold is not None and len(sub.hold) == 3, what="three batches held")
+        if event == "gap":
+            e1.publisher.skip(0, 5, keep_in_replay=False)  # lost for good: replay cannot cover it
+        else:
+            e1.restart()
+        load([e1], prompts(7, 1), seed=7)
+        await eventually(
+            lambda: b.boot.report()["ranks"][0]["outcome"] == "publisher_reset", what="abandoned"
+        )
+        await caught_up(b, [e1])
+        # Nothing from before the doubt survives; only what came after it.
+        before = prompts(1, 3)
+        assert all(b.plane.index.match(p) == {} for p in before)
