@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -17,8 +18,17 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from .bootstrap.fetch import SnapshotFetcher
+from .bootstrap.http import internal_app, read_token
+from .bootstrap.metrics import BootstrapMetrics
+from .bootstrap.peers import Peer, PeerRegistry
+from .bootstrap.producer import SnapshotProducer
+from .bootstrap.sweep import BootstrapConfig, Bootstrapper
+from .bootstrap.vetting import HashingConfig
 from .config import RouterConfig
-from .kv.hashing import hash_set_digest
+from .discovery.endpointslices import EngineDiscoveryConfig, port_ref
+from .discovery.kubernetes import EndpointSliceWatcher, default_namespace
+from .kv.hashing import SCHEME, hash_set_digest
 from .kv.index import TIER_ORDER
 from .kv.plane import KVPlane, WorkerSpec
 from .kv.subscription import ReplayTimeouts
@@ -31,6 +41,8 @@ from .routing.policies import make_policy
 from .routing.types import Policy
 from .tokens.tokenizer import AsyncTokenizer, Tokenizer, load_tokenizer
 
+log = logging.getLogger(__name__)
+
 
 class Router:
     def __init__(
@@ -42,6 +54,7 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.internal_url: str | None = None
         self.registry = CollectorRegistry()
         self.kv = KVPlane(
             config.block_size,
@@ -93,15 +106,102 @@ class Router:
             timeout_s=config.health_timeout_s,
         )
         self._checker_task: asyncio.Task | None = None
+        self._setup_bootstrap(config)
+        self.engine_watcher: EndpointSliceWatcher | None = None
+        self.peer_watcher: EndpointSliceWatcher | None = None
+        if config.k8s_selector:
+            namespace = config.k8s_namespace or default_namespace(config.kubeconfig)
+            self.engine_watcher = EndpointSliceWatcher(
+                namespace,
+                config.k8s_selector,
+                self.set_workers,
+                config=EngineDiscoveryConfig(
+                    http_port=port_ref(config.k8s_http_port),
+                    kv_port=port_ref(config.k8s_kv_port) if config.k8s_kv_port else None,
+                    replay_port=port_ref(config.k8s_replay_port) if config.k8s_replay_port else None,
+                    dp_size=config.k8s_dp_size,
+                    topic=config.k8s_topic,
+                ),
+                kubeconfig=config.kubeconfig,
+                registry=self.registry,
+            )
+            if config.kv_peer_selector:
+                # The routers' own peer Service: only ready siblings are listed, so a booting replica
+                # never seeds another booting one.
+                self.peer_watcher = EndpointSliceWatcher(
+                    namespace,
+                    config.kv_peer_selector,
+                    self._peers_changed,
+                    config=EngineDiscoveryConfig(http_port=port_ref(config.kv_peer_port)),
+                    kubeconfig=config.kubeconfig,
+                    registry=CollectorRegistry(),  # its discovery metrics would collide with the engines'
+                )
+
+    def _setup_bootstrap(self, config: RouterConfig) -> None:
+        """The producer serves our index to siblings; the bootstrapper pulls theirs. Both need the
+        internal port's token; both need an index, which only the KV-aware policy keeps."""
+        self.hashing = HashingConfig(config.block_size, SCHEME)
+        self.token = read_token(config.internal_token_file) if config.internal_token_file else None
+        keeps_index = bool(self.policy.needs_tokens)
+        registry = PeerRegistry(self_name=os.environ.get("POD_NAME"), self_ip=os.environ.get("POD_IP"))
+        if config.kv_peer_selector and not (registry.self_name or registry.self_ip):
+            log.warning("neither POD_NAME nor POD_IP is set: this replica may list itself as a peer")
+        if config.kv_peers:
+            registry.publish([Peer(u.rstrip("/"), u.rstrip("/")) for u in config.kv_peers])
+        has_peers = bool(config.kv_peer_selector or config.kv_peers)
+        enabled = bool(self.token and keeps_index and config.bootstrap and has_peers)
+        self.bootstrap_metrics = BootstrapMetrics(self.registry)
+        self.bootstrap = Bootstrapper(
+            self.kv,
+            registry,
+            SnapshotFetcher(self.token or ""),
+            self.hashing,
+            self.bootstrap_metrics,
+            BootstrapConfig(
+                enabled=enabled,
+                timeout_s=config.bootstrap_timeout_s,
+                seed_required=config.bootstrap_seed_required,
+            ),
+        )
+        self.producer = (
+            SnapshotProducer(
+                self.kv,
+                self.hashing,
+                producer_id=os.environ.get("POD_NAME") or f"router-{os.getpid()}",
+                producer_incarnation=f"{os.getpid()}-{int(time.time() * 1000)}",
+                ready=lambda: self.bootstrap.settled,
+                include=self.bootstrap.exportable,
+            )
+            if self.token and keeps_index
+            else None
+        )
+
+    def _peers_changed(self, specs: list[WorkerSpec]) -> None:
+        registry = self.bootstrap.peers
+        registry.publish(
+            [Peer(s.engine.rpartition("/")[2], s.url, s.url.split("//")[1].rsplit(":", 1)[0]) for s in specs]
+        )
+        self.bootstrap_metrics.peers.set(len(registry.peers))
+        self.bootstrap_metrics.peers_synced.set(1)
 
     async def start(self) -> None:
         await self.kv.start()
         await self.proxy.start()
-        self.set_workers(list(self.config.workers))
+        self.bootstrap.start()
+        if self.peer_watcher is not None:  # before the engines: a first rank consults the peer set
+            await self.peer_watcher.start()
+        if self.engine_watcher is not None:
+            await self.engine_watcher.start()
+        else:
+            self.set_workers(list(self.config.workers))
         if self.config.health_interval_s > 0:
             self._checker_task = asyncio.create_task(self.checker.run(), name="engine-health")
 
     async def stop(self) -> None:
+        for watcher in (self.engine_watcher, self.peer_watcher):
+            if watcher is not None:
+                await watcher.stop()
+        await self.bootstrap.stop()
         if self._checker_task is not None:
             self._checker_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -126,13 +226,15 @@ class Router:
         self.metrics.forget_engines({s.engine for s in specs} | set(self.load.engines()))
 
     def ready(self) -> tuple[bool, str]:
+        if self.engine_watcher is not None and self.engine_watcher.workers is None:
+            return False, f"engine discovery not synced ({self.engine_watcher.last_error or 'listing'})"
         if not self.targets.urls:
             return False, "no engines discovered"
         if not self.targets.candidates():
             return False, "no healthy engine"
         if self.policy.needs_tokens and any(w.kv for w in self.kv.workers.values()) and not self.kv.live():
             return False, "no live KV event subscription"
-        return True, "ready"
+        return self.bootstrap.readiness()
 
     def index_summary(self) -> dict:
         """Per carrier and tier: how many blocks the index holds and a digest of their engine hashes."""
@@ -175,6 +277,8 @@ class Router:
 
     async def _readyz(self, _req: web.Request) -> web.Response:
         ok, why = self.ready()
+        if ok:
+            self.bootstrap.latch_ready()  # a serving replica never leaves the Service over bootstrap
         return web.json_response({"ready": ok, "reason": why}, status=200 if ok else 503)
 
     async def _metrics(self, _req: web.Request) -> web.Response:
@@ -201,12 +305,24 @@ async def run_router(
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
     # request, so the engine stops working for nobody.
     runner = web.AppRunner(router.build_app(), access_log=None, handler_cancellation=True)
+    internal = None
+    if router.token is not None:
+        internal = web.AppRunner(
+            internal_app(router.token, router.bootstrap, router.producer), access_log=None
+        )
     try:
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
         port = runner.addresses[0][1]
+        if internal is not None:
+            await internal.setup()
+            host = config.internal_host or config.host
+            await web.TCPSite(internal, host, config.internal_port).start()
+            router.internal_url = f"http://{host}:{internal.addresses[0][1]}"
         yield router, f"http://{config.host}:{port}"
     finally:
+        if internal is not None:
+            await internal.cleanup()
         await runner.cleanup()
         await router.stop()

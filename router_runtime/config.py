@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from .bootstrap.http import read_token
 from .discovery.static import parse_worker
 from .kv.plane import WorkerSpec
 from .routing.policies import POLICY_NAMES, PolicyConfig
@@ -41,6 +42,26 @@ class RouterConfig:
     health_timeout_s: float = 2.0
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
+    # Kubernetes engine discovery (instead of --worker).
+    k8s_selector: str | None = None
+    k8s_namespace: str | None = None
+    k8s_http_port: str = "http"
+    k8s_kv_port: str | None = None
+    k8s_replay_port: str | None = None
+    k8s_dp_size: int = 1
+    k8s_topic: str = ""
+    kubeconfig: str | None = None
+    # The internal port (snapshot producer, bootstrap verdict), on only with a token file.
+    internal_host: str | None = None  # default: --host
+    internal_port: int = 8081
+    internal_token_file: str | None = None
+    # Peer bootstrap.
+    kv_peers: tuple[str, ...] = ()
+    kv_peer_selector: str | None = None
+    kv_peer_port: str = "internal"
+    bootstrap: bool = True
+    bootstrap_timeout_s: float = 600.0
+    bootstrap_seed_required: bool = False
 
 
 def _positive_int(text: str) -> int:
@@ -187,7 +208,82 @@ def build_parser() -> argparse.ArgumentParser:
         default=5_000,
         help="time an engine stays out before it is tried again (default 5000)",
     )
+    k = p.add_argument_group("kubernetes discovery (instead of --worker)")
+    k.add_argument(
+        "--k8s-selector",
+        metavar="LABELS",
+        help="EndpointSlices of the engines' Service, e.g. kubernetes.io/service-name=vllm",
+    )
+    k.add_argument("--k8s-namespace", help="namespace of those slices (default: the pod's own)")
+    k.add_argument(
+        "--k8s-http-port", default="http", metavar="NAME|NUM", help="engine HTTP port (default http)"
+    )
+    k.add_argument("--k8s-kv-port", metavar="NAME|NUM", help="engine KV event PUB port of rank 0")
+    k.add_argument("--k8s-replay-port", metavar="NAME|NUM", help="engine KV replay port of rank 0")
+    k.add_argument("--k8s-dp-size", type=_positive_int, default=1, help="DP ranks per engine (default 1)")
+    k.add_argument("--k8s-topic", default="", help="KV event topic prefix (default: all)")
+    k.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster, then $KUBECONFIG)")
+
+    b = p.add_argument_group("peer bootstrap")
+    b.add_argument("--internal-host", help="address of the internal port (default: --host)")
+    b.add_argument(
+        "--internal-port",
+        type=_port,
+        default=8081,
+        help="internal port: /internal/kv_snapshot and /internal/bootstrap (default 8081)",
+    )
+    b.add_argument(
+        "--internal-token-file",
+        metavar="PATH",
+        help="the fleet's bearer token; without it the internal port and bootstrap are off",
+    )
+    b.add_argument(
+        "--kv-peer",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a static sibling's internal URL, e.g. http://10.0.0.7:8081; repeat",
+    )
+    b.add_argument(
+        "--kv-peer-selector",
+        metavar="LABELS",
+        help="EndpointSlices of the routers' own peer Service (needs --k8s-selector)",
+    )
+    b.add_argument(
+        "--kv-peer-port",
+        default="internal",
+        metavar="NAME|NUM",
+        help="the peers' internal port in those slices (default internal)",
+    )
+    b.add_argument(
+        "--no-kv-bootstrap",
+        dest="kv_bootstrap",
+        action="store_false",
+        help="boot cold: do not pull a sibling's index",
+    )
+    b.add_argument(
+        "--kv-bootstrap-timeout-ms",
+        type=_bounded_ms(1, 3_600_000),
+        default=600_000,
+        help="give up pulling a sibling's index after this (default 600000, at most 1 h)",
+    )
+    b.add_argument(
+        "--kv-bootstrap-seed-required",
+        action="store_true",
+        help="hold readiness when warm siblings were there but their index could not be pulled "
+        "(bounded at 3x the timeout); no-peers and fleet-cold never hold",
+    )
     return p
+
+
+def _bounded_ms(lo: int, hi: int):
+    def parse(text: str) -> int:
+        v = _positive_int(text)
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"expected {lo}..{hi}, got {v}")
+        return v
+
+    return parse
 
 
 _POLICY_HELP = {
@@ -259,6 +355,18 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     engines = [w.engine for w in a.worker]
     if len(set(engines)) != len(engines):
         parser.error("argument --worker: the same url is listed twice")
+    if a.k8s_selector and a.worker:
+        parser.error("argument --k8s-selector: not with --worker (one way to find engines)")
+    if a.kv_peer_selector and not (a.k8s_selector and a.policy == "kv_aware"):
+        # There would be nothing to graft into, or no way to find a sibling: refuse rather than ignore.
+        parser.error("argument --kv-peer-selector: needs --policy kv_aware and --k8s-selector")
+    if (a.kv_peer or a.kv_peer_selector) and not a.internal_token_file:
+        parser.error("argument --kv-peer/--kv-peer-selector: needs --internal-token-file")
+    if a.internal_token_file:
+        try:
+            read_token(a.internal_token_file)
+        except (OSError, ValueError) as exc:
+            parser.error(f"argument --internal-token-file: {exc}")
     return RouterConfig(
         host=a.host,
         port=a.port,
@@ -283,4 +391,21 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         health_timeout_s=a.health_timeout_ms / 1000,
         breaker_failures=a.breaker_failures,
         breaker_cooldown_s=a.breaker_cooldown_ms / 1000,
+        k8s_selector=a.k8s_selector,
+        k8s_namespace=a.k8s_namespace,
+        k8s_http_port=a.k8s_http_port,
+        k8s_kv_port=a.k8s_kv_port,
+        k8s_replay_port=a.k8s_replay_port,
+        k8s_dp_size=a.k8s_dp_size,
+        k8s_topic=a.k8s_topic,
+        kubeconfig=a.kubeconfig,
+        internal_host=a.internal_host,
+        internal_port=a.internal_port,
+        internal_token_file=a.internal_token_file,
+        kv_peers=tuple(a.kv_peer),
+        kv_peer_selector=a.kv_peer_selector,
+        kv_peer_port=a.kv_peer_port,
+        bootstrap=a.kv_bootstrap,
+        bootstrap_timeout_s=a.kv_bootstrap_timeout_ms / 1000,
+        bootstrap_seed_required=a.kv_bootstrap_seed_required,
     )

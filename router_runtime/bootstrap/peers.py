@@ -9,12 +9,8 @@ when complete, by the discovery feeding this.
 
 from __future__ import annotations
 
-import logging
-import os
 import random
 from dataclasses import dataclass
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,10 +22,10 @@ class Peer:
 
 class PeerRegistry:
     def __init__(self, *, self_name: str | None = None, self_ip: str | None = None) -> None:
-        self.self_name = self_name if self_name is not None else os.environ.get("POD_NAME") or None
-        self.self_ip = self_ip if self_ip is not None else os.environ.get("POD_IP") or None
-        if not self.self_name and not self.self_ip:
-            log.warning("neither POD_NAME nor POD_IP is set: this replica may list itself as a peer")
+        # Self-exclusion: POD_NAME against each endpoint's targetRef (it excludes the whole pod, both
+        # address families), POD_IP as the fallback for endpoints without one.
+        self.self_name = self_name or None
+        self.self_ip = self_ip or None
         self.synced = False
         self.ever_had_peers = False
         self._peers: list[Peer] = []

@@ -1,0 +1,151 @@
+"""The router process with peer bootstrap wired in: two routers over real HTTP and ZMQ, the second
+seeded from the first through the authenticated internal port, with readiness held until it settles."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import aiohttp
+import pytest
+
+from router_runtime.app import run_router
+from router_runtime.config import parse_args
+from router_runtime.fake_engine.cache import PLAIN
+from router_runtime.fake_engine.server import run_fake_engine
+
+from .support import eventually
+from .test_bootstrap_component import BS, prompts
+
+
+def worker_flag(e) -> str:
+    return f"url={e.http_url},kv={e.kv_endpoint(0)},replay={e.replay_endpoint(0)}"
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    p = tmp_path / "token"
+    p.write_text("s3cret\n")
+    return str(p)
+
+
+def args(e, token_file, *extra):
+    config = parse_args(
+        [
+            "--block-size",
+            str(BS),
+            "--worker",
+            worker_flag(e),
+            "--internal-token-file",
+            token_file,
+            "--health-interval-ms",
+            "0",
+            *extra,
+        ]
+    )
+    return dataclasses.replace(config, port=0, internal_port=0)  # ephemeral ports (the CLI wants real ones)
+
+
+async def test_a_second_router_is_seeded_through_the_internal_port(token_file):
+    async with (
+        run_fake_engine(block_size=BS) as e,
+        aiohttp.ClientSession() as http,
+        run_router(args(e, token_file)) as (a, _a_url),
+    ):
+        await eventually(lambda: all(s.connected for s in a.kv.subscriptions()), what="a subscribed")
+        await asyncio.sleep(0.3)
+        for p in prompts(1, 60):
+            e.admit(0, p, PLAIN)
+        await eventually(
+            lambda: (
+                a.kv.writer.applied.get(a.kv.index.carriers[0]) == e.publisher.last_seq(0)
+                if a.kv.index.carriers
+                else False
+            ),
+            what="a caught up",
+        )
+        # The internal port answers only with the fleet token.
+        async with http.get(a.internal_url + "/internal/bootstrap") as r:
+            assert r.status == 401 and (await r.json())["error"]["code"] == "unauthorized"
+        auth = {"Authorization": "Bearer s3cret"}
+        async with http.get(a.internal_url + "/internal/bootstrap", headers=auth) as r:
+            assert (await r.json())["verdict"] == "disabled"  # a has no peers configured
+        async with run_router(args(e, token_file, "--kv-peer", a.internal_url)) as (b, b_url):
+            await eventually(lambda: b.bootstrap.settled, timeout=10, what="b settled")
+            async with http.get(b.internal_url + "/internal/bootstrap", headers=auth) as r:
+                report = await r.json()
+            assert report["apiVersion"] == "routerfleet.io/bootstrap/v1"
+            assert report["verdict"] == "warm" and report["index"]["nodes"] == a.kv.index.node_count()
+            async with http.get(b_url + "/readyz") as r:
+                assert r.status == 200
+            for p in prompts(1, 60):
+                assert b.kv.index.match(p) == a.kv.index.match(p) != {}
+
+
+async def test_readiness_holds_until_bootstrap_settles(token_file):
+    async with run_fake_engine(block_size=BS) as e, aiohttp.ClientSession() as http:
+        # A peer that is not there: readiness waits for the bootstrap budget, then opens.
+        config = args(e, token_file, "--kv-peer", "http://127.0.0.1:1", "--kv-bootstrap-timeout-ms", "1500")
+        async with run_router(config) as (b, b_url):
+            await eventually(lambda: all(s.connected for s in b.kv.subscriptions()), what="b subscribed")
+            async with http.get(b_url + "/readyz") as r:
+                body = await r.json()
+                assert r.status == 503 and body["reason"].startswith("bootstrap")
+            await eventually(lambda: b.bootstrap.settled, timeout=10, what="deadline")
+            async with http.get(b_url + "/readyz") as r:
+                assert r.status == 200  # seed not required: a timeout opens readiness
+            assert b.bootstrap.verdict.value == "timed_out" and b.bootstrap.seed_failed
+
+
+async def test_seed_required_holds_readiness_for_three_budgets_then_opens(token_file):
+    async with run_fake_engine(block_size=BS) as e, aiohttp.ClientSession() as http:
+        config = args(
+            e,
+            token_file,
+            "--kv-peer",
+            "http://127.0.0.1:1",
+            "--kv-bootstrap-timeout-ms",
+            "700",
+            "--kv-bootstrap-seed-required",
+        )
+        async with run_router(config) as (b, b_url):
+            await eventually(lambda: b.bootstrap.settled, timeout=10, what="deadline")
+            async with http.get(b_url + "/readyz") as r:
+                assert r.status == 503 and "seed required" in (await r.json())["reason"]
+            await eventually(lambda: b.ready()[0], timeout=10, what="the 3x hold to expire")
+            async with http.get(b_url + "/readyz") as r:
+                assert r.status == 200
+
+
+def test_a_deadline_armed_at_construction_does_not_settle_before_the_first_engine():
+    """The seed's review finding: settled() must not latch on a deadline armed before any rank exists,
+    or a fleet with slow engine discovery silently skips bootstrap."""
+    from prometheus_client import CollectorRegistry
+
+    from router_runtime.bootstrap.fetch import SnapshotFetcher
+    from router_runtime.bootstrap.metrics import BootstrapMetrics
+    from router_runtime.bootstrap.peers import PeerRegistry
+    from router_runtime.bootstrap.sweep import BootstrapConfig, Bootstrapper
+    from router_runtime.bootstrap.vetting import HashingConfig
+    from router_runtime.kv.plane import KVPlane
+
+    now = [0.0]
+    reg = CollectorRegistry()
+    plane = KVPlane(BS, reg)
+    boot = Bootstrapper(
+        plane,
+        PeerRegistry(),
+        SnapshotFetcher("t"),
+        HashingConfig(BS, "x"),
+        BootstrapMetrics(reg),
+        BootstrapConfig(timeout_s=5),
+        clock=lambda: now[0],
+    )
+    now[0] = 1000.0  # long past any deadline counted from construction
+    assert not boot.settled and not boot.readiness()[0]
+
+
+def test_peer_selector_is_refused_without_kubernetes_discovery(token_file, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--kv-peer-selector", "app=router", "--internal-token-file", token_file])
+    assert "--kv-peer-selector" in capsys.readouterr().err
