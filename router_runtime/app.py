@@ -148,8 +148,10 @@ class Router:
             log.warning("neither POD_NAME nor POD_IP is set: this replica may list itself as a peer")
         if config.kv_peers:
             registry.publish([Peer(u.rstrip("/"), u.rstrip("/")) for u in config.kv_peers])
-        has_peers = bool(config.kv_peer_selector or config.kv_peers)
-        enabled = bool(self.token and keeps_index and config.bootstrap and has_peers)
+        if not (config.kv_peer_selector or config.kv_peers):
+            registry.publish([])  # synced and alone: a rank the origin replay cannot rebuild runs cold
+        # Origin needs nothing but the engines' replay sockets; peers also need the internal token.
+        enabled = bool(keeps_index and config.bootstrap)
         self.bootstrap_metrics = BootstrapMetrics(self.registry)
         self.bootstrap = Bootstrapper(
             self.kv,
@@ -161,6 +163,7 @@ class Router:
                 enabled=enabled,
                 timeout_s=config.bootstrap_timeout_s,
                 seed_required=config.bootstrap_seed_required,
+                origin=config.bootstrap_origin,
             ),
         )
         self.producer = (

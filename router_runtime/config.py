@@ -62,6 +62,7 @@ class RouterConfig:
     bootstrap: bool = True
     bootstrap_timeout_s: float = 600.0
     bootstrap_seed_required: bool = False
+    bootstrap_origin: bool = True
 
 
 def _positive_int(text: str) -> int:
@@ -256,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the peers' internal port in those slices (default internal)",
     )
     b.add_argument(
+        "--no-kv-origin",
+        dest="kv_origin",
+        action="store_false",
+        help="do not rebuild new ranks from the engines' replay buffers (from sequence 0)",
+    )
+    b.add_argument(
         "--no-kv-bootstrap",
         dest="kv_bootstrap",
         action="store_false",
@@ -408,4 +415,5 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         bootstrap=a.kv_bootstrap,
         bootstrap_timeout_s=a.kv_bootstrap_timeout_ms / 1000,
         bootstrap_seed_required=a.kv_bootstrap_seed_required,
+        bootstrap_origin=a.kv_origin,
     )

@@ -69,8 +69,11 @@ async def test_a_second_router_is_seeded_through_the_internal_port(token_file):
             assert r.status == 401 and (await r.json())["error"]["code"] == "unauthorized"
         auth = {"Authorization": "Bearer s3cret"}
         async with http.get(a.internal_url + "/internal/bootstrap", headers=auth) as r:
-            assert (await r.json())["verdict"] == "disabled"  # a has no peers configured
-        async with run_router(args(e, token_file, "--kv-peer", a.internal_url)) as (b, b_url):
+            assert (await r.json())["verdict"] == "no_peers"  # a booted before any event: nothing to inherit
+        async with run_router(args(e, token_file, "--kv-peer", a.internal_url, "--no-kv-origin")) as (
+            b,
+            b_url,
+        ):
             await eventually(lambda: b.bootstrap.settled, timeout=10, what="b settled")
             async with http.get(b.internal_url + "/internal/bootstrap", headers=auth) as r:
                 report = await r.json()

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..kv.index import Carrier
-from .state import RankOutcome, RankState, SnapshotOutcome, SweepResult
+from .state import OriginOutcome, RankOutcome, RankState, SnapshotOutcome, SweepResult
 
 _STATE_VALUE = {RankState.PENDING: 0, RankState.RECOVERED: 1, RankState.SETTLED: 2}
 
@@ -39,6 +39,24 @@ class BootstrapMetrics:
             p + "ranks", "Ranks that finished bootstrapping, by outcome", ["outcome"], registry=registry
         )
         self.sweeps = Counter(p + "sweeps", "Sweeps by result", ["result"], registry=registry)
+        self.origin = Counter(
+            p + "origin_attempts",
+            "Rebuilds from an engine's replay buffer, by outcome",
+            ["outcome"],
+            registry=registry,
+        )
+        self.origin_batches = Counter(
+            p + "origin_replayed_batches", "Batches replayed for origin rebuilds", registry=registry
+        )
+        self.origin_bytes = Counter(
+            p + "origin_replayed_bytes", "Payload bytes replayed for origin rebuilds", registry=registry
+        )
+        self.time_to_exact = Histogram(
+            p + "origin_time_to_exact_seconds",
+            "From a rank's subscription to its exact rebuilt state",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
+        )
         self.peers = Gauge(p + "peers", "Sibling replicas known", registry=registry)
         self.peers_synced = Gauge(
             p + "peers_synced", "1 once peer discovery has listed completely", registry=registry
@@ -50,6 +68,8 @@ class BootstrapMetrics:
             self.ranks.labels(r.value)
         for s in SweepResult:
             self.sweeps.labels(s.value)
+        for o in OriginOutcome:
+            self.origin.labels(o.value)
 
     def set_state(self, c: Carrier, state: RankState) -> None:
         self.state.labels(c.engine, str(c.rank)).set(_STATE_VALUE[state])

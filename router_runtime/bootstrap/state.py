@@ -9,6 +9,7 @@ sets) deadlocks.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ class RankState(enum.StrEnum):
 
 
 class RankOutcome(enum.StrEnum):
+    FROM_ORIGIN = "from_origin"  # rebuilt exactly from the engine's own replay buffer, from seq 0
     WARM = "warm"  # grafted and the live stream proved it joins at cursor + 1
     WARM_UNWITNESSED = "warm_unwitnessed"  # grafted; no batch and no peer could speak to the watermark
     GAP = "gap"  # the live stream did not join the watermark: graft discarded
@@ -29,6 +31,16 @@ class RankOutcome(enum.StrEnum):
     PUBLISHER_RESET = "publisher_reset"  # the rank was cleared while pending (restart, lost batches)
     TREE_REJECTED = "tree_rejected"  # a snapshot was refused by vetting for this rank
     NOT_IN_SNAPSHOT = "not_in_snapshot"  # the accepted snapshot had nothing for this rank
+
+
+class OriginOutcome(enum.StrEnum):
+    """One attempt to rebuild a rank from the engine's replay buffer, starting at sequence 0."""
+
+    COMPLETE = "complete"
+    AGED_OUT = "aged_out"  # the buffer no longer reaches back to 0: a long-lived publisher
+    TRUNCATED = "truncated"  # the replay stopped mid-way (silence, a byte bound, a bad batch)
+    GAP = "gap"  # a hole inside the replay, or between its end and the held live batches
+    TIMEOUT = "timeout"  # nothing came back
 
 
 class SnapshotOutcome(enum.StrEnum):
@@ -52,6 +64,7 @@ class Verdict(enum.StrEnum):
 
     PENDING = "pending"
     WARM = "warm"
+    FROM_ORIGIN = "from_origin"  # exact, from the engines' own replay (the operator treats it as warm)
     WARM_UNWITNESSED = "warm_unwitnessed"
     NO_PEERS = "no_peers"
     FLEET_COLD = "fleet_cold"
@@ -72,6 +85,7 @@ class RankBoot:
     retried: bool = False  # a gap gets one more sweep, stamped fresh
     watermark: int | None = None
     probes: int = 0
+    origin: asyncio.Task | None = None  # the replay-from-0 attempt, which the sweep waits for
 
 
 def verdict(
@@ -90,6 +104,8 @@ def verdict(
     seen = {b.outcome for b in ranks}
     if RankOutcome.WARM in seen or any(b.state is RankState.RECOVERED for b in ranks):
         return Verdict.WARM
+    if RankOutcome.FROM_ORIGIN in seen:
+        return Verdict.FROM_ORIGIN
     if RankOutcome.WARM_UNWITNESSED in seen:
         return Verdict.WARM_UNWITNESSED
     if last_sweep is SweepResult.NO_PEERS:

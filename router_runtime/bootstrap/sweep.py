@@ -27,17 +27,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..kv.decode import MalformedFrame, decode_batch
 from ..kv.hold import HoldEnd, RankHold
-from ..kv.index import Carrier
+from ..kv.index import Carrier, RadixIndex
 from ..kv.plane import KVPlane
-from ..kv.snapshot import Grafter
-from ..kv.subscription import RankSubscription
+from ..kv.snapshot import Exporter, Grafter
+from ..kv.subscription import RankSubscription, ReplayOutcome, ReplayTimeouts, replay
 from ..kv.writer import ClearReason
 from .fetch import FetchFailed, SnapshotFetcher
 from .metrics import BootstrapMetrics
 from .peers import PeerRegistry
 from .state import (
     Gate,
+    OriginOutcome,
     RankBoot,
     RankOutcome,
     RankState,
@@ -54,6 +56,15 @@ log = logging.getLogger(__name__)
 
 API_VERSION = "routerfleet.io/bootstrap/v1"
 
+_ORIGIN_OUTCOME = {
+    ReplayOutcome.FILLED: OriginOutcome.COMPLETE,
+    ReplayOutcome.UNCOVERED: OriginOutcome.AGED_OUT,
+    ReplayOutcome.TRUNCATED: OriginOutcome.TRUNCATED,
+    ReplayOutcome.MALFORMED: OriginOutcome.TRUNCATED,
+    ReplayOutcome.HOLE: OriginOutcome.GAP,
+    ReplayOutcome.TIMEOUT: OriginOutcome.TIMEOUT,
+}
+
 
 @dataclass(frozen=True, slots=True)
 class BootstrapConfig:
@@ -66,6 +77,11 @@ class BootstrapConfig:
     probe_interval_s: float = 2.0  # silence before asking peers whether the watermark was passed
     max_unknown_probes: int = 3
     graft_chunk: int = 4096
+    # Origin: rebuild a rank from the engine's own replay buffer when it still reaches sequence 0.
+    origin: bool = True
+    origin_idle_s: float = 1.0
+    origin_timeout_s: float = 30.0
+    origin_max_bytes: int = 1 << 30
 
 
 class Bootstrapper:
@@ -134,6 +150,8 @@ class Bootstrapper:
         self._subs[c] = sub
         sub.hold = self._new_hold(c, boot.epoch)
         sub.on_splice = lambda seq, c=c, e=boot.epoch: self._spliced(c, e, seq)
+        if self.config.origin and sub.endpoints.replay:
+            boot.origin = asyncio.create_task(self._origin(c, boot.epoch, sub.endpoints.replay))
         self._queue.add(c)
         self._wake.set()
         self._export_state(c)
@@ -291,6 +309,10 @@ class Bootstrapper:
         cfg = self.config
         assert self.first_rank_at is not None
         deadline = self.first_rank_at + cfg.timeout_s
+        # Origin first: it is exact for its rank, where a graft is only as good as its witness.
+        origins = [b.origin for c in batch if (b := self.ranks.get(c)) and b.origin and not b.origin.done()]
+        if origins:
+            await asyncio.wait(origins, timeout=max(0.0, deadline - self._clock()))
         while True:
             live = self._pending(batch)
             if not live:
@@ -399,7 +421,9 @@ class Bootstrapper:
                 writer.applied[c] = max(writer.applied.get(c, -1), vetted.cursors[c])
                 self._splice(c, vetted.cursors[c])
 
-    def _splice(self, c: Carrier, cursor: int) -> None:
+    def _splice(self, c: Carrier, cursor: int, *, exact: bool = False) -> None:
+        """Release the held batches above ``cursor`` onto the graft. ``exact`` (an origin rebuild):
+        the replay itself proved the history, so only the join with the live stream remains."""
         boot, sub = self.ranks[c], self._subs[c]
         hold = sub.hold
         assert hold is not None
@@ -411,9 +435,11 @@ class Bootstrapper:
         for b in rest:
             if not writer.submit_batch(c, b):
                 writer.submit_clear(c, ClearReason.OVERFLOW)
-        if rest:
-            boot.state = RankState.SETTLED
-            self._settle(c, RankOutcome.WARM)
+        if rest or exact:
+            if not rest:  # the next live batch must still join; a hole then turns the rank cold
+                boot.watermark = cursor
+                sub.splice_watermark = cursor
+            self._settle(c, RankOutcome.FROM_ORIGIN if exact else RankOutcome.WARM)
             return
         # Nothing held above the cursor: the first live batch must prove the join.
         boot.state = RankState.RECOVERED
@@ -431,7 +457,7 @@ class Bootstrapper:
             return
         if seq == boot.watermark + 1:
             if boot.state is RankState.RECOVERED or boot.outcome is RankOutcome.WARM_UNWITNESSED:
-                self._settle(c, RankOutcome.WARM)
+                self._settle(c, RankOutcome.WARM)  # an origin rebuild keeps its from_origin outcome
         else:
             self.plane.writer.submit_clear(c, ClearReason.UNCOVERED_GAP)
             self._settle(c, RankOutcome.GAP)
@@ -459,6 +485,73 @@ class Bootstrapper:
         self._queue.add(c)
         self._wake.set()
         log.info("bootstrap rank %s: gap after graft, retrying once", c)
+
+    async def _origin(self, c: Carrier, epoch: int, endpoint: str) -> None:
+        """Replay the rank's whole history from sequence 0 into a private scratch index and, only if
+        it provably starts at 0, has no hole and joins the held live batches, publish it. Never splice
+        a partial history: anything less leaves the rank to the peer sweep, or cold."""
+        cfg = self.config
+        result = await replay(
+            self.plane._ctx,
+            endpoint,
+            0,
+            ReplayTimeouts(cfg.origin_idle_s, cfg.origin_timeout_s),
+            max_bytes=cfg.origin_max_bytes,
+        )
+        self.metrics.origin_batches.inc(len(result.batches))
+        self.metrics.origin_bytes.inc(sum(len(p) for _s, p in result.batches))
+        outcome = _ORIGIN_OUTCOME[result.outcome]
+        if outcome is not OriginOutcome.COMPLETE or not result.batches:
+            self._origin_failed(c, outcome if result.batches else OriginOutcome.TIMEOUT)
+            return
+        scratch = RadixIndex(
+            self.plane.index.block_size, full_attention_group=self.plane.index.full_attention_group
+        )
+        for i, (_seq, payload) in enumerate(result.batches):
+            try:
+                scratch.apply_batch(c, decode_batch(payload))
+            except MalformedFrame:
+                self._origin_failed(c, OriginOutcome.TRUNCATED)
+                return
+            if i % 256 == 255:
+                await asyncio.sleep(0)  # a private index: yield to the loop, no writer involved
+        ex = Exporter(scratch)
+        while not ex.step(cfg.graft_chunk):
+            await asyncio.sleep(0)
+        boot = self.ranks.get(c)
+        if boot is None or boot.epoch != epoch or boot.state is not RankState.PENDING:
+            return
+        last = result.batches[-1][0]
+        sub = self._subs[c]
+        held = sub.hold.take() if sub.hold is not None else []
+        rest = [b for b in held if b.seq > last]
+        if rest and rest[0].seq != last + 1:
+            for b in held:  # not ours to publish: back to the hold for the peer sweep
+                sub.hold.add(b)
+            self._origin_failed(c, OriginOutcome.GAP)
+            return
+
+        def admit(carrier: Carrier) -> bool:
+            b = self.ranks.get(carrier)
+            return b is not None and b.epoch == epoch and b.state is RankState.PENDING
+
+        grafter = Grafter(self.plane.index, ex.columns, [c for _w in ex.workers], admit)
+        for b in rest:  # re-held while the graft lands; released right after it
+            sub.hold.add(b)
+        chunk = cfg.graft_chunk
+        while not await self.plane.writer.call(lambda _index: grafter.step(chunk)):
+            pass
+        if not admit(c):
+            return
+        self.plane.writer.applied[c] = max(self.plane.writer.applied.get(c, -1), last)
+        self.metrics.origin.labels(OriginOutcome.COMPLETE.value).inc()
+        self.metrics.time_to_exact.observe(self._clock() - boot.since)
+        self._splice(c, last, exact=True)
+        log.info("bootstrap rank %s: exact from the engine's replay (%d batches)", c, len(result.batches))
+
+    def _origin_failed(self, c: Carrier, outcome: OriginOutcome) -> None:
+        self.metrics.origin.labels(outcome.value).inc()
+        log.info("bootstrap rank %s: origin replay %s", c, outcome.value)
 
     async def _probe(self, c: Carrier, epoch: int) -> None:
         """Silence is not evidence: ask the fleet whether the publisher moved past our watermark."""

@@ -221,13 +221,16 @@ async def replay(
     timeouts: ReplayTimeouts,
     *,
     stop_at: int | None = None,
+    max_bytes: int | None = None,
 ) -> ReplayResult:
     """Ask a replay ROUTER for every buffered batch from ``start``; collect until the end marker, or
-    (once ``stop_at`` is reached) stop early. Returns the contiguous run it got and how it ended."""
+    (once ``stop_at`` is reached) stop early. Past ``max_bytes`` of payload it stops as truncated.
+    Returns the contiguous run it got and how it ended."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
     got: list[tuple[int, bytes]] = []
+    size = 0
     outcome = ReplayOutcome.TIMEOUT
     try:
         await dealer.send_multipart([b"", start.to_bytes(8, "big")])
@@ -252,6 +255,10 @@ async def replay(
                 outcome = ReplayOutcome.HOLE
                 break
             got.append((seq, payload))
+            size += len(payload)
+            if max_bytes is not None and size > max_bytes:
+                outcome = ReplayOutcome.TRUNCATED
+                break
             if stop_at is not None and seq >= stop_at:
                 outcome = ReplayOutcome.FILLED
                 break
