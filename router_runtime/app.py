@@ -39,6 +39,9 @@ from .proxy.server import Proxy, Timeouts
 from .proxy.targets import TargetBook
 from .routing.policies import make_policy
 from .routing.types import Policy
+from .sessions.affinity import SessionAffinity
+from .sessions.metrics import SessionMetrics
+from .sessions.snapshot import from_wire, to_wire
 from .tokens.tokenizer import AsyncTokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,7 @@ class Router:
             on_transition=lambda _engine, state: self.metrics.breaker_transitions.labels(state).inc(),
         )
         self.load = LoadTracker()
+        self.sessions = SessionAffinity(config.sessions, SessionMetrics(self.registry))
         # KV policies target (engine, rank); the others whole engines.
         self.targets = TargetBook(self.health, per_rank=bool(self.policy.needs_tokens))
         self.executor = ThreadPoolExecutor(
@@ -97,6 +101,7 @@ class Router:
             max_body_bytes=config.max_body_bytes,
             executor=self.executor,
             keepalive_s=config.upstream_keepalive_s,
+            sessions=self.sessions,
         )
         self.checker = HealthChecker(
             self.health,
@@ -174,10 +179,14 @@ class Router:
                 producer_incarnation=f"{os.getpid()}-{int(time.time() * 1000)}",
                 ready=lambda: self.bootstrap.settled,
                 include=self.bootstrap.exportable,
+                sessions=lambda: to_wire(self.sessions.export()),
             )
             if self.token and keeps_index
             else None
         )
+        # A booting replica inherits its sibling's session table with the graft (vetted: entries naming
+        # engines or incarnations we do not know are dropped).
+        self.bootstrap.on_sessions = lambda entries: self.sessions.inherit(from_wire(entries))
 
     def _peers_changed(self, specs: list[WorkerSpec]) -> None:
         registry = self.bootstrap.peers
@@ -221,6 +230,7 @@ class Router:
         before = self.targets.all_targets()
         self.kv.set_workers(specs)
         self.targets.set_workers(specs)
+        self.sessions.set_workers(specs)
         after = self.targets.all_targets()
         remove = getattr(self.policy, "remove_target", None)
         if remove is not None:

@@ -10,6 +10,7 @@ from .bootstrap.http import read_token
 from .discovery.static import parse_worker
 from .kv.plane import WorkerSpec
 from .routing.policies import POLICY_NAMES, PolicyConfig
+from .sessions.config import SessionConfig
 from .tokens.tokenizer import TokenizerError, load_tokenizer
 
 
@@ -63,6 +64,8 @@ class RouterConfig:
     bootstrap_timeout_s: float = 600.0
     bootstrap_seed_required: bool = False
     bootstrap_origin: bool = True
+    # Session affinity (docs/sessions.md).
+    sessions: SessionConfig = field(default_factory=SessionConfig)
 
 
 def _positive_int(text: str) -> int:
@@ -208,6 +211,56 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative_int,
         default=5_000,
         help="time an engine stays out before it is tried again (default 5000)",
+    )
+    s = p.add_argument_group("session affinity (docs/sessions.md)")
+    s.add_argument(
+        "--session-affinity",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="remember each explicit session's engine and send its next turn there (default off)",
+    )
+    s.add_argument(
+        "--session-ttl-ms",
+        type=_positive_int,
+        default=600_000,
+        help="a session's engine is remembered this long after its last 2xx (default 600000)",
+    )
+    s.add_argument(
+        "--session-max-entries",
+        type=_positive_int,
+        default=100_000,
+        help="sessions remembered per replica, LRU beyond (default 100000)",
+    )
+    s.add_argument(
+        "--session-lookup-timeout-ms",
+        type=_bounded_ms(1, 1_000),
+        default=20,
+        help="hard deadline of a session lookup; past it the request is routed as new (default 20)",
+    )
+    s.add_argument(
+        "--session-header",
+        default="x-session-id",
+        metavar="NAME",
+        help="request header carrying a session id, besides the prompt_cache_key and conversation_id "
+        "body fields; '' for none (default x-session-id)",
+    )
+    s.add_argument(
+        "--session-engine-header",
+        default="X-RouterFleet-Engine-Id",
+        metavar="NAME",
+        help="response header with the serving engine's opaque id (default X-RouterFleet-Engine-Id)",
+    )
+    s.add_argument(
+        "--session-hint-header",
+        default="X-RouterFleet-Last-Engine",
+        metavar="NAME",
+        help="request header echoing that id back; always stripped before proxying "
+        "(default X-RouterFleet-Last-Engine)",
+    )
+    s.add_argument(
+        "--session-trust-hints",
+        action="store_true",
+        help="use inbound hint headers to classify a session (only behind a gateway that sets them)",
     )
     k = p.add_argument_group("kubernetes discovery (instead of --worker)")
     k.add_argument(
@@ -374,6 +427,19 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
             read_token(a.internal_token_file)
         except (OSError, ValueError) as exc:
             parser.error(f"argument --internal-token-file: {exc}")
+    try:
+        sessions = SessionConfig(
+            enabled=a.session_affinity,
+            ttl_s=a.session_ttl_ms / 1000,
+            max_entries=a.session_max_entries,
+            lookup_timeout_s=a.session_lookup_timeout_ms / 1000,
+            key_header=a.session_header,
+            engine_header=a.session_engine_header,
+            hint_header=a.session_hint_header,
+            trust_hints=a.session_trust_hints,
+        )
+    except ValueError as exc:
+        parser.error(f"session affinity: {exc}")
     return RouterConfig(
         host=a.host,
         port=a.port,
@@ -416,4 +482,5 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         bootstrap_timeout_s=a.kv_bootstrap_timeout_ms / 1000,
         bootstrap_seed_required=a.kv_bootstrap_seed_required,
         bootstrap_origin=a.kv_origin,
+        sessions=sessions,
     )

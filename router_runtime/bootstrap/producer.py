@@ -18,7 +18,7 @@ from ..kv.index import Carrier
 from ..kv.plane import KVPlane
 from ..kv.snapshot import Columns, Exporter
 from .vetting import HashingConfig
-from .wire import FORMAT, WireSnapshot, WireWorker, encode
+from .wire import FORMAT, WireSession, WireSnapshot, WireWorker, encode
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +44,7 @@ class SnapshotProducer:
         chunk: int = 4096,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        sessions: Callable[[], list[WireSession]] | None = None,
     ) -> None:
         self.plane = plane
         self.hashing = hashing
@@ -54,6 +55,7 @@ class SnapshotProducer:
         self.default_max_age_s = default_max_age_s
         self.chunk = chunk
         self._clock, self._wall = clock, wall
+        self._sessions = sessions  # the session-affinity table a booting sibling inherits
         self._cached: Built | None = None
         self._inflight: asyncio.Task | None = None
 
@@ -105,14 +107,22 @@ class SnapshotProducer:
         applied, ex = await writer.call(start)
         while not await writer.call(lambda _index: ex.step(self.chunk)):
             pass
+        sessions = self._sessions() if self._sessions is not None else []  # read on the loop
         body, gz = await asyncio.get_running_loop().run_in_executor(
-            None, self._encode, ex.workers, applied, ex.columns, True
+            None, self._encode, ex.workers, applied, ex.columns, True, sessions
         )
         built = Built(at, body, gz, True, len(ex.columns))
         self._cached = built
         return built
 
-    def _encode(self, workers: list[Carrier], applied: dict[Carrier, int], cols: Columns, ready: bool):
+    def _encode(
+        self,
+        workers: list[Carrier],
+        applied: dict[Carrier, int],
+        cols: Columns,
+        ready: bool,
+        sessions: list[WireSession] | None = None,
+    ):
         snap = WireSnapshot(
             format=FORMAT,
             producer_id=self.producer_id,
@@ -124,6 +134,7 @@ class SnapshotProducer:
             cursors=[(i, applied[c]) for i, c in enumerate(workers) if c in applied],
             built_ms=int(self._wall() * 1000),
             columns=cols,
+            sessions=sessions or [],
         )
         body = encode(snap)
         # Level 1: the body is repetitive, so the fastest level already shrinks it several-fold, and

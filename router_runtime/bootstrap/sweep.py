@@ -50,7 +50,8 @@ from .state import (
     seed_failed,
     verdict,
 )
-from .vetting import HashingConfig, LocalWorker, VetFailed, VettedSnapshot, vet
+from .vetting import HashingConfig, LocalWorker, VetFailed, VettedSnapshot, vet, vet_sessions
+from .wire import WireSession, WireSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class Bootstrapper:
         self._settled = False
         self._ready_latched = False
         self.settled_at: float | None = None
+        # Handed the vetted session-affinity entries of the snapshot that was grafted (set by the app).
+        self.on_sessions: Callable[[list[WireSession]], object] | None = None
         if self.config.enabled:
             plane.rank_listener = self
 
@@ -358,10 +361,20 @@ class Bootstrapper:
                 self.last_sweep = SweepResult.FOUND
                 self.metrics.sweeps.labels(SweepResult.FOUND.value).inc()
                 await self._graft(vetted, self._pending(live))
+                self._inherit_sessions(wire)
                 return
             if outcomes and all(o is SnapshotOutcome.COLD_PEER for o in outcomes):
                 return self._give_up(live, SweepResult.FLEET_COLD)
             await asyncio.sleep(min(cfg.retry_interval_s, max(0.0, deadline - self._clock())))
+
+    def _inherit_sessions(self, wire: WireSnapshot) -> None:
+        if self.on_sessions is None or not wire.sessions:
+            return
+        incarnations = {spec.engine: spec.incarnation for spec in self.plane.workers.values()}
+        try:
+            self.on_sessions(vet_sessions(wire.sessions, incarnations))
+        except Exception:
+            log.exception("bootstrap: inheriting the session table failed")
 
     def _local(self) -> dict[tuple[str, int], LocalWorker]:
         return {

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import enum
 from array import array
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ..kv.index import Carrier
 from ..kv.snapshot import Columns
-from .wire import Limits, WireSnapshot
+from .wire import Limits, WireSession, WireSnapshot
 
 KNOWN_TIERS = 0xF  # device, host, disk, external
 
@@ -168,3 +168,10 @@ def vet(
         producer_id=wire.producer_id,
         usable_entries=usable,
     )
+
+
+def vet_sessions(sessions: Iterable[WireSession], incarnations: Mapping[str, str]) -> list[WireSession]:
+    """A peer's session table, vetted like its tree: an entry naming an engine this replica did not
+    discover itself, or another incarnation of it (a restarted engine: its cache is gone), is dropped.
+    ``incarnations``: engine -> incarnation of every engine we know."""
+    return [s for s in sessions if incarnations.get(s.engine) == s.incarnation]

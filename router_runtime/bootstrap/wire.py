@@ -12,6 +12,10 @@ of ``body``, so corruption is caught before the body is even unpacked. The body 
 - ``records`` and the node columns as little-endian arrays: ``parent`` (i64), ``key`` (u64),
   ``ncar`` (u16), and per carrier entry ``worker`` (u32), ``tiers`` (u8), ``hash`` (u64).
   Columnar arrays keep encoding and decoding at C speed for trees of millions of nodes.
+- ``sessions`` (optional; absent from older producers): the producer's session-affinity table, columnar
+  too: ``targets`` ``[[engine, rank (-1: whole engine), incarnation], ...]``, ``digest`` (32 bytes per
+  entry: the SHA-256 session digest, never a raw key), ``target`` (u32 index into ``targets``) and
+  ``age_ms`` (u32) per entry. Vetted apart from the tree (``vetting.vet_sessions``).
 
 Compression is the HTTP layer's (gzip when the client accepts it); ``inflate`` bounds it.
 """
@@ -57,6 +61,7 @@ class Limits:
     max_carrier_entries: int = 80_000_000
     max_workers: int = 65_536
     max_depth: int = 1_000_000
+    max_sessions: int = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +69,21 @@ class WireWorker:
     engine: str
     rank: int
     incarnation: str
+
+
+@dataclass(frozen=True, slots=True)
+class WireSession:
+    """One remembered session: its digest, the engine (and DP rank) that served it, and how long ago."""
+
+    digest: bytes  # 32 bytes
+    engine: str
+    rank: int | None
+    incarnation: str
+    age_ms: int
+
+
+SESSION_DIGEST_BYTES = 32
+_U32_MAX = 2**32 - 1
 
 
 @dataclass(slots=True)
@@ -81,6 +101,7 @@ class WireSnapshot:
     cursors: list[tuple[int, int]]
     built_ms: int
     columns: Columns = field(default_factory=Columns)
+    sessions: list[WireSession] = field(default_factory=list)
 
 
 def _le(a: array) -> bytes:
@@ -104,28 +125,76 @@ def _from_le(typecode: str, data: object, count: int, name: str) -> array:
 
 def encode(snap: WireSnapshot) -> bytes:
     cols = snap.columns
-    body = msgpack.packb(
-        {
-            "format": snap.format,
-            "producer": {"id": snap.producer_id, "incarnation": snap.producer_incarnation},
-            "producer_ready": snap.producer_ready,
-            "hashing": {"block_size": snap.block_size, "scheme": snap.scheme},
-            "workers": [[w.engine, w.rank, w.incarnation] for w in snap.workers],
-            "cursors": [list(c) for c in snap.cursors],
-            "built_ms": snap.built_ms,
-            "records": len(cols.key),
-            "parent": _le(cols.parent),
-            "key": _le(cols.key),
-            "ncar": _le(cols.ncar),
-            "worker": _le(cols.worker),
-            "tiers": cols.tiers.tobytes(),
-            "hash": _le(cols.hash),
-        },
-        use_bin_type=True,
-    )
+    fields = {
+        "format": snap.format,
+        "producer": {"id": snap.producer_id, "incarnation": snap.producer_incarnation},
+        "producer_ready": snap.producer_ready,
+        "hashing": {"block_size": snap.block_size, "scheme": snap.scheme},
+        "workers": [[w.engine, w.rank, w.incarnation] for w in snap.workers],
+        "cursors": [list(c) for c in snap.cursors],
+        "built_ms": snap.built_ms,
+        "records": len(cols.key),
+        "parent": _le(cols.parent),
+        "key": _le(cols.key),
+        "ncar": _le(cols.ncar),
+        "worker": _le(cols.worker),
+        "tiers": cols.tiers.tobytes(),
+        "hash": _le(cols.hash),
+    }
+    if snap.sessions:
+        fields["sessions"] = _encode_sessions(snap.sessions)
+    body = msgpack.packb(fields, use_bin_type=True)
     return msgpack.packb(
         {"format": FORMAT, "body": body, "checksum": xxhash.xxh3_128_digest(body)}, use_bin_type=True
     )
+
+
+def _encode_sessions(sessions: list[WireSession]) -> dict:
+    table: dict[tuple[str, int, str], int] = {}
+    idx = array("I")
+    ages = array("I")
+    digests = bytearray()
+    for e in sessions:
+        if len(e.digest) != SESSION_DIGEST_BYTES:
+            raise ValueError("a session digest is 32 bytes")
+        key = (e.engine, -1 if e.rank is None else e.rank, e.incarnation)
+        idx.append(table.setdefault(key, len(table)))
+        ages.append(min(max(e.age_ms, 0), _U32_MAX))
+        digests += e.digest
+    return {
+        "targets": [list(k) for k in table],
+        "digest": bytes(digests),
+        "target": _le(idx),
+        "age_ms": _le(ages),
+    }
+
+
+def _sessions(s: object, limits: Limits) -> list[WireSession]:
+    if s is None:
+        return []
+    if not isinstance(s, dict):
+        raise WireError(WireErrorKind.MALFORMED, "sessions is not a map")
+    targets = []
+    for t in s["targets"]:
+        if not isinstance(t, list) or len(t) != 3:
+            raise WireError(WireErrorKind.MALFORMED, "session target entry")
+        rank = _int(t[1], "session rank", -1, 1 << 16)
+        targets.append((_str(t[0], "session engine"), None if rank < 0 else rank, _str(t[2], "session inc")))
+    digests = s["digest"]
+    if not isinstance(digests, bytes) or len(digests) % SESSION_DIGEST_BYTES:
+        raise WireError(WireErrorKind.MALFORMED, "session digests")
+    n = len(digests) // SESSION_DIGEST_BYTES
+    if n > limits.max_sessions:
+        raise WireError(WireErrorKind.TOO_LARGE, "session count over the limit")
+    idx = _from_le("I", s["target"], n, "session target")
+    ages = _from_le("I", s["age_ms"], n, "session age_ms")
+    if n and max(idx) >= len(targets):
+        raise WireError(WireErrorKind.MALFORMED, "session target out of range")
+    out = []
+    for i in range(n):
+        engine, rank, inc = targets[idx[i]]
+        out.append(WireSession(digests[32 * i : 32 * i + 32], engine, rank, inc, ages[i]))
+    return out
 
 
 def inflate(data: bytes, limits: Limits) -> bytes:
@@ -232,4 +301,5 @@ def _body(b: dict, limits: Limits) -> WireSnapshot:
         cursors=cursors,
         built_ms=_int(b["built_ms"], "built_ms"),
         columns=cols,
+        sessions=_sessions(b.get("sessions"), limits),
     )

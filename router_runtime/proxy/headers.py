@@ -51,9 +51,10 @@ def _filter(headers: CIMultiDict | dict, drop: frozenset[str]) -> CIMultiDict:
     return out
 
 
-def request_headers(headers) -> CIMultiDict:
-    """What to send the engine of the client's request headers."""
-    return _filter(headers, _REQUEST_DROP)
+def request_headers(headers, extra_drop: frozenset[str] = frozenset()) -> CIMultiDict:
+    """What to send the engine of the client's request headers; ``extra_drop`` (lower-case names) are
+    the router's own request headers (the session hint), never forwarded."""
+    return _filter(headers, _REQUEST_DROP | extra_drop if extra_drop else _REQUEST_DROP)
 
 
 def response_headers(headers) -> CIMultiDict:

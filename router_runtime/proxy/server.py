@@ -3,9 +3,12 @@
 One request::
 
     read body (413 over the limit) -> parse JSON, validate (400) -> tokens/text for the policy
-    -> candidates (503 if none) -> policy.choose -> acquire load -> POST to the engine
+    -> session: digest of an explicit key, trusted hint or store lookup (hard deadline), see sessions/
+    -> candidates (503 if none) -> classify the session once (returning: its engine first, preferred)
+    -> policy.choose -> acquire load -> POST to the engine
        connect failure before any byte: release, breaker failure, retry ONCE without that engine
-    -> relay status, headers (hop-by-hop stripped, X-RouterFleet-Engine added) and body chunk by chunk
+    -> relay status, headers (hop-by-hop stripped, X-RouterFleet-Engine added) and body chunk by chunk;
+       a 2xx status remembers the engine for the session before the body is relayed
     -> release load (always exactly once: success, error, timeout or client gone)
 
 The body is forwarded as the client's bytes; responses are relayed as they arrive (``readany`` then
@@ -26,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -34,6 +37,8 @@ from aiohttp import web
 
 from ..kv.index import RadixIndex
 from ..routing.types import Decision, Policy, RouteRequest, Target
+from ..sessions.affinity import SessionAffinity, SessionCtx
+from ..sessions.classify import promote
 from ..tokens.tokenizer import AsyncTokenizer
 from .errors import ProxyError, bad_gateway, gateway_timeout, no_engine, too_large
 from .headers import ENGINE_HEADER, RANK_HEADER, request_headers, response_headers
@@ -69,12 +74,13 @@ class _ConnectFailed(Exception):
 class _Ctx:
     """What the metrics need to know about one request when it ends, however it ends."""
 
-    __slots__ = ("engine", "outcome", "status")
+    __slots__ = ("engine", "outcome", "session", "status")
 
     def __init__(self) -> None:
         self.status = 499  # nothing sent yet: if the handler is cancelled, the client closed
         self.outcome = "cancelled"
         self.engine: str | None = None
+        self.session: SessionCtx | None = None
 
 
 class Proxy:
@@ -94,6 +100,7 @@ class Proxy:
         parse_inline_max_bytes: int = 256 << 10,
         keepalive_s: float = 4.0,
         models_timeout_s: float = 10.0,
+        sessions: SessionAffinity | None = None,
     ) -> None:
         self.policy = policy
         self.tokenizer = tokenizer
@@ -112,6 +119,8 @@ class Proxy:
         # Text-prefix policies need a chat request's rendered prompt; the Policy protocol only declares
         # needs_tokens, so a policy may declare needs_text, and approx_prefix is known to need it.
         self.needs_text = bool(getattr(policy, "needs_text", policy.name == "approx_prefix"))
+        self.sessions = sessions
+        self._strip = sessions.strip if sessions is not None else frozenset()
         self._session: aiohttp.ClientSession | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -166,7 +175,11 @@ class Proxy:
 
     async def _serve(self, request: web.Request, kind: Kind, ctx: _Ctx) -> web.StreamResponse:
         raw = await self._read_body(request)
-        parsed = parse_request(await self._parse(raw), kind)
+        body = await self._parse(raw)
+        parsed = parse_request(body, kind)
+        sessions = self.sessions
+        if sessions is not None and sessions.enabled:
+            ctx.session = await sessions.begin(request.headers, body)
         targets = self.targets.candidates()
         if not targets:
             raise no_engine("no engine can take the request (none discovered, or all unhealthy)")
@@ -174,7 +187,17 @@ class Proxy:
         index = self.index_fn()
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
-            decision = self._decide(route, targets, index)
+            sctx = ctx.session
+            if sctx is None:
+                decision = self._decide(route, targets, index)
+            else:
+                # Classified once (the first decision); a retry keeps the state, and the preference
+                # while the remembered engine is still a candidate.
+                classified = sessions.classify(sctx, targets)
+                prefer = classified.preferred if classified.preferred in targets else None
+                decision = self._decide(replace(route, prefer=prefer), promote(targets, prefer), index)
+                if attempt == 0:
+                    sessions.selected(sctx, decision.target, self.policy.name)
             target = decision.target
             ctx.engine = target.engine
             self._acquire(target)
@@ -249,7 +272,7 @@ class Proxy:
 
     async def _open(self, request: web.Request, target: Target, raw: bytes) -> aiohttp.ClientResponse:
         """POST to the engine and wait for its response headers."""
-        headers = request_headers(request.headers)
+        headers = request_headers(request.headers, self._strip)
         if "Content-Type" not in headers:  # the body parsed as JSON; say so (FastAPI servers insist)
             headers["Content-Type"] = "application/json"
         if target.rank is not None:
@@ -288,6 +311,11 @@ class Proxy:
                 self.health.success(target.engine)
             headers = response_headers(up.headers)
             headers[ENGINE_HEADER] = target.engine
+            sessions = self.sessions
+            if sessions is not None and sessions.enabled:
+                headers[sessions.config.engine_header] = sessions.engine_id(target)
+                if 200 <= status < 300 and ctx.session is not None:
+                    sessions.remember(ctx.session, target)  # on the headers, before the body
             resp = web.StreamResponse(status=status, reason=up.reason, headers=headers)
             if up.content_length is not None and "Transfer-Encoding" not in up.headers:
                 resp.content_length = up.content_length
@@ -351,7 +379,7 @@ class Proxy:
             engines.setdefault(t.engine, t.url)
         if not engines:
             return no_engine("no healthy engine").response()
-        headers = request_headers(request.headers)
+        headers = request_headers(request.headers, self._strip)
         results = await asyncio.gather(
             *(self._engine_models(url, headers) for url in engines.values()), return_exceptions=True
         )

@@ -8,6 +8,12 @@ router remembers which prompt text it sent where, in one character radix tree sh
 - After the insert, the chosen target's tree is LRU-evicted down to ``max_tree_size`` characters,
   inline (no background thread): only the chosen target grew, so only it can be over.
 
+A returning session (``request.prefer``, docs/sessions.md): balanced, its remembered target counts as a
+holder of the longest match (this replica's tree may never have seen the conversation: another replica
+routed it, or its prompts are token IDs), and when nothing matches above the threshold it is the pick
+instead of the smallest tree; imbalanced, the guard decides as always. Every tie it is part of goes to
+it.
+
 Ties (equal load, equal tree size) break by target order. A LoRA adapter or cache salt prefixes the
 stored text with a ``\x00``-delimited namespace, so text only matches text of the same namespace (as
 KV blocks do); the namespace's characters never count as matched.
@@ -18,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ..kv.index import RadixIndex
-from .load import imbalanced, least_loaded_indices, load_list
+from .load import imbalanced, least_loaded_indices, load_list, pick, preferred_index
 from .text_tree import TextTree
 from .types import Decision, Reason, RouteRequest, Target
 
@@ -64,15 +70,24 @@ class ApproxPrefixPolicy:
         tree = self.tree
         match = tree.match(text) if text else None
 
+        p = preferred_index(targets, request.prefer)
         if imbalanced(lv, self.balance_abs_threshold, self.balance_rel_threshold):
-            i = least_loaded_indices(lv)[0]
+            tied = least_loaded_indices(lv)
+            i = pick(tied, p)
+            i = tied[0] if i is None else i
             reason = Reason.IMBALANCED
         else:
             matched, holders = match.longest(set(targets)) if match is not None else (0, set())
             matched = max(matched - ns, 0)
             if total and matched / total > self.cache_threshold:
-                i = least_loaded_indices(lv, [k for k, t in enumerate(targets) if t in holders])[0]
-                reason = Reason.PREFIX
+                among = [k for k, t in enumerate(targets) if t in holders or k == p]
+                tied = least_loaded_indices(lv, among)
+                i = pick(tied, p)
+                i = tied[0] if i is None else i
+                reason = Reason.PREFIX if targets[i] in holders else Reason.SESSION
+            elif p is not None:
+                i = p
+                reason = Reason.SESSION
             else:
                 size = tree.size
                 i = min(range(len(targets)), key=lambda k: (size(targets[k]), lv[k], k))

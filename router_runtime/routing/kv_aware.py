@@ -9,6 +9,12 @@ The lowest cost wins: a cached block saves its prefill, and one in-flight reques
 request to the least-loaded target when the loads are skewed. Ties break by lower load, then by a hash
 of the request's tokens over the tied targets (``spread_ties``; otherwise target order), so at low
 concurrency new conversations spread over the fleet instead of all landing on the first target.
+
+A returning session (``request.prefer``, docs/sessions.md) changes two things and nothing else: the
+remembered target is credited as holding the request's whole prefix (its full blocks, at device
+weight) when the index credits it less, because it served the conversation's previous turn and the
+index may not have seen that yet (events off or lagging); and every tie it is part of goes to it. The
+imbalance guard and the load price apply unchanged, so an overloaded remembered target is not forced.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collections.abc import Mapping, Sequence
 import xxhash
 
 from ..kv.index import RadixIndex
-from .load import imbalanced, least_loaded_indices, load_list
+from .load import imbalanced, least_loaded_indices, load_list, pick, preferred_index
 from .types import Decision, Reason, RouteRequest, Target
 
 _h = xxhash.xxh3_64_intdigest
@@ -82,6 +88,7 @@ class KvAwarePolicy:
                 matches = index.match(tokens, lora_name=request.lora_name, cache_salt=request.cache_salt)
             load_cost = self.load_cost_tokens / index.block_size
 
+        p = preferred_index(targets, request.prefer)
         credits: list[float] | None = None
         if matches:
             # A target the index does not know (new, cold, or another rank) gets nothing: never invent.
@@ -96,6 +103,13 @@ class KvAwarePolicy:
                     credits.append(d + wh * h + ws * s + we * e)
             if max(credits) <= 0:
                 credits = None
+        boosted = False  # the remembered target's credit was raised to the whole prefix
+        real_p = 0.0
+        if p is not None and total and (credits is None or credits[p] < total):
+            credits = list(credits) if credits is not None else [0.0] * len(targets)
+            real_p = credits[p]
+            credits[p] = float(total)
+            boosted = True
 
         if imbalanced(lv, self.balance_abs_threshold, self.balance_rel_threshold):
             tied = least_loaded_indices(lv)
@@ -110,11 +124,17 @@ class KvAwarePolicy:
             tied = least_loaded_indices(lv, [i for i, c in enumerate(costs) if c == best])
             reason = None  # set once the target is known
 
-        spread = len(tied) > 1 and self.spread_ties
-        i = tied[request_hash(tokens) % len(tied)] if spread else tied[0]
+        i = pick(tied, p)
+        if i is None:
+            spread = len(tied) > 1 and self.spread_ties
+            i = tied[request_hash(tokens) % len(tied)] if spread else tied[0]
         target = targets[i]
         if reason is None:
-            # PREFIX: the winner's cache counted; LEAST_LOADED: another target had a prefix but load won.
-            reason = Reason.PREFIX if credits[i] > 0 else Reason.LEAST_LOADED
+            if boosted and i == p and real_p <= 0:
+                reason = Reason.SESSION  # only the session's memory put a prefix there
+            else:
+                # PREFIX: the winner's cache counted; LEAST_LOADED: another target had a prefix but
+                # load won.
+                reason = Reason.PREFIX if credits[i] > 0 else Reason.LEAST_LOADED
         m = matches.get(target.carrier) if matches else None
         return Decision(target, reason, m.blocks if m is not None else 0, total)

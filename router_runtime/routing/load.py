@@ -30,3 +30,18 @@ def least_loaded_indices(lv: Sequence[int], among: Sequence[int] | None = None) 
     idx = range(len(lv)) if among is None else among
     best = min(lv[i] for i in idx)
     return [i for i in idx if lv[i] == best]
+
+
+def preferred_index(targets: Sequence[Target], prefer: Target | None) -> int | None:
+    """Index of a returning session's remembered target among ``targets`` (None: no preference)."""
+    if prefer is None:
+        return None
+    for i, t in enumerate(targets):
+        if t == prefer:
+            return i
+    return None
+
+
+def pick(tied: Sequence[int], p: int | None) -> int | None:
+    """The preferred index when it is among ``tied`` (a tie goes to the remembered target)."""
+    return p if p is not None and p in tied else None

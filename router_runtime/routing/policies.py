@@ -17,7 +17,8 @@ POLICY_NAMES = ("kv_aware", "approx_prefix", "round_robin", "least_loaded", "pow
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
-    # Imbalance guard (kv_aware, approx_prefix): least loaded when max - min > abs AND max > min * rel.
+    # Imbalance guard (kv_aware, approx_prefix; round_robin for returning sessions): least loaded when
+    # max - min > abs AND max > min * rel.
     balance_abs_threshold: int = 16
     balance_rel_threshold: float = 1.5
     # kv_aware: credit per matched block by the best tier holding it (device = 1.0).
@@ -78,7 +79,9 @@ def make_policy(name: str, config: PolicyConfig | None = None) -> Policy:
             balance_rel_threshold=c.balance_rel_threshold,
         )
     if name == "round_robin":
-        return RoundRobinPolicy()
+        return RoundRobinPolicy(
+            balance_abs_threshold=c.balance_abs_threshold, balance_rel_threshold=c.balance_rel_threshold
+        )
     if name == "least_loaded":
         return LeastLoadedPolicy()
     if name == "power_of_two":

@@ -1,5 +1,11 @@
 """Cache-blind policies: round robin, least loaded, power of two choices. Baselines, and the fallback
-for deployments without KV events or tokenization."""
+for deployments without KV events or tokenization.
+
+A returning session (``request.prefer``, docs/sessions.md): round robin takes the remembered target
+unless the imbalance guard (the same thresholds as the cache-aware policies) trips and it is not among
+the least loaded; least loaded takes it when it is among the least loaded; power of two draws it as
+one of the two (the lower load wins, a tie goes to it). The round-robin cursor does not move for it.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import random
 from collections.abc import Mapping, Sequence
 
 from ..kv.index import RadixIndex
-from .load import least_loaded_indices, load_list
+from .load import imbalanced, least_loaded_indices, load_list, pick, preferred_index
 from .types import Decision, Reason, RouteRequest, Target
 
 
@@ -18,8 +24,10 @@ class RoundRobinPolicy:
     name = "round_robin"
     needs_tokens = False
 
-    def __init__(self) -> None:
+    def __init__(self, *, balance_abs_threshold: int = 16, balance_rel_threshold: float = 1.5) -> None:
         self._next = 0
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
 
     def choose(
         self,
@@ -28,6 +36,14 @@ class RoundRobinPolicy:
         loads: Mapping[Target, int],
         index: RadixIndex | None,
     ) -> Decision:
+        p = preferred_index(targets, request.prefer)
+        if p is not None:
+            lv = load_list(targets, loads)
+            if not imbalanced(lv, self.balance_abs_threshold, self.balance_rel_threshold):
+                return Decision(targets[p], Reason.SESSION)
+            tied = least_loaded_indices(lv)
+            i = pick(tied, p)
+            return Decision(targets[tied[0] if i is None else i], Reason.IMBALANCED)
         i = self._next % len(targets)
         self._next = i + 1
         return Decision(targets[i], Reason.ROUND_ROBIN)
@@ -51,6 +67,9 @@ class LeastLoadedPolicy:
         index: RadixIndex | None,
     ) -> Decision:
         tied = least_loaded_indices(load_list(targets, loads))
+        i = pick(tied, preferred_index(targets, request.prefer))
+        if i is not None:
+            return Decision(targets[i], Reason.LEAST_LOADED)
         i = tied[self._turn % len(tied)]
         self._turn += 1
         return Decision(targets[i], Reason.LEAST_LOADED)
@@ -76,6 +95,11 @@ class PowerOfTwoPolicy:
         n = len(targets)
         if n == 1:
             return Decision(targets[0], Reason.POWER_OF_TWO)
-        i, j = self.rng.sample(range(n), 2)
+        p = preferred_index(targets, request.prefer)
+        if p is not None:  # the remembered target and one other at random; a tie keeps it
+            j = self.rng.randrange(n - 1)
+            i, j = p, j + (j >= p)
+        else:
+            i, j = self.rng.sample(range(n), 2)
         a, b = targets[i], targets[j]
         return Decision(b if loads.get(b, 0) < loads.get(a, 0) else a, Reason.POWER_OF_TWO)

@@ -31,6 +31,9 @@ class RouteRequest:
     text: str | None = None  # the prompt text (chat: the rendered template) for text-prefix policies
     lora_name: str | None = None
     cache_salt: str | None = None
+    # A returning session's remembered target (one of the targets, moved to their front): the policy
+    # prefers it unless its load guard says otherwise (docs/sessions.md, "The promotion rule").
+    prefer: Target | None = None
 
 
 class Reason(enum.StrEnum):
@@ -42,6 +45,7 @@ class Reason(enum.StrEnum):
     LEAST_LOADED = "least_loaded"
     ROUND_ROBIN = "round_robin"
     POWER_OF_TWO = "power_of_two"
+    SESSION = "session"  # a returning session's remembered target, which the policy alone would not pick
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,242 @@
+"""The shell the proxy calls: session key, hint, lookup under a hard deadline, classification once per
+request, the write on 2xx headers, metrics and the debug log. Keys never appear in a log line or a
+metric label; only their digests are held, and only in the store.
+
+Per request::
+
+    begin(headers, body)      digest of the explicit key; a trusted hint resolves to an engine, else
+                              the store is asked (deadline: lookup_timeout_s; timeout or error = miss)
+    classify(ctx, targets)    once, on the first routing decision (a retry keeps it)
+    selected(ctx, decision)   metric + debug log
+    remember(ctx, target)     on the upstream's 2xx response headers, before the body is relayed
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ..routing.types import Target
+from .classify import Classified, SessionState, classify, selection
+from .config import SessionConfig
+from .keys import session_digest
+from .metrics import SessionMetrics
+from .store import Entry, LocalStore, Remembered, SessionStore
+
+log = logging.getLogger(__name__)
+
+_WARN_EVERY_S = 10.0
+
+
+def engine_id(engine: str, incarnation: str, rank: int | None) -> str:
+    """The opaque id a response carries: stable for one engine incarnation (and DP rank), meaningless
+    outside the fleet, and changing when the engine restarts (an echoed id then resolves to nothing)."""
+    h = hashlib.sha256()
+    for part in (engine, incarnation):
+        b = part.encode()
+        h.update(len(b).to_bytes(8, "big") + b)
+    base = "e1." + h.hexdigest()[:24]
+    return base if rank is None else f"{base}.{rank}"
+
+
+class SessionCtx:
+    __slots__ = ("classified", "digest", "hint_unknown", "memory")
+
+    def __init__(self, digest: bytes | None) -> None:
+        self.digest = digest
+        self.memory: Remembered | None = None
+        self.hint_unknown = False
+        self.classified: Classified | None = None
+
+
+class SessionAffinity:
+    def __init__(
+        self,
+        config: SessionConfig,
+        metrics: SessionMetrics,
+        store: SessionStore | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.store: SessionStore = (
+            store
+            if store is not None
+            else LocalStore(ttl_s=config.ttl_s, max_entries=config.max_entries, on_evict=metrics.evicted)
+        )
+        self.enabled = config.enabled
+        self.strip = frozenset({config.hint_header.lower()})  # never forwarded to an engine
+        self._incarnations: dict[str, str] = {}
+        self._ids: dict[str, Remembered] = {}
+        self._writes: set[asyncio.Task] = set()
+        self._last_warn = -_WARN_EVERY_S
+
+    # ---- the engine set ------------------------------------------------------------------------
+
+    def set_workers(self, specs: Iterable[Any]) -> None:
+        """Every known engine (a ``WorkerSpec``: engine, incarnation, dp_size)."""
+        inc: dict[str, str] = {}
+        ids: dict[str, Remembered] = {}
+        for s in specs:
+            inc[s.engine] = s.incarnation
+            for rank in (None, *range(s.dp_size)):
+                ids[engine_id(s.engine, s.incarnation, rank)] = Remembered(s.engine, rank, s.incarnation)
+        self._incarnations, self._ids = inc, ids
+
+    @property
+    def incarnations(self) -> Mapping[str, str]:
+        return self._incarnations
+
+    def engine_id(self, target: Target) -> str:
+        return engine_id(target.engine, self._incarnations.get(target.engine, ""), target.rank)
+
+    # ---- per request ---------------------------------------------------------------------------
+
+    async def begin(self, headers: Mapping[str, str], body: Any) -> SessionCtx:
+        cfg = self.config
+        ctx = SessionCtx(session_digest(body, headers, cfg.key_header or None))
+        hint = headers.get(cfg.hint_header)
+        if hint is not None:
+            if not cfg.trust_hints:
+                self.metrics.hint("ignored")
+            else:
+                memory = self._ids.get(hint.strip())
+                if memory is None:
+                    self.metrics.hint("unknown")
+                    ctx.hint_unknown = True
+                else:
+                    self.metrics.hint("used")
+                    ctx.memory = memory
+                return ctx  # a trusted hint decides; the store is not asked
+        if ctx.digest is not None:
+            ctx.memory = await self._lookup(ctx.digest)
+        return ctx
+
+    async def _lookup(self, digest: bytes) -> Remembered | None:
+        t0 = time.perf_counter()
+        store = self.store
+        value: Remembered | None = None
+        try:
+            nowait = getattr(store, "get_nowait", None)
+            if nowait is not None:  # the local store: synchronous and O(1), no task needed
+                value = nowait(digest)
+                result = "hit" if value is not None else "miss"
+            else:
+                task = asyncio.ensure_future(store.get(digest))
+                done, _ = await asyncio.wait((task,), timeout=self.config.lookup_timeout_s)
+                if done:
+                    value = task.result()
+                    result = "hit" if value is not None else "miss"
+                else:
+                    # Not awaited: a store that ignores cancellation still cannot hold the request.
+                    task.cancel()
+                    task.add_done_callback(_consume)
+                    result = "timeout"
+                    self._warn("session lookup timed out")
+            if value is not None and not isinstance(value, Remembered):
+                value, result = None, "error"
+        except Exception as exc:  # never fails the request
+            value, result = None, "error"
+            self._warn(f"session lookup failed ({type(exc).__name__})")
+        self.metrics.lookup(result, time.perf_counter() - t0)
+        return value
+
+    def classify(self, ctx: SessionCtx, candidates: tuple[Target, ...]) -> Classified:
+        """Once per request: the first call decides, later calls (a retry) return the same state."""
+        if ctx.classified is None:
+            if ctx.hint_unknown:
+                ctx.classified = Classified(SessionState.STALE)
+            else:
+                ctx.classified = classify(ctx.memory, candidates, self._incarnations)
+        return ctx.classified
+
+    def selected(self, ctx: SessionCtx, chosen: Target, policy: str) -> None:
+        c = ctx.classified
+        assert c is not None
+        sel = selection(c, chosen)
+        self.metrics.selection(c.state, sel)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "session selection: state=%s selection=%s promoted=%s engine=%s rank=%s policy=%s",
+                c.state.value,
+                sel.value,
+                c.preferred is not None,
+                chosen.engine,
+                chosen.rank,
+                policy,
+            )
+
+    def remember(self, ctx: SessionCtx, target: Target) -> None:
+        """The upstream answered 2xx (headers only so far): remember its engine for the session."""
+        if ctx.digest is None:
+            return
+        value = Remembered(target.engine, target.rank, self._incarnations.get(target.engine, ""))
+        if not value.fits():
+            self.metrics.write("too_large")
+            return
+        store = self.store
+        put_nowait = getattr(store, "put_nowait", None)
+        if put_nowait is not None:
+            try:
+                put_nowait(ctx.digest, value)
+            except Exception as exc:
+                self.metrics.write("error")
+                self._warn(f"session write failed ({type(exc).__name__})")
+                return
+            self.metrics.write("written")
+            self._gauge()
+            return
+        task = asyncio.ensure_future(self._put(ctx.digest, value))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _put(self, digest: bytes, value: Remembered) -> None:
+        try:
+            await asyncio.wait_for(self.store.put(digest, value), self.config.write_timeout_s)
+        except TimeoutError:
+            self.metrics.write("timeout")
+            self._warn("session write timed out")
+        except Exception as exc:
+            self.metrics.write("error")
+            self._warn(f"session write failed ({type(exc).__name__})")
+        else:
+            self.metrics.write("written")
+
+    # ---- the peer snapshot ---------------------------------------------------------------------
+
+    def export(self) -> list[Entry]:
+        """The local table for a booting sibling (empty when off or not local)."""
+        if not self.enabled or not isinstance(self.store, LocalStore):
+            return []
+        return self.store.entries()
+
+    def inherit(self, entries: Iterable[Entry]) -> int:
+        """A sibling's vetted entries, after a graft. Returns how many were taken."""
+        if not self.enabled or not isinstance(self.store, LocalStore):
+            return 0
+        n = self.store.inherit(entries)
+        self.metrics.inherited.inc(n)
+        self._gauge()
+        log.info("sessions: inherited %d entries from a sibling", n)
+        return n
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _gauge(self) -> None:
+        store = self.store
+        if isinstance(store, LocalStore):
+            self.metrics.entries.set(len(store))
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warn >= _WARN_EVERY_S:  # sampled: a sick store must not flood the log
+            self._last_warn = now
+            log.warning("%s; routing without session memory", message)
+
+
+def _consume(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()

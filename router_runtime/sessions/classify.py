@@ -1,0 +1,72 @@
+"""The functional core: classify a request's session once and promote its remembered target (pure).
+
+new        no eligible key, or nothing remembered for it (and no trusted hint)
+stale      something is remembered, but that engine is gone, has another incarnation (it
+           restarted: its cache is empty), or is not a candidate now (breaker open, or a rank the
+           current targets do not have)
+returning  the remembered engine is a candidate: it moves to the front of the candidate order for
+           this request only, and the policy is told to prefer it (``RouteRequest.prefer``); the
+           policy's load guard still decides (docs/sessions.md, "The promotion rule")
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..routing.types import Target
+from .store import Remembered
+
+
+class SessionState(enum.StrEnum):
+    NEW = "new"
+    STALE = "stale"
+    RETURNING = "returning"
+
+
+class Selection(enum.StrEnum):
+    """Where a classified request went: its remembered engine, or wherever the policy chose."""
+
+    REMEMBERED = "remembered"
+    POLICY = "policy"
+
+
+@dataclass(frozen=True, slots=True)
+class Classified:
+    state: SessionState
+    preferred: Target | None = None  # set iff returning
+
+
+def classify(
+    memory: Remembered | None, candidates: Sequence[Target], incarnations: Mapping[str, str]
+) -> Classified:
+    """``incarnations``: engine -> incarnation of every engine this replica knows (healthy or not)."""
+    if memory is None:
+        return Classified(SessionState.NEW)
+    if incarnations.get(memory.engine) != memory.incarnation:
+        return Classified(SessionState.STALE)  # gone, or restarted since
+    fallback = None
+    for t in candidates:
+        if t.engine == memory.engine:
+            if t.rank == memory.rank:
+                return Classified(SessionState.RETURNING, t)
+            if fallback is None and (memory.rank is None or t.rank is None):
+                # Remembered as a whole engine and now targeted per rank (or the reverse): the engine
+                # still holds the prefix on one of its ranks; its first target is the best guess.
+                fallback = t
+    if fallback is not None:
+        return Classified(SessionState.RETURNING, fallback)
+    return Classified(SessionState.STALE)
+
+
+def promote(candidates: Sequence[Target], preferred: Target | None) -> tuple[Target, ...]:
+    """The candidate order for one request: ``preferred`` first, the rest in their order."""
+    if preferred is None:
+        return tuple(candidates)
+    return (preferred, *(t for t in candidates if t != preferred))
+
+
+def selection(classified: Classified, chosen: Target) -> Selection:
+    p = classified.preferred
+    return Selection.REMEMBERED if p is not None and chosen == p else Selection.POLICY

@@ -1,0 +1,60 @@
+"""Session keys (pure). Only explicit keys are eligible: the OpenAI ``prompt_cache_key`` and
+``conversation_id`` body fields and one configurable request header. A request without any is new and
+routed as before; nothing is derived from the prompt.
+
+A key is only ever kept as ``digest``: SHA-256 over the length-prefixed (source, model, key), so two
+sources or two models never share an entry, and the raw key is neither stored nor logged.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+MAX_KEY_BYTES = 4096  # longer keys are not eligible (not a session id anyone sends)
+_DOMAIN = b"routerfleet/session/v1"
+
+
+class KeySource(enum.StrEnum):
+    PROMPT_CACHE_KEY = "prompt_cache_key"
+    CONVERSATION_ID = "conversation_id"
+    HEADER = "header"
+
+
+def _lp(data: bytes) -> bytes:
+    return len(data).to_bytes(8, "big") + data
+
+
+def digest(source: KeySource | str, model: str, key: str) -> bytes:
+    """SHA-256 of the length-prefixed (source, model, key); 32 bytes."""
+    h = hashlib.sha256(_DOMAIN)
+    for part in (str(source), model, key):
+        h.update(_lp(part.encode("utf-8", "surrogatepass")))
+    return h.digest()
+
+
+def _usable(v: Any) -> str | None:
+    if isinstance(v, str) and v and len(v.encode("utf-8", "surrogatepass")) <= MAX_KEY_BYTES:
+        return v
+    return None
+
+
+def session_digest(body: Any, headers: Mapping[str, str], header: str | None) -> bytes | None:
+    """The request's session digest, or None when it carries no eligible key. Precedence:
+    ``prompt_cache_key``, then ``conversation_id``, then the header. Never raises: a malformed key
+    makes the request ineligible, not invalid."""
+    model = ""
+    if isinstance(body, dict):
+        m = body.get("model")
+        model = m if isinstance(m, str) else ""
+        for source in (KeySource.PROMPT_CACHE_KEY, KeySource.CONVERSATION_ID):
+            key = _usable(body.get(source.value))
+            if key is not None:
+                return digest(source, model, key)
+    if header:
+        key = _usable(headers.get(header))
+        if key is not None:
+            return digest(KeySource.HEADER, model, key)
+    return None
