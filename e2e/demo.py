@@ -1,11 +1,31 @@
-"""`make demo`: two fake engines and one router ingesting their KV event streams under a scripted
-workload, printing live what the router's index knows per engine, rank and tier next to what each
-engine really holds.
+"""`make demo`: RouterFleet on a real (local) Kubernetes cluster, or without one.
 
-The engines speak two different real dialects (vLLM 0.33 with a host tier, SGLang with two DP ranks),
-and the workload includes evictions, a lost batch (filled by replay) and an engine restart, so the
-table shows the index following every kind of change. Exits non-zero if the two views disagree once
-the workload has settled.
+Cluster mode (the default; root, because the cluster lives in a private network namespace):
+builds the control plane on first use (e2e/kube, ~7 min on 2 cores, cached), starts it with the
+process node agent, deploys manifests/base (two fake engines with 2 DP ranks each, a kv_aware
+router) plus a round_robin router, and then
+
+1. drives the same short multi-turn chat workload through the kv_aware router and, after clearing
+   the engines' caches, through the round_robin router, and prints hit rate (from
+   usage.prompt_tokens_details.cached_tokens) and TTFT side by side;
+2. scales the kv_aware router 1 -> 3 while traffic keeps flowing and prints each replica's bootstrap
+   verdict (from /internal/bootstrap) and whether its index equals the first replica's;
+3. deletes everything and stops the cluster (also on Ctrl-C or a failure).
+
+When no cluster can start (not root, no Go to build it, ...) it says why and runs the local demo.
+
+Local mode (`--local`): two fake engines and one router as plain processes on loopback, under a
+scripted workload (evictions, a lost batch filled by replay, an engine restart), with a live table of
+what the router's index knows per engine, rank and tier next to what each engine really holds.
+Exits non-zero if the two views disagree once the workload has settled.
+
+    python -m e2e.demo               # cluster, else local
+    python -m e2e.demo --cluster     # cluster or fail
+    python -m e2e.demo --local
+    python -m e2e.cluster run --node-agent node-1 -- python -m e2e.demo --cluster   # (see below)
+
+The last form runs the demo on a cluster that `e2e.cluster run` started (its netns; as non-root it
+makes a user namespace too).
 """
 
 from __future__ import annotations
@@ -13,19 +33,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import os
 import random
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 
 import aiohttp
 
+from e2e import fleet as F
 from router_runtime.kv.decode import normalize_hash
 from router_runtime.kv.hashing import hash_set_digest
+
+# ================================================================================================ local
 
 BLOCK = 16
 
@@ -193,7 +220,7 @@ async def workload(session: aiohttp.ClientSession, engines: list[Engine], second
         await asyncio.sleep(0.02)
 
 
-async def main_async(seconds: float, clear: bool) -> int:
+async def local_main_async(seconds: float, clear: bool) -> int:
     engines = [
         Engine("vllm-0.33", "vllm-0.33", dp=1, host_tier=32),
         Engine("sglang", "sglang", dp=2, host_tier=0),
@@ -256,12 +283,398 @@ async def main_async(seconds: float, clear: bool) -> int:
                 p.kill()
 
 
+# ================================================================================================ cluster
+
+NODE = "node-1"
+CHATS, TURNS, CONCURRENCY = 40, 6, 8
+SYSTEM_PROMPTS = 4
+# Engines keep this many batches per rank for replay: a long-running engine's buffer no longer reaches
+# sequence 0, so a new replica cannot rebuild from the engines (from_origin) and inherits a sibling's
+# index instead, the path this demo shows. (The manifests keep the engine's default, 10000.)
+DEMO_REPLAY_BUFFER = 64
+T0 = time.monotonic()
+
+
+class DemoError(RuntimeError):
+    pass
+
+
+class NoCluster(RuntimeError):
+    """The cluster could not start: fall back to the local demo."""
+
+
+def say(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+async def wait_until(what: str, fn, timeout: float, interval: float = 0.2):
+    """Poll ``fn`` (sync, run in a thread, or async) until truthy; errors count as not yet."""
+    from kubernetes.client.exceptions import ApiException
+
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        try:
+            v = await fn() if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn)
+            if v:
+                return v
+        except (ApiException, aiohttp.ClientError, OSError, KeyError, ValueError, TimeoutError) as e:
+            last = repr(e)[:200]
+        if time.monotonic() > deadline:
+            raise DemoError(f"timed out after {timeout:.0f}s waiting for {what} (last error: {last})")
+        await asyncio.sleep(interval)
+
+
+def _ready(p) -> bool:
+    conds = {c.type: c.status for c in p.status.conditions or []}
+    return (
+        p.status.phase == "Running"
+        and conds.get("Ready") == "True"
+        and bool(p.status.pod_ip)
+        and p.metadata.deletion_timestamp is None
+    )
+
+
+@dataclass
+class Chat:
+    system: str
+    turns: list[str]
+    messages: list[dict] = field(default_factory=list)
+
+
+def make_chats(seed: int) -> list[Chat]:
+    """CHATS conversations of TURNS user turns; each opens with one of SYSTEM_PROMPTS long system
+    prompts (~800 tokens with the byte tokenizer), turns of ~300 tokens."""
+    rng = random.Random(seed)
+    words = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randrange(2, 9)))
+        for _ in range(400)
+    ]
+
+    def text(n_chars: int) -> str:
+        out: list[str] = []
+        while sum(len(w) + 1 for w in out) < n_chars:
+            out.append(rng.choice(words))
+        return " ".join(out)
+
+    systems = [f"You are assistant #{i}. " + text(800) for i in range(SYSTEM_PROMPTS)]
+    return [Chat(rng.choice(systems), [text(300) for _ in range(TURNS)]) for _ in range(CHATS)]
+
+
+@dataclass
+class Stats:
+    ttft: list[float] = field(default_factory=list)
+    prompt: int = 0
+    cached: int = 0
+
+    def add(self, ttft: float, prompt: int, cached: int) -> None:
+        self.ttft.append(ttft)
+        self.prompt += prompt
+        self.cached += cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached / self.prompt if self.prompt else 0.0
+
+
+async def run_chat(session, router: str, chat: Chat, stats: Stats) -> None:
+    chat.messages = [{"role": "system", "content": chat.system}]
+    for user in chat.turns:
+        chat.messages.append({"role": "user", "content": user})
+        ttft, answer, prompt, cached = await F.chat_turn(session, router, chat.messages)
+        stats.add(ttft, prompt, cached)
+        chat.messages.append({"role": "assistant", "content": answer})
+
+
+async def chat_workload(session, router: str, seed: int) -> Stats:
+    """Every chat of ``make_chats(seed)``, CONCURRENCY conversations at a time, turns in order."""
+    stats = Stats()
+    queue = list(make_chats(seed))
+
+    async def worker():
+        while queue:
+            await run_chat(session, router, queue.pop(0), stats)
+
+    await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+    return stats
+
+
+async def background(session, router: str, stop: asyncio.Event) -> int:
+    """Chats through ``router`` until ``stop``; returns the number of requests."""
+    stats = Stats()
+    seed = 1000
+    while not stop.is_set():
+        chat = make_chats(seed)[0]
+        seed += 1
+        await run_chat(session, router, chat, stats)
+    return len(stats.ttft)
+
+
+class Fleet:
+    """The demo's namespace on a cluster: kubernetes clients and the objects' pod views."""
+
+    def __init__(self, kubeconfig, namespace: str, provider) -> None:
+        from kubernetes import client, config
+
+        cfg = client.Configuration()
+        config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
+        self.api = client.ApiClient(cfg)
+        self.core = client.CoreV1Api(self.api)
+        self.apps = client.AppsV1Api(self.api)
+        self.ns = namespace
+        self.provider = provider
+
+    def pods(self, selector: str) -> list:
+        return sorted(
+            self.core.list_namespaced_pod(self.ns, label_selector=selector).items,
+            key=lambda p: p.metadata.name,
+        )
+
+    async def ready_pods(self, selector: str, n: int, timeout: float = 90) -> list:
+        def cond():
+            pods = self.pods(selector)
+            return pods if len(pods) == n and all(_ready(p) for p in pods) else None
+
+        return await wait_until(f"{n} pods {selector} ready", cond, timeout)
+
+    def dump(self) -> None:
+        """Pod states and the tail of each container's log (after a failure)."""
+        try:
+            pods = self.core.list_namespaced_pod(self.ns).items
+        except Exception as e:
+            print(f"(cannot list pods: {e!r})")
+            return
+        for p in pods:
+            conds = {c.type: c.status for c in p.status.conditions or []}
+            print(
+                f"--- pod {p.metadata.name}: {p.status.phase} ip={p.status.pod_ip} ready={conds.get('Ready')}"
+            )
+            for c in p.spec.containers:
+                log = self.provider.container_log(self.ns, p.metadata.name, c.name) or ""
+                for line in log.splitlines()[-12:]:
+                    print(f"    {line[:200]}")
+
+
+async def node_ready(fleet: Fleet) -> None:
+    def cond():
+        n = fleet.core.read_node(NODE)
+        conds = {c.type: c.status for c in n.status.conditions or []}
+        taints = [t for t in n.spec.taints or [] if t.key.startswith("node.kubernetes.io/")]
+        return conds.get("Ready") == "True" and not taints
+
+    await wait_until(f"node {NODE} Ready", cond, 90)
+
+
+def print_table(rows: list[tuple]) -> None:
+    print()
+    print(f"  {'policy':<13}{'requests':>9}{'hit rate':>10}{'TTFT p50':>11}{'TTFT p90':>11}")
+    for name, s in rows:
+        print(
+            f"  {name:<13}{len(s.ttft):>9}{s.hit_rate:>10.1%}"
+            f"{F.percentile(s.ttft, 50) * 1000:>8.1f} ms{F.percentile(s.ttft, 90) * 1000:>8.1f} ms"
+        )
+    print()
+
+
+async def cluster_demo(fleet: Fleet) -> int:
+    ns = fleet.ns
+    token = secrets.token_hex(16)
+    docs = F.load_manifests(token=token)
+    engine_args = F.find(docs, "Deployment", F.ENGINE)["spec"]["template"]["spec"]["containers"][0]["args"]
+    engine_args.append(f"--replay-buffer={DEMO_REPLAY_BUFFER}")
+    rr = F.policy_variant(docs, "router-rr", "round_robin")
+    await asyncio.to_thread(fleet.core.create_namespace, {"metadata": {"name": ns}})
+    await wait_until(
+        f"default ServiceAccount in {ns}",
+        lambda: fleet.core.read_namespaced_service_account("default", ns),
+        30,
+    )
+    await asyncio.to_thread(F.apply, fleet.api, ns, docs + rr)
+    say(
+        f"namespace {ns}: manifests/base (2 fake engines x 2 DP ranks, a kv_aware router)"
+        " + a round_robin router"
+    )
+
+    engines = await fleet.ready_pods(F.ENGINE_LABELS, 2)
+    (kv_pod,) = await fleet.ready_pods(F.ROUTER_LABELS, 1, timeout=120)
+    (rr_pod,) = await fleet.ready_pods("app.kubernetes.io/name=router-rr", 1, timeout=120)
+    for p in engines:
+        say(f"  engine {p.metadata.name} at {p.status.pod_ip}")
+    say(f"  router {kv_pod.metadata.name} (kv_aware) at {kv_pod.status.pod_ip}")
+    say(f"  router {rr_pod.metadata.name} (round_robin) at {rr_pod.status.pod_ip}")
+    kv_url, rr_url = F.pod_url(kv_pod, F.ROUTER_PORT), F.pod_url(rr_pod, F.ROUTER_PORT)
+    engine_urls = [F.pod_url(p, F.ENGINE_PORT) for p in engines]
+
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        # 1. kv_aware vs round_robin on the same engines, each from empty caches
+        what = f"{CHATS} chats x {TURNS} turns, {CONCURRENCY} at a time"
+        say(f"workload ({what}) via the kv_aware router ...")
+        t = time.monotonic()
+        kv = await chat_workload(session, kv_url, seed=1)
+        say(f"  {len(kv.ttft)} requests in {time.monotonic() - t:.1f}s")
+        for url in engine_urls:
+            async with session.post(url + "/admin/clear", json={}) as r:
+                r.raise_for_status()
+        say("engines' caches cleared; the same workload via the round_robin router ...")
+        t = time.monotonic()
+        rr_stats = await chat_workload(session, rr_url, seed=1)
+        say(f"  {len(rr_stats.ttft)} requests in {time.monotonic() - t:.1f}s")
+        print_table([("kv_aware", kv), ("round_robin", rr_stats)])
+
+        # 2. scale the kv_aware router 1 -> 3 under traffic
+        say("scaling the kv_aware router 1 -> 3 (chats keep flowing through the first replica) ...")
+        stop = asyncio.Event()
+        traffic = asyncio.create_task(background(session, kv_url, stop))
+        t = time.monotonic()
+        try:
+            await asyncio.to_thread(
+                fleet.apps.patch_namespaced_deployment_scale, F.ROUTER, ns, {"spec": {"replicas": 3}}
+            )
+            pods = await fleet.ready_pods(F.ROUTER_LABELS, 3, timeout=120)
+            say(f"  3 replicas ready {time.monotonic() - t:.1f}s after the scale-up")
+        finally:
+            stop.set()
+            n_bg = await traffic
+        say(f"  {n_bg} requests served by the first replica meanwhile")
+        others = [p for p in pods if p.metadata.uid != kv_pod.metadata.uid]
+        replicas = [(kv_pod, "first"), *((p, "new") for p in others)]
+        urls = [F.pod_url(p, F.ROUTER_PORT) for p, _ in replicas]
+
+        async def converged():
+            views = [await F.index_view(session, u) for u in urls]
+            return views if all(v == views[0] for v in views) else None
+
+        try:
+            views = await wait_until("the three indexes to agree", converged, 15)
+        except DemoError:
+            views = [await F.index_view(session, u) for u in urls]
+        print()
+        print(
+            f"  {'replica':<36}{'verdict':<18}{'rank outcomes':<24}{'index blocks':>13}  same index as first"
+        )
+        for (p, role), view in zip(replicas, views, strict=True):
+            rep = await F.bootstrap_report(session, F.pod_url(p, F.INTERNAL_PORT), token)
+            outcomes: dict[str, int] = {}
+            for k in rep["ranks"]:
+                o = k["outcome"] or k["state"]  # no outcome yet: recovered (proving its graft) or pending
+                outcomes[o] = outcomes.get(o, 0) + 1
+            ranks = ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())) or "-"
+            same = "-" if role == "first" else ("yes" if view == views[0] else "NO")
+            print(
+                f"  {p.metadata.name + f' ({role})':<36}{rep['verdict']:<18}{ranks:<24}"
+                f"{rep['index']['blocks']:>13}  {same}"
+            )
+        print(
+            "\n  warm: a sibling's index grafted and joined by the live stream; recovered: grafted, waiting"
+            "\n  for the rank's next live batch; abandoned: nothing to inherit (the first replica booted"
+            "\n  alone); from_origin: rebuilt from the engine's own replay buffer.\n"
+        )
+        all_same = all(v == views[0] for v in views)
+    return 0 if all_same and kv.hit_rate > rr_stats.hit_rate else 1
+
+
+def start_cluster(provider_name: str):
+    """The provider, started; NoCluster when it cannot be."""
+    from e2e.cluster import in_private_netns
+    from e2e.provider import WORKDIR_ENV, LocalProvider
+
+    if provider_name == "kind":
+        have = {t: bool(shutil.which(t)) for t in ("docker", "kind")}
+        raise NoCluster(
+            "CLUSTER=kind is not available here: the demo talks to the routers at their pod IPs, which "
+            "a kind cluster does not expose to the host "
+            f"(docker on PATH: {have['docker']}, kind: {have['kind']})"
+        )
+    reused = bool(os.environ.get(WORKDIR_ENV)) and in_private_netns()
+    if not reused and os.geteuid() != 0:
+        raise NoCluster(
+            "the local cluster needs root here (it runs in a private network namespace); as non-root try "
+            "`python -m e2e.cluster run --node-agent node-1 -- python -m e2e.demo --cluster`"
+        )
+    for tool in ("unshare", "ip"):
+        if not reused and shutil.which(tool) is None:
+            raise NoCluster(f"'{tool}' is not on PATH")
+    if reused:
+        say("using the cluster `python -m e2e.cluster run` started")
+    else:
+        say("starting the local Kubernetes cluster (control plane + process node agent) ...")
+        say("control plane binaries: e2e/kube/build.sh (a no-op once built; the first build takes ~7 min)")
+    provider = LocalProvider(NODE)
+    try:
+        kubeconfig = provider.up()
+    except (RuntimeError, OSError) as e:  # ProviderError, ClusterError, a failed build
+        provider.down()
+        raise NoCluster(f"{type(e).__name__}: {e}") from e
+    return provider, kubeconfig
+
+
+def run_cluster(provider_name: str, keep_ns: bool) -> int:
+    provider, kubeconfig = start_cluster(provider_name)
+    ns = f"routerfleet-demo-{uuid.uuid4().hex[:5]}"
+    rc = 1
+    fleet = None
+    try:
+        say(f"cluster up ({provider.describe()})")
+        fleet = Fleet(kubeconfig, ns, provider)
+        asyncio.run(node_ready(fleet))
+        rc = asyncio.run(cluster_demo(fleet))
+        return rc
+    except DemoError as e:
+        print(f"\ndemo failed: {e}", flush=True)
+        if fleet is not None:
+            fleet.dump()
+        return 1
+    finally:
+        say("tearing down (namespace, then the cluster) ...")
+        if fleet is not None and not keep_ns:
+            with contextlib.suppress(Exception):
+                fleet.core.delete_namespace(ns)
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and fleet.pods(""):
+                    time.sleep(0.2)
+        provider.down()
+        say("done")
+
+
+def _sigterm(signum, frame):  # SIGTERM unwinds through the finally blocks, like Ctrl-C
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="make demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=float, default=15.0, help="how long the workload runs (default 15)")
-    ap.add_argument("--no-clear", action="store_true", help="append frames instead of redrawing the screen")
+    ap = argparse.ArgumentParser(
+        prog="python -m e2e.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--local", action="store_true", help="no cluster: processes on loopback")
+    mode.add_argument("--cluster", action="store_true", help="the cluster demo, without the local fallback")
+    ap.add_argument(
+        "--provider",
+        default="local",
+        choices=("local", "kind"),
+        help="cluster provider (make demo CLUSTER=...; default local)",
+    )
+    ap.add_argument("--keep-namespace", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--seconds", type=float, default=15.0, help="local mode: workload duration (default 15)")
+    ap.add_argument("--no-clear", action="store_true", help="local mode: append frames, do not redraw")
     a = ap.parse_args()
-    sys.exit(asyncio.run(main_async(a.seconds, clear=not a.no_clear and sys.stdout.isatty())))
+    signal.signal(signal.SIGTERM, _sigterm)
+    clear = not a.no_clear and sys.stdout.isatty()
+    if a.local:
+        sys.exit(asyncio.run(local_main_async(a.seconds, clear)))
+    try:
+        sys.exit(run_cluster(a.provider, a.keep_namespace))
+    except KeyboardInterrupt:
+        print("\n[demo] interrupted; cleaned up", flush=True)
+        sys.exit(130)
+    except NoCluster as e:
+        print(f"\n[demo] no cluster: {e}", flush=True)
+        if a.cluster:
+            sys.exit(2)
+        print("[demo] running the local demo instead (python -m e2e.demo --local)\n", flush=True)
+        sys.exit(asyncio.run(local_main_async(a.seconds, clear)))
 
 
 if __name__ == "__main__":
