@@ -37,8 +37,12 @@ test: lint kube
 	rc=$$?; [ $$rc -eq 5 ] && rc=0; [ $$rc -eq 0 ] || exit $$rc; \
 	$(MAKE) --no-print-directory image
 
+# The demo (e2e/demo.py): a local cluster (root; the control plane is built on first use, as for the
+# tests), manifests/base deployed, kv_aware vs round_robin on a chat workload, a 1 -> 3 scale-up with
+# each replica's bootstrap verdict, all torn down on exit. When no cluster can start it says why and
+# runs the cluster-less demo (python -m e2e.demo --local). CLUSTER=kind asks for kind instead.
 demo: setup
-	$(BIN)/python -m e2e.demo
+	$(BIN)/python -m e2e.demo $(if $(CLUSTER),--provider $(CLUSTER))
 
 # The anchors (Dynamo's runtime, vllm-router, sglang-router) live in their own venv: ai-dynamo-runtime
 # pins a pydantic that kubernetes/kopf cannot use.
