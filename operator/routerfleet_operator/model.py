@@ -1,0 +1,139 @@
+"""Names shared by the CRD, the renderers and the rollout decision."""
+
+from __future__ import annotations
+
+import enum
+
+GROUP = "routerfleet.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "RouterFleet"
+PLURAL = "routerfleets"
+FIELD_MANAGER = "routerfleet-operator"
+
+# Labels. The fleet label is the pods' selector (and the scale subresource's status.selector).
+LABEL_FLEET = "routerfleet.io/fleet"
+LABEL_REVISION = "routerfleet.io/revision"  # the pod template's hash: which revision a pod runs
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+ROUTER_APP = "routerfleet-router"
+
+# The readiness gate on every router pod; the operator sets it True once the pod's verdict passes,
+# and never back (latching).
+SEEDED = "routerfleet.io/seeded"
+
+# User actions on the RouterFleet (annotations): any new value acts once (the handled value is kept
+# in status, so an operator restart never repeats it).
+ANNOTATION_RETRY = "routerfleet.io/retry"  # retry a paused or rolled-back rollout
+ANNOTATION_RESTARTED_AT = "routerfleet.io/restartedAt"  # a rolling, seed-gated restart
+
+# The router's ports inside the pod (fixed: the operator owns --port and --internal-port).
+HTTP_PORT = 8080
+INTERNAL_PORT = 8081
+HTTP_PORT_NAME = "http"
+INTERNAL_PORT_NAME = "internal"
+
+TOKEN_KEY = "token"
+TOKEN_VOLUME = "internal-token"
+TOKENIZER_VOLUME = "tokenizer"
+RESERVED_VOLUMES = (TOKEN_VOLUME, TOKENIZER_VOLUME)
+TOKEN_DIR = "/var/run/routerfleet/internal-token"
+TOKENIZER_DIR = "/etc/routerfleet/tokenizer"
+
+# The router's /internal/bootstrap document.
+BOOTSTRAP_API_VERSION = "routerfleet.io/bootstrap/v1"
+
+
+class Verdict(enum.StrEnum):
+    """A replica's bootstrap verdict, as its /internal/bootstrap reports it (router_runtime's
+    ``bootstrap.state.Verdict``; a test keeps the two in step)."""
+
+    PENDING = "pending"
+    WARM = "warm"
+    FROM_ORIGIN = "from_origin"  # rebuilt exactly from the engines' own replay buffer: warm
+    WARM_UNWITNESSED = "warm_unwitnessed"
+    NO_PEERS = "no_peers"
+    FLEET_COLD = "fleet_cold"
+    TIMED_OUT = "timed_out"
+    DISABLED = "disabled"
+
+
+# Verdicts that mean "there was nothing to inherit": gating on them deadlocks a first deploy (an
+# unready pod is out of its siblings' peer set, so no replica could ever find a warm one).
+NEVER_GATE = frozenset({Verdict.NO_PEERS, Verdict.FLEET_COLD})
+DEFAULT_PASS_VERDICTS = frozenset(
+    {
+        Verdict.WARM,
+        Verdict.FROM_ORIGIN,
+        Verdict.WARM_UNWITNESSED,
+        Verdict.NO_PEERS,
+        Verdict.FLEET_COLD,
+        Verdict.DISABLED,
+    }
+)
+
+
+class OnSeedFailure(enum.StrEnum):
+    PAUSE = "Pause"  # hold the failed pod and pause the rollout until a retry or a new spec
+    ROLLBACK = "Rollback"  # restore the last completed revision's template
+    PROCEED = "Proceed"  # admit the pod cold and report CacheWarm=False
+
+
+class Phase(enum.StrEnum):
+    PROGRESSING = "Progressing"
+    COMPLETE = "Complete"
+    PAUSED = "Paused"
+    ROLLED_BACK = "RolledBack"
+
+
+class PauseReason(enum.StrEnum):
+    USER = "User"  # spec.paused
+    SEED_FAILED = "SeedFailed"
+    PEER_DISCOVERY_NOT_SYNCED = "PeerDiscoveryNotSynced"
+
+
+# The router flags the operator renders; extraArgs may not set them (nor any prefix argparse would
+# expand to one of them). The CRD's CEL rule carries the same list (a test compares them).
+OWNED_FLAGS = (
+    "--host",
+    "--port",
+    "--worker",
+    "--block-size",
+    "--log-level",
+    "--policy",
+    "--tokenizer",
+    "--k8s-selector",
+    "--k8s-namespace",
+    "--k8s-http-port",
+    "--k8s-kv-port",
+    "--k8s-replay-port",
+    "--k8s-dp-size",
+    "--k8s-topic",
+    "--kubeconfig",
+    "--internal-host",
+    "--internal-port",
+    "--internal-token-file",
+    "--kv-peer",
+    "--kv-peer-selector",
+    "--kv-peer-port",
+    "--no-kv-bootstrap",
+    "--kv-bootstrap-timeout-ms",
+    "--kv-bootstrap-seed-required",
+    "--help",
+)
+RESERVED_ENV = ("POD_NAME", "POD_NAMESPACE", "POD_IP")
+
+
+def owned_flag_in(arg: str) -> bool:
+    """Whether one extraArgs item would set an operator-owned flag: the CRD's CEL rule, in Python.
+    argparse accepts any unique prefix of a long option, so "--internal-tok=x" sets
+    --internal-token-file: an item is refused when its name (before "=") is a prefix of an owned flag.
+    "--" (end of options) and "-h" are refused too."""
+    if arg == "-h":
+        return True
+    if not arg.startswith("--"):
+        return False
+    name = arg.split("=", 1)[0]
+    return any(flag.startswith(name) for flag in OWNED_FLAGS)

@@ -1,0 +1,710 @@
+"""The seed-gated rollout, decided by one pure function: ``decide(fleet, pods, now) -> Decision``.
+
+Inputs: the RouterFleet object as the API returns it (spec, annotations, and the previous status,
+which holds the rollout's state machine), the fleet's pods with each one's /internal/bootstrap report,
+and the time. Output: which pods get the ``routerfleet.io/seeded`` gate (latching: there is no
+action to take it back), which pods to delete (a retry), which revision the Deployment must run and
+whether it is paused, Kubernetes events to post, and the complete next status.
+
+The shell applies a Decision in this order: the Deployment (revision, paused), pod deletions, the pod
+gates, and the status last. Then an operator that dies anywhere in between resumes exactly: deciding
+again from the old status and the new pods gives the same state (gates and deletions are idempotent,
+a handled retry is recorded in status only after its deletions happened).
+
+The state machine (status.rollout), facts from which the phase is derived:
+  currentRevision   the last revision fully rolled out (every replica seeded and Ready)
+  updateRevision    the revision the spec asks for (a change starts a new rollout and clears the rest)
+  hold              a seed failure under onSeedFailure Pause: the held pods, sticky until a retry
+  rolledBackRevision  a seed failure under Rollback: the Deployment runs currentRevision again
+  handledRetry      the last routerfleet.io/retry value acted on
+  step, startedAt, progressAt   progress of this rollout (the progress deadline counts from progressAt)
+
+  phase = Paused (spec.paused, or a hold) | RolledBack | Progressing (update != current) | Complete
+
+Per pod, once its bootstrap has settled (``classify``): a verdict in passVerdicts passes; with no
+seeded sibling serving, anything passes (gating then could deadlock the fleet: no_peers and
+fleet_cold, which the CRD requires in passVerdicts, are this case seen from the pod); a timed_out
+verdict without seedFailed (no candidate peer was ever reachable) passes cold unless peer discovery
+never synced. What is left is a failed seed, and onSeedFailure decides: Pause holds the pod and pauses
+the Deployment, Rollback restores the current revision's template, Proceed admits the pod cold
+(CacheWarm=False).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from .model import (
+    ANNOTATION_RETRY,
+    BOOTSTRAP_API_VERSION,
+    DEFAULT_PASS_VERDICTS,
+    LABEL_REVISION,
+    SEEDED,
+    OnSeedFailure,
+    PauseReason,
+    Phase,
+    Verdict,
+)
+from .render import revision_of, status_selector
+from .spec import BootstrapSpec, Fleet, SpecError, format_duration, validate
+
+MEMBERS_CAP = 64
+POLL_S = 5.0  # requeue while a pod's bootstrap is pending
+CACHE_OK = DEFAULT_PASS_VERDICTS  # a seeded replica with one of these is not cold by a failure
+
+
+def ts(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_ts(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    t = datetime.fromisoformat(text)
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+
+# ---- inputs -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BootstrapReport:
+    """A replica's /internal/bootstrap document (routerfleet.io/bootstrap/v1)."""
+
+    settled: bool
+    verdict: Verdict
+    seed_failed: bool = False
+    index_nodes: int = 0
+    index_blocks: int = 0
+    peers_seen: int = 0
+    peers_synced: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "verdict", Verdict(self.verdict))
+
+    @classmethod
+    def parse(cls, doc: Mapping[str, Any]) -> BootstrapReport:
+        """Raises ValueError for another apiVersion or an unknown verdict (a router this operator
+        does not understand is never admitted on a guess)."""
+        if doc.get("apiVersion") != BOOTSTRAP_API_VERSION:
+            raise ValueError(f"unsupported bootstrap report apiVersion {doc.get('apiVersion')!r}")
+        index = doc.get("index") or {}
+        peers = doc.get("peers") or {}
+        return cls(
+            settled=bool(doc.get("settled")),
+            verdict=Verdict(doc.get("verdict")),
+            seed_failed=bool(doc.get("seedFailed")),
+            index_nodes=int(index.get("nodes") or 0),
+            index_blocks=int(index.get("blocks") or 0),
+            peers_seen=int(peers.get("seen") or 0),
+            peers_synced=bool(peers.get("synced", True)),
+        )
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the decision needs of one router pod."""
+
+    name: str
+    revision: str
+    created: str = ""  # creationTimestamp (RFC 3339 sorts as text): the order pods are considered in
+    gate: bool = False  # routerfleet.io/seeded is True
+    ready: bool = False  # the pod's Ready condition (containers ready and the gate)
+    ready_since: datetime | None = None
+    terminating: bool = False
+    report: BootstrapReport | None = None  # None: not fetched (not up yet, or unreachable)
+
+    @classmethod
+    def from_pod(cls, pod: Mapping[str, Any], report: BootstrapReport | None = None) -> PodView:
+        meta = pod.get("metadata") or {}
+        conditions = {c.get("type"): c for c in (pod.get("status") or {}).get("conditions") or ()}
+        ready = conditions.get("Ready", {})
+        is_ready = ready.get("status") == "True"
+        return cls(
+            name=meta["name"],
+            revision=(meta.get("labels") or {}).get(LABEL_REVISION, ""),
+            created=meta.get("creationTimestamp") or "",
+            gate=conditions.get(SEEDED, {}).get("status") == "True",
+            ready=is_ready,
+            ready_since=parse_ts(ready.get("lastTransitionTime")) if is_ready else None,
+            terminating=bool(meta.get("deletionTimestamp")),
+            report=report,
+        )
+
+
+# ---- the state machine, persisted in status.rollout ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A seed failure under onSeedFailure Pause (or a Rollback with nothing to roll back to)."""
+
+    reason: PauseReason
+    revision: str
+    pods: tuple[str, ...]
+    since: str
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "reason": self.reason.value,
+            "revision": self.revision,
+            "pods": list(self.pods),
+            "since": self.since,
+            "message": self.message,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> Hold | None:
+        if not d:
+            return None
+        return cls(
+            reason=PauseReason(d["reason"]),
+            revision=d.get("revision", ""),
+            pods=tuple(d.get("pods") or ()),
+            since=d.get("since", ""),
+            message=d.get("message", ""),
+        )
+
+
+@dataclass(frozen=True)
+class RolloutState:
+    current_revision: str | None = None
+    update_revision: str | None = None
+    step: int = 0
+    started_at: str | None = None
+    progress_at: str | None = None
+    hold: Hold | None = None
+    rolled_back: str | None = None
+    handled_retry: str | None = None
+
+    @classmethod
+    def from_status(cls, status: Mapping[str, Any] | None) -> RolloutState:
+        status = status or {}
+        r = status.get("rollout") or {}
+        return cls(
+            current_revision=status.get("currentRevision") or None,
+            update_revision=status.get("updateRevision") or None,
+            step=int(r.get("step") or 0),
+            started_at=r.get("startedAt"),
+            progress_at=r.get("progressAt"),
+            hold=Hold.from_dict(r.get("hold")),
+            rolled_back=r.get("rolledBackRevision") or None,
+            handled_retry=r.get("handledRetry"),
+        )
+
+
+# ---- outputs ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    admit: tuple[str, ...] = ()  # pods to give routerfleet.io/seeded=True (render.seeded_condition)
+    delete: tuple[str, ...] = ()  # pods to delete (the held pods of a retried rollout)
+    update_revision: str | None = None  # the spec's revision
+    deploy_revision: str | None = None  # the template the Deployment must run; None: leave it alone
+    pause_deployment: bool | None = None  # Deployment.spec.paused; None: leave it alone
+    status: Mapping[str, Any] | None = None  # the complete next status
+    events: tuple[Event, ...] = ()
+    requeue_after_s: float | None = None
+
+    @property
+    def rollback(self) -> bool:
+        """The Deployment must run a stored template (ControllerRevision), not the spec's."""
+        return self.deploy_revision is not None and self.deploy_revision != self.update_revision
+
+
+class Admission(enum.StrEnum):
+    WAIT = "wait"  # bootstrap not settled, or no report yet
+    PASS = "pass"  # the verdict passes the fleet's policy
+    COLD = "cold"  # admitted although not warm: there was nothing to inherit, or gating could deadlock
+    FAIL = "fail"  # a failed seed: onSeedFailure decides
+
+
+def classify(
+    pod: PodView, bootstrap: BootstrapSpec, warm_siblings: bool
+) -> tuple[Admission, PauseReason | None]:
+    """The gate's verdict on one unseeded pod. ``warm_siblings``: another pod of the fleet is seeded
+    (serving, so it was a candidate peer)."""
+    if not bootstrap.enabled:
+        return Admission.PASS, None
+    r = pod.report
+    if r is None or not r.settled or r.verdict is Verdict.PENDING:
+        return Admission.WAIT, None
+    if r.verdict in bootstrap.pass_verdicts:
+        return Admission.PASS, None
+    if not warm_siblings:
+        return Admission.COLD, None  # never gate without a serving sibling: that deadlocks a fleet
+    if r.verdict is Verdict.TIMED_OUT and not r.seed_failed:
+        if not r.peers_synced:
+            return Admission.FAIL, PauseReason.PEER_DISCOVERY_NOT_SYNCED
+        return Admission.COLD, None  # timed out with no candidate ever reachable: not a failed seed
+    return Admission.FAIL, PauseReason.SEED_FAILED
+
+
+# ---- the decision -----------------------------------------------------------------------------------
+
+
+def decide(obj: Mapping[str, Any], pods: Sequence[PodView], now: datetime) -> Decision:
+    """The rollout decision for one RouterFleet (see the module docstring)."""
+    meta = obj.get("metadata") or {}
+    generation = int(meta.get("generation") or 0)
+    prior = obj.get("status") or {}
+    try:
+        fleet = Fleet.parse(obj)
+        problems = validate(fleet)
+    except SpecError as exc:
+        return _invalid(prior, generation, [str(exc)], now)
+    if problems:
+        return _invalid(prior, generation, problems, now)
+
+    s = fleet.spec
+    state = RolloutState.from_status(prior)
+    update = revision_of(fleet)
+    events: list[Event] = []
+    live = sorted((p for p in pods if not p.terminating), key=lambda p: (p.created, p.name))
+    by_name = {p.name: p for p in live}
+
+    if state.update_revision != update:
+        # A new revision: a new rollout. A hold or a rollback belonged to the previous one.
+        state = replace(
+            state,
+            update_revision=update,
+            step=0,
+            started_at=ts(now),
+            progress_at=ts(now),
+            hold=None,
+            rolled_back=None,
+        )
+        if state.current_revision is not None and state.current_revision != update:
+            events.append(
+                Event(
+                    "Normal",
+                    "RolloutStarted",
+                    f"rolling out revision {update} (from {state.current_revision})",
+                )
+            )
+
+    delete: tuple[str, ...] = ()
+    retry = fleet.annotations.get(ANNOTATION_RETRY)
+    if retry and retry != state.handled_retry and not s.paused:
+        if state.hold is not None:
+            delete = tuple(n for n in state.hold.pods if n in by_name and not by_name[n].gate)
+        if state.hold is not None or state.rolled_back is not None:
+            events.append(Event("Normal", "RetryRequested", f"retrying revision {update}"))
+        state = replace(state, hold=None, rolled_back=None, progress_at=ts(now), handled_retry=retry)
+
+    deploy = state.current_revision if (state.rolled_back == update and state.current_revision) else update
+    eligible = {deploy, state.current_revision} - {None}
+    admitted: list[PodView] = []
+    seeded = {p.name for p in live if p.gate}
+    waiting = 0
+
+    if not s.paused:
+        for p in live:
+            if p.gate or p.revision not in eligible or p.name in delete:
+                continue
+            if state.hold is not None and p.name in state.hold.pods:
+                continue  # held: sticky until a retry or a new spec
+            # Siblings seeded before this decision: the ones that served while this pod bootstrapped.
+            verdict, reason = classify(p, s.bootstrap, warm_siblings=bool(seeded - {p.name}))
+            if verdict is Admission.WAIT:
+                waiting += 1
+                continue
+            if verdict is Admission.FAIL:
+                policy = s.rollout.on_seed_failure
+                what = _failure_text(p, reason)
+                if policy is not OnSeedFailure.PROCEED:
+                    can_roll_back = (
+                        policy is OnSeedFailure.ROLLBACK
+                        and p.revision == update
+                        and deploy == update
+                        and state.current_revision not in (None, update)
+                    )
+                    if can_roll_back:
+                        state = replace(state, rolled_back=update)
+                        deploy = state.current_revision
+                        eligible = {deploy}
+                        events.append(Event("Warning", "RolledBack", f"{what}; restoring revision {deploy}"))
+                    else:
+                        hold = state.hold or Hold(
+                            reason=reason or PauseReason.SEED_FAILED,
+                            revision=p.revision,
+                            pods=(),
+                            since=ts(now),
+                            message=what,
+                        )
+                        state = replace(state, hold=replace(hold, pods=(*hold.pods, p.name)))
+                        extra = "" if policy is OnSeedFailure.PAUSE else " (nothing to roll back to)"
+                        events.append(Event("Warning", "SeedFailurePaused", f"{what}; rollout paused{extra}"))
+                    continue
+                events.append(
+                    Event("Warning", "SeedFailedProceeding", f"{what}; admitted cold (onSeedFailure Proceed)")
+                )
+            admitted.append(p)
+        # A rollback in this decision: its revision's pods are on their way out, do not seed them.
+        admitted = [p for p in admitted if p.revision in eligible]
+        for p in admitted:
+            v = p.report.verdict.value if p.report else "none"
+            events.append(
+                Event("Normal", "ReplicaSeeded", f"pod {p.name} (revision {p.revision}): verdict {v}")
+            )
+
+    admit = tuple(p.name for p in admitted)
+    gated = {p.name for p in live if p.gate} | set(admit)
+
+    # Progress and completion.
+    step = sum(1 for p in live if p.revision == update and p.name in gated)
+    if step > state.step:
+        state = replace(state, step=step, progress_at=ts(now))
+    if deploy == update and state.hold is None and not s.paused and state.current_revision != update:
+        others = [p for p in live if p.revision != update]
+        serving = [p for p in live if p.revision == update and p.gate and p.ready]
+        if not others and len(serving) >= s.replicas:
+            events.append(
+                Event("Normal", "RolloutComplete", f"revision {update}: {s.replicas} replicas seeded")
+            )
+            state = replace(state, current_revision=update, progress_at=ts(now))
+
+    phase, pause_reason = _phase(fleet, state, update, deploy)
+    deadline_exceeded = False
+    if phase is Phase.PROGRESSING:
+        since = parse_ts(state.progress_at) or now
+        deadline_exceeded = (now - since).total_seconds() > s.rollout.progress_deadline_s
+        if deadline_exceeded and _condition_reason(prior, "Stalled") != "ProgressDeadlineExceeded":
+            events.append(
+                Event(
+                    "Warning",
+                    "ProgressDeadlineExceeded",
+                    f"no replica of {update} seeded for {format_duration(s.rollout.progress_deadline_s)}",
+                )
+            )
+
+    status = _status(
+        fleet, prior, generation, state, live, gated, update, deploy, phase, pause_reason,
+        deadline_exceeded, waiting, bool(admitted), now,
+    )  # fmt: skip
+    requeue = POLL_S if waiting else None
+    if phase is Phase.PROGRESSING and not deadline_exceeded:
+        since = parse_ts(state.progress_at) or now
+        left = s.rollout.progress_deadline_s - (now - since).total_seconds()
+        requeue = max(1.0, min(requeue or left, left))
+    return Decision(
+        admit=admit,
+        delete=delete,
+        update_revision=update,
+        deploy_revision=deploy,
+        pause_deployment=s.paused or state.hold is not None,
+        status=status,
+        events=tuple(events),
+        requeue_after_s=requeue,
+    )
+
+
+def _failure_text(p: PodView, reason: PauseReason | None) -> str:
+    r = p.report
+    v = r.verdict.value if r else "unknown"
+    if reason is PauseReason.PEER_DISCOVERY_NOT_SYNCED:
+        return f"pod {p.name} timed out without ever listing its peers (check the endpointslices RBAC)"
+    flag = " with seedFailed" if r and r.seed_failed else ""
+    return f"pod {p.name} failed to seed: verdict {v}{flag} while seeded siblings were serving"
+
+
+def _phase(fleet: Fleet, state: RolloutState, update: str, deploy: str) -> tuple[Phase, PauseReason | None]:
+    if fleet.spec.paused:
+        return Phase.PAUSED, PauseReason.USER
+    if state.hold is not None:
+        return Phase.PAUSED, state.hold.reason
+    if state.rolled_back == update and deploy != update:
+        return Phase.ROLLED_BACK, None
+    if state.current_revision != update:
+        return Phase.PROGRESSING, None
+    return Phase.COMPLETE, None
+
+
+# ---- status -----------------------------------------------------------------------------------------
+
+
+def _condition_reason(status: Mapping[str, Any], type_: str) -> str | None:
+    for c in status.get("conditions") or ():
+        if c.get("type") == type_:
+            return c.get("reason")
+    return None
+
+
+def merge_conditions(
+    prior: Iterable[Mapping[str, Any]],
+    new: Iterable[tuple[str, str, str, str]],
+    generation: int,
+    now: datetime,
+) -> list[dict[str, Any]]:
+    """The whole condition list (a merge patch replaces it): lastTransitionTime moves only when a
+    condition's status flips, so rewriting the same state never changes the object."""
+    old = {c.get("type"): c for c in prior}
+    out = []
+    for type_, status, reason, message in new:
+        o = old.get(type_)
+        keep = o is not None and o.get("status") == status and o.get("lastTransitionTime")
+        out.append(
+            {
+                "type": type_,
+                "status": status,
+                "observedGeneration": generation,
+                "lastTransitionTime": o["lastTransitionTime"] if keep else ts(now),
+                "reason": reason,
+                "message": message,
+            }
+        )
+    return out
+
+
+def _invalid(prior: Mapping[str, Any], generation: int, problems: list[str], now: datetime) -> Decision:
+    """An invalid spec: touch nothing, say why (Stalled, kstatus Failed)."""
+    message = "; ".join(problems)
+    status = {k: v for k, v in prior.items() if k != "conditions"}
+    status["observedGeneration"] = generation
+    kept = [
+        c for c in prior.get("conditions") or () if c.get("type") not in ("Ready", "Reconciling", "Stalled")
+    ]
+    status["conditions"] = merge_conditions(
+        prior.get("conditions") or (),
+        [
+            ("Ready", "False", "InvalidSpec", message),
+            ("Reconciling", "False", "InvalidSpec", message),
+            ("Stalled", "True", "InvalidSpec", message),
+        ],
+        generation,
+        now,
+    ) + [dict(c) for c in kept]
+    stalled = next((c for c in prior.get("conditions") or () if c.get("type") == "Stalled"), {})
+    repeat = stalled.get("reason") == "InvalidSpec" and stalled.get("message") == message
+    return Decision(status=status, events=() if repeat else (Event("Warning", "InvalidSpec", message),))
+
+
+def _verdict_of(p: PodView) -> str:
+    if p.report is None:
+        return "unknown"
+    return p.report.verdict.value
+
+
+def _status(
+    fleet: Fleet,
+    prior: Mapping[str, Any],
+    generation: int,
+    state: RolloutState,
+    live: list[PodView],
+    gated: set[str],
+    update: str,
+    deploy: str,
+    phase: Phase,
+    pause_reason: PauseReason | None,
+    deadline_exceeded: bool,
+    waiting: int,
+    progressed: bool,
+    now: datetime,
+) -> dict[str, Any]:
+    s = fleet.spec
+    replicas = s.replicas
+    ready = [p for p in live if p.ready]
+    available = [
+        p for p in ready
+        if p.ready_since is None or (now - p.ready_since).total_seconds() >= s.rollout.min_ready_seconds
+    ]  # fmt: skip
+    warm = [p for p in live if p.name in gated and (p.report is None or p.report.verdict in CACHE_OK)]
+    updated = [p for p in live if p.revision == update]
+
+    counts = {
+        k: 0
+        for k in (
+            "unknown",
+            "pending",
+            "warm",
+            "fromOrigin",
+            "warmUnwitnessed",
+            "noPeers",
+            "fleetCold",
+            "timedOut",
+            "disabled",
+            "seedFailed",
+        )
+    }
+    for p in live:
+        v = _verdict_of(p)
+        key = "".join(w if i == 0 else w.capitalize() for i, w in enumerate(v.split("_")))
+        counts[key] += 1
+        if p.report is not None and p.report.seed_failed:
+            counts["seedFailed"] += 1
+
+    members = sorted(live, key=lambda p: (p.name in gated, p.name))
+    member_list = [
+        {
+            "pod": p.name,
+            "revision": p.revision,
+            "verdict": _verdict_of(p),
+            "seedFailed": bool(p.report and p.report.seed_failed),
+            "gate": p.name in gated,
+            "ready": p.ready,
+            "indexNodes": p.report.index_nodes if p.report else 0,
+            "indexBlocks": p.report.index_blocks if p.report else 0,
+            "peersSeen": p.report.peers_seen if p.report else 0,
+            "peersSynced": bool(p.report.peers_synced) if p.report else False,
+        }
+        for p in members[:MEMBERS_CAP]
+    ]
+
+    # ---- conditions ----
+    hold = state.hold
+    if hold is not None:
+        stalled = (
+            "SeedFailurePaused" if hold.reason is PauseReason.SEED_FAILED else "PeerDiscoveryNotSynced",
+            f"{hold.message}; revision {hold.revision} paused. "
+            "Annotate routerfleet.io/retry=<any new value> to retry.",
+        )
+    elif phase is Phase.ROLLED_BACK:
+        stalled = (
+            "SeedFailureRolledBack",
+            f"revision {update} failed to seed; running revision {deploy}. Change the spec, or annotate "
+            "routerfleet.io/retry=<any new value> to try it again.",
+        )
+    elif deadline_exceeded:
+        stalled = (
+            "ProgressDeadlineExceeded",
+            f"no replica of revision {update} seeded for {format_duration(s.rollout.progress_deadline_s)}",
+        )
+    else:
+        stalled = None
+
+    serving_update = sum(1 for p in live if p.revision == update and p.name in gated)
+    progress_msg = f"{serving_update}/{replicas} replicas of revision {update} seeded"
+    scaling = len(live) != replicas or len(ready) < replicas
+
+    if stalled:
+        reconciling = ("False", "Stalled", stalled[1])
+    elif s.paused:
+        reconciling = ("False", "Paused", "spec.paused is set")
+    elif phase is Phase.PROGRESSING:
+        reconciling = ("True", "RolloutInProgress", progress_msg)
+    elif waiting:
+        reconciling = ("True", "WaitingForSeed", f"{waiting} replica(s) bootstrapping")
+    elif scaling:
+        reconciling = ("True", "Scaling", f"{len(ready)}/{replicas} replicas ready ({len(live)} running)")
+    else:
+        reconciling = ("False", "Reconciled", f"{replicas} replicas of revision {update} seeded and ready")
+
+    rolling = state.current_revision != update
+    if stalled:
+        ready_c = ("False", stalled[0], stalled[1])
+    elif rolling:
+        ready_c = ("False", "Paused" if s.paused else "RolloutInProgress", progress_msg)
+    elif waiting:
+        ready_c = ("False", "WaitingForSeed", f"{waiting} replica(s) bootstrapping")
+    elif scaling:
+        ready_c = (
+            "False",
+            "ReplicasNotReady",
+            f"{len(ready)}/{replicas} replicas ready ({len(live)} running)",
+        )
+    else:
+        ready_c = ("True", "AllReplicasReady", f"{replicas} replicas of revision {update} seeded and ready")
+
+    available_c = (
+        ("True", "MinimumReplicasAvailable", f"{len(available)}/{replicas} replicas available")
+        if len(available) >= replicas
+        else ("False", "MinimumReplicasUnavailable", f"{len(available)}/{replicas} replicas available")
+    )
+
+    if stalled:
+        reason = "RolledBack" if stalled[0] == "SeedFailureRolledBack" else stalled[0]
+        progressing = ("False", reason, stalled[1])
+    elif s.paused:
+        progressing = ("Unknown", "Paused", "spec.paused is set")
+    elif phase is Phase.PROGRESSING:
+        progressing = ("True", "ReplicaSeeded" if progressed else "NewRevisionRollingOut", progress_msg)
+    else:
+        progressing = ("True", "RolloutComplete", f"revision {update} is rolled out")
+
+    cache = _cache_warm(fleet, [p for p in live if p.name in gated])
+
+    conditions = merge_conditions(
+        prior.get("conditions") or (),
+        [
+            ("Ready", *ready_c),
+            ("Reconciling", *reconciling),
+            ("Stalled", *(("True", *stalled) if stalled else ("False", "AsExpected", ""))),
+            ("Available", *available_c),
+            ("Progressing", *progressing),
+            ("CacheWarm", *cache),
+        ],
+        generation,
+        now,
+    )
+
+    rollout: dict[str, Any] = {"phase": phase.value, "step": state.step}
+    if pause_reason is not None:
+        rollout["pauseReason"] = pause_reason.value
+    message = stalled[1] if stalled else (progress_msg if phase is Phase.PROGRESSING else "")
+    if message:
+        rollout["message"] = message
+    for key, value in (
+        ("startedAt", state.started_at),
+        ("progressAt", state.progress_at),
+        ("rolledBackRevision", state.rolled_back),
+        ("handledRetry", state.handled_retry),
+    ):
+        if value is not None:
+            rollout[key] = value
+    if hold is not None:
+        rollout["hold"] = hold.to_dict()
+
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        "replicas": len(live),
+        "readyReplicas": len(ready),
+        "warmReplicas": len(warm),
+        "updatedReplicas": len(updated),
+        "availableReplicas": len(available),
+        "selector": status_selector(fleet),
+        "updateRevision": update,
+        "rollout": rollout,
+        "verdicts": counts,
+        "members": member_list,
+        "conditions": conditions,
+    }
+    if state.current_revision is not None:
+        status["currentRevision"] = state.current_revision
+    if len(members) > MEMBERS_CAP:
+        status["membersOmitted"] = len(members) - MEMBERS_CAP
+    return status
+
+
+def _cache_warm(fleet: Fleet, serving: list[PodView]) -> tuple[str, str, str]:
+    if not fleet.spec.bootstrap.enabled:
+        return ("Unknown", "BootstrapDisabled", "spec.bootstrap.enabled is false")
+    known = [p for p in serving if p.report is not None]
+    if not known:
+        return ("Unknown", "NoServingReplicas", "no seeded replica has reported its bootstrap")
+    cold = [p for p in known if p.report.verdict not in CACHE_OK]  # type: ignore[union-attr]
+    if cold:
+        names_ = ", ".join(p.name for p in cold[:5])
+        if any(not p.report.peers_synced for p in cold):  # type: ignore[union-attr]
+            return ("False", "PeerDiscoveryNotSynced", f"serving cold, peer discovery never synced: {names_}")
+        return ("False", "SeedTimedOut", f"serving cold after a seed timed out: {names_}")
+    fresh = [p for p in known if p.report.verdict in (Verdict.NO_PEERS, Verdict.FLEET_COLD)]  # type: ignore[union-attr]
+    if fresh:
+        return (
+            "True",
+            "FleetColdStart",
+            f"{len(fresh)} replica(s) started with nothing to inherit (no_peers/fleet_cold)",
+        )
+    return ("True", "AllWarm", f"{len(known)} replica(s) seeded warm (from a sibling or the engines' replay)")

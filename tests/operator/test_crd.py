@@ -1,0 +1,156 @@
+"""The CRD manifest, kept in step with the operator's code and the router. (That the API server accepts
+it, its CEL rules and defaults, is checked by tests/operator/apiserver_check.py on a real one.)"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from router_runtime.kv.events import Dialect
+from routerfleet_operator.model import (
+    DEFAULT_PASS_VERDICTS,
+    OWNED_FLAGS,
+    RESERVED_ENV,
+    RESERVED_VOLUMES,
+    PauseReason,
+    Phase,
+    Verdict,
+)
+from routerfleet_operator.spec import POLICIES, Fleet, validate
+
+from .helpers import SAMPLES, apply_defaults, crd, schema, schema_errors
+
+SPEC = schema()["properties"]["spec"]
+STATUS = schema()["properties"]["status"]
+
+
+def _rules(node) -> list[str]:
+    """Every CEL rule (and messageExpression) in the schema."""
+    out = []
+    if isinstance(node, dict):
+        for r in node.get("x-kubernetes-validations") or ():
+            out += [r["rule"], r.get("messageExpression", "")]
+        for v in node.values():
+            out += _rules(v)
+    elif isinstance(node, list):
+        for v in node:
+            out += _rules(v)
+    return out
+
+
+def test_identity_and_subresources():
+    c = crd()
+    assert c["metadata"]["name"] == "routerfleets.routerfleet.io"
+    assert c["spec"]["group"] == "routerfleet.io" and c["spec"]["scope"] == "Namespaced"
+    assert c["spec"]["names"]["kind"] == "RouterFleet" and c["spec"]["names"]["shortNames"] == ["rf"]
+    (v,) = c["spec"]["versions"]
+    assert v["name"] == "v1alpha1" and v["served"] and v["storage"]
+    assert v["subresources"]["status"] == {}
+    assert v["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    assert STATUS["properties"]["selector"]["type"] == "string"  # a string, or an HPA never acts
+    assert STATUS["properties"]["replicas"]["type"] == "integer"
+    assert STATUS["properties"]["observedGeneration"]["type"] == "integer"  # kstatus needs an int
+
+
+def test_printer_columns():
+    cols = {c["name"]: c for c in crd()["spec"]["versions"][0]["additionalPrinterColumns"]}
+    assert list(cols) == ["Desired", "Ready", "Warm", "Updated", "Phase", "Status", "Reason", "Age"]
+    assert cols["Status"]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].status'
+    assert cols["Phase"]["jsonPath"] == ".status.rollout.phase"
+
+
+def test_conditions_are_a_map_list():
+    cond = STATUS["properties"]["conditions"]
+    assert cond["x-kubernetes-list-type"] == "map" and cond["x-kubernetes-list-map-keys"] == ["type"]
+    assert set(cond["items"]["required"]) == {"type", "status", "lastTransitionTime", "reason", "message"}
+
+
+def test_enums_match_the_code():
+    boot = SPEC["properties"]["bootstrap"]["properties"]
+    assert boot["passVerdicts"]["items"]["enum"] == [v.value for v in Verdict if v is not Verdict.PENDING]
+    assert set(boot["passVerdicts"]["default"]) == DEFAULT_PASS_VERDICTS
+    assert boot["passVerdicts"]["maxItems"] == len(Verdict) - 1
+    router = SPEC["properties"]["router"]["properties"]
+    assert tuple(router["policy"]["enum"]) == POLICIES
+    engines = SPEC["properties"]["engines"]["properties"]
+    assert engines["eventDialect"]["enum"] == ["auto", *(d.value for d in Dialect)]
+    rollout = STATUS["properties"]["rollout"]["properties"]
+    assert rollout["phase"]["enum"] == [p.value for p in Phase]
+    assert rollout["pauseReason"]["enum"] == [r.value for r in PauseReason]
+    counts = set(STATUS["properties"]["verdicts"]["properties"])
+    camel = {re.sub(r"_(\w)", lambda m: m.group(1).upper(), v.value) for v in Verdict}
+    assert counts == camel | {"unknown", "seedFailed"}
+
+
+def test_cel_rules_carry_the_code_lists():
+    rules = "\n".join(_rules(SPEC))
+    listed = re.findall(r"'(--[a-z0-9-]+)'", rules)
+    assert set(listed) == set(OWNED_FLAGS)
+    for name in RESERVED_ENV:
+        assert f"'{name}'" in rules
+    for name in RESERVED_VOLUMES:
+        assert f"'{name}'" in rules
+    assert "'no_peers' in self && 'fleet_cold' in self" in rules
+
+
+def test_every_list_and_string_in_a_rule_is_bounded():
+    """CEL's cost estimate needs maxItems/maxLength where a rule iterates (else the CRD is refused)."""
+    router = SPEC["properties"]["router"]["properties"]
+    assert router["extraArgs"]["maxItems"] and router["extraArgs"]["items"]["maxLength"]
+    assert router["env"]["maxItems"] and router["volumes"]["maxItems"]
+
+
+def _spec_paths(sch, prefix=""):
+    for k, sub in (sch.get("properties") or {}).items():
+        path = f"{prefix}.{k}"
+        yield path
+        if (
+            sub.get("type") == "object"
+            and "properties" in sub
+            and not sub.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            yield from _spec_paths(sub, path)
+
+
+def _has(obj, path):
+    node = obj
+    for k in path.strip(".").split("."):
+        if not isinstance(node, dict) or k not in node:
+            return False
+        node = node[k]
+    return True
+
+
+def test_the_full_sample_shows_every_field():
+    full = yaml.safe_load((SAMPLES / "full.yaml").read_text())["spec"]
+    alternatives = {".engines.serviceName", ".disruption.minAvailable", ".router.tokenizer.configMapName",
+                    ".engines.namespace", ".router.scheduling.affinity",
+                    ".engines.selector.matchExpressions"}  # fmt: skip
+    missing = [p for p in _spec_paths(SPEC) if not _has(full, p) and p not in alternatives]
+    assert missing == []
+
+
+@pytest.mark.parametrize("path", sorted(SAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_samples_are_valid_and_defaults_agree(path):
+    obj = yaml.safe_load(path.read_text())
+    assert schema_errors(obj["spec"], SPEC, "spec") == []
+    fleet = Fleet.parse(obj)
+    assert validate(fleet) == []
+    # The API server's defaults (applied from the schema) and the parser's mean the same fleet.
+    defaulted = {**obj, "spec": apply_defaults(obj["spec"], SPEC)}
+    assert Fleet.parse(defaulted) == fleet
+
+
+def test_defaults_of_an_empty_spec_agree():
+    bare = {"router": {"image": "x"}, "engines": {"serviceName": "e", "kvPort": 1}}
+    obj = {"apiVersion": "routerfleet.io/v1alpha1", "kind": "RouterFleet", "metadata": {"name": "a"}}
+    assert Fleet.parse({**obj, "spec": apply_defaults(bare, SPEC)}) == Fleet.parse({**obj, "spec": bare})
+    filled = apply_defaults(bare, SPEC)
+    assert filled["bootstrap"]["timeout"] == "10m" and filled["rollout"]["progressDeadline"] == "1h"
+    assert filled["router"]["tokenizer"] == {"source": "Bytes"}

@@ -1,0 +1,336 @@
+"""The renderers: pure functions of the spec, checked against the router's own command line."""
+
+from __future__ import annotations
+
+import base64
+import copy
+
+import pytest
+
+from router_runtime.config import parse_args
+from routerfleet_operator.model import (
+    ANNOTATION_RESTARTED_AT,
+    LABEL_FLEET,
+    LABEL_REVISION,
+    SEEDED,
+    TOKEN_DIR,
+)
+from routerfleet_operator.render import (
+    STARTUP_PERIOD_S,
+    OperatorRef,
+    names,
+    render_all,
+    render_controller_revision,
+    render_deployment,
+    render_network_policy,
+    render_pdb,
+    render_pod_template,
+    render_role,
+    render_role_binding,
+    render_secret,
+    revision_of,
+    router_args,
+    seeded_condition,
+    template_hash,
+)
+from routerfleet_operator.spec import Fleet
+
+from .helpers import T0, fleet_obj
+
+
+def fleet(spec=None, **meta) -> Fleet:
+    return Fleet.parse(fleet_obj(spec, **meta))
+
+
+def router_config(f: Fleet, tmp_path):
+    """Parse the rendered flags with the router's own parser (the kubelet's $(POD_IP) expanded, the
+    token file present)."""
+    token = tmp_path / "token"
+    token.write_text("t0ken\n")
+    args = [
+        "127.0.0.1" if a == "$(POD_IP)" else str(token) if a == f"{TOKEN_DIR}/token" else a
+        for a in router_args(f)
+    ]
+    return parse_args(args)
+
+
+def test_router_flags_parse_with_the_router(tmp_path):
+    f = fleet({"engines": {"dpSize": 2, "replayPort": 5658, "topic": "kv@"}, "bootstrap": {"timeout": "90s"}})
+    c = router_config(f, tmp_path)
+    assert c.host == "127.0.0.1" and c.port == 8080 and c.internal_port == 8081
+    assert c.k8s_selector == "kubernetes.io/service-name=vllm" and c.k8s_namespace == "ns"
+    assert (c.k8s_http_port, c.k8s_kv_port, c.k8s_replay_port, c.k8s_dp_size, c.k8s_topic) == (
+        "http", "kv", "5658", 2, "kv@",
+    )  # fmt: skip
+    assert (
+        c.kv_peer_selector
+        == f"kubernetes.io/service-name={names(f).peer_service}"
+        == "kubernetes.io/service-name=rf-peers"
+    )
+    assert c.kv_peer_port == "internal"
+    assert c.bootstrap and c.bootstrap_timeout_s == 90 and not c.bootstrap_seed_required
+    assert c.policy == "kv_aware" and c.block_size == 16 and c.tokenizer == "bytes"
+
+
+def test_router_flags_without_bootstrap_and_with_extra_args(tmp_path):
+    f = fleet(
+        {
+            "router": {
+                "policy": "round_robin",
+                "extraArgs": ["--connect-timeout-ms=1000", "--breaker-failures", "5"],
+            },
+            "engines": {"selector": {"matchLabels": {"app": "vllm"}}, "serviceName": None, "kvPort": None},
+            "bootstrap": {"enabled": False},
+        }
+    )
+    c = router_config(f, tmp_path)
+    assert not c.bootstrap and c.kv_peer_selector is None and c.internal_token_file  # verdict "disabled"
+    assert c.k8s_selector == "app=vllm" and c.k8s_kv_port is None
+    assert c.connect_timeout_s == 1 and c.breaker_failures == 5 and c.policy == "round_robin"
+
+
+def test_seed_required_renders_its_flag(tmp_path):
+    f = fleet({"bootstrap": {"seedRequired": True, "timeout": "5m"}})
+    assert router_config(f, tmp_path).bootstrap_seed_required
+
+
+def test_deployment_is_surge_only_and_gated():
+    f = fleet(
+        {"replicas": 3, "rollout": {"maxSurge": "50%", "minReadySeconds": 5, "progressDeadline": "45m"}}
+    )
+    d = render_deployment(f)
+    s = d["spec"]
+    assert s["replicas"] == 3 and s["paused"] is False
+    assert s["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": "50%", "maxUnavailable": 0},
+    }
+    assert s["minReadySeconds"] == 5 and s["progressDeadlineSeconds"] == 2700
+    assert s["selector"] == {"matchLabels": {LABEL_FLEET: "rf"}}
+    pod = s["template"]
+    assert pod["spec"]["readinessGates"] == [{"conditionType": SEEDED}]
+    assert pod["metadata"]["labels"][LABEL_FLEET] == "rf"
+    assert pod["metadata"]["labels"][LABEL_REVISION] == revision_of(f)
+    c = pod["spec"]["containers"][0]
+    assert c["command"] == ["routerfleet-router"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {TOKEN_DIR}
+    assert pod["spec"]["volumes"][0]["secret"]["secretName"] == names(f).secret
+    assert pod["spec"]["serviceAccountName"] == names(f).service_account
+    assert render_deployment(f, paused=True)["spec"]["paused"] is True
+
+
+@pytest.mark.parametrize(
+    "boot",
+    [{"timeout": "1s"}, {"timeout": "10m"}, {"timeout": "1h", "seedRequired": True}, {"enabled": False}],
+)
+def test_probe_budgets_outlast_the_bootstrap(boot):
+    """The startup probe (on /readyz) must outlast the bootstrap hold, or a replica is restarted
+    mid-bootstrap; liveness (/healthz) only starts after it."""
+    spec = {"bootstrap": boot, "rollout": {"progressDeadline": "24h"}}
+    if boot.get("enabled") is False:
+        spec["router"] = {"policy": "round_robin"}
+    f = fleet(spec)
+    c = render_deployment(f)["spec"]["template"]["spec"]["containers"][0]
+    startup = c["startupProbe"]
+    budget = startup["failureThreshold"] * startup["periodSeconds"]
+    hold = f.spec.bootstrap.hold_s if f.spec.bootstrap.enabled else 0
+    assert startup["httpGet"]["path"] == "/readyz" and startup["periodSeconds"] == STARTUP_PERIOD_S
+    assert budget >= hold + 60
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+
+def test_everything_is_owned_by_the_fleet():
+    f = fleet()
+    docs = [*render_all(f, "tok"), render_controller_revision(f, render_pod_template(f), 1)]
+    kinds = [d["kind"] for d in docs]
+    assert kinds == [
+        "ServiceAccount", "Role", "RoleBinding", "Secret", "Service", "Service", "NetworkPolicy",
+        "PodDisruptionBudget", "Deployment", "ControllerRevision",
+    ]  # fmt: skip
+    for d in docs:
+        assert d["metadata"]["namespace"] == "ns"
+        (ref,) = d["metadata"]["ownerReferences"]
+        assert ref == {
+            "apiVersion": "routerfleet.io/v1alpha1", "kind": "RouterFleet", "name": "rf", "uid": "uid-1",
+            "controller": True, "blockOwnerDeletion": True,
+        }  # fmt: skip
+        assert d["metadata"]["labels"][LABEL_FLEET] == "rf"
+    assert len({(d["kind"], d["metadata"]["name"]) for d in docs}) == len(docs)
+
+
+def test_role_reads_endpointslices_and_nothing_more():
+    f = fleet()
+    assert render_role(f)["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    rb = render_role_binding(f)
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "rf-router", "namespace": "ns"}]
+    assert rb["roleRef"]["name"] == render_role(f)["metadata"]["name"]
+
+
+def test_engines_in_another_namespace_get_unowned_rbac_there():
+    f = fleet(
+        {
+            "router": {"policy": "round_robin"},
+            "engines": {"namespace": "engines"},
+            "bootstrap": {"enabled": False},
+        }
+    )
+    role, rb = render_role(f), render_role_binding(f)
+    for d in (role, rb):
+        assert d["metadata"]["namespace"] == "engines" and "ownerReferences" not in d["metadata"]
+        assert d["metadata"]["labels"]["routerfleet.io/fleet-namespace"] == "ns"
+    assert rb["subjects"][0]["namespace"] == "ns"
+
+
+def test_services_and_network_policy():
+    f = fleet(
+        {"service": {"type": "LoadBalancer", "port": 443, "annotations": {"a": "b"}, "labels": {"tier": "x"}}}
+    )
+    docs = {
+        (d["kind"], d["metadata"]["name"]): d
+        for d in render_all(f, "tok", operator=OperatorRef("ops", {"app": "op"}))
+    }
+    public = docs[("Service", "rf")]
+    assert public["spec"]["type"] == "LoadBalancer"
+    assert public["spec"]["ports"] == [{"name": "http", "port": 443, "targetPort": "http", "protocol": "TCP"}]
+    assert public["metadata"]["annotations"] == {"a": "b"} and public["metadata"]["labels"]["tier"] == "x"
+    peers = docs[("Service", "rf-peers")]
+    assert peers["spec"]["clusterIP"] == "None" and peers["spec"]["publishNotReadyAddresses"] is False
+    assert peers["spec"]["ports"][0]["name"] == "internal"
+    np = render_network_policy(f, OperatorRef("ops", {"app": "op"}))
+    internal, public_rule = np["spec"]["ingress"]
+    assert internal["ports"] == [{"port": "internal", "protocol": "TCP"}]
+    assert internal["from"] == [
+        {"podSelector": {"matchLabels": {LABEL_FLEET: "rf"}}},
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}},
+            "podSelector": {"matchLabels": {"app": "op"}},
+        },
+    ]
+    assert public_rule == {"ports": [{"port": "http", "protocol": "TCP"}]}
+
+
+def test_pdb():
+    assert render_pdb(fleet())["spec"]["maxUnavailable"] == 1
+    assert render_pdb(fleet({"disruption": {"minAvailable": "50%"}}))["spec"] == {
+        "selector": {"matchLabels": {LABEL_FLEET: "rf"}},
+        "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        "minAvailable": "50%",
+    }
+    assert render_pdb(fleet({"disruption": {"enabled": False}})) is None
+    assert "PodDisruptionBudget" not in [
+        d["kind"] for d in render_all(fleet({"disruption": {"enabled": False}}), "t")
+    ]
+
+
+def test_secret_holds_the_given_token():
+    s = render_secret(fleet(), "s3cret")
+    assert base64.b64decode(s["data"]["token"]) == b"s3cret" and s["type"] == "Opaque"
+    with pytest.raises(ValueError):
+        render_secret(fleet(), "  ")
+
+
+def test_revision_follows_the_template_only():
+    base = fleet_obj({"replicas": 2})
+    rev = revision_of(Fleet.parse(base))
+    same = [
+        {"replicas": 5},
+        {"paused": True},
+        {"rollout": {"maxSurge": 3, "onSeedFailure": "Rollback"}},
+        {"service": {"port": 81}},
+        {"disruption": {"enabled": False}},
+    ]
+    for change in same:
+        obj = copy.deepcopy(base)
+        obj["spec"].update(change)
+        assert revision_of(Fleet.parse(obj)) == rev, change
+    different = [
+        {"router": {"image": "v2"}},
+        {"router": {"image": "routerfleet:dev", "extraArgs": ["--breaker-failures=4"]}},
+        {"bootstrap": {"timeout": "5m"}},
+        {"engines": {"serviceName": "other", "kvPort": "kv"}},
+    ]
+    for change in different:
+        obj = copy.deepcopy(base)
+        obj["spec"].update(change)
+        assert revision_of(Fleet.parse(obj)) != rev, change
+    restarted = fleet_obj({"replicas": 2}, annotations={ANNOTATION_RESTARTED_AT: "2026-01-02T00:00:00Z"})
+    f = Fleet.parse(restarted)
+    assert revision_of(f) != rev
+    assert (
+        render_pod_template(f)["metadata"]["annotations"][ANNOTATION_RESTARTED_AT] == "2026-01-02T00:00:00Z"
+    )
+    # Stable: the same spec, the same hash, in another process too (canonical JSON).
+    assert rev == revision_of(Fleet.parse(copy.deepcopy(base))) and len(rev) == 10
+
+
+def test_controller_revision_keeps_the_template():
+    f = fleet()
+    t = render_pod_template(f)
+    cr = render_controller_revision(f, t, 7)
+    assert cr["data"]["template"] == t and cr["revision"] == 7
+    assert cr["metadata"]["name"] == f"rf-{revision_of(f)}" and template_hash(t) == revision_of(f)
+    # A rollback renders the Deployment with a stored template, not the spec's.
+    old = render_deployment(f, template=t)
+    f2 = fleet({"router": {"image": "v2"}})
+    assert render_deployment(f2, template=t)["spec"]["template"] == old["spec"]["template"]
+
+
+def test_tokenizer_from_a_config_map():
+    f = fleet({"router": {"tokenizer": {"source": "ConfigMap", "configMapName": "llama-tok"}}})
+    spec = render_pod_template(f)["spec"]
+    assert {"name": "tokenizer", "configMap": {"name": "llama-tok"}} in spec["volumes"]
+    args = spec["containers"][0]["args"]
+    assert args[args.index("--tokenizer") + 1] == "/etc/routerfleet/tokenizer"
+
+
+def test_scheduling_and_pod_metadata_pass_through():
+    f = fleet(
+        {
+            "router": {
+                "scheduling": {
+                    "nodeSelector": {"a": "b"},
+                    "tolerations": [{"key": "k", "operator": "Exists"}],
+                    "affinity": {"nodeAffinity": {}},
+                    "topologySpreadConstraints": [{"maxSkew": 1}],
+                    "priorityClassName": "high",
+                },
+                "imagePullSecrets": [{"name": "regcred"}],
+                "podLabels": {"team": "x", LABEL_FLEET: "spoofed"},
+                "podAnnotations": {"p": "q"},
+                "resources": {"limits": {"memory": "1Gi"}},
+                "env": [{"name": "A", "value": "1"}],
+            }
+        }
+    )
+    t = render_pod_template(f)
+    s = t["spec"]
+    assert s["nodeSelector"] == {"a": "b"} and s["priorityClassName"] == "high"
+    assert s["tolerations"] == [{"key": "k", "operator": "Exists"}] and s["imagePullSecrets"] == [
+        {"name": "regcred"}
+    ]
+    assert t["metadata"]["labels"]["team"] == "x" and t["metadata"]["labels"][LABEL_FLEET] == "rf"
+    assert t["metadata"]["annotations"] == {"p": "q"}
+    c = s["containers"][0]
+    assert c["resources"] == {"limits": {"memory": "1Gi"}} and c["env"][-1] == {"name": "A", "value": "1"}
+
+
+def test_seeded_condition():
+    c = seeded_condition("warm_unwitnessed", T0)
+    assert c == {
+        "type": SEEDED,
+        "status": "True",
+        "reason": "VerdictWarmUnwitnessed",
+        "message": "bootstrap verdict warm_unwitnessed passed the fleet's policy",
+        "lastTransitionTime": "2026-01-01T00:00:00Z",
+    }
