@@ -65,13 +65,16 @@ class Router:
             replay_timeouts=ReplayTimeouts(config.replay_idle_timeout_s, config.replay_timeout_s),
             queue_batches=config.queue_batches,
             queue_bytes=config.queue_bytes,
+            disconnect_grace_s=config.kv_disconnect_grace_s,
+            adoption_cap=config.kv_adoption_cap,
+            adoption_window_s=config.kv_adoption_window_s,
         )
         self.policy = policy if policy is not None else make_policy(config.policy, config.policy_config)
         self.metrics = ProxyMetrics(self.registry)
         self.health = HealthBoard(
             BreakerConfig(config.breaker_failures, config.breaker_cooldown_s),
             clock=clock,
-            on_transition=lambda _engine, state: self.metrics.breaker_transitions.labels(state).inc(),
+            on_transition=self._breaker_moved,
         )
         self.load = LoadTracker()
         self.sessions = SessionAffinity(config.sessions, SessionMetrics(self.registry))
@@ -142,6 +145,14 @@ class Router:
                     registry=CollectorRegistry(),  # its discovery metrics would collide with the engines'
                 )
 
+    def _breaker_moved(self, engine: str, state: BreakerState) -> None:
+        """An engine failing health hides its KV carriers (DISCONNECTED); passing again shows them."""
+        self.metrics.breaker_transitions.labels(state).inc()
+        if state is BreakerState.OPEN:
+            self.kv.engine_unreachable(engine)
+        elif state is BreakerState.CLOSED:
+            self.kv.engine_reachable(engine)
+
     def _setup_bootstrap(self, config: RouterConfig) -> None:
         """The producer serves our index to siblings; the bootstrapper pulls theirs. Both need the
         internal port's token; both need an index, which only the KV-aware policy keeps."""
@@ -178,7 +189,8 @@ class Router:
                 producer_id=os.environ.get("POD_NAME") or f"router-{os.getpid()}",
                 producer_incarnation=f"{os.getpid()}-{int(time.time() * 1000)}",
                 ready=lambda: self.bootstrap.settled,
-                include=self.bootstrap.exportable,
+                # A DISCONNECTED carrier is exported neither as blocks nor as a cursor.
+                include=lambda c: self.bootstrap.exportable(c) and self.kv.index.visible_tiers(c) != 0,
                 sessions=lambda: to_wire(self.sessions.export()),
             )
             if self.token and keeps_index

@@ -24,6 +24,11 @@ class RouterConfig:
     replay_timeout_s: float = 10.0
     queue_batches: int = 10_000
     queue_bytes: int = 256 << 20
+    # Carrier lifecycle: an engine that leaves or fails health stays DISCONNECTED (hidden) this long
+    # before its blocks are removed; 0: removed at once (no re-adoption).
+    kv_disconnect_grace_s: float = 600.0
+    kv_adoption_cap: int = 3  # re-adoptions per storage identity per window (0: no cap)
+    kv_adoption_window_s: float = 3600.0
     log_level: str = "info"
     # Routing.
     policy: str = "kv_aware"
@@ -138,6 +143,25 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=10_000,
         help="total bound on one gap replay (default 10000)",
+    )
+    p.add_argument(
+        "--kv-disconnect-grace-s",
+        type=float,
+        default=600.0,
+        help="how long a departed or unhealthy engine's blocks are kept hidden for re-adoption before "
+        "they are removed (default 600; 0: removed at once)",
+    )
+    p.add_argument(
+        "--kv-adoption-cap",
+        type=_non_negative_int,
+        default=3,
+        help="re-adoptions allowed per storage identity per --kv-adoption-window-s (default 3; 0: no cap)",
+    )
+    p.add_argument(
+        "--kv-adoption-window-s",
+        type=float,
+        default=3600.0,
+        help="sliding window of the adoption cap (default 3600)",
     )
     p.add_argument(
         "--kv-queue-batches",
@@ -440,6 +464,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         )
     except ValueError as exc:
         parser.error(f"session affinity: {exc}")
+    if a.kv_disconnect_grace_s < 0 or a.kv_adoption_cap < 0 or a.kv_adoption_window_s <= 0:
+        parser.error("--kv-disconnect-grace-s and --kv-adoption-cap must be >= 0, --kv-adoption-window-s > 0")
     return RouterConfig(
         host=a.host,
         port=a.port,
@@ -449,6 +475,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         replay_timeout_s=a.replay_timeout_ms / 1000,
         queue_batches=a.kv_queue_batches,
         queue_bytes=a.kv_queue_bytes,
+        kv_disconnect_grace_s=a.kv_disconnect_grace_s,
+        kv_adoption_cap=a.kv_adoption_cap,
+        kv_adoption_window_s=a.kv_adoption_window_s,
         log_level=a.log_level,
         policy=a.policy,
         policy_config=_policy_config(parser, a),

@@ -9,7 +9,8 @@ or null when the op changed nothing (no events -> no batch, as an engine step wi
 
 - ``POST /admin/store {"rank", "token_ids" | "text", "medium"?, "lora_name"?, "cache_salt"?, "drop"?}``:
   admit the full blocks as if a request ran (medium GPU, the default) or put them on the host tier
-  (medium CPU / CPU_PINNED; needs ``--host-capacity-blocks``).
+  (medium CPU / CPU_PINNED; needs ``--host-capacity-blocks``) or the disk tier (medium STORAGE / DISK;
+  needs ``--storage-dir`` and ``--disk-capacity-blocks``).
 - ``POST /admin/remove {"rank", "token_ids" | "text", "medium"?, "lora_name"?, "cache_salt"?, "drop"?}``:
   evict those blocks from that tier (no medium: from any tier); one BlockRemoved per block.
 - ``POST /admin/clear {"rank"?, "drop"?}``: AllBlocksCleared on that rank, or every rank when omitted.
@@ -18,6 +19,8 @@ or null when the op changed nothing (no events -> no batch, as an engine step wi
   sequenced batch (malformed-input tests).
 - ``POST /admin/skip_seq {"rank", "n"?=1, "keep_in_replay"?=true}``: consume ``n`` seqs with nothing on
   PUB. ``keep_in_replay`` true buffers each as an empty batch (replay fills the gap); false loses them.
+- ``POST /admin/wipe_storage {}``: invalidate the disk tier (BlockRemoved per disk block on every rank)
+  and move the storage epoch; needs ``--storage-dir``. Answers ``{"storage_epoch"}``.
 - ``GET /admin/state``: ``{"incarnation", "dialect", "block_size", "ranks": [{"rank", "last_seq",
   "blocks": {"device": [u64...], "host": [u64...]}}]}``; hashes least recently used first,
   ``last_seq`` -1 before the first batch. Hashes are JSON integers up to 2**64-1 (beyond a JS double).
@@ -96,8 +99,8 @@ class _Admin:
         if medium is None:
             return None
         tier = MEDIUM_TIERS.get(medium) if isinstance(medium, str) else None
-        if tier not in (Tier.DEVICE, Tier.HOST):
-            raise RequestError("'medium' must be one of GPU, CPU, CPU_PINNED", "medium")
+        if tier not in (Tier.DEVICE, Tier.HOST, Tier.DISK):
+            raise RequestError("'medium' must be one of GPU, CPU, CPU_PINNED, STORAGE, DISK", "medium")
         return tier
 
     @staticmethod
@@ -144,6 +147,14 @@ class _Admin:
         await self._body(request)  # validates JSON if one was sent
         return web.json_response({"incarnation": self.engine.restart()})
 
+    async def wipe_storage(self, request: web.Request) -> web.Response:
+        await self._body(request)
+        try:
+            epoch = self.engine.wipe_storage()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        return web.json_response({"storage_epoch": epoch})
+
     async def publish_raw(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         rank = self._rank(body)
@@ -183,6 +194,7 @@ def admin_routes(engine: FakeEngine) -> list[web.RouteDef]:
         "restart": admin.restart,
         "publish_raw": admin.publish_raw,
         "skip_seq": admin.skip_seq,
+        "wipe_storage": admin.wipe_storage,
     }
     return [
         *(web.post(f"/admin/{name}", _errors_as_400(h)) for name, h in posts.items()),

@@ -9,9 +9,12 @@ How it models vLLM's block pool (and where it simplifies):
 
 * Only full blocks are cached; a prompt's trailing partial block is neither matched nor stored.
 * A block is in exactly one tier. Evicting from device moves it to host when a host tier exists
-  (``BlockStored`` host medium, then ``BlockRemoved`` GPU); evicting from host drops it
-  (``BlockRemoved`` host medium). A host hit is promoted back to device on admission
-  (``BlockStored`` GPU, then ``BlockRemoved`` host medium): copy first, free second, as offloading does.
+  (``BlockStored`` host medium, then ``BlockRemoved`` GPU); evicting from host moves it to the disk tier
+  when one exists, else drops it (``BlockRemoved`` host medium). With a disk tier and no host tier,
+  device evictions go to disk; evicting from disk drops. A host or disk hit is promoted back to device
+  on admission (``BlockStored`` GPU, then ``BlockRemoved`` of the lower medium): copy first, free
+  second, as offloading does. The disk tier outlives the process (see ``storage.py``): ``reset`` keeps
+  it when asked, as a restarted engine finds its disk again (and announces nothing about it).
 * After an admission the request's blocks are touched leaf-first, so the chain's root is the most
   recently used: like vLLM's free queue, tails are evicted before the prefixes they hang off.
 * Blocks of the request being admitted are never evicted to make room for the same request; a chain
@@ -43,12 +46,18 @@ def host_medium(dialect: Dialect) -> str:
     return "CPU_PINNED" if dialect is Dialect.SGLANG else "CPU"
 
 
+def disk_medium(dialect: Dialect) -> str:
+    """The disk tier's medium name in each engine's vocabulary."""
+    return "DISK" if dialect is Dialect.SGLANG else "STORAGE"
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     dialect: Dialect
     block_size: int = 16
     device_capacity: int = 4096  # blocks
     host_capacity: int = 0  # blocks; 0 = no host tier
+    disk_capacity: int = 0  # blocks; 0 = no disk tier
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -57,6 +66,8 @@ class CacheConfig:
             raise ValueError("device_capacity must be >= 1")
         if self.host_capacity < 0:
             raise ValueError("host_capacity must be >= 0")
+        if self.disk_capacity < 0:
+            raise ValueError("disk_capacity must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +86,11 @@ class PrefixMatch:
     device_blocks: int
     host_blocks: int
     block_size: int
+    disk_blocks: int = 0
 
     @property
     def blocks(self) -> int:
-        return self.device_blocks + self.host_blocks
+        return self.device_blocks + self.host_blocks + self.disk_blocks
 
     @property
     def cached_tokens(self) -> int:
@@ -105,6 +117,8 @@ class RankCache:
         # Insertion order is LRU order: first = least recently used.
         self._device: OrderedDict[int, CachedBlock] = OrderedDict()
         self._host: OrderedDict[int, CachedBlock] = OrderedDict()
+        self._disk: OrderedDict[int, CachedBlock] = OrderedDict()
+        self.disk_dirty = False  # the disk tier changed since the shell last persisted it
 
     # ----------------------------------------------------------------- queries
 
@@ -130,8 +144,26 @@ class RankCache:
         """Host-resident hashes, least recently used first."""
         return list(self._host)
 
+    def disk_hashes(self) -> list[int]:
+        """Disk-resident hashes, least recently used first."""
+        return list(self._disk)
+
+    def disk_blocks(self) -> list[CachedBlock]:
+        return list(self._disk.values())
+
+    def load_disk(self, blocks: Iterable[CachedBlock]) -> None:
+        """Put blocks found on disk back in the disk tier (LRU first), silently: a restarted engine
+        announces nothing about what its disk holds."""
+        self._disk.clear()
+        for b in blocks:
+            self._disk[b.hash] = b
+        while len(self._disk) > self.config.disk_capacity:
+            self._disk.popitem(last=False)
+        self.disk_dirty = False
+
     def resident(self, tier: Tier) -> int:
-        return len(self._device) if tier is Tier.DEVICE else len(self._host) if tier is Tier.HOST else 0
+        tiers = {Tier.DEVICE: self._device, Tier.HOST: self._host, Tier.DISK: self._disk}
+        return len(tiers.get(tier, ()))
 
     # --------------------------------------------------------------- mutations
 
@@ -143,6 +175,7 @@ class RankCache:
         pinned = {b.hash for b in blocks}
         events: list[KVEvent] = []
         promoted: list[int] = []
+        from_disk: list[int] = []
         run: list[CachedBlock] = []
         for block in blocks:
             if block.hash in self._device:
@@ -151,12 +184,17 @@ class RankCache:
             if block.hash in self._host:
                 del self._host[block.hash]
                 promoted.append(block.hash)
+            elif block.hash in self._disk:
+                del self._disk[block.hash]
+                self.disk_dirty = True
+                from_disk.append(block.hash)
             self._make_room_on_device(pinned, events)
             self._device[block.hash] = block
             run.append(block)
         self._flush(run, DEVICE_MEDIUM, events)
         medium = host_medium(self.config.dialect)
         events.extend(BlockRemoved((h,), medium) for h in promoted)
+        events.extend(BlockRemoved((h,), disk_medium(self.config.dialect)) for h in from_disk)
         self._touch_leaf_first(self._device, blocks)
         return Admission(match, tuple(events))
 
@@ -168,24 +206,40 @@ class RankCache:
         when no host tier is configured."""
         if tier is Tier.DEVICE:
             return list(self.admit(tokens, namespace).events)
-        if tier is not Tier.HOST:
+        if tier is Tier.HOST:
+            if self.config.host_capacity == 0:
+                raise ValueError("no host tier configured (host capacity is 0)")
+            capacity, medium, store, make_room = (
+                self.config.host_capacity,
+                host_medium(self.config.dialect),
+                self._host,
+                self._make_room_on_host,
+            )
+        elif tier is Tier.DISK:
+            if self.config.disk_capacity == 0:
+                raise ValueError("no disk tier configured (disk capacity is 0)")
+            capacity, medium, store, make_room = (
+                self.config.disk_capacity,
+                disk_medium(self.config.dialect),
+                self._disk,
+                self._make_room_on_disk,
+            )
+            self.disk_dirty = True
+        else:
             raise ValueError(f"the fake engine has no {tier.name.lower()} tier")
-        if self.config.host_capacity == 0:
-            raise ValueError("no host tier configured (host capacity is 0)")
-        blocks = self.chain(tokens, namespace)[: self.config.host_capacity]
+        blocks = self.chain(tokens, namespace)[:capacity]
         pinned = {b.hash for b in blocks}
-        medium = host_medium(self.config.dialect)
         events: list[KVEvent] = []
         run: list[CachedBlock] = []
         for block in blocks:
-            if block.hash in self._device or block.hash in self._host:
+            if block.hash in self._device or block.hash in self._host or block.hash in self._disk:
                 self._flush(run, medium, events)
                 continue
-            self._make_room_on_host(pinned, events)
-            self._host[block.hash] = block
+            make_room(pinned, events)
+            store[block.hash] = block
             run.append(block)
         self._flush(run, medium, events)
-        self._touch_leaf_first(self._host, blocks)
+        self._touch_leaf_first(store, blocks)
         return events
 
     def remove(
@@ -200,6 +254,18 @@ class RankCache:
                 events.append(BlockRemoved((block.hash,), DEVICE_MEDIUM))
             if tier in (None, Tier.HOST) and self._host.pop(block.hash, None) is not None:
                 events.append(BlockRemoved((block.hash,), medium))
+            if tier in (None, Tier.DISK) and self._disk.pop(block.hash, None) is not None:
+                self.disk_dirty = True
+                events.append(BlockRemoved((block.hash,), disk_medium(self.config.dialect)))
+        return events
+
+    def wipe_disk(self) -> list[KVEvent]:
+        """The disk tier's content is invalidated (the shell bumps the storage epoch): every disk block
+        goes, announced as removals."""
+        medium = disk_medium(self.config.dialect)
+        events: list[KVEvent] = [BlockRemoved((h,), medium) for h in self._disk]
+        self._disk.clear()
+        self.disk_dirty = True
         return events
 
     def clear(self) -> list[KVEvent]:
@@ -207,23 +273,29 @@ class RankCache:
         self.reset()
         return [AllBlocksCleared()]
 
-    def reset(self) -> None:
-        """Forget everything silently, as a restarted engine does (it publishes nothing about it)."""
+    def reset(self, *, keep_disk: bool = False) -> None:
+        """Forget everything silently, as a restarted engine does (it publishes nothing about it). The
+        disk tier survives a process restart (``keep_disk``), and is still not announced."""
         self._device.clear()
         self._host.clear()
+        if not keep_disk:
+            self._disk.clear()
+            self.disk_dirty = True
 
     # ---------------------------------------------------------------- internals
 
     def _match(self, blocks: Iterable[CachedBlock]) -> PrefixMatch:
-        device = host = 0
+        device = host = disk = 0
         for block in blocks:
             if block.hash in self._device:
                 device += 1
             elif block.hash in self._host:
                 host += 1
+            elif block.hash in self._disk:
+                disk += 1
             else:
                 break
-        return PrefixMatch(device, host, self.config.block_size)
+        return PrefixMatch(device, host, self.config.block_size, disk)
 
     @staticmethod
     def _touch_leaf_first(tier: OrderedDict[int, CachedBlock], blocks: Sequence[CachedBlock]) -> None:
@@ -244,13 +316,31 @@ class RankCache:
                 self._make_room_on_host(pinned, events)
                 self._host[victim.hash] = victim
                 events.append(self._stored([victim], host_medium(self.config.dialect)))
+            elif self.config.disk_capacity > 0:
+                self._to_disk(victim, pinned, events)
             events.append(BlockRemoved((victim.hash,), DEVICE_MEDIUM))
 
     def _make_room_on_host(self, pinned: set[int], events: list[KVEvent]) -> None:
         while len(self._host) >= self.config.host_capacity:
-            victim = self._victim(self._host, pinned)
-            del self._host[victim]
-            events.append(BlockRemoved((victim,), host_medium(self.config.dialect)))
+            victim = self._host.pop(self._victim(self._host, pinned))
+            if self.config.disk_capacity > 0:
+                self._to_disk(victim, pinned, events)
+            events.append(BlockRemoved((victim.hash,), host_medium(self.config.dialect)))
+
+    def _to_disk(self, block: CachedBlock, pinned: set[int], events: list[KVEvent]) -> None:
+        if block.hash in self._disk:
+            self._disk.move_to_end(block.hash)
+            return
+        self._make_room_on_disk(pinned, events)
+        self._disk[block.hash] = block
+        self.disk_dirty = True
+        events.append(self._stored([block], disk_medium(self.config.dialect)))
+
+    def _make_room_on_disk(self, pinned: set[int], events: list[KVEvent]) -> None:
+        while len(self._disk) >= self.config.disk_capacity:
+            victim = self._disk.pop(self._victim(self._disk, pinned))
+            self.disk_dirty = True
+            events.append(BlockRemoved((victim.hash,), disk_medium(self.config.dialect)))
 
     def _flush(self, run: list[CachedBlock], medium: str, events: list[KVEvent]) -> None:
         # One BlockStored per contiguous run of newly resident blocks (vLLM: one per cache_full_blocks).

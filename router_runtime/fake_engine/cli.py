@@ -69,6 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.host_capacity_blocks,
         help="host-tier blocks per rank (0 = no host tier)",
     )
+    p.add_argument(
+        "--storage-dir",
+        default=None,
+        help="directory of the disk tier (kept across restarts, with a storage identity marker)",
+    )
+    p.add_argument(
+        "--disk-capacity-blocks",
+        type=_bounded(int, 0),
+        default=d.disk_capacity_blocks,
+        help="disk-tier blocks per rank (needs --storage-dir; 0 = no disk tier)",
+    )
     p.add_argument("--dialect", choices=[x.value for x in Dialect], default=d.dialect.value)
     p.add_argument("--topic", default=d.topic, help="ZMQ topic (default empty, like vLLM)")
     p.add_argument(
@@ -112,6 +123,8 @@ def config_from_args(args: argparse.Namespace) -> FakeEngineConfig:
         block_size=args.block_size,
         capacity_blocks=args.capacity_blocks,
         host_capacity_blocks=args.host_capacity_blocks,
+        storage_dir=args.storage_dir,
+        disk_capacity_blocks=args.disk_capacity_blocks,
         dialect=Dialect(args.dialect),
         topic=args.topic,
         replay_buffer=args.replay_buffer,

@@ -31,6 +31,10 @@ class FakeEngineConfig:
     block_size: int = 16
     capacity_blocks: int = 4096  # device tier, per rank
     host_capacity_blocks: int = 0  # host tier, per rank; 0 = no host tier
+    # A disk tier in a storage directory that outlives the process (and restart-as-new-incarnation),
+    # with a storage identity marker; both or neither.
+    storage_dir: str | None = None
+    disk_capacity_blocks: int = 0  # disk tier, per rank; 0 = no disk tier
     dialect: Dialect = Dialect.VLLM_033
     # vLLM's default topic is the empty string, and an empty SUB subscription matches everything.
     topic: str = ""
@@ -52,6 +56,7 @@ class FakeEngineConfig:
             ("block_size", self.block_size >= 1),
             ("capacity_blocks", self.capacity_blocks >= 1),
             ("host_capacity_blocks", self.host_capacity_blocks >= 0),
+            ("disk_capacity_blocks", self.disk_capacity_blocks >= 0),
             ("replay_buffer", self.replay_buffer >= 1),
             ("prefill_us_per_token", self.prefill_us_per_token >= 0),
             ("decode_tokens_per_s", self.decode_tokens_per_s >= 0),
@@ -61,6 +66,8 @@ class FakeEngineConfig:
         for name, ok in checks:
             if not ok:
                 raise ConfigError(name, f"{getattr(self, name)!r} is out of range")
+        if (self.disk_capacity_blocks > 0) != bool(self.storage_dir):
+            raise ConfigError("disk_capacity_blocks", "a disk tier needs a storage dir, and vice versa")
         if self.kv_port and self.replay_port:
             kv = range(self.kv_port, self.kv_port + self.dp_size)
             replay = range(self.replay_port, self.replay_port + self.dp_size)

@@ -54,6 +54,8 @@ class EngineCollector(Collector):
             generated.add_metric([r], stats.generation_tokens)
             blocks.add_metric([r, "device"], cache.resident(Tier.DEVICE))
             blocks.add_metric([r, "host"], cache.resident(Tier.HOST))
+            if cache.config.disk_capacity:
+                blocks.add_metric([r, "disk"], cache.resident(Tier.DISK))
             if engine._publisher is not None:
                 pstats = engine.publisher.stats(rank)
                 batches.add_metric([r], pstats.batches)

@@ -50,6 +50,7 @@ from router_runtime.fake_engine.openai_api import (
     usage_json,
 )
 from router_runtime.fake_engine.publisher import Drop, KvPublisher
+from router_runtime.fake_engine.storage import StorageDir
 from router_runtime.kv.events import KVEvent
 from router_runtime.tokens import decode
 
@@ -92,8 +93,14 @@ class FakeEngine:
             block_size=config.block_size,
             device_capacity=config.capacity_blocks,
             host_capacity=config.host_capacity_blocks,
+            disk_capacity=config.disk_capacity_blocks,
         )
         self.caches = [RankCache(cache_config) for _ in range(config.dp_size)]
+        # The disk tier: found again in the storage directory, whatever process wrote it.
+        self.storage = StorageDir(config.storage_dir) if config.storage_dir else None
+        if self.storage is not None:
+            for rank, cache in enumerate(self.caches):
+                cache.load_disk(self.storage.load(rank))
         self.incarnation = self._new_incarnation()
         self.rank_stats = [RankRequestStats() for _ in range(config.dp_size)]
         self.load = LoadStats()
@@ -154,6 +161,7 @@ class FakeEngine:
         )
 
     async def stop(self) -> None:
+        self.persist()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -187,7 +195,30 @@ class FakeEngine:
 
     def emit(self, rank: int, events: Sequence[KVEvent], drop: Drop = Drop.NONE) -> int | None:
         """Publish a step's events as one batch; a step without events publishes nothing, as in vLLM."""
+        self.persist(rank)
         return self.publisher.publish(rank, events, drop) if events else None
+
+    def persist(self, rank: int | None = None) -> None:
+        """Write the disk tier of ``rank`` (every rank when None) to the storage dir, if it changed."""
+        if self.storage is None:
+            return
+        for r in range(self.config.dp_size) if rank is None else (rank,):
+            cache = self.caches[r]
+            if cache.disk_dirty:
+                self.storage.save(r, cache.disk_blocks())
+                cache.disk_dirty = False
+
+    def wipe_storage(self) -> int:
+        """Invalidate the disk tier: its blocks go (announced) and the storage epoch moves."""
+        if self.storage is None:
+            raise ValueError("no storage dir configured")
+        for rank, cache in enumerate(self.caches):
+            self.emit(rank, cache.wipe_disk())
+        epoch = self.storage.bump_epoch()
+        for rank, cache in enumerate(self.caches):
+            self.storage.save(rank, cache.disk_blocks())
+            cache.disk_dirty = False
+        return epoch
 
     def admit(self, rank: int, tokens: Sequence[int], namespace: Namespace) -> Admission:
         admission = self.caches[rank].admit(tokens, namespace)
@@ -196,9 +227,11 @@ class FakeEngine:
 
     def restart(self) -> str:
         """Become a new incarnation: empty caches, sequences back at 0, replay buffers empty. Publishes
-        nothing (a real restart announces nothing either; consumers see the seq go back to 0)."""
+        nothing (a real restart announces nothing either; consumers see the seq go back to 0). The
+        disk tier survives (it is in the storage dir) and is not re-announced either."""
+        self.persist()
         for cache in self.caches:
-            cache.reset()
+            cache.reset(keep_disk=self.storage is not None)
         self.publisher.reset()
         self.incarnation = self._new_incarnation()
         self._round_robin = itertools.cycle(range(self.config.dp_size))
@@ -214,7 +247,11 @@ class FakeEngine:
                 {
                     "rank": rank,
                     "last_seq": self.publisher.last_seq(rank),
-                    "blocks": {"device": cache.device_hashes(), "host": cache.host_hashes()},
+                    "blocks": {
+                        "device": cache.device_hashes(),
+                        "host": cache.host_hashes(),
+                        **({"disk": cache.disk_hashes()} if cache.config.disk_capacity else {}),
+                    },
                 }
                 for rank, cache in enumerate(self.caches)
             ],
@@ -276,6 +313,11 @@ class FakeEngine:
                 "dp_size": cfg.dp_size,
                 "page_size": cfg.block_size,
                 "speculative_algorithm": None,
+                **(
+                    {"storage_id": self.storage.storage_id, "storage_epoch": self.storage.epoch}
+                    if self.storage is not None
+                    else {}
+                ),
             }
         )
 

@@ -115,8 +115,10 @@ _NIBBLE_SLOTS = tuple(tuple(slot for slot in range(4) if nib >> slot & 1) for ni
 
 
 class RadixIndex:
-    """The index. Mutations: ``apply_batch``, ``clear_carrier``, ``remove_carrier``; reads: ``match``,
-    ``match_keys``, ``carrier_blocks``, ``node_count``, ``carrier_engine_hashes``."""
+    """The index. Mutations: ``apply_batch``, ``clear_carrier``, ``remove_carrier``, ``drop_tiers``,
+    ``set_visible``; reads: ``match``, ``match_keys``, ``carrier_blocks``, ``node_count``,
+    ``carrier_engine_hashes``, ``visible_tiers``. Reads that hand carriers out (``match``, the snapshot
+    export) see only visible tiers; the bookkeeping reads see everything."""
 
     def __init__(self, block_size: int, *, full_attention_group: int = 0) -> None:
         if block_size <= 0:
@@ -132,6 +134,10 @@ class RadixIndex:
         self._carriers: dict[Carrier, _CarrierState] = {}
         self._by_cid: list[_CarrierState | None] = []
         self._any_mask = 0  # bit 0 of every allocated carrier nibble
+        # Visibility, the one predicate readers use (``match``, the snapshot export): per carrier id the
+        # nibble of tiers currently visible. 0xF for a live carrier; 0 while its engine is DISCONNECTED
+        # (unreachable: never handed out), so hiding or re-adopting a carrier is one int assignment.
+        self._visible = 0
 
     # ---- carriers -------------------------------------------------------------------------------
 
@@ -147,6 +153,7 @@ class RadixIndex:
                 self._by_cid[cid] = st
             self._carriers[carrier] = st
             self._any_mask |= 1 << st.shift
+            self._visible |= 0xF << st.shift
         return st
 
     @property
@@ -204,6 +211,40 @@ class RadixIndex:
         n = self._clear(st)
         self._by_cid[st.cid] = None
         self._any_mask &= ~(1 << st.shift)
+        self._visible &= ~(0xF << st.shift)
+        return n
+
+    # ---- visibility (the reader predicate) ------------------------------------------------------
+
+    def set_visible(self, carrier: Carrier, tiers: int) -> None:
+        """Make exactly ``tiers`` of this carrier visible to readers (0: the carrier is invisible).
+        O(1) and atomic for readers on the loop. A carrier the index does not know is created empty, so
+        a hide issued before its first batch still holds."""
+        st = self._state(carrier)
+        self._visible = (self._visible & ~(0xF << st.shift)) | ((tiers & 0xF) << st.shift)
+
+    def visible_tiers(self, carrier: Carrier) -> int:
+        st = self._carriers.get(carrier)
+        return (self._visible >> st.shift) & 0xF if st is not None else 0
+
+    def drop_tiers(self, carrier: Carrier, tiers: int) -> int:
+        """Forget ``tiers`` of every block this carrier holds (a device tier that did not survive a
+        restart); blocks left in no tier are forgotten. O(blocks), writer only. Returns tier-blocks
+        cleared."""
+        st = self._carriers.get(carrier)
+        if st is None or not tiers & 0xF:
+            return 0
+        if tiers & 0xF == 0xF:
+            return self._clear(st)
+        n = 0
+        gone_hashes = []
+        for h, key in st.by_engine_hash.items():
+            n += self._clear_node(st, key, Tier(tiers & 0xF))
+            if not (self._carriers_of.get(key, 0) >> st.shift) & 0xF:
+                gone_hashes.append((h, key))
+        for h, key in gone_hashes:
+            self._drop_hash(st, h, key)
+            self._prune(key)
         return n
 
     def _store(self, st: _CarrierState, ev: BlockStored, stats: ApplyStats) -> None:
@@ -392,8 +433,9 @@ class RadixIndex:
         # The walk below is match_keys' loop with the hashing inlined: a generator feeding match_keys
         # costs ~15 µs more on a 256-block prompt, and this is the routing hot path.
         any_mask = self._any_mask
+        visible = self._visible
         alive = any_mask
-        runs: list[list[int]] = []  # [packed carriers, run length]
+        runs: list[list[int]] = []  # [packed visible carriers, run length]
         prev = -1
         parent = root
         for off in range(0, n * bs, bs):
@@ -405,11 +447,12 @@ class RadixIndex:
             if c == prev:
                 runs[-1][1] += 1
                 continue
+            prev = c
+            c &= visible
             alive &= (c | c >> 1 | c >> 2 | c >> 3) & any_mask
             if not alive:
                 break
             runs.append([c, 1])
-            prev = c
         return self._settle(runs)
 
     def match_keys(self, keys: Iterable[int]) -> dict[Carrier, CarrierMatch]:
@@ -418,6 +461,7 @@ class RadixIndex:
         # int is identical (along a hot path it rarely changes); ``_settle`` then counts per carrier.
         carriers_of = self._carriers_of
         any_mask = self._any_mask
+        visible = self._visible
         alive = any_mask
         runs: list[list[int]] = []
         prev = -1
@@ -428,11 +472,12 @@ class RadixIndex:
             if c == prev:
                 runs[-1][1] += 1
                 continue
+            prev = c
+            c &= visible
             alive &= (c | c >> 1 | c >> 2 | c >> 3) & any_mask
             if not alive:
                 break
             runs.append([c, 1])
-            prev = c
         return self._settle(runs)
 
     def _settle(self, runs: list[list[int]]) -> dict[Carrier, CarrierMatch]:

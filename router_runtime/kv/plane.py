@@ -1,22 +1,43 @@
 """The KV event plane as a whole: the index, its writer, and one subscription per (engine, rank) of the
 current worker set. Discovery (static or Kubernetes) hands it the worker set; it diffs and reconciles.
-A worker whose incarnation changed is a different engine: its old blocks are gone."""
+
+With a disconnect grace window (``disconnect_grace_s`` > 0), an engine that leaves discovery, changes
+spec or fails health is not erased: its carriers become DISCONNECTED (invisible to every reader) and,
+if it returns within the window, go through the adoption decision of ``adoption.py``. Without one
+(the default here), a worker that left is dropped at once and a changed spec is a different engine."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import aiohttp
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from .adoption import (
+    ALL,
+    AdoptionCap,
+    AdoptionMetrics,
+    CarrierState,
+    Decision,
+    EngineRecord,
+    Outcome,
+    StorageIdentity,
+    decide,
+    parse_storage,
+)
+from .events import SequencedBatch
+from .hold import HoldEnd, RankHold
 from .index import Carrier, RadixIndex
 from .metrics import KVMetrics
-from .subscription import Endpoints, RankSubscription, ReplayTimeouts
-from .writer import IndexWriter
+from .subscription import Endpoints, RankSubscription, ReplayOutcome, ReplayTimeouts, replay
+from .writer import ClearReason, IndexWriter
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +69,8 @@ class WorkerSpec:
     dp_size: int = 1
     topic: bytes = b""
     incarnation: str = ""  # a pod UID, or empty for static workers
+    storage_id: str = ""  # the engine's storage identity when discovery knows it (else /server_info)
+    storage_epoch: int = 0
 
     def carriers(self) -> list[Carrier]:
         return [Carrier(self.engine, r) for r in range(self.dp_size)]
@@ -62,6 +85,11 @@ class KVPlane:
         replay_timeouts: ReplayTimeouts | None = None,
         queue_batches: int = 10_000,
         queue_bytes: int = 256 << 20,
+        disconnect_grace_s: float = 0.0,
+        adoption_cap: int = 3,
+        adoption_window_s: float = 3600.0,
+        storage_lookup: Callable[[WorkerSpec], Awaitable[StorageIdentity | None]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry = registry
         self.index = RadixIndex(block_size)
@@ -74,12 +102,27 @@ class KVPlane:
         self._writer_task: asyncio.Task | None = None
         # The bootstrap listens here: a new rank starts holding; a removed one stops mattering.
         self.rank_listener: RankListener | None = None
+        # Carrier lifecycle (adoption.py): engines we know, OK or DISCONNECTED, and what they proved.
+        self.disconnect_grace_s = disconnect_grace_s
+        self.adoption_metrics = AdoptionMetrics(registry)
+        self._records: dict[str, EngineRecord] = {}
+        self._cap = AdoptionCap(adoption_cap, adoption_window_s)
+        self._storage_lookup = storage_lookup or lookup_storage
+        self._clock = clock
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._tasks: dict[str, set[asyncio.Task]] = {}  # per engine: lookups and pending decisions
+        self._undecided: dict[Carrier, int] = {}  # returning ranks awaiting a decision -> generation
 
     async def start(self) -> None:
         self._writer_task = asyncio.create_task(self.writer.run(), name="kv-index-writer")
 
     async def stop(self) -> None:
+        for h in self._timers.values():
+            h.cancel()
+        self._timers.clear()
         tasks = [t for _s, t in self._subs.values()]
+        tasks += [t for ts in self._tasks.values() for t in ts]
+        self._tasks.clear()
         if self._writer_task:
             tasks.append(self._writer_task)
         for t in tasks:
@@ -99,16 +142,25 @@ class KVPlane:
         want = {s.engine: s for s in specs}
         for engine, old in list(self._workers.items()):
             if want.get(engine) != old:
-                self._drop(old)
+                if self.disconnect_grace_s > 0 and old.kv is not None:
+                    self._disconnect(old, cancel_subs=True)
+                else:
+                    self._drop(old)
         for engine, spec in want.items():
             if self._workers.get(engine) != spec:
-                self._add(spec)
+                rec = self._records.get(engine)
+                if rec is not None and rec.state is CarrierState.DISCONNECTED and spec.kv is not None:
+                    self._return(rec, spec)
+                else:
+                    self._add(spec)
+                    self._track(spec)
         self._workers = want
         self.metrics.subscriptions_live.set(sum(1 for s, _t in self._subs.values() if s.connected))
 
-    def _add(self, spec: WorkerSpec) -> None:
+    def _add(self, spec: WorkerSpec, holds: dict[int, RankHold] | None = None) -> dict[int, RankSubscription]:
         if spec.kv is None:
-            return
+            return {}
+        subs = {}
         for rank, carrier in enumerate(spec.carriers()):
             endpoints = Endpoints(
                 rank_endpoint(spec.kv, rank),
@@ -118,13 +170,18 @@ class KVPlane:
             sub = RankSubscription(
                 self._ctx, carrier, endpoints, self.writer, self.metrics, timeouts=self.replay_timeouts
             )
-            if self.rank_listener is not None:
+            if holds is not None:
+                sub.hold = holds.get(rank)  # a returning engine: held until the adoption decision
+            elif self.rank_listener is not None:
                 self.rank_listener.rank_added(sub)  # before the socket exists: nothing escapes the hold
             task = asyncio.create_task(sub.run(), name=f"kv-sub-{carrier}")
             self._subs[carrier] = (sub, task)
+            subs[rank] = sub
         log.info("subscribed to engine %s (%d ranks)", spec.engine, spec.dp_size)
+        return subs
 
     def _drop(self, spec: WorkerSpec) -> None:
+        self._forget(spec.engine)
         for carrier in spec.carriers():
             entry = self._subs.pop(carrier, None)
             if entry:
@@ -142,3 +199,383 @@ class KVPlane:
         subs = self.subscriptions()
         self.metrics.subscriptions_live.set(sum(1 for s in subs if s.connected))
         return any(s.connected for s in subs)
+
+    # ---- carrier lifecycle: DISCONNECTED, adoption, REMOVED --------------------------------------
+
+    def carrier_states(self) -> dict[str, CarrierState]:
+        return {e: r.state for e, r in self._records.items()}
+
+    def engine_unreachable(self, engine: str) -> None:
+        """The engine fails health (its breaker opened): hide its carriers. Its subscriptions keep
+        running, so its stream's continuity is still tracked (a gap or a restart clears the rank)."""
+        spec = self._workers.get(engine)
+        if spec is None or spec.kv is None or self.disconnect_grace_s <= 0:
+            return
+        rec = self._records.get(engine)
+        if rec is not None and rec.state is CarrierState.DISCONNECTED:
+            return
+        self._disconnect(spec, cancel_subs=False)
+
+    def engine_reachable(self, engine: str) -> None:
+        """The engine passes health again (its breaker closed): if it was hidden for health and still
+        has its subscriptions, its carriers are what its own stream made of them: show them again."""
+        spec = self._workers.get(engine)
+        rec = self._records.get(engine)
+        if spec is None or rec is None or rec.state is not CarrierState.DISCONNECTED:
+            return
+        carriers = spec.carriers()
+        if not all(c in self._subs for c in carriers) or any(c in self._undecided for c in carriers):
+            return  # it left discovery meanwhile, or returned: the discovery path decides
+        self._reconnected(rec)
+        gen = rec.generation
+        self.writer.call(
+            lambda idx: [idx.set_visible(c, ALL) for c in carriers] if rec.generation == gen else None
+        )
+        self._count(Outcome.SUCCESS, rec)
+
+    def _track(self, spec: WorkerSpec) -> None:
+        """A fresh engine: remember it and learn its storage identity (in the background)."""
+        if self.disconnect_grace_s <= 0 or spec.kv is None:
+            return
+        rec = self._records[spec.engine] = EngineRecord(spec.engine, spec)
+        gen = rec.generation
+
+        async def learn() -> None:
+            storage = await self._lookup(spec)
+            if rec.generation == gen and self._records.get(spec.engine) is rec:
+                rec.storage = storage
+
+        self._spawn(spec.engine, learn())
+        self._publish_states()
+
+    async def _lookup(self, spec: WorkerSpec) -> StorageIdentity | None:
+        try:
+            return await asyncio.wait_for(self._storage_lookup(spec), self.replay_timeouts.total_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an engine that cannot prove its storage is treated as having none
+            log.info("storage identity of %s unknown: %s", spec.engine, exc)
+            return None
+
+    def _spawn(self, engine: str, coro: Awaitable) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        tasks = self._tasks.setdefault(engine, set())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return task
+
+    def _cancel_tasks(self, engine: str) -> None:
+        for t in self._tasks.pop(engine, set()):
+            t.cancel()
+
+    def _forget(self, engine: str) -> None:
+        self._cancel_tasks(engine)
+        h = self._timers.pop(engine, None)
+        if h is not None:
+            h.cancel()
+        if self._records.pop(engine, None) is not None:
+            self._publish_states()
+
+    def _disconnect(self, spec: WorkerSpec, *, cancel_subs: bool) -> None:
+        """OK -> DISCONNECTED: hide every carrier at once (readers never see it again until adopted),
+        keep its blocks, start the grace timer."""
+        rec = self._records.get(spec.engine)
+        if rec is None:
+            rec = self._records[spec.engine] = EngineRecord(spec.engine, spec)
+        self._cancel_tasks(spec.engine)  # a storage lookup or a decision in flight is stale now
+        rec.generation += 1
+        if rec.state is not CarrierState.DISCONNECTED:
+            rec.state = CarrierState.DISCONNECTED
+            rec.disconnected_at = self._clock()
+        undecided = False
+        for carrier in spec.carriers():
+            pending = self._undecided.pop(carrier, None) is not None
+            undecided |= pending
+            if pending and not cancel_subs and carrier in self._subs:
+                # Failing health before its adoption was decided, its stream still flowing: what it
+                # held is not provable any more; it goes on cold (and hidden).
+                self.writer.submit_clear(carrier, ClearReason.UNCOVERED_GAP)
+                self._release(self._subs[carrier][0])
+            self.index.set_visible(carrier, 0)  # synchronous: the very next match no longer sees it
+            if cancel_subs:
+                entry = self._subs.pop(carrier, None)
+                if entry:
+                    sub, task = entry
+                    if pending:
+                        # Gone again before the decision: its held batches were never applied, so
+                        # it stays judged against what it was before it returned.
+                        if sub.hold is not None:
+                            sub.hold.active = False
+                            sub.hold.take()
+                    else:
+                        rec.cursors[carrier.rank] = (sub.cursor, sub.live_last)
+                    task.cancel()
+                if self.rank_listener is not None:
+                    self.rank_listener.rank_removed(carrier)
+        if undecided and cancel_subs and rec.prior_spec is not None:
+            rec.spec, rec.prior_spec = rec.prior_spec, None
+        h = self._timers.pop(spec.engine, None)
+        if h is not None:
+            h.cancel()
+        gen = rec.generation
+        self._timers[spec.engine] = asyncio.get_running_loop().call_later(
+            max(0.0, rec.disconnected_at + self.disconnect_grace_s - self._clock()),
+            self._expire,
+            spec.engine,
+            gen,
+        )
+        log.info("engine %s disconnected (%s)", spec.engine, "health" if not cancel_subs else "discovery")
+        self._publish_states()
+
+    def _expire(self, engine: str, generation: int) -> None:
+        """DISCONNECTED -> REMOVED: the grace window passed."""
+        rec = self._records.get(engine)
+        if rec is None or rec.generation != generation or rec.state is not CarrierState.DISCONNECTED:
+            return
+        self._timers.pop(engine, None)
+        m = self.adoption_metrics
+        m.grace_expirations.inc()
+        m.disconnect_window.observe(self._clock() - (rec.disconnected_at or self._clock()))
+        for carrier in rec.spec.carriers():
+            self._undecided.pop(carrier, None)
+            if carrier in self._subs:
+                # Still subscribed (hidden for health): forget its blocks, keep it hidden.
+                self.writer.submit_clear(carrier, ClearReason.WORKER_REMOVED)
+            else:
+                self.writer.submit_remove(carrier)
+        if engine in self._workers:
+            rec.cursors.clear()
+            rec.storage = None
+        else:
+            del self._records[engine]
+        log.info("engine %s removed: grace window passed", engine)
+        self._publish_states()
+
+    def _reconnected(self, rec: EngineRecord) -> None:
+        h = self._timers.pop(rec.engine, None)
+        if h is not None:
+            h.cancel()
+        self.adoption_metrics.disconnect_window.observe(
+            self._clock() - (rec.disconnected_at or self._clock())
+        )
+        rec.state = CarrierState.OK
+        rec.disconnected_at = None
+        rec.prior_spec = None
+        rec.generation += 1
+        self._publish_states()
+
+    def _cap_key(self, rec: EngineRecord) -> str:
+        return f"storage:{rec.storage.storage_id}" if rec.storage else f"engine:{rec.engine}"
+
+    def _count(self, outcome: Outcome | None, rec: EngineRecord) -> None:
+        if outcome is None:
+            return
+        self.adoption_metrics.attempts.labels(outcome.value).inc()
+        if outcome is Outcome.SUCCESS:
+            self._cap.record(self._cap_key(rec), self._clock())
+
+    def _return(self, rec: EngineRecord, spec: WorkerSpec) -> None:
+        """A DISCONNECTED engine is back in discovery: subscribe with every rank held, and decide."""
+        old: WorkerSpec = rec.spec  # type: ignore[assignment]
+        same_shape = old.dp_size == spec.dp_size and old.topic == spec.topic
+        for gone in set(old.carriers()) - set(spec.carriers()):
+            self.writer.submit_remove(gone)  # fewer DP ranks now: those carriers are not coming back
+        cap = self._cap.reached(self._cap_key(rec), self._clock())
+        same = spec.incarnation == old.incarnation and same_shape and not cap
+        h = self._timers.pop(rec.engine, None)
+        if h is not None:
+            h.cancel()
+        rec.generation += 1
+        gen = rec.generation
+        carriers = spec.carriers()
+        holds: dict[int, RankHold] = {}
+        for c in carriers:
+            self._undecided[c] = gen
+            if same:
+                holds[c.rank] = _ProofHold(
+                    on_add=lambda c=c: self._rank_proved(rec, c, gen, True),
+                    on_end=lambda why, c=c: self._rank_proved(rec, c, gen, False, why),
+                )
+            else:
+                holds[c.rank] = RankHold(on_end=lambda why, c=c: self._hold_lost(rec, c, gen, why))
+        subs = self._add(spec, holds)
+        if same:
+            for rank, sub in subs.items():
+                sub.cursor, sub.live_last = rec.cursors.get(rank, (None, None))
+                self._spawn(spec.engine, self._probe(rec, sub, gen))
+            rec.spec, rec.prior_spec = spec, old
+            return
+        old_incarnation, old_storage = old.incarnation, rec.storage
+        rec.spec, rec.prior_spec = spec, old
+
+        async def decide_new() -> None:
+            storage = await self._lookup(spec)
+            if rec.generation != gen:
+                return
+            claimed = storage is not None and any(
+                r is not rec and r.state is CarrierState.OK and r.storage == storage
+                for r in self._records.values()
+            )
+            # An empty incarnation (static workers) cannot prove a new process: treat it as one.
+            new_inc = spec.incarnation if spec.incarnation != old_incarnation else spec.incarnation + "\0"
+            d = decide(
+                old_incarnation,
+                old_storage,
+                new_inc,
+                storage,
+                continuous=None,
+                same_shape=same_shape,
+                storage_claimed_by_other=claimed,
+                cap_reached=cap,
+            )
+            self._apply_decision(rec, gen, carriers, subs, d)
+            rec.storage = storage
+
+        self._spawn(spec.engine, decide_new())
+
+    def _apply_decision(
+        self,
+        rec: EngineRecord,
+        gen: int,
+        carriers: list[Carrier],
+        subs: dict[int, RankSubscription],
+        d: Decision,
+    ) -> None:
+        """One writer step for the whole engine: drop what is not kept, then show it; the held batches
+        follow it in order. Until that step runs every carrier is invisible, so no reader sees half."""
+        live = [c for c in carriers if self._undecided.get(c) == gen]
+        log.info("engine %s returned: %s (%s)", rec.engine, d.outcome or "nothing to adopt", d.why)
+        for c in live:
+            del self._undecided[c]
+
+        def step(idx: RadixIndex) -> None:
+            for c in live:
+                idx.drop_tiers(c, ALL & ~d.keep)
+                idx.set_visible(c, ALL)
+                self.writer.applied.pop(c, None)  # the old incarnation's cursor means nothing now
+
+        self.writer.call(step)
+        for c in live:
+            self._release(subs.get(c.rank))
+        self._reconnected(rec)
+        self._count(d.outcome, rec)
+
+    def _release(self, sub: RankSubscription | None) -> None:
+        """Hand a rank's held batches to the writer, in order, and let the stream flow."""
+        if sub is None or sub.hold is None:
+            return
+        hold, sub.hold = sub.hold, None
+        batches: list[SequencedBatch] = hold.take() if hold.active else []
+        hold.active = False
+        for b in batches:
+            if not self.writer.submit_batch(sub.carrier, b):
+                sub._clear(ClearReason.OVERFLOW)
+                break
+
+    def _hold_lost(self, rec: EngineRecord, c: Carrier, gen: int, why: HoldEnd) -> None:
+        """A new incarnation's hold overflowed or its stream reset before the decision: the rank can no
+        longer be joined to what we kept; it resumes cold (and visible) from here."""
+        if self._undecided.get(c) != gen:
+            return
+        del self._undecided[c]
+        self.writer.submit_clear(
+            c, ClearReason.OVERFLOW if why is HoldEnd.OVERFLOW else ClearReason.PUBLISHER_RESTART
+        )
+        self.writer.call(lambda idx: idx.set_visible(c, ALL))
+        self._count(Outcome.REJECTED, rec)
+        self._settle_if_done(rec, gen)
+
+    def _rank_proved(
+        self, rec: EngineRecord, c: Carrier, gen: int, continuous: bool, why: HoldEnd | None = None
+    ) -> None:
+        """Same incarnation: rank ``c``'s stream either joined our cursor (its first batch was the next
+        one, or a replay filled the gap) or it did not (restart, uncovered gap, overflow)."""
+        if self._undecided.get(c) != gen:
+            return
+        del self._undecided[c]
+        d = decide(
+            rec.spec.incarnation, rec.storage, rec.spec.incarnation, rec.storage, continuous=continuous
+        )
+        entry = self._subs.get(c)
+        sub = entry[0] if entry else None
+        if not continuous:
+            # The subscription already queued a clear (a reset) unless the hold overflowed.
+            if why is HoldEnd.OVERFLOW or why is None:
+                self.writer.submit_clear(c, ClearReason.OVERFLOW if why else ClearReason.UNCOVERED_GAP)
+            if sub is not None and sub.hold is not None:
+                sub.hold.active = False
+                sub.hold.take()
+                sub.hold = None
+        self.writer.call(lambda idx: idx.set_visible(c, d.keep | (0 if continuous else ALL)))
+        if continuous:
+            self._release(sub)
+        self._count(d.outcome, rec)
+        self._settle_if_done(rec, gen)
+
+    def _settle_if_done(self, rec: EngineRecord, gen: int) -> None:
+        if rec.generation == gen and not any(g == gen for g in self._undecided.values()):
+            self._reconnected(rec)
+
+    async def _probe(self, rec: EngineRecord, sub: RankSubscription, gen: int) -> None:
+        """Same incarnation, idle engine: no live batch may come to prove continuity, so ask the replay
+        buffer whether it still holds our cursor's batch (then nothing after it is lost to us)."""
+        c = sub.carrier
+        cursor = sub.cursor
+        if cursor is None:
+            self._rank_proved(rec, c, gen, False)  # nothing to prove continuity against
+            return
+        if sub.endpoints.replay is None:
+            await asyncio.sleep(self.replay_timeouts.total_s)
+            self._rank_proved(rec, c, gen, False)
+            return
+        result = await replay(self._ctx, sub.endpoints.replay, cursor, self.replay_timeouts)
+        if self._undecided.get(c) != gen:
+            return  # a live batch decided it meanwhile
+        got = result.batches
+        ok = bool(got) and got[0][0] == cursor and result.outcome is not ReplayOutcome.MALFORMED
+        if not ok:
+            # The sub's own stream may still prove it; a reset or a gap will decide it then. An engine
+            # that stays silent and cannot show our cursor is rejected here.
+            self._rank_proved(rec, c, gen, False)
+            return
+        self._rank_proved(rec, c, gen, True)
+        for seq, payload in got[1:]:  # what it published while we were away, in order
+            if sub.cursor is not None and seq == sub.cursor + 1:
+                sub._accept(seq, payload)
+
+    def _publish_states(self) -> None:
+        counts = dict.fromkeys(CarrierState, 0)
+        for r in self._records.values():
+            counts[r.state] += r.spec.dp_size  # type: ignore[attr-defined]
+        for state, n in counts.items():
+            self.adoption_metrics.carriers.labels(state.value).set(n)
+
+
+class _ProofHold(RankHold):
+    """The plane's RankHold for a returning same-incarnation rank: the first batch the subscription
+    hands it is the proof of continuity (the subscription only accepts the next sequence, after any gap
+    was replayed), so it reports it at once."""
+
+    def __init__(self, *, on_add: Callable[[], None], on_end: Callable[[HoldEnd], None]) -> None:
+        super().__init__(on_end=on_end)
+        self._on_add = on_add
+
+    def add(self, batch: SequencedBatch) -> None:
+        super().add(batch)
+        if self.active:
+            self._on_add()
+
+
+async def lookup_storage(spec: WorkerSpec) -> StorageIdentity | None:
+    """The engine's storage identity: the spec's (discovery knows it), else its /server_info's."""
+    if spec.storage_id:
+        return StorageIdentity(spec.storage_id, spec.storage_epoch)
+    async with aiohttp.ClientSession() as session:
+        for path in ("/server_info", "/get_server_info"):
+            async with session.get(spec.url.rstrip("/") + path, timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status == 404 and path == "/server_info":
+                    continue
+                r.raise_for_status()
+                body = await r.json(content_type=None)
+                return parse_storage(body) if isinstance(body, dict) else None
+    return None

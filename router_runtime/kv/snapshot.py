@@ -102,7 +102,8 @@ class Exporter:
         self._index_of[key] = i
         cols.parent.append(pidx)
         cols.key.append(key)
-        c = self._index._carriers_of[key]
+        # The reader visibility predicate: a DISCONNECTED carrier (or tier) is never exported.
+        c = self._index._carriers_of[key] & self._index._visible
         by_cid = self._index._by_cid
         n = 0
         while c:

@@ -1,0 +1,310 @@
+"""Carrier lifecycle through the plane, against fake engines with a disk tier in a storage directory:
+DISCONNECTED on leaving discovery or failing health, re-adoption after a gapless return, device dropped
+and disk kept across a restart with the same storage identity, a moved disk and a moved epoch refused,
+the adoption cap, grace expiry, and events racing the adoption decision."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+
+from prometheus_client import CollectorRegistry
+
+from router_runtime.fake_engine import FakeEngine, FakeEngineConfig
+from router_runtime.kv.adoption import CarrierState
+from router_runtime.kv.events import Tier
+from router_runtime.kv.index import Carrier
+from router_runtime.kv.plane import KVPlane, WorkerSpec, lookup_storage
+from router_runtime.kv.subscription import ReplayTimeouts
+
+from .support import eventually, join_stream
+
+BS = 4
+DEV = list(range(1, 9))  # two blocks kept on device
+DISK = list(range(50, 58))  # two blocks put on disk
+
+
+def sample(plane: KVPlane, name: str, **labels) -> float:
+    return plane.registry.get_sample_value(name, labels) or 0.0
+
+
+def outcome(plane: KVPlane, o: str) -> float:
+    return sample(plane, "routerfleet_kv_adoption_attempts_total", outcome=o)
+
+
+def tiers(plane: KVPlane, tokens: list[int], engine: str = "e") -> tuple | None:
+    m = plane.index.match(tokens).get(Carrier(engine))
+    return m.tier_blocks if m else None
+
+
+@contextlib.asynccontextmanager
+async def fake(tmp_path, name="s", **kw):
+    cfg = FakeEngineConfig(
+        block_size=BS, capacity_blocks=64, storage_dir=str(tmp_path / name), disk_capacity_blocks=64, **kw
+    )
+    engine = FakeEngine(cfg)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+@contextlib.asynccontextmanager
+async def plane_for(**kw):
+    kw.setdefault("disconnect_grace_s", 60)
+    plane = KVPlane(BS, CollectorRegistry(), replay_timeouts=ReplayTimeouts(idle_s=0.3, total_s=2), **kw)
+    await plane.start()
+    try:
+        yield plane
+    finally:
+        await plane.stop()
+
+
+def spec(engine: FakeEngine, name: str = "e") -> WorkerSpec:
+    return WorkerSpec(
+        name,
+        engine.http_url,
+        kv=engine.kv_endpoint(0),
+        replay=engine.replay_endpoint(0),
+        incarnation=engine.incarnation,
+    )
+
+
+async def join(plane: KVPlane, engine: FakeEngine, name: str = "e") -> None:
+    sub = next(s for s in plane.subscriptions() if s.carrier.engine == name)
+    await join_stream(engine.publisher, sub)
+
+
+async def warm(plane: KVPlane, engine: FakeEngine, name: str = "e") -> None:
+    """Subscribe, learn the storage identity, and index DEV on device and DISK on disk."""
+    plane.set_workers([*(plane.workers.values()), spec(engine, name)])
+    await join(plane, engine, name)
+    engine.emit(0, engine.caches[0].store(DEV))
+    engine.emit(0, engine.caches[0].store(DISK, tier=Tier.DISK))
+    await eventually(lambda: tiers(plane, DISK, name) == (0, 0, 2, 0), what="disk blocks indexed")
+    assert tiers(plane, DEV, name) == (2, 0, 0, 0)
+    await eventually(lambda: plane._records[name].storage is not None, what="storage identity learned")
+
+
+def leave(plane: KVPlane, name: str = "e") -> None:
+    plane.set_workers([s for s in plane.workers.values() if s.engine != name])
+
+
+async def test_disconnected_engine_is_invisible_at_once_and_readopted_after_a_gapless_return(tmp_path):
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        await warm(plane, engine)
+        leave(plane)
+        # Synchronously hidden: the very next routing decision does not see it; the index keeps it.
+        assert tiers(plane, DEV) is None and tiers(plane, DISK) is None
+        assert plane.index.carrier_blocks(Carrier("e"))[Tier.DEVICE] == 2
+        assert plane.carrier_states() == {"e": CarrierState.DISCONNECTED}
+        assert sample(plane, "routerfleet_kv_carriers", state="disconnected") == 1
+        # While we are away the engine goes on: the replay buffer covers it.
+        engine.emit(0, engine.caches[0].store(list(range(9, 13))))
+        engine.emit(0, engine.caches[0].remove(DEV))
+        plane.set_workers([spec(engine)])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="adopted")
+        assert outcome(plane, "success") == 1
+        await eventually(lambda: tiers(plane, list(range(9, 13))) == (1, 0, 0, 0), what="missed store")
+        assert tiers(plane, DEV) is None  # the missed removal applied too
+        assert tiers(plane, DISK) == (0, 0, 2, 0)  # every tier re-adopted, nothing replayed for it
+        assert sample(plane, "routerfleet_kv_disconnect_window_seconds_count") == 1
+
+
+async def test_restart_with_the_same_storage_drops_device_and_keeps_disk(tmp_path):
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        await warm(plane, engine)
+        leave(plane)
+        engine.restart()  # a new incarnation on the same storage: re-announces nothing
+        assert engine.caches[0].disk_hashes() and not engine.caches[0].device_hashes()
+        plane.set_workers([spec(engine)])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+        await plane.writer.drain()
+        assert outcome(plane, "success") == 1
+        assert tiers(plane, DEV) is None  # GPU memory is gone
+        assert tiers(plane, DISK) == (0, 0, 2, 0)  # the disk survived and is adopted
+        # The new incarnation's stream works on top of it: a disk hit is promoted, by engine hash.
+        await join(plane, engine)
+        engine.admit(0, DISK, engine.caches[0].chain(DISK)[0].namespace)
+        await eventually(lambda: tiers(plane, DISK) == (2, 0, 0, 0), what="promotion applied")
+
+
+async def test_restart_on_a_fresh_process_reads_the_storage_dir_again(tmp_path):
+    """The disk survives the process itself, not only an in-place restart."""
+    async with plane_for() as plane:
+        async with fake(tmp_path) as engine:
+            await warm(plane, engine)
+        leave(plane)
+        async with fake(tmp_path) as engine2:  # another process, same directory
+            assert len(engine2.caches[0].disk_hashes()) == 2
+            plane.set_workers([spec(engine2)])
+            await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+            await plane.writer.drain()
+            assert outcome(plane, "success") == 1 and tiers(plane, DISK) == (0, 0, 2, 0)
+
+
+async def test_a_moved_disk_is_refused(tmp_path):
+    async with fake(tmp_path, "s1") as e1, fake(tmp_path, "s2") as e2, plane_for() as plane:
+        await warm(plane, e1, "e1")
+        await warm(plane, e2, "e2")
+        leave(plane, "e2")
+        await e2.stop()
+        shutil.rmtree(tmp_path / "s2")
+        shutil.copytree(tmp_path / "s1", tmp_path / "s2")  # e1's disk shows up under e2
+        async with fake(tmp_path, "s2") as moved:
+            plane.set_workers([plane.workers["e1"], spec(moved, "e2")])
+            await eventually(lambda: plane.carrier_states()["e2"] is CarrierState.OK, what="decided")
+            await plane.writer.drain()
+            assert outcome(plane, "identity_mismatch") == 1 and outcome(plane, "success") == 0
+            assert tiers(plane, DISK, "e2") is None  # nothing of e2 adopted
+            assert plane.index.carrier_blocks(Carrier("e2")) == dict.fromkeys(
+                (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.EXTERNAL), 0
+            )
+            assert tiers(plane, DISK, "e1") == (0, 0, 2, 0)  # the rightful owner is untouched
+
+
+async def test_an_epoch_mismatch_is_refused(tmp_path):
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        await warm(plane, engine)
+        leave(plane)
+        engine.wipe_storage()  # the disk content is invalidated: epoch 0 -> 1
+        engine.emit(0, engine.caches[0].store(DISK, tier=Tier.DISK))  # same content again, new epoch
+        engine.restart()
+        plane.set_workers([spec(engine)])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+        await plane.writer.drain()
+        assert outcome(plane, "epoch_mismatch") == 1
+        assert tiers(plane, DISK) is None and plane.index.carrier_blocks(Carrier("e"))[Tier.DISK] == 0
+
+
+async def test_the_adoption_cap_stops_a_crash_loop(tmp_path):
+    async with fake(tmp_path) as engine, plane_for(adoption_cap=1) as plane:
+        await warm(plane, engine)
+        for _ in range(2):
+            leave(plane)
+            engine.restart()
+            plane.set_workers([spec(engine)])
+            await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+            await plane.writer.drain()
+            await eventually(lambda: plane._records["e"].storage is not None, what="storage")
+        assert (outcome(plane, "success"), outcome(plane, "rejected")) == (1, 1)
+        assert tiers(plane, DISK) is None  # the second cycle was refused: dropped, cold
+
+
+async def test_grace_expiry_removes_the_carriers(tmp_path):
+    async with fake(tmp_path) as engine, plane_for(disconnect_grace_s=0.2) as plane:
+        await warm(plane, engine)
+        leave(plane)
+        assert Carrier("e") in plane.index.carriers
+        await eventually(lambda: Carrier("e") not in plane.index.carriers, what="REMOVED")
+        assert sample(plane, "routerfleet_kv_grace_expirations_total") == 1
+        assert plane.carrier_states() == {}
+        # It comes back later: a fresh engine, nothing adopted, nothing counted.
+        engine.restart()
+        plane.set_workers([spec(engine)])
+        await plane.writer.drain()
+        assert tiers(plane, DISK) is None and outcome(plane, "success") == 0
+
+
+async def test_health_failure_hides_and_recovery_shows(tmp_path):
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        await warm(plane, engine)
+        plane.engine_unreachable("e")
+        assert tiers(plane, DEV) is None
+        export_ok = plane.index.visible_tiers(Carrier("e")) == 0
+        assert export_ok
+        engine.emit(0, engine.caches[0].store(list(range(9, 13))))  # the stream keeps being tracked
+        await eventually(
+            lambda: plane.index.carrier_blocks(Carrier("e"))[Tier.DEVICE] == 3, what="hidden apply"
+        )
+        assert tiers(plane, list(range(9, 13))) is None
+        plane.engine_reachable("e")
+        await plane.writer.drain()
+        assert tiers(plane, list(range(9, 13))) == (1, 0, 0, 0) and tiers(plane, DISK) == (0, 0, 2, 0)
+
+
+async def test_events_racing_the_adoption_are_held_and_applied_after_it(tmp_path):
+    gate = asyncio.Event()
+
+    async def slow_lookup(s: WorkerSpec):
+        if plane._records.get("e") is not None and plane._records["e"].state is CarrierState.DISCONNECTED:
+            await gate.wait()
+        return await lookup_storage(s)
+
+    async with fake(tmp_path) as engine, plane_for(storage_lookup=slow_lookup) as plane:
+        await warm(plane, engine)
+        leave(plane)
+        engine.restart()
+        plane.set_workers([spec(engine)])
+        await join(plane, engine)  # batches arrive while the decision waits on the storage proof
+        # The new incarnation promotes the disk blocks: GPU store, then STORAGE removals. Applied
+        # before the decision, the device drop would erase them; held, they land on top of it.
+        engine.admit(0, DISK, engine.caches[0].chain(DISK)[0].namespace)
+        sub = plane.subscriptions()[0]
+        await eventually(lambda: sub.hold is not None and len(sub.hold) >= 2, what="batches held")
+        assert tiers(plane, DISK) is None  # still DISCONNECTED: nothing half-adopted is visible
+        assert plane.index.carrier_blocks(Carrier("e"))[Tier.DEVICE] == 2  # the old device tier
+        gate.set()
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+        await plane.writer.drain()
+        assert outcome(plane, "success") == 1
+        assert tiers(plane, DISK) == (2, 0, 0, 0)  # decision first, then the held batches, in order
+        assert tiers(plane, DEV) is None
+
+
+async def test_every_rank_is_decided_in_one_step_and_a_second_departure_mid_decision_is_cold(tmp_path):
+    gate = asyncio.Event()
+
+    async def gated(s: WorkerSpec):
+        if plane._records.get("e") is not None and plane._records["e"].state is CarrierState.DISCONNECTED:
+            await gate.wait()
+        return await lookup_storage(s)
+
+    async with fake(tmp_path, dp_size=2) as engine, plane_for(storage_lookup=gated) as plane:
+        plane.set_workers(
+            [
+                WorkerSpec(
+                    "e",
+                    engine.http_url,
+                    kv=engine.kv_endpoint(0),
+                    replay=engine.replay_endpoint(0),
+                    dp_size=2,
+                    incarnation=engine.incarnation,
+                )
+            ]
+        )
+        for sub in plane.subscriptions():
+            await join_stream(engine.publisher, sub, sub.carrier.rank)
+        for r in (0, 1):
+            engine.emit(r, engine.caches[r].store(DISK, tier=Tier.DISK))
+        await eventually(lambda: len(plane.index.match(DISK)) == 2, what="both ranks indexed")
+        await eventually(lambda: plane._records["e"].storage is not None, what="storage")
+
+        def back():
+            return WorkerSpec(
+                "e",
+                engine.http_url,
+                kv=engine.kv_endpoint(0),
+                replay=engine.replay_endpoint(0),
+                dp_size=2,
+                incarnation=engine.incarnation,
+            )
+
+        leave(plane)
+        engine.restart()
+        plane.set_workers([back()])
+        assert plane.index.match(DISK) == {}
+        leave(plane)  # gone again before the decision: nothing is decided, nothing shows
+        gate.set()
+        await asyncio.sleep(0.05)
+        assert plane.index.match(DISK) == {} and outcome(plane, "success") == 0
+        plane.set_workers([back()])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+        await plane.writer.drain()
+        assert {c.rank: m.tier_blocks for c, m in plane.index.match(DISK).items()} == {
+            0: (0, 0, 2, 0),
+            1: (0, 0, 2, 0),
+        }
+        assert outcome(plane, "success") == 1
