@@ -147,11 +147,14 @@ async def bootstrap_report(session: aiohttp.ClientSession, internal: str, token:
 
 
 async def index_view(session: aiohttp.ClientSession, router: str) -> dict[tuple[str, int, str], tuple]:
-    """{(engine, rank, tier): (blocks, digest)} of a router's /debug/index, plus ("nodes", 0, "") ->
-    node count."""
+    """{(engine, rank, tier): (blocks, digest)} of what a router's /debug/index routes on: carriers of
+    engines that left are kept hidden for re-adoption during the grace window and are skipped (so is
+    the node count, which includes their nodes)."""
     _, index = await get(session, router + "/debug/index")
-    view: dict[tuple[str, int, str], tuple] = {("nodes", 0, ""): (index["nodes"], "")}
+    view: dict[tuple[str, int, str], tuple] = {}
     for c in index["carriers"]:
+        if c.get("state", "ok") != "ok":
+            continue
         for tier, t in c["tiers"].items():
             if t["blocks"]:
                 view[(c["engine"], c["rank"], tier)] = (t["blocks"], t["digest"])

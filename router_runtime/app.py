@@ -264,6 +264,7 @@ class Router:
     def index_summary(self) -> dict:
         """Per carrier and tier: how many blocks the index holds and a digest of their engine hashes."""
         index = self.kv.index
+        states = self.kv.carrier_states()
         carriers = []
         for c in index.carriers:
             by_tier = index.carrier_engine_hashes(c)
@@ -271,6 +272,8 @@ class Router:
                 {
                     "engine": c.engine,
                     "rank": c.rank,
+                    # disconnected: held for re-adoption, invisible to routing and export
+                    "state": states.get(c.engine, "ok"),
                     "tiers": {
                         t.name.lower(): {"blocks": len(by_tier[t]), "digest": hash_set_digest(by_tier[t])}
                         for t in TIER_ORDER
