@@ -1,16 +1,17 @@
-"""routerfleet-operator: for now, the offline half.
+"""routerfleet-operator: the RouterFleet controller, and its offline dry runs.
 
-    routerfleet-operator render -f fleet.yaml [--token T] [--namespace NS]
-        print the manifests a RouterFleet renders to (YAML, one document each): a dry run
-    routerfleet-operator validate -f fleet.yaml
-        the operator's own checks (the CRD's CEL rules run at the API server); exit 1 if invalid
-
-The controller itself (kopf handlers, server-side apply) is not in this version.
+routerfleet-operator run [--namespace NS]... [--peering NAME --priority N] [--liveness URL]
+    the controller (kopf, in-process): every namespace by default, or only the ones named
+routerfleet-operator render -f fleet.yaml [--token T] [--namespace NS]
+    print the manifests a RouterFleet renders to (YAML, one document each): a dry run
+routerfleet-operator validate -f fleet.yaml
+    the operator's own checks (the CRD's CEL rules run at the API server); exit 1 if invalid
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -29,6 +30,24 @@ def _load(path: str, namespace: str | None) -> Fleet:
     return Fleet.parse(obj)
 
 
+def _run(a: argparse.Namespace) -> int:
+    import kopf
+
+    from . import handlers
+
+    handlers.CONFIG.operator = OperatorRef(namespace=a.operator_namespace)
+    kopf.configure(verbose=a.verbose)
+    kopf.run(
+        clusterwide=not a.namespace,
+        namespaces=a.namespace,
+        standalone=a.peering is None,
+        peering_name=a.peering,
+        priority=a.priority,
+        liveness_endpoint=a.liveness,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="routerfleet-operator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -41,7 +60,27 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--operator-namespace", default=OperatorRef().namespace)
     v = sub.add_parser("validate", help="the operator's checks of a RouterFleet")
     v.add_argument("-f", "--file", required=True)
+    o = sub.add_parser("run", help="run the controller (kopf)")
+    o.add_argument("-n", "--namespace", action="append", default=[], help="watch only NS (repeatable)")
+    o.add_argument(
+        "--peering",
+        metavar="NAME",
+        help="kopf peering object (a ClusterKopfPeering, or a KopfPeering per watched namespace) to "
+        "coordinate replicas; without it the operator runs standalone",
+    )
+    o.add_argument("--priority", type=int, default=0, help="peering priority: give each replica its own")
+    o.add_argument(
+        "--liveness", metavar="URL", help="kopf's liveness endpoint, e.g. http://0.0.0.0:8080/healthz"
+    )
+    o.add_argument(
+        "--operator-namespace",
+        default=os.environ.get("POD_NAMESPACE") or OperatorRef().namespace,
+        help="where the operator runs (the fleets' NetworkPolicy admits it to the internal port)",
+    )
+    o.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
+    if a.cmd == "run":
+        return _run(a)
 
     try:
         fleet = _load(a.file, getattr(a, "namespace", None))

@@ -1,0 +1,273 @@
+"""The shell's one reconcile of a fleet: read the cluster, ``decide``, apply the decision in order.
+
+    delay = await reconcile(kube, namespace, name, operator=OperatorRef(...))
+
+The order (see ``rollout``): the owned objects and the Deployment first (from a stored
+ControllerRevision when the decision rolls back), then the pod deletions, then the
+``routerfleet.io/seeded`` gates through ``pods/status``, then ``status`` last, then the Events. Every
+decision is made by the pure core; this module only moves data between it and the API server.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import secrets
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from .kube import MERGE, STRATEGIC, ApiError, Kube
+from .model import API_VERSION, FIELD_MANAGER, KIND, LABEL_FLEET, LABEL_REVISION, TOKEN_KEY, Phase
+from .render import (
+    OperatorRef,
+    controller_revision_name,
+    names,
+    new_token,
+    render_all,
+    render_controller_revision,
+    render_pod_template,
+    render_secret,
+    seeded_condition,
+)
+from .rollout import Decision, Event, PodView, decide
+from .spec import Fleet, SpecError, validate
+from .verdicts import fetch_reports
+
+log = logging.getLogger(__name__)
+REVISION_HISTORY = 10  # ControllerRevisions kept per fleet (besides the current and update ones)
+POLL_BUSY_S = 2.0  # while a rollout is not Complete
+POLL_IDLE_S = 60.0  # Complete: pod and fleet events wake the loop anyway
+
+
+# ---- the fleet token ----------------------------------------------------------------------------------
+
+
+def _token_of(secret: Mapping[str, Any] | None) -> str:
+    data = (secret or {}).get("data") or {}
+    try:
+        return base64.b64decode(data.get(TOKEN_KEY) or "").decode().strip()
+    except ValueError:
+        return ""
+
+
+async def ensure_token(kube: Kube, fleet: Fleet) -> tuple[str, list[Event]]:
+    """The fleet token: the Secret's, or a new one when there is no Secret yet (created, never
+    rotated). A Secret without a usable token is refilled, with a Warning (never silently)."""
+    name = names(fleet).secret
+    secret = await kube.get("Secret", fleet.namespace, name)
+    if token := _token_of(secret):
+        return token, []
+    token = new_token()
+    if secret is None:
+        try:
+            await kube.create(render_secret(fleet, token))
+            return token, [Event("Normal", "TokenCreated", f"created the fleet token Secret {name}")]
+        except ApiError as e:
+            if e.status != 409:
+                raise
+            raced = _token_of(await kube.get("Secret", fleet.namespace, name))
+            if raced:
+                return raced, []
+    await kube.apply(render_secret(fleet, token))
+    msg = f"Secret {name} had no usable token; wrote a new one (routers restart to pick it up)"
+    return token, [Event("Warning", "TokenReplaced", msg)]
+
+
+# ---- ControllerRevisions ------------------------------------------------------------------------------
+
+
+async def record_revision(kube: Kube, fleet: Fleet, template: Mapping[str, Any], keep: set[str]) -> None:
+    """Store the deployed template as a ControllerRevision (once per revision) and prune the history
+    to REVISION_HISTORY, never dropping the revisions in ``keep``."""
+    stored = await kube.list("ControllerRevision", fleet.namespace, f"{LABEL_FLEET}={fleet.name}")
+    rev = template["metadata"]["labels"][LABEL_REVISION]
+    name = controller_revision_name(fleet, rev)
+    if not any(c["metadata"]["name"] == name for c in stored):
+        number = max((int(c.get("revision") or 0) for c in stored), default=0) + 1
+        try:
+            stored.append(await kube.create(render_controller_revision(fleet, template, number)))
+        except ApiError as e:
+            if e.status != 409:
+                raise
+    keep = keep | {rev}
+    prunable = sorted(
+        (c for c in stored if (c["metadata"].get("labels") or {}).get(LABEL_REVISION) not in keep),
+        key=lambda c: int(c.get("revision") or 0),
+    )
+    for c in prunable[: max(0, len(prunable) - REVISION_HISTORY)]:
+        await kube.delete("ControllerRevision", fleet.namespace, c["metadata"]["name"])
+
+
+async def stored_template(kube: Kube, fleet: Fleet, revision: str) -> dict[str, Any] | None:
+    cr = await kube.get("ControllerRevision", fleet.namespace, controller_revision_name(fleet, revision))
+    return ((cr or {}).get("data") or {}).get("template")
+
+
+# ---- status -------------------------------------------------------------------------------------------
+
+
+def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) from ``old`` to ``new``: removed keys are null, nested objects
+    are patched, lists are replaced. Empty when nothing changed."""
+    out: dict[str, Any] = {}
+    for k in old.keys() - new.keys():
+        out[k] = None
+    for k, v in new.items():
+        o = old.get(k)
+        if isinstance(v, Mapping) and isinstance(o, Mapping):
+            sub = merge_patch(o, v)
+            if sub:
+                out[k] = sub
+        elif o != v or k not in old:
+            out[k] = v
+    return out
+
+
+def event_body(obj: Mapping[str, Any], ev: Event, now: datetime) -> dict[str, Any]:
+    meta = obj["metadata"]
+    stamp = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{secrets.token_hex(8)}", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid"),
+            "resourceVersion": meta.get("resourceVersion"),
+        },
+        "type": ev.type,
+        "reason": ev.reason,
+        "message": ev.message[:1024],
+        "source": {"component": FIELD_MANAGER},
+        "reportingComponent": FIELD_MANAGER,
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
+
+
+async def post_events(kube: Kube, obj: Mapping[str, Any], events: Sequence[Event], now: datetime) -> None:
+    for ev in events:
+        (log.warning if ev.type == "Warning" else log.info)("%s: %s", ev.reason, ev.message)
+        try:
+            await kube.create(event_body(obj, ev, now))
+        except ApiError as e:  # an event is never worth failing a reconcile
+            log.warning("event %s not posted: %s", ev.reason, e)
+
+
+# ---- one reconcile ------------------------------------------------------------------------------------
+
+
+async def apply_owned(
+    kube: Kube, fleet: Fleet, obj: Mapping[str, Any], decision: Decision, token: str, operator: OperatorRef
+) -> list[Event]:
+    """Step 1: every owned object, the Deployment last, with the decided template and ``paused``."""
+    assert decision.deploy_revision is not None
+    status = obj.get("status") or {}
+    events: list[Event] = []
+    template: Mapping[str, Any] | None
+    if decision.rollback:
+        template = await stored_template(kube, fleet, decision.deploy_revision)
+        if template is None:
+            events.append(
+                Event(
+                    "Warning",
+                    "RevisionMissing",
+                    f"ControllerRevision of {decision.deploy_revision} not found: Deployment left as is",
+                )
+            )
+    else:
+        template = render_pod_template(fleet)
+        keep = {r for r in (status.get("currentRevision"), decision.deploy_revision) if r}
+        await record_revision(kube, fleet, template, keep)
+    manifests = render_all(
+        fleet, token, operator=operator, template=template, paused=bool(decision.pause_deployment)
+    )
+    for m in manifests:
+        if m["kind"] == "Deployment" and template is None:
+            continue
+        await kube.apply(m)
+    if not any(m["kind"] == "PodDisruptionBudget" for m in manifests):
+        await kube.delete("PodDisruptionBudget", fleet.namespace, names(fleet).pdb)
+    return events
+
+
+async def reconcile(
+    kube: Kube, namespace: str, name: str, *, operator: OperatorRef | None = None, now: datetime | None = None
+) -> float | None:
+    """One pass over one fleet. Returns the delay before the next pass (None: the fleet is gone)."""
+    operator = operator or OperatorRef()
+    obj = await kube.get("RouterFleet", namespace, name)
+    if obj is None or obj["metadata"].get("deletionTimestamp"):
+        return None
+    now = now or datetime.now(UTC)
+    try:
+        fleet: Fleet | None = Fleet.parse(obj)
+        if validate(fleet):  # type: ignore[arg-type]
+            fleet = None
+    except SpecError:
+        fleet = None
+
+    events: list[Event] = []
+    token = ""
+    if fleet is not None:
+        token, events = await ensure_token(kube, fleet)
+    pods = await kube.list("Pod", namespace, f"{LABEL_FLEET}={name}")
+    pods = [p for p in pods if _owned_by_fleet(p, name)]
+    reports = await fetch_reports(pods, token) if token else {}
+    views = [PodView.from_pod(p, reports.get(p["metadata"]["name"])) for p in pods]
+    decision = decide(obj, views, now)
+
+    # 1. the owned objects and the Deployment (an invalid spec changes nothing)
+    if fleet is not None and decision.deploy_revision is not None:
+        events += await apply_owned(kube, fleet, obj, decision, token, operator)
+    # 2. pod deletions (by UID: a recreated pod of the same name is not ours to delete)
+    uids = {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods}
+    for pod in decision.delete:
+        await kube.delete("Pod", namespace, pod, uid=uids.get(pod))
+    # 3. the seeded gates, through pods/status (a strategic merge: conditions merge by type)
+    by_name = {v.name: v for v in views}
+    for pod in decision.admit:
+        report = by_name[pod].report
+        cond = seeded_condition(report.verdict.value if report else "disabled", now)
+        try:
+            await kube.patch(
+                "Pod", namespace, pod, {"status": {"conditions": [cond]}}, ctype=STRATEGIC, sub="status"
+            )
+        except ApiError as e:
+            if e.status != 404:
+                raise
+    # 4. status last, guarded by the resourceVersion it was decided from
+    if decision.status is not None:
+        diff = merge_patch(obj.get("status") or {}, decision.status)
+        if diff:
+            body = {"metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]}, "status": diff}
+            try:
+                await kube.patch("RouterFleet", namespace, name, body, ctype=MERGE, sub="status")
+            except ApiError as e:
+                if e.status != 409:
+                    raise
+                log.info("%s/%s changed while deciding: deciding again", namespace, name)
+                await post_events(kube, obj, [*events, *decision.events], now)
+                return 0.2
+    await post_events(kube, obj, [*events, *decision.events], now)
+    return next_delay(decision)
+
+
+def _owned_by_fleet(pod: Mapping[str, Any], name: str) -> bool:
+    """A pod of the fleet's Deployment (its ReplicaSets are named <deployment>-<hash>)."""
+    refs = (pod.get("metadata") or {}).get("ownerReferences") or ()
+    return any(r.get("kind") == "ReplicaSet" and r.get("name", "").startswith(f"{name}-") for r in refs)
+
+
+def next_delay(decision: Decision) -> float:
+    phase = ((decision.status or {}).get("rollout") or {}).get("phase")
+    busy = phase != Phase.COMPLETE.value or decision.admit or decision.requeue_after_s is not None
+    delay = POLL_BUSY_S if busy else POLL_IDLE_S
+    if decision.requeue_after_s is not None:
+        delay = min(delay, decision.requeue_after_s)
+    return max(0.2, delay)

@@ -1,0 +1,560 @@
+"""The operator (``routerfleet-operator run``, a subprocess watching the test's namespace) on a real
+control plane with the process node agent (tests/e2e/conftest.py). Local provider only: the operator
+and the test reach the router pods at their IPs.
+
+`test_first_deploy`: the CRD applied, 2 fake engines (+ Service) and a 3-replica RouterFleet:
+- every router pod gets ``routerfleet.io/seeded=True`` through pods/status, with a passing first-deploy
+  verdict (no_peers / fleet_cold, or from_origin: a young engine's replay buffer still reaches
+  sequence 0, so a replica may rebuild from it);
+- ``kubectl wait --for=condition=Ready rf/NAME``, started right after the create, returns only once
+  Ready=True is written with observedGeneration == metadata.generation (checked at its return);
+- the status tells the same story (Complete, counts, members, conditions) and Events mark the steps;
+- a completion flows through a router pod;
+- deleting the RouterFleet removes everything it owned (the garbage collector, via ownerReferences).
+
+    .venv/bin/python -m pytest tests/e2e/test_operator.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from e2e.fleet import ENGINE, ENGINE_LABELS, ROUTER_PORT, apply, completion, find, load_manifests, pod_url
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "crds" / "routerfleet.io_routerfleets.yaml"
+GROUP, VERSION, PLURAL = "routerfleet.io", "v1alpha1", "routerfleets"
+SEEDED = "routerfleet.io/seeded"
+FIRST_DEPLOY_VERDICTS = {"no_peers", "fleet_cold", "from_origin"}
+FLEET = "rf"
+
+
+def aio(fn, *args, **kw):
+    """Run ``fn(session, *args, **kw)`` (a coroutine function) to completion on a fresh session."""
+
+    async def go():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            return await fn(s, *args, **kw)
+
+    return asyncio.run(go())
+
+
+def _local_only(cluster) -> None:
+    if not getattr(cluster.provider, "reaches_pod_ips", False):
+        pytest.skip("the operator and the test talk to pods at their IPs: local provider only")
+
+
+def kubectl_path(cluster) -> str:
+    c = getattr(cluster.provider, "cluster", None)
+    candidates = [Path(c.bin_dir) / "kubectl"] if c is not None else []
+    if os.environ.get("ROUTERFLEET_KUBE_BIN"):
+        candidates.append(Path(os.environ["ROUTERFLEET_KUBE_BIN"]) / "kubectl")
+    for p in candidates:
+        if p.is_file():
+            return str(p)
+    found = shutil.which("kubectl")
+    if found:
+        return found
+    from e2e.cluster import kube_bin_dir
+
+    return str(kube_bin_dir(build=False) / "kubectl")
+
+
+def kubectl(cluster, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [kubectl_path(cluster), "--kubeconfig", str(cluster.kubeconfig), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def crd(cluster):
+    p = kubectl(cluster, "apply", "--server-side", "-f", str(CRD))
+    assert p.returncode == 0, p.stderr
+    p = kubectl(cluster, "wait", "--for=condition=Established", "crd/routerfleets.routerfleet.io")
+    assert p.returncode == 0, p.stderr
+    return client.CustomObjectsApi(cluster.api)
+
+
+class OperatorProcess:
+    """``routerfleet-operator run --namespace NS`` as a subprocess; ``kill()`` (SIGKILL: no clean
+    shutdown) and ``start()`` again to test that a restart resumes from status."""
+
+    def __init__(self, cluster, namespace: str, log_path: Path):
+        self.args = [
+            sys.executable, "-m", "routerfleet_operator.cli", "run", "--namespace", namespace,
+            "--operator-namespace", namespace, "--verbose",
+        ]  # fmt: skip
+        self.env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONUNBUFFERED": "1"}
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT / "operator"), str(ROOT), os.environ.get("PYTHONPATH", "")]
+        )
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with self.log_path.open("a") as log:
+            log.write(f"===== operator started at {time.strftime('%H:%M:%S')}\n")
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT
+            )
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def operator(cluster, namespace, crd, tmp_path):
+    """The operator watching the test's namespace (its log is printed at the end)."""
+    op = OperatorProcess(cluster, namespace, tmp_path / "operator.log")
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        lines = [ln for ln in op.log_path.read_text(errors="replace").splitlines() if "[DEBUG" not in ln]
+        print(f"\n--- operator log without DEBUG (last 60 of {len(lines)} lines)")
+        print("\n".join(lines[-60:]))
+
+
+def deploy_engines(cluster, ns: str, engine_args: tuple[str, ...] = ()) -> None:
+    docs = load_manifests(image=getattr(cluster.provider, "image", None))
+    engine = find(docs, "Deployment", ENGINE)
+    engine["spec"]["template"]["spec"]["containers"][0]["args"] += list(engine_args)
+    apply(cluster.api, ns, [engine, find(docs, "Service", ENGINE)])
+
+
+def fleet_manifest(cluster, ns: str, replicas: int = 3) -> dict:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "RouterFleet",
+        "metadata": {"name": FLEET, "namespace": ns},
+        "spec": {
+            "replicas": replicas,
+            "router": {"image": getattr(cluster.provider, "image", "routerfleet:dev")},
+            "engines": {
+                "serviceName": ENGINE,
+                "kvPort": "kv",
+                "replayPort": "replay",
+                "dpSize": 2,
+            },
+            "bootstrap": {"timeout": "30s"},
+        },
+    }
+
+
+def get_fleet(crd, ns: str) -> dict:
+    return crd.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, FLEET)
+
+
+def condition(obj: dict, type_: str) -> dict:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+def seeded(p) -> str | None:
+    return next((c.status for c in p.status.conditions or [] if c.type == SEEDED), None)
+
+
+def test_first_deploy(cluster, namespace, crd, operator):
+    _local_only(cluster)
+    ns = namespace
+    t0 = time.monotonic()
+    deploy_engines(cluster, ns)
+    cluster.wait_pods_ready(ns, ENGINE_LABELS, 2)
+
+    crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, fleet_manifest(cluster, ns))
+    # Started at once: it must not return on anything but the new generation's Ready=True.
+    waiter = subprocess.Popen(
+        [kubectl_path(cluster), "--kubeconfig", str(cluster.kubeconfig), "-n", ns, "wait",
+         "--for=condition=Ready", f"rf/{FLEET}", "--timeout=150s"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        out, err = waiter.communicate(timeout=170)
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()
+    t_ready = time.monotonic() - t0
+    obj = get_fleet(crd, ns)  # read right after the wait returned
+    assert waiter.returncode == 0, (out, err, obj.get("status"))
+    ready = condition(obj, "Ready")
+    gen = obj["metadata"]["generation"]
+    assert ready.get("status") == "True", obj.get("status")
+    assert ready.get("observedGeneration") == gen and obj["status"]["observedGeneration"] == gen, obj
+    print(f"\n[operator] kubectl wait returned after {t_ready:.1f}s: {ready}")
+
+    # every router pod is seeded (pods/status), with a passing first-deploy verdict
+    sel = f"routerfleet.io/fleet={FLEET}"
+    pods = cluster.wait_pods_ready(ns, sel, 3, timeout=30)
+    assert all(seeded(p) == "True" for p in pods), [p.status.conditions for p in pods]
+    status = obj["status"]
+    verdicts = {m["pod"]: m["verdict"] for m in status["members"]}
+    assert set(verdicts) == {p.metadata.name for p in pods}, (verdicts, [p.metadata.name for p in pods])
+    assert set(verdicts.values()) <= FIRST_DEPLOY_VERDICTS, verdicts
+    assert all(m["gate"] and m["ready"] for m in status["members"]), status["members"]
+    for p in pods:
+        c = next(c for c in p.status.conditions if c.type == SEEDED)
+        assert c.reason.startswith("Verdict"), c
+    print(f"[operator] verdicts: {sorted(verdicts.values())}")
+
+    # the status
+    assert status["rollout"]["phase"] == "Complete", status["rollout"]
+    assert status["currentRevision"] == status["updateRevision"], status
+    assert status["replicas"] == status["readyReplicas"] == status["updatedReplicas"] == 3, status
+    assert status["selector"] == sel
+    conds = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conds["Stalled"] == "False" and conds["Reconciling"] == "False", conds
+    assert conds["CacheWarm"] == "True", status["conditions"]
+    # kopf's bookkeeping stays out of the status
+    assert "kopf" not in status, status.keys()
+
+    # the owned objects, all with the fleet as controller
+    uid = obj["metadata"]["uid"]
+    owned = [
+        cluster.apps.read_namespaced_deployment(FLEET, ns),
+        cluster.core.read_namespaced_service(FLEET, ns),
+        cluster.core.read_namespaced_service(f"{FLEET}-peers", ns),
+        cluster.core.read_namespaced_service_account(f"{FLEET}-router", ns),
+        cluster.core.read_namespaced_secret(f"{FLEET}-internal-token", ns),
+        cluster.rbac.read_namespaced_role(f"{FLEET}-router", ns),
+        cluster.rbac.read_namespaced_role_binding(f"{FLEET}-router", ns),
+        client.PolicyV1Api(cluster.api).read_namespaced_pod_disruption_budget(FLEET, ns),
+        client.NetworkingV1Api(cluster.api).read_namespaced_network_policy(f"{FLEET}-internal", ns),
+    ]
+    crs = cluster.apps.list_namespaced_controller_revision(ns, label_selector=sel).items
+    assert [c.metadata.name for c in crs] == [f"{FLEET}-{status['currentRevision']}"], crs
+    for o in [*owned, *crs]:
+        refs = o.metadata.owner_references or []
+        assert [(r.uid, r.controller) for r in refs] == [(uid, True)], (o.kind, o.metadata.name, refs)
+    dep = owned[0]
+    managers = {m.manager for m in dep.metadata.managed_fields or [] if m.operation == "Apply"}
+    assert managers == {"routerfleet-operator"}, managers
+
+    # the Events mark the steps
+    events = cluster.core.list_namespaced_event(ns, field_selector=f"involvedObject.name={FLEET}").items
+    reasons = [e.reason for e in events if e.involved_object.kind == "RouterFleet"]
+    assert reasons.count("ReplicaSeeded") == 3 and "RolloutComplete" in reasons, reasons
+
+    # a completion through a router pod
+    rng = secrets.SystemRandom()
+    tokens = [rng.randrange(1000, 30000) for _ in range(48)]
+    status_code, engine, body = aio(completion, pod_url(pods[0], ROUTER_PORT), tokens)
+    assert status_code == 200 and engine, (status_code, engine, body)
+
+    # deleting the fleet removes everything it owned
+    crd.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, FLEET)
+
+    def gone():
+        left = []
+        for fn, name in (
+            (cluster.apps.read_namespaced_deployment, FLEET),
+            (cluster.core.read_namespaced_service, FLEET),
+            (cluster.core.read_namespaced_service, f"{FLEET}-peers"),
+            (cluster.core.read_namespaced_secret, f"{FLEET}-internal-token"),
+            (cluster.core.read_namespaced_service_account, f"{FLEET}-router"),
+            (cluster.rbac.read_namespaced_role, f"{FLEET}-router"),
+        ):
+            try:
+                fn(name, ns)
+                left.append(name)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        left += [c.metadata.name for c in cluster.apps.list_namespaced_controller_revision(ns).items]
+        left += [p.metadata.name for p in cluster.core.list_namespaced_pod(ns, label_selector=sel).items]
+        return not left
+
+    cluster.wait_for("the fleet's objects and pods garbage-collected", gone, 90)
+    print(f"[operator] first deploy test done in {time.monotonic() - t0:.1f}s")
+
+
+# ------------------------------------------------------------------------------------------ rollout
+
+REPLAY_BUFFER = 8  # batches per rank: once warmed, the engines' replay no longer reaches sequence 0
+WARM_PROMPTS = 96
+
+
+def wait_fleet_ready(cluster, crd, ns: str, what: str, timeout: float = 150) -> dict:
+    """The fleet once Ready=True for its current generation."""
+
+    def cond():
+        obj = get_fleet(crd, ns)
+        ready = condition(obj, "Ready")
+        gen = obj["metadata"]["generation"]
+        ok = ready.get("status") == "True" and ready.get("observedGeneration") == gen
+        return obj if ok and obj["status"]["observedGeneration"] == gen else None
+
+    return cluster.wait_for(what, cond, timeout)
+
+
+class Traffic:
+    """Fresh prompts straight to every engine rank, a few per second, in a thread: live KV events,
+    so a replica's graft is witnessed by an event (verdict warm, not warm_unwitnessed)."""
+
+    def __init__(self, engine_urls: list[str]):
+        import threading
+
+        self.urls = engine_urls
+        self.stop = threading.Event()
+        self.sent = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        rng = secrets.SystemRandom()
+
+        async def go(session):
+            i = 0
+            while not self.stop.is_set():
+                url = self.urls[i % len(self.urls)]
+                tokens = [rng.randrange(1000, 30000) for _ in range(32)]
+                try:
+                    await completion(session, url, tokens, max_tokens=1, data_parallel_rank=(i // 2) % 2)
+                    self.sent += 1
+                except aiohttp.ClientError:
+                    pass
+                i += 1
+                await asyncio.sleep(0.15)
+
+        aio(go)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(10)
+
+
+def test_rollout_and_scale(cluster, namespace, crd, operator):
+    """A template change rolls replica by replica, each new replica seeded `warm` from a sibling (the
+    engines' short replay buffers rule out a rebuild from origin); `kubectl scale rf` adds a replica."""
+    _local_only(cluster)
+    ns = namespace
+    t0 = time.monotonic()
+    deploy_engines(cluster, ns, (f"--replay-buffer={REPLAY_BUFFER}",))
+    engines = cluster.wait_pods_ready(ns, ENGINE_LABELS, 2)
+    engine_urls = [pod_url(p, 8000) for p in engines]
+    crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, fleet_manifest(cluster, ns, replicas=2))
+    obj = wait_fleet_ready(cluster, crd, ns, "first deploy Ready")
+    rev1 = obj["status"]["currentRevision"]
+    sel = f"routerfleet.io/fleet={FLEET}"
+    pods = cluster.wait_pods_ready(ns, sel, 2, timeout=30)
+    print(f"\n[rollout] 2 replicas Ready after {time.monotonic() - t0:.1f}s")
+
+    # warm the fleet: the engines' replay buffers move past sequence 0
+    rng = secrets.SystemRandom()
+    for i in range(WARM_PROMPTS):
+        tokens = [rng.randrange(1000, 30000) for _ in range(16 * rng.randrange(3, 10))]
+        code, _, body = aio(completion, pod_url(pods[i % 2], ROUTER_PORT), tokens)
+        assert code == 200, body
+
+    # a template change: a new revision, rolled out one replica at a time (maxSurge 1). The operator
+    # is killed (SIGKILL) once the first new replica is seeded, and started again: it resumes from
+    # the status.
+    with Traffic(engine_urls):
+        crd.patch_namespaced_custom_object(
+            GROUP, VERSION, ns, PLURAL, FLEET,
+            {"spec": {"router": {"env": [{"name": "ROUTERFLEET_E2E_ROLL", "value": "1"}]}}},
+        )  # fmt: skip
+        # the fleet is Ready=True for generation 1 right now: this must wait for generation 2
+        waiter = subprocess.Popen(
+            [kubectl_path(cluster), "--kubeconfig", str(cluster.kubeconfig), "-n", ns, "wait",
+             "--for=condition=Ready", f"rf/{FLEET}", "--timeout=180s"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        seen_unseeded_new: set[int] = set()
+        restarted = False
+
+        def rolled():
+            nonlocal restarted
+            ps = cluster.core.list_namespaced_pod(ns, label_selector=sel).items
+            live = [p for p in ps if p.metadata.deletion_timestamp is None]
+            new = [p for p in live if p.metadata.labels.get("routerfleet.io/revision") != rev1]
+            seen_unseeded_new.add(sum(1 for p in new if seeded(p) != "True"))
+            assert len(live) <= 3, [p.metadata.name for p in live]  # replicas + maxSurge
+            ready = [p for p in live if cluster.pod_ready(p)]
+            assert len(ready) >= 2 or not new, "maxUnavailable 0: never fewer Ready than replicas"
+            if not restarted and sum(1 for p in new if seeded(p) == "True") == 1:
+                operator.kill()
+                operator.start()
+                restarted = True
+            o = get_fleet(crd, ns)
+            r = condition(o, "Ready")
+            done = (
+                r.get("status") == "True"
+                and r.get("observedGeneration") == o["metadata"]["generation"] == 2
+                and o["status"].get("currentRevision") not in (None, rev1)
+            )
+            return o if done else None
+
+        obj = cluster.wait_for("the new revision rolled out and Ready", rolled, 180)
+        out, err = waiter.communicate(timeout=30)
+        assert waiter.returncode == 0, (out, err)
+        after_wait = get_fleet(crd, ns)["status"]
+        assert after_wait["currentRevision"] != rev1 and after_wait["observedGeneration"] == 2
+    assert restarted, "the operator was never restarted mid-rollout"
+    rev2 = obj["status"]["currentRevision"]
+    members = obj["status"]["members"]
+    assert {m["revision"] for m in members} == {rev2} and len(members) == 2, members
+    assert [m["verdict"] for m in members] == ["warm", "warm"], members
+    assert max(seen_unseeded_new) <= 1, seen_unseeded_new
+    events = cluster.core.list_namespaced_event(ns, field_selector=f"involvedObject.name={FLEET}").items
+    seeded_new = [e.message for e in events if e.reason == "ReplicaSeeded" and rev2 in e.message]
+    assert len(seeded_new) == 2 and all("verdict warm" in m for m in seeded_new), seeded_new
+    assert any(e.reason == "RolloutStarted" for e in events)
+    crs = cluster.apps.list_namespaced_controller_revision(ns, label_selector=sel).items
+    assert {c.metadata.name for c in crs} == {f"{FLEET}-{rev1}", f"{FLEET}-{rev2}"}, crs
+    print(f"[rollout] {rev1} -> {rev2}, both replicas warm, after {time.monotonic() - t0:.1f}s")
+
+    # kubectl scale: the scale subresource changes spec.replicas; the new replica is seeded warm
+    with Traffic(engine_urls):
+        p = kubectl(cluster, "-n", ns, "scale", f"rf/{FLEET}", "--replicas=3")
+        assert p.returncode == 0, p.stderr
+        obj = wait_fleet_ready(cluster, crd, ns, "3 replicas Ready after kubectl scale")
+    st = obj["status"]
+    assert st["readyReplicas"] == 3 and len(st["members"]) == 3, st
+    assert [m["verdict"] for m in st["members"]] == ["warm"] * 3, st["members"]
+    assert cluster.apps.read_namespaced_deployment(FLEET, ns).spec.replicas == 3
+    print(f"[rollout] scaled to 3 after {time.monotonic() - t0:.1f}s")
+
+
+# ------------------------------------------------------------------------------------------ in the cluster
+
+OPERATOR_MANIFESTS = ROOT / "manifests" / "operator"
+OPERATOR_LABELS = "app.kubernetes.io/name=routerfleet-operator"
+
+
+def operator_docs(cluster, ns: str) -> tuple[list[dict], list[dict]]:
+    """(cluster-scoped, namespaced) objects of manifests/operator, moved into ``ns``: its own binding
+    name, the test namespace's ServiceAccount, the e2e image."""
+    docs = [
+        d
+        for f in (
+            "crds/clusterkopfpeerings.kopf.dev.yaml",
+            "serviceaccount.yaml",
+            "clusterrole.yaml",
+            "peering.yaml",
+            "deployment.yaml",
+        )
+        for d in yaml.safe_load_all((OPERATOR_MANIFESTS / f).read_text())
+        if d
+    ]
+    cluster_scoped, namespaced = [], []
+    for d in docs:
+        if d["kind"] == "ClusterRoleBinding":
+            d["metadata"]["name"] = f"routerfleet-operator-{ns}"
+            d["subjects"][0]["namespace"] = ns
+        if d["kind"] == "Deployment":
+            d["spec"]["template"]["spec"]["containers"][0]["image"] = getattr(
+                cluster.provider, "image", "routerfleet:dev"
+            )
+        if d["kind"] in ("ServiceAccount", "Deployment"):
+            d["metadata"]["namespace"] = ns
+            namespaced.append(d)
+        else:
+            cluster_scoped.append(d)
+    return cluster_scoped, namespaced
+
+
+def test_two_operator_replicas_in_cluster(cluster, namespace, crd):
+    """manifests/operator as deployed: 2 operator pods under their least-privilege ClusterRole, kopf
+    peering with distinct priorities (one active, one paused); the fleet is reconciled; the active
+    replica deleted, the fleet is still reconciled (a scale-up)."""
+    _local_only(cluster)
+    ns = namespace
+    t0 = time.monotonic()
+    cluster_scoped, namespaced = operator_docs(cluster, ns)
+    binding = f"routerfleet-operator-{ns}"
+    p = subprocess.run(
+        [kubectl_path(cluster), "--kubeconfig", str(cluster.kubeconfig), "apply", "--server-side", "-f", "-"],
+        input="\n---\n".join(yaml.safe_dump(d) for d in cluster_scoped if d["kind"] != "ClusterKopfPeering"),
+        capture_output=True,
+        text=True,
+    )
+    assert p.returncode == 0, p.stderr
+    assert (
+        kubectl(cluster, "wait", "--for=condition=Established", "crd/clusterkopfpeerings.kopf.dev").returncode
+        == 0
+    )
+    peering = next(d for d in cluster_scoped if d["kind"] == "ClusterKopfPeering")
+    p = subprocess.run(
+        [kubectl_path(cluster), "--kubeconfig", str(cluster.kubeconfig), "apply", "--server-side", "-f", "-"],
+        input=yaml.safe_dump(peering),
+        capture_output=True,
+        text=True,
+    )
+    assert p.returncode == 0, p.stderr
+    try:
+        deploy_engines(cluster, ns)
+        apply(cluster.api, ns, namespaced)
+        ops = cluster.wait_pods_ready(ns, OPERATOR_LABELS, 2, timeout=60)
+
+        peering = client.CustomObjectsApi(cluster.api)
+
+        def both_peers():
+            st = (
+                peering.get_cluster_custom_object(
+                    "kopf.dev", "v1", "clusterkopfpeerings", "routerfleet-operator"
+                ).get("status")
+                or {}
+            )
+            names_ = {o.metadata.name for o in ops}
+            return st if names_ <= set(st) else None
+
+        peers = cluster.wait_for("both replicas in the ClusterKopfPeering", both_peers, 60)
+        prio = {n: peers[n]["priority"] for n in (o.metadata.name for o in ops)}
+        assert len(set(prio.values())) == 2, prio  # distinct: equal priorities freeze both
+        active = max(prio, key=prio.get)
+        (paused,) = set(prio) - {active}
+        print(f"\n[ha] priorities {prio}: {active} active ({time.monotonic() - t0:.1f}s)")
+
+        cluster.wait_pods_ready(ns, ENGINE_LABELS, 2)
+        crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, fleet_manifest(cluster, ns, 2))
+        obj = wait_fleet_ready(cluster, crd, ns, "fleet Ready under the in-cluster operator")
+        assert [m["verdict"] in FIRST_DEPLOY_VERDICTS for m in obj["status"]["members"]] == [True, True]
+        # only the higher-priority replica reconciled (the other is paused by kopf peering)
+        assert "ReplicaSeeded" in cluster.container_log(ns, active, "operator")
+        assert "ReplicaSeeded" not in cluster.container_log(ns, paused, "operator")
+        print(f"[ha] fleet Ready under the active replica ({time.monotonic() - t0:.1f}s)")
+
+        # the active replica goes: another one (the survivor or the Deployment's new pod) takes over
+        cluster.core.delete_namespaced_pod(active, ns)
+        cluster.wait_pod_gone(ns, active, timeout=60)
+        p = kubectl(cluster, "-n", ns, "scale", f"rf/{FLEET}", "--replicas=3")
+        assert p.returncode == 0, p.stderr
+        obj = wait_fleet_ready(cluster, crd, ns, "3 replicas Ready after a failover", timeout=150)
+        assert obj["status"]["readyReplicas"] == 3, obj["status"]
+        print(f"[ha] scaled to 3 after the failover ({time.monotonic() - t0:.1f}s)")
+    finally:
+        try:
+            cluster.rbac.delete_cluster_role_binding(binding)
+        except ApiException as e:
+            if e.status != 404:
+                raise
