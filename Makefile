@@ -50,12 +50,14 @@ BENCH := .venv-bench/bin
 $(BENCH)/.installed: pyproject.toml
 	$(PYTHON) -m venv .venv-bench
 	$(BENCH)/pip install -q --upgrade pip
-	$(BENCH)/pip install -q pyzmq msgpack xxhash aiohttp prometheus-client ai-dynamo-runtime
+	$(BENCH)/pip install -q pyzmq msgpack xxhash aiohttp prometheus-client uvloop ai-dynamo-runtime vllm-router sglang-router
 	$(BENCH)/pip install -q --no-deps -e .
 	touch $@
 
 bench: $(BENCH)/.installed
 	$(BENCH)/python -m bench.ingest_match
+	$(BENCH)/python -m bench.routing_quality
+	$(BENCH)/python -m bench.overhead
 
 clean:
 	rm -rf $(VENV) .venv-bench .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,716 @@
+"""Shared pieces of the request-plane benchmarks (``routing_quality``, ``overhead``).
+
+- processes: fake engines and routers (ours, vllm-router, sglang-router) as child processes, each in a
+  session of its own so that stopping one stops everything it spawned, optionally pinned to CPUs;
+  the CPU time of a process group read from /proc;
+- a lean HTTP/1.1 client over asyncio protocols (keep-alive, Content-Length or chunked bodies), so the
+  load generator costs little next to what it measures and timestamps the first body byte;
+- small statistics and report helpers.
+
+Everything listens on and talks to 127.0.0.1 only. The anchors are told not to reach Hugging Face
+(``HF_HUB_OFFLINE=1`` and ``HF_ENDPOINT`` on a closed local port): sglang-router otherwise tries to
+download a tokenizer named after the engine's model id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+HOST = "127.0.0.1"
+BIN = Path(sys.executable).parent  # the venv's bin: routerfleet-*, vllm-router, sglang-router
+MODEL = "routerfleet/fake-model"
+ANCHOR_ENV = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": f"http://{HOST}:9", "NO_COLOR": "1", "RUST_LOG": "warn"}
+
+# ---------------------------------------------------------------------------------------------------
+# Machine, versions
+
+
+def machine() -> str:
+    model = platform.processor() or "?"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (
+        f"{model}, {os.cpu_count()} cores, load {load:.1f}, Linux {platform.release()},"
+        f" Python {platform.python_version()}"
+    )
+
+
+def version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def git_rev() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def anchor_status(kind: str) -> tuple[bool, str]:
+    """(usable, version or why not) for ``vllm-router`` and ``sglang-router``."""
+    exe = BIN / kind
+    v = version(kind)
+    if v is None or not exe.exists():
+        return False, f"{kind} is not installed in {BIN.parent} (pip install {kind})"
+    return True, v
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ports and processes
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports that were free a moment ago (bound together, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((HOST, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _cpu_times() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]  # idle + iowait
+    return idle, sum(v[:8])
+
+
+def wait_quiet(max_s: float, idle: float = 0.8, window: float = 0.5) -> tuple[float, float]:
+    """Wait (up to ``max_s``) until the machine was at least ``idle`` idle over one ``window``: other
+    tenants' builds on a shared VM swing these figures by 2x. Returns (seconds waited, idle share
+    seen last)."""
+    t0 = time.monotonic()
+    seen = 0.0
+    while True:
+        i0, a0 = _cpu_times()
+        time.sleep(window)
+        i1, a1 = _cpu_times()
+        seen = (i1 - i0) / max(1, a1 - a0)
+        if seen >= idle or time.monotonic() - t0 >= max_s:
+            return time.monotonic() - t0, seen
+
+
+def cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+class Proc:
+    """A child process in a session of its own (pgid = pid): ``stop`` signals the whole group, so a
+    launcher that forks its server (vllm-router's Python entry point) is stopped with it."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        logdir: str,
+        *,
+        cpus: set[int] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = os.path.join(logdir, f"{name}.log")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
+        pin = None
+        if cpus:
+
+            def pin() -> None:  # runs in the child before exec: every thread it starts inherits it
+                os.sched_setaffinity(0, cpus)
+
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+            preexec_fn=pin,
+        )
+        self.pid = self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, grace: float = 3.0) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(grace)
+        # The group may outlive its leader (a forked server): make sure nothing of it is left.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(2)
+        self._log.close()
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of every live process in this group (threads included)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) == self.pid:  # pgrp
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / tick
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except (OSError, urllib.error.URLError):
+        return 0, b""
+
+
+def http_post(url: str, body: Any, timeout: float = 5.0) -> tuple[int, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except (OSError, urllib.error.URLError) as e:
+        return 0, str(e)
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, procs: Sequence[Proc] = ()) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if not p.alive():
+                raise RuntimeError(f"{p.name} exited ({p.popen.returncode}) before {what}:\n{p.tail()}")
+        if check():
+            return
+        time.sleep(0.05)
+    tails = "\n".join(f"--- {p.name}\n{p.tail()}" for p in procs)
+    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}\n{tails}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fake engines and routers
+
+
+@dataclass
+class EngineOpts:
+    block_size: int = 16
+    capacity_blocks: int = 4096
+    prefill_us_per_token: float = 20.0
+    decode_tokens_per_s: float = 2000.0
+    max_concurrency: int = 0
+    cache_generated: bool = False
+
+
+@dataclass
+class Engine:
+    proc: Proc
+    port: int
+    kv_port: int
+    replay_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def kv(self) -> str:
+        return f"tcp://{HOST}:{self.kv_port}"
+
+    @property
+    def replay(self) -> str:
+        return f"tcp://{HOST}:{self.replay_port}"
+
+
+def start_engines(n: int, opts: EngineOpts, logdir: str, *, cpus: set[int] | None = None) -> list[Engine]:
+    ports = free_ports(3 * n)
+    engines = []
+    try:
+        for i in range(n):
+            port, kv, replay = ports[3 * i : 3 * i + 3]
+            argv = [
+                str(BIN / "routerfleet-fake-engine"),
+                *("--host", HOST, "--port", str(port), "--kv-port", str(kv), "--replay-port", str(replay)),
+                *("--block-size", str(opts.block_size), "--capacity-blocks", str(opts.capacity_blocks)),
+                *("--prefill-us-per-token", str(opts.prefill_us_per_token)),
+                *("--decode-tokens-per-s", str(opts.decode_tokens_per_s)),
+                *("--max-concurrency", str(opts.max_concurrency), "--model", MODEL),
+                *("--log-level", "WARNING"),
+                *(["--cache-generated"] if opts.cache_generated else []),
+            ]
+            engines.append(Engine(Proc(f"engine-{i}", argv, logdir, cpus=cpus), port, kv, replay))
+        for e in engines:
+            wait_until(lambda e=e: http_get(e.url + "/health")[0] == 200, 20, f"{e.proc.name}", [e.proc])
+    except BaseException:
+        stop_all(engines)
+        raise
+    return engines
+
+
+def stop_all(items: Sequence[Engine | Router | Proc]) -> None:
+    for item in items:
+        (item if isinstance(item, Proc) else item.proc).stop()
+
+
+@dataclass
+class Router:
+    kind: str  # "ours", "vllm-router", "sglang-router"
+    label: str
+    proc: Proc
+    port: int
+    flags: list[str] = field(default_factory=list)  # the flags as run, for the report (ports elided)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+
+def ours_argv(engines: Sequence[Engine], port: int, policy: str, extra: Sequence[str] = ()) -> list[str]:
+    argv = [str(BIN / "routerfleet-router"), "--host", HOST, "--port", str(port)]
+    argv += ["--policy", policy, "--block-size", "16", "--tokenizer", "bytes", "--log-level", "warning"]
+    for e in engines:
+        argv += ["--worker", f"url={e.url},kv={e.kv},replay={e.replay}"]
+    return argv + list(extra)
+
+
+def vllm_router_argv(
+    engines: Sequence[Engine], port: int, metrics_port: int, block_size: int, extra: Sequence[str] = ()
+) -> list[str]:
+    argv = [str(BIN / "vllm-router"), "--host", HOST, "--port", str(port), "--policy", "kv_aware"]
+    argv += ["--worker-urls", *(e.url for e in engines)]
+    for e in engines:
+        argv += ["--kv-event-source", f"{e.url}={e.kv}", "--kv-event-replay-source", f"{e.url}={e.replay}"]
+    argv += ["--kv-event-block-size", str(block_size), "--kv-event-model", MODEL]
+    argv += ["--prometheus-host", HOST, "--prometheus-port", str(metrics_port), "--log-level", "warning"]
+    return argv + list(extra)
+
+
+def sglang_router_argv(
+    engines: Sequence[Engine], port: int, metrics_port: int, extra: Sequence[str] = ()
+) -> list[str]:
+    argv = [str(BIN / "sglang-router"), "launch", "--host", HOST, "--port", str(port)]
+    argv += ["--worker-urls", *(e.url for e in engines), "--policy", "cache_aware"]
+    argv += ["--prometheus-host", HOST, "--prometheus-port", str(metrics_port), "--log-level", "warn"]
+    argv += ["--shutdown-grace-period-secs", "1"]
+    return argv + list(extra)
+
+
+def shown_flags(argv: Sequence[str], engines: Sequence[Engine]) -> list[str]:
+    """The flags of a command line with engine addresses and ports replaced by placeholders."""
+    out: list[str] = []
+    subs = {}
+    drop = {"--host", "--port", "--prometheus-host", "--prometheus-port"}
+    for i, e in enumerate(engines):
+        subs[e.url] = f"http://E{i}"
+        subs[e.kv] = f"tcp://E{i}:kv"
+        subs[e.replay] = f"tcp://E{i}:replay"
+    skip = False
+    for a in argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if a in drop:
+            skip = True
+            continue
+        for k in sorted(subs, key=len, reverse=True):
+            a = a.replace(k, subs[k])
+        out.append(a)
+    return out
+
+
+def start_router(
+    kind: str,
+    engines: Sequence[Engine],
+    logdir: str,
+    *,
+    policy: str = "kv_aware",
+    label: str | None = None,
+    cpus: set[int] | None = None,
+    extra: Sequence[str] = (),
+) -> Router:
+    """Start one router in front of ``engines`` and wait until it answers. For ours that is /readyz
+    (an engine known and healthy and, for kv_aware, its subscriptions connected); for the anchors
+    their /health, then one completion through them."""
+    port, metrics_port = free_ports(2)
+    name = label or (kind if kind != "ours" else f"ours-{policy}")
+    if kind == "ours":
+        argv = ours_argv(engines, port, policy, extra)
+        env = None
+        ready_path = "/readyz"
+    elif kind == "vllm-router":
+        block = 16
+        argv = vllm_router_argv(engines, port, metrics_port, block, extra)
+        env = ANCHOR_ENV
+        ready_path = "/health"
+    elif kind == "sglang-router":
+        argv = sglang_router_argv(engines, port, metrics_port, extra)
+        env = ANCHOR_ENV
+        ready_path = "/health"
+    else:
+        raise ValueError(kind)
+    proc = Proc(name, argv, logdir, cpus=cpus, env=env)
+    router = Router(kind, name, proc, port, shown_flags(argv, engines))
+    try:
+        wait_until(lambda: http_get(router.url + ready_path)[0] == 200, 60, f"{name} ready", [proc])
+        body = {"model": MODEL, "prompt": "warm-up", "max_tokens": 1}
+        wait_until(
+            lambda: http_post(router.url + "/v1/completions", body)[0] == 200, 30, f"{name} serving", [proc]
+        )
+    except BaseException:
+        proc.stop()
+        raise
+    return router
+
+
+# ---------------------------------------------------------------------------------------------------
+# A lean HTTP/1.1 client
+
+
+class HttpError(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class Reply:
+    status: int
+    t_first: float  # perf_counter when the first body byte arrived (headers time if no body)
+    t_end: float
+    body: bytes | None  # None unless keep_body
+    headers: dict[str, str] | None = None  # lower-case names; None unless keep_body
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; one request at a time."""
+
+    def __init__(self, quickack: bool = False) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._quickack = quickack
+        self._sock: socket.socket | None = None
+        self._buf = bytearray()
+        self._fut: asyncio.Future[Reply] | None = None
+        self._keep = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._state = 0  # 0 head, 1 length body, 2 chunk size line, 3 chunk data, 4 final CRLF
+        self._status = 0
+        self._remaining = 0
+        self._body = bytearray()
+        self._t_first = 0.0
+        self._close_after = False
+        self._headers: dict[str, str] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._quickack:
+                self._sock = sock
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._fut is not None and not self._fut.done():
+            self._fut.set_exception(HttpError(f"connection lost: {exc}"))
+
+    def send(self, data: bytes, keep_body: bool) -> asyncio.Future[Reply]:
+        self._reset()
+        self._keep = keep_body
+        self._fut = asyncio.get_running_loop().create_future()
+        assert self.transport is not None
+        self.transport.write(data)
+        return self._fut
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter()
+        if self._sock is not None:  # Linux turns quick ACKs off again by itself: re-arm on every read
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+        buf = self._buf
+        buf += data
+        try:
+            self._parse(buf, now)
+        except Exception as e:  # a malformed response: fail this request, drop the connection
+            if self._fut is not None and not self._fut.done():
+                self._fut.set_exception(HttpError(f"bad response: {e}"))
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+
+    def _body_bytes(self, chunk: bytes | bytearray, now: float) -> None:
+        if chunk and not self._t_first:
+            self._t_first = now
+        if self._keep:
+            self._body += chunk
+
+    def _parse(self, buf: bytearray, now: float) -> None:
+        while True:
+            if self._state == 0:
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    return
+                head = bytes(buf[:end]).decode("latin-1").split("\r\n")
+                del buf[: end + 4]
+                self._status = int(head[0].split(" ", 2)[1])
+                length = None
+                chunked = False
+                if self._keep:
+                    self._headers = {}
+                for line in head[1:]:
+                    k, _, v = line.partition(":")
+                    k = k.strip().lower()
+                    if self._headers is not None:
+                        self._headers[k] = v.strip()
+                    if k == "content-length":
+                        length = int(v)
+                    elif k == "transfer-encoding" and "chunked" in v.lower():
+                        chunked = True
+                    elif k == "connection" and v.strip().lower() == "close":
+                        self._close_after = True
+                if chunked:
+                    self._state = 2
+                elif length is not None:
+                    self._remaining = length
+                    self._state = 1
+                    if length == 0:
+                        return self._done(now)
+                else:
+                    raise HttpError("response without a length (read-to-close is not supported)")
+            elif self._state == 1:
+                take = min(len(buf), self._remaining)
+                if take:
+                    self._body_bytes(buf[:take], now)
+                    del buf[:take]
+                    self._remaining -= take
+                if self._remaining == 0:
+                    return self._done(now)
+                return
+            elif self._state == 2:
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    return
+                size = int(bytes(buf[:end]).split(b";", 1)[0], 16)
+                del buf[: end + 2]
+                if size == 0:
+                    self._state = 4
+                else:
+                    self._remaining = size
+                    self._state = 3
+            elif self._state == 3:
+                take = min(len(buf), self._remaining)
+                if take:
+                    self._body_bytes(buf[:take], now)
+                    del buf[:take]
+                    self._remaining -= take
+                if self._remaining:
+                    return
+                if len(buf) < 2:
+                    self._state = 5  # the CRLF after the data
+                    return
+                del buf[:2]
+                self._state = 2
+            elif self._state == 5:
+                if len(buf) < 2:
+                    return
+                del buf[:2]
+                self._state = 2
+            elif self._state == 4:  # trailers (none expected), then the empty line
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    return
+                del buf[: end + 2]
+                if end == 0:
+                    return self._done(now)
+            else:  # no request outstanding: ignore stray bytes
+                buf.clear()
+                return
+
+    def _done(self, now: float) -> None:
+        body = bytes(self._body) if self._keep else None
+        reply = Reply(self._status, self._t_first or now, now, body, self._headers)
+        self._state = -1
+        fut, self._fut = self._fut, None
+        if self._close_after:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+        if fut is not None and not fut.done():
+            fut.set_result(reply)
+
+
+class HttpClient:
+    """Keep-alive connections to one ``host:port``; ``post`` takes a free one or opens one."""
+
+    def __init__(self, url: str, *, quickack: bool = False) -> None:
+        self.quickack = quickack
+        hostport = url.split("://", 1)[1].rstrip("/")
+        host, _, port = hostport.partition(":")
+        self.host, self.port = host, int(port or 80)
+        self._idle: list[_Conn] = []
+        self._all: list[_Conn] = []
+
+    async def _conn(self) -> _Conn:
+        while self._idle:
+            c = self._idle.pop()
+            if not c.closed:
+                return c
+        loop = asyncio.get_running_loop()
+        _, c = await loop.create_connection(lambda: _Conn(self.quickack), self.host, self.port)
+        self._all.append(c)
+        return c
+
+    def request_bytes(self, path: str, body: bytes, headers: str = "") -> bytes:
+        return (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{headers}\r\n"
+        ).encode() + body
+
+    async def send(self, raw: bytes, *, keep_body: bool = False) -> tuple[float, Reply]:
+        """Send one prepared request; returns (send time, reply). Raises HttpError or OSError."""
+        c = await self._conn()
+        t0 = time.perf_counter()
+        try:
+            reply = await c.send(raw, keep_body)
+        except BaseException:
+            c.closed = True
+            if c.transport is not None:
+                c.transport.close()
+            raise
+        if not c.closed:
+            self._idle.append(c)
+        return t0, reply
+
+    def close(self) -> None:
+        for c in self._all:
+            if c.transport is not None:
+                c.transport.close()
+        self._all.clear()
+        self._idle.clear()
+
+
+def sse_events(body: bytes) -> list[dict[str, Any]]:
+    """The JSON objects of an SSE body (``data: {...}`` lines; ``[DONE]`` skipped)."""
+    out = []
+    for line in body.split(b"\n"):
+        if line.startswith(b"data:"):
+            payload = line[5:].strip()
+            if payload and payload != b"[DONE]":
+                out.append(json.loads(payload))
+    return out
+
+
+def use_uvloop() -> str:
+    try:
+        import uvloop
+
+        uvloop.install()
+        return "uvloop"
+    except ImportError:
+        return "asyncio"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Statistics and report
+
+
+def pct(xs: Sequence[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
+
+
+def med(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs: Sequence[float], fmt: str) -> str:
+    xs = [x for x in xs if x == x]
+    if len(xs) < 2:
+        return ""
+    return f" ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
+
+
+def ratio(a: float, b: float) -> str:
+    if not b or a != a or b != b:
+        return "n/a"
+    return f"{a / b:.2f}x"
+
+
+def logdir(prefix: str) -> str:
+    return tempfile.mkdtemp(prefix=f"routerfleet-{prefix}-")
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    """A Markdown table with padded columns."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(r: list[str]) -> str:
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) + " |"
+
+    sep = "| " + " | ".join("-" * w for w in widths) + " |"
+    return "\n".join([line(header), sep, *(line(r) for r in rows)])

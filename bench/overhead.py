@@ -1,0 +1,436 @@
+"""Request-plane overhead: what a router adds to calling an engine directly, and how fast it can go.
+
+Run ``python -m bench.overhead`` (``--quick`` for a smoke run under a minute, ``--help``).
+
+One fake engine, instant (``--prefill-us-per-token 0 --decode-tokens-per-s 0``, no concurrency limit),
+and in front of it, all at once: ours (``--policy kv_aware`` fed by the engine's KV events, and
+``--policy round_robin``: the proxy alone), vllm-router (``--policy kv_aware`` with
+``--kv-event-source``/``--kv-event-replay-source``) and sglang-router (``--policy cache_aware``). Two
+request shapes:
+
+- tiny: ``/v1/completions``, a 32-token prompt (2 blocks), ``max_tokens`` 1, not streamed;
+- stream: the same prompt, ``max_tokens`` 64, ``stream`` true: 64 SSE chunks, then ``[DONE]``.
+
+Prompts cycle over 256 distinct ones, all cached by the engine during warm-up (no KV events while
+measuring, but every kv-aware router still hashes and matches every prompt). Ours and vllm-router get
+token-ID prompts; sglang-router rejects those (``StringOrArray``), so it and its direct baseline get the
+same prompts as text (the fake engine's byte tokenizer makes them the same tokens).
+
+Two measurements per shape and target, the targets interleaved in blocks so drift hits them alike:
+
+1. Added latency: one connection, one request at a time; per request, send to last byte (and to first
+   body byte for streams). Added p50 / p99 = the target's percentile minus the direct call's.
+2. Saturation throughput: a closed loop of N keep-alive connections for a few seconds (after a warm-up);
+   completed requests/s, latency p50/p99 under that load, and the CPU each process used: the router's
+   CPU time per request gives its capacity on one core (``1 / cpu``) whether or not it was the
+   bottleneck.
+
+CPU placement (``--no-pin`` to lift it): every router on the last CPU, the engine and this load
+generator on the others. A router then has a core to itself, and all routers see the same engine and
+client cost. On a 2-core VM the engine + client core caps every target, the direct call included; a
+router far from using its own core is not the bottleneck, which the CPU column shows.
+
+The load generator is this process (uvloop, raw HTTP/1.1 over asyncio protocols, TCP_NODELAY). It sets
+TCP_QUICKACK by default; the streamed first-chunk latency is also measured with plain sockets (delayed
+ACKs, as most HTTP clients have), where a router that writes chunks with Nagle on stalls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+from bench import harness as h
+
+PROMPTS = 256
+PROMPT_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    label: str
+    url: str
+    text: bool  # send prompts as text (sglang-router, and its direct baseline)
+    baseline: str  # the direct target it is compared with
+    router: h.Router | None = None
+
+
+@dataclass
+class Lat:
+    end_us: list[float] = field(default_factory=list)
+    first_us: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Thr:
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    router_cpu: float  # CPU seconds per second (1.0 = one core busy)
+    engine_cpu: float
+    client_cpu: float
+    router_cpu_us_per_req: float
+    errors: int
+
+
+def prompts(seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(97, 123) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
+
+
+def bodies(shape: str, text: bool, ps: list[list[int]]) -> list[bytes]:
+    out = []
+    for ids in ps:
+        b: dict = {"model": h.MODEL, "prompt": bytes(ids).decode("ascii") if text else ids}
+        if shape == "tiny":
+            b["max_tokens"] = 1
+        else:
+            b.update(max_tokens=64, stream=True)
+        out.append(json.dumps(b, separators=(",", ":")).encode())
+    return out
+
+
+def _check(reply: h.Reply, shape: str) -> bool:
+    if reply.status != 200:
+        return False
+    if shape == "stream" and reply.body is not None:
+        events = h.sse_events(reply.body)
+        return sum(1 for e in events if e.get("choices")) == 64
+    return True
+
+
+async def latency(target: Target, raws: list[bytes], n: int, shape: str, quickack: bool, out: Lat) -> int:
+    """``n`` sequential requests on one keep-alive connection; returns errors."""
+    client = h.HttpClient(target.url, quickack=quickack)
+    raws = [client.request_bytes("/v1/completions", b) for b in raws]
+    errors = 0
+    try:
+        for i in range(n):
+            raw = raws[(len(out.end_us) + i) % len(raws)]
+            try:
+                t0, reply = await client.send(raw, keep_body=(i == 0))
+            except (h.HttpError, OSError):
+                errors += 1
+                continue
+            if not _check(reply, shape):
+                errors += 1
+                continue
+            out.end_us.append((reply.t_end - t0) * 1e6)
+            out.first_us.append((reply.t_first - t0) * 1e6)
+    finally:
+        client.close()
+    return errors
+
+
+async def throughput(
+    target: Target, raws: list[bytes], conns: int, warm_s: float, secs: float, engine: h.Engine
+) -> Thr:
+    client = h.HttpClient(target.url, quickack=True)
+    raws = [client.request_bytes("/v1/completions", b) for b in raws]
+    lat: list[float] = []
+    errors = 0
+    state = {"measuring": False, "stop": False}
+    counter = [0]
+
+    async def worker(k: int) -> None:
+        nonlocal errors
+        i = k
+        while not state["stop"]:
+            raw = raws[i % len(raws)]
+            i += conns
+            try:
+                t0, reply = await client.send(raw)
+            except (h.HttpError, OSError):
+                errors += state["measuring"]
+                await asyncio.sleep(0.001)
+                continue
+            if state["measuring"]:
+                if reply.status == 200:
+                    lat.append((reply.t_end - t0) * 1e3)
+                    counter[0] += 1
+                else:
+                    errors += 1
+
+    tasks = [asyncio.create_task(worker(k)) for k in range(conns)]
+    await asyncio.sleep(warm_s)
+    r0 = target.router.proc.cpu_seconds() if target.router else 0.0
+    e0 = engine.proc.cpu_seconds()
+    c0 = sum(os.times()[:2])
+    t0 = time.perf_counter()
+    state["measuring"] = True
+    await asyncio.sleep(secs)
+    state["measuring"] = False
+    dt = time.perf_counter() - t0
+    done = counter[0]
+    r1 = target.router.proc.cpu_seconds() if target.router else 0.0
+    e1 = engine.proc.cpu_seconds()
+    c1 = sum(os.times()[:2])
+    state["stop"] = True
+    await asyncio.gather(*tasks)
+    client.close()
+    rcpu = (r1 - r0) / dt
+    return Thr(
+        rps=done / dt,
+        p50_ms=h.pct(lat, 50),
+        p99_ms=h.pct(lat, 99),
+        router_cpu=rcpu,
+        engine_cpu=(e1 - e0) / dt,
+        client_cpu=(c1 - c0) / dt,
+        router_cpu_us_per_req=(r1 - r0) / done * 1e6 if done and target.router else float("nan"),
+        errors=errors,
+    )
+
+
+def start_all(
+    logdir: str, rows: list[str], pin: bool
+) -> tuple[h.Engine, list[Target], list[h.Router], dict[str, str]]:
+    all_cpus = h.cpus()
+    router_cpus = {all_cpus[-1]} if pin and len(all_cpus) > 1 else None
+    other_cpus = set(all_cpus[:-1]) if router_cpus else None
+    if other_cpus:
+        os.sched_setaffinity(0, other_cpus)
+    opts = h.EngineOpts(
+        prefill_us_per_token=0, decode_tokens_per_s=0, max_concurrency=0, capacity_blocks=4096
+    )
+    engine = h.start_engines(1, opts, logdir, cpus=other_cpus)[0]
+    targets = [
+        Target("direct", "direct (token IDs)", engine.url, False, "direct"),
+        Target("direct-text", "direct (text)", engine.url, True, "direct-text"),
+    ]
+    routers: list[h.Router] = []
+    skipped: dict[str, str] = {}
+    specs = {
+        "ours": ("ours kv_aware", "ours", "kv_aware", False),
+        "ours-rr": ("ours round_robin", "ours", "round_robin", False),
+        "vllm": ("vllm-router kv_aware", "vllm-router", "kv_aware", False),
+        "sglang": ("sglang-router cache_aware", "sglang-router", "", True),
+    }
+    try:
+        for name in rows:
+            label, kind, policy, text = specs[name]
+            if kind != "ours":
+                ok, why = h.anchor_status(kind)
+                if not ok:
+                    skipped[name] = why
+                    continue
+            r = h.start_router(
+                kind, [engine], logdir, policy=policy or "kv_aware", label=name, cpus=router_cpus
+            )
+            routers.append(r)
+            targets.append(Target(name, label, r.url, text, "direct-text" if text else "direct", r))
+    except BaseException:
+        h.stop_all([*routers, engine])
+        raise
+    return engine, targets, routers, skipped
+
+
+async def warm(targets: list[Target], raws: dict[tuple[str, bool], list[bytes]]) -> None:
+    """Every prompt once through every target (the engine caches them; routers learn them)."""
+    for t in targets:
+        for shape in ("tiny", "stream"):
+            await latency(t, raws[shape, t.text], PROMPTS, shape, True, Lat())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short phases, one run (< 1 min)")
+    ap.add_argument("--runs", type=int, help="runs; medians are reported (default 3, quick 1)")
+    ap.add_argument(
+        "--rows",
+        default="ours,ours-rr,vllm,sglang",
+        help="routers, from ours,ours-rr,vllm,sglang (default all)",
+    )
+    ap.add_argument("--conns", type=int, default=32, help="connections in the throughput loop (default 32)")
+    ap.add_argument(
+        "--max-wait", type=float, help="wait up to this many seconds for an idle machine before each phase"
+    )
+    ap.add_argument("--no-pin", action="store_true", help="do not pin routers / engine + client to CPUs")
+    ap.add_argument("--json", help="also write the raw per-run figures to this file")
+    args = ap.parse_args(argv)
+    runs = args.runs or (1 if args.quick else 3)
+    n_tiny, n_stream = (200, 60) if args.quick else (1500, 400)
+    block = 200 if args.quick else 250  # sequential requests per target before moving to the next
+    warm_s, secs = (0.5, 1.0) if args.quick else (1.0, 4.0)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    max_wait = args.max_wait if args.max_wait is not None else (0.0 if args.quick else 10.0)
+    idle_seen: list[float] = []
+
+    loop = h.use_uvloop()
+    t_start = time.perf_counter()
+    logdir = h.logdir("overhead")
+    print(f"# RouterFleet request-plane overhead bench, {time.strftime('%Y-%m-%d %H:%M %Z')}, {h.git_rev()}")
+    print(f"# {h.machine()}; load generator: this process, {loop}")
+    for kind in ("vllm-router", "sglang-router"):
+        ok, why = h.anchor_status(kind)
+        print(f"# {kind}: {why if ok else 'NOT AVAILABLE: ' + why}")
+    cpus = h.cpus()
+    engine, targets, routers, skipped = start_all(logdir, rows, not args.no_pin)
+    try:
+        for name, why in skipped.items():
+            print(f"# row {name} skipped: {why}")
+        if args.no_pin or len(cpus) < 2:
+            print("# CPUs: not pinned")
+        else:
+            print(f"# CPUs: routers on CPU {cpus[-1]}; engine and load generator on CPU {cpus[:-1]}")
+        print(
+            f"# runs={runs}; latency: {n_tiny} tiny / {n_stream} streamed requests per target and run, one"
+            f" connection, in blocks of {block}; throughput: {args.conns} connections, {secs:g}s after"
+            f" {warm_s:g}s warm-up; up to {max_wait:g}s wait for an idle machine before each phase"
+        )
+        ps = prompts()
+        raws = {(s, t): bodies(s, t, ps) for s in ("tiny", "stream") for t in (False, True)}
+        asyncio.run(warm(targets, raws))
+        lat: dict[tuple[str, str, bool], list[Lat]] = {}
+        thr: dict[tuple[str, str], list[Thr]] = {}
+        errors: dict[str, int] = {}
+        for run in range(runs):
+            cur: dict[tuple[str, str, bool], Lat] = {}
+            idle_seen.append(h.wait_quiet(max_wait)[1])
+            for shape, n in (("tiny", n_tiny), ("stream", n_stream)):
+                variants = [True, False] if shape == "stream" else [True]
+                done = 0
+                while done < n:
+                    k = min(block, n - done)
+                    for qa in variants:
+                        for t in targets:
+                            out = cur.setdefault((t.name, shape, qa), Lat())
+                            e = asyncio.run(latency(t, raws[shape, t.text], k, shape, qa, out))
+                            errors[t.name] = errors.get(t.name, 0) + e
+                    done += k
+            for key, v in cur.items():
+                lat.setdefault(key, []).append(v)
+            for shape in ("tiny", "stream"):
+                for t in targets:
+                    idle_seen.append(h.wait_quiet(max_wait)[1])
+                    res = asyncio.run(throughput(t, raws[shape, t.text], args.conns, warm_s, secs, engine))
+                    thr.setdefault((t.name, shape), []).append(res)
+                    errors[t.name] = errors.get(t.name, 0) + res.errors
+            print(
+                f"# run {run + 1}/{runs} done at {time.perf_counter() - t_start:.0f}s; machine idle before"
+                f" the phases: median {100 * h.med(idle_seen):.0f}%, min {100 * min(idle_seen):.0f}%",
+                flush=True,
+            )
+            idle_seen.clear()
+        dead = [r.label for r in routers if not r.proc.alive()]
+        flags = {r.label: r.flags for r in routers}
+    finally:
+        h.stop_all([*routers, engine])
+
+    report(targets, lat, thr, errors)
+    if dead:
+        print(f"\n# WARNING: exited during the run: {', '.join(dead)}")
+    print("\n# flags (E0 = the engine's HTTP URL, KV PUB and replay endpoints):")
+    for label, f in flags.items():
+        print(f"#   {label}: {' '.join(f)}")
+    print(f"# logs: {logdir}\n# total {time.perf_counter() - t_start:.0f}s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "latency": {
+                        f"{k[0]}/{k[1]}/{'quickack' if k[2] else 'plain'}": [
+                            {
+                                "p50_end_us": h.pct(x.end_us, 50),
+                                "p99_end_us": h.pct(x.end_us, 99),
+                                "p50_first_us": h.pct(x.first_us, 50),
+                                "p99_first_us": h.pct(x.first_us, 99),
+                            }
+                            for x in v
+                        ]
+                        for k, v in lat.items()
+                    },
+                    "throughput": {f"{k[0]}/{k[1]}": [r.__dict__ for r in v] for k, v in thr.items()},
+                    "errors": errors,
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+def report(
+    targets: list[Target],
+    lat: dict[tuple[str, str, bool], list[Lat]],
+    thr: dict[tuple[str, str], list[Thr]],
+    errors: dict[str, int],
+) -> None:
+    by_name = {t.name: t for t in targets}
+
+    def lp(name: str, shape: str, qa: bool, p: float, first: bool = False) -> list[float]:
+        return [h.pct(x.first_us if first else x.end_us, p) for x in lat[name, shape, qa]]
+
+    for shape, title in (
+        ("tiny", "tiny non-streaming requests (32-token prompt, max_tokens 1)"),
+        ("stream", "streamed responses of 64 chunks (32-token prompt, max_tokens 64)"),
+    ):
+        print(f"\n## {title}")
+        rows = []
+        for t in targets:
+            base = t.baseline
+            cols = [t.label]
+            for p in (50, 99):
+                v = lp(t.name, shape, True, p)
+                cols.append(f"{h.med(v):.0f}{h.spread(v, '.0f')}")
+            if t.name == base:
+                cols += ["-", "-"]
+            else:
+                for p in (50, 99):
+                    d = [
+                        a - b
+                        for a, b in zip(lp(t.name, shape, True, p), lp(base, shape, True, p), strict=True)
+                    ]
+                    cols.append(f"{h.med(d):+.0f}{h.spread(d, '+.0f')}")
+            if shape == "stream":
+                first = lp(t.name, shape, True, 50, first=True)
+                plain = lp(t.name, shape, False, 50, first=True)
+                cols.append(f"{h.med(first):.0f}")
+                cols.append(f"{h.med(plain):.0f}")
+            th = thr[t.name, shape]
+            rps = [x.rps for x in th]
+            cols.append(f"{h.med(rps):.0f}{h.spread(rps, '.0f')}")
+            cols.append(f"{h.med([x.p50_ms for x in th]):.1f} / {h.med([x.p99_ms for x in th]):.1f}")
+            if t.router is not None:
+                cols.append(f"{100 * h.med([x.router_cpu for x in th]):.0f}%")
+                cpu_us = h.med([x.router_cpu_us_per_req for x in th])
+                cols.append(f"{cpu_us:.0f}")
+                cols.append(f"{1e6 / cpu_us:.0f}" if cpu_us == cpu_us and cpu_us > 0 else "n/a")
+            else:
+                cols += ["-", "-", "-"]
+            engine_cpu, client_cpu = h.med([x.engine_cpu for x in th]), h.med([x.client_cpu for x in th])
+            cols.append(f"{100 * engine_cpu:.0f}% / {100 * client_cpu:.0f}%")
+            rows.append(cols)
+        header = ["target", "p50 us", "p99 us", "added p50 us", "added p99 us"]
+        if shape == "stream":
+            header += ["1st chunk p50 us", "1st chunk p50, delayed-ACK client"]
+        header += [
+            "max req/s",
+            "loaded p50/p99 ms",
+            "router CPU",
+            "router CPU us/req",
+            "req/s per core",
+            "engine/client CPU",
+        ]
+        print(h.table(rows, header))
+        # Ratios against vllm-router: throughput and CPU per request.
+        if "ours" in by_name and "vllm" in by_name:
+            o = thr["ours", shape]
+            v = thr["vllm", shape]
+            rps = h.ratio(h.med([x.rps for x in o]), h.med([x.rps for x in v]))
+            cpu = h.ratio(
+                h.med([x.router_cpu_us_per_req for x in o]), h.med([x.router_cpu_us_per_req for x in v])
+            )
+            print(f"  ours/vllm-router: max req/s {rps}, router CPU per request {cpu}")
+    bad = {k: v for k, v in errors.items() if v}
+    if bad:
+        print(f"\n  errors: {bad}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
