@@ -132,6 +132,7 @@ class Router:
                 ),
                 kubeconfig=config.kubeconfig,
                 registry=self.registry,
+                watch_timeout_s=config.k8s_watch_timeout_s,
             )
             if config.kv_peer_selector:
                 # The routers' own peer Service: only ready siblings are listed, so a booting replica
@@ -142,7 +143,9 @@ class Router:
                     self._peers_changed,
                     config=EngineDiscoveryConfig(http_port=port_ref(config.kv_peer_port)),
                     kubeconfig=config.kubeconfig,
-                    registry=CollectorRegistry(),  # its discovery metrics would collide with the engines'
+                    # its own registry: its discovery metrics would collide with the engines'
+                    registry=CollectorRegistry(),
+                    watch_timeout_s=config.k8s_watch_timeout_s,
                 )
 
     def _breaker_moved(self, engine: str, state: BreakerState) -> None:

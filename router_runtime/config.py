@@ -57,6 +57,7 @@ class RouterConfig:
     k8s_dp_size: int = 1
     k8s_topic: str = ""
     kubeconfig: str | None = None
+    k8s_watch_timeout_s: float = 300.0
     # The internal port (snapshot producer, bootstrap verdict), on only with a token file.
     internal_host: str | None = None  # default: --host
     internal_port: int = 8081
@@ -301,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--k8s-dp-size", type=_positive_int, default=1, help="DP ranks per engine (default 1)")
     k.add_argument("--k8s-topic", default="", help="KV event topic prefix (default: all)")
     k.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster, then $KUBECONFIG)")
+    k.add_argument(
+        "--k8s-watch-timeout-s",
+        type=_positive_int,
+        default=300,
+        help="server-side watch timeout; also how soon a revoked RBAC rule shows as not synced (default 300)",
+    )
 
     b = p.add_argument_group("peer bootstrap")
     b.add_argument("--internal-host", help="address of the internal port (default: --host)")
@@ -501,6 +508,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         k8s_dp_size=a.k8s_dp_size,
         k8s_topic=a.k8s_topic,
         kubeconfig=a.kubeconfig,
+        k8s_watch_timeout_s=a.k8s_watch_timeout_s,
         internal_host=a.internal_host,
         internal_port=a.internal_port,
         internal_token_file=a.internal_token_file,
