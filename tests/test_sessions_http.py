@@ -174,10 +174,9 @@ async def test_three_replicas_keep_the_engine_with_the_echoed_header_and_a_new_o
         by_url = {e.http_url: e for e in engines}
 
         def cfg(peers=()):
-            # Origin replay rebuilds a rank without a peer, and so without the peer's session table:
-            # off for the late replica, so it takes the peer path (docs/sessions.md, limits).
+            # Origin bootstrap stays on: the late replica rebuilds every rank from the engines' replay
+            # buffers and fetches only the session table from its sibling.
             return RouterConfig(
-                bootstrap_origin=not peers,
                 port=0,
                 workers=workers,
                 block_size=BS,

@@ -75,8 +75,9 @@ class SnapshotFetcher:
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise FetchFailed(SnapshotOutcome.UNREACHABLE, type(exc).__name__) from None
 
-    async def snapshot(self, peer: Peer, max_age_ms: int) -> WireSnapshot:
-        status, body, encoding = await self._get(peer, {"max_age_ms": str(max_age_ms)}, gzip_ok=True)
+    async def snapshot(self, peer: Peer, max_age_ms: int, *, sessions_only: bool = False) -> WireSnapshot:
+        params = {"sessions_only": "true"} if sessions_only else {"max_age_ms": str(max_age_ms)}
+        status, body, encoding = await self._get(peer, params, gzip_ok=True)
         if status == 404:  # no index there, or an older image: as good as cold
             raise FetchFailed(SnapshotOutcome.COLD_PEER, "404")
         if status != 200:

@@ -44,6 +44,8 @@ def internal_app(
         if producer is None:  # this replica keeps no index: as good as cold to a consumer
             return _error(404, "this router keeps no KV index", "no_index")
         q = request.query
+        if q.get("sessions_only") == "true":
+            return web.Response(body=producer.sessions_body(), content_type="application/x-msgpack")
         if q.get("cursors_only") == "true":
             return web.json_response(
                 {

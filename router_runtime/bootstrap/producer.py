@@ -92,6 +92,13 @@ class SnapshotProducer:
                 return built
             # That build started before the caller's bound: the next one will not.
 
+    def sessions_body(self) -> bytes:
+        """An envelope holding only the session table (no nodes): for a sibling that rebuilt every
+        rank from the engines' own replay buffers and so fetched no snapshot. Never cached: small."""
+        sessions = self._sessions() if self._sessions is not None else []
+        body, _gz = self._encode([], {}, Columns(), self.ready(), sessions)
+        return body
+
     async def _build(self) -> Built:
         at = self._clock()
         if not self.ready():

@@ -120,6 +120,7 @@ class Bootstrapper:
         self.settled_at: float | None = None
         # Handed the vetted session-affinity entries of the snapshot that was grafted (set by the app).
         self.on_sessions: Callable[[list[WireSession]], object] | None = None
+        self._sessions_inherited = False
         if self.config.enabled:
             plane.rank_listener = self
 
@@ -316,6 +317,8 @@ class Bootstrapper:
         origins = [b.origin for c in batch if (b := self.ranks.get(c)) and b.origin and not b.origin.done()]
         if origins:
             await asyncio.wait(origins, timeout=max(0.0, deadline - self._clock()))
+            if not self._pending(batch):
+                await self._sessions_only(deadline)  # every rank exact: only the session table is missing
         while True:
             live = self._pending(batch)
             if not live:
@@ -367,9 +370,26 @@ class Bootstrapper:
                 return self._give_up(live, SweepResult.FLEET_COLD)
             await asyncio.sleep(min(cfg.retry_interval_s, max(0.0, deadline - self._clock())))
 
+    async def _sessions_only(self, deadline: float) -> None:
+        """Ask one sibling for its session table alone (the tree came from the engines' replay)."""
+        if self.on_sessions is None or self._sessions_inherited:
+            return
+        for peer in self.peers.candidates(self._rng):
+            left = deadline - self._clock()
+            if left <= 0:
+                return
+            try:
+                wire = await asyncio.wait_for(self.fetcher.snapshot(peer, 0, sessions_only=True), left)
+            except (FetchFailed, TimeoutError):
+                continue
+            if wire.producer_ready:
+                self._inherit_sessions(wire)
+                return
+
     def _inherit_sessions(self, wire: WireSnapshot) -> None:
         if self.on_sessions is None or not wire.sessions:
             return
+        self._sessions_inherited = True
         incarnations = {spec.engine: spec.incarnation for spec in self.plane.workers.values()}
         try:
             self.on_sessions(vet_sessions(wire.sessions, incarnations))
