@@ -13,11 +13,13 @@ from __future__ import annotations
 import base64
 import logging
 import secrets
+import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from .kube import MERGE, STRATEGIC, ApiError, Kube
+from .metrics import METRICS, OperatorMetrics
 from .model import API_VERSION, FIELD_MANAGER, KIND, LABEL_FLEET, LABEL_REVISION, TOKEN_KEY, Phase
 from .render import (
     OperatorRef,
@@ -197,13 +199,39 @@ async def apply_owned(
 
 
 async def reconcile(
-    kube: Kube, namespace: str, name: str, *, operator: OperatorRef | None = None, now: datetime | None = None
+    kube: Kube,
+    namespace: str,
+    name: str,
+    *,
+    operator: OperatorRef | None = None,
+    now: datetime | None = None,
+    metrics: OperatorMetrics | None = None,
 ) -> float | None:
-    """One pass over one fleet. Returns the delay before the next pass (None: the fleet is gone)."""
+    """One pass over one fleet. Returns the delay before the next pass (None: the fleet is gone).
+    Counted and timed in ``metrics`` (default: the process's ``METRICS``) by result."""
+    metrics = metrics or METRICS
+    t0 = time.monotonic()
+    result = "error"
+    try:
+        delay, result = await _reconcile(kube, namespace, name, operator, now, metrics)
+        return delay
+    finally:
+        metrics.reconciled(result, time.monotonic() - t0)
+
+
+async def _reconcile(
+    kube: Kube,
+    namespace: str,
+    name: str,
+    operator: OperatorRef | None,
+    now: datetime | None,
+    metrics: OperatorMetrics,
+) -> tuple[float | None, str]:
     operator = operator or OperatorRef()
     obj = await kube.get("RouterFleet", namespace, name)
     if obj is None or obj["metadata"].get("deletionTimestamp"):
-        return None
+        metrics.forget(namespace, name)
+        return None, "gone"
     now = now or datetime.now(UTC)
     try:
         fleet: Fleet | None = Fleet.parse(obj)
@@ -253,9 +281,31 @@ async def reconcile(
                     raise
                 log.info("%s/%s changed while deciding: deciding again", namespace, name)
                 await post_events(kube, obj, [*events, *decision.events], now)
-                return 0.2
+                _observe(metrics, namespace, name, obj, fleet, decision, by_name, None)
+                return 0.2, "conflict"
     await post_events(kube, obj, [*events, *decision.events], now)
-    return next_delay(decision)
+    _observe(metrics, namespace, name, obj, fleet, decision, by_name, decision.status)
+    return next_delay(decision), ("ok" if fleet is not None else "invalid")
+
+
+def _observe(
+    metrics: OperatorMetrics,
+    namespace: str,
+    name: str,
+    obj: Mapping[str, Any],
+    fleet: Fleet | None,
+    decision: Decision,
+    views: Mapping[str, PodView],
+    status: Mapping[str, Any] | None,
+) -> None:
+    """The applied decision into the metrics (its admissions happened; its status was written, or
+    ``status`` is None)."""
+    admitted = []
+    for pod in decision.admit:
+        report = views[pod].report
+        admitted.append(report.verdict.value if report else "disabled")
+    desired = fleet.spec.replicas if fleet is not None else None
+    metrics.observe(namespace, name, obj, status, [e.reason for e in decision.events], admitted, desired)
 
 
 def _owned_by_fleet(pod: Mapping[str, Any], name: str) -> bool:

@@ -1,7 +1,9 @@
 """routerfleet-operator: the RouterFleet controller, and its offline dry runs.
 
 routerfleet-operator run [--namespace NS]... [--peering NAME --priority N] [--liveness URL]
-    the controller (kopf, in-process): every namespace by default, or only the ones named
+                         [--metrics-port PORT [--metrics-addr ADDR]]
+    the controller (kopf, in-process): every namespace by default, or only the ones named; with
+    --metrics-port, its Prometheus metrics at :PORT/metrics (metrics.py)
 routerfleet-operator render -f fleet.yaml [--token T] [--namespace NS]
     print the manifests a RouterFleet renders to (YAML, one document each): a dry run
 routerfleet-operator validate -f fleet.yaml
@@ -36,6 +38,10 @@ def _run(a: argparse.Namespace) -> int:
     from . import handlers
 
     handlers.CONFIG.operator = OperatorRef(namespace=a.operator_namespace)
+    if a.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(a.metrics_port, addr=a.metrics_addr)  # the default registry: METRICS
     kopf.configure(verbose=a.verbose)
     kopf.run(
         clusterwide=not a.namespace,
@@ -77,6 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("POD_NAMESPACE") or OperatorRef().namespace,
         help="where the operator runs (the fleets' NetworkPolicy admits it to the internal port)",
     )
+    o.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve the operator's Prometheus metrics at :PORT/metrics (default: off)",
+    )
+    o.add_argument("--metrics-addr", default="0.0.0.0", help="the metrics listener's address")
     o.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     if a.cmd == "run":

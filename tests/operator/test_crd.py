@@ -1,5 +1,5 @@
 """The CRD manifest, kept in step with the operator's code and the router. (That the API server accepts
-it, its CEL rules and defaults, is checked by tests/operator/apiserver_check.py on a real one.)"""
+it, its CEL rules and defaults, is checked by tests/e2e/test_operator_failures.py on a real one.)"""
 
 from __future__ import annotations
 
