@@ -32,7 +32,19 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from e2e.fleet import ENGINE, ENGINE_LABELS, ROUTER_PORT, apply, completion, find, load_manifests, pod_url
+from e2e.fleet import (
+    ENGINE,
+    ENGINE_LABELS,
+    ROUTER_PORT,
+    apply,
+    completion,
+    engines_view,
+    find,
+    index_diff,
+    index_view,
+    load_manifests,
+    pod_url,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "routerfleet.io_routerfleets.yaml"
@@ -432,6 +444,22 @@ def test_rollout_and_scale(cluster, namespace, crd, operator):
     crs = cluster.apps.list_namespaced_controller_revision(ns, label_selector=sel).items
     assert {c.metadata.name for c in crs} == {f"{FLEET}-{rev1}", f"{FLEET}-{rev2}"}, crs
     print(f"[rollout] {rev1} -> {rev2}, both replicas warm, after {time.monotonic() - t0:.1f}s")
+
+    # The new replicas answer like the fleet they seeded from: with the traffic stopped, each one's
+    # index equals the engines' caches, per engine, rank and tier (what routing decides on).
+    routers = [
+        pod_url(p, ROUTER_PORT)
+        for p in cluster.core.list_namespaced_pod(ns, label_selector=sel).items
+        if p.metadata.deletion_timestamp is None
+    ]
+    truth_urls = {f"{ns}/{p.metadata.name}": pod_url(p, 8000) for p in engines}
+
+    def indexes_agree():
+        truth = aio(engines_view, truth_urls)
+        views = [aio(index_view, r) for r in routers]
+        return truth if truth and all(index_diff(v, truth) == [] for v in views) else None
+
+    cluster.wait_for("the new replicas' indexes equal the engines' caches", indexes_agree, 30)
 
     # kubectl scale: the scale subresource changes spec.replicas; the new replica is seeded warm
     with Traffic(engine_urls):
