@@ -94,17 +94,9 @@ async def replay(
             except (h.HttpError, OSError) as e:
                 res.errors[type(e).__name__] += 1
                 return
-            if reply.status != 200:
-                res.errors[f"HTTP {reply.status}"] += 1
-                return
-            events = h.sse_events(reply.body or b"")
-            got = "".join(e["choices"][0].get("text") or "" for e in events if e.get("choices"))
-            usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None)
+            usage = h.read_completion(reply, turn.reply, res)
             if usage is None:
-                res.errors["no usage"] += 1
                 return
-            if got != turn.reply:
-                res.wrong_replies += 1
             res.prompt_tokens += usage["prompt_tokens"]
             res.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
             res.ttft_ms.append((reply.t_first - t0) * 1e3)
@@ -162,10 +154,7 @@ def run_row(name: str, schedule: list[Turn], p: Params, logdir: str) -> Result:
     engines = h.start_engines(p.engines, opts, logdir)
     router = None
     try:
-        incarnations = {}
-        for i, e in enumerate(engines):
-            _, state = h.http_get(e.url + "/admin/state")
-            incarnations[json.loads(state)["incarnation"]] = i
+        incarnations = h.engine_incarnations(engines)
         router = h.start_router(kind, engines, logdir, policy="kv_aware", label=name, extra=extra)
         res.flags = router.flags
         res.probe = probe_event_plane(router, engines, kv=True)
@@ -297,12 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     print()
     report(results, rows, p)
-    print("\n# flags (E0..E3 = the engines' HTTP URL, KV PUB and replay endpoints):")
-    for name in rows:
-        shown = next((r.flags for r in results[name] if r.flags), None)
-        if shown:
-            print(f"#   {ROWS[name][0]}: {' '.join(shown)}")
-    print(f"# logs: {logdir}\n# total {time.perf_counter() - t_start:.0f}s")
+    h.print_flags_and_logs(results, {n: ROWS[n][0] for n in rows}, logdir, t_start)
     if args.json:
         raw = {
             k: [

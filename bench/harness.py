@@ -662,6 +662,45 @@ def sse_events(body: bytes) -> list[dict[str, Any]]:
     return out
 
 
+def read_completion(reply: Reply, expected: str, res: Any) -> dict[str, Any] | None:
+    """A streamed completion's usage, or None after counting why not on ``res`` (``errors``); a reply
+    whose text is not ``expected`` is counted in ``res.wrong_replies`` but still measured."""
+    if reply.status != 200:
+        res.errors[f"HTTP {reply.status}"] += 1
+        return None
+    events = sse_events(reply.body or b"")
+    got = "".join(e["choices"][0].get("text") or "" for e in events if e.get("choices"))
+    usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None)
+    if usage is None:
+        res.errors["no usage"] += 1
+        return None
+    if got != expected:
+        res.wrong_replies += 1
+    return usage
+
+
+def engine_incarnations(engines: Sequence[Engine]) -> dict[str, int]:
+    """Each engine's incarnation id (its X-Engine-Incarnation response header) -> its index."""
+    out = {}
+    for i, e in enumerate(engines):
+        _, state = http_get(e.url + "/admin/state")
+        out[json.loads(state)["incarnation"]] = i
+    return out
+
+
+def print_flags_and_logs(
+    results: dict[str, list[Any]], labels: dict[str, str], logdir: str, t_start: float
+) -> None:
+    """The exact flags each router row ran with (from its first result that has them), and where the
+    logs are."""
+    print("\n# flags (E0..E3 = the engines' HTTP URL, KV PUB and replay endpoints):")
+    for name, rs in results.items():
+        shown = next((r.flags for r in rs if r.flags), None)
+        if shown:
+            print(f"#   {labels[name]}: {' '.join(shown)}")
+    print(f"# logs: {logdir}\n# total {time.perf_counter() - t_start:.0f}s")
+
+
 def use_uvloop() -> str:
     try:
         import uvloop

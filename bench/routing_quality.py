@@ -267,17 +267,9 @@ async def replay(
             finally:
                 if oracle is not None:
                     oracle.finished(engine, ids, turn.reply)
-            if reply.status != 200:
-                res.errors[f"HTTP {reply.status}"] += 1
-                return
-            events = h.sse_events(reply.body or b"")
-            got = "".join(e["choices"][0].get("text") or "" for e in events if e.get("choices"))
-            usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None)
+            usage = h.read_completion(reply, turn.reply, res)
             if usage is None:
-                res.errors["no usage"] += 1
                 return
-            if got != turn.reply:
-                res.wrong_replies += 1
             cached = usage["prompt_tokens_details"]["cached_tokens"]
             actual[pos] = cached
             res.prompt_tokens += usage["prompt_tokens"]
@@ -365,10 +357,7 @@ def run_row(name: str, schedule: list[Turn], p: Params, logdir: str) -> Result:
     engines = h.start_engines(p.engines, opts, logdir)
     router = None
     try:
-        incarnations = {}
-        for i, e in enumerate(engines):
-            _, state = h.http_get(e.url + "/admin/state")
-            incarnations[json.loads(state)["incarnation"]] = i
+        incarnations = h.engine_incarnations(engines)
         if kind is not None:
             router = h.start_router(kind, engines, logdir, policy=policy or "kv_aware", label=name)
             res.flags = router.flags
@@ -598,12 +587,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     print()
     report(results, rows, p)
-    print("\n# flags (E0..E3 = the engines' HTTP URL, KV PUB and replay endpoints):")
-    for name in rows:
-        shown = next((r.flags for r in results[name] if r.flags), None)
-        if shown:
-            print(f"#   {ROWS[name][0]}: {' '.join(shown)}")
-    print(f"# logs: {logdir}\n# total {time.perf_counter() - t_start:.0f}s")
+    h.print_flags_and_logs(results, {n: ROWS[n][0] for n in rows}, logdir, t_start)
     if args.json:
         raw = {
             k: [
