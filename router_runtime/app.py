@@ -77,7 +77,9 @@ class Router:
             on_transition=self._breaker_moved,
         )
         self.load = LoadTracker()
-        self.sessions = SessionAffinity(config.sessions, SessionMetrics(self.registry))
+        self.sessions = SessionAffinity(
+            config.sessions, SessionMetrics(self.registry), evicted_at=lambda: self.kv.writer.evicted_at
+        )
         # KV policies target (engine, rank); the others whole engines.
         self.targets = TargetBook(self.health, per_rank=bool(self.policy.needs_tokens))
         self.executor = ThreadPoolExecutor(

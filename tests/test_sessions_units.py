@@ -21,6 +21,7 @@ from router_runtime.bootstrap.wire import (
     encode,
 )
 from router_runtime.config import parse_args
+from router_runtime.kv.index import CarrierMatch
 from router_runtime.kv.plane import WorkerSpec
 from router_runtime.routing.approx_prefix import ApproxPrefixPolicy
 from router_runtime.routing.kv_aware import KvAwarePolicy
@@ -171,7 +172,7 @@ def test_promote_moves_the_remembered_target_first_for_this_request_only():
 
 def test_kv_aware_credits_the_remembered_target_and_keeps_its_guards():
     pol = KvAwarePolicy(balance_abs_threshold=2, load_cost_tokens=0, spread_ties=False)
-    req = RouteRequest(tokens=list(range(64)), prefer=B)
+    req = RouteRequest(tokens=list(range(64)), prefer=B, prefer_vouched=True)
 
     class Empty:
         block_size = 4
@@ -191,6 +192,59 @@ def test_kv_aware_credits_the_remembered_target_and_keeps_its_guards():
     # The load price still applies.
     priced = KvAwarePolicy(balance_abs_threshold=100, load_cost_tokens=4 * 100, spread_ties=False)
     assert priced.choose(req, [B, A], {B: 1}, Empty()).target == A
+
+
+def test_kv_aware_trusts_the_index_over_a_remembered_target_that_evicted():
+    """The index shows A holding 12 of the 16 blocks and B 4 (B evicted the rest under pressure)."""
+    pol = KvAwarePolicy(balance_abs_threshold=100, load_cost_tokens=0, spread_ties=False)
+    tokens = list(range(64))
+
+    class Shows:
+        block_size = 4
+
+        def match(self, *_a, **_k):
+            return {A.carrier: CarrierMatch(12, (12, 0, 0, 0)), B.carrier: CarrierMatch(4, (4, 0, 0, 0))}
+
+    # Vouched (nothing evicted since the last turn): the index is lagging, B holds the whole prefix.
+    d = pol.choose(RouteRequest(tokens=tokens, prefer=B, prefer_vouched=True), [B, A], {}, Shows())
+    assert d.target == B and d.reason is Reason.PREFIX
+    # Not vouched: what the index shows wins; the preference only breaks ties.
+    d = pol.choose(RouteRequest(tokens=tokens, prefer=B), [B, A], {}, Shows())
+    assert d.target == A and d.reason is Reason.PREFIX
+
+    class Even(Shows):
+        def match(self, *_a, **_k):
+            return {A.carrier: CarrierMatch(4, (4, 0, 0, 0)), B.carrier: CarrierMatch(4, (4, 0, 0, 0))}
+
+    assert pol.choose(RouteRequest(tokens=tokens, prefer=B), [A, B], {}, Even()).target == B
+
+
+async def test_the_shell_vouches_from_the_store_write_time_and_the_writers_eviction_record():
+    evicted: dict = {}
+    a, _ = affinity()
+    a.evicted_at = lambda: evicted
+    hdr = {"x-session-id": RAW}
+    a.remember(await a.begin(hdr, {}), B)
+    ctx = await a.begin(hdr, {})
+    assert ctx.since is not None and a.classify(ctx, (A, B)).vouched  # B never evicted
+    evicted[B.carrier] = time.monotonic()  # B evicts after the memory was written
+    ctx = await a.begin(hdr, {})
+    c = a.classify(ctx, (A, B))
+    assert c.state is SessionState.RETURNING and c.preferred == B and not c.vouched
+    a.remember(ctx, B)  # the next turn ran there: B holds it again
+    ctx = await a.begin(hdr, {})
+    assert a.classify(ctx, (A, B)).vouched
+
+
+def test_vouched_only_when_no_eviction_since_the_memory_was_written():
+    inc = {"http://b": "i1"}
+    mem = Remembered("http://b", None, "i1")
+    assert classify(mem, (A, B), inc, since=10.0, evicted_at={}).vouched  # never evicted
+    assert classify(mem, (A, B), inc, since=None, evicted_at=None).vouched
+    assert classify(mem, (A, B), inc, since=10.0, evicted_at={B.carrier: 9.0}).vouched  # before
+    assert not classify(mem, (A, B), inc, since=10.0, evicted_at={B.carrier: 11.0}).vouched  # after
+    assert not classify(mem, (A, B), inc, since=None, evicted_at={B.carrier: 1.0}).vouched  # age unknown
+    assert classify(mem, (A, B), inc, since=10.0, evicted_at={A.carrier: 11.0}).vouched  # another carrier
 
 
 def test_approx_prefix_counts_the_remembered_target_as_a_holder():

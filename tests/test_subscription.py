@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -80,10 +81,15 @@ async def test_live_events_reach_the_index_in_every_dialect(dialect):
         )
         m = plane.index.match([1, 2, 3, 4])
         assert m[r0].tier_blocks == (1, 0, 0, 0) and m[r1].tier_blocks == (0, 1, 0, 0)
+        evicted = plane.writer.evicted_at  # stores never stamp it; session affinity reads it
+        assert evicted == {}
+        before = time.monotonic()
         pub.publish(0, [BlockRemoved((12,), "GPU")])
         await eventually(lambda: matched(plane, [1, 2, 3, 4, 5, 6, 7, 8]) == {r0: 1, r1: 1}, what="removal")
+        assert set(evicted) == {r0} and evicted[r0] >= before
         pub.publish(1, [AllBlocksCleared()])
         await eventually(lambda: matched(plane, [1, 2, 3, 4]) == {r0: 1}, what="clear")
+        assert set(evicted) == {r0, r1}
 
 
 async def test_a_gap_is_filled_from_the_replay_buffer():

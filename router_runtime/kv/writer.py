@@ -68,6 +68,9 @@ class IndexWriter:
         # The last sequence applied per carrier: the cursors a snapshot export reports. A cleared or
         # removed carrier has none until its next batch (nothing could prove continuity for it).
         self.applied: dict[Carrier, int] = {}
+        # When each carrier last lost blocks (a removal or a clear), monotonic: session affinity trusts
+        # a remembered engine beyond the index only if it evicted nothing since (sessions/classify.py).
+        self.evicted_at: dict[Carrier, float] = {}
 
     # ---- producers -----------------------------------------------------------------------------
 
@@ -140,14 +143,18 @@ class IndexWriter:
             t0 = time.perf_counter()
             stats = index.apply_batch(item.carrier, sb.batch)
             self.applied[item.carrier] = sb.seq
+            if stats.removed or stats.cleared:
+                self.evicted_at[item.carrier] = time.monotonic()
             m.apply_seconds.observe(time.perf_counter() - t0)
             m.batches.inc()
             self._count(stats)
             return
         self.applied.pop(item.carrier, None)
         if item.remove:
+            self.evicted_at.pop(item.carrier, None)  # gone for good: a memory of it is stale anyway
             index.remove_carrier(item.carrier)
         else:
+            self.evicted_at[item.carrier] = time.monotonic()
             index.clear_carrier(item.carrier)
         m.ranks_cleared.labels(item.clear.value).inc()
         log.info("rank %s cleared: %s", item.carrier, item.clear.value)

@@ -195,7 +195,8 @@ class Proxy:
                 # while the remembered engine is still a candidate.
                 classified = sessions.classify(sctx, targets)
                 prefer = classified.preferred if classified.preferred in targets else None
-                decision = self._decide(replace(route, prefer=prefer), promote(targets, prefer), index)
+                routed = replace(route, prefer=prefer, prefer_vouched=classified.vouched)
+                decision = self._decide(routed, promote(targets, prefer), index)
                 if attempt == 0:
                     sessions.selected(sctx, decision.target, self.policy.name)
             target = decision.target

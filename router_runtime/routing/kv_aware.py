@@ -10,11 +10,13 @@ request to the least-loaded target when the loads are skewed. Ties break by lowe
 of the request's tokens over the tied targets (``spread_ties``; otherwise target order), so at low
 concurrency new conversations spread over the fleet instead of all landing on the first target.
 
-A returning session (``request.prefer``, docs/sessions.md) changes two things and nothing else: the
-remembered target is credited as holding the request's whole prefix (its full blocks, at device
-weight) when the index credits it less, because it served the conversation's previous turn and the
-index may not have seen that yet (events off or lagging); and every tie it is part of goes to it. The
-imbalance guard and the load price apply unchanged, so an overloaded remembered target is not forced.
+A returning session (``request.prefer``, docs/sessions.md) changes two things and nothing else: every
+tie the remembered target is part of goes to it; and, when it is vouched for (``prefer_vouched``: the
+index saw it evict nothing since it served the conversation's previous turn), it is credited as
+holding the request's whole prefix (its full blocks, at device weight) when the index credits it less,
+because the index may not have seen that turn yet (events off or lagging). Once it has evicted, the
+index is the better witness of what is left. The imbalance guard and the load price apply unchanged,
+so an overloaded remembered target is not forced.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class KvAwarePolicy:
                 credits = None
         boosted = False  # the remembered target's credit was raised to the whole prefix
         real_p = 0.0
-        if p is not None and total and (credits is None or credits[p] < total):
+        if p is not None and request.prefer_vouched and total and (credits is None or credits[p] < total):
             credits = list(credits) if credits is not None else [0.0] * len(targets)
             real_p = credits[p]
             credits[p] = float(total)

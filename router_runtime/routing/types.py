@@ -34,6 +34,9 @@ class RouteRequest:
     # A returning session's remembered target (one of the targets, moved to their front): the policy
     # prefers it unless its load guard says otherwise (docs/sessions.md, "The promotion rule").
     prefer: Target | None = None
+    # ``prefer`` kept everything since it served the session's last turn (no eviction seen there since):
+    # kv_aware may credit it the request's whole prefix, beyond what the index shows.
+    prefer_vouched: bool = False
 
 
 class Reason(enum.StrEnum):

@@ -17,9 +17,10 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ..kv.index import Carrier
 from ..routing.types import Target
 from .classify import Classified, SessionState, classify, selection
 from .config import SessionConfig
@@ -44,11 +45,12 @@ def engine_id(engine: str, incarnation: str, rank: int | None) -> str:
 
 
 class SessionCtx:
-    __slots__ = ("classified", "digest", "hint_unknown", "memory")
+    __slots__ = ("classified", "digest", "hint_unknown", "memory", "since")
 
     def __init__(self, digest: bytes | None) -> None:
         self.digest = digest
         self.memory: Remembered | None = None
+        self.since: float | None = None  # when the memory was written (local store only), monotonic
         self.hint_unknown = False
         self.classified: Classified | None = None
 
@@ -59,8 +61,11 @@ class SessionAffinity:
         config: SessionConfig,
         metrics: SessionMetrics,
         store: SessionStore | None = None,
+        evicted_at: Callable[[], Mapping[Carrier, float]] | None = None,
     ) -> None:
+        """``evicted_at``: the index writer's record of when each carrier last evicted (monotonic)."""
         self.config = config
+        self.evicted_at = evicted_at
         self.metrics = metrics
         self.store: SessionStore = (
             store
@@ -112,17 +117,21 @@ class SessionAffinity:
                     ctx.memory = memory
                 return ctx  # a trusted hint decides; the store is not asked
         if ctx.digest is not None:
-            ctx.memory = await self._lookup(ctx.digest)
+            ctx.memory, ctx.since = await self._lookup(ctx.digest)
         return ctx
 
-    async def _lookup(self, digest: bytes) -> Remembered | None:
+    async def _lookup(self, digest: bytes) -> tuple[Remembered | None, float | None]:
+        """The remembered engine and when it was written (None: not known)."""
         t0 = time.perf_counter()
         store = self.store
         value: Remembered | None = None
+        since: float | None = None
         try:
             nowait = getattr(store, "get_nowait", None)
             if nowait is not None:  # the local store: synchronous and O(1), no task needed
                 value = nowait(digest)
+                if value is not None:
+                    since = store.written_at(digest)
                 result = "hit" if value is not None else "miss"
             else:
                 task = asyncio.ensure_future(store.get(digest))
@@ -142,7 +151,7 @@ class SessionAffinity:
             value, result = None, "error"
             self._warn(f"session lookup failed ({type(exc).__name__})")
         self.metrics.lookup(result, time.perf_counter() - t0)
-        return value
+        return value, since
 
     def classify(self, ctx: SessionCtx, candidates: tuple[Target, ...]) -> Classified:
         """Once per request: the first call decides, later calls (a retry) return the same state."""
@@ -150,7 +159,10 @@ class SessionAffinity:
             if ctx.hint_unknown:
                 ctx.classified = Classified(SessionState.STALE)
             else:
-                ctx.classified = classify(ctx.memory, candidates, self._incarnations)
+                evicted = self.evicted_at() if self.evicted_at is not None else None
+                ctx.classified = classify(
+                    ctx.memory, candidates, self._incarnations, since=ctx.since, evicted_at=evicted
+                )
         return ctx.classified
 
     def selected(self, ctx: SessionCtx, chosen: Target, policy: str) -> None:
@@ -160,10 +172,11 @@ class SessionAffinity:
         self.metrics.selection(c.state, sel)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "session selection: state=%s selection=%s promoted=%s engine=%s rank=%s policy=%s",
+                "session selection: state=%s selection=%s promoted=%s vouched=%s engine=%s rank=%s policy=%s",
                 c.state.value,
                 sel.value,
                 c.preferred is not None,
+                c.vouched,
                 chosen.engine,
                 chosen.rank,
                 policy,

@@ -6,7 +6,8 @@ stale      something is remembered, but that engine is gone, has another incarna
            current targets do not have)
 returning  the remembered engine is a candidate: it moves to the front of the candidate order for
            this request only, and the policy is told to prefer it (``RouteRequest.prefer``); the
-           policy's load guard still decides (docs/sessions.md, "The promotion rule")
+           policy's load guard still decides (docs/sessions.md, "The promotion rule"); it is
+           ``vouched`` when the index saw it evict nothing since the memory was written
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..kv.index import Carrier
 from ..routing.types import Target
 from .store import Remembered
 
@@ -36,12 +38,22 @@ class Selection(enum.StrEnum):
 class Classified:
     state: SessionState
     preferred: Target | None = None  # set iff returning
+    # The remembered target kept everything since it served the session's last turn: the index has
+    # seen no eviction there since (or never any). Only then may kv_aware credit it the whole prefix.
+    vouched: bool = False
 
 
 def classify(
-    memory: Remembered | None, candidates: Sequence[Target], incarnations: Mapping[str, str]
+    memory: Remembered | None,
+    candidates: Sequence[Target],
+    incarnations: Mapping[str, str],
+    *,
+    since: float | None = None,
+    evicted_at: Mapping[Carrier, float] | None = None,
 ) -> Classified:
-    """``incarnations``: engine -> incarnation of every engine this replica knows (healthy or not)."""
+    """``incarnations``: engine -> incarnation of every engine this replica knows (healthy or not).
+    ``since``: when the memory was written (None: unknown, a hint or a remote store); ``evicted_at``:
+    carrier -> when the index last saw it evict (the writer's record), on the same clock."""
     if memory is None:
         return Classified(SessionState.NEW)
     if incarnations.get(memory.engine) != memory.incarnation:
@@ -50,14 +62,23 @@ def classify(
     for t in candidates:
         if t.engine == memory.engine:
             if t.rank == memory.rank:
-                return Classified(SessionState.RETURNING, t)
+                return Classified(SessionState.RETURNING, t, vouched(t, since, evicted_at))
             if fallback is None and (memory.rank is None or t.rank is None):
                 # Remembered as a whole engine and now targeted per rank (or the reverse): the engine
                 # still holds the prefix on one of its ranks; its first target is the best guess.
                 fallback = t
     if fallback is not None:
-        return Classified(SessionState.RETURNING, fallback)
+        return Classified(SessionState.RETURNING, fallback, vouched(fallback, since, evicted_at))
     return Classified(SessionState.STALE)
+
+
+def vouched(target: Target, since: float | None, evicted_at: Mapping[Carrier, float] | None) -> bool:
+    """Whether the remembered target still holds all it held when it served the session: it never
+    evicted, or only before the memory was written. Under memory pressure an engine evicts LRU blocks
+    all the time, and a conversation's history is what goes; trusting the memory over the index there
+    sends turns to an engine that no longer has their prefix (the affinity bench measured exactly that)."""
+    at = evicted_at.get(target.carrier) if evicted_at else None
+    return at is None or (since is not None and at < since)
 
 
 def promote(candidates: Sequence[Target], preferred: Target | None) -> tuple[Target, ...]:

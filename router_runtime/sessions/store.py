@@ -90,6 +90,11 @@ class LocalStore:
         self._d.move_to_end(digest)
         return value
 
+    def written_at(self, digest: bytes) -> float | None:
+        """When the entry was last written (this store's clock), without touching its LRU position."""
+        item = self._d.get(digest)
+        return item[1] if item is not None else None
+
     def put_nowait(self, digest: bytes, value: Remembered, *, written_at: float | None = None) -> None:
         d = self._d
         d[digest] = (value, self._clock() if written_at is None else written_at)
