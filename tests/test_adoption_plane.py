@@ -145,6 +145,61 @@ async def test_restart_on_a_fresh_process_reads_the_storage_dir_again(tmp_path):
             assert outcome(plane, "success") == 1 and tiers(plane, DISK) == (0, 0, 2, 0)
 
 
+def in_pod(engine: FakeEngine, name: str = "e") -> WorkerSpec:
+    """As Kubernetes discovery sees it: the incarnation is the pod's UID, which a container restart
+    keeps."""
+    return WorkerSpec(
+        name,
+        engine.http_url,
+        kv=engine.kv_endpoint(0),
+        replay=engine.replay_endpoint(0),
+        incarnation="pod-uid",
+    )
+
+
+async def test_a_container_restart_in_the_same_pod_drops_device_and_keeps_disk(tmp_path):
+    """Same incarnation, new process: its replay buffer holds nothing at or after our cursor (its
+    sequence went back), so it is judged by its storage identity like a new incarnation."""
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        plane.set_workers([in_pod(engine)])
+        await join(plane, engine)
+        for _ in range(5):  # the old process had published a few batches more than the new one will
+            engine.emit(0, [])
+        engine.emit(0, engine.caches[0].store(DEV))
+        engine.emit(0, engine.caches[0].store(DISK, tier=Tier.DISK))
+        await eventually(lambda: tiers(plane, DISK) == (0, 0, 2, 0), what="disk blocks indexed")
+        await eventually(lambda: plane._records["e"].storage is not None, what="storage identity learned")
+        leave(plane)
+        engine.restart()  # the container restarts: same pod UID, a new process on the same storage dir
+        engine.emit(0, [])  # it has published less than its predecessor by the time we come back
+        plane.set_workers([in_pod(engine)])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+        await plane.writer.drain()
+        assert (outcome(plane, "success"), outcome(plane, "rejected")) == (1, 0)
+        assert tiers(plane, DEV) is None  # GPU memory died with the process
+        assert tiers(plane, DISK) == (0, 0, 2, 0)  # the disk survived and is adopted
+        # The new process's stream flows on top, from its first batch: a disk hit is promoted.
+        engine.admit(0, DISK, engine.caches[0].chain(DISK)[0].namespace)
+        await eventually(lambda: tiers(plane, DISK) == (2, 0, 0, 0), what="promotion applied")
+
+
+async def test_a_container_restart_on_wiped_storage_is_refused(tmp_path):
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        plane.set_workers([in_pod(engine)])
+        await join(plane, engine)
+        engine.emit(0, engine.caches[0].store(DISK, tier=Tier.DISK))
+        await eventually(lambda: tiers(plane, DISK) == (0, 0, 2, 0), what="disk blocks indexed")
+        await eventually(lambda: plane._records["e"].storage is not None, what="storage identity learned")
+        leave(plane)
+        engine.wipe_storage()
+        engine.restart()
+        plane.set_workers([in_pod(engine)])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+        await plane.writer.drain()
+        assert outcome(plane, "epoch_mismatch") == 1 and outcome(plane, "success") == 0
+        assert plane.index.carrier_blocks(Carrier("e"))[Tier.DISK] == 0
+
+
 async def test_a_moved_disk_is_refused(tmp_path):
     async with fake(tmp_path, "s1") as e1, fake(tmp_path, "s2") as e2, plane_for() as plane:
         await warm(plane, e1, "e1")

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from router_runtime.fake_engine.publisher import Drop, KvPublisher
 from router_runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Dialect
+from router_runtime.kv.hold import RankHold
 from router_runtime.kv.index import Carrier
 from router_runtime.kv.plane import KVPlane, WorkerSpec
 from router_runtime.kv.subscription import ReplayTimeouts
@@ -129,6 +130,40 @@ async def test_a_publisher_restart_clears_the_rank():
         await eventually(lambda: matched(plane, [7, 7, 7, 7]), what="store after the restart")
         assert matched(plane, [1, 2, 3, 4]) == {} and matched(plane, [5, 6, 7, 8]) == {}
         assert sample(plane, "routerfleet_kv_ranks_cleared_total", reason="publisher_restart") == 1
+
+
+async def test_a_publisher_restart_under_a_hold_that_judges_it_is_held_not_cleared():
+    """Warm re-adoption's contract: a hold whose owner judges a new process itself keeps the rank (no
+    clear) and holds the new stream from its sequence 0; a plain hold clears as usual."""
+
+    class Judging(RankHold):
+        restarts = 0
+
+        def restarted(self) -> bool:
+            self.restarts += 1
+            return True
+
+    async with setup() as (pub, plane):
+        pub.publish(0, [store(1, [1, 2, 3, 4])])
+        pub.publish(0, [store(2, [5, 6, 7, 8])])
+        await eventually(lambda: matched(plane, [5, 6, 7, 8]), what="stores")
+        sub = plane.subscriptions()[0]
+        sub.hold = hold = Judging()
+        pub.reset()
+        pub.publish(0, [store(3, [7, 7, 7, 7])])
+        pub.publish(0, [store(4, [8, 8, 8, 8])])
+        await eventually(lambda: len(hold) == 2, what="the new stream held")
+        assert hold.restarts == 1 and [b.seq for b in hold.take()] == [0, 1]
+        assert sample(plane, "routerfleet_kv_ranks_cleared_total", reason="publisher_restart") == 0
+        assert matched(plane, [5, 6, 7, 8]) == {Carrier(ENGINE, 0): 1}  # the index untouched
+        sub.hold = plain = RankHold()
+        pub.reset()
+        pub.publish(0, [store(5, [9, 9, 9, 9])])
+        await eventually(
+            lambda: sample(plane, "routerfleet_kv_ranks_cleared_total", reason="publisher_restart") == 1,
+            what="a plain hold clears",
+        )
+        assert not plain.active
 
 
 async def test_a_malformed_batch_is_counted_and_clears_the_rank():

@@ -66,6 +66,7 @@ class EngineRecord:
     cursors: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)  # rank -> cursors
     generation: int = 0  # bumped on every transition: a stale decision never lands
     prior_spec: object | None = None  # while a return is undecided: the spec it is judged against
+    restarted: int = -1  # the generation in which its stream showed a new process (same incarnation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,17 +86,20 @@ def decide(
     same_shape: bool = True,
     storage_claimed_by_other: bool = False,
     cap_reached: bool = False,
+    restarted: bool = False,
 ) -> Decision:
     """What to re-adopt of a DISCONNECTED engine that returns.
 
     ``continuous``: for the same incarnation, whether its event stream resumed without a gap (None:
     not known yet; the caller decides only once it is). ``same_shape``: endpoints and DP size unchanged.
-    ``storage_claimed_by_other``: another live engine reports the same storage id (a copied disk)."""
+    ``storage_claimed_by_other``: another live engine reports the same storage id (a copied disk).
+    ``restarted``: a new process under the same incarnation (its event stream restarted; Kubernetes
+    keeps a pod's UID across container restarts, and static workers have no incarnation at all)."""
     if not same_shape:
         return Decision(0, Outcome.REJECTED, "shape changed")
     if cap_reached:
         return Decision(0, Outcome.REJECTED, "adoption cap")
-    if new_incarnation == old_incarnation:
+    if new_incarnation == old_incarnation and not restarted:
         if continuous:
             return Decision(ALL, Outcome.SUCCESS, "gapless resume")
         return Decision(0, Outcome.REJECTED, "gap in the event stream")

@@ -57,6 +57,12 @@ class RankHold:
         self._bytes = 0
         return out
 
+    def restarted(self) -> bool:
+        """The rank's publisher restarted its sequence while held. False: the rank is cleared as usual
+        (a bootstrap's hold). An owner that judges a new process itself (warm re-adoption) says True
+        and keeps the rank's new stream held until it decides."""
+        return False
+
     def end(self, why: HoldEnd) -> None:
         """The hold is over without a graft: drop what it held (the rank is empty in the index, so
         dropping loses only blocks, never adds any) and let the bootstrap know."""

@@ -395,43 +395,92 @@ class KVPlane:
                 holds[c.rank] = _ProofHold(
                     on_add=lambda c=c: self._rank_proved(rec, c, gen, True),
                     on_end=lambda why, c=c: self._rank_proved(rec, c, gen, False, why),
+                    on_restart=lambda: self._restarted_in_place(rec, gen, spec, same_shape),
                 )
             else:
-                holds[c.rank] = RankHold(on_end=lambda why, c=c: self._hold_lost(rec, c, gen, why))
+                holds[c.rank] = self._decision_hold(rec, c, gen)
         subs = self._add(spec, holds)
+        rec.spec, rec.prior_spec = spec, old
         if same:
             for rank, sub in subs.items():
                 sub.cursor, sub.live_last = rec.cursors.get(rank, (None, None))
-                self._spawn(spec.engine, self._probe(rec, sub, gen))
-            rec.spec, rec.prior_spec = spec, old
+                self._spawn(spec.engine, self._probe(rec, sub, gen, spec, same_shape))
             return
-        old_incarnation, old_storage = old.incarnation, rec.storage
-        rec.spec, rec.prior_spec = spec, old
+        # An empty incarnation (static workers) cannot prove a new process: ``same`` was False only
+        # for a changed shape or the cap, and the decision below rejects those.
+        self._spawn(
+            spec.engine,
+            self._decide_new_process(rec, gen, spec, old.incarnation, same_shape=same_shape, cap=cap),
+        )
 
-        async def decide_new() -> None:
-            storage = await self._lookup(spec)
-            if rec.generation != gen:
-                return
-            claimed = storage is not None and any(
-                r is not rec and r.state is CarrierState.OK and r.storage == storage
-                for r in self._records.values()
-            )
-            # An empty incarnation (static workers) cannot prove a new process: treat it as one.
-            new_inc = spec.incarnation if spec.incarnation != old_incarnation else spec.incarnation + "\0"
-            d = decide(
-                old_incarnation,
-                old_storage,
-                new_inc,
-                storage,
-                continuous=None,
-                same_shape=same_shape,
-                storage_claimed_by_other=claimed,
-                cap_reached=cap,
-            )
-            self._apply_decision(rec, gen, carriers, subs, d)
-            rec.storage = storage
+    def _decision_hold(self, rec: EngineRecord, c: Carrier, gen: int) -> RankHold:
+        """Holds a new process's batches until its engine's decision (``_apply_decision``) releases them."""
+        return RankHold(on_end=lambda why: self._hold_lost(rec, c, gen, why))
 
-        self._spawn(spec.engine, decide_new())
+    async def _decide_new_process(
+        self,
+        rec: EngineRecord,
+        gen: int,
+        spec: WorkerSpec,
+        old_incarnation: str,
+        *,
+        same_shape: bool,
+        cap: bool,
+        restarted: bool = False,
+    ) -> None:
+        """A new process (a new incarnation, or the same one whose stream restarted): its memory tiers
+        are gone; ask it for its storage identity and adopt the storage tiers only if it proves the one
+        it had. One writer step for every rank still undecided."""
+        old_storage = rec.storage
+        storage = await self._lookup(spec)
+        if rec.generation != gen:
+            return
+        claimed = storage is not None and any(
+            r is not rec and r.state is CarrierState.OK and r.storage == storage
+            for r in self._records.values()
+        )
+        d = decide(
+            old_incarnation,
+            old_storage,
+            spec.incarnation,
+            storage,
+            continuous=None,
+            same_shape=same_shape,
+            storage_claimed_by_other=claimed,
+            cap_reached=cap,
+            restarted=restarted or spec.incarnation == old_incarnation,
+        )
+        subs = {c.rank: e[0] for c in spec.carriers() if (e := self._subs.get(c)) is not None}
+        self._apply_decision(rec, gen, spec.carriers(), subs, d)
+        rec.storage = storage
+
+    def _restarted_in_place(self, rec: EngineRecord, gen: int, spec: WorkerSpec, same_shape: bool) -> None:
+        """A returning engine kept its incarnation (Kubernetes keeps a pod's UID across container
+        restarts) but its stream shows a new process: a rank's publisher restarted its sequence, or
+        its replay buffer holds nothing at or after our cursor. Every rank of the engine is judged as
+        a new process, once: their proof holds become plain holds from sequence 0 of the new stream,
+        and nothing from the new process can pass as proof of continuity any more."""
+        if rec.generation != gen or rec.restarted == gen:
+            return
+        rec.restarted = gen
+        log.info("engine %s returned as a new process (same incarnation, its stream restarted)", rec.engine)
+        for c in spec.carriers():
+            entry = self._subs.get(c)
+            if entry is None or self._undecided.get(c) != gen:
+                continue
+            sub = entry[0]
+            if sub.hold is not None:
+                sub.hold.active = False
+                sub.hold.take()
+            sub.hold = self._decision_hold(rec, c, gen)
+            sub.cursor, sub.live_last = -1, None  # the new publisher's stream begins at 0
+        cap = self._cap.reached(self._cap_key(rec), self._clock())
+        self._spawn(
+            rec.engine,
+            self._decide_new_process(
+                rec, gen, spec, spec.incarnation, same_shape=same_shape, cap=cap, restarted=True
+            ),
+        )
 
     def _apply_decision(
         self,
@@ -490,7 +539,7 @@ class KVPlane:
     ) -> None:
         """Same incarnation: rank ``c``'s stream either joined our cursor (its first batch was the next
         one, or a replay filled the gap) or it did not (restart, uncovered gap, overflow)."""
-        if self._undecided.get(c) != gen:
+        if self._undecided.get(c) != gen or rec.restarted == gen:
             return
         del self._undecided[c]
         d = decide(
@@ -516,9 +565,13 @@ class KVPlane:
         if rec.generation == gen and not any(g == gen for g in self._undecided.values()):
             self._reconnected(rec)
 
-    async def _probe(self, rec: EngineRecord, sub: RankSubscription, gen: int) -> None:
+    async def _probe(
+        self, rec: EngineRecord, sub: RankSubscription, gen: int, spec: WorkerSpec, same_shape: bool
+    ) -> None:
         """Same incarnation, idle engine: no live batch may come to prove continuity, so ask the replay
-        buffer whether it still holds our cursor's batch (then nothing after it is lost to us)."""
+        buffer whether it still holds our cursor's batch (then nothing after it is lost to us). A buffer
+        that answers with nothing at or after our cursor belongs to a publisher whose sequence went
+        back: a new process (the same one would still hold our cursor, or later batches if it aged)."""
         c = sub.carrier
         cursor = sub.cursor
         if cursor is None:
@@ -532,6 +585,9 @@ class KVPlane:
         if self._undecided.get(c) != gen:
             return  # a live batch decided it meanwhile
         got = result.batches
+        if not got and result.outcome is ReplayOutcome.UNCOVERED:
+            self._restarted_in_place(rec, gen, spec, same_shape)
+            return
         ok = bool(got) and got[0][0] == cursor and result.outcome is not ReplayOutcome.MALFORMED
         if not ok:
             # The sub's own stream may still prove it; a reset or a gap will decide it then. An engine
@@ -556,9 +612,20 @@ class _ProofHold(RankHold):
     hands it is the proof of continuity (the subscription only accepts the next sequence, after any gap
     was replayed), so it reports it at once."""
 
-    def __init__(self, *, on_add: Callable[[], None], on_end: Callable[[HoldEnd], None]) -> None:
+    def __init__(
+        self,
+        *,
+        on_add: Callable[[], None],
+        on_end: Callable[[HoldEnd], None],
+        on_restart: Callable[[], None],
+    ) -> None:
         super().__init__(on_end=on_end)
         self._on_add = on_add
+        self._on_restart = on_restart
+
+    def restarted(self) -> bool:
+        self._on_restart()  # replaces this hold with a plain one (the subscription reads it afresh)
+        return True
 
     def add(self, batch: SequencedBatch) -> None:
         super().add(batch)
@@ -567,15 +634,16 @@ class _ProofHold(RankHold):
 
 
 async def lookup_storage(spec: WorkerSpec) -> StorageIdentity | None:
-    """The engine's storage identity: the spec's (discovery knows it), else its /server_info's."""
-    if spec.storage_id:
-        return StorageIdentity(spec.storage_id, spec.storage_epoch)
+    """The engine's storage identity: its /server_info's ``storage_id``/``storage_epoch``, else the
+    one discovery found for it (a pod annotation the deployer set), else none."""
+    fallback = StorageIdentity(spec.storage_id, spec.storage_epoch) if spec.storage_id else None
     async with aiohttp.ClientSession() as session:
         for path in ("/server_info", "/get_server_info"):
             async with session.get(spec.url.rstrip("/") + path, timeout=aiohttp.ClientTimeout(total=5)) as r:
-                if r.status == 404 and path == "/server_info":
+                if r.status == 404:
                     continue
                 r.raise_for_status()
                 body = await r.json(content_type=None)
-                return parse_storage(body) if isinstance(body, dict) else None
-    return None
+                found = parse_storage(body) if isinstance(body, dict) else None
+                return found or fallback
+    return fallback

@@ -137,7 +137,9 @@ class RankSubscription:
         arrival = classify(self.cursor, seq, live_last=self.live_last)
         self.live_last = seq
         if arrival is Arrival.RESTART:
-            self._clear(ClearReason.PUBLISHER_RESTART)
+            hold = self.hold
+            if hold is None or not hold.active or not hold.restarted():
+                self._clear(ClearReason.PUBLISHER_RESTART)
             self.cursor = -1  # the new publisher's stream begins at 0
             arrival = classify(self.cursor, seq)
         if arrival is Arrival.GAP:
