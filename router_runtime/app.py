@@ -135,6 +135,7 @@ class Router:
                 kubeconfig=config.kubeconfig,
                 registry=self.registry,
                 watch_timeout_s=config.k8s_watch_timeout_s,
+                storage_annotation=config.k8s_storage_annotation or None,
             )
             if config.kv_peer_selector:
                 # The routers' own peer Service: only ready siblings are listed, so a booting replica

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from .bootstrap.http import read_token
 from .discovery.static import parse_worker
+from .discovery.storage_annotation import validate_annotation_key
 from .kv.plane import WorkerSpec
 from .routing.policies import POLICY_NAMES, PolicyConfig
 from .sessions.config import SessionConfig
@@ -58,6 +59,8 @@ class RouterConfig:
     k8s_topic: str = ""
     kubeconfig: str | None = None
     k8s_watch_timeout_s: float = 300.0
+    # A pod annotation key naming the engine's storage identity (KEY, and KEY-epoch); "": off.
+    k8s_storage_annotation: str = ""
     # The internal port (snapshot producer, bootstrap verdict), on only with a token file.
     internal_host: str | None = None  # default: --host
     internal_port: int = 8081
@@ -107,6 +110,13 @@ def _port(text: str) -> int:
     if v > 65535:
         raise argparse.ArgumentTypeError(f"expected a port (1-65535), got {v}")
     return v
+
+
+def _annotation_key(text: str) -> str:
+    try:
+        return validate_annotation_key(text.strip()) if text.strip() else ""
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a Kubernetes annotation key: {exc}") from None
 
 
 def _worker(text: str) -> WorkerSpec:
@@ -308,6 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=300,
         help="server-side watch timeout; also how soon a revoked RBAC rule shows as not synced (default 300)",
     )
+    k.add_argument(
+        "--k8s-storage-annotation",
+        type=_annotation_key,
+        default="",
+        metavar="KEY",
+        help="read each engine pod's storage identity from its annotations KEY (the id) and KEY-epoch "
+        "(default 0), e.g. routerfleet.io/storage-id; needs get on pods (default: off)",
+    )
 
     b = p.add_argument_group("peer bootstrap")
     b.add_argument("--internal-host", help="address of the internal port (default: --host)")
@@ -448,6 +466,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         parser.error("argument --worker: the same url is listed twice")
     if a.k8s_selector and a.worker:
         parser.error("argument --k8s-selector: not with --worker (one way to find engines)")
+    if a.k8s_storage_annotation and not a.k8s_selector:
+        parser.error("argument --k8s-storage-annotation: needs --k8s-selector (pods come from discovery)")
     if a.kv_peer_selector and not (a.k8s_selector and a.policy == "kv_aware"):
         # There would be nothing to graft into, or no way to find a sibling: refuse rather than ignore.
         parser.error("argument --kv-peer-selector: needs --policy kv_aware and --k8s-selector")
@@ -509,6 +529,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         k8s_topic=a.k8s_topic,
         kubeconfig=a.kubeconfig,
         k8s_watch_timeout_s=a.k8s_watch_timeout_s,
+        k8s_storage_annotation=a.k8s_storage_annotation,
         internal_host=a.internal_host,
         internal_port=a.internal_port,
         internal_token_file=a.internal_token_file,

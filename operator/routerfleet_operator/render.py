@@ -403,7 +403,10 @@ def _engines_meta(fleet: Fleet, name: str) -> dict[str, Any]:
 
 
 def render_role(fleet: Fleet) -> dict[str, Any]:
-    """Read access to EndpointSlices in the engines' namespace (engines and peers), nothing more."""
+    """Read access to EndpointSlices in the engines' namespace (engines and peers), and ``get`` on pods
+    there, nothing more. The pods rule serves only ``--k8s-storage-annotation`` (set through
+    ``spec.router.extraArgs``): one GET per new engine pod, never list/watch. It is unconditional so
+    enabling that flag needs no RBAC change."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
@@ -413,7 +416,8 @@ def render_role(fleet: Fleet) -> dict[str, Any]:
                 "apiGroups": ["discovery.k8s.io"],
                 "resources": ["endpointslices"],
                 "verbs": ["get", "list", "watch"],
-            }
+            },
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
         ],
     }
 

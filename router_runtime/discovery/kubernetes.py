@@ -22,6 +22,10 @@ kubernetes client's own kubeconfig / in-cluster loaders, so exec plugins, token 
 ``synced`` is False until the first complete list and again after any failure, until a relist succeeds.
 The set last published stays in force while unsynced (emptying it would turn an API-server or RBAC
 problem into an outage); ``synced``, ``last_error`` and the metrics make the condition visible.
+
+With ``storage_annotation`` set, each new pod UID's pod is fetched once (GET, never list/watch) and the
+storage identity its annotation declares (``storage_annotation.py``) goes into its WorkerSpec before
+the set is published; a fetch that fails or is slow leaves that incarnation without one.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ import random
 import ssl
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import replace
 from typing import Any, Protocol
 from urllib.parse import quote
 
@@ -45,10 +50,13 @@ from prometheus_client import Counter as PromCounter
 
 from ..kv.plane import WorkerSpec
 from .endpointslices import EngineDiscoveryConfig, map_slices
+from .storage_annotation import Reading, Result, read_pod_storage, validate_annotation_key
 
 log = logging.getLogger(__name__)
 
 GROUP_PATH = "/apis/discovery.k8s.io/v1"
+# Only the metadata of a pod (its spec can be large); an API server without it sends the whole pod.
+POD_METADATA_ACCEPT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
 MAX_EVENT_BYTES = 64 << 20
 
 # errors_total reasons, pre-created at 0 so dashboards and alerts see them before the first error
@@ -104,6 +112,10 @@ class SliceApi(Protocol):
     def watch_slices(
         self, namespace: str | None, label_selector: str, *, resource_version: str, timeout_s: int
     ) -> AsyncIterator[dict]: ...
+
+    async def get_pod(self, namespace: str, name: str, *, timeout_s: float) -> dict:
+        """Only with ``storage_annotation``: the pod's metadata (GET; a failure raises ApiError)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -241,6 +253,20 @@ class KubeApi:
             raise ApiError(200, "list response is not a JSON object", "decode")
         return body
 
+    async def get_pod(self, namespace: str, name: str, *, timeout_s: float) -> dict:
+        path = f"{self.host}/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self._connect_timeout))
+        headers = {**await self._headers(), "Accept": POD_METADATA_ACCEPT}
+        async with self._sess().get(path, headers=headers, timeout=timeout, **self._kw()) as r:
+            await self._raise_for(r)
+            try:
+                body = await r.json(content_type=None)
+            except ValueError as e:
+                raise ApiError(r.status, f"pod is not JSON: {e}", "decode") from e
+        if not isinstance(body, dict):
+            raise ApiError(200, "pod is not a JSON object", "decode")
+        return body
+
     async def watch_slices(
         self, namespace: str | None, label_selector: str, *, resource_version: str, timeout_s: int
     ) -> AsyncIterator[dict]:
@@ -317,6 +343,14 @@ class DiscoveryMetrics:
         self.lists = PromCounter(
             p + "lists", "Complete lists of the watched EndpointSlices", registry=registry
         )
+        self.storage_annotation = PromCounter(
+            p + "storage_annotation",
+            "Engine pods whose storage-identity annotation was read (--k8s-storage-annotation), by result",
+            ["result"],
+            registry=registry,
+        )
+        for result in Result:
+            self.storage_annotation.labels(result.value)
 
 
 class _Gone(Exception):
@@ -342,12 +376,145 @@ class Backoff:
         return delay * random.uniform(0.5, 1.0)
 
 
+class PodStorageAnnotations:
+    """The storage identity each engine pod's annotation declares (``storage_annotation.py``), merged
+    into its WorkerSpec. The pod is read once per UID (GET, metadata only); readings are kept while the
+    UID is in a watched slice.
+
+    Decided once per incarnation, whatever the outcome: a spec that changed afterwards (an answer that
+    came after the set was published, a retried failure) would look to the KV plane like the engine
+    leaving and coming back. So a pod whose annotation could not be read within ``timeout_s`` (the
+    most a publication waits) runs without that identity until it is replaced; its /server_info
+    identity, if any, still counts."""
+
+    def __init__(
+        self,
+        api: SliceApi,
+        key: str,
+        counter: PromCounter,
+        *,
+        timeout_s: float = 2.0,
+        concurrency: int = 16,
+        log_every_s: float = 60.0,
+    ) -> None:
+        self.key = validate_annotation_key(key)
+        self.api = api
+        self.counter = counter
+        self.timeout_s = timeout_s
+        self.concurrency = concurrency
+        self.log_every_s = log_every_s
+        self.readings: dict[str, Reading] = {}  # pod UID -> what its annotation said
+        self._last_warned: dict[Result, float] = {}
+        self._unwarned: Counter[Result] = Counter()
+
+    async def apply(self, workers: list[WorkerSpec]) -> list[WorkerSpec]:
+        """``workers`` with the identity of each pod merged in; reads the pods not seen yet first."""
+        new = [w for w in workers if w.incarnation and w.incarnation not in self.readings]
+        if new:
+            await self._read_all(new)
+        out = []
+        for w in workers:
+            reading = self.readings.get(w.incarnation)
+            ident = reading.identity if reading is not None else None
+            out.append(replace(w, storage_id=ident.storage_id, storage_epoch=ident.epoch) if ident else w)
+        return out
+
+    def retain(self, uids: set[str]) -> None:
+        """Forget the pods no longer in any watched slice."""
+        for uid in self.readings.keys() - uids:
+            del self.readings[uid]
+
+    async def _read_all(self, workers: list[WorkerSpec]) -> None:
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def one(w: WorkerSpec) -> Reading:
+            async with gate:
+                return await self._read(w)
+
+        tasks = {asyncio.create_task(one(w), name=f"pod-annotation-{w.engine}"): w for w in workers}
+        try:
+            done, _pending = await asyncio.wait(tasks, timeout=self.timeout_s)
+        finally:  # timed out, or the watcher stopped: nothing outlives this publication
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for t, w in tasks.items():
+            if t not in done or t.cancelled():
+                reading = Reading(Result.TIMEOUT, why=f"no answer within {self.timeout_s:g}s")
+            elif (exc := t.exception()) is not None:
+                reading = Reading(Result.ERROR, why=repr(exc))
+            else:
+                reading = t.result()
+            self._record(w, reading)
+
+    async def _read(self, w: WorkerSpec) -> Reading:
+        namespace, _, name = w.engine.partition("/")
+        try:
+            pod = await self.api.get_pod(namespace, name, timeout_s=self.timeout_s)
+        except ApiError as e:
+            return Reading(Result.FORBIDDEN if e.status == 403 else Result.ERROR, why=str(e))
+        except TimeoutError:
+            return Reading(Result.TIMEOUT, why=f"no answer within {self.timeout_s:g}s")
+        except (aiohttp.ClientError, OSError) as e:
+            return Reading(Result.ERROR, why=repr(e))
+        except Exception as e:  # a bug: the engine still gets published, without this identity
+            log.exception("discovery: reading pod %s failed", w.engine)
+            return Reading(Result.ERROR, why=repr(e))
+        return read_pod_storage(pod, self.key, w.incarnation)
+
+    def _record(self, w: WorkerSpec, reading: Reading) -> None:
+        self.readings[w.incarnation] = reading
+        self.counter.labels(reading.result.value).inc()
+        if reading.result is Result.FOUND:
+            assert reading.identity is not None
+            log.info(
+                "discovery: engine %s: storage identity %s epoch %d from its pod's annotation",
+                w.engine,
+                reading.identity.storage_id,
+                reading.identity.epoch,
+            )
+        elif reading.result is not Result.ABSENT:
+            self._warn(w.engine, reading)
+
+    def _warn(self, engine: str, reading: Reading) -> None:
+        """At most one line per result per ``log_every_s``: a missing RBAC rule fails for every pod."""
+        now = time.monotonic()
+        if now - self._last_warned.get(reading.result, -float("inf")) < self.log_every_s:
+            self._unwarned[reading.result] += 1
+            return
+        self._last_warned[reading.result] = now
+        more = self._unwarned.pop(reading.result, 0)
+        hint = " (the router's Role needs get on pods)" if reading.result is Result.FORBIDDEN else ""
+        log.warning(
+            "discovery: engine %s has no storage identity from annotation %s: %s: %s%s%s",
+            engine,
+            self.key,
+            reading.result.value,
+            reading.why[:300],
+            hint,
+            f"; {more} more pod(s) like this since the last such line" if more else "",
+        )
+
+
+def _pod_uids(slices: Iterable[dict]) -> set[str]:
+    return {
+        uid
+        for sl in slices
+        for ep in sl.get("endpoints") or []
+        if (uid := (ep.get("targetRef") or {}).get("uid"))
+    }
+
+
 class EndpointSliceWatcher:
     """Publishes the complete worker set of the EndpointSlices matching ``label_selector`` in
     ``namespace`` (None: all namespaces) to ``on_change``, on the event loop, each time it changes.
 
     The first call, after the first complete list, may be an empty list ("synced and empty"); before it
-    ``synced`` is False and ``workers`` is None ("not synced yet")."""
+    ``synced`` is False and ``workers`` is None ("not synced yet").
+
+    ``storage_annotation``: a pod annotation key (``--k8s-storage-annotation``) whose storage identity
+    goes into each engine's WorkerSpec (``PodStorageAnnotations``); a publication waits for new pods'
+    reads at most ``storage_timeout_s``."""
 
     def __init__(
         self,
@@ -364,7 +531,11 @@ class EndpointSliceWatcher:
         page_limit: int = 500,
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
+        storage_annotation: str | None = None,
+        storage_timeout_s: float = 2.0,
     ) -> None:
+        if storage_annotation:
+            validate_annotation_key(storage_annotation)  # before start(): a bad key fails at once
         self.namespace = namespace or None
         self.label_selector = label_selector
         self.on_change = on_change
@@ -383,6 +554,9 @@ class EndpointSliceWatcher:
         self.errors: Counter[str] = Counter()
         self._task: asyncio.Task | None = None
         self._warned: set[str] = set()
+        self.storage_annotation = storage_annotation or None
+        self._storage_timeout_s = storage_timeout_s
+        self.storage: PodStorageAnnotations | None = None  # once started, with storage_annotation
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -429,6 +603,13 @@ class EndpointSliceWatcher:
         if self._api is None:
             # file reads, maybe an exec plugin: off the loop
             self._api = await asyncio.to_thread(KubeApi.from_environment, self._kubeconfig, self._context)
+        if self.storage_annotation:
+            self.storage = PodStorageAnnotations(
+                self._api,
+                self.storage_annotation,
+                self.metrics.storage_annotation,
+                timeout_s=self._storage_timeout_s,
+            )
         self._task = asyncio.create_task(self.run(), name=f"discovery-{self.namespace}-{self.label_selector}")
 
     async def stop(self) -> None:
@@ -508,7 +689,7 @@ class EndpointSliceWatcher:
         self.metrics.lists.inc()
         self.last_error = None
         self._set_synced(True)
-        self._publish()
+        await self._publish()
         return rv
 
     async def _watch(self, rv: str) -> tuple[str, int]:
@@ -536,14 +717,14 @@ class EndpointSliceWatcher:
                         raise ApiError(0, f"unknown watch event type {kind!r}", "decode")
                     rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
                     if kind != "BOOKMARK":
-                        self._publish()
+                        await self._publish()
         except ApiError as e:
             if e.status == 410:
                 raise _Gone(f"watch refused: {e}") from e
             raise
         return rv, n  # the server ended the watch (its timeout): resume from rv
 
-    def _publish(self) -> None:
+    async def _publish(self) -> None:
         mapping = map_slices(self._slices.values(), self.config)
         self.metrics.endpoints.clear()
         for state, n in mapping.states.items():
@@ -556,20 +737,22 @@ class EndpointSliceWatcher:
                     self._what(),
                     state.partition(":")[2],
                 )
-        if mapping.workers == self._published:
+        workers = mapping.workers
+        if self.storage is not None:
+            workers = await self.storage.apply(workers)
+            self.storage.retain(_pod_uids(self._slices.values()))
+        if workers == self._published:
             return
         try:
-            self.on_change(list(mapping.workers))
+            self.on_change(list(workers))
         except Exception as e:
             log.exception("discovery: on_change failed")
             self._count("callback")
             self.last_error = f"callback: {e!r}"
             return  # not recorded as published: the next change (or relist) tries again
-        self._published = mapping.workers
-        self.metrics.workers.set(len(mapping.workers))
-        log.info(
-            "discovery: %d worker(s): %s", len(mapping.workers), ", ".join(w.engine for w in mapping.workers)
-        )
+        self._published = workers
+        self.metrics.workers.set(len(workers))
+        log.info("discovery: %d worker(s): %s", len(workers), ", ".join(w.engine for w in workers))
 
 
 def _key(obj: dict) -> tuple[str, str]:

@@ -1,16 +1,27 @@
 """Kubernetes discovery (router_runtime/discovery/kubernetes.py) against a real cluster with RBAC, on the
-shared `cluster` and a fresh `namespace` (tests/e2e/conftest.py). The scenario lives in
+shared `cluster` and a fresh `namespace` (tests/e2e/conftest.py). The first scenario lives in
 e2e/cluster/discovery_smoke.py (also runnable alone: `python -m e2e.cluster run --node-agent node-1 --
 python -m e2e.cluster.discovery_smoke`): a ServiceAccount token that may only get/list/watch
 endpointslices, 2 fake engines (dp 2) feeding a KVPlane, a pod replaced (new incarnation), the watcher
-in a pod on in-cluster config, an unbound ServiceAccount and a revoked binding seen as forbidden.
+in a pod on in-cluster config, an unbound ServiceAccount and a revoked binding seen as forbidden. The
+second, here: the engines' storage identity from their pods' annotations (--k8s-storage-annotation),
+with and without `get` on pods.
 
     .venv/bin/python -m pytest tests/e2e/test_discovery.py
 """
 
+import contextlib
+from dataclasses import replace
 from pathlib import Path
 
-from e2e.cluster.discovery_smoke import run_discovery_checks
+import pytest
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from prometheus_client import CollectorRegistry
+
+from e2e.cluster.discovery_smoke import api, metric, run_discovery_checks, token_kubeconfig, wait
+from router_runtime.discovery.endpointslices import EngineDiscoveryConfig
+from router_runtime.discovery.kubernetes import EndpointSliceWatcher
 
 
 async def test_endpointslice_discovery_with_rbac(cluster, namespace, tmp_path):
@@ -23,3 +34,148 @@ async def test_endpointslice_discovery_with_rbac(cluster, namespace, tmp_path):
         reach_pods=getattr(provider, "reaches_pod_ips", True),
         container_log=cluster.container_log,
     )
+
+
+# ------------------------------------------------------------------------------------- storage annotation
+
+KEY = "routerfleet.io/storage-id"
+SLICES_RULE = {
+    "apiGroups": ["discovery.k8s.io"],
+    "resources": ["endpointslices"],
+    "verbs": ["get", "list", "watch"],
+}
+PODS_GET_RULE = {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}  # as manifests/base grants
+
+
+def engine_pod(name: str, annotations: dict, image: str) -> dict:
+    """A bare fake-engine pod behind the `engine` Service, Ready once it answers /health."""
+    pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    return {
+        "metadata": {"name": name, "labels": {"app": "engine"}, "annotations": annotations},
+        "spec": {
+            "terminationGracePeriodSeconds": 5,
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": image,
+                    "command": ["routerfleet-fake-engine"],
+                    "args": ["--host", "$(POD_IP)", "--port", "8000"],
+                    "env": [pod_ip],
+                    "ports": [{"name": "http", "containerPort": 8000}],
+                    "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 1},
+                }
+            ],
+        },
+    }
+
+
+async def test_storage_identity_from_pod_annotations_with_and_without_get_pods(cluster, namespace, tmp_path):
+    """--k8s-storage-annotation on the real API server: with `get pods` (and nothing more on pods) each
+    engine's WorkerSpec carries the storage identity its pod's annotations declare (found, absent,
+    malformed); a ServiceAccount that may read EndpointSlices but not pods discovers the same engines,
+    synced, without identities, counting result="forbidden" once per pod."""
+    ns = namespace
+    core, rbac = cluster.core, cluster.rbac
+    rules = {"router": [SLICES_RULE, PODS_GET_RULE], "slices-only": [SLICES_RULE]}
+    kubeconfigs = {}
+    for sa, sa_rules in rules.items():
+        await api(core.create_namespaced_service_account, ns, {"metadata": {"name": sa}})
+        await api(rbac.create_namespaced_role, ns, {"metadata": {"name": sa}, "rules": sa_rules})
+        await api(
+            rbac.create_namespaced_role_binding,
+            ns,
+            {
+                "metadata": {"name": sa},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa},
+                "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}],
+            },
+        )
+        tr = await api(
+            core.create_namespaced_service_account_token, sa, ns, {"spec": {"expirationSeconds": 3600}}
+        )
+        kc = tmp_path / f"{sa}.kubeconfig"
+        kubeconfigs[sa] = token_kubeconfig(Path(cluster.kubeconfig), kc, tr.status.token, ns)
+
+    annotations = {
+        "e-found": {KEY: "pv-e2e-found", f"{KEY}-epoch": "2"},
+        "e-absent": {"unrelated.io/note": "x"},
+        "e-malformed": {KEY: "pv-e2e-malformed", f"{KEY}-epoch": "two"},
+    }
+    image = getattr(cluster.provider, "image", "routerfleet:e2e")
+    for name, ann in annotations.items():
+        await api(core.create_namespaced_pod, ns, engine_pod(name, ann, image))
+    await api(
+        core.create_namespaced_service,
+        ns,
+        {
+            "metadata": {"name": "engine"},
+            "spec": {
+                "selector": {"app": "engine"},
+                "ports": [{"name": "http", "port": 8000, "targetPort": "http"}],
+            },
+        },
+    )
+    pods = {p.metadata.name: p for p in await api(cluster.wait_pods_ready, ns, "app=engine", 3)}
+
+    # RBAC as intended: get on one pod, never list; the slices-only token may not even get
+    as_router = client.CoreV1Api(config.new_client_from_config(str(kubeconfigs["router"])))
+    as_slices_only = client.CoreV1Api(config.new_client_from_config(str(kubeconfigs["slices-only"])))
+    await wait("the router token can get a pod", lambda: api(as_router.read_namespaced_pod, "e-found", ns))
+    for call in (
+        lambda: as_router.list_namespaced_pod(ns),
+        lambda: as_slices_only.read_namespaced_pod("e-found", ns),
+    ):
+        with pytest.raises(ApiException) as e:
+            await api(call)
+        assert e.value.status == 403
+
+    async with contextlib.AsyncExitStack() as stack:
+        watchers, history = {}, {sa: [] for sa in rules}
+        for sa in rules:
+            registry = CollectorRegistry()
+            w = EndpointSliceWatcher(
+                ns,
+                "kubernetes.io/service-name=engine",
+                history[sa].append,
+                config=EngineDiscoveryConfig(http_port="http"),
+                kubeconfig=str(kubeconfigs[sa]),
+                registry=registry,
+                storage_annotation=KEY,
+            )
+            await w.start()
+            stack.push_async_callback(w.stop)
+            watchers[sa] = (w, registry)
+
+        def published(sa):
+            w, _ = watchers[sa]
+            return w.workers if w.workers is not None and len(w.workers) == 3 else None
+
+        def result(sa, r):
+            return metric(watchers[sa][1], "routerfleet_discovery_storage_annotation_total", result=r)
+
+        # with get pods: the identity is in the spec from its first publication on
+        found = await wait("3 engines (router)", lambda: published("router"))
+        specs = {s.engine.split("/")[1]: s for s in found}
+        for name, s in specs.items():
+            assert s.incarnation == pods[name].metadata.uid
+        assert (specs["e-found"].storage_id, specs["e-found"].storage_epoch) == ("pv-e2e-found", 2)
+        assert all(
+            (s.storage_id, s.storage_epoch) == ("pv-e2e-found", 2)
+            for published_set in history["router"]
+            for s in published_set
+            if s.engine.endswith("/e-found")
+        ), history["router"]
+        for name in ("e-absent", "e-malformed"):
+            assert (specs[name].storage_id, specs[name].storage_epoch) == ("", 0), specs[name]
+        assert {r: result("router", r) for r in ("found", "absent", "malformed", "forbidden", "error")} == {
+            "found": 1, "absent": 1, "malformed": 1, "forbidden": 0, "error": 0,
+        }  # fmt: skip
+
+        # without it: the same engines, synced, no identity; forbidden counted, discovery unharmed
+        others = await wait("3 engines (slices-only)", lambda: published("slices-only"))
+        assert {s.engine: s for s in others} == {
+            s.engine: replace(s, storage_id="", storage_epoch=0) for s in specs.values()
+        }
+        w, registry = watchers["slices-only"]
+        assert result("slices-only", "forbidden") == 3 and result("slices-only", "found") == 0
+        assert w.synced and metric(registry, "routerfleet_discovery_errors_total", reason="forbidden") == 0

@@ -163,14 +163,16 @@ def test_everything_is_owned_by_the_fleet():
     assert len({(d["kind"], d["metadata"]["name"]) for d in docs}) == len(docs)
 
 
-def test_role_reads_endpointslices_and_nothing_more():
+def test_role_reads_endpointslices_and_gets_pods_and_nothing_more():
     f = fleet()
     assert render_role(f)["rules"] == [
         {
             "apiGroups": ["discovery.k8s.io"],
             "resources": ["endpointslices"],
             "verbs": ["get", "list", "watch"],
-        }
+        },
+        # --k8s-storage-annotation: get only, never list/watch of pods
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
     ]
     rb = render_role_binding(f)
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "rf-router", "namespace": "ns"}]
