@@ -10,6 +10,7 @@ process that runs it; kind's are not).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import re
@@ -120,6 +121,17 @@ def parse_metrics(text: str) -> dict[str, float]:
         if line and not line.startswith("#") and (m := _SAMPLE.match(line)):
             out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return out
+
+
+def aio(fn, *args, **kw):
+    """Run ``fn(session, *args, **kw)`` (a coroutine function) to completion on a fresh session: for
+    synchronous tests that talk HTTP between Kubernetes calls."""
+
+    async def go():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            return await fn(s, *args, **kw)
+
+    return asyncio.run(go())
 
 
 async def get(session: aiohttp.ClientSession, url: str, **kw) -> tuple[int, Any]:

@@ -36,6 +36,7 @@ from e2e.fleet import (
     ENGINE,
     ENGINE_LABELS,
     ROUTER_PORT,
+    aio,
     apply,
     completion,
     engines_view,
@@ -52,16 +53,6 @@ GROUP, VERSION, PLURAL = "routerfleet.io", "v1alpha1", "routerfleets"
 SEEDED = "routerfleet.io/seeded"
 FIRST_DEPLOY_VERDICTS = {"no_peers", "fleet_cold", "from_origin"}
 FLEET = "rf"
-
-
-def aio(fn, *args, **kw):
-    """Run ``fn(session, *args, **kw)`` (a coroutine function) to completion on a fresh session."""
-
-    async def go():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-            return await fn(s, *args, **kw)
-
-    return asyncio.run(go())
 
 
 def _local_only(cluster) -> None:

@@ -28,7 +28,6 @@ import random
 import secrets
 import time
 
-import aiohttp
 import pytest
 from kubernetes import client
 
@@ -43,6 +42,7 @@ from e2e.fleet import (
     ROUTER_PORT,
     ROUTER_ROLE,
     ROUTER_SA,
+    aio,
     apply,
     bootstrap_report,
     completion,
@@ -65,16 +65,6 @@ REPLAY_BUFFER = 8  # batches per rank; the warm-up publishes 20-40 per rank
 def _local_only(cluster) -> None:
     if not getattr(cluster.provider, "reaches_pod_ips", False):
         pytest.skip("talks to pods at their IPs: local provider only")
-
-
-def aio(fn, *args, **kw):
-    """Run ``fn(session, *args, **kw)`` (a coroutine function) to completion on a fresh session."""
-
-    async def go():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-            return await fn(s, *args, **kw)
-
-    return asyncio.run(go())
 
 
 def _deploy(
