@@ -24,9 +24,10 @@ async def eventually(predicate: Callable[[], object], timeout: float = 5.0, what
 
 async def join_stream(publisher: KvPublisher, sub: RankSubscription, rank: int = 0) -> None:
     """ZMQ drops what a PUB sends before the SUB's subscription arrives, so publish empty batches until
-    the subscription has taken one: from then on the stream is contiguous."""
+    the subscription has taken one: from then on the stream is contiguous. (A cursor of -1 waits for
+    a new publisher's first batch.)"""
     deadline = time.monotonic() + 5
-    while sub.cursor is None:
+    while sub.cursor is None or sub.cursor < 0:
         if time.monotonic() > deadline:
             raise AssertionError(f"subscription {sub.carrier} never received a batch")
         publisher.publish(rank, ())

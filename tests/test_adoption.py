@@ -113,6 +113,7 @@ def test_drop_tiers_keeps_the_other_tiers_and_the_hashes_that_still_hold():
         ),
         ("i1", S1, "i2", S1, {"continuous": None, "cap_reached": True}, 0, Outcome.REJECTED),
         ("i1", S1, "i1", S1, {"continuous": True, "same_shape": False}, 0, Outcome.REJECTED),
+        ("i1", S1, "i2", S1, {"continuous": None, "from_start": False}, 0, Outcome.REJECTED),
         # The same incarnation whose stream restarted (a container restart in the same pod).
         ("i1", S1, "i1", S1, {"continuous": None, "restarted": True}, STORAGE_TIERS, Outcome.SUCCESS),
         (

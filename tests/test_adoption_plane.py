@@ -183,6 +183,47 @@ async def test_a_container_restart_in_the_same_pod_drops_device_and_keeps_disk(t
         await eventually(lambda: tiers(plane, DISK) == (2, 0, 0, 0), what="promotion applied")
 
 
+async def test_a_restarted_process_that_caught_up_with_our_cursor_is_not_taken_for_the_old_one(tmp_path):
+    """The new process has published more batches than its predecessor by the time we return: its
+    buffer holds our cursor's sequence number, but another batch there (the payload hash differs)."""
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        plane.set_workers([in_pod(engine)])
+        await join(plane, engine)
+        engine.emit(0, engine.caches[0].store(DEV))
+        engine.emit(0, engine.caches[0].store(DISK, tier=Tier.DISK))
+        await eventually(lambda: tiers(plane, DISK) == (0, 0, 2, 0), what="disk blocks indexed")
+        await eventually(lambda: plane._records["e"].storage is not None, what="storage identity learned")
+        cursor = plane.subscriptions()[0].cursor
+        leave(plane)
+        engine.restart()
+        for i in range(cursor + 5):
+            engine.emit(0, engine.caches[0].store([1000 + i] * BS))
+        plane.set_workers([in_pod(engine)])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+        await plane.writer.drain()
+        assert (outcome(plane, "success"), outcome(plane, "rejected")) == (1, 0)
+        assert tiers(plane, DEV) is None and tiers(plane, DISK) == (0, 0, 2, 0)
+        # Its whole stream from sequence 0 was replayed beneath the decision, in order.
+        await eventually(lambda: tiers(plane, [1000] * BS) == (1, 0, 0, 0), what="the new stream")
+
+
+async def test_a_new_process_whose_stream_cannot_be_followed_from_its_start_is_refused(tmp_path):
+    """Its replay buffer no longer reaches sequence 0: what it evicted from its disk before we
+    subscribed is unknowable, so its disk is not adopted (cold, never a false hit)."""
+    async with fake(tmp_path, replay_buffer=4) as engine, plane_for() as plane:
+        await warm(plane, engine)
+        leave(plane)
+        engine.restart()
+        engine.emit(0, engine.caches[0].remove(DISK))  # evicted from disk before we are back ...
+        for i in range(6):  # ... and aged out of its replay buffer
+            engine.emit(0, engine.caches[0].store([1000 + i] * BS))
+        plane.set_workers([spec(engine)])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+        await plane.writer.drain()
+        assert (outcome(plane, "success"), outcome(plane, "rejected")) == (0, 1)
+        assert tiers(plane, DISK) is None
+
+
 async def test_a_container_restart_on_wiped_storage_is_refused(tmp_path):
     async with fake(tmp_path) as engine, plane_for() as plane:
         plane.set_workers([in_pod(engine)])

@@ -63,7 +63,7 @@ class EngineRecord:
     state: CarrierState = CarrierState.OK
     disconnected_at: float | None = None
     storage: StorageIdentity | None = None  # as proved while it was OK
-    cursors: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)  # rank -> cursors
+    positions: dict[int, object] = field(default_factory=dict)  # rank -> StreamPosition when it left
     generation: int = 0  # bumped on every transition: a stale decision never lands
     prior_spec: object | None = None  # while a return is undecided: the spec it is judged against
     restarted: int = -1  # the generation in which its stream showed a new process (same incarnation)
@@ -87,6 +87,7 @@ def decide(
     storage_claimed_by_other: bool = False,
     cap_reached: bool = False,
     restarted: bool = False,
+    from_start: bool = True,
 ) -> Decision:
     """What to re-adopt of a DISCONNECTED engine that returns.
 
@@ -94,7 +95,10 @@ def decide(
     not known yet; the caller decides only once it is). ``same_shape``: endpoints and DP size unchanged.
     ``storage_claimed_by_other``: another live engine reports the same storage id (a copied disk).
     ``restarted``: a new process under the same incarnation (its event stream restarted; Kubernetes
-    keeps a pod's UID across container restarts, and static workers have no incarnation at all)."""
+    keeps a pod's UID across container restarts, and static workers have no incarnation at all).
+    ``from_start``: a new process's event stream could be followed from its first batch (its replay
+    buffer still reaches sequence 0); else what it evicted from its storage before we subscribed is
+    unknowable, and adopting would risk routing on blocks it no longer has."""
     if not same_shape:
         return Decision(0, Outcome.REJECTED, "shape changed")
     if cap_reached:
@@ -110,6 +114,8 @@ def decide(
         return Decision(0, Outcome.IDENTITY_MISMATCH, "storage identity differs")
     if new_storage.epoch != old_storage.epoch:
         return Decision(0, Outcome.EPOCH_MISMATCH, "storage epoch moved")
+    if not from_start:
+        return Decision(0, Outcome.REJECTED, "its new stream cannot be followed from its start")
     return Decision(STORAGE_TIERS, Outcome.SUCCESS, "same storage identity and epoch")
 
 

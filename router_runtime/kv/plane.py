@@ -36,7 +36,15 @@ from .events import SequencedBatch
 from .hold import HoldEnd, RankHold
 from .index import Carrier, RadixIndex
 from .metrics import KVMetrics
-from .subscription import Endpoints, RankSubscription, ReplayOutcome, ReplayTimeouts, replay
+from .subscription import (
+    Endpoints,
+    RankSubscription,
+    ReplayOutcome,
+    ReplayTimeouts,
+    StreamPosition,
+    payload_hash,
+    replay,
+)
 from .writer import ClearReason, IndexWriter
 
 log = logging.getLogger(__name__)
@@ -308,7 +316,7 @@ class KVPlane:
                             sub.hold.active = False
                             sub.hold.take()
                     else:
-                        rec.cursors[carrier.rank] = (sub.cursor, sub.live_last)
+                        rec.positions[carrier.rank] = sub.position()
                     task.cancel()
                 if self.rank_listener is not None:
                     self.rank_listener.rank_removed(carrier)
@@ -344,7 +352,7 @@ class KVPlane:
             else:
                 self.writer.submit_remove(carrier)
         if engine in self._workers:
-            rec.cursors.clear()
+            rec.positions.clear()
             rec.storage = None
         else:
             del self._records[engine]
@@ -401,9 +409,12 @@ class KVPlane:
                 holds[c.rank] = self._decision_hold(rec, c, gen)
         subs = self._add(spec, holds)
         rec.spec, rec.prior_spec = spec, old
+        if not same:
+            for sub in subs.values():
+                sub.resume(StreamPosition(cursor=-1))  # a new process: its stream begins at 0
         if same:
             for rank, sub in subs.items():
-                sub.cursor, sub.live_last = rec.cursors.get(rank, (None, None))
+                sub.resume(rec.positions.get(rank))
                 self._spawn(spec.engine, self._probe(rec, sub, gen, spec, same_shape))
             return
         # An empty incarnation (static workers) cannot prove a new process: ``same`` was False only
@@ -435,6 +446,12 @@ class KVPlane:
         storage = await self._lookup(spec)
         if rec.generation != gen:
             return
+        subs = {c.rank: e[0] for c in spec.carriers() if (e := self._subs.get(c)) is not None}
+        from_start = True
+        for sub in subs.values():
+            from_start &= await self._catch_up(sub)
+            if rec.generation != gen:
+                return
         claimed = storage is not None and any(
             r is not rec and r.state is CarrierState.OK and r.storage == storage
             for r in self._records.values()
@@ -449,10 +466,27 @@ class KVPlane:
             storage_claimed_by_other=claimed,
             cap_reached=cap,
             restarted=restarted or spec.incarnation == old_incarnation,
+            from_start=from_start,
         )
-        subs = {c.rank: e[0] for c in spec.carriers() if (e := self._subs.get(c)) is not None}
         self._apply_decision(rec, gen, spec.carriers(), subs, d)
         rec.storage = storage
+
+    async def _catch_up(self, sub: RankSubscription) -> bool:
+        """A new process's rank, held for the decision: fetch what it published before we subscribed
+        (its replay buffer from sequence 0) into the hold, in order, so that the blocks it stored and
+        evicted meanwhile land beneath the decision's step like the rest of its stream. False when its
+        buffer no longer reaches sequence 0. No replay socket, or no answer: nothing more to learn
+        here (the live stream and its gap replays go on as for any rank)."""
+        if sub.endpoints.replay is None:
+            return True
+        result = await replay(self._ctx, sub.endpoints.replay, 0, self.replay_timeouts)
+        got = result.batches
+        if got and got[0][0] != 0:
+            return False
+        for seq, payload in got:
+            if sub.cursor is not None and seq == sub.cursor + 1:
+                sub._accept(seq, payload)  # a live batch or a gap replay may have taken some already
+        return True
 
     def _restarted_in_place(self, rec: EngineRecord, gen: int, spec: WorkerSpec, same_shape: bool) -> None:
         """A returning engine kept its incarnation (Kubernetes keeps a pod's UID across container
@@ -473,7 +507,7 @@ class KVPlane:
                 sub.hold.active = False
                 sub.hold.take()
             sub.hold = self._decision_hold(rec, c, gen)
-            sub.cursor, sub.live_last = -1, None  # the new publisher's stream begins at 0
+            sub.resume(StreamPosition(cursor=-1))  # the new publisher's stream begins at 0
         cap = self._cap.reached(self._cap_key(rec), self._clock())
         self._spawn(
             rec.engine,
@@ -569,9 +603,10 @@ class KVPlane:
         self, rec: EngineRecord, sub: RankSubscription, gen: int, spec: WorkerSpec, same_shape: bool
     ) -> None:
         """Same incarnation, idle engine: no live batch may come to prove continuity, so ask the replay
-        buffer whether it still holds our cursor's batch (then nothing after it is lost to us). A buffer
-        that answers with nothing at or after our cursor belongs to a publisher whose sequence went
-        back: a new process (the same one would still hold our cursor, or later batches if it aged)."""
+        buffer whether it still holds our cursor's batch (then nothing after it is lost to us). A new
+        process shows there: its buffer holds nothing at or after our cursor (its sequence went back;
+        the same publisher would still hold our cursor, or later batches if it aged), or another
+        batch at our cursor's sequence than the one we applied."""
         c = sub.carrier
         cursor = sub.cursor
         if cursor is None:
@@ -585,7 +620,10 @@ class KVPlane:
         if self._undecided.get(c) != gen:
             return  # a live batch decided it meanwhile
         got = result.batches
-        if not got and result.outcome is ReplayOutcome.UNCOVERED:
+        known = sub.cursor_hash
+        if (not got and result.outcome is ReplayOutcome.UNCOVERED) or (
+            got and got[0][0] == cursor and known is not None and payload_hash(got[0][1]) != known
+        ):
             self._restarted_in_place(rec, gen, spec, same_shape)
             return
         ok = bool(got) and got[0][0] == cursor and result.outcome is not ReplayOutcome.MALFORMED

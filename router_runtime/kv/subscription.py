@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import xxhash
 import zmq
 import zmq.asyncio
 
@@ -38,6 +39,21 @@ class ReplayOutcome(enum.StrEnum):
     TIMEOUT = "timeout"  # nothing at all
     MALFORMED = "malformed"
     HOLE = "hole"  # the replay itself skipped a sequence
+
+
+@dataclass(frozen=True, slots=True)
+class StreamPosition:
+    """Where a rank's stream stood when we let go of it: enough to resume it, and to recognise its
+    publisher again. ``cursor_hash`` is the hash of the cursor's batch payload: a restarted publisher
+    that has reached the same sequence number holds another batch there (vLLM's carry a timestamp)."""
+
+    cursor: int | None = None
+    live_last: int | None = None
+    cursor_hash: int | None = None
+
+
+def payload_hash(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +95,7 @@ class RankSubscription:
         self.timeouts = timeouts or ReplayTimeouts()
         self.rcvhwm = rcvhwm
         self.cursor: int | None = None  # last sequence handed to the writer
+        self.cursor_hash: int | None = None  # xxh3 of that batch's payload (None: not known)
         self.live_last: int | None = None  # last sequence seen on the live stream
         self.connected = False
         self.last_event_at: float | None = None
@@ -90,6 +107,14 @@ class RankSubscription:
         self.splice_watermark: int | None = None
         self.on_splice: Callable[[int], None] | None = None
         self._stats = DecodeStats()
+
+    def position(self) -> StreamPosition:
+        return StreamPosition(self.cursor, self.live_last, self.cursor_hash)
+
+    def resume(self, position: StreamPosition | None) -> None:
+        """Take up a stream where we let go of it (None: from wherever it is)."""
+        p = position or StreamPosition()
+        self.cursor, self.live_last, self.cursor_hash = p.cursor, p.live_last, p.cursor_hash
 
     # ---- the live loop -------------------------------------------------------------------------
 
@@ -140,7 +165,7 @@ class RankSubscription:
             hold = self.hold
             if hold is None or not hold.active or not hold.restarted():
                 self._clear(ClearReason.PUBLISHER_RESTART)
-            self.cursor = -1  # the new publisher's stream begins at 0
+            self.cursor, self.cursor_hash = -1, None  # the new publisher's stream begins at 0
             arrival = classify(self.cursor, seq)
         if arrival is Arrival.GAP:
             self.metrics.gaps.inc()
@@ -155,7 +180,7 @@ class RankSubscription:
     # ---- applying ------------------------------------------------------------------------------
 
     def _accept(self, seq: int, payload: bytes) -> None:
-        self.cursor = seq
+        self.cursor, self.cursor_hash = seq, payload_hash(payload)
         try:
             batch = decode_batch(payload, self._stats)
         except MalformedFrame as exc:
@@ -211,6 +236,7 @@ class RankSubscription:
             # What happened between our cursor and the buffer's oldest batch is unknowable.
             self._clear(ClearReason.UNCOVERED_GAP)
             self.cursor = (result.batches[0][0] if result.batches else live_seq) - 1
+            self.cursor_hash = None
         for seq, payload in result.batches:
             if classify(self.cursor, seq) is Arrival.NEXT:
                 self._accept(seq, payload)
