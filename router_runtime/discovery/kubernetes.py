@@ -241,30 +241,27 @@ class KubeApi:
         if continue_token:
             params["continue"] = continue_token
         timeout = aiohttp.ClientTimeout(total=self._request_timeout, sock_connect=self._connect_timeout)
-        async with self._sess().get(
-            self._path(namespace), params=params, headers=await self._headers(), timeout=timeout, **self._kw()
-        ) as r:
-            await self._raise_for(r)
-            try:
-                body = await r.json(content_type=None)
-            except ValueError as e:
-                raise ApiError(r.status, f"list response is not JSON: {e}", "decode") from e
-        if not isinstance(body, dict):
-            raise ApiError(200, "list response is not a JSON object", "decode")
-        return body
+        headers = await self._headers()
+        return await self._get_object(
+            self._path(namespace), "list response", params=params, headers=headers, timeout=timeout
+        )
 
     async def get_pod(self, namespace: str, name: str, *, timeout_s: float) -> dict:
         path = f"{self.host}/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}"
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self._connect_timeout))
         headers = {**await self._headers(), "Accept": POD_METADATA_ACCEPT}
-        async with self._sess().get(path, headers=headers, timeout=timeout, **self._kw()) as r:
+        return await self._get_object(path, "pod", headers=headers, timeout=timeout)
+
+    async def _get_object(self, url: str, what: str, **kw: Any) -> dict:
+        """GET ``url``: its JSON object body, or ApiError (the API's status and message, or decode)."""
+        async with self._sess().get(url, **kw, **self._kw()) as r:
             await self._raise_for(r)
             try:
                 body = await r.json(content_type=None)
             except ValueError as e:
-                raise ApiError(r.status, f"pod is not JSON: {e}", "decode") from e
+                raise ApiError(r.status, f"{what} is not JSON: {e}", "decode") from e
         if not isinstance(body, dict):
-            raise ApiError(200, "pod is not a JSON object", "decode")
+            raise ApiError(200, f"{what} is not a JSON object", "decode")
         return body
 
     async def watch_slices(
