@@ -247,6 +247,8 @@ class Router:
         specs = list(specs)
         before = self.targets.all_targets()
         self.kv.set_workers(specs)
+        if specs and not any(s.kv for s in specs):
+            self.bootstrap.engines_without_events()  # else readiness would wait for a rank forever
         self.targets.set_workers(specs)
         self.sessions.set_workers(specs)
         after = self.targets.all_targets()

@@ -100,6 +100,21 @@ async def test_readiness_holds_until_bootstrap_settles(token_file):
             assert b.bootstrap.verdict.value == "timed_out" and b.bootstrap.seed_failed
 
 
+async def test_engines_without_kv_events_do_not_hold_readiness(token_file):
+    """kv_aware over engines that publish no events (an index that stays empty): no rank will ever
+    come to bootstrap, so bootstrap settles at once (nothing to inherit) instead of holding forever."""
+    async with run_fake_engine(block_size=BS) as e, aiohttp.ClientSession() as http:
+        config = parse_args(
+            ["--block-size", str(BS), "--worker", f"url={e.http_url}", "--health-interval-ms", "0"]
+        )
+        config = dataclasses.replace(config, port=0, internal_port=0, kv_peers=("http://127.0.0.1:1",))
+        async with run_router(config) as (b, b_url):
+            async with http.get(b_url + "/readyz") as r:
+                assert r.status == 200, await r.text()
+            assert b.bootstrap.settled and b.bootstrap.verdict.value == "no_peers"
+            assert not b.bootstrap.seed_failed
+
+
 async def test_seed_required_holds_readiness_for_three_budgets_then_opens(token_file):
     async with run_fake_engine(block_size=BS) as e, aiohttp.ClientSession() as http:
         config = args(

@@ -141,6 +141,20 @@ class Bootstrapper:
 
     # ---- the KV plane's hooks ------------------------------------------------------------------
 
+    def engines_without_events(self) -> None:
+        """Engines were discovered and none of them publishes KV events: there is no rank to
+        bootstrap and never will be under this configuration, so settle now (verdict ``no_peers``:
+        nothing to inherit) instead of waiting for a first rank that cannot come."""
+        if not self.config.enabled or self._settled or self.ranks:
+            return
+        now = self._clock()
+        if self.first_rank_at is None:
+            self.first_rank_at = now
+        self._settled = True
+        self.settled_at = now
+        self.metrics.settled.set(1)
+        log.info("bootstrap settled: no engine publishes KV events, nothing to bootstrap")
+
     def rank_added(self, sub: RankSubscription) -> None:
         c = sub.carrier
         now = self._clock()
