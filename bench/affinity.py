@@ -13,6 +13,7 @@ the policy's load guard sends it elsewhere. Every turn carries its conversation'
 Rows, each on fresh engines (cold caches) replaying the same seeded schedule:
 
 - ours kv_aware, affinity off / on (``--session-affinity``);
+- ours kv_aware without KV events (the index stays empty), affinity off / on: the session memory alone;
 - vllm-router kv_aware, affinity off / on (``--kv-aware-session-affinity-ttl-secs 600``), fed the same
   KV event streams.
 
@@ -39,14 +40,18 @@ FULL = Params(convs=320, active=40, concurrency=20, engine_slots=2, capacity_blo
 QUICK = Params(convs=80, active=32, concurrency=20, engine_slots=2, capacity_blocks=320, seed=11)
 
 ROWS = {
-    # name: (label, router kind, extra flags)
-    "ours-off": ("ours kv_aware, affinity off", "ours", []),
-    "ours-on": ("ours kv_aware, --session-affinity", "ours", ["--session-affinity"]),
-    "vllm-off": ("vllm-router kv_aware, affinity off", "vllm-router", []),
+    # name: (label, router kind, extra flags, KV events on)
+    "ours-off": ("ours kv_aware, affinity off", "ours", [], True),
+    "ours-on": ("ours kv_aware, --session-affinity", "ours", ["--session-affinity"], True),
+    # The index blind (no KV event endpoints given): what the session memory covers on its own.
+    "blind-off": ("ours kv_aware, no KV events, affinity off", "ours", [], False),
+    "blind-on": ("ours kv_aware, no KV events, --session-affinity", "ours", ["--session-affinity"], False),
+    "vllm-off": ("vllm-router kv_aware, affinity off", "vllm-router", [], True),
     "vllm-on": (
         "vllm-router kv_aware, --kv-aware-session-affinity-ttl-secs 600",
         "vllm-router",
         ["--kv-aware-session-affinity-ttl-secs", "600"],
+        True,
     ),
 }
 
@@ -141,7 +146,7 @@ def session_metrics(router: h.Router) -> str:
 
 
 def run_row(name: str, schedule: list[Turn], p: Params, logdir: str) -> Result:
-    label, kind, extra = ROWS[name]
+    label, kind, extra, events = ROWS[name]
     res = Result(label)
     opts = h.EngineOpts(
         block_size=p.block_size,
@@ -155,9 +160,11 @@ def run_row(name: str, schedule: list[Turn], p: Params, logdir: str) -> Result:
     router = None
     try:
         incarnations = h.engine_incarnations(engines)
-        router = h.start_router(kind, engines, logdir, policy="kv_aware", label=name, extra=extra)
+        router = h.start_router(
+            kind, engines, logdir, policy="kv_aware", label=name, extra=extra, events=events
+        )
         res.flags = router.flags
-        res.probe = probe_event_plane(router, engines, kv=True)
+        res.probe = probe_event_plane(router, engines, kv=events)
         asyncio.run(replay(schedule, p, router.url, incarnations, res))
         res.session_metrics = session_metrics(router)
         if not router.proc.alive():

@@ -327,11 +327,14 @@ class Router:
         return f"http://{HOST}:{self.port}"
 
 
-def ours_argv(engines: Sequence[Engine], port: int, policy: str, extra: Sequence[str] = ()) -> list[str]:
+def ours_argv(
+    engines: Sequence[Engine], port: int, policy: str, extra: Sequence[str] = (), *, events: bool = True
+) -> list[str]:
+    """``events`` False: the workers are given without their KV event endpoints (the index stays empty)."""
     argv = [str(BIN / "routerfleet-router"), "--host", HOST, "--port", str(port)]
     argv += ["--policy", policy, "--block-size", "16", "--tokenizer", "bytes", "--log-level", "warning"]
     for e in engines:
-        argv += ["--worker", f"url={e.url},kv={e.kv},replay={e.replay}"]
+        argv += ["--worker", f"url={e.url},kv={e.kv},replay={e.replay}" if events else f"url={e.url}"]
     return argv + list(extra)
 
 
@@ -389,6 +392,7 @@ def start_router(
     label: str | None = None,
     cpus: set[int] | None = None,
     extra: Sequence[str] = (),
+    events: bool = True,
 ) -> Router:
     """Start one router in front of ``engines`` and wait until it answers. For ours that is /readyz
     (an engine known and healthy and, for kv_aware, its subscriptions connected); for the anchors
@@ -396,7 +400,7 @@ def start_router(
     port, metrics_port = free_ports(2)
     name = label or (kind if kind != "ours" else f"ours-{policy}")
     if kind == "ours":
-        argv = ours_argv(engines, port, policy, extra)
+        argv = ours_argv(engines, port, policy, extra, events=events)
         env = None
         ready_path = "/readyz"
     elif kind == "vllm-router":
