@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shutil
+import time
 
 from prometheus_client import CollectorRegistry
 
+import router_runtime.kv.plane as plane_mod
 from router_runtime.fake_engine import FakeEngine, FakeEngineConfig
 from router_runtime.kv.adoption import CarrierState
 from router_runtime.kv.events import Tier
@@ -224,6 +227,94 @@ async def test_a_new_process_whose_stream_cannot_be_followed_from_its_start_is_r
         assert tiers(plane, DISK) is None
 
 
+async def test_a_caught_up_restart_is_not_proved_by_a_live_batch_while_the_probe_is_slow(
+    tmp_path, monkeypatch
+):
+    """The new process reached exactly our cursor, keeps publishing, and its replay answers slowly (as
+    vLLM's, polled between engine steps): the live batch numbered cursor + 1 arrives first and must
+    not pass as continuity; the probe's payload check decides."""
+    real = plane_mod.replay
+
+    async def slow(*a, **kw):
+        await asyncio.sleep(0.2)
+        return await real(*a, **kw)
+
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        plane.set_workers([in_pod(engine)])
+        await join(plane, engine)
+        engine.emit(0, engine.caches[0].store(DEV))
+        engine.emit(0, engine.caches[0].store(DISK, tier=Tier.DISK))
+        await eventually(lambda: tiers(plane, DISK) == (0, 0, 2, 0), what="disk blocks indexed")
+        await eventually(lambda: plane._records["e"].storage is not None, what="storage identity learned")
+        cursor = plane.subscriptions()[0].cursor
+        leave(plane)
+        engine.restart()
+        for i in range(cursor + 1):
+            engine.emit(0, engine.caches[0].store([1000 + i] * BS))
+        monkeypatch.setattr(plane_mod, "replay", slow)
+        plane.set_workers([in_pod(engine)])
+        while plane.carrier_states() != {"e": CarrierState.OK}:  # a busy engine
+            engine.publisher.publish(0, ())
+            await asyncio.sleep(0.02)
+        await plane.writer.drain()
+        assert (outcome(plane, "success"), outcome(plane, "rejected")) == (1, 0)
+        assert tiers(plane, DEV) is None  # the dead process's device tier is not shown
+        assert tiers(plane, DISK) == (0, 0, 2, 0)
+
+
+async def test_a_second_restart_after_an_idle_adoption_is_judged_by_its_storage_again(tmp_path):
+    """Adopted from a new process that then published nothing (cursor -1), the engine restarts in
+    place again, on a wiped disk: nothing can prove continuity, so the storage epoch decides."""
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        plane.set_workers([in_pod(engine)])
+        await join(plane, engine)
+        engine.emit(0, engine.caches[0].store(DISK, tier=Tier.DISK))
+        await eventually(lambda: tiers(plane, DISK) == (0, 0, 2, 0), what="disk blocks indexed")
+        await eventually(lambda: plane._records["e"].storage is not None, what="storage identity learned")
+        leave(plane)
+        engine.restart()
+        plane.set_workers([in_pod(engine)])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="first adoption")
+        await plane.writer.drain()
+        assert tiers(plane, DISK) == (0, 0, 2, 0) and plane.subscriptions()[0].cursor == -1
+        leave(plane)
+        engine.wipe_storage()
+        engine.restart()
+        plane.set_workers([in_pod(engine)])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="second decision")
+        await plane.writer.drain()
+        assert outcome(plane, "epoch_mismatch") == 1 and outcome(plane, "success") == 1
+        assert plane.index.carrier_blocks(Carrier("e"))[Tier.DISK] == 0
+
+
+async def test_a_new_process_whose_buffer_does_not_answer_is_refused(tmp_path):
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        await warm(plane, engine)
+        leave(plane)
+        engine.restart()
+        engine.emit(0, engine.caches[0].remove(DISK))  # evicted before we are back; we never hear it
+        plane.set_workers([dataclasses.replace(spec(engine), replay="tcp://127.0.0.1:1")])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, timeout=10, what="decided")
+        await plane.writer.drain()
+        assert (outcome(plane, "success"), outcome(plane, "rejected")) == (0, 1)
+        assert tiers(plane, DISK) is None
+
+
+async def test_tiers_dropped_on_adoption_count_as_an_eviction(tmp_path):
+    """Session affinity must not vouch for a remembered engine whose device tier died with it."""
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        await warm(plane, engine)
+        evicted = plane.writer.evicted_at
+        assert Carrier("e") not in evicted
+        leave(plane)
+        before = time.monotonic()
+        engine.restart()
+        plane.set_workers([spec(engine)])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+        await plane.writer.drain()
+        assert outcome(plane, "success") == 1 and evicted[Carrier("e")] >= before
+
+
 async def test_a_container_restart_on_wiped_storage_is_refused(tmp_path):
     async with fake(tmp_path) as engine, plane_for() as plane:
         plane.set_workers([in_pod(engine)])
@@ -296,6 +387,7 @@ async def test_grace_expiry_removes_the_carriers(tmp_path):
         assert Carrier("e") in plane.index.carriers
         await eventually(lambda: Carrier("e") not in plane.index.carriers, what="REMOVED")
         assert sample(plane, "routerfleet_kv_grace_expirations_total") == 1
+        assert Carrier("e") in plane.writer.evicted_at  # kept: it may come back under this identity, cold
         assert plane.carrier_states() == {}
         # It comes back later: a fresh engine, nothing adopted, nothing counted.
         engine.restart()

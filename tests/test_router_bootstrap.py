@@ -83,6 +83,9 @@ async def test_a_second_router_is_seeded_through_the_internal_port(token_file):
                 assert r.status == 200
             for p in prompts(1, 60):
                 assert b.kv.index.match(p) == a.kv.index.match(p) != {}
+            # What the engine evicted before the graft was never seen by b: no session memory older
+            # than the graft is vouched for there.
+            assert set(b.kv.writer.evicted_at) == set(b.kv.index.carriers)
 
 
 async def test_readiness_holds_until_bootstrap_settles(token_file):

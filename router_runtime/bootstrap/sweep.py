@@ -466,6 +466,9 @@ class Bootstrapper:
                 # The graft reflects the publisher's stream up to the cursor: that is now our cursor too
                 # (what our own producer reports, until the next batch moves it).
                 writer.applied[c] = max(writer.applied.get(c, -1), vetted.cursors[c])
+                # What it evicted before the sibling's snapshot was never seen here: a session memory
+                # older than the graft is not vouched for (sessions/classify.py).
+                writer.note_eviction(c)
                 self._splice(c, vetted.cursors[c])
 
     def _splice(self, c: Carrier, cursor: int, *, exact: bool = False) -> None:

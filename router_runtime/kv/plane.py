@@ -270,7 +270,20 @@ class KVPlane:
         tasks = self._tasks.setdefault(engine, set())
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+        task.add_done_callback(lambda t: self._task_done(engine, t))
         return task
+
+    def _task_done(self, engine: str, task: asyncio.Task) -> None:
+        """A lookup or decision that failed (a bug) must not leave the engine's ranks hidden and held
+        forever: whatever of it is still undecided resumes cold (cleared, then shown)."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("engine %s: adoption task failed", engine, exc_info=task.exception())
+        rec = self._records.get(engine)
+        if rec is None:
+            return
+        for c in [c for c, g in self._undecided.items() if c.engine == engine and g == rec.generation]:
+            self._hold_lost(rec, c, rec.generation, HoldEnd.PUBLISHER_RESET)
 
     def _cancel_tasks(self, engine: str) -> None:
         for t in self._tasks.pop(engine, set()):
@@ -400,8 +413,7 @@ class KVPlane:
         for c in carriers:
             self._undecided[c] = gen
             if same:
-                holds[c.rank] = _ProofHold(
-                    on_add=lambda c=c: self._rank_proved(rec, c, gen, True),
+                holds[c.rank] = _ReturnHold(
                     on_end=lambda why, c=c: self._rank_proved(rec, c, gen, False, why),
                     on_restart=lambda: self._restarted_in_place(rec, gen, spec, same_shape),
                 )
@@ -411,7 +423,8 @@ class KVPlane:
         rec.spec, rec.prior_spec = spec, old
         if not same:
             for sub in subs.values():
-                sub.resume(StreamPosition(cursor=-1))  # a new process: its stream begins at 0
+                if sub.endpoints.replay is not None:  # without one, nothing before its first batch is known
+                    sub.resume(StreamPosition(cursor=-1))  # a new process: its stream begins at 0
         if same:
             for rank, sub in subs.items():
                 sub.resume(rec.positions.get(rank))
@@ -447,11 +460,10 @@ class KVPlane:
         if rec.generation != gen:
             return
         subs = {c.rank: e[0] for c in spec.carriers() if (e := self._subs.get(c)) is not None}
-        from_start = True
-        for sub in subs.values():
-            from_start &= await self._catch_up(sub)
-            if rec.generation != gen:
-                return
+        caught_up = await asyncio.gather(*(self._catch_up(sub) for sub in subs.values()))
+        if rec.generation != gen:
+            return
+        from_start = all(caught_up)
         claimed = storage is not None and any(
             r is not rec and r.state is CarrierState.OK and r.storage == storage
             for r in self._records.values()
@@ -474,28 +486,35 @@ class KVPlane:
     async def _catch_up(self, sub: RankSubscription) -> bool:
         """A new process's rank, held for the decision: fetch what it published before we subscribed
         (its replay buffer from sequence 0) into the hold, in order, so that the blocks it stored and
-        evicted meanwhile land beneath the decision's step like the rest of its stream. False when its
-        buffer no longer reaches sequence 0. No replay socket, or no answer: nothing more to learn
-        here (the live stream and its gap replays go on as for any rank)."""
+        evicted meanwhile land beneath the decision's step like the rest of its stream. True only on
+        evidence that we have it all: the buffer answered from sequence 0 to its end, or answered
+        that it is empty. No replay socket, no answer, a truncated or broken answer, or a buffer that
+        no longer reaches 0: what it evicted before we subscribed is unknowable (False)."""
         if sub.endpoints.replay is None:
-            return True
+            return False
         result = await replay(self._ctx, sub.endpoints.replay, 0, self.replay_timeouts)
         got = result.batches
-        if got and got[0][0] != 0:
+        if got:
+            if result.outcome is not ReplayOutcome.FILLED or got[0][0] != 0:
+                return False
+        elif result.outcome is not ReplayOutcome.UNCOVERED:  # an empty answer maps to UNCOVERED
             return False
         for seq, payload in got:
             if sub.cursor is not None and seq == sub.cursor + 1:
                 sub._accept(seq, payload)  # a live batch or a gap replay may have taken some already
         return True
 
-    def _restarted_in_place(self, rec: EngineRecord, gen: int, spec: WorkerSpec, same_shape: bool) -> None:
+    def _restarted_in_place(self, rec: EngineRecord, gen: int, spec: WorkerSpec, same_shape: bool) -> bool:
         """A returning engine kept its incarnation (Kubernetes keeps a pod's UID across container
         restarts) but its stream shows a new process: a rank's publisher restarted its sequence, or
         its replay buffer holds nothing at or after our cursor. Every rank of the engine is judged as
         a new process, once: their proof holds become plain holds from sequence 0 of the new stream,
-        and nothing from the new process can pass as proof of continuity any more."""
-        if rec.generation != gen or rec.restarted == gen:
-            return
+        and nothing from the new process can pass as proof of continuity any more. Returns whether the
+        engine's ranks are (now, or already) held for that decision."""
+        if rec.generation != gen:
+            return False
+        if rec.restarted == gen:
+            return True
         rec.restarted = gen
         log.info("engine %s returned as a new process (same incarnation, its stream restarted)", rec.engine)
         for c in spec.carriers():
@@ -515,6 +534,7 @@ class KVPlane:
                 rec, gen, spec, spec.incarnation, same_shape=same_shape, cap=cap, restarted=True
             ),
         )
+        return True
 
     def _apply_decision(
         self,
@@ -533,7 +553,9 @@ class KVPlane:
 
         def step(idx: RadixIndex) -> None:
             for c in live:
-                idx.drop_tiers(c, ALL & ~d.keep)
+                if d.keep != ALL:
+                    idx.drop_tiers(c, ALL & ~d.keep)
+                    self.writer.note_eviction(c)
                 idx.set_visible(c, ALL)
                 self.writer.applied.pop(c, None)  # the old incarnation's cursor means nothing now
 
@@ -602,15 +624,22 @@ class KVPlane:
     async def _probe(
         self, rec: EngineRecord, sub: RankSubscription, gen: int, spec: WorkerSpec, same_shape: bool
     ) -> None:
-        """Same incarnation, idle engine: no live batch may come to prove continuity, so ask the replay
-        buffer whether it still holds our cursor's batch (then nothing after it is lost to us). A new
-        process shows there: its buffer holds nothing at or after our cursor (its sequence went back;
-        the same publisher would still hold our cursor, or later batches if it aged), or another
-        batch at our cursor's sequence than the one we applied."""
+        """Same incarnation: the one proof of continuity. Its replay buffer must still hold our cursor's
+        batch, the very one we applied (its payload hash): then nothing after it is lost to us, and
+        the batches held meanwhile follow it. A live batch numbered cursor + 1 proves nothing by
+        itself: a restarted publisher may have reached our sequence numbers. A new process shows
+        here: its buffer holds nothing at or after our cursor (its sequence went back; the same
+        publisher would still hold our cursor, or later batches if it aged), or another batch at our
+        cursor's sequence."""
         c = sub.carrier
         cursor = sub.cursor
         if cursor is None:
-            self._rank_proved(rec, c, gen, False)  # nothing to prove continuity against
+            self._rank_proved(rec, c, gen, False)  # it never published: nothing held, nothing to prove
+            return
+        if cursor < 0 or sub.cursor_hash is None:
+            # Adopted from a new process that has published nothing since (or a cursor we never saw
+            # a batch for): continuity cannot be shown; its storage identity decides.
+            self._restarted_in_place(rec, gen, spec, same_shape)
             return
         if sub.endpoints.replay is None:
             await asyncio.sleep(self.replay_timeouts.total_s)
@@ -618,7 +647,7 @@ class KVPlane:
             return
         result = await replay(self._ctx, sub.endpoints.replay, cursor, self.replay_timeouts)
         if self._undecided.get(c) != gen:
-            return  # a live batch decided it meanwhile
+            return  # decided meanwhile (its stream restarted, reset or overflowed)
         got = result.batches
         known = sub.cursor_hash
         if (not got and result.outcome is ReplayOutcome.UNCOVERED) or (
@@ -628,9 +657,7 @@ class KVPlane:
             return
         ok = bool(got) and got[0][0] == cursor and result.outcome is not ReplayOutcome.MALFORMED
         if not ok:
-            # The sub's own stream may still prove it; a reset or a gap will decide it then. An engine
-            # that stays silent and cannot show our cursor is rejected here.
-            self._rank_proved(rec, c, gen, False)
+            self._rank_proved(rec, c, gen, False)  # it cannot show our cursor: cold
             return
         self._rank_proved(rec, c, gen, True)
         for seq, payload in got[1:]:  # what it published while we were away, in order
@@ -645,30 +672,17 @@ class KVPlane:
             self.adoption_metrics.carriers.labels(state.value).set(n)
 
 
-class _ProofHold(RankHold):
-    """The plane's RankHold for a returning same-incarnation rank: the first batch the subscription
-    hands it is the proof of continuity (the subscription only accepts the next sequence, after any gap
-    was replayed), so it reports it at once."""
+class _ReturnHold(RankHold):
+    """The plane's RankHold for a returning same-incarnation rank: holds its batches until the probe
+    proves continuity; a publisher restart seen on its live stream hands the engine to the new-process
+    decision instead of clearing the rank."""
 
-    def __init__(
-        self,
-        *,
-        on_add: Callable[[], None],
-        on_end: Callable[[HoldEnd], None],
-        on_restart: Callable[[], None],
-    ) -> None:
+    def __init__(self, *, on_end: Callable[[HoldEnd], None], on_restart: Callable[[], bool]) -> None:
         super().__init__(on_end=on_end)
-        self._on_add = on_add
         self._on_restart = on_restart
 
     def restarted(self) -> bool:
-        self._on_restart()  # replaces this hold with a plain one (the subscription reads it afresh)
-        return True
-
-    def add(self, batch: SequencedBatch) -> None:
-        super().add(batch)
-        if self.active:
-            self._on_add()
+        return self._on_restart()  # True: replaced by a decision hold (the subscription reads it afresh)
 
 
 async def lookup_storage(spec: WorkerSpec) -> StorageIdentity | None:

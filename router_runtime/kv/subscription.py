@@ -107,6 +107,7 @@ class RankSubscription:
         self.splice_watermark: int | None = None
         self.on_splice: Callable[[int], None] | None = None
         self._stats = DecodeStats()
+        self._resumes = 0
 
     def position(self) -> StreamPosition:
         return StreamPosition(self.cursor, self.live_last, self.cursor_hash)
@@ -115,6 +116,7 @@ class RankSubscription:
         """Take up a stream where we let go of it (None: from wherever it is)."""
         p = position or StreamPosition()
         self.cursor, self.live_last, self.cursor_hash = p.cursor, p.live_last, p.cursor_hash
+        self._resumes += 1  # a gap fill in flight is filling from the old cursor: it must start over
 
     # ---- the live loop -------------------------------------------------------------------------
 
@@ -169,7 +171,11 @@ class RankSubscription:
             arrival = classify(self.cursor, seq)
         if arrival is Arrival.GAP:
             self.metrics.gaps.inc()
-            await self._fill_gap(seq)
+            while True:
+                resumes = self._resumes
+                await self._fill_gap(seq)
+                if self._resumes == resumes:
+                    break
             arrival = classify(self.cursor, seq)
             if arrival is Arrival.GAP:  # the replay could not reach the live stream
                 self._clear(ClearReason.REPLAY_FAILED)

@@ -45,6 +45,11 @@ class _Item:
     done: asyncio.Future | None = None
 
 
+# How long the eviction record of a carrier that left the index is kept: longer than any sensible
+# session TTL (default 10 minutes), so a memory cannot outlive the record that contradicts it.
+EVICTION_MEMORY_S = 24 * 3600.0
+
+
 class IndexWriter:
     def __init__(
         self,
@@ -68,9 +73,16 @@ class IndexWriter:
         # The last sequence applied per carrier: the cursors a snapshot export reports. A cleared or
         # removed carrier has none until its next batch (nothing could prove continuity for it).
         self.applied: dict[Carrier, int] = {}
-        # When each carrier last lost blocks (a removal or a clear), monotonic: session affinity trusts
-        # a remembered engine beyond the index only if it evicted nothing since (sessions/classify.py).
+        # When each carrier last lost blocks, or its history up to then became unknown to us (a
+        # removal, a clear, tiers dropped on adoption, a graft, the carrier removed), monotonic: session
+        # affinity trusts a remembered engine beyond the index only if nothing of that happened since
+        # the memory was written (sessions/classify.py). Kept after a carrier is removed (it may come
+        # back under the same identity, cold); entries older than EVICTION_MEMORY_S are pruned then.
         self.evicted_at: dict[Carrier, float] = {}
+
+    def note_eviction(self, carrier: Carrier) -> None:
+        """On the writer task (a ``call`` step) or in its place: ``carrier`` lost blocks just now."""
+        self.evicted_at[carrier] = time.monotonic()
 
     # ---- producers -----------------------------------------------------------------------------
 
@@ -144,20 +156,27 @@ class IndexWriter:
             stats = index.apply_batch(item.carrier, sb.batch)
             self.applied[item.carrier] = sb.seq
             if stats.removed or stats.cleared:
-                self.evicted_at[item.carrier] = time.monotonic()
+                self.note_eviction(item.carrier)
             m.apply_seconds.observe(time.perf_counter() - t0)
             m.batches.inc()
             self._count(stats)
             return
         self.applied.pop(item.carrier, None)
+        self.note_eviction(item.carrier)
         if item.remove:
-            self.evicted_at.pop(item.carrier, None)  # gone for good: a memory of it is stale anyway
             index.remove_carrier(item.carrier)
+            self._prune_evictions()
         else:
-            self.evicted_at[item.carrier] = time.monotonic()
             index.clear_carrier(item.carrier)
         m.ranks_cleared.labels(item.clear.value).inc()
         log.info("rank %s cleared: %s", item.carrier, item.clear.value)
+
+    def _prune_evictions(self) -> None:
+        """Forget the records of carriers long gone from the index (no session memory outlives them)."""
+        horizon = time.monotonic() - EVICTION_MEMORY_S
+        live = set(self.index.carriers)
+        for c in [c for c, t in self.evicted_at.items() if t < horizon and c not in live]:
+            del self.evicted_at[c]
 
     def _count(self, stats: ApplyStats) -> None:
         m = self.metrics
