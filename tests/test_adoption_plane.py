@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry
 
 import router_runtime.kv.plane as plane_mod
 from router_runtime.fake_engine import FakeEngine, FakeEngineConfig
-from router_runtime.kv.adoption import CarrierState
+from router_runtime.fake_engine.server import run_fake_engine
+from router_runtime.kv.adoption import CarrierState, StorageIdentity
 from router_runtime.kv.events import Tier
 from router_runtime.kv.index import Carrier
 from router_runtime.kv.plane import KVPlane, WorkerSpec, lookup_storage
@@ -496,3 +497,19 @@ async def test_every_rank_is_decided_in_one_step_and_a_second_departure_mid_deci
             1: (0, 0, 2, 0),
         }
         assert outcome(plane, "success") == 1
+
+
+async def test_storage_identity_sources_in_order(tmp_path):
+    """The engine's /server_info first; the identity discovery found (a pod annotation) when the engine
+    reports none or cannot be asked; else none."""
+    annotated = dict(storage_id="pv-7", storage_epoch=3)
+    async with fake(tmp_path) as engine:
+        own = await lookup_storage(spec(engine))
+        assert own is not None and own.storage_id != "pv-7"
+        assert await lookup_storage(dataclasses.replace(spec(engine), **annotated)) == own
+    async with run_fake_engine(block_size=BS) as plain:  # no storage dir: reports no identity
+        s = WorkerSpec("e", plain.http_url)
+        assert await lookup_storage(s) is None
+        assert await lookup_storage(dataclasses.replace(s, **annotated)) == StorageIdentity("pv-7", 3)
+    gone = WorkerSpec("e", "http://127.0.0.1:1", **annotated)
+    assert await lookup_storage(gone) == StorageIdentity("pv-7", 3)

@@ -689,13 +689,18 @@ async def lookup_storage(spec: WorkerSpec) -> StorageIdentity | None:
     """The engine's storage identity: its /server_info's ``storage_id``/``storage_epoch``, else the
     one discovery found for it (a pod annotation the deployer set), else none."""
     fallback = StorageIdentity(spec.storage_id, spec.storage_epoch) if spec.storage_id else None
-    async with aiohttp.ClientSession() as session:
-        for path in ("/server_info", "/get_server_info"):
-            async with session.get(spec.url.rstrip("/") + path, timeout=aiohttp.ClientTimeout(total=5)) as r:
-                if r.status == 404:
-                    continue
-                r.raise_for_status()
-                body = await r.json(content_type=None)
-                found = parse_storage(body) if isinstance(body, dict) else None
-                return found or fallback
+    try:
+        async with aiohttp.ClientSession() as session:
+            for path in ("/server_info", "/get_server_info"):
+                url = spec.url.rstrip("/") + path
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 404:
+                        continue
+                    r.raise_for_status()
+                    body = await r.json(content_type=None)
+                    found = parse_storage(body) if isinstance(body, dict) else None
+                    return found or fallback
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        if fallback is None:
+            raise
     return fallback
