@@ -263,6 +263,86 @@ async def test_a_caught_up_restart_is_not_proved_by_a_live_batch_while_the_probe
         assert tiers(plane, DISK) == (0, 0, 2, 0)
 
 
+async def test_a_busy_engine_that_only_flapped_is_proved_by_a_slow_probe(tmp_path, monkeypatch):
+    """The same process, publishing all along, its buffer past sequence 0, its replay answering late:
+    the batches it publishes while the probe is out move our cursor, and the probe must still compare
+    the batch at the cursor it asked for with the one we applied there (every tier kept)."""
+    real = plane_mod.replay
+
+    async def slow(*a, **kw):
+        await asyncio.sleep(0.1)
+        return await real(*a, **kw)
+
+    async with fake(tmp_path, replay_buffer=50) as engine, plane_for() as plane:
+        await warm(plane, engine)
+        for _ in range(60):
+            engine.publisher.publish(0, ())
+        await eventually(lambda: plane.subscriptions()[0].cursor >= 60, what="busy")
+        leave(plane)  # a readiness flap: the process lives on
+        monkeypatch.setattr(plane_mod, "replay", slow)
+        plane.set_workers([spec(engine)])
+        while plane.carrier_states() != {"e": CarrierState.OK}:
+            engine.publisher.publish(0, ())
+            await asyncio.sleep(0.01)
+        await plane.writer.drain()
+        assert (outcome(plane, "success"), outcome(plane, "rejected")) == (1, 0)
+        assert tiers(plane, DEV) == (2, 0, 0, 0) and tiers(plane, DISK) == (0, 0, 2, 0)
+
+
+async def test_an_idle_rank_is_judged_alone_and_does_not_take_its_proved_sibling_down(tmp_path):
+    """dp=2, adopted from a new process: rank 1 has published nothing since (cursor -1), rank 0 is busy
+    (its buffer past 0). On a readiness flap rank 0 is proved by its probe and keeps every tier; rank 1
+    cannot be, and is judged by the storage identity alone (its disk kept)."""
+    async with fake(tmp_path, dp_size=2, replay_buffer=8) as engine, plane_for() as plane:
+
+        def both() -> WorkerSpec:
+            return dataclasses.replace(in_pod(engine), dp_size=2)
+
+        plane.set_workers([both()])
+        for sub in plane.subscriptions():
+            await join_stream(engine.publisher, sub, sub.carrier.rank)
+        for r in (0, 1):
+            engine.emit(r, engine.caches[r].store(DISK, tier=Tier.DISK))
+        await eventually(lambda: len(plane.index.match(DISK)) == 2, what="both ranks indexed")
+        await eventually(lambda: plane._records["e"].storage is not None, what="storage")
+        leave(plane)
+        engine.restart()
+        plane.set_workers([both()])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="first adoption")
+        r0, r1 = sorted(plane.subscriptions(), key=lambda s: s.carrier.rank)
+        assert r1.cursor == -1
+        engine.emit(0, engine.caches[0].store(DEV))
+        for _ in range(20):
+            engine.publisher.publish(0, ())
+        await eventually(lambda: r0.cursor is not None and r0.cursor >= 20, what="rank 0 busy")
+        leave(plane)
+        plane.set_workers([both()])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="second decision")
+        await plane.writer.drain()
+        m = plane.index.match(DEV)
+        assert m[Carrier("e", 0)].tier_blocks == (2, 0, 0, 0)  # proved: its device tier kept
+        m = plane.index.match(DISK)
+        assert m[Carrier("e", 1)].tier_blocks == (0, 0, 2, 0) and m[Carrier("e", 0)].blocks == 2
+        assert outcome(plane, "rejected") == 0
+
+
+async def test_a_failed_decision_resumes_the_rank_cold_and_its_stream_flows(tmp_path, monkeypatch):
+    async def broken(*_a, **_kw):
+        raise RuntimeError("a bug in the probe")
+
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        await warm(plane, engine)
+        leave(plane)
+        monkeypatch.setattr(plane_mod, "replay", broken)
+        plane.set_workers([spec(engine)])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="resumed")
+        await plane.writer.drain()
+        assert tiers(plane, DISK) is None and outcome(plane, "rejected") == 1
+        assert sample(plane, "routerfleet_kv_ranks_cleared_total", reason="adoption_failed") == 1
+        engine.emit(0, engine.caches[0].store(list(range(9, 13))))
+        await eventually(lambda: tiers(plane, list(range(9, 13))) == (1, 0, 0, 0), what="the stream flows")
+
+
 async def test_a_second_restart_after_an_idle_adoption_is_judged_by_its_storage_again(tmp_path):
     """Adopted from a new process that then published nothing (cursor -1), the engine restarts in
     place again, on a wiped disk: nothing can prove continuity, so the storage epoch decides."""
@@ -306,9 +386,9 @@ async def test_tiers_dropped_on_adoption_count_as_an_eviction(tmp_path):
     async with fake(tmp_path) as engine, plane_for() as plane:
         await warm(plane, engine)
         evicted = plane.writer.evicted_at
-        assert Carrier("e") not in evicted
         leave(plane)
         before = time.monotonic()
+        assert evicted[Carrier("e")] < before  # its first batch, when we began to watch it
         engine.restart()
         plane.set_workers([spec(engine)])
         await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")

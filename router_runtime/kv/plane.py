@@ -49,6 +49,8 @@ from .writer import ClearReason, IndexWriter
 
 log = logging.getLogger(__name__)
 
+PROBE_ATTEMPTS = 3  # replays a returning rank's probe may ask for when the first get no answer
+
 
 class RankListener(Protocol):
     def rank_added(self, sub: RankSubscription) -> None: ...
@@ -265,25 +267,34 @@ class KVPlane:
             log.info("storage identity of %s unknown: %s", spec.engine, exc)
             return None
 
-    def _spawn(self, engine: str, coro: Awaitable) -> asyncio.Task:
+    def _spawn(self, engine: str, coro: Awaitable, gen: int | None = None) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         tasks = self._tasks.setdefault(engine, set())
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-        task.add_done_callback(lambda t: self._task_done(engine, t))
+        if gen is not None:
+            task.add_done_callback(lambda t: self._task_done(engine, gen, t))
         return task
 
-    def _task_done(self, engine: str, task: asyncio.Task) -> None:
-        """A lookup or decision that failed (a bug) must not leave the engine's ranks hidden and held
-        forever: whatever of it is still undecided resumes cold (cleared, then shown)."""
+    def _task_done(self, engine: str, gen: int, task: asyncio.Task) -> None:
+        """A probe or decision of generation ``gen`` that failed (a bug) must not leave the engine's
+        ranks hidden and held forever: whatever of that generation is still undecided resumes cold."""
         if task.cancelled() or task.exception() is None:
             return
         log.error("engine %s: adoption task failed", engine, exc_info=task.exception())
         rec = self._records.get(engine)
-        if rec is None:
+        if rec is None or rec.generation != gen:
             return
-        for c in [c for c, g in self._undecided.items() if c.engine == engine and g == rec.generation]:
-            self._hold_lost(rec, c, rec.generation, HoldEnd.PUBLISHER_RESET)
+        for c in self._undecided_of(rec, gen):
+            entry = self._subs.get(c)
+            if entry is not None and entry[0].hold is not None:
+                hold, entry[0].hold = entry[0].hold, None  # the stream flows to the writer again
+                hold.active = False
+                hold.take()
+            self._resume_cold(rec, c, gen, ClearReason.ADOPTION_FAILED)
+
+    def _undecided_of(self, rec: EngineRecord, gen: int) -> list[Carrier]:
+        return [c for c, g in self._undecided.items() if c.engine == rec.engine and g == gen]
 
     def _cancel_tasks(self, engine: str) -> None:
         for t in self._tasks.pop(engine, set()):
@@ -428,13 +439,14 @@ class KVPlane:
         if same:
             for rank, sub in subs.items():
                 sub.resume(rec.positions.get(rank))
-                self._spawn(spec.engine, self._probe(rec, sub, gen, spec, same_shape))
+                self._spawn(spec.engine, self._probe(rec, sub, gen, spec, same_shape), gen)
             return
         # An empty incarnation (static workers) cannot prove a new process: ``same`` was False only
         # for a changed shape or the cap, and the decision below rejects those.
         self._spawn(
             spec.engine,
             self._decide_new_process(rec, gen, spec, old.incarnation, same_shape=same_shape, cap=cap),
+            gen,
         )
 
     def _decision_hold(self, rec: EngineRecord, c: Carrier, gen: int) -> RankHold:
@@ -451,15 +463,17 @@ class KVPlane:
         same_shape: bool,
         cap: bool,
         restarted: bool = False,
+        only: Carrier | None = None,
     ) -> None:
         """A new process (a new incarnation, or the same one whose stream restarted): its memory tiers
         are gone; ask it for its storage identity and adopt the storage tiers only if it proves the one
-        it had. One writer step for every rank still undecided."""
+        it had. One writer step for every rank still undecided (or for ``only``)."""
         old_storage = rec.storage
         storage = await self._lookup(spec)
         if rec.generation != gen:
             return
-        subs = {c.rank: e[0] for c in spec.carriers() if (e := self._subs.get(c)) is not None}
+        ranks = [c for c in ([only] if only else spec.carriers()) if self._undecided.get(c) == gen]
+        subs = {c.rank: e[0] for c in ranks if (e := self._subs.get(c)) is not None}
         caught_up = await asyncio.gather(*(self._catch_up(sub) for sub in subs.values()))
         if rec.generation != gen:
             return
@@ -480,7 +494,7 @@ class KVPlane:
             restarted=restarted or spec.incarnation == old_incarnation,
             from_start=from_start,
         )
-        self._apply_decision(rec, gen, spec.carriers(), subs, d)
+        self._apply_decision(rec, gen, ranks, subs, d)
         rec.storage = storage
 
     async def _catch_up(self, sub: RankSubscription) -> bool:
@@ -533,6 +547,7 @@ class KVPlane:
             self._decide_new_process(
                 rec, gen, spec, spec.incarnation, same_shape=same_shape, cap=cap, restarted=True
             ),
+            gen,
         )
         return True
 
@@ -562,8 +577,8 @@ class KVPlane:
         self.writer.call(step)
         for c in live:
             self._release(subs.get(c.rank))
-        self._reconnected(rec)
         self._count(d.outcome, rec)
+        self._settle_if_done(rec, gen)
 
     def _release(self, sub: RankSubscription | None) -> None:
         """Hand a rank's held batches to the writer, in order, and let the stream flow."""
@@ -580,23 +595,26 @@ class KVPlane:
     def _hold_lost(self, rec: EngineRecord, c: Carrier, gen: int, why: HoldEnd) -> None:
         """A new incarnation's hold overflowed or its stream reset before the decision: the rank can no
         longer be joined to what we kept; it resumes cold (and visible) from here."""
+        reason = ClearReason.OVERFLOW if why is HoldEnd.OVERFLOW else ClearReason.PUBLISHER_RESTART
+        self._resume_cold(rec, c, gen, reason)
+
+    def _resume_cold(self, rec: EngineRecord, c: Carrier, gen: int, reason: ClearReason) -> None:
+        """Rank ``c``'s return is rejected: cleared, then shown; its stream goes on from here."""
         if self._undecided.get(c) != gen:
             return
         del self._undecided[c]
-        self.writer.submit_clear(
-            c, ClearReason.OVERFLOW if why is HoldEnd.OVERFLOW else ClearReason.PUBLISHER_RESTART
-        )
+        self.writer.submit_clear(c, reason)
         self.writer.call(lambda idx: idx.set_visible(c, ALL))
         self._count(Outcome.REJECTED, rec)
         self._settle_if_done(rec, gen)
 
     def _rank_proved(
         self, rec: EngineRecord, c: Carrier, gen: int, continuous: bool, why: HoldEnd | None = None
-    ) -> None:
+    ) -> bool:
         """Same incarnation: rank ``c``'s stream either joined our cursor (its first batch was the next
         one, or a replay filled the gap) or it did not (restart, uncovered gap, overflow)."""
         if self._undecided.get(c) != gen or rec.restarted == gen:
-            return
+            return False
         del self._undecided[c]
         d = decide(
             rec.spec.incarnation, rec.storage, rec.spec.incarnation, rec.storage, continuous=continuous
@@ -616,9 +634,10 @@ class KVPlane:
             self._release(sub)
         self._count(d.outcome, rec)
         self._settle_if_done(rec, gen)
+        return True
 
     def _settle_if_done(self, rec: EngineRecord, gen: int) -> None:
-        if rec.generation == gen and not any(g == gen for g in self._undecided.values()):
+        if rec.generation == gen and not self._undecided_of(rec, gen):
             self._reconnected(rec)
 
     async def _probe(
@@ -632,26 +651,33 @@ class KVPlane:
         publisher would still hold our cursor, or later batches if it aged), or another batch at our
         cursor's sequence."""
         c = sub.carrier
-        cursor = sub.cursor
+        # Both read before any await: the live loop moves them as it holds the new batches.
+        cursor, known = sub.cursor, sub.cursor_hash
         if cursor is None:
             self._rank_proved(rec, c, gen, False)  # it never published: nothing held, nothing to prove
             return
-        if cursor < 0 or sub.cursor_hash is None:
-            # Adopted from a new process that has published nothing since (or a cursor we never saw
-            # a batch for): continuity cannot be shown; its storage identity decides.
-            self._restarted_in_place(rec, gen, spec, same_shape)
+        if cursor < 0 or known is None:
+            # Adopted from a new process that has published nothing on this rank since (or a cursor we
+            # never saw a batch for): its continuity cannot be shown. Judged alone by its storage (its
+            # device tier was dropped at that adoption and nothing came since, so nothing is lost);
+            # its sibling ranks are proved or not on their own.
+            cap = self._cap.reached(self._cap_key(rec), self._clock())
+            await self._decide_new_process(
+                rec, gen, spec, spec.incarnation, same_shape=same_shape, cap=cap, restarted=True, only=c
+            )
             return
         if sub.endpoints.replay is None:
-            await asyncio.sleep(self.replay_timeouts.total_s)
-            self._rank_proved(rec, c, gen, False)
+            self._rank_proved(rec, c, gen, False)  # nothing can show our cursor
             return
-        result = await replay(self._ctx, sub.endpoints.replay, cursor, self.replay_timeouts)
-        if self._undecided.get(c) != gen:
-            return  # decided meanwhile (its stream restarted, reset or overflowed)
+        for _attempt in range(PROBE_ATTEMPTS):  # a busy engine answers its replay socket late
+            result = await replay(self._ctx, sub.endpoints.replay, cursor, self.replay_timeouts)
+            if self._undecided.get(c) != gen:
+                return  # decided meanwhile (its stream restarted, reset or overflowed)
+            if result.outcome is not ReplayOutcome.TIMEOUT:
+                break
         got = result.batches
-        known = sub.cursor_hash
         if (not got and result.outcome is ReplayOutcome.UNCOVERED) or (
-            got and got[0][0] == cursor and known is not None and payload_hash(got[0][1]) != known
+            got and got[0][0] == cursor and payload_hash(got[0][1]) != known
         ):
             self._restarted_in_place(rec, gen, spec, same_shape)
             return
@@ -659,7 +685,8 @@ class KVPlane:
         if not ok:
             self._rank_proved(rec, c, gen, False)  # it cannot show our cursor: cold
             return
-        self._rank_proved(rec, c, gen, True)
+        if not self._rank_proved(rec, c, gen, True):
+            return
         for seq, payload in got[1:]:  # what it published while we were away, in order
             if sub.cursor is not None and seq == sub.cursor + 1:
                 sub._accept(seq, payload)

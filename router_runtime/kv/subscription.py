@@ -171,11 +171,8 @@ class RankSubscription:
             arrival = classify(self.cursor, seq)
         if arrival is Arrival.GAP:
             self.metrics.gaps.inc()
-            while True:
-                resumes = self._resumes
-                await self._fill_gap(seq)
-                if self._resumes == resumes:
-                    break
+            while not await self._fill_gap(seq):
+                pass  # the position was reset meanwhile: fill again from the new cursor
             arrival = classify(self.cursor, seq)
             if arrival is Arrival.GAP:  # the replay could not reach the live stream
                 self._clear(ClearReason.REPLAY_FAILED)
@@ -230,12 +227,17 @@ class RankSubscription:
 
     # ---- replay --------------------------------------------------------------------------------
 
-    async def _fill_gap(self, live_seq: int) -> None:
+    async def _fill_gap(self, live_seq: int) -> bool:
+        """Replay what lies between our cursor and ``live_seq``. False, having changed nothing, when our
+        position was reset (``resume``) while the replay was out: its answer filled the old cursor."""
         start = self.cursor + 1
         if self.endpoints.replay is None:
             self.metrics.replays.labels("unavailable").inc()
-            return
+            return True
+        resumes = self._resumes
         result = await replay(self.ctx, self.endpoints.replay, start, self.timeouts, stop_at=live_seq)
+        if self._resumes != resumes:
+            return False
         self.metrics.replays.labels(str(result.outcome)).inc()
         log.info("rank %s replay from %d: %s", self.carrier, start, result.outcome.value)
         if result.outcome is ReplayOutcome.UNCOVERED:
@@ -246,6 +248,7 @@ class RankSubscription:
         for seq, payload in result.batches:
             if classify(self.cursor, seq) is Arrival.NEXT:
                 self._accept(seq, payload)
+        return True
 
 
 async def replay(

@@ -33,6 +33,7 @@ class ClearReason(enum.StrEnum):
     MALFORMED_BATCH = "malformed_batch"
     OVERFLOW = "overflow"
     WORKER_REMOVED = "worker_removed"
+    ADOPTION_FAILED = "adoption_failed"  # a re-adoption decision failed (a bug): the rank resumes cold
 
 
 @dataclass(slots=True)
@@ -73,12 +74,16 @@ class IndexWriter:
         # The last sequence applied per carrier: the cursors a snapshot export reports. A cleared or
         # removed carrier has none until its next batch (nothing could prove continuity for it).
         self.applied: dict[Carrier, int] = {}
-        # When each carrier last lost blocks, or its history up to then became unknown to us (a
-        # removal, a clear, tiers dropped on adoption, a graft, the carrier removed), monotonic: session
-        # affinity trusts a remembered engine beyond the index only if nothing of that happened since
-        # the memory was written (sessions/classify.py). Kept after a carrier is removed (it may come
-        # back under the same identity, cold); entries older than EVICTION_MEMORY_S are pruned then.
+        # When each carrier last lost blocks, or may have lost some we did not see (monotonic): a
+        # removal, a clear, tiers dropped on adoption, a graft, the carrier removed, and its first
+        # batch after joining or a clear (what it evicted before is unknown to us). Session affinity
+        # trusts a remembered engine beyond the index only if nothing of that happened since the
+        # memory was written (sessions/classify.py); a carrier never seen here (events off) has no
+        # entry. Kept after a carrier is removed (it may come back under the same identity, cold);
+        # entries older than EVICTION_MEMORY_S of carriers gone from the index are pruned.
         self.evicted_at: dict[Carrier, float] = {}
+        self._watched: set[Carrier] = set()  # carriers with a batch applied since their last clear
+        self._pruned_at = time.monotonic()
 
     def note_eviction(self, carrier: Carrier) -> None:
         """On the writer task (a ``call`` step) or in its place: ``carrier`` lost blocks just now."""
@@ -155,14 +160,16 @@ class IndexWriter:
             t0 = time.perf_counter()
             stats = index.apply_batch(item.carrier, sb.batch)
             self.applied[item.carrier] = sb.seq
-            if stats.removed or stats.cleared:
+            if stats.removed or stats.cleared or item.carrier not in self._watched:
                 self.note_eviction(item.carrier)
+                self._watched.add(item.carrier)
             m.apply_seconds.observe(time.perf_counter() - t0)
             m.batches.inc()
             self._count(stats)
             return
         self.applied.pop(item.carrier, None)
         self.note_eviction(item.carrier)
+        self._watched.discard(item.carrier)
         if item.remove:
             index.remove_carrier(item.carrier)
             self._prune_evictions()
@@ -172,8 +179,13 @@ class IndexWriter:
         log.info("rank %s cleared: %s", item.carrier, item.clear.value)
 
     def _prune_evictions(self) -> None:
-        """Forget the records of carriers long gone from the index (no session memory outlives them)."""
-        horizon = time.monotonic() - EVICTION_MEMORY_S
+        """Forget the records of carriers long gone from the index (no session memory outlives them);
+        at most once a minute, so a mass removal does not scan the table per carrier."""
+        now = time.monotonic()
+        if now - self._pruned_at < 60:
+            return
+        self._pruned_at = now
+        horizon = now - EVICTION_MEMORY_S
         live = set(self.index.carriers)
         for c in [c for c, t in self.evicted_at.items() if t < horizon and c not in live]:
             del self.evicted_at[c]
