@@ -76,20 +76,40 @@ def spec(engine: FakeEngine, name: str = "e") -> WorkerSpec:
     )
 
 
+def in_pod(engine: FakeEngine, name: str = "e") -> WorkerSpec:
+    """As Kubernetes discovery sees it: the incarnation is the pod's UID, which a container restart
+    keeps."""
+    return WorkerSpec(
+        name,
+        engine.http_url,
+        kv=engine.kv_endpoint(0),
+        replay=engine.replay_endpoint(0),
+        incarnation="pod-uid",
+    )
+
+
 async def join(plane: KVPlane, engine: FakeEngine, name: str = "e") -> None:
     sub = next(s for s in plane.subscriptions() if s.carrier.engine == name)
     await join_stream(engine.publisher, sub)
 
 
-async def warm(plane: KVPlane, engine: FakeEngine, name: str = "e") -> None:
-    """Subscribe, learn the storage identity, and index DEV on device and DISK on disk."""
-    plane.set_workers([*(plane.workers.values()), spec(engine, name)])
+async def warm(plane: KVPlane, engine: FakeEngine, name: str = "e", *, pod: bool = False) -> None:
+    """Subscribe, learn the storage identity, and index DEV on device and DISK on disk. ``pod``: as
+    Kubernetes discovery sees the engine (``in_pod``: an incarnation a container restart keeps)."""
+    plane.set_workers([*(plane.workers.values()), (in_pod if pod else spec)(engine, name)])
     await join(plane, engine, name)
     engine.emit(0, engine.caches[0].store(DEV))
     engine.emit(0, engine.caches[0].store(DISK, tier=Tier.DISK))
     await eventually(lambda: tiers(plane, DISK, name) == (0, 0, 2, 0), what="disk blocks indexed")
     assert tiers(plane, DEV, name) == (2, 0, 0, 0)
     await eventually(lambda: plane._records[name].storage is not None, what="storage identity learned")
+
+
+async def back(plane: KVPlane, s: WorkerSpec) -> None:
+    """The engine returns to discovery as ``s``: wait for its decision and for the writer to apply it."""
+    plane.set_workers([s])
+    await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+    await plane.writer.drain()
 
 
 def leave(plane: KVPlane, name: str = "e") -> None:
@@ -123,9 +143,7 @@ async def test_restart_with_the_same_storage_drops_device_and_keeps_disk(tmp_pat
         leave(plane)
         engine.restart()  # a new incarnation on the same storage: re-announces nothing
         assert engine.caches[0].disk_hashes() and not engine.caches[0].device_hashes()
-        plane.set_workers([spec(engine)])
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
-        await plane.writer.drain()
+        await back(plane, spec(engine))
         assert outcome(plane, "success") == 1
         assert tiers(plane, DEV) is None  # GPU memory is gone
         assert tiers(plane, DISK) == (0, 0, 2, 0)  # the disk survived and is adopted
@@ -149,18 +167,6 @@ async def test_restart_on_a_fresh_process_reads_the_storage_dir_again(tmp_path):
             assert outcome(plane, "success") == 1 and tiers(plane, DISK) == (0, 0, 2, 0)
 
 
-def in_pod(engine: FakeEngine, name: str = "e") -> WorkerSpec:
-    """As Kubernetes discovery sees it: the incarnation is the pod's UID, which a container restart
-    keeps."""
-    return WorkerSpec(
-        name,
-        engine.http_url,
-        kv=engine.kv_endpoint(0),
-        replay=engine.replay_endpoint(0),
-        incarnation="pod-uid",
-    )
-
-
 async def test_a_container_restart_in_the_same_pod_drops_device_and_keeps_disk(tmp_path):
     """Same incarnation, new process: its replay buffer holds nothing at or after our cursor (its
     sequence went back), so it is judged by its storage identity like a new incarnation."""
@@ -176,9 +182,7 @@ async def test_a_container_restart_in_the_same_pod_drops_device_and_keeps_disk(t
         leave(plane)
         engine.restart()  # the container restarts: same pod UID, a new process on the same storage dir
         engine.emit(0, [])  # it has published less than its predecessor by the time we come back
-        plane.set_workers([in_pod(engine)])
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
-        await plane.writer.drain()
+        await back(plane, in_pod(engine))
         assert (outcome(plane, "success"), outcome(plane, "rejected")) == (1, 0)
         assert tiers(plane, DEV) is None  # GPU memory died with the process
         assert tiers(plane, DISK) == (0, 0, 2, 0)  # the disk survived and is adopted
@@ -191,20 +195,13 @@ async def test_a_restarted_process_that_caught_up_with_our_cursor_is_not_taken_f
     """The new process has published more batches than its predecessor by the time we return: its
     buffer holds our cursor's sequence number, but another batch there (the payload hash differs)."""
     async with fake(tmp_path) as engine, plane_for() as plane:
-        plane.set_workers([in_pod(engine)])
-        await join(plane, engine)
-        engine.emit(0, engine.caches[0].store(DEV))
-        engine.emit(0, engine.caches[0].store(DISK, tier=Tier.DISK))
-        await eventually(lambda: tiers(plane, DISK) == (0, 0, 2, 0), what="disk blocks indexed")
-        await eventually(lambda: plane._records["e"].storage is not None, what="storage identity learned")
+        await warm(plane, engine, pod=True)
         cursor = plane.subscriptions()[0].cursor
         leave(plane)
         engine.restart()
         for i in range(cursor + 5):
             engine.emit(0, engine.caches[0].store([1000 + i] * BS))
-        plane.set_workers([in_pod(engine)])
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
-        await plane.writer.drain()
+        await back(plane, in_pod(engine))
         assert (outcome(plane, "success"), outcome(plane, "rejected")) == (1, 0)
         assert tiers(plane, DEV) is None and tiers(plane, DISK) == (0, 0, 2, 0)
         # Its whole stream from sequence 0 was replayed beneath the decision, in order.
@@ -221,9 +218,7 @@ async def test_a_new_process_whose_stream_cannot_be_followed_from_its_start_is_r
         engine.emit(0, engine.caches[0].remove(DISK))  # evicted from disk before we are back ...
         for i in range(6):  # ... and aged out of its replay buffer
             engine.emit(0, engine.caches[0].store([1000 + i] * BS))
-        plane.set_workers([spec(engine)])
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
-        await plane.writer.drain()
+        await back(plane, spec(engine))
         assert (outcome(plane, "success"), outcome(plane, "rejected")) == (0, 1)
         assert tiers(plane, DISK) is None
 
@@ -241,12 +236,7 @@ async def test_a_caught_up_restart_is_not_proved_by_a_live_batch_while_the_probe
         return await real(*a, **kw)
 
     async with fake(tmp_path) as engine, plane_for() as plane:
-        plane.set_workers([in_pod(engine)])
-        await join(plane, engine)
-        engine.emit(0, engine.caches[0].store(DEV))
-        engine.emit(0, engine.caches[0].store(DISK, tier=Tier.DISK))
-        await eventually(lambda: tiers(plane, DISK) == (0, 0, 2, 0), what="disk blocks indexed")
-        await eventually(lambda: plane._records["e"].storage is not None, what="storage identity learned")
+        await warm(plane, engine, pod=True)
         cursor = plane.subscriptions()[0].cursor
         leave(plane)
         engine.restart()
@@ -316,9 +306,7 @@ async def test_an_idle_rank_is_judged_alone_and_does_not_take_its_proved_sibling
             engine.publisher.publish(0, ())
         await eventually(lambda: r0.cursor is not None and r0.cursor >= 20, what="rank 0 busy")
         leave(plane)
-        plane.set_workers([both()])
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="second decision")
-        await plane.writer.drain()
+        await back(plane, both())
         m = plane.index.match(DEV)
         assert m[Carrier("e", 0)].tier_blocks == (2, 0, 0, 0)  # proved: its device tier kept
         m = plane.index.match(DISK)
@@ -334,9 +322,7 @@ async def test_a_failed_decision_resumes_the_rank_cold_and_its_stream_flows(tmp_
         await warm(plane, engine)
         leave(plane)
         monkeypatch.setattr(plane_mod, "replay", broken)
-        plane.set_workers([spec(engine)])
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="resumed")
-        await plane.writer.drain()
+        await back(plane, spec(engine))
         assert tiers(plane, DISK) is None and outcome(plane, "rejected") == 1
         assert sample(plane, "routerfleet_kv_ranks_cleared_total", reason="adoption_failed") == 1
         engine.emit(0, engine.caches[0].store(list(range(9, 13))))
@@ -347,23 +333,15 @@ async def test_a_second_restart_after_an_idle_adoption_is_judged_by_its_storage_
     """Adopted from a new process that then published nothing (cursor -1), the engine restarts in
     place again, on a wiped disk: nothing can prove continuity, so the storage epoch decides."""
     async with fake(tmp_path) as engine, plane_for() as plane:
-        plane.set_workers([in_pod(engine)])
-        await join(plane, engine)
-        engine.emit(0, engine.caches[0].store(DISK, tier=Tier.DISK))
-        await eventually(lambda: tiers(plane, DISK) == (0, 0, 2, 0), what="disk blocks indexed")
-        await eventually(lambda: plane._records["e"].storage is not None, what="storage identity learned")
+        await warm(plane, engine, pod=True)
         leave(plane)
         engine.restart()
-        plane.set_workers([in_pod(engine)])
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="first adoption")
-        await plane.writer.drain()
+        await back(plane, in_pod(engine))
         assert tiers(plane, DISK) == (0, 0, 2, 0) and plane.subscriptions()[0].cursor == -1
         leave(plane)
         engine.wipe_storage()
         engine.restart()
-        plane.set_workers([in_pod(engine)])
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="second decision")
-        await plane.writer.drain()
+        await back(plane, in_pod(engine))
         assert outcome(plane, "epoch_mismatch") == 1 and outcome(plane, "success") == 1
         assert plane.index.carrier_blocks(Carrier("e"))[Tier.DISK] == 0
 
@@ -390,25 +368,17 @@ async def test_tiers_dropped_on_adoption_count_as_an_eviction(tmp_path):
         before = time.monotonic()
         assert evicted[Carrier("e")] < before  # its first batch, when we began to watch it
         engine.restart()
-        plane.set_workers([spec(engine)])
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
-        await plane.writer.drain()
+        await back(plane, spec(engine))
         assert outcome(plane, "success") == 1 and evicted[Carrier("e")] >= before
 
 
 async def test_a_container_restart_on_wiped_storage_is_refused(tmp_path):
     async with fake(tmp_path) as engine, plane_for() as plane:
-        plane.set_workers([in_pod(engine)])
-        await join(plane, engine)
-        engine.emit(0, engine.caches[0].store(DISK, tier=Tier.DISK))
-        await eventually(lambda: tiers(plane, DISK) == (0, 0, 2, 0), what="disk blocks indexed")
-        await eventually(lambda: plane._records["e"].storage is not None, what="storage identity learned")
+        await warm(plane, engine, pod=True)
         leave(plane)
         engine.wipe_storage()
         engine.restart()
-        plane.set_workers([in_pod(engine)])
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
-        await plane.writer.drain()
+        await back(plane, in_pod(engine))
         assert outcome(plane, "epoch_mismatch") == 1 and outcome(plane, "success") == 0
         assert plane.index.carrier_blocks(Carrier("e"))[Tier.DISK] == 0
 
@@ -440,9 +410,7 @@ async def test_an_epoch_mismatch_is_refused(tmp_path):
         engine.wipe_storage()  # the disk content is invalidated: epoch 0 -> 1
         engine.emit(0, engine.caches[0].store(DISK, tier=Tier.DISK))  # same content again, new epoch
         engine.restart()
-        plane.set_workers([spec(engine)])
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
-        await plane.writer.drain()
+        await back(plane, spec(engine))
         assert outcome(plane, "epoch_mismatch") == 1
         assert tiers(plane, DISK) is None and plane.index.carrier_blocks(Carrier("e"))[Tier.DISK] == 0
 
@@ -551,7 +519,7 @@ async def test_every_rank_is_decided_in_one_step_and_a_second_departure_mid_deci
         await eventually(lambda: len(plane.index.match(DISK)) == 2, what="both ranks indexed")
         await eventually(lambda: plane._records["e"].storage is not None, what="storage")
 
-        def back():
+        def both():
             return WorkerSpec(
                 "e",
                 engine.http_url,
@@ -563,15 +531,13 @@ async def test_every_rank_is_decided_in_one_step_and_a_second_departure_mid_deci
 
         leave(plane)
         engine.restart()
-        plane.set_workers([back()])
+        plane.set_workers([both()])
         assert plane.index.match(DISK) == {}
         leave(plane)  # gone again before the decision: nothing is decided, nothing shows
         gate.set()
         await asyncio.sleep(0.05)
         assert plane.index.match(DISK) == {} and outcome(plane, "success") == 0
-        plane.set_workers([back()])
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
-        await plane.writer.drain()
+        await back(plane, both())
         assert {c.rank: m.tier_blocks for c, m in plane.index.match(DISK).items()} == {
             0: (0, 0, 2, 0),
             1: (0, 0, 2, 0),
