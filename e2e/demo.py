@@ -10,7 +10,11 @@ router) plus a round_robin router, and then
    usage.prompt_tokens_details.cached_tokens) and TTFT side by side;
 2. scales the kv_aware router 1 -> 3 while traffic keeps flowing and prints each replica's bootstrap
    verdict (from /internal/bootstrap) and whether its index equals the first replica's;
-3. deletes everything and stops the cluster (also on Ctrl-C or a failure).
+3. kills one engine's container (SIGKILL, as an OOM kill would): it restarts in its pod with its disk
+   tier (an emptyDir) intact, and the demo prints how soon after its return the routers re-adopt that
+   tier and send the prefixes kept there back to it, and how many hit (local provider only: it
+   signals the container's process);
+4. deletes everything and stops the cluster (also on Ctrl-C or a failure).
 
 When no cluster can start (not root, no Go to build it, ...) it says why and runs the local demo.
 
@@ -292,6 +296,10 @@ SYSTEM_PROMPTS = 4
 # sequence 0, so a new replica cannot rebuild from the engines (from_origin) and inherits a sibling's
 # index instead, the path this demo shows. (The manifests keep the engine's default, 10000.)
 DEMO_REPLAY_BUFFER = 64
+# Step 3: the engines keep a disk tier in an emptyDir (it survives a container restart, not the pod),
+# and this many conversation prefixes of DISK_PREFIX_BLOCKS blocks are put on the victim's.
+STORAGE_DIR = "/var/lib/routerfleet-kv"
+DISK_PREFIXES, DISK_PREFIX_BLOCKS = 40, 4
 T0 = time.monotonic()
 
 
@@ -482,6 +490,12 @@ async def cluster_demo(fleet: Fleet) -> int:
     docs = F.load_manifests(token=token)
     engine_args = F.find(docs, "Deployment", F.ENGINE)["spec"]["template"]["spec"]["containers"][0]["args"]
     engine_args.append(f"--replay-buffer={DEMO_REPLAY_BUFFER}")
+    engine_args += [f"--storage-dir={STORAGE_DIR}", "--disk-capacity-blocks=4096"]
+    engine_pod = F.find(docs, "Deployment", F.ENGINE)["spec"]["template"]["spec"]
+    engine_pod["containers"][0].setdefault("volumeMounts", []).append(
+        {"name": "kv-storage", "mountPath": STORAGE_DIR}
+    )
+    engine_pod.setdefault("volumes", []).append({"name": "kv-storage", "emptyDir": {}})
     rr = F.policy_variant(docs, "router-rr", "round_robin")
     await asyncio.to_thread(fleet.core.create_namespace, {"metadata": {"name": ns}})
     await wait_until(
@@ -571,7 +585,83 @@ async def cluster_demo(fleet: Fleet) -> int:
             "\n  alone); from_origin: rebuilt from the engine's own replay buffer.\n"
         )
         all_same = all(v == views[0] for v in views)
-    return 0 if all_same and kv.hit_rate > rr_stats.hit_rate else 1
+
+        # 3. an engine's container dies and restarts in its pod, its disk tier intact
+        readopted = await engine_restart(fleet, session, urls, engines[0])
+    return 0 if all_same and kv.hit_rate > rr_stats.hit_rate and readopted else 1
+
+
+async def _routes(session, router: str, prompts: list[list[int]]) -> list[str | None]:
+    """Where the router sends each prompt, side-effect free: the engine refuses ``n: 2`` after the
+    router has chosen it (nothing is cached)."""
+    out = []
+    for tokens in prompts:
+        status, chosen, _ = await F.completion(session, router, [*tokens, 7], max_tokens=1, n=2)
+        out.append(chosen if status == 400 else None)
+    return out
+
+
+async def engine_restart(fleet: Fleet, session, routers: list[str], victim) -> bool:
+    if not getattr(fleet.provider, "reaches_pod_ips", False):
+        say("step 3 (an engine container killed) needs the local provider: skipped")
+        return True
+    name, eid = victim.metadata.name, F.engine_id(victim)
+    url = F.pod_url(victim, F.ENGINE_PORT)
+    rng = random.Random(3)
+    prompts = [
+        [rng.randrange(1000, 30000) for _ in range(DISK_PREFIX_BLOCKS * BLOCK)] for _ in range(DISK_PREFIXES)
+    ]
+    for i, tokens in enumerate(prompts):  # as an offloading connector (LMCache, HiCache) keeps them
+        async with session.post(
+            url + "/admin/store", json={"rank": i % 2, "token_ids": tokens, "medium": "STORAGE"}
+        ) as r:
+            r.raise_for_status()
+
+    async def all_routed():
+        where = [await _routes(session, r, prompts) for r in routers]
+        return where if all(w.count(eid) == len(prompts) for w in where) else None
+
+    await wait_until("every replica to route the disk prefixes to their engine", all_routed, 30)
+    status = (await asyncio.to_thread(fleet.core.read_namespaced_pod, name, fleet.ns)).status
+    cs = status.container_statuses[0]
+    say(f"{DISK_PREFIXES} prefixes on {name}'s disk tier; killing its container (SIGKILL) ...")
+    t_kill = time.monotonic()
+    os.kill(int(cs.container_id.removeprefix("process://")), signal.SIGKILL)
+
+    def back():
+        p = fleet.core.read_namespaced_pod(name, fleet.ns)
+        c = (p.status.container_statuses or [None])[0]
+        return p if _ready(p) and c is not None and c.restart_count > cs.restart_count else None
+
+    await wait_until(f"{name} restarted in its pod and Ready", back, 90, interval=0.02)
+    t_back = time.monotonic()
+    say(f"  {name} Ready again {t_back - t_kill:.1f}s after the kill (same pod, a new process)")
+
+    async def readopted(router: str):
+        while True:
+            _, index = await F.get(session, router + "/debug/index")
+            mine = [c for c in index["carriers"] if c["engine"] == eid]
+            if mine and all(c.get("state", "ok") == "ok" for c in mine):
+                return time.monotonic() - t_back, sum(c["tiers"]["disk"]["blocks"] for c in mine)
+            await asyncio.sleep(0.005)
+
+    adopted = await asyncio.wait_for(asyncio.gather(*(readopted(r) for r in routers)), 30)
+    routed = [(await _routes(session, r, prompts)).count(eid) for r in routers]
+    hits = 0
+    for tokens in prompts:
+        status, chosen, body = await F.completion(session, routers[0], [*tokens, 7], max_tokens=1)
+        cached = (body.get("usage") or {}).get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        hits += status == 200 and chosen == eid and cached >= DISK_PREFIX_BLOCKS * BLOCK
+    print()
+    print(f"  {'replica':<10}{'disk tier shown again':>24}{'disk blocks':>13}{'prefixes routed back':>23}")
+    for i, ((dt, blocks), n) in enumerate(zip(adopted, routed, strict=True)):
+        print(f"  {i + 1:<10}{dt * 1000:>18.0f} ms after{blocks:>13}{n:>17}/{len(prompts)}")
+    print(
+        f"\n  then {hits}/{len(prompts)} completions through the first replica reused the whole prefix from"
+        "\n  the engine's disk (its GPU tier died with the process and was dropped; the disk was re-adopted"
+        "\n  because /server_info proved the same storage identity and epoch).\n"
+    )
+    return hits == len(prompts) and all(n == len(prompts) for n in routed)
 
 
 def start_cluster(provider_name: str):
