@@ -491,8 +491,12 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         )
     except ValueError as exc:
         parser.error(f"session affinity: {exc}")
-    if a.kv_disconnect_grace_s < 0 or a.kv_adoption_cap < 0 or a.kv_adoption_window_s <= 0:
-        parser.error("--kv-disconnect-grace-s and --kv-adoption-cap must be >= 0, --kv-adoption-window-s > 0")
+    if a.kv_disconnect_grace_s < 0:
+        parser.error(f"--kv-disconnect-grace-s must be >= 0, got {a.kv_disconnect_grace_s}")
+    if a.kv_adoption_cap < 0:
+        parser.error(f"--kv-adoption-cap must be >= 0, got {a.kv_adoption_cap}")
+    if a.kv_adoption_window_s <= 0:
+        parser.error(f"--kv-adoption-window-s must be > 0, got {a.kv_adoption_window_s}")
     return RouterConfig(
         host=a.host,
         port=a.port,

@@ -189,7 +189,7 @@ def test_storage_marker_is_bound_to_the_directory(tmp_path):
     assert json.loads((tmp_path / "s" / MARKER).read_text())["storage_id"] == fresh.storage_id
 
 
-def test_flags():
+def test_flags(capsys):
     from router_runtime.config import parse_args
     from router_runtime.fake_engine.cli import build_parser, config_from_args
     from router_runtime.fake_engine.config import ConfigError
@@ -202,8 +202,15 @@ def test_flags():
     )
     cfg = parse_args(["--worker", "http://e:8000", "--kv-disconnect-grace-s", "0", "--kv-adoption-cap", "1"])
     assert (cfg.kv_disconnect_grace_s, cfg.kv_adoption_cap) == (0, 1)
-    with pytest.raises(SystemExit):
-        parse_args(["--worker", "http://e:8000", "--kv-disconnect-grace-s", "-1"])
+    for flag, bad in (
+        ("--kv-disconnect-grace-s", "-1"),
+        ("--kv-adoption-cap", "-1"),
+        ("--kv-adoption-window-s", "0"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(["--worker", "http://e:8000", flag, bad])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("routerfleet-router: error: ") and flag in err, err  # one line, naming it
     fe = config_from_args(
         build_parser().parse_args(["--storage-dir", "/tmp/x", "--disk-capacity-blocks", "8"])
     )
