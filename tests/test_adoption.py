@@ -92,43 +92,21 @@ def test_drop_tiers_keeps_the_other_tiers_and_the_hashes_that_still_hold():
 
 
 @pytest.mark.parametrize(
-    ("old_inc", "old", "new_inc", "new", "kw", "keep", "outcome"),
+    ("old", "new", "kw", "keep", "outcome"),
     [
-        ("i1", S1, "i1", S1, {"continuous": True}, ALL, Outcome.SUCCESS),
-        ("i1", None, "i1", None, {"continuous": True}, ALL, Outcome.SUCCESS),
-        ("i1", S1, "i1", S1, {"continuous": False}, 0, Outcome.REJECTED),
-        ("i1", S1, "i2", S1, {"continuous": None}, STORAGE_TIERS, Outcome.SUCCESS),
-        ("i1", S1, "i2", StorageIdentity("s1", 1), {"continuous": None}, 0, Outcome.EPOCH_MISMATCH),
-        ("i1", S1, "i2", StorageIdentity("s2", 0), {"continuous": None}, 0, Outcome.IDENTITY_MISMATCH),
-        ("i1", S1, "i2", None, {"continuous": None}, 0, Outcome.IDENTITY_MISMATCH),
-        ("i1", None, "i2", S1, {"continuous": None}, 0, None),  # today's behaviour: nothing to adopt
-        (
-            "i1",
-            S1,
-            "i2",
-            S1,
-            {"continuous": None, "storage_claimed_by_other": True},
-            0,
-            Outcome.IDENTITY_MISMATCH,
-        ),
-        ("i1", S1, "i2", S1, {"continuous": None, "cap_reached": True}, 0, Outcome.REJECTED),
-        ("i1", S1, "i1", S1, {"continuous": True, "same_shape": False}, 0, Outcome.REJECTED),
-        ("i1", S1, "i2", S1, {"continuous": None, "from_start": False}, 0, Outcome.REJECTED),
-        # The same incarnation whose stream restarted (a container restart in the same pod).
-        ("i1", S1, "i1", S1, {"continuous": None, "restarted": True}, STORAGE_TIERS, Outcome.SUCCESS),
-        (
-            "i1",
-            S1,
-            "i1",
-            StorageIdentity("s1", 1),
-            {"continuous": None, "restarted": True},
-            0,
-            Outcome.EPOCH_MISMATCH,
-        ),
+        (S1, S1, {}, STORAGE_TIERS, Outcome.SUCCESS),
+        (S1, StorageIdentity("s1", 1), {}, 0, Outcome.EPOCH_MISMATCH),
+        (S1, StorageIdentity("s2", 0), {}, 0, Outcome.IDENTITY_MISMATCH),
+        (S1, None, {}, 0, Outcome.IDENTITY_MISMATCH),
+        (None, S1, {}, 0, None),  # no identity was ever proved: nothing to adopt (not counted)
+        (S1, S1, {"storage_claimed_by_other": True}, 0, Outcome.IDENTITY_MISMATCH),
+        (S1, S1, {"cap_reached": True}, 0, Outcome.REJECTED),
+        (S1, S1, {"same_shape": False}, 0, Outcome.REJECTED),
+        (S1, S1, {"from_start": False}, 0, Outcome.REJECTED),
     ],
 )
-def test_decide(old_inc, old, new_inc, new, kw, keep, outcome):
-    d = decide(old_inc, old, new_inc, new, **kw)
+def test_decide_a_new_process(old, new, kw, keep, outcome):
+    d = decide(old, new, **kw)
     assert (d.keep, d.outcome) == (keep, outcome)
 
 

@@ -18,6 +18,7 @@ from router_runtime.fake_engine import FakeEngine, FakeEngineConfig
 from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.kv.adoption import CarrierState, StorageIdentity
 from router_runtime.kv.events import Tier
+from router_runtime.kv.hold import HoldEnd
 from router_runtime.kv.index import Carrier
 from router_runtime.kv.plane import KVPlane, WorkerSpec, lookup_storage
 from router_runtime.kv.subscription import ReplayTimeouts
@@ -559,3 +560,282 @@ async def test_storage_identity_sources_in_order(tmp_path):
         assert await lookup_storage(dataclasses.replace(s, **annotated)) == StorageIdentity("pv-7", 3)
     gone = WorkerSpec("e", "http://127.0.0.1:1", **annotated)
     assert await lookup_storage(gone) == StorageIdentity("pv-7", 3)
+
+
+# ---- races between a return's decision, its stream and the writer (third review) ---------------
+
+
+async def pause_writer(plane):
+    plane._writer_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await plane._writer_task
+
+
+def resume_writer(plane):
+    plane._writer_task = asyncio.create_task(plane.writer.run())
+
+
+async def test_a_show_queued_before_a_second_departure_does_not_undo_its_hide(tmp_path):
+    """A decision's show is queued behind a busy writer; the engine leaves again before it runs.
+    The synchronous hide in _disconnect is then undone by the stale show: DISCONNECTED but visible.
+    It then comes back as a new process on a wiped disk: during its decision the old disk blocks are
+    visible (false hit)."""
+    gate = asyncio.Event()
+
+    async def gated(s):
+        rec = plane._records.get("e")
+        if rec is not None and rec.state is CarrierState.DISCONNECTED and gate_on[0]:
+            await gate.wait()
+        return await lookup_storage(s)
+
+    gate_on = [False]
+    async with fake(tmp_path) as engine, plane_for(storage_lookup=gated) as plane:
+        await warm(plane, engine)
+        leave(plane)
+        await pause_writer(plane)  # a deep writer queue
+        plane.set_workers([spec(engine)])  # same process, flapped
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+        leave(plane)  # gone again before the writer ran the show
+        assert plane.index.visible_tiers(Carrier("e")) == 0
+        resume_writer(plane)
+        await plane.writer.drain()
+        vis = plane.index.visible_tiers(Carrier("e"))
+        state = plane.carrier_states()
+        assert state == {"e": CarrierState.DISCONNECTED}
+        # now it comes back as a new process whose disk was wiped
+        engine.wipe_storage()
+        engine.restart()
+        gate_on[0] = True
+        plane.set_workers([spec(engine)])
+        await asyncio.sleep(0.1)
+        during = (tiers(plane, DEV), tiers(plane, DISK))
+        gate.set()
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided 2")
+        await plane.writer.drain()
+        assert vis == 0, "DISCONNECTED carrier visible after a stale queued show"
+        assert during == (None, None), "blocks the engine does not hold are visible during the decision"
+
+
+async def test_one_return_is_one_attempt_and_a_decision_of_no_rank_counts_nothing(tmp_path, monkeypatch):
+    """dp=2, rank 1 idle (cursor -1): its probe runs _decide_new_process(only=r1). While its lookup is
+    out, r1's hold overflows (cold, REJECTED counted). The only= decision then applies to no rank but
+    still counts an outcome (and records a success in the adoption cap)."""
+    gate = asyncio.Event()
+    real = plane_mod.replay
+    gating = [False]
+
+    async def gated_lookup(s):
+        if gating[0]:
+            await gate.wait()
+        return await lookup_storage(s)
+
+    async def gated_replay(ctx, endpoint, start, *a, **kw):
+        if gating[0] and endpoint == engine.replay_endpoint(0):
+            await gate.wait()
+        return await real(ctx, endpoint, start, *a, **kw)
+
+    async with (
+        fake(tmp_path, dp_size=2, replay_buffer=8) as engine,
+        plane_for(storage_lookup=gated_lookup) as plane,
+    ):
+
+        def both():
+            return dataclasses.replace(in_pod(engine), dp_size=2)
+
+        plane.set_workers([both()])
+        for sub in plane.subscriptions():
+            await join_stream(engine.publisher, sub, sub.carrier.rank)
+        for r in (0, 1):
+            engine.emit(r, engine.caches[r].store(DISK, tier=Tier.DISK))
+        await eventually(lambda: len(plane.index.match(DISK)) == 2, what="both")
+        await eventually(lambda: plane._records["e"].storage is not None, what="storage")
+        leave(plane)
+        engine.restart()
+        plane.set_workers([both()])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="first adoption")
+        r0, r1 = sorted(plane.subscriptions(), key=lambda s: s.carrier.rank)
+        assert r1.cursor == -1
+        while r0.cursor is None or r0.cursor < 20:
+            engine.publisher.publish(0, ())
+            await asyncio.sleep(0.01)
+        leave(plane)
+        s0, r0_ = outcome(plane, "success"), outcome(plane, "rejected")
+        monkeypatch.setattr(plane_mod, "replay", gated_replay)
+        gating[0] = True
+        plane.set_workers([both()])
+        await asyncio.sleep(0.05)
+        sub1 = next(s for s in plane.subscriptions() if s.carrier.rank == 1)
+        assert Carrier("e", 1) in plane._undecided and sub1.hold is not None
+        sub1.hold.end(HoldEnd.OVERFLOW)  # as a hold that overflowed
+        assert Carrier("e", 1) not in plane._undecided
+        gate.set()
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+        await plane.writer.drain()
+        ds, dr = outcome(plane, "success") - s0, outcome(plane, "rejected") - r0_
+        assert (ds, dr) == (0, 1)  # one return, one attempt: its worst rank's outcome
+
+
+async def test_every_decision_of_a_return_is_judged_against_the_identity_it_had(tmp_path, monkeypatch):
+    """dp=2, rank 1 idle (cursor -1), rank 0 busy. The pod's container restarts on a wiped disk.
+    Rank 1's only= decision finds the new epoch (epoch_mismatch) and writes rec.storage = new identity.
+    Rank 0's probe answers later and finds the restart: the engine-wide decision now compares the new
+    identity with itself and adopts rank 0's pre-wipe disk blocks (false hit)."""
+    gate = asyncio.Event()
+    real = plane_mod.replay
+    gating = [False]
+
+    async def gated_replay(ctx, endpoint, start, *a, **kw):
+        if gating[0] and endpoint == engine.replay_endpoint(0) and start != 0:
+            await gate.wait()  # rank 0's probe answers late (a busy engine)
+        return await real(ctx, endpoint, start, *a, **kw)
+
+    async with fake(tmp_path, dp_size=2, replay_buffer=8) as engine, plane_for() as plane:
+
+        def both():
+            return dataclasses.replace(in_pod(engine), dp_size=2)
+
+        plane.set_workers([both()])
+        for sub in plane.subscriptions():
+            await join_stream(engine.publisher, sub, sub.carrier.rank)
+        for r in (0, 1):
+            engine.emit(r, engine.caches[r].store(DISK, tier=Tier.DISK))
+        await eventually(lambda: len(plane.index.match(DISK)) == 2, what="both")
+        await eventually(lambda: plane._records["e"].storage is not None, what="storage")
+        leave(plane)
+        engine.restart()
+        plane.set_workers([both()])
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="first adoption")
+        r0, r1 = sorted(plane.subscriptions(), key=lambda s: s.carrier.rank)
+        assert r1.cursor == -1
+        while r0.cursor is None or r0.cursor < 20:
+            engine.publisher.publish(0, ())
+            await asyncio.sleep(0.01)
+        leave(plane)
+        engine.wipe_storage()
+        engine.restart()
+        assert not engine.caches[0].disk_hashes()
+        monkeypatch.setattr(plane_mod, "replay", gated_replay)
+        gating[0] = True
+        plane.set_workers([both()])
+        await eventually(lambda: Carrier("e", 1) not in plane._undecided, what="rank 1 decided alone")
+        gate.set()
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+        await plane.writer.drain()
+        m = {c.rank: mm.tier_blocks for c, mm in plane.index.match(DISK).items()}
+        assert m == {}, "rank 0's pre-wipe disk blocks adopted: false cache hit"
+
+
+async def test_a_catch_up_answered_by_a_process_that_then_died_is_not_spliced(tmp_path, monkeypatch):
+    """A new incarnation returns; the catch-up replay from 0 is answered by that process (p2), which
+    then dies; its successor (p3, same ports) publishes before the answer is used. The live loop
+    saw p3 from seq 0 (no restart visible: live_last was None). _catch_up appends p2's batches above
+    p3's cursor: p2's device blocks are shown after the decision (false hit), and p3's own batches
+    with those sequence numbers are dropped as duplicates."""
+    real = plane_mod.replay
+    sub_box = []
+
+    async def racing(ctx, endpoint, start, *a, **kw):
+        result = await real(ctx, endpoint, start, *a, **kw)
+        if start == 0 and not sub_box:
+            sub = plane.subscriptions()[0]
+            sub_box.append(sub)
+            engine.restart()  # p2 dies after answering; p3 on the same ports
+            while sub.cursor is None or sub.cursor < 0:
+                engine.publisher.publish(0, ())
+                await asyncio.sleep(0.01)
+        return result
+
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        await warm(plane, engine)
+        leave(plane)
+        engine.restart()  # p2
+        for i in range(10):
+            engine.emit(0, engine.caches[0].store([2000 + i] * BS))
+        monkeypatch.setattr(plane_mod, "replay", racing)
+        await back(plane, spec(engine))
+        shown = [i for i in range(10) if tiers(plane, [2000 + i] * BS) is not None]
+        assert not engine.caches[0].device_hashes()
+        assert shown == [], "a dead process's device blocks are routed to"
+
+
+async def test_a_breaker_opening_during_a_return_keeps_the_engine_hidden(tmp_path):
+    gate = asyncio.Event()
+    on = [False]
+
+    async def gated(s):
+        if on[0]:
+            await gate.wait()
+        return await lookup_storage(s)
+
+    async with fake(tmp_path) as engine, plane_for(storage_lookup=gated) as plane:
+        await warm(plane, engine)
+        leave(plane)
+        engine.restart()
+        on[0] = True
+        plane.set_workers([spec(engine)])
+        await asyncio.sleep(0.05)
+        plane.engine_unreachable("e")  # breaker opens mid-decision
+        gate.set()
+        await asyncio.sleep(0.1)
+        await plane.writer.drain()
+        assert plane.carrier_states() == {"e": CarrierState.DISCONNECTED}
+        assert plane.index.visible_tiers(Carrier("e")) == 0  # hidden while its breaker is open
+        plane.engine_reachable("e")
+        await plane.writer.drain()
+        assert plane.carrier_states() == {"e": CarrierState.OK} and tiers(plane, DISK) is None  # cold
+
+
+async def test_gapless_returns_of_a_live_process_do_not_fill_the_adoption_cap(tmp_path):
+    """Per-rank proofs each count a SUCCESS and record it in the cap (default 3 per hour): one
+    readiness flap of a dp=3 engine reaches the cap, and the next flap is rejected: every rank cleared."""
+    async with fake(tmp_path, dp_size=3, replay_buffer=4) as engine, plane_for() as plane:
+
+        def three():
+            return dataclasses.replace(spec(engine), dp_size=3)
+
+        plane.set_workers([three()])
+        for sub in plane.subscriptions():
+            await join_stream(engine.publisher, sub, sub.carrier.rank)
+        for r in range(3):
+            engine.emit(r, engine.caches[r].store(DISK, tier=Tier.DISK))
+        await eventually(lambda: len(plane.index.match(DISK)) == 3, what="indexed")
+        await eventually(lambda: plane._records["e"].storage is not None, what="storage")
+        for r in range(3):
+            for _ in range(8):
+                engine.publisher.publish(r, ())
+        await eventually(lambda: all(s.cursor >= 8 for s in plane.subscriptions()), what="busy")
+        leave(plane)
+        await back(plane, three())
+        assert len(plane.index.match(DISK)) == 3
+        leave(plane)
+        await back(plane, three())
+        await asyncio.sleep(0.5)
+        await plane.writer.drain()
+        assert len(plane.index.match(DISK)) == 3, "second flap of the same live process rejected by the cap"
+
+
+async def test_a_rank_is_shown_only_after_its_held_batches_apply(tmp_path):
+    """The decision's step shows the carrier, then the held batches (the catch-up from sequence 0)
+    follow; the writer yields to readers every 64 items, so a reader sees disk blocks the new process
+    evicted before we subscribed, until the batch that evicts them is applied."""
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        await warm(plane, engine)
+        leave(plane)
+        engine.restart()
+        for i in range(150):
+            engine.emit(0, engine.caches[0].store([3000 + i] * BS))
+        engine.emit(0, engine.caches[0].remove(DISK))  # evicted from disk before we are back
+        seen = []
+        done = asyncio.Event()
+
+        async def reader():
+            while not done.is_set():
+                if plane.carrier_states() == {"e": CarrierState.OK} and tiers(plane, DISK) is not None:
+                    seen.append(tiers(plane, DISK))
+                await asyncio.sleep(0)
+
+        t = asyncio.create_task(reader())
+        await back(plane, spec(engine))
+        done.set()
+        await t
+        assert seen == [], "evicted disk blocks visible while the held batches were being applied"

@@ -144,7 +144,7 @@ async def test_a_publisher_restart_under_a_hold_that_judges_it_is_held_not_clear
     class Judging(RankHold):
         restarts = 0
 
-        def restarted(self) -> bool:
+        def take_over_restart(self) -> bool:
             self.restarts += 1
             return True
 

@@ -66,7 +66,14 @@ class EngineRecord:
     positions: dict[int, object] = field(default_factory=dict)  # rank -> StreamPosition when it left
     generation: int = 0  # bumped on every transition: a stale decision never lands
     prior_spec: object | None = None  # while a return is undecided: the spec it is judged against
-    restarted: int = -1  # the generation in which its stream showed a new process (same incarnation)
+    new_process_gen: int = -1  # the generation in which its stream showed a new process (same incarnation)
+    # The return being decided: its ranks' outcomes (counted once, when it settles), the identity the
+    # new process proved (it becomes ``storage`` then: until the return settles, every decision of
+    # it is judged against the identity the held blocks were kept under), and whether a new process's
+    # storage tiers were adopted (what the adoption cap counts).
+    outcomes: list = field(default_factory=list)
+    proved: StorageIdentity | None = None
+    new_process_adopted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,37 +84,29 @@ class Decision:
 
 
 def decide(
-    old_incarnation: str,
     old_storage: StorageIdentity | None,
-    new_incarnation: str,
     new_storage: StorageIdentity | None,
     *,
-    continuous: bool | None,
     same_shape: bool = True,
     storage_claimed_by_other: bool = False,
     cap_reached: bool = False,
-    restarted: bool = False,
     from_start: bool = True,
 ) -> Decision:
-    """What to re-adopt of a DISCONNECTED engine that returns.
+    """What to re-adopt of a returning engine that is a new process: a new incarnation, or the same
+    one whose event stream shows a restart (Kubernetes keeps a pod's UID across container restarts;
+    static workers have no incarnation). Whatever lived in its memory is gone; its storage may have
+    survived. (The same process is judged by its stream alone: ``KVPlane._probe``.)
 
-    ``continuous``: for the same incarnation, whether its event stream resumed without a gap (None:
-    not known yet; the caller decides only once it is). ``same_shape``: endpoints and DP size unchanged.
-    ``storage_claimed_by_other``: another live engine reports the same storage id (a copied disk).
-    ``restarted``: a new process under the same incarnation (its event stream restarted; Kubernetes
-    keeps a pod's UID across container restarts, and static workers have no incarnation at all).
-    ``from_start``: a new process's event stream could be followed from its first batch (its replay
-    buffer still reaches sequence 0); else what it evicted from its storage before we subscribed is
-    unknowable, and adopting would risk routing on blocks it no longer has."""
+    ``old_storage``: the identity it proved when it last settled, under which the blocks we hold
+    were kept. ``same_shape``: DP size and topic unchanged. ``storage_claimed_by_other``: another
+    live engine reports the same storage id (a copied disk). ``from_start``: its event stream could
+    be followed from its first batch (its replay buffer still reaches sequence 0); else what it
+    evicted from its storage before we subscribed is unknowable, and adopting would risk routing on
+    blocks it no longer has."""
     if not same_shape:
         return Decision(0, Outcome.REJECTED, "shape changed")
     if cap_reached:
         return Decision(0, Outcome.REJECTED, "adoption cap")
-    if new_incarnation == old_incarnation and not restarted:
-        if continuous:
-            return Decision(ALL, Outcome.SUCCESS, "gapless resume")
-        return Decision(0, Outcome.REJECTED, "gap in the event stream")
-    # A new process: whatever lived in its memory is gone; its storage may have survived.
     if old_storage is None:
         return Decision(0, None, "no storage identity")
     if new_storage is None or new_storage.storage_id != old_storage.storage_id or storage_claimed_by_other:

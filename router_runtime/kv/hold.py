@@ -57,7 +57,7 @@ class RankHold:
         self._bytes = 0
         return out
 
-    def restarted(self) -> bool:
+    def take_over_restart(self) -> bool:
         """The rank's publisher restarted its sequence while held. False: the rank is cleared as usual
         (a bootstrap's hold). An owner that judges a new process itself (warm re-adoption) says True
         and keeps the rank's new stream held until it decides."""

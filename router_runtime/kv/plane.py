@@ -49,6 +49,8 @@ from .writer import ClearReason, IndexWriter
 
 log = logging.getLogger(__name__)
 
+# Worst first: one return's outcome is its worst rank's.
+_OUTCOME_ORDER = (Outcome.IDENTITY_MISMATCH, Outcome.EPOCH_MISMATCH, Outcome.REJECTED, Outcome.SUCCESS)
 PROBE_ATTEMPTS = 3  # replays a returning rank's probe may ask for when the first get no answer
 
 
@@ -222,8 +224,12 @@ class KVPlane:
         if spec is None or spec.kv is None or self.disconnect_grace_s <= 0:
             return
         rec = self._records.get(engine)
-        if rec is not None and rec.state is CarrierState.DISCONNECTED:
-            return
+        if (
+            rec is not None
+            and rec.state is CarrierState.DISCONNECTED
+            and not self._undecided_of(rec, rec.generation)
+        ):
+            return  # already hidden; but a return being decided is stopped (it resumes cold)
         self._disconnect(spec, cancel_subs=False)
 
     def engine_reachable(self, engine: str) -> None:
@@ -236,12 +242,12 @@ class KVPlane:
         carriers = spec.carriers()
         if not all(c in self._subs for c in carriers) or any(c in self._undecided for c in carriers):
             return  # it left discovery meanwhile, or returned: the discovery path decides
+        rec.outcomes.append(Outcome.SUCCESS)
         self._reconnected(rec)
         gen = rec.generation
         self.writer.call(
             lambda idx: [idx.set_visible(c, ALL) for c in carriers] if rec.generation == gen else None
         )
-        self._count(Outcome.SUCCESS, rec)
 
     def _track(self, spec: WorkerSpec) -> None:
         """A fresh engine: remember it and learn its storage identity (in the background)."""
@@ -329,6 +335,9 @@ class KVPlane:
                 self.writer.submit_clear(carrier, ClearReason.UNCOVERED_GAP)
                 self._release(self._subs[carrier][0])
             self.index.set_visible(carrier, 0)  # synchronous: the very next match no longer sees it
+            # ... and queued: a show still waiting in the writer's queue from the return it ends
+            # would otherwise undo it.
+            self.writer.call(lambda idx, c=carrier: idx.set_visible(c, 0))
             if cancel_subs:
                 entry = self._subs.pop(carrier, None)
                 if entry:
@@ -394,17 +403,24 @@ class KVPlane:
         rec.disconnected_at = None
         rec.prior_spec = None
         rec.generation += 1
+        # One attempt per return, however many ranks: its worst rank outcome.
+        worst = min(rec.outcomes, key=_OUTCOME_ORDER.index, default=None)
+        if worst is not None:
+            self.adoption_metrics.attempts.labels(worst.value).inc()
+        if rec.proved is not None:
+            rec.storage = rec.proved  # from now on the identity a return is judged against
+        if rec.new_process_adopted:
+            self._cap.record(self._cap_key(rec), self._clock())  # the crash loop the cap exists for
+        rec.outcomes, rec.proved, rec.new_process_adopted = [], None, False
         self._publish_states()
 
     def _cap_key(self, rec: EngineRecord) -> str:
         return f"storage:{rec.storage.storage_id}" if rec.storage else f"engine:{rec.engine}"
 
     def _count(self, outcome: Outcome | None, rec: EngineRecord) -> None:
-        if outcome is None:
-            return
-        self.adoption_metrics.attempts.labels(outcome.value).inc()
-        if outcome is Outcome.SUCCESS:
-            self._cap.record(self._cap_key(rec), self._clock())
+        """A rank's outcome in the current return (counted, once per return, when it settles)."""
+        if outcome is not None:
+            rec.outcomes.append(outcome)
 
     def _return(self, rec: EngineRecord, spec: WorkerSpec) -> None:
         """A DISCONNECTED engine is back in discovery: subscribe with every rank held, and decide."""
@@ -418,6 +434,7 @@ class KVPlane:
         if h is not None:
             h.cancel()
         rec.generation += 1
+        rec.outcomes, rec.proved, rec.new_process_adopted = [], None, False
         gen = rec.generation
         carriers = spec.carriers()
         holds: dict[int, RankHold] = {}
@@ -445,7 +462,7 @@ class KVPlane:
         # for a changed shape or the cap, and the decision below rejects those.
         self._spawn(
             spec.engine,
-            self._decide_new_process(rec, gen, spec, old.incarnation, same_shape=same_shape, cap=cap),
+            self._decide_new_process(rec, gen, spec, same_shape=same_shape, cap=cap),
             gen,
         )
 
@@ -458,17 +475,14 @@ class KVPlane:
         rec: EngineRecord,
         gen: int,
         spec: WorkerSpec,
-        old_incarnation: str,
         *,
         same_shape: bool,
         cap: bool,
-        restarted: bool = False,
         only: Carrier | None = None,
     ) -> None:
         """A new process (a new incarnation, or the same one whose stream restarted): its memory tiers
         are gone; ask it for its storage identity and adopt the storage tiers only if it proves the one
         it had. One writer step for every rank still undecided (or for ``only``)."""
-        old_storage = rec.storage
         storage = await self._lookup(spec)
         if rec.generation != gen:
             return
@@ -483,19 +497,17 @@ class KVPlane:
             for r in self._records.values()
         )
         d = decide(
-            old_incarnation,
-            old_storage,
-            spec.incarnation,
+            rec.storage,  # what it proved when it last settled: the blocks we hold were kept under it
             storage,
-            continuous=None,
             same_shape=same_shape,
             storage_claimed_by_other=claimed,
             cap_reached=cap,
-            restarted=restarted or spec.incarnation == old_incarnation,
             from_start=from_start,
         )
-        self._apply_decision(rec, gen, ranks, subs, d)
-        rec.storage = storage
+        if self._apply_decision(rec, gen, ranks, subs, d):
+            rec.proved = storage
+            rec.new_process_adopted |= d.outcome is Outcome.SUCCESS
+            self._settle_if_done(rec, gen)
 
     async def _catch_up(self, sub: RankSubscription) -> bool:
         """A new process's rank, held for the decision: fetch what it published before we subscribed
@@ -506,6 +518,7 @@ class KVPlane:
         no longer reaches 0: what it evicted before we subscribed is unknowable (False)."""
         if sub.endpoints.replay is None:
             return False
+        resumes = sub.resumes
         result = await replay(self._ctx, sub.endpoints.replay, 0, self.replay_timeouts)
         got = result.batches
         if got:
@@ -513,6 +526,17 @@ class KVPlane:
                 return False
         elif result.outcome is not ReplayOutcome.UNCOVERED:  # an empty answer maps to UNCOVERED
             return False
+        if sub.resumes != resumes:
+            return False  # its position was reset meanwhile (a restart seen): the answer is stale
+        # The live loop may have taken batches meanwhile. Where they overlap the answer they must be
+        # the same batches: a publisher that died after answering and a successor picked up from its
+        # sequence 0 would splice two processes. Past the answer's end, the live loop followed the
+        # stream from 0 on its own.
+        cursor = sub.cursor
+        if cursor is not None and cursor >= 0:
+            at = next((payload for seq, payload in got if seq == cursor), None)
+            if at is not None and payload_hash(at) != sub.cursor_hash:
+                return False
         for seq, payload in got:
             if sub.cursor is not None and seq == sub.cursor + 1:
                 sub._accept(seq, payload)  # a live batch or a gap replay may have taken some already
@@ -527,9 +551,9 @@ class KVPlane:
         engine's ranks are (now, or already) held for that decision."""
         if rec.generation != gen:
             return False
-        if rec.restarted == gen:
+        if rec.new_process_gen == gen:
             return True
-        rec.restarted = gen
+        rec.new_process_gen = gen
         log.info("engine %s returned as a new process (same incarnation, its stream restarted)", rec.engine)
         for c in spec.carriers():
             entry = self._subs.get(c)
@@ -544,9 +568,7 @@ class KVPlane:
         cap = self._cap.reached(self._cap_key(rec), self._clock())
         self._spawn(
             rec.engine,
-            self._decide_new_process(
-                rec, gen, spec, spec.incarnation, same_shape=same_shape, cap=cap, restarted=True
-            ),
+            self._decide_new_process(rec, gen, spec, same_shape=same_shape, cap=cap),
             gen,
         )
         return True
@@ -558,27 +580,31 @@ class KVPlane:
         carriers: list[Carrier],
         subs: dict[int, RankSubscription],
         d: Decision,
-    ) -> None:
-        """One writer step for the whole engine: drop what is not kept, then show it; the held batches
-        follow it in order. Until that step runs every carrier is invisible, so no reader sees half."""
+    ) -> bool:
+        """Decide ``carriers`` still undecided in ``gen`` at once: drop what is not kept, apply their
+        held batches, then show them (each a writer step, in that order). False: none was left."""
         live = [c for c in carriers if self._undecided.get(c) == gen]
+        if not live:
+            return False  # decided meanwhile (reset, overflow, another decision)
         log.info("engine %s returned: %s (%s)", rec.engine, d.outcome or "nothing to adopt", d.why)
         for c in live:
             del self._undecided[c]
 
-        def step(idx: RadixIndex) -> None:
+        def drop(idx: RadixIndex) -> None:
             for c in live:
                 if d.keep != ALL:
                     idx.drop_tiers(c, ALL & ~d.keep)
                     self.writer.note_eviction(c)
-                idx.set_visible(c, ALL)
                 self.writer.applied.pop(c, None)  # the old incarnation's cursor means nothing now
 
-        self.writer.call(step)
+        # Drop, then the held batches, then show: a reader never sees a block the new stream had
+        # already evicted (the writer yields to readers between batches).
+        self.writer.call(drop)
         for c in live:
             self._release(subs.get(c.rank))
+        self.writer.call(lambda idx: [idx.set_visible(c, ALL) for c in live])
         self._count(d.outcome, rec)
-        self._settle_if_done(rec, gen)
+        return True
 
     def _release(self, sub: RankSubscription | None) -> None:
         """Hand a rank's held batches to the writer, in order, and let the stream flow."""
@@ -609,19 +635,29 @@ class KVPlane:
         self._settle_if_done(rec, gen)
 
     def _rank_proved(
-        self, rec: EngineRecord, c: Carrier, gen: int, continuous: bool, why: HoldEnd | None = None
+        self,
+        rec: EngineRecord,
+        c: Carrier,
+        gen: int,
+        continuous: bool,
+        why: HoldEnd | None = None,
+        replayed: list[tuple[int, bytes]] = (),  # type: ignore[assignment]
     ) -> bool:
-        """Same incarnation: rank ``c``'s stream either joined our cursor (its first batch was the next
-        one, or a replay filled the gap) or it did not (restart, uncovered gap, overflow)."""
-        if self._undecided.get(c) != gen or rec.restarted == gen:
+        """Same incarnation: rank ``c``'s probe showed our cursor's own batch (``continuous``: every
+        tier kept; its held batches, then what the probe's replay brought after them, are applied
+        before it is shown) or could not (cold: cleared, then shown; ``why`` when its hold ended)."""
+        if self._undecided.get(c) != gen or rec.new_process_gen == gen:
             return False
         del self._undecided[c]
-        d = decide(
-            rec.spec.incarnation, rec.storage, rec.spec.incarnation, rec.storage, continuous=continuous
-        )
         entry = self._subs.get(c)
         sub = entry[0] if entry else None
-        if not continuous:
+        if continuous:
+            self._release(sub)
+            for seq, payload in replayed:  # what it published while we were away, in order
+                if sub is not None and sub.cursor is not None and seq == sub.cursor + 1:
+                    sub._accept(seq, payload)
+            self._count(Outcome.SUCCESS, rec)
+        else:
             # The subscription already queued a clear (a reset) unless the hold overflowed.
             if why is HoldEnd.OVERFLOW or why is None:
                 self.writer.submit_clear(c, ClearReason.OVERFLOW if why else ClearReason.UNCOVERED_GAP)
@@ -629,10 +665,8 @@ class KVPlane:
                 sub.hold.active = False
                 sub.hold.take()
                 sub.hold = None
-        self.writer.call(lambda idx: idx.set_visible(c, d.keep | (0 if continuous else ALL)))
-        if continuous:
-            self._release(sub)
-        self._count(d.outcome, rec)
+            self._count(Outcome.REJECTED, rec)
+        self.writer.call(lambda idx: idx.set_visible(c, ALL))
         self._settle_if_done(rec, gen)
         return True
 
@@ -656,15 +690,16 @@ class KVPlane:
         if cursor is None:
             self._rank_proved(rec, c, gen, False)  # it never published: nothing held, nothing to prove
             return
-        if cursor < 0 or known is None:
-            # Adopted from a new process that has published nothing on this rank since (or a cursor we
-            # never saw a batch for): its continuity cannot be shown. Judged alone by its storage (its
-            # device tier was dropped at that adoption and nothing came since, so nothing is lost);
-            # its sibling ranks are proved or not on their own.
+        if known is None and cursor >= 0:
+            self._rank_proved(rec, c, gen, False)  # a cursor we never saw a batch for: cannot prove
+            return
+        if cursor < 0:
+            # Adopted from a new process that has published nothing on this rank since: its
+            # continuity cannot be shown. Judged alone by its storage (its device tier was dropped at
+            # that adoption and nothing came since, so nothing is lost); its sibling ranks are proved
+            # or not on their own.
             cap = self._cap.reached(self._cap_key(rec), self._clock())
-            await self._decide_new_process(
-                rec, gen, spec, spec.incarnation, same_shape=same_shape, cap=cap, restarted=True, only=c
-            )
+            await self._decide_new_process(rec, gen, spec, same_shape=same_shape, cap=cap, only=c)
             return
         if sub.endpoints.replay is None:
             self._rank_proved(rec, c, gen, False)  # nothing can show our cursor
@@ -685,11 +720,7 @@ class KVPlane:
         if not ok:
             self._rank_proved(rec, c, gen, False)  # it cannot show our cursor: cold
             return
-        if not self._rank_proved(rec, c, gen, True):
-            return
-        for seq, payload in got[1:]:  # what it published while we were away, in order
-            if sub.cursor is not None and seq == sub.cursor + 1:
-                sub._accept(seq, payload)
+        self._rank_proved(rec, c, gen, True, replayed=got[1:])
 
     def _publish_states(self) -> None:
         counts = dict.fromkeys(CarrierState, 0)
@@ -708,7 +739,7 @@ class _ReturnHold(RankHold):
         super().__init__(on_end=on_end)
         self._on_restart = on_restart
 
-    def restarted(self) -> bool:
+    def take_over_restart(self) -> bool:
         return self._on_restart()  # True: replaced by a decision hold (the subscription reads it afresh)
 
 

@@ -109,6 +109,11 @@ class RankSubscription:
         self._stats = DecodeStats()
         self._resumes = 0
 
+    @property
+    def resumes(self) -> int:
+        """Bumped by every reset of the position (``resume``, a publisher restart seen)."""
+        return self._resumes
+
     def position(self) -> StreamPosition:
         return StreamPosition(self.cursor, self.live_last, self.cursor_hash)
 
@@ -165,9 +170,9 @@ class RankSubscription:
         self.live_last = seq
         if arrival is Arrival.RESTART:
             hold = self.hold
-            if hold is None or not hold.active or not hold.restarted():
+            if hold is None or not hold.active or not hold.take_over_restart():
                 self._clear(ClearReason.PUBLISHER_RESTART)
-            self.cursor, self.cursor_hash = -1, None  # the new publisher's stream begins at 0
+            self.resume(StreamPosition(-1, seq))  # the new publisher's stream begins at 0
             arrival = classify(self.cursor, seq)
         if arrival is Arrival.GAP:
             self.metrics.gaps.inc()
