@@ -213,6 +213,20 @@ class KVPlane:
         return any(s.connected for s in subs)
 
     # ---- carrier lifecycle: DISCONNECTED, adoption, REMOVED --------------------------------------
+    #
+    # A map of one return (docs/kv-plane.md, "Carrier lifecycle"). ``_return`` bumps the engine's
+    # generation and puts every rank in ``_undecided`` with a hold; each rank then leaves it exactly
+    # once, by one of:
+    #   same incarnation   _probe -> _rank_proved (continuous: every tier; else cold)
+    #                      _probe, cursor -1 -> _decide_new_process(only=rank)
+    #                      restart seen (live or probe) -> _restarted_in_place -> _decide_new_process
+    #   new incarnation    _decide_new_process -> _apply_decision (storage tiers or nothing)
+    #   any                hold overflow / stream reset -> _hold_lost -> _resume_cold
+    #                      a failed task -> _task_done -> _resume_cold
+    #                      leaving again -> _disconnect (nothing decided; the hold dropped)
+    # When the last rank of the generation leaves, _settle_if_done -> _reconnected: the engine is OK,
+    # its return counted once, and what a new process proved becomes its storage identity. Every
+    # callback carries the generation it was made for; a newer one makes it a no-op.
 
     def carrier_states(self) -> dict[str, CarrierState]:
         return {e: r.state for e, r in self._records.items()}
