@@ -576,10 +576,9 @@ def resume_writer(plane):
 
 
 async def test_a_show_queued_before_a_second_departure_does_not_undo_its_hide(tmp_path):
-    """A decision's show is queued behind a busy writer; the engine leaves again before it runs.
-    The synchronous hide in _disconnect is then undone by the stale show: DISCONNECTED but visible.
-    It then comes back as a new process on a wiped disk: during its decision the old disk blocks are
-    visible (false hit)."""
+    """A decision's show waits behind a busy writer and the engine leaves again before it runs: the
+    departure's hide is queued too, so the engine stays hidden; back as a new process on a wiped disk,
+    none of its old blocks shows during the decision."""
     gate = asyncio.Event()
 
     async def gated(s):
@@ -617,9 +616,8 @@ async def test_a_show_queued_before_a_second_departure_does_not_undo_its_hide(tm
 
 
 async def test_one_return_is_one_attempt_and_a_decision_of_no_rank_counts_nothing(tmp_path, monkeypatch):
-    """dp=2, rank 1 idle (cursor -1): its probe runs _decide_new_process(only=r1). While its lookup is
-    out, r1's hold overflows (cold, REJECTED counted). The only= decision then applies to no rank but
-    still counts an outcome (and records a success in the adoption cap)."""
+    """dp=2, rank 1 idle (cursor -1) and its hold overflowing while its storage is checked: the return
+    counts one attempt (its worst rank's outcome), and a check that decides no rank counts nothing."""
     gate = asyncio.Event()
     real = plane_mod.replay
     gating = [False]
@@ -676,10 +674,9 @@ async def test_one_return_is_one_attempt_and_a_decision_of_no_rank_counts_nothin
 
 
 async def test_every_decision_of_a_return_is_judged_against_the_identity_it_had(tmp_path, monkeypatch):
-    """dp=2, rank 1 idle (cursor -1), rank 0 busy. The pod's container restarts on a wiped disk.
-    Rank 1's only= decision finds the new epoch (epoch_mismatch) and writes rec.storage = new identity.
-    Rank 0's probe answers later and finds the restart: the engine-wide decision now compares the new
-    identity with itself and adopts rank 0's pre-wipe disk blocks (false hit)."""
+    """dp=2, rank 1 idle (cursor -1), rank 0 busy; the container restarts on a wiped disk. Rank 1's
+    check finds another epoch and the whole engine is judged as a new process against the identity
+    it had: rank 0's pre-wipe disk blocks are not adopted."""
     gate = asyncio.Event()
     real = plane_mod.replay
     gating = [False]
@@ -726,11 +723,9 @@ async def test_every_decision_of_a_return_is_judged_against_the_identity_it_had(
 
 
 async def test_a_catch_up_answered_by_a_process_that_then_died_is_not_spliced(tmp_path, monkeypatch):
-    """A new incarnation returns; the catch-up replay from 0 is answered by that process (p2), which
-    then dies; its successor (p3, same ports) publishes before the answer is used. The live loop
-    saw p3 from seq 0 (no restart visible: live_last was None). _catch_up appends p2's batches above
-    p3's cursor: p2's device blocks are shown after the decision (false hit), and p3's own batches
-    with those sequence numbers are dropped as duplicates."""
+    """A new incarnation (p2) answers the catch-up replay from 0 and dies; its successor (p3, same
+    ports) reaches the live loop from its sequence 0 before the answer is used. The answer does not
+    continue p3's stream (another batch at the cursor): refused, and none of p2's blocks shows."""
     real = plane_mod.replay
     sub_box = []
 
@@ -740,9 +735,12 @@ async def test_a_catch_up_answered_by_a_process_that_then_died_is_not_spliced(tm
             sub = plane.subscriptions()[0]
             sub_box.append(sub)
             engine.restart()  # p2 dies after answering; p3 on the same ports
+            deadline = time.monotonic() + 5
             while sub.cursor is None or sub.cursor < 0:
+                assert time.monotonic() < deadline, "p3's stream never reached the subscription"
                 engine.publisher.publish(0, ())
                 await asyncio.sleep(0.01)
+            assert sub.cursor <= 9  # the live loop holds p3's batches where the answer has p2's
         return result
 
     async with fake(tmp_path) as engine, plane_for() as plane:
@@ -756,6 +754,7 @@ async def test_a_catch_up_answered_by_a_process_that_then_died_is_not_spliced(tm
         shown = [i for i in range(10) if tiers(plane, [2000 + i] * BS) is not None]
         assert not engine.caches[0].device_hashes()
         assert shown == [], "a dead process's device blocks are routed to"
+        assert outcome(plane, "rejected") == 1  # the answer does not continue p3's stream
 
 
 async def test_a_breaker_opening_during_a_return_keeps_the_engine_hidden(tmp_path):
@@ -775,19 +774,20 @@ async def test_a_breaker_opening_during_a_return_keeps_the_engine_hidden(tmp_pat
         plane.set_workers([spec(engine)])
         await asyncio.sleep(0.05)
         plane.engine_unreachable("e")  # breaker opens mid-decision
+        assert not plane._tasks.get("e") and not plane._undecided  # the decision is stopped
         gate.set()
-        await asyncio.sleep(0.1)
         await plane.writer.drain()
         assert plane.carrier_states() == {"e": CarrierState.DISCONNECTED}
         assert plane.index.visible_tiers(Carrier("e")) == 0  # hidden while its breaker is open
         plane.engine_reachable("e")
         await plane.writer.drain()
         assert plane.carrier_states() == {"e": CarrierState.OK} and tiers(plane, DISK) is None  # cold
+        assert (outcome(plane, "success"), outcome(plane, "rejected")) == (0, 1)
 
 
 async def test_gapless_returns_of_a_live_process_do_not_fill_the_adoption_cap(tmp_path):
-    """Per-rank proofs each count a SUCCESS and record it in the cap (default 3 per hour): one
-    readiness flap of a dp=3 engine reaches the cap, and the next flap is rejected: every rank cleared."""
+    """The cap stops crash loops: gapless returns of a live dp=3 process are not counted against it
+    (per-rank counting once filled the default cap of 3 in one flap and rejected the next)."""
     async with fake(tmp_path, dp_size=3, replay_buffer=4) as engine, plane_for() as plane:
 
         def three():
@@ -809,15 +809,12 @@ async def test_gapless_returns_of_a_live_process_do_not_fill_the_adoption_cap(tm
         assert len(plane.index.match(DISK)) == 3
         leave(plane)
         await back(plane, three())
-        await asyncio.sleep(0.5)
-        await plane.writer.drain()
         assert len(plane.index.match(DISK)) == 3, "second flap of the same live process rejected by the cap"
 
 
 async def test_a_rank_is_shown_only_after_its_held_batches_apply(tmp_path):
-    """The decision's step shows the carrier, then the held batches (the catch-up from sequence 0)
-    follow; the writer yields to readers every 64 items, so a reader sees disk blocks the new process
-    evicted before we subscribed, until the batch that evicts them is applied."""
+    """The new process evicted disk blocks before we subscribed; its catch-up batches are held. A
+    reader polling throughout never sees those blocks: drop, held batches, then show."""
     async with fake(tmp_path) as engine, plane_for() as plane:
         await warm(plane, engine)
         leave(plane)
@@ -839,3 +836,111 @@ async def test_a_rank_is_shown_only_after_its_held_batches_apply(tmp_path):
         done.set()
         await t
         assert seen == [], "evicted disk blocks visible while the held batches were being applied"
+
+
+def dp2(engine: FakeEngine) -> WorkerSpec:
+    return dataclasses.replace(in_pod(engine), dp_size=2)
+
+
+async def adopted_with_an_idle_rank(plane: KVPlane, engine: FakeEngine) -> tuple:
+    """dp=2 in a pod, both ranks with DISK on disk; the container restarts and the engine is adopted
+    as a new process; rank 1 publishes nothing since (cursor -1), rank 0 is busy again."""
+    plane.set_workers([dp2(engine)])
+    for sub in plane.subscriptions():
+        await join_stream(engine.publisher, sub, sub.carrier.rank)
+    for r in (0, 1):
+        engine.emit(r, engine.caches[r].store(DISK, tier=Tier.DISK))
+    await eventually(lambda: len(plane.index.match(DISK)) == 2, what="both ranks indexed")
+    await eventually(lambda: plane._records["e"].storage is not None, what="storage")
+    leave(plane)
+    engine.restart()
+    await back(plane, dp2(engine))
+    r0, r1 = sorted(plane.subscriptions(), key=lambda s: s.carrier.rank)
+    assert r1.cursor == -1
+    for _ in range(8):
+        engine.publisher.publish(0, ())
+    await eventually(lambda: r0.cursor is not None and r0.cursor >= 7, what="rank 0 busy")
+    return r0, r1
+
+
+async def test_an_idle_rank_of_a_live_process_does_not_fill_the_adoption_cap(tmp_path):
+    async with fake(tmp_path, dp_size=2, replay_buffer=8) as engine, plane_for() as plane:
+        await adopted_with_an_idle_rank(plane, engine)
+        key = plane._cap_key(plane._records["e"])
+        cap_uses = len(plane._cap._seen.get(key, ()))
+        for _ in range(4):  # readiness flaps of the same live process
+            leave(plane)
+            await back(plane, dp2(engine))
+            assert len(plane.index.match(DISK)) == 2
+        assert len(plane._cap._seen.get(key, ())) == cap_uses
+        assert outcome(plane, "rejected") == 0
+
+
+async def test_an_identity_that_cannot_be_learned_is_not_replaced_by_the_old_one(tmp_path):
+    """A new process whose identity cannot be learned gets nothing adopted, and what it then keeps on
+    disk was kept under no proven identity: a later process proving the old one adopts none of it."""
+    s1 = StorageIdentity("s1", 0)
+    current: list = [s1]
+
+    async def lookup(_s: WorkerSpec):
+        return current[0]
+
+    fresh = list(range(80, 88))
+    async with fake(tmp_path) as engine, plane_for(storage_lookup=lookup) as plane:
+        await warm(plane, engine)
+        leave(plane)
+        engine.restart()
+        current[0] = None
+        await back(plane, spec(engine))
+        assert tiers(plane, DISK) is None and plane._records["e"].storage is None
+        await join(plane, engine)
+        engine.emit(0, engine.caches[0].store(fresh, tier=Tier.DISK))
+        await eventually(lambda: tiers(plane, fresh) == (0, 0, 2, 0), what="blocks under no identity")
+        leave(plane)
+        engine.restart()
+        current[0] = s1
+        await back(plane, spec(engine))
+        assert tiers(plane, fresh) is None
+
+
+async def test_an_identity_change_seen_by_an_idle_rank_is_judged_for_the_whole_engine(tmp_path, monkeypatch):
+    """The container restarts on another disk (s2) while rank 0's probe answers late: rank 1's check
+    sees s2 and the engine is judged as a new process at once (nothing adopted); the blocks it then
+    stores under s2 are not adopted when a later process proves s1."""
+    s1, s2 = StorageIdentity("s1", 0), StorageIdentity("s2", 0)
+    current: list = [s1]
+
+    async def lookup(_s: WorkerSpec):
+        return current[0]
+
+    gate = asyncio.Event()
+    real = plane_mod.replay
+
+    async def late_probe(ctx, endpoint, start, *a, **kw):
+        if endpoint == engine.replay_endpoint(0) and start != 0:
+            await gate.wait()  # rank 0's probe (from its cursor) answers late
+        return await real(ctx, endpoint, start, *a, **kw)
+
+    later = list(range(90, 98))
+    async with (
+        fake(tmp_path, dp_size=2, replay_buffer=8) as engine,
+        plane_for(storage_lookup=lookup) as plane,
+    ):
+        await adopted_with_an_idle_rank(plane, engine)
+        leave(plane)
+        engine.restart()
+        current[0] = s2
+        monkeypatch.setattr(plane_mod, "replay", late_probe)
+        await back(plane, dp2(engine))  # decided without rank 0's probe: rank 1's check escalated
+        assert outcome(plane, "identity_mismatch") == 1 and plane._records["e"].storage == s2
+        assert plane.index.match(DISK) == {}
+        gate.set()
+        sub1 = next(s for s in plane.subscriptions() if s.carrier.rank == 1)
+        await join_stream(engine.publisher, sub1, 1)
+        engine.emit(1, engine.caches[1].store(later, tier=Tier.DISK))
+        await eventually(lambda: len(plane.index.match(later)) == 1, what="blocks under s2")
+        leave(plane)
+        engine.restart()
+        current[0] = s1
+        await back(plane, dp2(engine))
+        assert plane.index.match(later) == {}

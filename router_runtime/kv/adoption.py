@@ -72,8 +72,12 @@ class EngineRecord:
     # it is judged against the identity the held blocks were kept under), and whether a new process's
     # storage tiers were adopted (what the adoption cap counts).
     outcomes: list = field(default_factory=list)
-    proved: StorageIdentity | None = None
+    judged_new: bool = False  # a new-process decision applied in this return
+    proved: StorageIdentity | None = None  # what that new process proved (None: nothing)
     new_process_adopted: bool = False
+
+    def reset_return(self) -> None:
+        self.outcomes, self.judged_new, self.proved, self.new_process_adopted = [], False, None, False
 
 
 @dataclass(frozen=True, slots=True)

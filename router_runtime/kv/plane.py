@@ -218,14 +218,16 @@ class KVPlane:
     # generation and puts every rank in ``_undecided`` with a hold; each rank then leaves it exactly
     # once, by one of:
     #   same incarnation   _probe -> _rank_proved (continuous: every tier; else cold)
-    #                      _probe, cursor -1 -> _decide_new_process(only=rank)
+    #                      _probe, cursor -1 -> _recheck_storage (same identity: kept; else below)
     #                      restart seen (live or probe) -> _restarted_in_place -> _decide_new_process
     #   new incarnation    _decide_new_process -> _apply_decision (storage tiers or nothing)
     #   any                hold overflow / stream reset -> _hold_lost -> _resume_cold
     #                      a failed task -> _task_done -> _resume_cold
     #                      leaving again -> _disconnect (nothing decided; the hold dropped)
     # When the last rank of the generation leaves, _settle_if_done -> _reconnected: the engine is OK,
-    # its return counted once, and what a new process proved becomes its storage identity. Every
+    # its return counted once, and what a new process proved becomes its storage identity. A return
+    # that ends before it settles (_disconnect) counts nothing; if a new process was judged in it
+    # under another identity, no identity describes what is kept any more (storage = None). Every
     # callback carries the generation it was made for; a newer one makes it a no-op.
 
     def carrier_states(self) -> dict[str, CarrierState]:
@@ -343,6 +345,8 @@ class KVPlane:
         for carrier in spec.carriers():
             pending = self._undecided.pop(carrier, None) is not None
             undecided |= pending
+            if pending and not cancel_subs:
+                rec.outcomes.append(Outcome.REJECTED)  # it resumes cold (below), counted when shown
             if pending and not cancel_subs and carrier in self._subs:
                 # Failing health before its adoption was decided, its stream still flowing: what it
                 # held is not provable any more; it goes on cold (and hidden).
@@ -367,6 +371,17 @@ class KVPlane:
                     task.cancel()
                 if self.rank_listener is not None:
                     self.rank_listener.rank_removed(carrier)
+        if undecided:
+            # A return ended before it settled. Ranks a new-process decision already took hold blocks
+            # under what that process proved, the others under the old identity: if they differ, no
+            # single identity describes what we keep, and nothing will be adopted against either.
+            if rec.judged_new and rec.proved != rec.storage:
+                rec.storage = None
+            if rec.new_process_adopted:
+                self._cap.record(self._cap_key(rec), self._clock())
+            outcomes = rec.outcomes if not cancel_subs else []  # the breaker's cold ranks count later
+            rec.reset_return()
+            rec.outcomes = outcomes
         if undecided and cancel_subs and rec.prior_spec is not None:
             rec.spec, rec.prior_spec = rec.prior_spec, None
         h = self._timers.pop(spec.engine, None)
@@ -398,6 +413,7 @@ class KVPlane:
                 self.writer.submit_clear(carrier, ClearReason.WORKER_REMOVED)
             else:
                 self.writer.submit_remove(carrier)
+        rec.reset_return()
         if engine in self._workers:
             rec.positions.clear()
             rec.storage = None
@@ -421,11 +437,11 @@ class KVPlane:
         worst = min(rec.outcomes, key=_OUTCOME_ORDER.index, default=None)
         if worst is not None:
             self.adoption_metrics.attempts.labels(worst.value).inc()
-        if rec.proved is not None:
-            rec.storage = rec.proved  # from now on the identity a return is judged against
+        if rec.judged_new:
+            rec.storage = rec.proved  # from now on the identity a return is judged against (or none)
         if rec.new_process_adopted:
             self._cap.record(self._cap_key(rec), self._clock())  # the crash loop the cap exists for
-        rec.outcomes, rec.proved, rec.new_process_adopted = [], None, False
+        rec.reset_return()
         self._publish_states()
 
     def _cap_key(self, rec: EngineRecord) -> str:
@@ -448,7 +464,7 @@ class KVPlane:
         if h is not None:
             h.cancel()
         rec.generation += 1
-        rec.outcomes, rec.proved, rec.new_process_adopted = [], None, False
+        rec.reset_return()
         gen = rec.generation
         carriers = spec.carriers()
         holds: dict[int, RankHold] = {}
@@ -492,15 +508,14 @@ class KVPlane:
         *,
         same_shape: bool,
         cap: bool,
-        only: Carrier | None = None,
     ) -> None:
         """A new process (a new incarnation, or the same one whose stream restarted): its memory tiers
         are gone; ask it for its storage identity and adopt the storage tiers only if it proves the one
-        it had. One writer step for every rank still undecided (or for ``only``)."""
+        it had. Decides every rank still undecided, at once (at most once per return)."""
         storage = await self._lookup(spec)
         if rec.generation != gen:
             return
-        ranks = [c for c in ([only] if only else spec.carriers()) if self._undecided.get(c) == gen]
+        ranks = [c for c in spec.carriers() if self._undecided.get(c) == gen]
         subs = {c.rank: e[0] for c in ranks if (e := self._subs.get(c)) is not None}
         caught_up = await asyncio.gather(*(self._catch_up(sub) for sub in subs.values()))
         if rec.generation != gen:
@@ -518,10 +533,34 @@ class KVPlane:
             cap_reached=cap,
             from_start=from_start,
         )
-        if self._apply_decision(rec, gen, ranks, subs, d):
-            rec.proved = storage
-            rec.new_process_adopted |= d.outcome is Outcome.SUCCESS
+        applied = self._apply_decision(rec, gen, ranks, subs, d)
+        if applied is not None:
+            rec.judged_new, rec.proved = True, storage
+            rec.new_process_adopted |= d.outcome is Outcome.SUCCESS and applied
             self._settle_if_done(rec, gen)
+
+    async def _recheck_storage(
+        self, rec: EngineRecord, sub: RankSubscription, gen: int, spec: WorkerSpec, same_shape: bool
+    ) -> None:
+        """A rank adopted from a new process that has published nothing since (cursor -1) returns under
+        the same incarnation: no batch can show continuity. All it holds are storage-tier blocks kept
+        under ``rec.storage`` (its device tier went at that adoption). If the engine still proves
+        that identity and epoch and the rank's stream can be followed from sequence 0, they stay
+        (same process or not, that is what a new process would be granted); any other identity means
+        other storage behind the engine: the whole engine is judged as a new process, once."""
+        c = sub.carrier
+        storage = await self._lookup(spec)
+        if self._undecided.get(c) != gen or rec.new_process_gen == gen:
+            return
+        claimed = any(
+            r is not rec and r.state is CarrierState.OK and r.storage == storage
+            for r in self._records.values()
+        )
+        if storage is None or storage != rec.storage or claimed:
+            self._restarted_in_place(rec, gen, spec, same_shape)
+            return
+        followed = await self._catch_up(sub)
+        self._rank_proved(rec, c, gen, followed)
 
     async def _catch_up(self, sub: RankSubscription) -> bool:
         """A new process's rank, held for the decision: fetch what it published before we subscribed
@@ -594,12 +633,13 @@ class KVPlane:
         carriers: list[Carrier],
         subs: dict[int, RankSubscription],
         d: Decision,
-    ) -> bool:
+    ) -> bool | None:
         """Decide ``carriers`` still undecided in ``gen`` at once: drop what is not kept, apply their
-        held batches, then show them (each a writer step, in that order). False: none was left."""
+        held batches, then show them (each a writer step, in that order). None: none was left; else
+        whether every rank's held batches reached the writer (an overflow clears that rank)."""
         live = [c for c in carriers if self._undecided.get(c) == gen]
         if not live:
-            return False  # decided meanwhile (reset, overflow, another decision)
+            return None  # decided meanwhile (reset, overflow)
         log.info("engine %s returned: %s (%s)", rec.engine, d.outcome or "nothing to adopt", d.why)
         for c in live:
             del self._undecided[c]
@@ -614,23 +654,24 @@ class KVPlane:
         # Drop, then the held batches, then show: a reader never sees a block the new stream had
         # already evicted (the writer yields to readers between batches).
         self.writer.call(drop)
-        for c in live:
-            self._release(subs.get(c.rank))
+        released = all([self._release(subs.get(c.rank)) for c in live])
         self.writer.call(lambda idx: [idx.set_visible(c, ALL) for c in live])
-        self._count(d.outcome, rec)
-        return True
+        self._count(d.outcome if released else Outcome.REJECTED, rec)
+        return released
 
-    def _release(self, sub: RankSubscription | None) -> None:
-        """Hand a rank's held batches to the writer, in order, and let the stream flow."""
+    def _release(self, sub: RankSubscription | None) -> bool:
+        """Hand a rank's held batches to the writer, in order, and let the stream flow. False: the
+        writer's queue overflowed and the rank was cleared (cold)."""
         if sub is None or sub.hold is None:
-            return
+            return True
         hold, sub.hold = sub.hold, None
         batches: list[SequencedBatch] = hold.take() if hold.active else []
         hold.active = False
         for b in batches:
             if not self.writer.submit_batch(sub.carrier, b):
                 sub._clear(ClearReason.OVERFLOW)
-                break
+                return False
+        return True
 
     def _hold_lost(self, rec: EngineRecord, c: Carrier, gen: int, why: HoldEnd) -> None:
         """A new incarnation's hold overflowed or its stream reset before the decision: the rank can no
@@ -666,11 +707,11 @@ class KVPlane:
         entry = self._subs.get(c)
         sub = entry[0] if entry else None
         if continuous:
-            self._release(sub)
+            released = self._release(sub)
             for seq, payload in replayed:  # what it published while we were away, in order
                 if sub is not None and sub.cursor is not None and seq == sub.cursor + 1:
                     sub._accept(seq, payload)
-            self._count(Outcome.SUCCESS, rec)
+            self._count(Outcome.SUCCESS if released else Outcome.REJECTED, rec)
         else:
             # The subscription already queued a clear (a reset) unless the hold overflowed.
             if why is HoldEnd.OVERFLOW or why is None:
@@ -708,12 +749,7 @@ class KVPlane:
             self._rank_proved(rec, c, gen, False)  # a cursor we never saw a batch for: cannot prove
             return
         if cursor < 0:
-            # Adopted from a new process that has published nothing on this rank since: its
-            # continuity cannot be shown. Judged alone by its storage (its device tier was dropped at
-            # that adoption and nothing came since, so nothing is lost); its sibling ranks are proved
-            # or not on their own.
-            cap = self._cap.reached(self._cap_key(rec), self._clock())
-            await self._decide_new_process(rec, gen, spec, same_shape=same_shape, cap=cap, only=c)
+            await self._recheck_storage(rec, sub, gen, spec, same_shape)
             return
         if sub.endpoints.replay is None:
             self._rank_proved(rec, c, gen, False)  # nothing can show our cursor
