@@ -673,55 +673,6 @@ async def test_one_return_is_one_attempt_and_a_decision_of_no_rank_counts_nothin
         assert (ds, dr) == (0, 1)  # one return, one attempt: its worst rank's outcome
 
 
-async def test_every_decision_of_a_return_is_judged_against_the_identity_it_had(tmp_path, monkeypatch):
-    """dp=2, rank 1 idle (cursor -1), rank 0 busy; the container restarts on a wiped disk. Rank 1's
-    check finds another epoch and the whole engine is judged as a new process against the identity
-    it had: rank 0's pre-wipe disk blocks are not adopted."""
-    gate = asyncio.Event()
-    real = plane_mod.replay
-    gating = [False]
-
-    async def gated_replay(ctx, endpoint, start, *a, **kw):
-        if gating[0] and endpoint == engine.replay_endpoint(0) and start != 0:
-            await gate.wait()  # rank 0's probe answers late (a busy engine)
-        return await real(ctx, endpoint, start, *a, **kw)
-
-    async with fake(tmp_path, dp_size=2, replay_buffer=8) as engine, plane_for() as plane:
-
-        def both():
-            return dataclasses.replace(in_pod(engine), dp_size=2)
-
-        plane.set_workers([both()])
-        for sub in plane.subscriptions():
-            await join_stream(engine.publisher, sub, sub.carrier.rank)
-        for r in (0, 1):
-            engine.emit(r, engine.caches[r].store(DISK, tier=Tier.DISK))
-        await eventually(lambda: len(plane.index.match(DISK)) == 2, what="both")
-        await eventually(lambda: plane._records["e"].storage is not None, what="storage")
-        leave(plane)
-        engine.restart()
-        plane.set_workers([both()])
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="first adoption")
-        r0, r1 = sorted(plane.subscriptions(), key=lambda s: s.carrier.rank)
-        assert r1.cursor == -1
-        while r0.cursor is None or r0.cursor < 20:
-            engine.publisher.publish(0, ())
-            await asyncio.sleep(0.01)
-        leave(plane)
-        engine.wipe_storage()
-        engine.restart()
-        assert not engine.caches[0].disk_hashes()
-        monkeypatch.setattr(plane_mod, "replay", gated_replay)
-        gating[0] = True
-        plane.set_workers([both()])
-        await eventually(lambda: Carrier("e", 1) not in plane._undecided, what="rank 1 decided alone")
-        gate.set()
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
-        await plane.writer.drain()
-        m = {c.rank: mm.tier_blocks for c, mm in plane.index.match(DISK).items()}
-        assert m == {}, "rank 0's pre-wipe disk blocks adopted: false cache hit"
-
-
 async def test_a_catch_up_answered_by_a_process_that_then_died_is_not_spliced(tmp_path, monkeypatch):
     """A new incarnation (p2) answers the catch-up replay from 0 and dies; its successor (p3, same
     ports) reaches the live loop from its sequence 0 before the answer is used. The answer does not
@@ -736,11 +687,10 @@ async def test_a_catch_up_answered_by_a_process_that_then_died_is_not_spliced(tm
             sub_box.append(sub)
             engine.restart()  # p2 dies after answering; p3 on the same ports
             deadline = time.monotonic() + 5
-            while sub.cursor is None or sub.cursor < 0:
-                assert time.monotonic() < deadline, "p3's stream never reached the subscription"
+            while (sub.cursor is None or sub.cursor < 0) and time.monotonic() < deadline:
                 engine.publisher.publish(0, ())
                 await asyncio.sleep(0.01)
-            assert sub.cursor <= 9  # the live loop holds p3's batches where the answer has p2's
+            sub_box.append(sub.cursor)  # checked by the test (an assert here would only fail the task)
         return result
 
     async with fake(tmp_path) as engine, plane_for() as plane:
@@ -751,6 +701,7 @@ async def test_a_catch_up_answered_by_a_process_that_then_died_is_not_spliced(tm
             engine.emit(0, engine.caches[0].store([2000 + i] * BS))
         monkeypatch.setattr(plane_mod, "replay", racing)
         await back(plane, spec(engine))
+        assert 0 <= sub_box[1] <= 9  # the live loop held p3's batches where the answer has p2's
         shown = [i for i in range(10) if tiers(plane, [2000 + i] * BS) is not None]
         assert not engine.caches[0].device_hashes()
         assert shown == [], "a dead process's device blocks are routed to"
@@ -857,9 +808,11 @@ async def adopted_with_an_idle_rank(plane: KVPlane, engine: FakeEngine) -> tuple
     await back(plane, dp2(engine))
     r0, r1 = sorted(plane.subscriptions(), key=lambda s: s.carrier.rank)
     assert r1.cursor == -1
-    for _ in range(8):
+    deadline = time.monotonic() + 5
+    while r0.cursor is None or r0.cursor < 7:  # ZMQ may drop the first ones (slow joiner): go on
+        assert time.monotonic() < deadline, "rank 0's stream never reached the subscription"
         engine.publisher.publish(0, ())
-    await eventually(lambda: r0.cursor is not None and r0.cursor >= 7, what="rank 0 busy")
+        await asyncio.sleep(0.01)
     return r0, r1
 
 
@@ -944,3 +897,264 @@ async def test_an_identity_change_seen_by_an_idle_rank_is_judged_for_the_whole_e
         current[0] = s1
         await back(plane, dp2(engine))
         assert plane.index.match(later) == {}
+
+
+# ---- fifth review ---------------------------------------------------------------------------
+
+
+def rank_tiers(plane, tokens):
+    return {c.rank: m.tier_blocks for c, m in plane.index.match(tokens).items()}
+
+
+async def test_a_catch_up_must_contain_what_the_live_loop_held_before(tmp_path, monkeypatch):
+    """Idle rank 1 returns; while its storage is checked the live loop holds the old process's device
+    store; that process dies and its successor (same disk) answers the catch-up with nothing: the
+    answer does not contain what was held, so the held device blocks are never shown."""
+    gate_lookup, gate_probe = asyncio.Event(), asyncio.Event()
+    on = [False]
+
+    async def lookup(s):
+        if on[0]:
+            await gate_lookup.wait()
+        return await lookup_storage(s)
+
+    real = plane_mod.replay
+
+    async def late_probe(ctx, endpoint, start, *a, **kw):
+        if endpoint == engine.replay_endpoint(0) and start != 0:
+            await gate_probe.wait()
+        return await real(ctx, endpoint, start, *a, **kw)
+
+    async with (
+        fake(tmp_path, dp_size=2, replay_buffer=8) as engine,
+        plane_for(storage_lookup=lookup) as plane,
+    ):
+        await adopted_with_an_idle_rank(plane, engine)
+        leave(plane)
+        on[0] = True
+        monkeypatch.setattr(plane_mod, "replay", late_probe)
+        plane.set_workers([dp2(engine)])
+        sub1 = next(s for s in plane.subscriptions() if s.carrier.rank == 1)
+        await join_stream(engine.publisher, sub1, 1)  # P's live batches, held
+        engine.emit(1, engine.caches[1].store(DEV))  # P stores DEV on device (held)
+        await eventually(lambda: sub1.cursor is not None and sub1.cursor >= 1, what="held")
+        engine.restart()  # P dies; P' on the same disk, publishes nothing yet
+        assert not engine.caches[1].device_hashes()
+        gate_lookup.set()
+        await eventually(lambda: Carrier("e", 1) not in plane._undecided, what="rank 1 decided")
+        gate_probe.set()
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="settled")
+        await plane.writer.drain()
+        assert 1 not in rank_tiers(plane, DEV), "a dead process's device blocks are routed to"
+
+
+async def test_an_idle_rank_without_identity_goes_cold_alone(tmp_path, monkeypatch):
+    """No storage identity: an idle rank's check has nothing to judge by and goes cold alone; the live
+    rank 0, proved continuous by its (late) probe, keeps its device tier."""
+
+    async def none(_s):
+        return None
+
+    real = plane_mod.replay
+
+    async def late_probe(ctx, endpoint, start, *a, **kw):
+        if endpoint == engine.replay_endpoint(0) and start != 0:
+            await asyncio.sleep(0.2)  # rank 0's probe answers a little late
+        return await real(ctx, endpoint, start, *a, **kw)
+
+    async with fake(tmp_path, dp_size=2, replay_buffer=8) as engine, plane_for(storage_lookup=none) as plane:
+        plane.set_workers([dp2(engine)])
+        for sub in plane.subscriptions():
+            await join_stream(engine.publisher, sub, sub.carrier.rank)
+        leave(plane)
+        engine.restart()
+        await back(plane, dp2(engine))
+        r0, r1 = sorted(plane.subscriptions(), key=lambda s: s.carrier.rank)
+        assert r1.cursor == -1
+        await join_stream(engine.publisher, r0, 0)
+        engine.emit(0, engine.caches[0].store(DEV))
+        await eventually(lambda: rank_tiers(plane, DEV) == {0: (2, 0, 0, 0)}, what="rank 0 device")
+        for _ in range(12):  # rank 0 busy: its buffer no longer reaches 0
+            engine.publisher.publish(0, ())
+        await eventually(lambda: r0.cursor >= 12, what="busy")
+        leave(plane)  # readiness flap, same live process
+        monkeypatch.setattr(plane_mod, "replay", late_probe)
+        await back(plane, dp2(engine))
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="x")
+        await plane.writer.drain()
+        assert engine.caches[0].device_hashes()
+        assert rank_tiers(plane, DEV) == {0: (2, 0, 0, 0)}, "a live continuous rank's device tier dropped"
+
+
+async def test_a_breaker_stopped_new_process_leaves_no_identity(tmp_path):
+    """A new incarnation on other storage (s2) is stopped by its breaker before its decision and comes
+    back cold: no identity was proved, so what it stores is not adopted by a later process proving
+    the old one (s1)."""
+    s1, s2 = StorageIdentity("s1", 0), StorageIdentity("s2", 0)
+    cur = [s1]
+    gate = asyncio.Event()
+    on = [False]
+
+    async def lookup(_s):
+        if on[0]:
+            await gate.wait()
+        return cur[0]
+
+    fresh = list(range(80, 88))
+    async with fake(tmp_path) as engine, plane_for(storage_lookup=lookup) as plane:
+        await warm(plane, engine)
+        leave(plane)
+        engine.restart()
+        cur[0] = s2
+        on[0] = True
+        plane.set_workers([spec(engine)])
+        await asyncio.sleep(0.05)
+        plane.engine_unreachable("e")
+        on[0] = False
+        gate.set()
+        plane.engine_reachable("e")
+        await plane.writer.drain()
+        assert plane.carrier_states() == {"e": CarrierState.OK}
+        await join(plane, engine)
+        engine.emit(0, engine.caches[0].store(fresh, tier=Tier.DISK))
+        await eventually(lambda: tiers(plane, fresh) == (0, 0, 2, 0), what="stored under s2")
+        leave(plane)
+        engine.restart()
+        cur[0] = s1
+        await back(plane, spec(engine))
+        assert tiers(plane, fresh) is None, "blocks stored on s2 adopted under s1"
+
+
+async def test_a_new_process_never_judged_leaves_no_identity(tmp_path):
+    """As above, but its only rank's hold ends before the decision: the return settles unjudged and
+    leaves no identity."""
+    from router_runtime.kv.hold import HoldEnd
+
+    s1, s2 = StorageIdentity("s1", 0), StorageIdentity("s2", 0)
+    cur = [s1]
+    gate = asyncio.Event()
+    on = [False]
+
+    async def lookup(_s):
+        if on[0]:
+            await gate.wait()
+        return cur[0]
+
+    fresh = list(range(80, 88))
+    async with fake(tmp_path) as engine, plane_for(storage_lookup=lookup) as plane:
+        await warm(plane, engine)
+        leave(plane)
+        engine.restart()
+        cur[0] = s2
+        on[0] = True
+        plane.set_workers([spec(engine)])
+        await asyncio.sleep(0.05)
+        plane.subscriptions()[0].hold.end(HoldEnd.OVERFLOW)
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="cold")
+        on[0] = False
+        gate.set()
+        await join(plane, engine)
+        engine.emit(0, engine.caches[0].store(fresh, tier=Tier.DISK))
+        await eventually(lambda: tiers(plane, fresh) == (0, 0, 2, 0), what="stored under s2")
+        leave(plane)
+        engine.restart()
+        cur[0] = s1
+        await back(plane, spec(engine))
+        assert tiers(plane, fresh) is None, "blocks stored on s2 adopted under s1"
+
+
+async def test_one_failed_lookup_on_an_idle_rank_does_not_take_the_engine_down(tmp_path, monkeypatch):
+    """One failed storage lookup for an idle rank makes that rank cold, not the engine: the live rank
+    0 keeps its device tier."""
+    fail = [False]
+
+    async def lookup(s):
+        if fail[0]:
+            fail[0] = False
+            raise TimeoutError("busy engine")
+        return await lookup_storage(s)
+
+    real = plane_mod.replay
+
+    async def late_probe(ctx, endpoint, start, *a, **kw):
+        if endpoint == engine.replay_endpoint(0) and start != 0:
+            await asyncio.sleep(0.2)
+        return await real(ctx, endpoint, start, *a, **kw)
+
+    async with (
+        fake(tmp_path, dp_size=2, replay_buffer=8) as engine,
+        plane_for(storage_lookup=lookup) as plane,
+    ):
+        r0, _ = await adopted_with_an_idle_rank(plane, engine)
+        engine.emit(0, engine.caches[0].store(DEV))
+        for _ in range(10):
+            engine.publisher.publish(0, ())
+        await eventually(lambda: rank_tiers(plane, DEV) == {0: (2, 0, 0, 0)} and r0.cursor >= 18, what="busy")
+        leave(plane)
+        fail[0] = True
+        monkeypatch.setattr(plane_mod, "replay", late_probe)
+        await back(plane, dp2(engine))
+        assert engine.caches[0].device_hashes() and engine.caches[1].disk_hashes()
+        assert rank_tiers(plane, DEV) == {0: (2, 0, 0, 0)}, "live rank 0's device tier dropped"
+
+
+async def test_ranks_kept_before_a_restart_shows_are_judged_with_the_new_process(tmp_path, monkeypatch):
+    """Rank 1 is kept under s1; then rank 0's probe shows a restart and the new process proves s2:
+    the decision drops rank 1's storage blocks too, so a later process proving s2 adopts none."""
+    s1, s2 = StorageIdentity("s1", 0), StorageIdentity("s2", 0)
+    cur = [s1]
+
+    async def lookup(_s):
+        return cur[0]
+
+    gate = asyncio.Event()
+    real = plane_mod.replay
+
+    async def late_probe(ctx, endpoint, start, *a, **kw):
+        if endpoint == engine.replay_endpoint(0) and start != 0:
+            await gate.wait()
+        return await real(ctx, endpoint, start, *a, **kw)
+
+    async with (
+        fake(tmp_path, dp_size=2, replay_buffer=8) as engine,
+        plane_for(storage_lookup=lookup) as plane,
+    ):
+        await adopted_with_an_idle_rank(plane, engine)
+        leave(plane)
+        engine.restart()
+        monkeypatch.setattr(plane_mod, "replay", late_probe)
+        plane.set_workers([dp2(engine)])
+        await eventually(lambda: Carrier("e", 1) not in plane._undecided, what="rank 1 kept under s1")
+        cur[0] = s2
+        gate.set()
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="settled")
+        await plane.writer.drain()
+        leave(plane)
+        engine.restart()
+        await back(plane, dp2(engine))  # a process proving s2 again
+        assert rank_tiers(plane, DISK) == {}, "blocks kept under s1 adopted under s2"
+
+
+async def test_a_breaker_stopped_return_that_expires_counts_as_rejected(tmp_path):
+    """A return stopped by the breaker, then the grace window passes, then the breaker closes: one
+    attempt, rejected (its blocks are gone)."""
+    gate = asyncio.Event()
+    on = [False]
+
+    async def gated(s):
+        if on[0]:
+            await gate.wait()
+        return await lookup_storage(s)
+
+    async with fake(tmp_path) as engine, plane_for(storage_lookup=gated, disconnect_grace_s=0.5) as plane:
+        await warm(plane, engine)
+        leave(plane)
+        engine.restart()
+        on[0] = True
+        plane.set_workers([spec(engine)])
+        await asyncio.sleep(0.05)
+        plane.engine_unreachable("e")
+        await eventually(lambda: sample(plane, "routerfleet_kv_grace_expirations_total") == 1, what="expired")
+        plane.engine_reachable("e")
+        await plane.writer.drain()
+        assert (outcome(plane, "success"), outcome(plane, "rejected")) == (0, 1)

@@ -72,12 +72,15 @@ class EngineRecord:
     # it is judged against the identity the held blocks were kept under), and whether a new process's
     # storage tiers were adopted (what the adoption cap counts).
     outcomes: list = field(default_factory=list)
+    new_process_seen: bool = False  # this return is a new process (another incarnation, a restart)
     judged_new: bool = False  # a new-process decision applied in this return
     proved: StorageIdentity | None = None  # what that new process proved (None: nothing)
     new_process_adopted: bool = False
+    kept: set = field(default_factory=set)  # ranks this return kept before any new process was seen
 
     def reset_return(self) -> None:
-        self.outcomes, self.judged_new, self.proved, self.new_process_adopted = [], False, None, False
+        self.outcomes, self.new_process_seen, self.judged_new = [], False, False
+        self.proved, self.new_process_adopted, self.kept = None, False, set()
 
 
 @dataclass(frozen=True, slots=True)

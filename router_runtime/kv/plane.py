@@ -225,9 +225,9 @@ class KVPlane:
     #                      a failed task -> _task_done -> _resume_cold
     #                      leaving again -> _disconnect (nothing decided; the hold dropped)
     # When the last rank of the generation leaves, _settle_if_done -> _reconnected: the engine is OK,
-    # its return counted once, and what a new process proved becomes its storage identity. A return
-    # that ends before it settles (_disconnect) counts nothing; if a new process was judged in it
-    # under another identity, no identity describes what is kept any more (storage = None). Every
+    # its return counted once, and what a new process proved becomes its storage identity (none, if
+    # a new process was seen but never judged). A return that discovery ends before it settles
+    # (_disconnect) counts nothing; one the breaker stops settles cold when shown again. Every
     # callback carries the generation it was made for; a newer one makes it a no-op.
 
     def carrier_states(self) -> dict[str, CarrierState]:
@@ -371,17 +371,11 @@ class KVPlane:
                     task.cancel()
                 if self.rank_listener is not None:
                     self.rank_listener.rank_removed(carrier)
-        if undecided:
-            # A return ended before it settled. Ranks a new-process decision already took hold blocks
-            # under what that process proved, the others under the old identity: if they differ, no
-            # single identity describes what we keep, and nothing will be adopted against either.
-            if rec.judged_new and rec.proved != rec.storage:
-                rec.storage = None
-            if rec.new_process_adopted:
-                self._cap.record(self._cap_key(rec), self._clock())
-            outcomes = rec.outcomes if not cancel_subs else []  # the breaker's cold ranks count later
+        if undecided and cancel_subs:
+            # A return that ended before it settled (a new-process decision takes every undecided
+            # rank at once, so none was made): not counted; its ranks are judged on the next return.
+            # Stopped by the breaker instead, its ranks went on cold and it settles when shown.
             rec.reset_return()
-            rec.outcomes = outcomes
         if undecided and cancel_subs and rec.prior_spec is not None:
             rec.spec, rec.prior_spec = rec.prior_spec, None
         h = self._timers.pop(spec.engine, None)
@@ -417,6 +411,7 @@ class KVPlane:
         if engine in self._workers:
             rec.positions.clear()
             rec.storage = None
+            rec.outcomes.append(Outcome.REJECTED)  # hidden for health: when shown again, it is cold
         else:
             del self._records[engine]
         log.info("engine %s removed: grace window passed", engine)
@@ -439,6 +434,8 @@ class KVPlane:
             self.adoption_metrics.attempts.labels(worst.value).inc()
         if rec.judged_new:
             rec.storage = rec.proved  # from now on the identity a return is judged against (or none)
+        elif rec.new_process_seen:
+            rec.storage = None  # a new process none of whose storage was proved: nothing to judge by
         if rec.new_process_adopted:
             self._cap.record(self._cap_key(rec), self._clock())  # the crash loop the cap exists for
         rec.reset_return()
@@ -490,6 +487,7 @@ class KVPlane:
             return
         # An empty incarnation (static workers) cannot prove a new process: ``same`` was False only
         # for a changed shape or the cap, and the decision below rejects those.
+        rec.new_process_seen = spec.incarnation != old.incarnation
         self._spawn(
             spec.engine,
             self._decide_new_process(rec, gen, spec, same_shape=same_shape, cap=cap),
@@ -533,10 +531,10 @@ class KVPlane:
             cap_reached=cap,
             from_start=from_start,
         )
-        applied = self._apply_decision(rec, gen, ranks, subs, d)
+        applied = self._apply_decision(rec, gen, ranks, subs, d, kept=rec.kept)
         if applied is not None:
             rec.judged_new, rec.proved = True, storage
-            rec.new_process_adopted |= d.outcome is Outcome.SUCCESS and applied
+            rec.new_process_adopted |= d.outcome is Outcome.SUCCESS
             self._settle_if_done(rec, gen)
 
     async def _recheck_storage(
@@ -556,8 +554,11 @@ class KVPlane:
             r is not rec and r.state is CarrierState.OK and r.storage == storage
             for r in self._records.values()
         )
-        if storage is None or storage != rec.storage or claimed:
-            self._restarted_in_place(rec, gen, spec, same_shape)
+        if storage is None or rec.storage is None:
+            self._rank_proved(rec, c, gen, False)  # nothing to judge its blocks by: this rank cold
+            return
+        if storage != rec.storage or claimed:
+            self._restarted_in_place(rec, gen, spec, same_shape)  # other storage behind the engine
             return
         followed = await self._catch_up(sub)
         self._rank_proved(rec, c, gen, followed)
@@ -572,6 +573,7 @@ class KVPlane:
         if sub.endpoints.replay is None:
             return False
         resumes = sub.resumes
+        held = (sub.cursor, sub.cursor_hash)  # what the live loop had taken before we asked
         result = await replay(self._ctx, sub.endpoints.replay, 0, self.replay_timeouts)
         got = result.batches
         if got:
@@ -585,9 +587,15 @@ class KVPlane:
         # the same batches: a publisher that died after answering and a successor picked up from its
         # sequence 0 would splice two processes. Past the answer's end, the live loop followed the
         # stream from 0 on its own.
+        answer = dict(got)
+        cursor, known = held
+        if cursor is not None and cursor >= 0:
+            at = answer.get(cursor)  # it must be there: the answer was asked for after it
+            if at is None or payload_hash(at) != known:
+                return False
         cursor = sub.cursor
         if cursor is not None and cursor >= 0:
-            at = next((payload for seq, payload in got if seq == cursor), None)
+            at = answer.get(cursor)
             if at is not None and payload_hash(at) != sub.cursor_hash:
                 return False
         for seq, payload in got:
@@ -607,6 +615,7 @@ class KVPlane:
         if rec.new_process_gen == gen:
             return True
         rec.new_process_gen = gen
+        rec.new_process_seen = True
         log.info("engine %s returned as a new process (same incarnation, its stream restarted)", rec.engine)
         for c in spec.carriers():
             entry = self._subs.get(c)
@@ -633,10 +642,13 @@ class KVPlane:
         carriers: list[Carrier],
         subs: dict[int, RankSubscription],
         d: Decision,
+        kept: set[Carrier] = frozenset(),  # type: ignore[assignment]
     ) -> bool | None:
         """Decide ``carriers`` still undecided in ``gen`` at once: drop what is not kept, apply their
         held batches, then show them (each a writer step, in that order). None: none was left; else
-        whether every rank's held batches reached the writer (an overflow clears that rank)."""
+        whether every rank's held batches reached the writer (an overflow clears that rank). ``kept``:
+        ranks this return already kept, before the engine showed it is a new process: the decision
+        drops from them what it drops from the others (they were judged as the old process)."""
         live = [c for c in carriers if self._undecided.get(c) == gen]
         if not live:
             return None  # decided meanwhile (reset, overflow)
@@ -650,6 +662,10 @@ class KVPlane:
                     idx.drop_tiers(c, ALL & ~d.keep)
                     self.writer.note_eviction(c)
                 self.writer.applied.pop(c, None)  # the old incarnation's cursor means nothing now
+            for c in kept:
+                if d.keep != ALL:
+                    idx.drop_tiers(c, ALL & ~d.keep)
+                    self.writer.note_eviction(c)
 
         # Drop, then the held batches, then show: a reader never sees a block the new stream had
         # already evicted (the writer yields to readers between batches).
@@ -707,6 +723,7 @@ class KVPlane:
         entry = self._subs.get(c)
         sub = entry[0] if entry else None
         if continuous:
+            rec.kept.add(c)
             released = self._release(sub)
             for seq, payload in replayed:  # what it published while we were away, in order
                 if sub is not None and sub.cursor is not None and seq == sub.cursor + 1:
