@@ -458,7 +458,8 @@ async def test_health_failure_hides_and_recovery_shows(tmp_path):
             lambda: plane.index.carrier_blocks(Carrier("e"))[Tier.DEVICE] == 3, what="hidden apply"
         )
         assert tiers(plane, list(range(9, 13))) is None
-        plane.engine_reachable("e")
+        plane.engine_reachable("e")  # its ranks are proved by their probes before they show
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="proved")
         await plane.writer.drain()
         assert tiers(plane, list(range(9, 13))) == (1, 0, 0, 0) and tiers(plane, DISK) == (0, 0, 2, 0)
 
@@ -730,7 +731,8 @@ async def test_a_breaker_opening_during_a_return_keeps_the_engine_hidden(tmp_pat
         await plane.writer.drain()
         assert plane.carrier_states() == {"e": CarrierState.DISCONNECTED}
         assert plane.index.visible_tiers(Carrier("e")) == 0  # hidden while its breaker is open
-        plane.engine_reachable("e")
+        plane.engine_reachable("e")  # its ranks are proved by their probes before they show
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="proved")
         await plane.writer.drain()
         assert plane.carrier_states() == {"e": CarrierState.OK} and tiers(plane, DISK) is None  # cold
         assert (outcome(plane, "success"), outcome(plane, "rejected")) == (0, 1)
@@ -1012,7 +1014,8 @@ async def test_a_breaker_stopped_new_process_leaves_no_identity(tmp_path):
         plane.engine_unreachable("e")
         on[0] = False
         gate.set()
-        plane.engine_reachable("e")
+        plane.engine_reachable("e")  # its ranks are proved by their probes before they show
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="proved")
         await plane.writer.drain()
         assert plane.carrier_states() == {"e": CarrierState.OK}
         await join(plane, engine)
@@ -1155,6 +1158,74 @@ async def test_a_breaker_stopped_return_that_expires_counts_as_rejected(tmp_path
         await asyncio.sleep(0.05)
         plane.engine_unreachable("e")
         await eventually(lambda: sample(plane, "routerfleet_kv_grace_expirations_total") == 1, what="expired")
-        plane.engine_reachable("e")
+        plane.engine_reachable("e")  # its ranks are proved by their probes before they show
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="proved")
         await plane.writer.drain()
         assert (outcome(plane, "success"), outcome(plane, "rejected")) == (0, 1)
+
+
+# ---- randomized interleavings (their minimal repros) ---------------------------------------------
+
+
+def false_visible(plane: KVPlane, engine: FakeEngine, rank: int = 0) -> dict[str, int]:
+    """Blocks the index shows for the engine's rank that the engine does not hold in that tier."""
+    c = Carrier("e", rank)
+    vis = plane.index.visible_tiers(c)
+    held = plane.index.carrier_engine_hashes(c)
+    cache = engine.caches[rank]
+    truth = {
+        Tier.DEVICE: set(cache.device_hashes()),
+        Tier.HOST: set(cache.host_hashes()),
+        Tier.DISK: set(cache.disk_hashes()),
+        Tier.EXTERNAL: set(),
+    }
+    return {t.name: len(held[t] - truth[t]) for t in truth if vis & t and held[t] - truth[t]}
+
+
+async def test_a_restart_after_a_replayed_history_is_not_taken_for_duplicates(tmp_path):
+    """Adopted with its batches from the catch-up replay only (no live sequence seen), the new process
+    restarts again with discovery unchanged: the next one's first batches carry sequence numbers we
+    applied, but other batches there; they are a restart, not duplicates."""
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        await warm(plane, engine)
+        leave(plane)
+        engine.restart()
+        x, y, z = [700] * BS, [701] * BS, [702] * BS
+        engine.emit(0, engine.caches[0].store(x))
+        engine.emit(0, engine.caches[0].store(y))
+        await back(plane, spec(engine))  # the catch-up replays 0..1
+        sub = plane.subscriptions()[0]
+        assert tiers(plane, x) == (1, 0, 0, 0) and sub.cursor == 1
+        engine.restart()
+        engine.emit(0, engine.caches[0].store(z))  # seq 0 of the next process
+        engine.publisher.publish(0, ())
+        engine.publisher.publish(0, ())
+        await eventually(lambda: sub.cursor == 2 and tiers(plane, z) is not None, what="the new stream")
+        await plane.writer.drain()
+        assert tiers(plane, x) is None and not false_visible(plane, engine)
+
+
+async def test_a_process_restarted_behind_an_open_breaker_is_proved_before_it_shows(tmp_path):
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        await warm(plane, engine, pod=True)
+        plane.engine_unreachable("e")
+        engine.restart()  # publishes nothing: no batch shows the restart
+        plane.engine_reachable("e")
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="proved")
+        await plane.writer.drain()
+        assert tiers(plane, DEV) is None and tiers(plane, DISK) == (0, 0, 2, 0)
+        assert not false_visible(plane, engine)
+
+
+async def test_the_host_tier_is_not_adopted_across_a_restart(tmp_path):
+    """Host (CPU) memory dies with the process, like the device's."""
+    async with fake(tmp_path, host_capacity_blocks=4) as engine, plane_for() as plane:
+        await warm(plane, engine)
+        h = [800] * BS + [801] * BS
+        engine.emit(0, engine.caches[0].store(h, tier=Tier.HOST))
+        await eventually(lambda: tiers(plane, h) == (0, 2, 0, 0), what="host indexed")
+        leave(plane)
+        engine.restart()
+        await back(plane, spec(engine))
+        assert tiers(plane, h) is None and tiers(plane, DISK) == (0, 0, 2, 0)
+        assert not false_visible(plane, engine)

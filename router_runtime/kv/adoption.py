@@ -26,7 +26,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from .events import Tier
 
 DEVICE_TIERS = int(Tier.DEVICE)  # gone with the process
-STORAGE_TIERS = int(Tier.HOST | Tier.DISK | Tier.EXTERNAL)  # may outlive it, if its storage is proved
+# What may outlive an engine's process, if its storage is proved: disk and external stores. Host
+# (CPU) memory dies with the process like the device's (vLLM's CPU offloading, LMCache's local CPU
+# backend): re-adopting it would route on blocks nobody holds.
+STORAGE_TIERS = int(Tier.DISK | Tier.EXTERNAL)
 ALL = 0xF
 
 

@@ -249,8 +249,9 @@ class KVPlane:
         self._disconnect(spec, cancel_subs=False)
 
     def engine_reachable(self, engine: str) -> None:
-        """The engine passes health again (its breaker closed): if it was hidden for health and still
-        has its subscriptions, its carriers are what its own stream made of them: show them again."""
+        """The engine passes health again (its breaker closed). Hidden for health, its subscriptions
+        ran all along, but a process can restart behind an open breaker without a batch to show it:
+        its ranks are held and proved by their probes, as a returning engine's are."""
         spec = self._workers.get(engine)
         rec = self._records.get(engine)
         if spec is None or rec is None or rec.state is not CarrierState.DISCONNECTED:
@@ -258,12 +259,8 @@ class KVPlane:
         carriers = spec.carriers()
         if not all(c in self._subs for c in carriers) or any(c in self._undecided for c in carriers):
             return  # it left discovery meanwhile, or returned: the discovery path decides
-        rec.outcomes.append(Outcome.SUCCESS)
-        self._reconnected(rec)
-        gen = rec.generation
-        self.writer.call(
-            lambda idx: [idx.set_visible(c, ALL) for c in carriers] if rec.generation == gen else None
-        )
+        rec.generation += 1
+        self._await_proof(rec, rec.generation, spec, True, {c.rank: self._subs[c][0] for c in carriers})
 
     def _track(self, spec: WorkerSpec) -> None:
         """A fresh engine: remember it and learn its storage identity (in the background)."""
@@ -468,10 +465,7 @@ class KVPlane:
         for c in carriers:
             self._undecided[c] = gen
             if same:
-                holds[c.rank] = _ReturnHold(
-                    on_end=lambda why, c=c: self._rank_proved(rec, c, gen, False, why),
-                    on_restart=lambda: self._restarted_in_place(rec, gen, spec, same_shape),
-                )
+                holds[c.rank] = self._return_hold(rec, c, gen, spec, same_shape)
             else:
                 holds[c.rank] = self._decision_hold(rec, c, gen)
         subs = self._add(spec, holds)
@@ -483,7 +477,7 @@ class KVPlane:
         if same:
             for rank, sub in subs.items():
                 sub.resume(rec.positions.get(rank))
-                self._spawn(spec.engine, self._probe(rec, sub, gen, spec, same_shape), gen)
+            self._await_proof(rec, gen, spec, same_shape, subs, holds_set=True)
             return
         # An empty incarnation (static workers) cannot prove a new process: ``same`` was False only
         # for a changed shape or the cap, and the decision below rejects those.
@@ -492,6 +486,33 @@ class KVPlane:
             spec.engine,
             self._decide_new_process(rec, gen, spec, same_shape=same_shape, cap=cap),
             gen,
+        )
+
+    def _await_proof(
+        self,
+        rec: EngineRecord,
+        gen: int,
+        spec: WorkerSpec,
+        same_shape: bool,
+        subs: dict[int, RankSubscription],
+        *,
+        holds_set: bool = False,
+    ) -> None:
+        """Same incarnation: hold every rank (``holds_set``: ``_return`` gave them their holds) and
+        probe each for the proof of continuity."""
+        for sub in subs.values():
+            c = sub.carrier
+            if not holds_set:
+                self._undecided[c] = gen
+                sub.hold = self._return_hold(rec, c, gen, spec, same_shape)
+            self._spawn(spec.engine, self._probe(rec, sub, gen, spec, same_shape), gen)
+
+    def _return_hold(
+        self, rec: EngineRecord, c: Carrier, gen: int, spec: WorkerSpec, same_shape: bool
+    ) -> RankHold:
+        return _ReturnHold(
+            on_end=lambda why: self._rank_proved(rec, c, gen, False, why),
+            on_restart=lambda: self._restarted_in_place(rec, gen, spec, same_shape),
         )
 
     def _decision_hold(self, rec: EngineRecord, c: Carrier, gen: int) -> RankHold:

@@ -52,6 +52,9 @@ class StreamPosition:
     cursor_hash: int | None = None
 
 
+RECENT_HASHES = 4096  # applied batches whose payload hash a rank remembers (about 100 KiB)
+
+
 def payload_hash(payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
@@ -108,6 +111,7 @@ class RankSubscription:
         self.on_splice: Callable[[int], None] | None = None
         self._stats = DecodeStats()
         self._resumes = 0
+        self._recent: dict[int, int] = {}  # seq -> payload hash of the last RECENT_HASHES applied
 
     @property
     def resumes(self) -> int:
@@ -121,6 +125,7 @@ class RankSubscription:
         """Take up a stream where we let go of it (None: from wherever it is)."""
         p = position or StreamPosition()
         self.cursor, self.live_last, self.cursor_hash = p.cursor, p.live_last, p.cursor_hash
+        self._recent = {} if p.cursor_hash is None else {p.cursor: p.cursor_hash}
         self._resumes += 1  # a gap fill in flight is filling from the old cursor: it must start over
 
     # ---- the live loop -------------------------------------------------------------------------
@@ -168,6 +173,13 @@ class RankSubscription:
         self.last_event_at = time.monotonic()
         arrival = classify(self.cursor, seq, live_last=self.live_last)
         self.live_last = seq
+        if arrival is Arrival.DUPLICATE:
+            # A held duplicate of a replayed batch, or a restarted publisher whose sequence has not
+            # yet passed ours (live_last cannot tell when the batches came by replay): the batch we
+            # applied at that sequence, when we still know it, tells.
+            known = self._recent.get(seq)
+            if known is not None and known != payload_hash(payload):
+                arrival = Arrival.RESTART
         if arrival is Arrival.RESTART:
             hold = self.hold
             if hold is None or not hold.active or not hold.take_over_restart():
@@ -189,6 +201,10 @@ class RankSubscription:
 
     def _accept(self, seq: int, payload: bytes) -> None:
         self.cursor, self.cursor_hash = seq, payload_hash(payload)
+        recent = self._recent
+        recent[seq] = self.cursor_hash
+        if len(recent) > RECENT_HASHES:
+            del recent[next(iter(recent))]
         try:
             batch = decode_batch(payload, self._stats)
         except MalformedFrame as exc:
