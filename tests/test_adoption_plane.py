@@ -1229,3 +1229,95 @@ async def test_the_host_tier_is_not_adopted_across_a_restart(tmp_path):
         await back(plane, spec(engine))
         assert tiers(plane, h) is None and tiers(plane, DISK) == (0, 0, 2, 0)
         assert not false_visible(plane, engine)
+
+
+def gated_replay(gate):
+    real = plane_mod.replay
+
+    async def gated(*a, **kw):
+        await gate.wait()
+        return await real(*a, **kw)
+
+    return gated
+
+
+async def test_evictions_held_by_a_return_cut_short_are_kept(tmp_path, monkeypatch):
+    """A same-incarnation return whose probe is slow holds the engine's next batch (its disk blocks
+    promoted to device: BlockRemoved STORAGE); discovery drops it before the probe answers, and the
+    container restarts on the same disk. The held batch is never applied, but its evictions are
+    kept, so the new process's adoption does not show the promoted (now gone) disk blocks."""
+    gate = asyncio.Event()
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        await warm(plane, engine)
+        leave(plane)
+        real = plane_mod.replay
+        probe_start = plane._records["e"].positions[0].cursor
+
+        async def gated(ctx, endpoint, start, *a, **kw):
+            if start == probe_start:  # the probe (a gap fill asks from cursor + 1)
+                await gate.wait()
+            return await real(ctx, endpoint, start, *a, **kw)
+
+        monkeypatch.setattr(plane_mod, "replay", gated)
+        plane.set_workers([spec(engine)])  # same process returns; its probe waits
+        sub = plane.subscriptions()[0]
+        await eventually(lambda: sub.connected, what="connected")
+        await asyncio.sleep(0.2)
+        engine.admit(0, DISK, engine.caches[0].chain(DISK)[0].namespace)  # promote DISK to device
+        await eventually(lambda: sub.hold is not None and len(sub.hold) >= 1, what="held")
+        leave(plane)  # gone again before the decision: the held batch is dropped
+        gate.set()
+        engine.restart()
+        await back(plane, spec(engine))
+        assert not false_visible(plane, engine), false_visible(plane, engine)
+
+
+async def test_evictions_held_by_a_breaker_return_cut_short_are_kept(tmp_path, monkeypatch):
+    """As above, through the breaker: it closes (its ranks held for their probes), the promotion's
+    batch lands in the hold, and discovery drops the engine before the probe answers."""
+    gate = asyncio.Event()
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        await warm(plane, engine)
+        plane.engine_unreachable("e")
+        monkeypatch.setattr(plane_mod, "replay", gated_replay(gate))
+        plane.engine_reachable("e")  # held and probed
+        sub = plane.subscriptions()[0]
+        engine.admit(0, DISK, engine.caches[0].chain(DISK)[0].namespace)
+        await eventually(lambda: sub.hold is not None and len(sub.hold) >= 1, what="held")
+        leave(plane)
+        gate.set()
+        engine.restart()
+        await back(plane, spec(engine))
+        assert not false_visible(plane, engine), false_visible(plane, engine)
+
+
+async def test_evictions_of_the_old_process_held_before_a_restart_shows_are_kept(tmp_path, monkeypatch):
+    """In a pod: the old process returns, its probe is slow, it evicts its disk blocks (held), then its
+    container restarts and the new process's first batch shows the restart: the old process's held
+    evictions are kept, and the new-process adoption does not show the evicted blocks."""
+    gate = asyncio.Event()
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        await warm(plane, engine, pod=True)
+        leave(plane)
+        real = plane_mod.replay
+        probe_start = plane._records["e"].positions[0].cursor
+
+        async def gated(ctx, endpoint, start, *a, **kw):
+            if start == probe_start:
+                await gate.wait()
+            return await real(ctx, endpoint, start, *a, **kw)
+
+        monkeypatch.setattr(plane_mod, "replay", gated)
+        plane.set_workers([in_pod(engine)])
+        sub = plane.subscriptions()[0]
+        await eventually(lambda: sub.connected, what="connected")
+        await asyncio.sleep(0.2)
+        engine.emit(0, engine.caches[0].remove(DISK))  # the old process evicts its disk blocks
+        await eventually(lambda: sub.hold is not None and len(sub.hold) >= 1, what="held")
+        engine.restart()
+        engine.publisher.publish(0, ())  # seq 0 of the new process: the restart shows live
+        await asyncio.sleep(0.3)
+        gate.set()
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+        await plane.writer.drain()
+        assert not false_visible(plane, engine), false_visible(plane, engine)

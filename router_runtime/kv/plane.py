@@ -32,7 +32,7 @@ from .adoption import (
     decide,
     parse_storage,
 )
-from .events import SequencedBatch
+from .events import AllBlocksCleared, BlockRemoved, EventBatch, SequencedBatch
 from .hold import HoldEnd, RankHold
 from .index import Carrier, RadixIndex
 from .metrics import KVMetrics
@@ -312,6 +312,17 @@ class KVPlane:
                 hold.take()
             self._resume_cold(rec, c, gen, ClearReason.ADOPTION_FAILED)
 
+    def _keep_evictions(self, c: Carrier, batches: list[SequencedBatch]) -> None:
+        """Held batches that will never be applied (their stream's continuity went unproved) may still
+        say what the engine evicted: removals only ever make the index colder, so apply those (a
+        process that dies right after evicting from its disk must not have them re-adopted)."""
+        events = tuple(
+            ev for b in batches for ev in b.batch.events if isinstance(ev, BlockRemoved | AllBlocksCleared)
+        )
+        if events:
+            self.writer.call(lambda idx: idx.apply_batch(c, EventBatch(0.0, events)))
+            self.writer.note_eviction(c)
+
     def _undecided_of(self, rec: EngineRecord, gen: int) -> list[Carrier]:
         return [c for c, g in self._undecided.items() if c.engine == rec.engine and g == gen]
 
@@ -359,10 +370,11 @@ class KVPlane:
                     sub, task = entry
                     if pending:
                         # Gone again before the decision: its held batches were never applied, so
-                        # it stays judged against what it was before it returned.
+                        # it stays judged against what it was before it returned (less what they
+                        # evicted).
                         if sub.hold is not None:
                             sub.hold.active = False
-                            sub.hold.take()
+                            self._keep_evictions(carrier, sub.hold.take())
                     else:
                         rec.positions[carrier.rank] = sub.position()
                     task.cancel()
@@ -645,7 +657,7 @@ class KVPlane:
             sub = entry[0]
             if sub.hold is not None:
                 sub.hold.active = False
-                sub.hold.take()
+                self._keep_evictions(c, sub.hold.take())  # the old process's last word, if any
             sub.hold = self._decision_hold(rec, c, gen)
             sub.resume(StreamPosition(cursor=-1))  # the new publisher's stream begins at 0
         cap = self._cap.reached(self._cap_key(rec), self._clock())
