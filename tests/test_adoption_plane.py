@@ -14,7 +14,9 @@ import time
 from prometheus_client import CollectorRegistry
 
 import router_runtime.kv.plane as plane_mod
+import router_runtime.kv.subscription as sub_mod
 from router_runtime.fake_engine import FakeEngine, FakeEngineConfig
+from router_runtime.fake_engine.publisher import Drop
 from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.kv.adoption import CarrierState, StorageIdentity
 from router_runtime.kv.events import Tier
@@ -1320,4 +1322,137 @@ async def test_evictions_of_the_old_process_held_before_a_restart_shows_are_kept
         gate.set()
         await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
         await plane.writer.drain()
+        assert not false_visible(plane, engine), false_visible(plane, engine)
+
+
+async def test_a_gap_fill_spanning_a_reset_does_not_splice_a_dead_process(tmp_path, monkeypatch):
+    """A gap fill is out when the probe shows a restart (resume to -1, live_last None); by the time
+    the fill asks again the engine has restarted once more. The refill takes p3's batches, cannot
+    reach the live seq in hand (p2's), clears the rank and accepts p2's batch as FIRST: a dead
+    process's device store is applied to p3's carrier, and with live_last wiped by the reset, p3's
+    next batches (seq <= that cursor, hashes unknown) are dropped as duplicates."""
+    probe_gate, fill_gate, lookup_gate = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    gating = [False]
+
+    async def lookup(s):
+        if gating[0]:
+            await lookup_gate.wait()
+        return await lookup_storage(s)
+
+    async with fake(tmp_path) as engine, plane_for(storage_lookup=lookup) as plane:
+        await warm(plane, engine, pod=True)
+        K = plane.subscriptions()[0].cursor
+        leave(plane)
+        engine.restart()  # p2
+        for _ in range(K + 2):  # p2: 0 .. K+1
+            engine.publisher.publish(0, ())
+        real_p, real_s = plane_mod.replay, sub_mod.replay
+
+        async def probe(ctx, endpoint, start, *a, **kw):
+            if start == K:
+                await probe_gate.wait()
+            return await real_p(ctx, endpoint, start, *a, **kw)
+
+        fills = []
+
+        async def fill(ctx, endpoint, start, *a, **kw):
+            fills.append(start)
+            if len(fills) == 1:
+                await fill_gate.wait()
+            return await real_s(ctx, endpoint, start, *a, **kw)
+
+        monkeypatch.setattr(plane_mod, "replay", probe)
+        monkeypatch.setattr(sub_mod, "replay", fill)
+        gating[0] = True
+        plane.set_workers([in_pod(engine)])
+        sub = plane.subscriptions()[0]
+        await eventually(lambda: sub.connected, what="connected")
+        await asyncio.sleep(0.2)
+        Y = [900] * BS
+        engine.emit(0, engine.caches[0].store(Y), Drop.NONE)  # p2 seq K+2: a live GAP (cursor K) ...
+        await eventually(lambda: fills, what="gap fill out")  # ... whose fill waits
+        probe_gate.set()  # the probe: another batch at K -> restarted in place, resume(-1)
+        await eventually(lambda: sub.cursor == -1, what="reset by the probe")
+        engine.restart()  # p3, same ports: Y died with p2
+        for _ in range(2):
+            engine.publisher.publish(0, ())  # p3: 0, 1
+        fill_gate.set()
+        await eventually(lambda: len(fills) >= 2, what="refill")
+        await asyncio.sleep(0.2)
+        lookup_gate.set()
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="settled")
+        await plane.writer.drain()
+        # p3 goes on publishing: are its batches followed?
+        Z = [901] * BS
+        engine.emit(0, engine.caches[0].store(Z))  # p3 seq 2
+        engine.publisher.publish(0, ())  # p3 seq 3
+        await asyncio.sleep(0.3)
+        await plane.writer.drain()
+        assert not false_visible(plane, engine), false_visible(plane, engine)
+        assert tiers(plane, Z) is not None, "p3's store was dropped as a duplicate"
+
+
+async def test_a_dead_process_batch_read_late_is_not_applied(tmp_path, monkeypatch):
+    """The old process's last batches are still queued in the SUB socket (late delivery: simulated by
+    holding the live loop) when the breaker closes and the probe judges the engine a new process
+    (reset to cursor -1) and decides it. The queued batches then arrive: GAP from -1, the gap
+    replay finds the new process's buffer empty (UNCOVERED), the rank is cleared and the dead
+    process's batch accepted as the new start: its device blocks are routable."""
+    deliver = asyncio.Event()
+    gating = [False]
+    real_on_live = sub_mod.RankSubscription.on_live
+
+    async def on_live(self, frames):
+        if gating[0]:
+            await deliver.wait()
+        return await real_on_live(self, frames)
+
+    monkeypatch.setattr(sub_mod.RankSubscription, "on_live", on_live)
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        await warm(plane, engine, pod=True)
+        gating[0] = True
+        plane.engine_unreachable("e")
+        Y = [950] * BS
+        engine.emit(0, engine.caches[0].store(Y))  # p1's last batch: in the socket, not read yet
+        await asyncio.sleep(0.1)
+        engine.restart()  # p2; Y died with p1
+        plane.engine_reachable("e")  # probes: p2's buffer is empty -> a new process, decided
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+        await plane.writer.drain()
+        deliver.set()  # the queued batch of the dead process is read now
+        await asyncio.sleep(0.5)
+        await plane.writer.drain()
+        assert not false_visible(plane, engine), false_visible(plane, engine)
+
+
+async def test_held_batches_the_catch_up_contradicts_are_not_applied(tmp_path, monkeypatch):
+    """Behind an open breaker the engine restarts twice (p2 then p3). p2's batches reach the live loop
+    only after p3 is up (late delivery, simulated by holding the live loop). Seq 0 of p2 shows a
+    restart; its batches are held for the new-process decision. The catch-up asks p3 (empty buffer):
+    the answer does not contain what was held, so the decision is rejected, yet the held batches of
+    the dead p2 are released and applied: its device blocks are routable on p3."""
+    deliver = asyncio.Event()
+    gating = [False]
+    real_on_live = sub_mod.RankSubscription.on_live
+
+    async def on_live(self, frames):
+        if gating[0]:
+            await deliver.wait()
+        return await real_on_live(self, frames)
+
+    monkeypatch.setattr(sub_mod.RankSubscription, "on_live", on_live)
+    async with fake(tmp_path) as engine, plane_for() as plane:
+        await warm(plane, engine, pod=True)
+        gating[0] = True
+        plane.engine_unreachable("e")
+        engine.restart()  # p2
+        Y = [960] * BS
+        engine.emit(0, engine.caches[0].store(Y))  # p2 seq 0, not read yet
+        await asyncio.sleep(0.1)
+        engine.restart()  # p3: Y is gone, p3 has published nothing
+        plane.engine_reachable("e")
+        deliver.set()  # p2's batch is read now
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
+        await plane.writer.drain()
+        await asyncio.sleep(0.3)
         assert not false_visible(plane, engine), false_visible(plane, engine)

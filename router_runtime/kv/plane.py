@@ -552,6 +552,14 @@ class KVPlane:
         if rec.generation != gen:
             return
         from_start = all(caught_up)
+        if not from_start:
+            # What is held may not be this publisher's (its answer contradicted it, or never came):
+            # keep only its evictions, and follow the publisher from its sequence 0.
+            for sub in subs.values():
+                if sub.hold is not None and sub.hold.active:
+                    self._keep_evictions(sub.carrier, sub.hold.take())
+                if sub.endpoints.replay is not None:
+                    sub.resume(StreamPosition(cursor=-1))
         claimed = storage is not None and any(
             r is not rec and r.state is CarrierState.OK and r.storage == storage
             for r in self._records.values()

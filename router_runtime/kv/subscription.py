@@ -52,6 +52,12 @@ class StreamPosition:
     cursor_hash: int | None = None
 
 
+class Fill(enum.Enum):
+    DONE = "done"
+    RESET = "reset"  # the position was reset while the replay was out: nothing changed, ask again
+    STALE = "stale"  # the answering publisher did not send the live batch in hand
+
+
 RECENT_HASHES = 4096  # applied batches whose payload hash a rank remembers (about 100 KiB)
 
 
@@ -188,8 +194,10 @@ class RankSubscription:
             arrival = classify(self.cursor, seq)
         if arrival is Arrival.GAP:
             self.metrics.gaps.inc()
-            while not await self._fill_gap(seq):
+            while (fill := await self._fill_gap(seq)) is Fill.RESET:
                 pass  # the position was reset meanwhile: fill again from the new cursor
+            if fill is Fill.STALE:
+                return  # the live batch in hand is a dead process's
             arrival = classify(self.cursor, seq)
             if arrival is Arrival.GAP:  # the replay could not reach the live stream
                 self._clear(ClearReason.REPLAY_FAILED)
@@ -248,28 +256,38 @@ class RankSubscription:
 
     # ---- replay --------------------------------------------------------------------------------
 
-    async def _fill_gap(self, live_seq: int) -> bool:
-        """Replay what lies between our cursor and ``live_seq``. False, having changed nothing, when our
-        position was reset (``resume``) while the replay was out: its answer filled the old cursor."""
+    async def _fill_gap(self, live_seq: int) -> Fill:
+        """Replay what lies between our cursor and ``live_seq``. RESET, having changed nothing, when our
+        position was reset (``resume``) while the replay was out: its answer filled the old cursor.
+        STALE when the answer ended before ``live_seq``: a publisher buffers a batch before it sends
+        it, so the one that answered did not send the live batch in hand; a dead process did."""
         start = self.cursor + 1
         if self.endpoints.replay is None:
             self.metrics.replays.labels("unavailable").inc()
-            return True
+            return Fill.DONE
         resumes = self._resumes
         result = await replay(self.ctx, self.endpoints.replay, start, self.timeouts, stop_at=live_seq)
         if self._resumes != resumes:
-            return False
+            return Fill.RESET
         self.metrics.replays.labels(str(result.outcome)).inc()
         log.info("rank %s replay from %d: %s", self.carrier, start, result.outcome.value)
-        if result.outcome is ReplayOutcome.UNCOVERED:
+        got = result.batches
+        answered = result.outcome in (ReplayOutcome.FILLED, ReplayOutcome.UNCOVERED)
+        stale = answered and (not got or got[-1][0] < live_seq)
+        if stale:
+            # Whatever our cursor's batches were, the publisher now is another: cold, and followed
+            # from what it answered (from its sequence 0 next, when it answered nothing).
+            self._clear(ClearReason.PUBLISHER_RESTART)
+            self.resume(StreamPosition((got[0][0] - 1) if got else -1))
+        elif result.outcome is ReplayOutcome.UNCOVERED:
             # What happened between our cursor and the buffer's oldest batch is unknowable.
             self._clear(ClearReason.UNCOVERED_GAP)
-            self.cursor = (result.batches[0][0] if result.batches else live_seq) - 1
+            self.cursor = got[0][0] - 1
             self.cursor_hash = None
-        for seq, payload in result.batches:
+        for seq, payload in got:
             if classify(self.cursor, seq) is Arrival.NEXT:
                 self._accept(seq, payload)
-        return True
+        return Fill.STALE if stale else Fill.DONE
 
 
 async def replay(
