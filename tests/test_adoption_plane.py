@@ -11,6 +11,7 @@ import dataclasses
 import shutil
 import time
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 import router_runtime.kv.plane as plane_mod
@@ -289,21 +290,9 @@ async def test_an_idle_rank_is_judged_alone_and_does_not_take_its_proved_sibling
     async with fake(tmp_path, dp_size=2, replay_buffer=8) as engine, plane_for() as plane:
 
         def both() -> WorkerSpec:
-            return dataclasses.replace(in_pod(engine), dp_size=2)
+            return dp2(engine)
 
-        plane.set_workers([both()])
-        for sub in plane.subscriptions():
-            await join_stream(engine.publisher, sub, sub.carrier.rank)
-        for r in (0, 1):
-            engine.emit(r, engine.caches[r].store(DISK, tier=Tier.DISK))
-        await eventually(lambda: len(plane.index.match(DISK)) == 2, what="both ranks indexed")
-        await eventually(lambda: plane._records["e"].storage is not None, what="storage")
-        leave(plane)
-        engine.restart()
-        plane.set_workers([both()])
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="first adoption")
-        r0, r1 = sorted(plane.subscriptions(), key=lambda s: s.carrier.rank)
-        assert r1.cursor == -1
+        r0, _ = await adopted_with_an_idle_rank(plane, engine)
         engine.emit(0, engine.caches[0].store(DEV))
         for _ in range(20):
             engine.publisher.publish(0, ())
@@ -640,22 +629,10 @@ async def test_one_return_is_one_attempt_and_a_decision_of_no_rank_counts_nothin
         plane_for(storage_lookup=gated_lookup) as plane,
     ):
 
-        def both():
-            return dataclasses.replace(in_pod(engine), dp_size=2)
+        def both() -> WorkerSpec:
+            return dp2(engine)
 
-        plane.set_workers([both()])
-        for sub in plane.subscriptions():
-            await join_stream(engine.publisher, sub, sub.carrier.rank)
-        for r in (0, 1):
-            engine.emit(r, engine.caches[r].store(DISK, tier=Tier.DISK))
-        await eventually(lambda: len(plane.index.match(DISK)) == 2, what="both")
-        await eventually(lambda: plane._records["e"].storage is not None, what="storage")
-        leave(plane)
-        engine.restart()
-        plane.set_workers([both()])
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="first adoption")
-        r0, r1 = sorted(plane.subscriptions(), key=lambda s: s.carrier.rank)
-        assert r1.cursor == -1
+        r0, _ = await adopted_with_an_idle_rank(plane, engine)
         while r0.cursor is None or r0.cursor < 20:
             engine.publisher.publish(0, ())
             await asyncio.sleep(0.01)
@@ -990,10 +967,11 @@ async def test_an_idle_rank_without_identity_goes_cold_alone(tmp_path, monkeypat
         assert rank_tiers(plane, DEV) == {0: (2, 0, 0, 0)}, "a live continuous rank's device tier dropped"
 
 
-async def test_a_breaker_stopped_new_process_leaves_no_identity(tmp_path):
-    """A new incarnation on other storage (s2) is stopped by its breaker before its decision and comes
-    back cold: no identity was proved, so what it stores is not adopted by a later process proving
-    the old one (s1)."""
+@pytest.mark.parametrize("stop", ["breaker", "hold_lost"])
+async def test_a_new_process_never_judged_leaves_no_identity(tmp_path, stop):
+    """A new incarnation on other storage (s2) never gets its decision: its breaker opens first, or its
+    only rank's hold ends. It comes back cold and no identity was proved, so what it stores is not
+    adopted by a later process proving the old one (s1)."""
     s1, s2 = StorageIdentity("s1", 0), StorageIdentity("s2", 0)
     cur = [s1]
     gate = asyncio.Event()
@@ -1013,51 +991,17 @@ async def test_a_breaker_stopped_new_process_leaves_no_identity(tmp_path):
         on[0] = True
         plane.set_workers([spec(engine)])
         await asyncio.sleep(0.05)
-        plane.engine_unreachable("e")
+        if stop == "breaker":
+            plane.engine_unreachable("e")
+            on[0] = False
+            gate.set()
+            plane.engine_reachable("e")  # its ranks are proved by their probes before they show
+        else:
+            plane.subscriptions()[0].hold.end(HoldEnd.OVERFLOW)
+        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="back, cold")
         on[0] = False
         gate.set()
-        plane.engine_reachable("e")  # its ranks are proved by their probes before they show
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="proved")
         await plane.writer.drain()
-        assert plane.carrier_states() == {"e": CarrierState.OK}
-        await join(plane, engine)
-        engine.emit(0, engine.caches[0].store(fresh, tier=Tier.DISK))
-        await eventually(lambda: tiers(plane, fresh) == (0, 0, 2, 0), what="stored under s2")
-        leave(plane)
-        engine.restart()
-        cur[0] = s1
-        await back(plane, spec(engine))
-        assert tiers(plane, fresh) is None, "blocks stored on s2 adopted under s1"
-
-
-async def test_a_new_process_never_judged_leaves_no_identity(tmp_path):
-    """As above, but its only rank's hold ends before the decision: the return settles unjudged and
-    leaves no identity."""
-    from router_runtime.kv.hold import HoldEnd
-
-    s1, s2 = StorageIdentity("s1", 0), StorageIdentity("s2", 0)
-    cur = [s1]
-    gate = asyncio.Event()
-    on = [False]
-
-    async def lookup(_s):
-        if on[0]:
-            await gate.wait()
-        return cur[0]
-
-    fresh = list(range(80, 88))
-    async with fake(tmp_path) as engine, plane_for(storage_lookup=lookup) as plane:
-        await warm(plane, engine)
-        leave(plane)
-        engine.restart()
-        cur[0] = s2
-        on[0] = True
-        plane.set_workers([spec(engine)])
-        await asyncio.sleep(0.05)
-        plane.subscriptions()[0].hold.end(HoldEnd.OVERFLOW)
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="cold")
-        on[0] = False
-        gate.set()
         await join(plane, engine)
         engine.emit(0, engine.caches[0].store(fresh, tier=Tier.DISK))
         await eventually(lambda: tiers(plane, fresh) == (0, 0, 2, 0), what="stored under s2")
