@@ -148,15 +148,7 @@ def session_metrics(router: h.Router) -> str:
 def run_row(name: str, schedule: list[Turn], p: Params, logdir: str) -> Result:
     label, kind, extra, events = ROWS[name]
     res = Result(label)
-    opts = h.EngineOpts(
-        block_size=p.block_size,
-        capacity_blocks=p.capacity_blocks,
-        prefill_us_per_token=p.prefill_us_per_token,
-        decode_tokens_per_s=p.decode_tokens_per_s,
-        max_concurrency=p.engine_slots,
-        cache_generated=True,
-    )
-    engines = h.start_engines(p.engines, opts, logdir)
+    engines = h.start_engines(p.engines, p.engine_opts(), logdir)
     router = None
     try:
         incarnations = h.engine_incarnations(engines)

@@ -73,6 +73,17 @@ class Params:
     engine_slots: int = 4  # --max-concurrency per engine
     seed: int = 11
 
+    def engine_opts(self) -> h.EngineOpts:
+        """The fake engines this workload runs on (finished requests' output cached, as real engines do)."""
+        return h.EngineOpts(
+            block_size=self.block_size,
+            capacity_blocks=self.capacity_blocks,
+            prefill_us_per_token=self.prefill_us_per_token,
+            decode_tokens_per_s=self.decode_tokens_per_s,
+            max_concurrency=self.engine_slots,
+            cache_generated=True,
+        )
+
 
 QUICK = Params(convs=96, active=24, concurrency=12)
 
@@ -346,15 +357,7 @@ ROWS = {
 def run_row(name: str, schedule: list[Turn], p: Params, logdir: str) -> Result:
     label, kind, policy, text = ROWS[name]
     res = Result(label)
-    opts = h.EngineOpts(
-        block_size=p.block_size,
-        capacity_blocks=p.capacity_blocks,
-        prefill_us_per_token=p.prefill_us_per_token,
-        decode_tokens_per_s=p.decode_tokens_per_s,
-        max_concurrency=p.engine_slots,
-        cache_generated=True,
-    )
-    engines = h.start_engines(p.engines, opts, logdir)
+    engines = h.start_engines(p.engines, p.engine_opts(), logdir)
     router = None
     try:
         incarnations = h.engine_incarnations(engines)

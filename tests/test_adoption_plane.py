@@ -770,6 +770,19 @@ async def test_a_rank_is_shown_only_after_its_held_batches_apply(tmp_path):
         assert seen == [], "evicted disk blocks visible while the held batches were being applied"
 
 
+def probe_waits(monkeypatch, engine: FakeEngine, until) -> None:
+    """Rank 0's probe (a replay from its cursor, not from 0) answers only after ``await until()``:
+    a busy engine serves its replay socket late."""
+    real = plane_mod.replay
+
+    async def late(ctx, endpoint, start, *a, **kw):
+        if endpoint == engine.replay_endpoint(0) and start != 0:
+            await until()
+        return await real(ctx, endpoint, start, *a, **kw)
+
+    monkeypatch.setattr(plane_mod, "replay", late)
+
+
 def dp2(engine: FakeEngine) -> WorkerSpec:
     return dataclasses.replace(in_pod(engine), dp_size=2)
 
@@ -848,13 +861,6 @@ async def test_an_identity_change_seen_by_an_idle_rank_is_judged_for_the_whole_e
         return current[0]
 
     gate = asyncio.Event()
-    real = plane_mod.replay
-
-    async def late_probe(ctx, endpoint, start, *a, **kw):
-        if endpoint == engine.replay_endpoint(0) and start != 0:
-            await gate.wait()  # rank 0's probe (from its cursor) answers late
-        return await real(ctx, endpoint, start, *a, **kw)
-
     later = list(range(90, 98))
     async with (
         fake(tmp_path, dp_size=2, replay_buffer=8) as engine,
@@ -864,7 +870,7 @@ async def test_an_identity_change_seen_by_an_idle_rank_is_judged_for_the_whole_e
         leave(plane)
         engine.restart()
         current[0] = s2
-        monkeypatch.setattr(plane_mod, "replay", late_probe)
+        probe_waits(monkeypatch, engine, gate.wait)
         await back(plane, dp2(engine))  # decided without rank 0's probe: rank 1's check escalated
         assert outcome(plane, "identity_mismatch") == 1 and plane._records["e"].storage == s2
         assert plane.index.match(DISK) == {}
@@ -899,13 +905,6 @@ async def test_a_catch_up_must_contain_what_the_live_loop_held_before(tmp_path, 
             await gate_lookup.wait()
         return await lookup_storage(s)
 
-    real = plane_mod.replay
-
-    async def late_probe(ctx, endpoint, start, *a, **kw):
-        if endpoint == engine.replay_endpoint(0) and start != 0:
-            await gate_probe.wait()
-        return await real(ctx, endpoint, start, *a, **kw)
-
     async with (
         fake(tmp_path, dp_size=2, replay_buffer=8) as engine,
         plane_for(storage_lookup=lookup) as plane,
@@ -913,7 +912,7 @@ async def test_a_catch_up_must_contain_what_the_live_loop_held_before(tmp_path, 
         await adopted_with_an_idle_rank(plane, engine)
         leave(plane)
         on[0] = True
-        monkeypatch.setattr(plane_mod, "replay", late_probe)
+        probe_waits(monkeypatch, engine, gate_probe.wait)
         plane.set_workers([dp2(engine)])
         sub1 = next(s for s in plane.subscriptions() if s.carrier.rank == 1)
         await join_stream(engine.publisher, sub1, 1)  # P's live batches, held
@@ -936,13 +935,6 @@ async def test_an_idle_rank_without_identity_goes_cold_alone(tmp_path, monkeypat
     async def none(_s):
         return None
 
-    real = plane_mod.replay
-
-    async def late_probe(ctx, endpoint, start, *a, **kw):
-        if endpoint == engine.replay_endpoint(0) and start != 0:
-            await asyncio.sleep(0.2)  # rank 0's probe answers a little late
-        return await real(ctx, endpoint, start, *a, **kw)
-
     async with fake(tmp_path, dp_size=2, replay_buffer=8) as engine, plane_for(storage_lookup=none) as plane:
         plane.set_workers([dp2(engine)])
         for sub in plane.subscriptions():
@@ -959,7 +951,7 @@ async def test_an_idle_rank_without_identity_goes_cold_alone(tmp_path, monkeypat
             engine.publisher.publish(0, ())
         await eventually(lambda: r0.cursor >= 12, what="busy")
         leave(plane)  # readiness flap, same live process
-        monkeypatch.setattr(plane_mod, "replay", late_probe)
+        probe_waits(monkeypatch, engine, lambda: asyncio.sleep(0.2))
         await back(plane, dp2(engine))
         await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="x")
         await plane.writer.drain()
@@ -1023,13 +1015,6 @@ async def test_one_failed_lookup_on_an_idle_rank_does_not_take_the_engine_down(t
             raise TimeoutError("busy engine")
         return await lookup_storage(s)
 
-    real = plane_mod.replay
-
-    async def late_probe(ctx, endpoint, start, *a, **kw):
-        if endpoint == engine.replay_endpoint(0) and start != 0:
-            await asyncio.sleep(0.2)
-        return await real(ctx, endpoint, start, *a, **kw)
-
     async with (
         fake(tmp_path, dp_size=2, replay_buffer=8) as engine,
         plane_for(storage_lookup=lookup) as plane,
@@ -1041,7 +1026,7 @@ async def test_one_failed_lookup_on_an_idle_rank_does_not_take_the_engine_down(t
         await eventually(lambda: rank_tiers(plane, DEV) == {0: (2, 0, 0, 0)} and r0.cursor >= 18, what="busy")
         leave(plane)
         fail[0] = True
-        monkeypatch.setattr(plane_mod, "replay", late_probe)
+        probe_waits(monkeypatch, engine, lambda: asyncio.sleep(0.2))
         await back(plane, dp2(engine))
         assert engine.caches[0].device_hashes() and engine.caches[1].disk_hashes()
         assert rank_tiers(plane, DEV) == {0: (2, 0, 0, 0)}, "live rank 0's device tier dropped"
@@ -1057,13 +1042,6 @@ async def test_ranks_kept_before_a_restart_shows_are_judged_with_the_new_process
         return cur[0]
 
     gate = asyncio.Event()
-    real = plane_mod.replay
-
-    async def late_probe(ctx, endpoint, start, *a, **kw):
-        if endpoint == engine.replay_endpoint(0) and start != 0:
-            await gate.wait()
-        return await real(ctx, endpoint, start, *a, **kw)
-
     async with (
         fake(tmp_path, dp_size=2, replay_buffer=8) as engine,
         plane_for(storage_lookup=lookup) as plane,
@@ -1071,7 +1049,7 @@ async def test_ranks_kept_before_a_restart_shows_are_judged_with_the_new_process
         await adopted_with_an_idle_rank(plane, engine)
         leave(plane)
         engine.restart()
-        monkeypatch.setattr(plane_mod, "replay", late_probe)
+        probe_waits(monkeypatch, engine, gate.wait)
         plane.set_workers([dp2(engine)])
         await eventually(lambda: Carrier("e", 1) not in plane._undecided, what="rank 1 kept under s1")
         cur[0] = s2
@@ -1336,12 +1314,9 @@ async def test_a_gap_fill_spanning_a_reset_does_not_splice_a_dead_process(tmp_pa
         assert tiers(plane, Z) is not None, "p3's store was dropped as a duplicate"
 
 
-async def test_a_dead_process_batch_read_late_is_not_applied(tmp_path, monkeypatch):
-    """The old process's last batches are still queued in the SUB socket (late delivery: simulated by
-    holding the live loop) when the breaker closes and the probe judges the engine a new process
-    (reset to cursor -1) and decides it. The queued batches then arrive: GAP from -1, the gap
-    replay finds the new process's buffer empty (UNCOVERED), the rank is cleared and the dead
-    process's batch accepted as the new start: its device blocks are routable."""
+def late_delivery(monkeypatch) -> tuple[list[bool], asyncio.Event]:
+    """Batches that sit in the SUB socket for a while: once ``gating[0]`` is set, the live loop reads
+    nothing more until ``deliver`` is set."""
     deliver = asyncio.Event()
     gating = [False]
     real_on_live = sub_mod.RankSubscription.on_live
@@ -1352,6 +1327,14 @@ async def test_a_dead_process_batch_read_late_is_not_applied(tmp_path, monkeypat
         return await real_on_live(self, frames)
 
     monkeypatch.setattr(sub_mod.RankSubscription, "on_live", on_live)
+    return gating, deliver
+
+
+async def test_a_dead_process_batch_read_late_is_not_applied(tmp_path, monkeypatch):
+    """The old process's last batch still sits in the SUB socket when the breaker closes and the probe
+    judges the engine a new process and decides it. When the batch is read at last, the gap replay
+    it triggers ends before it (the new process never sent it): it is dropped, not applied."""
+    gating, deliver = late_delivery(monkeypatch)
     async with fake(tmp_path) as engine, plane_for() as plane:
         await warm(plane, engine, pod=True)
         gating[0] = True
@@ -1370,21 +1353,10 @@ async def test_a_dead_process_batch_read_late_is_not_applied(tmp_path, monkeypat
 
 
 async def test_held_batches_the_catch_up_contradicts_are_not_applied(tmp_path, monkeypatch):
-    """Behind an open breaker the engine restarts twice (p2 then p3). p2's batches reach the live loop
-    only after p3 is up (late delivery, simulated by holding the live loop). Seq 0 of p2 shows a
-    restart; its batches are held for the new-process decision. The catch-up asks p3 (empty buffer):
-    the answer does not contain what was held, so the decision is rejected, yet the held batches of
-    the dead p2 are released and applied: its device blocks are routable on p3."""
-    deliver = asyncio.Event()
-    gating = [False]
-    real_on_live = sub_mod.RankSubscription.on_live
-
-    async def on_live(self, frames):
-        if gating[0]:
-            await deliver.wait()
-        return await real_on_live(self, frames)
-
-    monkeypatch.setattr(sub_mod.RankSubscription, "on_live", on_live)
+    """Behind an open breaker the engine restarts twice (p2, then p3); p2's batch reaches the live loop
+    only after p3 is up and is held for the new-process decision. The catch-up asks p3, whose empty
+    answer contradicts what was held: the decision is rejected and p2's batch is not applied."""
+    gating, deliver = late_delivery(monkeypatch)
     async with fake(tmp_path) as engine, plane_for() as plane:
         await warm(plane, engine, pod=True)
         gating[0] = True
