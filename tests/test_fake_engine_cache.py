@@ -37,7 +37,7 @@ def toks(start: int, n_blocks: int, bs: int = BS) -> list[int]:
 
 
 def test_sglang_chain_golden_values() -> None:
-    # experimental/sgl-router hash.rs golden vectors (kv-wire.md section 2); published as signed i64.
+    # experimental/sgl-router hash.rs golden vectors (docs/kv-wire.md section 2); published as signed i64.
     assert [to_signed_i64(h) for h in block_hashes(Dialect.SGLANG, [1, 2, 3, 4], 4)] == [-3488128144981237669]
     assert [to_signed_i64(h) for h in block_hashes(Dialect.SGLANG, [10, 20, 30, 40, 50, 60, 70, 80], 2)] == [
         978178666101069530,
@@ -49,7 +49,7 @@ def test_sglang_chain_golden_values() -> None:
 
 @pytest.mark.parametrize("dialect", [Dialect.VLLM_033, Dialect.VLLM_020])
 def test_vllm_chain_golden_values(dialect: Dialect) -> None:
-    # vLLM 0.33 sha256 with NONE_HASH seed "vllm-none-hash" (kv-wire.md section 1.4).
+    # vLLM 0.33 sha256 with NONE_HASH seed "vllm-none-hash" (docs/kv-wire.md section 1.4).
     assert block_hashes(dialect, list(range(1, 33)), 16) == [1403909460543360175, 1643945449041937783]
 
 

@@ -1,6 +1,6 @@
 """The decoder and encoders against the golden wire vectors recorded from the engines' own publishers.
 
-Each vector line (``shared/vectors/*.jsonl``, described in its README) is a frame captured from the
+Each vector line (``tests/data/vectors/*.jsonl``, described in its README) is a frame captured from the
 ``kv_events.py`` of vLLM 0.20.0, vLLM 0.33.0 or SGLang 0.5.23, plus ``scripted``: the repr of the batch
 the publisher was given. We build our expected ``EventBatch`` from that repr and require:
 
@@ -38,8 +38,8 @@ from router_runtime.kv.events import (
     EventBatch,
 )
 
-# The repo sits beside shared/ (…/main and …/shared).
-VECTORS_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "vectors"
+# Checked in with the tests: tests/data/vectors.
+VECTORS_DIR = Path(__file__).resolve().parent / "data" / "vectors"
 DIALECTS = {
     "vllm-0.33.0": Dialect.VLLM_033,
     "vllm-0.20.0": Dialect.VLLM_020,
@@ -56,7 +56,7 @@ def _load(source: str) -> list[dict[str, Any]]:
     path = VECTORS_DIR / f"{source}.jsonl"
     if not path.is_file():
         pytest.fail(
-            f"golden vectors missing: {path} (expected shared/vectors beside the repo checkout)",
+            f"golden vectors missing: {path} (expected in tests/data/vectors)",
             pytrace=False,
         )
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

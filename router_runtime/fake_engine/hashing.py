@@ -10,7 +10,7 @@ engine's:
 * vLLM dialects: vLLM 0.33's default ``sha256`` chain, ``d_i = sha256(pickle((d_{i-1}, tokens,
   extra_keys)))`` with ``d_{-1} = NONE_HASH = sha256(pickle("vllm-none-hash"))`` (no PYTHONHASHSEED),
   published as the last 8 digest bytes as u64. Golden: tokens 1..32, block 16 ->
-  ``[1403909460543360175, 1643945449041937783]`` (kv-wire.md section 1.4). Pickle of a tuple of bytes,
+  ``[1403909460543360175, 1643945449041937783]`` (docs/kv-wire.md section 1.4). Pickle of a tuple of bytes,
   ints and strs is stable across CPython versions at a fixed protocol, so this is deterministic.
 
 Namespaces (LoRA adapter, cache salt) change every hash so salted blocks never collide with plain ones:
@@ -75,7 +75,7 @@ def vllm_hash_extra_keys(namespace: Namespace, block_index: int) -> tuple | None
 
 def vllm_event_extra_keys(namespace: Namespace, block_index: int) -> tuple:
     """The untagged extra keys vLLM puts on a BlockStored for that block: the LoRA name on every block,
-    the cache salt on the first block only (kv-wire.md section 1.3). Empty tuple when none."""
+    the cache salt on the first block only (docs/kv-wire.md section 1.3). Empty tuple when none."""
     keys: list[str] = []
     if namespace.lora_name is not None:
         keys.append(namespace.lora_name)

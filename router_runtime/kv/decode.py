@@ -4,7 +4,7 @@ Pure functions, no I/O. This is the ingestion hot path: one ``msgpack.unpackb`` 
 walk over plain tuples/dicts with ``type(x) is T`` checks (cheaper than ``isinstance`` chains and
 exact: msgpack ``true`` is a ``bool``, which must not pass for an int).
 
-Accepted shapes (kv-wire.md sections 1.3, 2 and 6):
+Accepted shapes (docs/kv-wire.md sections 1.3, 2 and 6):
 
 - batch: ``[ts, events]`` or ``[ts, events, rank]`` (extra trailing elements ignored), or defensively
   a map ``{"ts", "events", "data_parallel_rank" | "attn_dp_rank"}``;
@@ -151,7 +151,7 @@ def topic_matches(topic: bytes, prefix: bytes) -> bool:
 def parse_replay_reply(frames: Sequence[bytes]) -> tuple[int, bytes] | None:
     """One reply as a DEALER receives it from a replay ROUTER: ``(seq, payload)``, or None at the end.
 
-    Two layouts exist (kv-wire.md 1.1): ``[b"", seq, payload]`` (vLLM <= 0.25, older SGLang) and
+    Two layouts exist (docs/kv-wire.md 1.1): ``[b"", seq, payload]`` (vLLM <= 0.25, older SGLang) and
     ``[b"", topic, seq, payload]`` (vLLM >= 0.26, SGLang 0.5.23). The end marker has seq 0xFF * 8 and
     an empty payload; either one alone also ends the stream (a payload is never empty).
     """
@@ -287,7 +287,7 @@ def _metadata_salt(meta: Any, ctx: _Ctx) -> str | None:
     return _opt_str(meta.get("cache_salt"), "metadata.cache_salt")
 
 
-# Positional layouts (kv-wire.md 1.3): highest index we understand + 1; more is counted as unknown.
+# Positional layouts (docs/kv-wire.md 1.3): highest index we understand + 1; more is counted as unknown.
 _STORED_ARRAY_FIELDS = 16  # tag + 15 fields in vLLM 0.33
 _REMOVED_ARRAY_FIELDS = 6  # tag, block_hashes, medium, group_idx, locality, ownership
 
@@ -556,7 +556,7 @@ def decode_batch(
             ts, raw_events = obj[0], obj[1]
             rank = obj[2] if size > 2 else None
         elif t is dict:
-            # No release encodes a batch as a map, but one vLLM main commit would (kv-wire.md 1.3).
+            # No release encodes a batch as a map, but one vLLM main commit would (docs/kv-wire.md 1.3).
             if not obj.keys() <= _BATCH_MAP_KEYS:
                 ctx.unknown_fields += len(obj.keys() - _BATCH_MAP_KEYS)
             if "ts" not in obj or "events" not in obj:

@@ -1,7 +1,7 @@
 """Render an ``EventBatch`` in each engine dialect, byte for byte as the engines' own publishers do.
 
 This is what the fake engine publishes, so the fake speaks the real wire; ``tests/test_wire_vectors.py``
-holds it to the golden vectors in ``shared/vectors``. The engines encode with msgspec; plain
+holds it to the golden vectors in ``tests/data/vectors``. The engines encode with msgspec; plain
 ``msgpack.Packer`` writes the same bytes (float64 ``cb``, smallest int forms with ``cf`` for u64 >= 2**63
 and ``d3`` for negative i64, ``str8`` from 32 bytes, ``bin`` for bytes) except for one quirk:
 

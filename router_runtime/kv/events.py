@@ -26,7 +26,7 @@ class Tier(enum.IntFlag):
 ALL_TIERS = Tier.DEVICE | Tier.HOST | Tier.DISK | Tier.EXTERNAL
 
 # Storage media from both engines' vocabularies. An untagged (None) store means DEVICE; an unknown
-# medium on a store is ignored, and on a remove clears every tier (see kv-wire.md, section 3.2).
+# medium on a store is ignored, and on a remove clears every tier (see docs/kv-wire.md, section 3.2).
 MEDIUM_TIERS: dict[str, Tier] = {
     "GPU": Tier.DEVICE,
     "CPU": Tier.HOST,
