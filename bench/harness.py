@@ -321,6 +321,7 @@ class Router:
     proc: Proc
     port: int
     flags: list[str] = field(default_factory=list)  # the flags as run, for the report (ports elided)
+    ready_path: str = "/readyz"
 
     @property
     def url(self) -> str:
@@ -393,6 +394,7 @@ def start_router(
     cpus: set[int] | None = None,
     extra: Sequence[str] = (),
     events: bool = True,
+    wait: bool = True,
 ) -> Router:
     """Start one router in front of ``engines`` and wait until it answers. For ours that is /readyz
     (an engine known and healthy and, for kv_aware, its subscriptions connected); for the anchors
@@ -415,17 +417,74 @@ def start_router(
     else:
         raise ValueError(kind)
     proc = Proc(name, argv, logdir, cpus=cpus, env=env)
-    router = Router(kind, name, proc, port, shown_flags(argv, engines))
+    router = Router(kind, name, proc, port, shown_flags(argv, engines), ready_path)
+    if wait:
+        await_router(router)
+    return router
+
+
+def await_router(router: Router) -> None:
+    """Wait until a started router is ready and serves one completion (stopped if it never does)."""
     try:
-        wait_until(lambda: http_get(router.url + ready_path)[0] == 200, 60, f"{name} ready", [proc])
+        wait_until(
+            lambda: http_get(router.url + router.ready_path)[0] == 200,
+            60,
+            f"{router.label} ready",
+            [router.proc],
+        )
         body = {"model": MODEL, "prompt": "warm-up", "max_tokens": 1}
         wait_until(
-            lambda: http_post(router.url + "/v1/completions", body)[0] == 200, 30, f"{name} serving", [proc]
+            lambda: http_post(router.url + "/v1/completions", body)[0] == 200,
+            30,
+            f"{router.label} serving",
+            [router.proc],
         )
     except BaseException:
-        proc.stop()
+        router.proc.stop()
         raise
-    return router
+
+
+def start_fleet(
+    n: int,
+    engines: Sequence[Engine],
+    logdir: str,
+    *,
+    policy: str = "kv_aware",
+    label: str = "ours",
+    cpus: set[int] | None = None,
+    extra: Sequence[str] = (),
+) -> list[Router]:
+    """``n`` of our routers in front of the same engines, as the operator deploys them: one fleet token,
+    each replica's internal port listed as a static peer of the others (what EndpointSlices give a
+    replica in a cluster). One replica is started as ``start_router`` starts it."""
+    if n == 1:
+        return [start_router("ours", engines, logdir, policy=policy, label=label, cpus=cpus, extra=extra)]
+    token = Path(logdir) / "fleet-token"
+    token.write_text("bench-fleet-token\n")
+    internal = free_ports(n)
+    routers: list[Router] = []
+    try:
+        for i in range(n):
+            peers = [a for j, p in enumerate(internal) if j != i for a in ("--kv-peer", f"http://{HOST}:{p}")]
+            own = ["--internal-token-file", str(token), "--internal-port", str(internal[i]), *peers]
+            routers.append(
+                start_router(
+                    "ours",
+                    engines,
+                    logdir,
+                    policy=policy,
+                    label=f"{label}-{i}",
+                    cpus=cpus,
+                    extra=[*own, *extra],
+                    wait=False,
+                )
+            )
+        for r in routers:  # all launched first: each one's bootstrap asks the others
+            await_router(r)
+    except BaseException:
+        stop_all(routers)
+        raise
+    return routers
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -690,6 +749,16 @@ def engine_incarnations(engines: Sequence[Engine]) -> dict[str, int]:
         _, state = http_get(e.url + "/admin/state")
         out[json.loads(state)["incarnation"]] = i
     return out
+
+
+def evicted_blocks(engine: Engine) -> int:
+    """Blocks the engine has evicted so far: its BlockRemoved events (one per block)."""
+    _, text = http_get(engine.url + "/metrics")
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.decode().splitlines()
+        if line.startswith("routerfleet_fake_engine_kv_events_total{") and 'event="BlockRemoved"' in line
+    )
 
 
 def print_flags_and_logs(

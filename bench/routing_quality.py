@@ -233,7 +233,8 @@ class Result:
     oracle_agree: float | None = None  # share of requests whose cached_tokens the oracle predicted
     probe: str = ""
     flags: list[str] = field(default_factory=list)
-    router_cpu_s: float = float("nan")  # CPU seconds the router process used during the replay
+    router_cpu_s: float = float("nan")  # CPU seconds the router processes used during the replay
+    evicted: list[int] = field(default_factory=list)  # blocks each engine evicted (BlockRemoved)
 
     @property
     def hit_rate(self) -> float:
@@ -248,14 +249,17 @@ async def replay(
     schedule: list[Turn],
     p: Params,
     *,
-    url: str | None,
+    urls: list[str],
+    sticky: bool = False,
     engine_urls: list[str],
     incarnations: dict[str, int],
     text: bool,
     oracle: Oracle | None,
     res: Result,
 ) -> None:
-    clients = {u: h.HttpClient(u, quickack=True) for u in ([url] if url else engine_urls)}
+    # Several router replicas: the client alternates between them per request, as a Service spreads
+    # connections, or keeps each conversation on one replica (``sticky``).
+    clients = {u: h.HttpClient(u, quickack=True) for u in (urls or engine_urls)}
     done = [asyncio.Event() for _ in schedule]
     slots = asyncio.Semaphore(p.concurrency)
     actual: dict[int, int] = {}
@@ -268,7 +272,7 @@ async def replay(
                 engine = oracle.pick(pos, ids)
                 client = clients[engine_urls[engine]]
             else:
-                client = clients[url]  # type: ignore[index]
+                client = clients[urls[(turn.conv if sticky else pos) % len(urls)]]
             raw = client.request_bytes("/v1/completions", body(turn, p, text))
             try:
                 t0, reply = await client.send(raw, keep_body=True)
@@ -354,24 +358,29 @@ ROWS = {
 }
 
 
-def run_row(name: str, schedule: list[Turn], p: Params, logdir: str) -> Result:
+def run_row(name: str, schedule: list[Turn], p: Params, logdir: str, fleet: Fleet) -> Result:
     label, kind, policy, text = ROWS[name]
-    res = Result(label)
+    res = Result(fleet.label(label) if kind == "ours" else label)
     engines = h.start_engines(p.engines, p.engine_opts(), logdir)
-    router = None
+    routers: list[h.Router] = []
     try:
         incarnations = h.engine_incarnations(engines)
-        if kind is not None:
-            router = h.start_router(kind, engines, logdir, policy=policy or "kv_aware", label=name)
-            res.flags = router.flags
-            res.probe = probe_event_plane(router, engines, kv=policy == "kv_aware" or kind == "vllm-router")
+        if kind == "ours":
+            routers = h.start_fleet(fleet.replicas, engines, logdir, policy=policy or "kv_aware", label=name)
+        elif kind is not None:
+            routers = [h.start_router(kind, engines, logdir, policy=policy or "kv_aware", label=name)]
+        if routers:
+            res.flags = routers[0].flags
+            kv = policy == "kv_aware" or kind == "vllm-router"
+            res.probe = "; ".join(sorted({probe_event_plane(r, engines, kv=kv) for r in routers}))
         oracle = Oracle(p) if kind is None else None
-        cpu0 = router.proc.cpu_seconds() if router else 0.0
+        cpu0 = sum(r.proc.cpu_seconds() for r in routers)
         asyncio.run(
             replay(
                 schedule,
                 p,
-                url=router.url if router else None,
+                urls=[r.url for r in routers],
+                sticky=fleet.sticky,
                 engine_urls=[e.url for e in engines],
                 incarnations=incarnations,
                 text=text,
@@ -379,13 +388,28 @@ def run_row(name: str, schedule: list[Turn], p: Params, logdir: str) -> Result:
                 res=res,
             )
         )
-        if router is not None:
-            res.router_cpu_s = router.proc.cpu_seconds() - cpu0
-        if router is not None and not router.proc.alive():
+        if routers:
+            res.router_cpu_s = sum(r.proc.cpu_seconds() for r in routers) - cpu0
+        res.evicted = [h.evicted_blocks(e) for e in engines]
+        if any(not r.proc.alive() for r in routers):
             res.errors["router exited"] += 1
     finally:
-        h.stop_all(([router] if router else []) + engines)
+        h.stop_all(routers + engines)
     return res
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """How many of our router replicas stand in front of the engines, and how the client spreads over
+    them (the anchors always run one)."""
+
+    replicas: int = 1
+    sticky: bool = False  # each conversation on one replica; else alternating per request
+
+    def label(self, base: str) -> str:
+        if self.replicas == 1:
+            return base
+        return f"{base} x{self.replicas} ({'per conversation' if self.sticky else 'per request'})"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -433,9 +457,10 @@ def report(results: dict[str, list[Result]], rows: list[str], p: Params) -> None
         cpu = [
             1e3 * r.router_cpu_s / r.requests for r in rs if r.requests and r.router_cpu_s == r.router_cpu_s
         ]
+        evicted = [h.med([r.evicted[e] for r in rs if r.evicted]) for e in range(p.engines)]
         out.append(
             [
-                ROWS[name][0],
+                rs[0].row,
                 _cell(rs, hit, ".1f", 100),
                 h.ratio(m(name, hit), oracle_hit),
                 h.ratio(m(name, hit), vllm_hit),
@@ -445,6 +470,7 @@ def report(results: dict[str, list[Result]], rows: list[str], p: Params) -> None
                 f"{h.med(cpu):.2f}" if cpu else "-",
                 _cell(rs, lambda r: r.requests / r.wall_s, ".0f"),
                 "/".join(f"{100 * shares[e] / total:.0f}" for e in range(p.engines)),
+                "/".join(f"{x:.0f}" for x in evicted),
                 "; ".join(notes),
             ]
         )
@@ -459,6 +485,7 @@ def report(results: dict[str, list[Result]], rows: list[str], p: Params) -> None
         "router CPU ms/req",
         "req/s",
         "engine shares %",
+        "evicted blocks per engine",
         "notes",
     ]
     print(h.table(out, header))
@@ -509,12 +536,41 @@ def main(argv: list[str] | None = None) -> int:
         "--capacity-blocks", type=int, help=f"blocks per engine (default {Params.capacity_blocks})"
     )
     ap.add_argument("--concurrency", type=int, help=f"requests in flight (default {Params.concurrency})")
+    ap.add_argument(
+        "--group-skew",
+        type=float,
+        help=f"Zipf exponent of group popularity, 0 = uniform (default {Params.group_skew})",
+    )
+    ap.add_argument(
+        "--engine-slots",
+        type=int,
+        help=f"--max-concurrency per engine, 0 = unlimited (default {Params.engine_slots})",
+    )
+    ap.add_argument("--active", type=int, help=f"conversations open at once (default {Params.active})")
+    ap.add_argument(
+        "--turns",
+        type=int,
+        help=f"turns per conversation (default {Params.turns[0]}-{Params.turns[1]} at random)",
+    )
     ap.add_argument("--seed", type=int, help=f"workload seed (default {Params.seed})")
     ap.add_argument(
         "--max-wait", type=float, help="before each row, wait up to this many seconds for an idle machine"
     )
+    ap.add_argument(
+        "--replicas", type=int, default=1, help="our router replicas in front of the engines (default 1)"
+    )
+    ap.add_argument(
+        "--client",
+        choices=("per-request", "per-conversation"),
+        default="per-request",
+        help="with several replicas: alternate per request (as a Service does) or keep each conversation"
+        " on one replica (default per-request)",
+    )
     ap.add_argument("--json", help="also write the raw per-run figures to this file")
     args = ap.parse_args(argv)
+    if args.replicas < 1:
+        ap.error("argument --replicas: must be >= 1")
+    fleet = Fleet(args.replicas, args.client == "per-conversation")
 
     p = QUICK if args.quick else Params()
     over = {
@@ -522,6 +578,10 @@ def main(argv: list[str] | None = None) -> int:
         "capacity_blocks": args.capacity_blocks,
         "concurrency": args.concurrency,
         "seed": args.seed,
+        "turns": (args.turns, args.turns) if args.turns else None,
+        "group_skew": args.group_skew,
+        "active": args.active,
+        "engine_slots": args.engine_slots,
     }
     p = Params(**{**p.__dict__, **{k: v for k, v in over.items() if v is not None}})
     runs = args.runs or (1 if args.quick else 3)
@@ -573,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in range(runs):
         for name in rows:
             waited, idle = h.wait_quiet(max_wait)
-            res = run_row(name, schedule, p, logdir)
+            res = run_row(name, schedule, p, logdir, fleet)
             results[name].append(res)
             cpu = (
                 f", router CPU {100 * res.router_cpu_s / res.wall_s:.0f}%"
@@ -605,6 +665,7 @@ def main(argv: list[str] | None = None) -> int:
                     "router_cpu_s": r.router_cpu_s,
                     "errors": dict(r.errors),
                     "per_engine": dict(r.per_engine),
+                    "evicted": r.evicted,
                 }
                 for r in v
             ]

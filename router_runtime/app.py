@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,11 @@ from .bootstrap.vetting import HashingConfig
 from .config import RouterConfig
 from .discovery.endpointslices import EngineDiscoveryConfig, port_ref
 from .discovery.kubernetes import EndpointSliceWatcher, default_namespace
+from .fleet.board import LoadBoard
+from .fleet.engine_metrics import EngineLoadScraper, ScrapeConfig
+from .fleet.gossip import GossipConfig, LoadGossip, PeerReport, ReportOutcome
+from .fleet.metrics import FleetMetrics
+from .fleet.view import Bounds, EngineSample
 from .kv.hashing import SCHEME, hash_set_digest
 from .kv.index import TIER_ORDER
 from .kv.plane import KVPlane, WorkerSpec
@@ -59,6 +65,10 @@ class Router:
         self.config = config
         self.internal_url: str | None = None
         self.registry = CollectorRegistry()
+        # Who this replica is to its siblings (snapshot producer, load reports).
+        self.replica_id = os.environ.get("POD_NAME") or f"router-{os.getpid()}"
+        # Unique per process even where ids repeat (pid 1 in every container, replicas in one test).
+        self.incarnation = f"{os.getpid()}-{int(time.time() * 1000)}-{secrets.token_hex(4)}"
         self.kv = KVPlane(
             config.block_size,
             self.registry,
@@ -82,6 +92,15 @@ class Router:
         )
         # KV policies target (engine, rank); the others whole engines.
         self.targets = TargetBook(self.health, per_rank=bool(self.policy.needs_tokens))
+        self.fleet_metrics = FleetMetrics(self.registry)
+        self.fleet = LoadBoard(
+            self.load,
+            lambda: tuple(self.targets.all_targets()),
+            replica=self.replica_id,
+            incarnation=self.incarnation,
+            bounds=Bounds(config.fleet_peer_max_age_s, config.engine_load_max_age_s),
+            clock=clock,
+        )
         self.executor = ThreadPoolExecutor(
             max_workers=config.tokenizer_threads or min(4, os.cpu_count() or 1), thread_name_prefix="tokenize"
         )
@@ -107,6 +126,7 @@ class Router:
             executor=self.executor,
             keepalive_s=config.upstream_keepalive_s,
             sessions=self.sessions,
+            loads=self.fleet.view,
         )
         self.checker = HealthChecker(
             self.health,
@@ -117,6 +137,7 @@ class Router:
         )
         self._checker_task: asyncio.Task | None = None
         self._setup_bootstrap(config)
+        self._setup_fleet_load(config)
         self.engine_watcher: EndpointSliceWatcher | None = None
         self.peer_watcher: EndpointSliceWatcher | None = None
         if config.k8s_selector:
@@ -192,8 +213,8 @@ class Router:
             SnapshotProducer(
                 self.kv,
                 self.hashing,
-                producer_id=os.environ.get("POD_NAME") or f"router-{os.getpid()}",
-                producer_incarnation=f"{os.getpid()}-{int(time.time() * 1000)}",
+                producer_id=self.replica_id,
+                producer_incarnation=self.incarnation,
                 ready=lambda: self.bootstrap.settled,
                 # A DISCONNECTED carrier is exported neither as blocks nor as a cursor.
                 include=lambda c: self.bootstrap.exportable(c) and self.kv.index.visible_tiers(c) != 0,
@@ -205,6 +226,38 @@ class Router:
         # A booting replica inherits its sibling's session table with the graft (vetted: entries naming
         # engines or incarnations we do not know are dropped).
         self.bootstrap.on_sessions = lambda entries: self.sessions.inherit(from_wire(entries))
+
+    def _setup_fleet_load(self, config: RouterConfig) -> None:
+        """Siblings' reports (sent to the peers bootstrap discovers, so the fleet needs nothing more to
+        configure) and the engines' own metrics feed ``self.fleet``; see docs/fleet-load.md."""
+        self.gossip: LoadGossip | None = None
+        if self.token and config.fleet_gossip_window_s > 0:
+            self.gossip = LoadGossip(
+                self.token,
+                lambda: [p.url for p in self.bootstrap.peers.peers],
+                self.fleet.report,
+                GossipConfig(config.fleet_gossip_window_s, config.fleet_heartbeat_s),
+                on_sent=lambda outcome: self.fleet_metrics.sends.labels(outcome).inc(),
+            )
+            self.load.on_change = self.gossip.changed.set
+        self.scraper: EngineLoadScraper | None = None
+        if config.engine_load_interval_s > 0:
+            self.scraper = EngineLoadScraper(
+                lambda: self.targets.urls,
+                self.fleet.engine_read_started,
+                self._engine_read,
+                ScrapeConfig(config.engine_load_interval_s, config.engine_load_timeout_s),
+            )
+        self._fleet_tasks: list[asyncio.Task] = []
+
+    def _engine_read(self, engine: str, sample: EngineSample | None, outcome: str) -> None:
+        self.fleet_metrics.engine_reads.labels(outcome).inc()
+        self.fleet.engine_read(engine, sample)
+
+    def accept_load_report(self, report: PeerReport | None) -> None:
+        """A sibling's report off the internal port (None: it failed vetting)."""
+        outcome = ReportOutcome.REJECTED if report is None else self.fleet.accept(report)
+        self.fleet_metrics.reports.labels(outcome).inc()
 
     def _peers_changed(self, specs: list[WorkerSpec]) -> None:
         registry = self.bootstrap.peers
@@ -226,12 +279,20 @@ class Router:
             self.set_workers(list(self.config.workers))
         if self.config.health_interval_s > 0:
             self._checker_task = asyncio.create_task(self.checker.run(), name="engine-health")
+        if self.gossip is not None:
+            self._fleet_tasks.append(asyncio.create_task(self.gossip.run(), name="fleet-gossip"))
+        if self.scraper is not None:
+            self._fleet_tasks.append(asyncio.create_task(self.scraper.run(), name="engine-load"))
 
     async def stop(self) -> None:
         for watcher in (self.engine_watcher, self.peer_watcher):
             if watcher is not None:
                 await watcher.stop()
         await self.bootstrap.stop()
+        for task in self._fleet_tasks:
+            task.cancel()
+        await asyncio.gather(*self._fleet_tasks, return_exceptions=True)
+        self._fleet_tasks.clear()
         if self._checker_task is not None:
             self._checker_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -257,6 +318,7 @@ class Router:
             for t in before - after:
                 remove(t)
         self.metrics.forget_engines({s.engine for s in specs} | set(self.load.engines()))
+        self.fleet.forget_engines({s.engine for s in specs})
 
     def ready(self) -> tuple[bool, str]:
         if self.engine_watcher is not None and self.engine_watcher.workers is None:
@@ -306,10 +368,24 @@ class Router:
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/debug/index", self._index)
+        app.router.add_get("/debug/load", self._load)
         return app
 
     async def _healthz(self, _req: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    def _refresh_fleet_gauges(self) -> None:
+        g = self.fleet_metrics
+        g.peers_fresh.set(self.fleet.fresh_peers())
+        totals: dict[tuple[str, str], float] = {}
+        for row in self.fleet.summary()["targets"]:
+            for source, value in (("fleet", row["load"]), ("own", row["own"]), ("peers", row["peers"])):
+                totals[row["engine"], source] = totals.get((row["engine"], source), 0) + value
+            k = (row["engine"], "unseen")
+            totals[k] = totals.get(k, 0) + row["unseen"]
+        g.load.clear()
+        for (engine, source), value in totals.items():
+            g.load.labels(engine, source).set(value)
 
     async def _readyz(self, _req: web.Request) -> web.Response:
         ok, why = self.ready()
@@ -322,12 +398,16 @@ class Router:
         states = list(self.health.states().values())
         for state in BreakerState:
             self.metrics.engines.labels(state).set(states.count(state))
+        self._refresh_fleet_gauges()
         return web.Response(
             body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
     async def _index(self, _req: web.Request) -> web.Response:
         return web.json_response(self.index_summary())
+
+    async def _load(self, _req: web.Request) -> web.Response:
+        return web.json_response(self.fleet.summary())
 
 
 @contextlib.asynccontextmanager
@@ -344,7 +424,8 @@ async def run_router(
     internal = None
     if router.token is not None:
         internal = web.AppRunner(
-            internal_app(router.token, router.bootstrap, router.producer), access_log=None
+            internal_app(router.token, router.bootstrap, router.producer, router.accept_load_report),
+            access_log=None,
         )
     try:
         await runner.setup()

@@ -75,6 +75,13 @@ class RouterConfig:
     bootstrap_origin: bool = True
     # Session affinity (docs/sessions.md).
     sessions: SessionConfig = field(default_factory=SessionConfig)
+    # The fleet's load view (docs/fleet-load.md): siblings' reports over the internal port, engine reads.
+    fleet_gossip_window_s: float = 0.02  # 0: do not gossip
+    fleet_heartbeat_s: float = 0.5
+    fleet_peer_max_age_s: float = 2.0
+    engine_load_interval_s: float = 0.2  # 0: do not read the engines' metrics
+    engine_load_timeout_s: float = 0.5
+    engine_load_max_age_s: float = 2.0
 
 
 def _positive_int(text: str) -> int:
@@ -382,6 +389,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="hold readiness when warm siblings were there but their index could not be pulled "
         "(bounded at 3x the timeout); no-peers and fleet-cold never hold",
     )
+    f = p.add_argument_group("fleet load (docs/fleet-load.md)")
+    f.add_argument(
+        "--fleet-gossip-window-ms",
+        type=_non_negative_int,
+        default=20,
+        help="after this replica's load changes, wait this long for more, then tell the siblings "
+        "(needs --internal-token-file and peers; default 20; 0: off)",
+    )
+    f.add_argument(
+        "--fleet-heartbeat-ms",
+        type=_bounded_ms(10, 60_000),
+        default=500,
+        help="tell the siblings at least this often (default 500)",
+    )
+    f.add_argument(
+        "--fleet-peer-max-age-ms",
+        type=_bounded_ms(10, 600_000),
+        default=2000,
+        help="a sibling's report counts this long after it arrived (default 2000; above the heartbeat)",
+    )
+    f.add_argument(
+        "--engine-load-interval-ms",
+        type=_non_negative_int,
+        default=200,
+        help="read each engine's /metrics (running and waiting requests) this often (default 200; 0: off)",
+    )
+    f.add_argument(
+        "--engine-load-timeout-ms",
+        type=_bounded_ms(1, 60_000),
+        default=500,
+        help="the deadline of one engine read (default 500)",
+    )
+    f.add_argument(
+        "--engine-load-max-age-ms",
+        type=_bounded_ms(10, 600_000),
+        default=2000,
+        help="an engine read counts this long (default 2000)",
+    )
     return p
 
 
@@ -497,6 +542,11 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         parser.error(f"--kv-adoption-cap must be >= 0, got {a.kv_adoption_cap}")
     if a.kv_adoption_window_s <= 0:
         parser.error(f"--kv-adoption-window-s must be > 0, got {a.kv_adoption_window_s}")
+    if a.fleet_peer_max_age_ms <= a.fleet_heartbeat_ms:
+        parser.error(
+            f"argument --fleet-peer-max-age-ms: must exceed --fleet-heartbeat-ms ({a.fleet_heartbeat_ms}),"
+            " or live siblings would age out between reports"
+        )
     return RouterConfig(
         host=a.host,
         port=a.port,
@@ -545,4 +595,10 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         bootstrap_seed_required=a.kv_bootstrap_seed_required,
         bootstrap_origin=a.kv_origin,
         sessions=sessions,
+        fleet_gossip_window_s=a.fleet_gossip_window_ms / 1000,
+        fleet_heartbeat_s=a.fleet_heartbeat_ms / 1000,
+        fleet_peer_max_age_s=a.fleet_peer_max_age_ms / 1000,
+        engine_load_interval_s=a.engine_load_interval_ms / 1000,
+        engine_load_timeout_s=a.engine_load_timeout_ms / 1000,
+        engine_load_max_age_s=a.engine_load_max_age_ms / 1000,
     )

@@ -84,6 +84,9 @@ async def thrash(policy: str, affinity: bool):
             policy=policy,
             policy_config=PolicyConfig(balance_abs_threshold=1, load_cost_tokens=0, spread_ties=False),
             sessions=SessionConfig(enabled=affinity),
+            # The holders are cut by the client; the engine notices at its next write, and a read of
+            # its gauges in between would (rightly) count them: this scenario is about the router's own.
+            engine_load_interval_s=0,
         )
         router, url = await stack.enter_async_context(run_router(cfg))
         s = await stack.enter_async_context(aiohttp.ClientSession())
@@ -185,6 +188,9 @@ async def test_three_replicas_keep_the_engine_with_the_echoed_header_and_a_new_o
                 internal_token_file=str(token),
                 kv_peers=tuple(peers),
                 sessions=SessionConfig(enabled=True, trust_hints=True),
+                # No gossip between these replicas: a read of an engine serving a sibling's turn would
+                # (rightly) count that turn for a moment; this scenario is about the echoed hint.
+                engine_load_interval_s=0,
             )
 
         replicas = []

@@ -1,14 +1,17 @@
-"""The internal port: ``GET /internal/kv_snapshot`` (the producer) and ``GET /internal/bootstrap`` (the
-verdict the operator reads). Separate from the public proxy port and authenticated with the fleet's
-bearer token: a request without it gets 401."""
+"""The internal port: ``GET /internal/kv_snapshot`` (the producer), ``GET /internal/bootstrap`` (the
+verdict the operator reads) and ``POST /internal/load`` (a sibling's load report, fleet/gossip.py).
+Separate from the public proxy port and authenticated with the fleet's bearer token: a request without
+it gets 401."""
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
 
+from ..fleet.gossip import MAX_BODY_BYTES, GossipRejected, PeerReport, vet_report
 from .producer import SnapshotProducer
 from .sweep import Bootstrapper
 
@@ -29,7 +32,10 @@ def _error(status: int, message: str, code: str) -> web.Response:
 
 
 def internal_app(
-    token: str, bootstrapper: Bootstrapper | None, producer: SnapshotProducer | None
+    token: str,
+    bootstrapper: Bootstrapper | None,
+    producer: SnapshotProducer | None,
+    load_report: Callable[[PeerReport | None], None] | None = None,
 ) -> web.Application:
     expected = f"Bearer {token}".encode()
 
@@ -85,7 +91,22 @@ def internal_app(
             )
         return web.json_response(bootstrapper.report())
 
+    async def load(request: web.Request) -> web.Response:
+        if load_report is None:
+            return _error(404, "this router takes no load reports", "no_fleet_load")
+        if (request.content_length or 0) > MAX_BODY_BYTES:
+            return _error(413, f"a load report is at most {MAX_BODY_BYTES} bytes", "too_large")
+        body = await request.content.read(MAX_BODY_BYTES + 1)
+        try:
+            report = vet_report(body)
+        except GossipRejected as exc:
+            load_report(None)  # counted
+            return _error(400, f"load report refused: {exc}", "invalid_load_report")
+        load_report(report)
+        return web.Response(status=204)
+
     app = web.Application(middlewares=[auth])
     app.router.add_get("/internal/kv_snapshot", kv_snapshot)
     app.router.add_get("/internal/bootstrap", bootstrap)
+    app.router.add_post("/internal/load", load)
     return app

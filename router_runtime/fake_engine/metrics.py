@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from router_runtime.kv.events import Tier
+from router_runtime.kv.events import Dialect, Tier
 
 if TYPE_CHECKING:
     from router_runtime.fake_engine.server import FakeEngine
@@ -69,8 +69,45 @@ class EngineCollector(Collector):
         waiting = GaugeMetricFamily(_P + "requests_waiting", "Requests queued for a slot (--max-concurrency)")
         waiting.add_metric([], engine.load.waiting)
         yield from (running, waiting)
-        # vLLM's names for the same gauges, for load-aware routers that scrape real engines.
-        for name, value in (("running", engine.load.running), ("waiting", engine.load.waiting)):
-            vllm = GaugeMetricFamily(f"vllm:num_requests_{name}", f"Requests {name}", labels=["model_name"])
-            vllm.add_metric([cfg.model], value)
-            yield vllm
+        yield from _engine_dialect(engine)
+
+
+# The load series real engines export, per DP rank, under their own names and rank label, for routers
+# that read engine load (fleet/engine_metrics.py) and dashboards: (running, waiting, KV usage, prompt
+# tokens) names, and the rank label.
+_DIALECT_NAMES = {
+    "vllm": (
+        (
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
+            "vllm:prompt_tokens",
+        ),
+        "engine",
+    ),
+    "sglang": (
+        ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:prompt_tokens"),
+        "dp_rank",
+    ),
+}
+
+
+def _engine_dialect(engine: FakeEngine) -> Iterator[Metric]:
+    cfg = engine.config
+    (n_run, n_wait, n_usage, n_prompt), rank_label = _DIALECT_NAMES[
+        "sglang" if cfg.dialect is Dialect.SGLANG else "vllm"
+    ]
+    labels = ["model_name", rank_label]
+    running = GaugeMetricFamily(n_run, "Requests running", labels=labels)
+    waiting = GaugeMetricFamily(n_wait, "Requests waiting for a slot", labels=labels)
+    usage = GaugeMetricFamily(n_usage, "Share of the device KV cache in use (0-1)", labels=labels)
+    prompt = CounterMetricFamily(n_prompt, "Prompt tokens processed", labels=labels)
+    for rank, (load, cache, stats) in enumerate(
+        zip(engine.rank_load, engine.caches, engine.rank_stats, strict=True)
+    ):
+        lv = [cfg.model, str(rank)]
+        running.add_metric(lv, load.running)
+        waiting.add_metric(lv, load.waiting)
+        usage.add_metric(lv, cache.resident(Tier.DEVICE) / cache.config.device_capacity)
+        prompt.add_metric(lv, stats.prompt_tokens)
+    yield from (running, waiting, usage, prompt)

@@ -104,6 +104,7 @@ class FakeEngine:
         self.incarnation = self._new_incarnation()
         self.rank_stats = [RankRequestStats() for _ in range(config.dp_size)]
         self.load = LoadStats()
+        self.rank_load = [LoadStats() for _ in range(config.dp_size)]  # the same, per DP rank
         self._round_robin = itertools.cycle(range(config.dp_size))
         self._request_ids = itertools.count(1)
         self._slots: asyncio.Semaphore | None = None
@@ -344,19 +345,25 @@ class FakeEngine:
         return rank
 
     @contextlib.asynccontextmanager
-    async def _slot(self) -> AsyncIterator[None]:
-        """Hold one of ``max_concurrency`` running slots; beyond that, requests wait (FIFO)."""
-        self.load.waiting += 1
+    async def _slot(self, rank: int) -> AsyncIterator[None]:
+        """Hold one of ``max_concurrency`` running slots; beyond that, requests wait (FIFO). Counted for
+        the engine and for ``rank``, as the engines' running/waiting gauges count them."""
+        both = (self.load, self.rank_load[rank])
+        for s in both:
+            s.waiting += 1
         try:
             if self._slots is not None:
                 await self._slots.acquire()
         finally:
-            self.load.waiting -= 1
-        self.load.running += 1
+            for s in both:
+                s.waiting -= 1
+        for s in both:
+            s.running += 1
         try:
             yield
         finally:
-            self.load.running -= 1
+            for s in both:
+                s.running -= 1
             if self._slots is not None:
                 self._slots.release()
 
@@ -369,7 +376,7 @@ class FakeEngine:
         except RequestError as e:
             return bad_request(e)
         cfg = self.config
-        async with self._slot():
+        async with self._slot(rank):
             admission = self.admit(rank, req.prompt_tokens, req.namespace)
             cached = admission.cached_tokens
             n_prompt = len(req.prompt_tokens)

@@ -27,7 +27,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -101,12 +101,15 @@ class Proxy:
         keepalive_s: float = 4.0,
         models_timeout_s: float = 10.0,
         sessions: SessionAffinity | None = None,
+        loads: Mapping[Target, float] | None = None,
     ) -> None:
         self.policy = policy
         self.tokenizer = tokenizer
         self.targets = targets
         self.health = health
         self.load = load
+        # What the policy balances on: the fleet's combined view (fleet/board.py), or our own counts.
+        self.loads: Mapping[Target, float] = loads if loads is not None else load.view
         self.metrics = metrics
         self.index_fn = index_fn
         self.timeouts = timeouts
@@ -201,7 +204,8 @@ class Proxy:
                     sessions.selected(sctx, decision.target, self.policy.name)
             target = decision.target
             ctx.engine = target.engine
-            self._acquire(target)
+            n_tokens = len(route.tokens) if route.tokens is not None else 0
+            self._acquire(target, n_tokens)
             try:
                 start = loop.time()
                 try:
@@ -218,7 +222,7 @@ class Proxy:
                     raise bad_gateway(e.message, "upstream_connect_failed") from None
                 return await self._relay(request, upstream, target, start, ctx)
             finally:
-                self._release(target)
+                self._release(target, n_tokens)
         raise AssertionError("unreachable")  # pragma: no cover
 
     # ---- request side --------------------------------------------------------------------------
@@ -256,7 +260,7 @@ class Proxy:
     def _decide(self, route: RouteRequest, targets: Sequence[Target], index: RadixIndex | None) -> Decision:
         m = self.metrics
         t0 = time.perf_counter()
-        decision = self.policy.choose(route, targets, self.load.view, index)
+        decision = self.policy.choose(route, targets, self.loads, index)
         m.decision_seconds.observe(time.perf_counter() - t0)
         m.decision(self.policy.name, decision.reason)
         if decision.total_blocks:
@@ -265,11 +269,11 @@ class Proxy:
             m.matched_ratio.observe(decision.matched_chars / decision.total_chars)
         return decision
 
-    def _acquire(self, target: Target) -> None:
-        self.metrics.set_inflight(target.engine, self.load.acquire(target))
+    def _acquire(self, target: Target, tokens: int) -> None:
+        self.metrics.set_inflight(target.engine, self.load.acquire(target, tokens))
 
-    def _release(self, target: Target) -> None:
-        self.metrics.set_inflight(target.engine, self.load.release(target))
+    def _release(self, target: Target, tokens: int) -> None:
+        self.metrics.set_inflight(target.engine, self.load.release(target, tokens))
 
     async def _open(self, request: web.Request, target: Target, raw: bytes) -> aiohttp.ClientResponse:
         """POST to the engine and wait for its response headers."""

@@ -1,0 +1,199 @@
+"""Sibling replicas tell each other their in-flight load: ``POST /internal/load`` on the internal port,
+with the fleet token, to every peer the bootstrap's peer discovery lists.
+
+A report is small and bounded (one entry per target this replica has in flight), sent a coalescing
+window after the load changes and at least every heartbeat. ``vet_report`` is the only way a body off
+the network becomes a ``PeerReport``: every field is checked as a bounded value of its type before use
+(a hostile peer can cost a rejected report, never a frozen or wrong view). Reports are taken in order
+per sender process (its incarnation, then its sequence); a sender that stops talking ages out of the
+view (``view.Bounds.peer_max_age_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import aiohttp
+
+from .view import TargetReport
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MAX_BODY_BYTES = 256 << 10
+MAX_TARGETS = 4096
+_MAX_NAME = 512
+_MAX_RANK = 1 << 16
+_MAX_INFLIGHT = 1 << 20
+_MAX_TOKENS = 1 << 40
+_MAX_SEQ = (1 << 63) - 1
+
+
+class GossipRejected(ValueError):
+    pass
+
+
+class ReportOutcome(enum.StrEnum):
+    """What became of a received report; a metric label."""
+
+    ACCEPTED = "accepted"
+    STALE = "stale"  # not newer than what we hold from that sender
+    SELF = "self"  # our own report, listed back to us as a peer
+    REJECTED = "rejected"
+
+
+_TOKEN = object()
+
+
+class PeerReport:
+    """A sibling's load, vetted. Built only by ``vet_report``."""
+
+    __slots__ = ("incarnation", "replica", "seq", "targets")
+
+    def __init__(
+        self, token: object, *, replica: str, incarnation: str, seq: int, targets: tuple[TargetReport, ...]
+    ) -> None:
+        if token is not _TOKEN:
+            raise TypeError("a PeerReport is built only by vet_report")
+        self.replica = replica
+        self.incarnation = incarnation
+        self.seq = seq
+        self.targets = targets
+
+
+def encode_report(replica: str, incarnation: str, seq: int, targets: Iterable[TargetReport]) -> bytes:
+    body = {
+        "format": FORMAT,
+        "replica": replica,
+        "incarnation": incarnation,
+        "seq": seq,
+        "targets": [[t.engine, t.rank, t.inflight, t.prompt_tokens] for t in targets],
+    }
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _int(v: object, lo: int, hi: int, what: str) -> int:
+    if type(v) is not int or not lo <= v <= hi:  # bool is an int subclass: refused by the type check
+        raise GossipRejected(f"{what} must be an integer in [{lo}, {hi}]")
+    return v
+
+
+def _str(v: object, what: str) -> str:
+    if type(v) is not str or not 0 < len(v) <= _MAX_NAME:
+        raise GossipRejected(f"{what} must be a string of 1-{_MAX_NAME} characters")
+    return v
+
+
+def vet_report(body: bytes) -> PeerReport:
+    if len(body) > MAX_BODY_BYTES:
+        raise GossipRejected(f"report over {MAX_BODY_BYTES} bytes")
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):  # also: integers beyond Python's digit limit
+        raise GossipRejected("not JSON") from None
+    if type(doc) is not dict:
+        raise GossipRejected("not a JSON object")
+    if doc.get("format") != FORMAT or type(doc.get("format")) is not int:
+        raise GossipRejected("unknown format")
+    replica = _str(doc.get("replica"), "replica")
+    incarnation = _str(doc.get("incarnation"), "incarnation")
+    seq = _int(doc.get("seq"), 0, _MAX_SEQ, "seq")
+    raw = doc.get("targets")
+    if type(raw) is not list or len(raw) > MAX_TARGETS:
+        raise GossipRejected(f"targets must be a list of at most {MAX_TARGETS}")
+    targets = []
+    for entry in raw:
+        if type(entry) is not list or len(entry) != 4:
+            raise GossipRejected("a target is [engine, rank, inflight, prompt_tokens]")
+        engine, rank, inflight, tokens = entry
+        targets.append(
+            TargetReport(
+                _str(engine, "engine"),
+                None if rank is None else _int(rank, 0, _MAX_RANK, "rank"),
+                _int(inflight, 0, _MAX_INFLIGHT, "inflight"),
+                _int(tokens, 0, _MAX_TOKENS, "prompt_tokens"),
+            )
+        )
+    return PeerReport(_TOKEN, replica=replica, incarnation=incarnation, seq=seq, targets=tuple(targets))
+
+
+@dataclass(frozen=True, slots=True)
+class GossipConfig:
+    window_s: float = 0.02  # after a change, wait this long for more before sending (0: gossip off)
+    heartbeat_s: float = 0.5  # send at least this often, changed or not
+    timeout_s: float = 0.5  # one POST to one peer
+
+
+class LoadGossip:
+    """Sends this replica's report to every peer. One POST in flight per peer: a slow peer is skipped
+    until its last POST ends (it then gets the newest report), so it never delays the others."""
+
+    def __init__(
+        self,
+        token: str,
+        peer_urls: Callable[[], list[str]],
+        report: Callable[[], bytes],
+        config: GossipConfig,
+        on_sent: Callable[[str], None] = lambda outcome: None,
+    ) -> None:
+        self._auth = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        self.peer_urls = peer_urls
+        self.report = report
+        self.config = config
+        self.on_sent = on_sent
+        self.changed = asyncio.Event()
+        self._posts: dict[str, asyncio.Task] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def run(self) -> None:
+        cfg = self.config
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(keepalive_timeout=4.0),
+            timeout=aiohttp.ClientTimeout(total=cfg.timeout_s),
+        )
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(cfg.heartbeat_s):
+                        await self.changed.wait()
+                await asyncio.sleep(cfg.window_s)  # coalesce a burst into one report
+                self.changed.clear()
+                self.send_round()
+        finally:
+            for task in self._posts.values():
+                task.cancel()
+            await asyncio.gather(*self._posts.values(), return_exceptions=True)
+            self._posts.clear()
+            await self._session.close()
+
+    def send_round(self) -> None:
+        urls = self.peer_urls()
+        for url in list(self._posts):
+            if url not in urls and self._posts[url].done():
+                del self._posts[url]
+        body = None
+        for url in urls:
+            task = self._posts.get(url)
+            if task is not None and not task.done():
+                self.on_sent("busy")
+                continue
+            if body is None:
+                body = self.report()
+            self._posts[url] = asyncio.create_task(self._post(url, body), name=f"gossip-{url}")
+
+    async def _post(self, url: str, body: bytes) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.post(url + "/internal/load", data=body, headers=self._auth) as r:
+                await r.read()
+                self.on_sent("ok" if r.status == 204 else f"http_{r.status // 100}xx")
+        except TimeoutError:
+            self.on_sent("timeout")
+        except aiohttp.ClientError:
+            self.on_sent("error")

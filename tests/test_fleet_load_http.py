@@ -1,0 +1,302 @@
+"""The fleet's load view over real HTTP and ZMQ: router replicas tell each other what they have in flight
+(``POST /internal/load``, fleet token), read the engines' own queues from their ``/metrics``, and balance
+on the sum, so a fleet of replicas trips the imbalance guard where one replica alone (seeing a third of
+the load) would not."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import aiohttp
+from aiohttp import web
+
+from router_runtime.app import run_router
+from router_runtime.bootstrap.peers import Peer
+from router_runtime.config import RouterConfig
+from router_runtime.fake_engine.server import run_fake_engine
+from router_runtime.kv.index import Carrier
+from router_runtime.kv.plane import WorkerSpec
+from router_runtime.routing.policies import PolicyConfig
+
+from .support import eventually, join_stream
+
+BS = 4
+TOKEN = "fleet-s3cret"
+ENGINE_HEADER = "X-RouterFleet-Engine"
+# The guard trips at a spread above 2 (and max > 1.5 x min); no load price, so the prefix wins up to it.
+GUARD = PolicyConfig(balance_abs_threshold=2, balance_rel_threshold=1.5, load_cost_tokens=0)
+
+
+def sample(router, name, **labels) -> float:
+    return router.registry.get_sample_value(name, labels) or 0.0
+
+
+@contextlib.asynccontextmanager
+async def replicas(
+    tmp_path, n_routers: int, *, engines: int = 2, engine_kw=None, gossip: bool = True, **config
+):
+    """``engines`` fake engines and ``n_routers`` kv_aware replicas over them, each listing the others as
+    peers (as peer discovery would), every KV subscription joined."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    async with contextlib.AsyncExitStack() as stack:
+        es = [
+            await stack.enter_async_context(run_fake_engine(block_size=BS, **(engine_kw or {})))
+            for _ in range(engines)
+        ]
+        workers = tuple(
+            WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0)) for e in es
+        )
+        cfg = RouterConfig(
+            port=0,
+            internal_port=0,
+            internal_token_file=str(token),
+            workers=workers,
+            block_size=BS,
+            health_interval_s=0,
+            policy_config=GUARD,
+            fleet_gossip_window_s=0.005 if gossip else 0,
+            **config,
+        )
+        routers = [await stack.enter_async_context(run_router(cfg)) for _ in range(n_routers)]
+        for i, (r, _) in enumerate(routers):
+            r.bootstrap.peers.publish(
+                [Peer(o.internal_url, o.internal_url) for j, (o, _) in enumerate(routers) if j != i]
+            )
+        by_url = {e.http_url: e for e in es}
+        for r, _ in routers:
+            for sub in r.kv.subscriptions():
+                await join_stream(by_url[sub.carrier.engine].publisher, sub)
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        yield es, routers, session
+
+
+async def cache_prefix(session, engine, routers, prefix) -> None:
+    async with session.post(engine.http_url + "/admin/store", json={"token_ids": prefix}) as r:
+        assert r.status == 200
+    for router, _ in routers:
+        await eventually(
+            lambda router=router: (
+                (router.kv.index.match(prefix).get(Carrier(engine.http_url, 0)) or None) is not None
+            ),
+            what="prefix indexed",
+        )
+
+
+async def hold_open(session, url, prompt) -> aiohttp.ClientResponse:
+    """A long stream: it stays in flight (on the router and the engine) until closed."""
+    r = await session.post(
+        url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1000, "stream": True}
+    )
+    assert r.status == 200, await r.text()
+    await r.content.readany()
+    return r
+
+
+async def test_replicas_share_their_load_and_balance_a_skewed_workload(tmp_path):
+    """Every request carries the prefix one engine caches, and each request goes to another replica, as
+    a Service spreads them. Each replica alone holds 2 of them, which never trips its guard; the
+    fleet holds 6, so once the hot engine carries 3 more than the other the next ones go there."""
+    slow = {"decode_tokens_per_s": 20}
+    async with replicas(tmp_path, 3, engine_kw=slow, engine_load_interval_s=0) as (es, routers, s):
+        hot, other = es
+        prefix = list(range(100, 164))
+        await cache_prefix(s, hot, routers, prefix)
+        holds = []
+        try:
+            for i in range(6):
+                _, url = routers[i % 3]
+                holds.append(await hold_open(s, url, [*prefix, i]))
+                # the siblings' reports of this request have arrived before the next one is routed
+                await eventually(
+                    lambda i=i: all(sum(_fleet(r).values()) == i + 1 for r, _ in routers),
+                    what="every replica sees the fleet's load",
+                )
+            placed = [r.headers[ENGINE_HEADER] for r in holds]
+            assert max(r.load.total for r, _ in routers) == 2  # no replica alone would trip its guard
+            assert placed.count(other.http_url) >= 2, placed
+            assert placed[:3] == [hot.http_url] * 3  # until the spread exceeds 2, the prefix wins
+            assert (
+                sum(
+                    sample(r, "routerfleet_routing_decisions_total", policy="kv_aware", reason="imbalanced")
+                    for r, _ in routers
+                )
+                >= 1  # the first move off the prefix; later ones tie on it (the other engine caches it now)
+            )
+            assert all(
+                sample(r, "routerfleet_fleet_peer_reports_total", outcome="accepted") > 0 for r, _ in routers
+            )
+        finally:
+            for r in holds:
+                r.close()
+        await eventually(
+            lambda: all(sum(_fleet(r).values()) == 0 for r, _ in routers), what="released everywhere"
+        )
+
+
+def _fleet(router) -> dict:
+    return {(t["engine"], t["rank"]): t["load"] for t in router.fleet.summary()["targets"]}
+
+
+async def test_engine_queue_counts_requests_that_bypass_the_router(tmp_path):
+    """One replica, no siblings: a client calling the hot engine directly fills its queue; the router
+    reads the engine's own running/waiting gauges and balances on them."""
+    slow = {"decode_tokens_per_s": 20}
+    async with replicas(tmp_path, 1, engine_kw=slow, gossip=False, engine_load_interval_s=0.02) as (
+        es,
+        routers,
+        s,
+    ):
+        (router, url), (hot, other) = routers[0], es
+        prefix = list(range(200, 264))
+        await cache_prefix(s, hot, routers, prefix)
+        assert await _routed(s, url, [*prefix, 1]) == hot.http_url  # idle engines: the prefix wins
+        holds = [await _hold_direct(s, hot, [*prefix, 10 + i]) for i in range(4)]
+        try:
+            await eventually(
+                lambda: _fleet(router)[(hot.http_url, None)] >= 4, what="the engine's queue read"
+            )
+            assert router.load.total == 0
+            assert await _routed(s, url, [*prefix, 2]) == other.http_url
+            assert sample(router, "routerfleet_fleet_engine_reads_total", outcome="ok") > 0
+        finally:
+            for r in holds:
+                r.close()
+
+
+async def _hold_direct(session, engine, prompt) -> aiohttp.ClientResponse:
+    r = await session.post(
+        engine.http_url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1000, "stream": True}
+    )
+    assert r.status == 200
+    await r.content.readany()
+    return r  # running on the engine: its gauges count it
+
+
+async def _routed(session, url, prompt) -> str:
+    async with session.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}) as r:
+        assert r.status == 200, await r.text()
+        await r.read()
+        return r.headers[ENGINE_HEADER]
+
+
+async def test_a_sibling_that_stops_reporting_ages_out(tmp_path):
+    async with replicas(
+        tmp_path, 1, engine_load_interval_s=0, fleet_peer_max_age_s=0.3, fleet_heartbeat_s=0.1
+    ) as (es, routers, s):
+        router, _ = routers[0]
+        hot = es[0].http_url
+        report = {
+            "format": 1,
+            "replica": "sibling-a",
+            "incarnation": "1",
+            "seq": 1,
+            "targets": [[hot, None, 7, 1200]],
+        }
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with s.post(router.internal_url + "/internal/load", json=report, headers=headers) as r:
+            assert r.status == 204
+        assert _fleet(router)[(hot, None)] == 7
+        # An older report of the same process is not taken over the newer one.
+        async with s.post(
+            router.internal_url + "/internal/load", json={**report, "seq": 0, "targets": []}, headers=headers
+        ) as r:
+            assert r.status == 204
+        assert _fleet(router)[(hot, None)] == 7
+        assert sample(router, "routerfleet_fleet_peer_reports_total", outcome="stale") == 1
+        # Silence: within the age bound it drops out, with nothing else happening.
+        await eventually(lambda: _fleet(router)[(hot, None)] == 0, timeout=2, what="aged out")
+        assert router.fleet.fresh_peers() == 0
+
+
+async def test_a_stalled_engine_metrics_endpoint_delays_no_request(tmp_path):
+    """An engine whose /metrics never answers: requests are served while its read is still pending, the
+    read times out (counted), and routing runs on what is left."""
+    pending = 0
+
+    async with run_fake_engine(block_size=BS) as real:
+
+        async def stall(_req):
+            nonlocal pending
+            pending += 1
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                pending -= 1
+            return web.Response()
+
+        async def relay(req: web.Request) -> web.StreamResponse:
+            async with (
+                aiohttp.ClientSession() as c,
+                c.post(real.http_url + req.path, data=await req.read()) as r,
+            ):
+                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+
+        async def health(_req):
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_get("/metrics", stall)
+        app.router.add_get("/health", health)
+        app.router.add_post("/v1/completions", relay)
+        runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        stalled = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        cfg = RouterConfig(
+            port=0,
+            workers=(WorkerSpec(stalled, stalled),),
+            block_size=BS,
+            health_interval_s=0,
+            engine_load_interval_s=0.01,
+            engine_load_timeout_s=1.0,
+        )
+        try:
+            async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
+                await eventually(lambda: pending == 1, what="a read in flight")
+                for i in range(5):
+                    assert await _routed(s, url, [1, 2, 3, 4, i]) == stalled
+                    assert pending == 1  # served while the read was still hanging
+                await eventually(
+                    lambda: sample(router, "routerfleet_fleet_engine_reads_total", outcome="timeout") >= 1,
+                    what="the read timed out",
+                )
+        finally:
+            await runner.cleanup()
+
+
+async def test_load_reports_need_the_fleet_token_and_a_valid_body(tmp_path):
+    async with replicas(tmp_path, 1, engine_load_interval_s=0) as (es, routers, s):
+        router, _ = routers[0]
+        url = router.internal_url + "/internal/load"
+        good = {"format": 1, "replica": "x", "incarnation": "1", "seq": 1, "targets": []}
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {TOKEN}"}):
+            async with s.post(url, json=good, headers=headers) as r:
+                assert r.status == 401
+        auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+        bad = [
+            b"not json",
+            b"[]",
+            json.dumps({**good, "format": 2}).encode(),
+            json.dumps({**good, "seq": True}).encode(),  # a bool is not an integer here
+            json.dumps({**good, "seq": -1}).encode(),
+            json.dumps({**good, "targets": [[es[0].http_url, None, 10**9, 0]]}).encode(),
+            json.dumps({**good, "targets": [[es[0].http_url, None, 1.5, 0]]}).encode(),
+            json.dumps({**good, "targets": [[es[0].http_url, None, 1]]}).encode(),
+            json.dumps({**good, "targets": [["", None, 1, 0]]}).encode(),
+            b'{"format": 1, "seq": ' + b"9" * 5000 + b"}",  # beyond Python's int-digit limit
+            b"[" * 100_000 + b"]" * 100_000,
+        ]
+        for body in bad:
+            async with s.post(url, data=body, headers=auth) as r:
+                assert r.status == 400, body[:60]
+                assert (await r.json())["error"]["code"] == "invalid_load_report"
+        async with s.post(url, data=b"x" * (300 << 10), headers=auth) as r:
+            assert r.status == 413
+        assert sample(router, "routerfleet_fleet_peer_reports_total", outcome="rejected") == len(bad)
+        assert sum(_fleet(router).values()) == 0
+        async with s.get(routers[0][1] + "/healthz") as r:
+            assert r.status == 200
