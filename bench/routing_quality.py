@@ -366,7 +366,9 @@ def run_row(name: str, schedule: list[Turn], p: Params, logdir: str, fleet: Flee
     try:
         incarnations = h.engine_incarnations(engines)
         if kind == "ours":
-            routers = h.start_fleet(fleet.replicas, engines, logdir, policy=policy or "kv_aware", label=name)
+            routers = h.start_fleet(
+                fleet.replicas, engines, logdir, policy=policy or "kv_aware", label=name, extra=fleet.flags
+            )
         elif kind is not None:
             routers = [h.start_router(kind, engines, logdir, policy=policy or "kv_aware", label=name)]
         if routers:
@@ -405,6 +407,7 @@ class Fleet:
 
     replicas: int = 1
     sticky: bool = False  # each conversation on one replica; else alternating per request
+    flags: tuple[str, ...] = ()  # extra flags for our routers (e.g. the fleet load view off)
 
     def label(self, base: str) -> str:
         if self.replicas == 1:
@@ -566,11 +569,17 @@ def main(argv: list[str] | None = None) -> int:
         help="with several replicas: alternate per request (as a Service does) or keep each conversation"
         " on one replica (default per-request)",
     )
+    ap.add_argument(
+        "--router-flags",
+        default="",
+        help="extra flags for our routers, e.g. '--fleet-gossip-window-ms 0 --engine-load-interval-ms 0'"
+        " (the fleet load view off: each replica balances on its own in-flight counts)",
+    )
     ap.add_argument("--json", help="also write the raw per-run figures to this file")
     args = ap.parse_args(argv)
     if args.replicas < 1:
         ap.error("argument --replicas: must be >= 1")
-    fleet = Fleet(args.replicas, args.client == "per-conversation")
+    fleet = Fleet(args.replicas, args.client == "per-conversation", tuple(args.router_flags.split()))
 
     p = QUICK if args.quick else Params()
     over = {

@@ -513,9 +513,10 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         parser.error("argument --k8s-selector: not with --worker (one way to find engines)")
     if a.k8s_storage_annotation and not a.k8s_selector:
         parser.error("argument --k8s-storage-annotation: needs --k8s-selector (pods come from discovery)")
-    if a.kv_peer_selector and not (a.k8s_selector and a.policy == "kv_aware"):
-        # There would be nothing to graft into, or no way to find a sibling: refuse rather than ignore.
-        parser.error("argument --kv-peer-selector: needs --policy kv_aware and --k8s-selector")
+    if a.kv_peer_selector and not a.k8s_selector:
+        # No way to find a sibling: refuse rather than ignore. (Any policy: siblings share their load;
+        # only kv_aware also seeds its index from them.)
+        parser.error("argument --kv-peer-selector: needs --k8s-selector")
     if (a.kv_peer or a.kv_peer_selector) and not a.internal_token_file:
         parser.error("argument --kv-peer/--kv-peer-selector: needs --internal-token-file")
     if a.internal_token_file:

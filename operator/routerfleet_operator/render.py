@@ -177,17 +177,17 @@ def router_args(fleet: Fleet) -> list[str]:
     if e.topic:
         args += ["--k8s-topic", e.topic]
     # The internal port is always on: the operator reads /internal/bootstrap there, bootstrap or not.
+    # The siblings always find each other: they share their load there (docs/fleet-load.md), and seed
+    # each other's index when bootstrap is on.
     args += [
         "--internal-port", str(INTERNAL_PORT),
         "--internal-token-file", f"{TOKEN_DIR}/{TOKEN_KEY}",
+        "--kv-peer-selector", f"kubernetes.io/service-name={names(fleet).peer_service}",
+        "--kv-peer-port", INTERNAL_PORT_NAME,
     ]  # fmt: skip
     b = s.bootstrap
     if b.enabled:
-        args += [
-            "--kv-peer-selector", f"kubernetes.io/service-name={names(fleet).peer_service}",
-            "--kv-peer-port", INTERNAL_PORT_NAME,
-            "--kv-bootstrap-timeout-ms", str(round(b.timeout_s * 1000)),
-        ]  # fmt: skip
+        args += ["--kv-bootstrap-timeout-ms", str(round(b.timeout_s * 1000))]
         if b.seed_required:
             args.append("--kv-bootstrap-seed-required")
     else:

@@ -41,9 +41,11 @@ from e2e.fleet import (
     completion,
     engines_view,
     find,
+    get,
     index_diff,
     index_view,
     load_manifests,
+    metrics,
     pod_url,
 )
 
@@ -184,11 +186,38 @@ def seeded(p) -> str | None:
     return next((c.status for c in p.status.conditions or [] if c.type == SEEDED), None)
 
 
+async def views_while_held(session: aiohttp.ClientSession, urls: list[str], n: int) -> list[dict]:
+    """Hold ``n`` long streams open, one per replica in turn, and return each replica's /debug/load
+    once every one of them counts all ``n`` (or as they stand after 15 s)."""
+    rng = secrets.SystemRandom()
+    streams = []
+    try:
+        for i in range(n):
+            body = {
+                "prompt": [rng.randrange(1000, 30000) for _ in range(32)],
+                "max_tokens": 2000,
+                "stream": True,
+            }
+            r = await session.post(urls[i % len(urls)] + "/v1/completions", json=body)
+            assert r.status == 200, await r.text()
+            await r.content.readany()
+            streams.append(r)
+        deadline = time.monotonic() + 15
+        while True:
+            views = [(await get(session, u + "/debug/load"))[1] for u in urls]
+            if all(sum(t["load"] for t in v["targets"]) == n for v in views) or time.monotonic() > deadline:
+                return views
+            await asyncio.sleep(0.1)
+    finally:
+        for r in streams:
+            r.close()
+
+
 def test_first_deploy(cluster, namespace, crd, operator):
     _local_only(cluster)
     ns = namespace
     t0 = time.monotonic()
-    deploy_engines(cluster, ns)
+    deploy_engines(cluster, ns, ("--decode-tokens-per-s=100",))  # streams that stay in flight a while
     cluster.wait_pods_ready(ns, ENGINE_LABELS, 2)
 
     crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, fleet_manifest(cluster, ns))
@@ -263,6 +292,20 @@ def test_first_deploy(cluster, namespace, crd, operator):
     events = cluster.core.list_namespaced_event(ns, field_selector=f"involvedObject.name={FLEET}").items
     reasons = [e.reason for e in events if e.involved_object.kind == "RouterFleet"]
     assert reasons.count("ReplicaSeeded") == 3 and "RolloutComplete" in reasons, reasons
+
+    # one load view for the fleet (docs/fleet-load.md): every replica hears its two siblings, and
+    # requests held open through all three count in every replica's view
+    urls = [pod_url(p, ROUTER_PORT) for p in pods]
+    cluster.wait_for(
+        "every replica hears its two siblings",
+        lambda: all(aio(metrics, u).get("routerfleet_fleet_peers_reporting") == 2 for u in urls),
+        30,
+    )
+    views = aio(views_while_held, urls, 6)
+    assert all(sum(t["load"] for t in v["targets"]) == 6 for v in views), views
+    print(
+        f"[operator] fleet load as each replica sees it: {[[t['load'] for t in v['targets']] for v in views]}"
+    )
 
     # a completion through a router pod
     rng = secrets.SystemRandom()

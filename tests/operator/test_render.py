@@ -84,7 +84,8 @@ def test_router_flags_without_bootstrap_and_with_extra_args(tmp_path):
         }
     )
     c = router_config(f, tmp_path)
-    assert not c.bootstrap and c.kv_peer_selector is None and c.internal_token_file  # verdict "disabled"
+    assert not c.bootstrap and c.internal_token_file  # verdict "disabled"
+    assert c.kv_peer_selector == f"kubernetes.io/service-name={names(f).peer_service}"  # load is shared
     assert c.k8s_selector == "app=vllm" and c.k8s_kv_port is None
     assert c.connect_timeout_s == 1 and c.breaker_failures == 5 and c.policy == "round_robin"
 
