@@ -548,7 +548,9 @@ async def test_the_breaker_takes_a_dead_engine_out_and_brings_it_back():
             await b_engine.__aexit__(None, None, None)
 
 
-async def test_5xx_answers_open_the_breaker():
+async def test_5xx_answers_to_client_requests_never_open_the_breaker():
+    """Any client can make an engine fail its own request (a bad body, a huge prompt): those 5xx are
+    passed through and cost the engine nothing; the engine stays in rotation."""
     calls = []
 
     async def fail(request: web.Request) -> web.Response:
@@ -568,14 +570,38 @@ async def test_5xx_answers_open_the_breaker():
                 [http_worker(bad), http_worker(good.http_url)], policy=Prefer(bad), breaker_failures=2
             ) as (router, url, s),
         ):
-            for _ in range(2):
-                status, headers, raw = await post(s, url, COMPLETION)
+            for _ in range(6):
+                status, _headers, raw = await post(s, url, COMPLETION)
                 assert status == 500 and json.loads(raw)["error"]["message"] == "boom"  # passed through
-            assert router.health.state(bad) is BreakerState.OPEN
-            status, headers, _ = await post(s, url, COMPLETION)
-            assert status == 200 and headers[ENGINE_HEADER] == good.http_url and len(calls) == 2
+            assert router.health.state(bad) is BreakerState.CLOSED and len(calls) == 6
+            async with s.get(url + "/readyz") as r:
+                assert r.status == 200
     finally:
         await runner.cleanup()
+
+
+async def test_a_gzip_body_is_forwarded_decoded_and_cannot_open_a_breaker():
+    """A valid gzip request body (Content-Encoding: gzip) reaches the engine as the JSON it encodes,
+    without the encoding header; many of them in a row leave every engine in rotation."""
+    import gzip
+
+    async with (
+        run_fake_engine(block_size=4) as e,
+        routed([http_worker(e.http_url)], breaker_failures=2) as (
+            router,
+            url,
+            s,
+        ),
+    ):
+        body = gzip.compress(json.dumps(COMPLETION).encode())
+        headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+        for _ in range(8):
+            async with s.post(url + "/v1/completions", data=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                assert (await r.json())["usage"]["prompt_tokens"] == len(COMPLETION["prompt"])
+        assert router.health.state(e.http_url) is BreakerState.CLOSED
+        async with s.get(url + "/readyz") as r:
+            assert r.status == 200
 
 
 # ------------------------------------------------------------------------------------------- models

@@ -149,6 +149,7 @@ class LoadGossip:
         self.on_sent = on_sent
         self.changed = asyncio.Event()
         self._posts: dict[str, asyncio.Task] = {}
+        self._behind: set[str] = set()  # peers skipped while busy: owed the newest report
         self._session: aiohttp.ClientSession | None = None
 
     async def run(self) -> None:
@@ -182,6 +183,7 @@ class LoadGossip:
             task = self._posts.get(url)
             if task is not None and not task.done():
                 self.on_sent("busy")
+                self._behind.add(url)
                 continue
             if body is None:
                 body = self.report()
@@ -197,3 +199,7 @@ class LoadGossip:
             self.on_sent("timeout")
         except aiohttp.ClientError:
             self.on_sent("error")
+        finally:
+            if url in self._behind:  # a round skipped it: another round now, not at the next change
+                self._behind.discard(url)
+                self.changed.set()

@@ -2,8 +2,9 @@
 
 Hop-by-hop headers (RFC 9110 7.6.1: Connection, Keep-Alive, Proxy-*, TE, Trailer, Transfer-Encoding,
 Upgrade, and every header the Connection header names) belong to one connection and are stripped
-both ways. Host and Content-Length are the client session's to set; the DP rank header is the
-router's to set (a client cannot pin a rank of an engine it did not choose).
+both ways. Host and Content-Length are the client session's to set; Content-Encoding no longer holds
+once the body is decoded; the DP rank header is the router's to set (a client cannot pin a rank of an
+engine it did not choose).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", RANK_HEADER.lower()}
+# Content-Encoding: the server side already inflated a gzip/deflate body (aiohttp decodes request
+# bodies), so the engine gets the decoded bytes, and must not be told they are still encoded.
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "content-encoding", RANK_HEADER.lower()}
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 
 

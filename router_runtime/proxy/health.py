@@ -6,11 +6,12 @@ Breaker, per engine::
                                           ^                           |
                                           +---------failure-----------+
 
-A failure is a connect error, a timeout of a health check, or a 5xx answer, from a health check or a
-proxied request; any other answer is a success. An OPEN engine is not a candidate for requests; a
-HALF_OPEN one is again (its next outcome, a health check's or a request's, decides). Outcomes that
-arrive while the breaker is OPEN and cooling down (requests that were in flight when it opened) are
-ignored, so the cooldown is never cut short or extended by stale news.
+A failure is a connect error or a timeout (of a health check or a proxied request), or a health
+check's 5xx. An engine's 5xx to a client's own request is not: any client could send requests that
+fail, and open every breaker with them. Any other answer is a success. An OPEN engine is not a
+candidate for requests; a HALF_OPEN one is again (its next outcome, a health check's or a request's,
+decides). Outcomes that arrive while the breaker is OPEN and cooling down (requests that were in
+flight when it opened) are ignored, so the cooldown is never cut short or extended by stale news.
 
 Time is passed in (``now``), so the state machine is tested without a clock.
 """

@@ -310,9 +310,10 @@ class Proxy:
         try:
             status = up.status
             self.metrics.first_byte.observe(loop.time() - start)
-            if status >= 500:
-                self.health.failure(target.engine)
-            else:
+            # An engine's 5xx to one client's request proves nothing about the engine (the request
+            # itself may be what fails), and counting it would let any client open every breaker:
+            # only connect failures, timeouts and health checks count. Any other answer proves it up.
+            if status < 500:
                 self.health.success(target.engine)
             headers = response_headers(up.headers)
             headers[ENGINE_HEADER] = target.engine

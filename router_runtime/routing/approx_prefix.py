@@ -56,7 +56,7 @@ class ApproxPrefixPolicy:
         self,
         request: RouteRequest,
         targets: Sequence[Target],
-        loads: Mapping[Target, int],
+        loads: Mapping[Target, float],
         index: RadixIndex | None,
     ) -> Decision:
         lv = load_list(targets, loads)

@@ -76,7 +76,7 @@ class KvAwarePolicy:
         self,
         request: RouteRequest,
         targets: Sequence[Target],
-        loads: Mapping[Target, int],
+        loads: Mapping[Target, float],
         index: RadixIndex | None,
     ) -> Decision:
         lv = load_list(targets, loads)

@@ -1,6 +1,6 @@
 """Load helpers shared by the policies: the imbalance guard and least-loaded picks.
 
-Loads are the router's own in-flight request counts per target (missing = 0), read once per decision
+Loads are the fleet's in-flight request counts per target (missing = 0; fleet/view.py), read once per decision
 into a list parallel to ``targets``; everything here is O(targets).
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from .types import Target
 
 
-def load_list(targets: Sequence[Target], loads: Mapping[Target, int]) -> list[int]:
+def load_list(targets: Sequence[Target], loads: Mapping[Target, float]) -> list[float]:
     get = loads.get
     return [get(t, 0) for t in targets]
 

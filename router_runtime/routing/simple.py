@@ -33,7 +33,7 @@ class RoundRobinPolicy:
         self,
         request: RouteRequest,
         targets: Sequence[Target],
-        loads: Mapping[Target, int],
+        loads: Mapping[Target, float],
         index: RadixIndex | None,
     ) -> Decision:
         p = preferred_index(targets, request.prefer)
@@ -63,7 +63,7 @@ class LeastLoadedPolicy:
         self,
         request: RouteRequest,
         targets: Sequence[Target],
-        loads: Mapping[Target, int],
+        loads: Mapping[Target, float],
         index: RadixIndex | None,
     ) -> Decision:
         tied = least_loaded_indices(load_list(targets, loads))
@@ -89,7 +89,7 @@ class PowerOfTwoPolicy:
         self,
         request: RouteRequest,
         targets: Sequence[Target],
-        loads: Mapping[Target, int],
+        loads: Mapping[Target, float],
         index: RadixIndex | None,
     ) -> Decision:
         n = len(targets)

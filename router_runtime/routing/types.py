@@ -70,10 +70,10 @@ class Policy(Protocol):
         self,
         request: RouteRequest,
         targets: Sequence[Target],
-        loads: Mapping[Target, int],
+        loads: Mapping[Target, float],
         index: RadixIndex | None,
     ) -> Decision:
-        """Pick one of ``targets`` (never empty). ``loads`` is the router's in-flight count per target
+        """Pick one of ``targets`` (never empty). ``loads`` is the fleet's in-flight count per target
         (missing = 0). Must not mutate the index; may update the policy's own state (round-robin
         cursor, text tree)."""
         ...
