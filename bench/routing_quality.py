@@ -38,10 +38,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import signal
 import sys
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,6 +238,8 @@ class Result:
     flags: list[str] = field(default_factory=list)
     router_cpu_s: float = float("nan")  # CPU seconds the router processes used during the replay
     evicted: list[int] = field(default_factory=list)  # blocks each engine evicted (BlockRemoved)
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (done at s, prompt, cached)
+    killed_at: float | None = None  # when a replica was killed (s into the replay)
 
     @property
     def hit_rate(self) -> float:
@@ -251,6 +256,7 @@ async def replay(
     *,
     urls: list[str],
     sticky: bool = False,
+    kill: tuple[int, Callable[[], str]] | None = None,
     engine_urls: list[str],
     incarnations: dict[str, int],
     text: bool,
@@ -272,7 +278,7 @@ async def replay(
                 engine = oracle.pick(pos, ids)
                 client = clients[engine_urls[engine]]
             else:
-                client = clients[urls[(turn.conv if sticky else pos) % len(urls)]]
+                client = clients[live[(turn.conv if sticky else pos) % len(live)]]
             raw = client.request_bytes("/v1/completions", body(turn, p, text))
             try:
                 t0, reply = await client.send(raw, keep_body=True)
@@ -289,6 +295,7 @@ async def replay(
             actual[pos] = cached
             res.prompt_tokens += usage["prompt_tokens"]
             res.cached_tokens += cached
+            res.timeline.append((time.perf_counter() - started, usage["prompt_tokens"], cached))
             res.ttft_ms.append((reply.t_first - t0) * 1e3)
             res.e2e_ms.append((reply.t_end - t0) * 1e3)
             prefill_ms = (usage["prompt_tokens"] - cached) * p.prefill_us_per_token / 1e3
@@ -299,9 +306,15 @@ async def replay(
             slots.release()
             done[pos].set()
 
-    t0 = time.perf_counter()
+    t0 = started = time.perf_counter()
     tasks = []
+    live = list(urls)
     for pos, turn in enumerate(schedule):
+        if kill is not None and pos == kill[0]:
+            # A replica dies (SIGKILL); the client stops sending to it, as a Service drops an endpoint
+            # whose pod is gone. Its in-flight requests fail (counted as errors).
+            live.remove(kill[1]())
+            res.killed_at = time.perf_counter() - started
         if turn.prev >= 0:
             await done[turn.prev].wait()
         await slots.acquire()
@@ -377,12 +390,22 @@ def run_row(name: str, schedule: list[Turn], p: Params, logdir: str, fleet: Flee
             res.probe = "; ".join(sorted({probe_event_plane(r, engines, kv=kv) for r in routers}))
         oracle = Oracle(p) if kind is None else None
         cpu0 = sum(r.proc.cpu_seconds() for r in routers)
+        kill = None
+        if fleet.kill_at is not None and len(routers) > 1:
+            victim = routers[-1]
+
+            def kill_one() -> str:
+                os.killpg(victim.proc.popen.pid, signal.SIGKILL)
+                return victim.url
+
+            kill = (int(fleet.kill_at * len(schedule)), kill_one)
         asyncio.run(
             replay(
                 schedule,
                 p,
                 urls=[r.url for r in routers],
                 sticky=fleet.sticky,
+                kill=kill,
                 engine_urls=[e.url for e in engines],
                 incarnations=incarnations,
                 text=text,
@@ -408,6 +431,7 @@ class Fleet:
     replicas: int = 1
     sticky: bool = False  # each conversation on one replica; else alternating per request
     flags: tuple[str, ...] = ()  # extra flags for our routers (e.g. the fleet load view off)
+    kill_at: float | None = None  # kill one replica this far into the schedule (0..1)
 
     def label(self, base: str) -> str:
         if self.replicas == 1:
@@ -417,6 +441,37 @@ class Fleet:
 
 # ---------------------------------------------------------------------------------------------------
 # Report
+
+
+def around_kill(res: Result, window_s: float = 1.0, before_s: float = 5.0) -> str:
+    """The hit rate in the ``before_s`` before the kill (steady state) and in 1 s windows after it, and
+    when it was back within 2% of that steady state."""
+    if res.killed_at is None:
+        return ""
+    k = res.killed_at
+
+    def rate(lo: float, hi: float) -> float:
+        got = [(pt, c) for t, pt, c in res.timeline if lo <= t < hi]
+        total = sum(pt for pt, _ in got)
+        return sum(c for _, c in got) / total if total else float("nan")
+
+    steady = rate(k - before_s, k)
+    end = max((t for t, _, _ in res.timeline), default=k)
+    windows = []
+    back = None
+    t = k
+    while t < end:
+        r = rate(t, t + window_s)
+        windows.append(r)
+        if back is None and r == r and r >= 0.98 * steady:
+            back = t + window_s - k
+        t += window_s
+    shown = " ".join(f"{100 * r:.0f}" for r in windows[:8])
+    when = f"back within 2% after {back:.0f} s" if back is not None else "not back within 2%"
+    return (
+        f"replica killed at {k:.1f}s: hit {100 * steady:.1f}% in the {before_s:g}s before; per"
+        f" {window_s:g}s after: {shown}; {when}"
+    )
 
 
 def _cell(rs: list[Result], f, fmt: str, scale: float = 1.0) -> str:
@@ -452,6 +507,7 @@ def report(results: dict[str, list[Result]], rows: list[str], p: Params) -> None
         if wrong:
             notes.append(f"{wrong} wrong replies")
         notes += sorted({r.probe for r in rs if r.probe})
+        notes += [around_kill(r) for r in rs if r.killed_at is not None]
         agree = [r.oracle_agree for r in rs if r.oracle_agree is not None]
         if agree:
             notes.append(
@@ -575,11 +631,21 @@ def main(argv: list[str] | None = None) -> int:
         help="extra flags for our routers, e.g. '--fleet-gossip-window-ms 0 --engine-load-interval-ms 0'"
         " (the fleet load view off: each replica balances on its own in-flight counts)",
     )
+    ap.add_argument(
+        "--kill-at",
+        type=float,
+        help="kill one of our replicas (SIGKILL) this far into the schedule, e.g. 0.5, and report the"
+        " hit rate around it",
+    )
     ap.add_argument("--json", help="also write the raw per-run figures to this file")
     args = ap.parse_args(argv)
     if args.replicas < 1:
         ap.error("argument --replicas: must be >= 1")
-    fleet = Fleet(args.replicas, args.client == "per-conversation", tuple(args.router_flags.split()))
+    if args.kill_at is not None and not (0 < args.kill_at < 1 and args.replicas > 1):
+        ap.error("argument --kill-at: a fraction in (0, 1), with --replicas 2 or more")
+    fleet = Fleet(
+        args.replicas, args.client == "per-conversation", tuple(args.router_flags.split()), args.kill_at
+    )
 
     p = QUICK if args.quick else Params()
     over = {
