@@ -230,3 +230,16 @@ def test_board_ages_a_silent_sibling_out_without_any_other_event():
     b.engine_read("b", EngineSample(clock.t, {None: RankLoad(2)}))
     clock.t += 2.5
     assert b.view.get(B) == 0  # the engine read aged out too
+
+
+def test_board_holds_a_bounded_number_of_senders():
+    from router_runtime.fleet.board import MAX_SENDERS
+
+    clock = Clock()
+    b, _ = board(clock)
+    for i in range(MAX_SENDERS):
+        assert b.accept(vet_report(report(incarnation=str(i)))) is ReportOutcome.ACCEPTED
+    assert b.accept(vet_report(report(incarnation="one-too-many"))) is ReportOutcome.REJECTED
+    assert b.accept(vet_report(report(incarnation="0", seq=2))) is ReportOutcome.ACCEPTED  # known ones go on
+    clock.t += 2.1  # all aged out: room again
+    assert b.accept(vet_report(report(incarnation="later"))) is ReportOutcome.ACCEPTED

@@ -96,7 +96,10 @@ def internal_app(
             return _error(404, "this router takes no load reports", "no_fleet_load")
         if (request.content_length or 0) > MAX_BODY_BYTES:
             return _error(413, f"a load report is at most {MAX_BODY_BYTES} bytes", "too_large")
-        body = await request.content.read(MAX_BODY_BYTES + 1)
+        try:
+            body = await request.read()  # aiohttp bounds it (client_max_size, 1 MiB); vetting at 256 KiB
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"a load report is at most {MAX_BODY_BYTES} bytes", "too_large")
         try:
             report = vet_report(body)
         except GossipRejected as exc:

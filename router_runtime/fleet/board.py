@@ -17,6 +17,8 @@ from ..routing.types import Target
 from .gossip import PeerReport, ReportOutcome, encode_report
 from .view import Bounds, EngineSample, LoadKey, Remote, TargetReport, fleet_load, remote
 
+MAX_SENDERS = 1024  # sibling processes held at once (a fleet is far smaller; a restart adds one)
+
 
 class FleetLoadView(Mapping[Target, float]):
     """What policies get as ``loads``: a live read-only mapping of target -> fleet load."""
@@ -79,6 +81,10 @@ class LoadBoard:
         held = self._peers.get(sender)
         if held is not None and report.seq <= held[1].seq:
             return ReportOutcome.STALE
+        if held is None and len(self._peers) >= MAX_SENDERS:
+            self._drop_aged(self.clock())
+            if len(self._peers) >= MAX_SENDERS:
+                return ReportOutcome.REJECTED  # a flood of "new processes": bounded, never a leak
         self._peers[sender] = (self.clock(), report)
         self._remote = Remote({}, {}, 0.0)
         return ReportOutcome.ACCEPTED
@@ -127,11 +133,14 @@ class LoadBoard:
                 by_engine.setdefault(t.engine, []).append(t)
             peers = {name: (at, rep.targets) for name, (at, rep) in self._peers.items()}
             r = self._remote = remote(peers, self._samples, by_engine, now, self.bounds)
-            # Drop what aged out for good, so a departed sibling costs nothing from now on.
-            for name, (at, _) in list(self._peers.items()):
-                if now - at > self.bounds.peer_max_age_s:
-                    del self._peers[name]
+            self._drop_aged(now)
         return r
+
+    def _drop_aged(self, now: float) -> None:
+        """Forget the senders whose latest report aged out: a departed sibling costs nothing more."""
+        for sender, (at, _) in list(self._peers.items()):
+            if now - at > self.bounds.peer_max_age_s:
+                del self._peers[sender]
 
     def fresh_peers(self) -> int:
         now = self.clock()

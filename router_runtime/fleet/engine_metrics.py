@@ -187,8 +187,8 @@ class EngineLoadScraper:
                 if r.status != 200:
                     self.sink(engine, None, "error")
                     return
-                body = await r.content.read(self.config.max_bytes + 1)
-            if len(body) > self.config.max_bytes:
+                body = await _read_capped(r.content, self.config.max_bytes)
+            if body is None:
                 self.sink(engine, None, "too_large")
                 return
             sample = parse_engine_load(body.decode("utf-8", "replace"), self.clock())
@@ -200,3 +200,14 @@ class EngineLoadScraper:
             self.sink(engine, None, "error")
         else:
             self.sink(engine, sample, "ok")
+
+
+async def _read_capped(stream: aiohttp.StreamReader, cap: int) -> bytes | None:
+    """The whole body, or None past ``cap`` bytes (read in chunks: one read may return any part)."""
+    chunks, size = [], 0
+    while chunk := await stream.read(1 << 16):
+        size += len(chunk)
+        if size > cap:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -133,7 +133,7 @@ class Remote:
 
 
 def remote(
-    peer_reports: Mapping[str, tuple[float, Sequence[TargetReport]]],
+    peer_reports: Mapping[tuple[str, str], tuple[float, Sequence[TargetReport]]],
     samples: Mapping[str, tuple[EngineSample, Mapping[LoadKey, int]]],
     targets: Mapping[str, Sequence[Target]],
     now: float,
