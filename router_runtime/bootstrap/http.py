@@ -41,7 +41,8 @@ def internal_app(
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        got = request.headers.get("Authorization", "").encode()
+        # surrogateescape: a header with non-ASCII bytes is a wrong token (401), never an exception
+        got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(got, expected):
             return _error(401, "missing or wrong bearer token", "unauthorized")
         return await handler(request)

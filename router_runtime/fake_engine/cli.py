@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.max_concurrency,
         help="requests running at once; the rest queue (0 = unlimited)",
     )
+    p.add_argument(
+        "--max-model-len",
+        type=_bounded(int, 1),
+        default=d.max_model_len,
+        help=f"prompt + max_tokens must fit in this many tokens, as in vLLM (default {d.max_model_len})",
+    )
     p.add_argument("--model", default=d.model, help="model name served")
     p.add_argument(
         "--cache-generated",
@@ -131,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> FakeEngineConfig:
         prefill_us_per_token=args.prefill_us_per_token,
         decode_tokens_per_s=args.decode_tokens_per_s,
         max_concurrency=args.max_concurrency,
+        max_model_len=args.max_model_len,
         model=args.model,
         cache_generated=args.cache_generated,
     )

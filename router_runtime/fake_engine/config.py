@@ -42,6 +42,8 @@ class FakeEngineConfig:
     prefill_us_per_token: float = 20.0  # simulated prefill cost per *uncached* prompt token
     decode_tokens_per_s: float = 2000.0  # 0 = instant
     max_concurrency: int = 0  # requests running at once per engine; the rest queue; 0 = unlimited
+    # prompt + max_tokens must fit, as vLLM refuses a request beyond its max_model_len (no allocation)
+    max_model_len: int = 131_072
     model: str = "routerfleet/fake-model"
     cache_generated: bool = False  # also cache full blocks of prompt+output when a request finishes
     max_model_len: int = 1 << 20
@@ -61,6 +63,7 @@ class FakeEngineConfig:
             ("prefill_us_per_token", self.prefill_us_per_token >= 0),
             ("decode_tokens_per_s", self.decode_tokens_per_s >= 0),
             ("max_concurrency", self.max_concurrency >= 0),
+            ("max_model_len", self.max_model_len >= 1),
             ("model", bool(self.model)),
         ]
         for name, ok in checks:

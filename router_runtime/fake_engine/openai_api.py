@@ -43,7 +43,7 @@ def parse_json_body(raw: bytes) -> Any:
     """A request body as JSON; RequestError (-> 400) when it is not valid UTF-8 JSON."""
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # also integers beyond Python's digit limit
         raise RequestError("request body is not valid JSON") from None
 
 

@@ -373,6 +373,13 @@ class FakeEngine:
         try:
             req = parse(parse_json_body(await request.read()))
             rank = self._pick_rank(req, request)
+            n, limit = len(req.prompt_tokens), self.config.max_model_len
+            if n + req.max_tokens > limit:
+                raise RequestError(
+                    f"This model's maximum context length is {limit} tokens. However, you requested"
+                    f" {n + req.max_tokens} tokens ({n} in the prompt, {req.max_tokens} in the completion).",
+                    "max_tokens",
+                )
         except RequestError as e:
             return bad_request(e)
         cfg = self.config

@@ -55,6 +55,14 @@ def too_large(limit: int) -> ProxyError:
     return ProxyError(413, f"request body exceeds {limit} bytes", code="request_too_large")
 
 
+def unsupported_encoding(encoding: str, supported: frozenset[str]) -> ProxyError:
+    return ProxyError(
+        415,
+        f"Content-Encoding {encoding[:40]!r} is not supported (use {', '.join(sorted(supported))})",
+        code="unsupported_encoding",
+    )
+
+
 def no_engine(why: str) -> ProxyError:
     return ProxyError(503, why, type_="service_unavailable", code="no_engine_available", outcome="no_engine")
 

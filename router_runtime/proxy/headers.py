@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from multidict import CIMultiDict
 
 RANK_HEADER = "X-Data-Parallel-Rank"
+# Request Content-Encodings the server side decodes (aiohttp; br and zstd would need extra packages).
+DECODED_ENCODINGS = frozenset({"identity", "gzip", "x-gzip", "deflate"})
 ENGINE_HEADER = "X-RouterFleet-Engine"
 
 HOP_BY_HOP = frozenset(

@@ -34,14 +34,23 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from ..kv.index import RadixIndex
 from ..routing.types import Decision, Policy, RouteRequest, Target
 from ..sessions.affinity import SessionAffinity, SessionCtx
 from ..sessions.classify import promote
 from ..tokens.tokenizer import AsyncTokenizer
-from .errors import ProxyError, bad_gateway, gateway_timeout, no_engine, too_large
-from .headers import ENGINE_HEADER, RANK_HEADER, request_headers, response_headers
+from .errors import (
+    ProxyError,
+    bad_gateway,
+    bad_request,
+    gateway_timeout,
+    no_engine,
+    too_large,
+    unsupported_encoding,
+)
+from .headers import DECODED_ENCODINGS, ENGINE_HEADER, RANK_HEADER, request_headers, response_headers
 from .health import HealthBoard
 from .load import LoadTracker
 from .metrics import ProxyMetrics
@@ -231,10 +240,16 @@ class Proxy:
         length = request.content_length
         if length is not None and length > self.max_body_bytes:
             raise too_large(self.max_body_bytes)
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in DECODED_ENCODINGS:
+            raise unsupported_encoding(encoding, DECODED_ENCODINGS)
         try:
+            # aiohttp inflates gzip and deflate, capped at the same size as a plain body
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise too_large(self.max_body_bytes) from None
+        except RequestPayloadError:  # a body that does not decode as its Content-Encoding says
+            raise bad_request(f"the request body is not valid {encoding}") from None
 
     async def _parse(self, raw: bytes) -> Any:
         if self.executor is not None and len(raw) > self.parse_inline_max_bytes:
@@ -248,7 +263,10 @@ class Proxy:
             if parsed.tokens is not None:
                 tokens = parsed.tokens
             elif parsed.text is not None:
-                tokens = await self.tokenizer.prompt(parsed.text, size)
+                try:
+                    tokens = await self.tokenizer.prompt(parsed.text, size)
+                except UnicodeEncodeError:  # a lone surrogate ("\ud800"): no engine can take it either
+                    raise bad_request("'prompt' is not valid Unicode text", "prompt") from None
             else:
                 tokens = await self.tokenizer.chat_tokens(parsed.messages, parsed.template_kwargs, size)
         if self.needs_text and parsed.messages is not None:

@@ -1,0 +1,127 @@
+"""Hostile and careless client input over real HTTP: every case gets a clear 4xx in OpenAI's error shape
+(never a 500 with a traceback), nothing reaches an engine that the engine could not take, and the
+router stays healthy and in rotation afterwards. Raw sockets where a client library would refuse to
+send the bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import json
+import zlib
+
+import aiohttp
+import pytest
+
+from router_runtime.app import run_router
+from router_runtime.config import RouterConfig
+from router_runtime.fake_engine.server import run_fake_engine
+from router_runtime.kv.plane import WorkerSpec
+from router_runtime.proxy.health import BreakerState
+
+BS = 4
+TOKEN = "hostile-s3cret"
+PROMPT = {"prompt": "the quick brown fox", "max_tokens": 3}
+
+
+@contextlib.asynccontextmanager
+async def router_over_engine(tmp_path, **config):
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    async with run_fake_engine(block_size=BS) as engine:
+        cfg = RouterConfig(
+            port=0,
+            internal_port=0,
+            internal_token_file=str(token),
+            workers=(WorkerSpec(engine.http_url, engine.http_url),),
+            block_size=BS,
+            health_interval_s=0,
+            breaker_failures=2,
+            **config,
+        )
+        async with (
+            run_router(cfg) as (router, url),
+            # one connection per request: a body the server could not frame closes its connection
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+        ):
+            yield engine, router, url, s
+
+
+async def assert_healthy(router, url, s, engine) -> None:
+    async with s.post(url + "/v1/completions", json=PROMPT) as r:
+        assert r.status == 200, await r.text()
+    async with s.get(url + "/readyz") as r:
+        assert r.status == 200
+    assert router.health.state(engine.http_url) is BreakerState.CLOSED
+
+
+def gzipped(obj) -> bytes:
+    return gzip.compress(json.dumps(obj).encode())
+
+
+PLAIN = json.dumps(PROMPT).encode()
+BAD = "invalid_request"
+GZ = {"Content-Encoding": "gzip"}
+
+# (name, body bytes, extra headers, expected status, expected error code)
+CASES = [
+    ("gzip", gzipped(PROMPT), GZ, 200, None),
+    ("deflate", zlib.compress(PLAIN), {"Content-Encoding": "deflate"}, 200, None),
+    ("not gzip, labelled gzip", PLAIN, GZ, 400, BAD),
+    ("unknown encoding", PLAIN, {"Content-Encoding": "x-squash"}, 415, "unsupported_encoding"),
+    ("a 5,000-digit integer", b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", {}, 400, BAD),
+    ("a 5,000-digit integer, gzipped", gzip.compress(b'{"prompt": [' + b"7" * 5000 + b"]}"), GZ, 400, BAD),
+    ("a lone surrogate in a text prompt", b'{"prompt": "abc \\ud800 def", "max_tokens": 1}', {}, 400, BAD),
+    ("deep nesting", b"[" * 50_000 + b"]" * 50_000, {}, 400, BAD),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "headers", "status", "code"), CASES, ids=[c[0] for c in CASES])
+async def test_bad_bodies_get_a_clear_error_and_cost_nothing(tmp_path, name, body, headers, status, code):
+    async with router_over_engine(tmp_path) as (engine, router, url, s):
+        for _ in range(3):  # repeated: no cumulative effect on the breaker or readiness
+            async with s.post(
+                url + "/v1/completions", data=body, headers={"Content-Type": "application/json", **headers}
+            ) as r:
+                text = await r.text()
+                assert r.status == status, (name, text[:200])
+                if code is not None:
+                    assert r.content_type == "application/json", text[:200]
+                    assert json.loads(text)["error"]["code"] == code
+        await assert_healthy(router, url, s, engine)
+
+
+async def test_a_non_ascii_authorization_header_on_the_internal_port_is_a_401(tmp_path):
+    async with router_over_engine(tmp_path) as (engine, router, url, s):
+        host, port = router.internal_url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"GET /internal/bootstrap HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe"
+            + TOKEN.encode()
+            + b"\r\n"
+            b"Connection: close\r\n\r\n"
+        )
+        await writer.drain()
+        head = await reader.read(200)
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 401"), head
+        await assert_healthy(router, url, s, engine)
+
+
+async def test_the_fake_engine_refuses_max_tokens_beyond_its_model_length_as_vllm_does():
+    async with run_fake_engine(block_size=BS, max_model_len=64) as e, aiohttp.ClientSession() as s:
+        for max_tokens in (10**30, 61):
+            async with s.post(
+                e.http_url + "/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": max_tokens}
+            ) as r:
+                assert r.status == 400
+                body = await r.json()
+                assert (
+                    body["error"]["param"] == "max_tokens"
+                    and "maximum context length is 64" in body["error"]["message"]
+                )
+        async with s.post(
+            e.http_url + "/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 60}
+        ) as r:
+            assert r.status == 200
