@@ -38,6 +38,7 @@ from .kv.hashing import SCHEME, hash_set_digest
 from .kv.index import TIER_ORDER
 from .kv.plane import KVPlane, WorkerSpec
 from .kv.subscription import ReplayTimeouts
+from .proxy import log_redaction
 from .proxy.health import BreakerConfig, BreakerState, HealthBoard, HealthChecker
 from .proxy.load import LoadTracker
 from .proxy.metrics import ProxyMetrics
@@ -416,6 +417,7 @@ async def run_router(
 ) -> AsyncIterator[tuple[Router, str]]:
     """Start a router in this event loop; yields it and its base URL. For tests, the demo and benches.
     ``policy`` and ``tokenizer`` override the config's (tests)."""
+    log_redaction.install()  # before any server starts: no request bytes in any log line
     router = Router(config, policy=policy, tokenizer=tokenizer)
     await router.start()
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream

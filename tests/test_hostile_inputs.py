@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import gzip
 import json
+import logging
 import zlib
 
 import aiohttp
@@ -125,3 +126,51 @@ async def test_the_fake_engine_refuses_max_tokens_beyond_its_model_length_as_vll
             e.http_url + "/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 60}
         ) as r:
             assert r.status == 200
+
+
+MARKER = "PROMPT-MARKER-7f3a"
+LONG = "z" * 9000  # past aiohttp's 8,190-byte line limit
+
+
+def framing_attacks(host: str) -> list[bytes]:
+    """Requests whose framing aiohttp's parser refuses, each carrying MARKER where it would be logged."""
+    body = json.dumps({"prompt": MARKER, "max_tokens": 1}).encode()
+    post = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n".encode()
+    return [
+        post + b"Transfer-Encoding: chunked\r\n\r\n" + body + b"\r\n",  # a chunked request, unframed
+        post + b"Transfer-Encoding: chunked\r\n\r\nzz" + MARKER.encode() + b"\r\n" + body + b"\r\n0\r\n\r\n",
+        post + b"Content-Length: 10\r\n\r\n" + body + b"\r\n\r\n",  # the rest parses as a request line
+        f"GET /{MARKER}{'x' * 9000} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode(),  # request line too long
+        post + f"X-Note: {MARKER}{'y' * 9000}\r\nContent-Length: 2\r\n\r\n{{}}".encode(),  # header too long
+        f"{MARKER} / HTTP/1.1\r\nHost: {host}\r\n\r\n".encode(),  # a bad method
+        post + f"Bad Header {MARKER}: v\r\nContent-Length: 2\r\n\r\n{{}}".encode(),
+    ]
+
+
+async def send_raw(host: str, port: int, data: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(5):
+            return await reader.read(65536)
+    finally:
+        writer.close()
+
+
+async def test_malformed_framing_never_puts_request_bytes_or_the_token_in_any_log(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    async with router_over_engine(tmp_path) as (engine, router, url, s):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        answers = [await send_raw(host, int(port), raw) for raw in framing_attacks(host)]
+        assert all(a.split(b" ", 2)[1].startswith(b"4") for a in answers), [a[:40] for a in answers]
+        ihost, iport = router.internal_url.removeprefix("http://").rsplit(":", 1)
+        auth = f"GET /internal/bootstrap HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}{LONG}\r\n\r\n"
+        assert (await send_raw(ihost, int(iport), auth.encode())).split(b" ", 2)[1] == b"400"
+        await assert_healthy(router, url, s, engine)
+    text = "\n".join(
+        r.getMessage() + (logging.Formatter().formatException(r.exc_info) if r.exc_info else "")
+        for r in caplog.records
+    )
+    assert "refused a malformed request" in text  # the events are kept
+    assert MARKER not in text and TOKEN not in text
