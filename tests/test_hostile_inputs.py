@@ -174,3 +174,38 @@ async def test_malformed_framing_never_puts_request_bytes_or_the_token_in_any_lo
     )
     assert "refused a malformed request" in text  # the events are kept
     assert MARKER not in text and TOKEN not in text
+
+
+@pytest.mark.parametrize(
+    "seq",
+    ["1e999", "true", '"7"', "1.5", str(1 << 64), "-2"],
+)
+async def test_a_peer_cursor_that_is_not_a_bounded_integer_is_a_rejected_answer(seq):
+    """The splice probe's answer (cursors_only) with a hostile seq: refused as a rejected answer, never
+    an exception that would kill the probe task (1e999 parses as infinity, whose int() overflows)."""
+    from aiohttp import web
+
+    from router_runtime.bootstrap.fetch import FetchFailed, SnapshotFetcher
+    from router_runtime.bootstrap.peers import Peer
+    from router_runtime.bootstrap.state import SnapshotOutcome
+
+    row = '{"engine": "e", "rank": 0, "incarnation": "i", "seq": ' + seq + "}"
+    body = '{"format": 1, "cursors": [' + row + "]}"
+
+    async def answer(_req):
+        return web.Response(text=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/internal/kv_snapshot", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    fetcher = SnapshotFetcher(TOKEN)
+    try:
+        with pytest.raises(FetchFailed) as failed:
+            await fetcher.cursors(Peer(url, url))
+        assert failed.value.outcome is SnapshotOutcome.REJECTED
+    finally:
+        await fetcher.close()
+        await runner.cleanup()

@@ -82,11 +82,16 @@ class SnapshotFetcher:
             raise FetchFailed(SnapshotOutcome.COLD_PEER, "404")
         if status != 200:
             raise FetchFailed(SnapshotOutcome.UNREACHABLE, f"HTTP {status}")
+        # Inflating and decoding run off the event loop (a large or hostile body must not stall it).
+        # The failure is raised outside the except block and after dropping the body: a raise inside
+        # it would chain the WireError, whose traceback holds the inflated buffer, to the FetchFailed
+        # callers keep.
         try:
-            raw = inflate(body, self.limits) if encoding == "gzip" else body
-            return await asyncio.get_running_loop().run_in_executor(None, decode, raw, self.limits)
+            return await asyncio.get_running_loop().run_in_executor(None, _open, body, encoding, self.limits)
         except WireError as exc:
-            raise FetchFailed(SnapshotOutcome.REJECTED, exc.kind) from None
+            kind = exc.kind
+        del body
+        raise FetchFailed(SnapshotOutcome.REJECTED, kind)
 
     async def cursors(self, peer: Peer) -> dict[tuple[str, int, str], int]:
         """A peer's live cursor table: (engine, rank, incarnation) -> last applied seq."""
@@ -95,6 +100,26 @@ class SnapshotFetcher:
             raise FetchFailed(SnapshotOutcome.UNREACHABLE, f"HTTP {status}")
         try:
             doc = json.loads(body)
-            return {(c["engine"], int(c["rank"]), c["incarnation"]): int(c["seq"]) for c in doc["cursors"]}
-        except (ValueError, KeyError, TypeError) as exc:
+            return dict(_cursor(c) for c in doc["cursors"])
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise FetchFailed(SnapshotOutcome.REJECTED, type(exc).__name__) from None
+
+
+def _open(body: bytes, encoding: str, limits: Limits) -> WireSnapshot:
+    return decode(inflate(body, limits) if encoding == "gzip" else body, limits)
+
+
+_MAX_SEQ = (1 << 63) - 1
+
+
+def _cursor(row: object) -> tuple[tuple[str, int, str], int]:
+    """One row of a cursors_only answer, every field a bounded value of its type (a float such as
+    1e999, a bool or a string where an integer belongs is refused, never converted)."""
+    if type(row) is not dict:
+        raise TypeError("a cursor is an object")
+    engine, rank, incarnation, seq = row["engine"], row["rank"], row["incarnation"], row["seq"]
+    if type(engine) is not str or type(incarnation) is not str:
+        raise TypeError("engine and incarnation are strings")
+    if type(rank) is not int or not 0 <= rank < 1 << 16 or type(seq) is not int or not -1 <= seq <= _MAX_SEQ:
+        raise ValueError("rank and seq are bounded integers")
+    return (engine, rank, incarnation), seq

@@ -129,18 +129,28 @@ async def _views(session, routers: list[str], engines: dict[str, str]) -> tuple[
 
 
 async def _route_all(session, routers: list[str], probes: list[list[int]]) -> list[list]:
-    """Each router's decision (the engine it chose) for every probe. One probe at a time per router
-    (no in-flight load to skew a decision), the routers side by side."""
+    """Each router's decision (the engine it chose) for every probe. One probe at a time, one router
+    after the other, each starting once every replica's fleet load view is idle: the replicas share
+    their load (docs/fleet-load.md), so a sibling's in-flight probe would rightly skew a decision."""
 
-    async def one_router(router: str) -> list:
-        out = []
+    async def idle() -> None:
+        for _ in range(100):
+            views = [(await get(session, r + "/debug/load"))[1] for r in routers]
+            if all(t["load"] == 0 for v in views for t in v["targets"]):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the fleet's load view never went idle: {views}")
+
+    out = []
+    for router in routers:
+        await idle()
+        decisions = []
         for tokens in probes:
             status, engine, body = await completion(session, router, tokens, max_tokens=1, n=2)
             assert status == 400 and "n=1" in str(body), (status, body)  # refused: nothing cached
-            out.append(engine)
-        return out
-
-    return list(await asyncio.gather(*(one_router(r) for r in routers)))
+            decisions.append(engine)
+        out.append(decisions)
+    return out
 
 
 def test_router_fleet(cluster, namespace):
