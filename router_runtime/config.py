@@ -76,7 +76,7 @@ class RouterConfig:
     # Session affinity (docs/sessions.md).
     sessions: SessionConfig = field(default_factory=SessionConfig)
     # The fleet's load view (docs/fleet-load.md): siblings' reports over the internal port, engine reads.
-    fleet_gossip_window_s: float = 0.02  # 0: do not gossip
+    fleet_gossip_window_s: float = 0.05  # 0: do not gossip
     fleet_heartbeat_s: float = 0.5
     fleet_peer_max_age_s: float = 2.0
     engine_load_interval_s: float = 0.2  # 0: do not read the engines' metrics
@@ -393,9 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument(
         "--fleet-gossip-window-ms",
         type=_non_negative_int,
-        default=20,
+        default=50,
         help="after this replica's load changes, wait this long for more, then tell the siblings "
-        "(needs --internal-token-file and peers; default 20; 0: off)",
+        "(needs --internal-token-file and peers; default 50; 0: off)",
     )
     f.add_argument(
         "--fleet-heartbeat-ms",

@@ -125,7 +125,7 @@ def vet_report(body: bytes) -> PeerReport:
 
 @dataclass(frozen=True, slots=True)
 class GossipConfig:
-    window_s: float = 0.02  # after a change, wait this long for more before sending (0: gossip off)
+    window_s: float = 0.05  # after a change, wait this long for more before sending (0: gossip off)
     heartbeat_s: float = 0.5  # send at least this often, changed or not
     timeout_s: float = 0.5  # one POST to one peer
 
