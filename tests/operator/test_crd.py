@@ -154,3 +154,23 @@ def test_defaults_of_an_empty_spec_agree():
     filled = apply_defaults(bare, SPEC)
     assert filled["bootstrap"]["timeout"] == "10m" and filled["rollout"]["progressDeadline"] == "1h"
     assert filled["router"]["tokenizer"] == {"source": "Bytes"}
+
+
+def _undescribed(node: dict, path: str, named: bool) -> list[str]:
+    """Every named field (a key under ``properties``) below ``node`` without a description: what
+    ``kubectl explain`` would show as ``<no description>``. Array items and map values are reached
+    through their field, which carries the description."""
+    out = [path] if named and not node.get("description") else []
+    for key, child in (node.get("properties") or {}).items():
+        out += _undescribed(child, f"{path}.{key}", True)
+    for inner, suffix in ((node.get("items"), "[]"), (node.get("additionalProperties"), "{}")):
+        if isinstance(inner, dict):
+            out += _undescribed(inner, path + suffix, False)
+    return out
+
+
+def test_every_crd_field_has_a_description():
+    for version in crd()["spec"]["versions"]:
+        root = version["schema"]["openAPIV3Schema"]
+        assert root.get("description")
+        assert _undescribed(root, "rf", False) == [], version["name"]
