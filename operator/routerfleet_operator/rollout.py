@@ -700,11 +700,23 @@ def _cache_warm(fleet: Fleet, serving: list[PodView]) -> tuple[str, str, str]:
         if any(not p.report.peers_synced for p in cold):  # type: ignore[union-attr]
             return ("False", "PeerDiscoveryNotSynced", f"serving cold, peer discovery never synced: {names_}")
         return ("False", "SeedTimedOut", f"serving cold after a seed timed out: {names_}")
-    fresh = [p for p in known if p.report.verdict in (Verdict.NO_PEERS, Verdict.FLEET_COLD)]  # type: ignore[union-attr]
+    # A cold start (nothing to inherit) is warm once its index holds what the engines' live events
+    # brought: the verdict never changes, the index does.
+    fresh = [
+        p
+        for p in known
+        if p.report.verdict in (Verdict.NO_PEERS, Verdict.FLEET_COLD) and p.report.index_blocks == 0  # type: ignore[union-attr]
+    ]
     if fresh:
         return (
             "True",
             "FleetColdStart",
-            f"{len(fresh)} replica(s) started with nothing to inherit (no_peers/fleet_cold)",
+            f"{len(fresh)} replica(s) started with nothing to inherit (no_peers/fleet_cold) and have indexed"
+            " nothing yet",
         )
-    return ("True", "AllWarm", f"{len(known)} replica(s) seeded warm (from a sibling or the engines' replay)")
+    return (
+        "True",
+        "AllWarm",
+        f"{len(known)} replica(s) warm: seeded from a sibling or the engines' replay, or warmed by live"
+        " traffic since a cold start",
+    )

@@ -65,12 +65,14 @@ def report(
     seed_failed: bool = False,
     synced: bool = True,
     nodes: int = 10,
+    blocks: int = 0,
 ) -> BootstrapReport:
     return BootstrapReport(
         settled=settled,
         verdict=Verdict(verdict),
         seed_failed=seed_failed,
         index_nodes=nodes,
+        index_blocks=blocks,
         peers_synced=synced,
     )
 

@@ -260,6 +260,18 @@ def test_first_deploy_passes_as_no_peers():
     assert len(c.events("RolloutComplete")) == 1
 
 
+def test_a_cold_start_is_called_warm_once_its_index_holds_blocks():
+    """The verdict of a first deploy stays no_peers; once live events filled the index, CacheWarm says
+    AllWarm instead of FleetColdStart."""
+    c = first_deploy()
+    assert c.condition("CacheWarm") == ("True", "FleetColdStart")
+    for p in c.pods.values():  # the routers' reports after some traffic
+        p.report = report(Verdict.NO_PEERS, blocks=120)
+    c.run(2)
+    assert c.condition("CacheWarm") == ("True", "AllWarm")
+    assert c.status["verdicts"]["noPeers"] == 3  # the seeded-with verdicts are unchanged
+
+
 def test_a_full_restart_passes_as_fleet_cold():
     c = Cluster(fleet_obj({"replicas": 2}), script=lambda p, c: report(Verdict.FLEET_COLD, nodes=0))
     c.run(6)
