@@ -125,6 +125,9 @@ class ScrapeConfig:
     interval_s: float = 0.2  # 0: off
     timeout_s: float = 0.5  # the deadline of one read
     max_bytes: int = 4 << 20
+    # A replica reads at most this many pages a second in all: a large fleet stretches the interval
+    # (a vLLM page is 50-200 KB to parse) instead of spending a core on it.
+    max_reads_per_s: float = 50.0
 
 
 class EngineLoadScraper:
@@ -169,7 +172,7 @@ class EngineLoadScraper:
                         self._reads[engine] = asyncio.create_task(
                             self._read(engine, url), name=f"load-{engine}"
                         )
-                await asyncio.sleep(cfg.interval_s)
+                await asyncio.sleep(max(cfg.interval_s, len(urls) / cfg.max_reads_per_s))
         finally:
             for task in self._reads.values():
                 task.cancel()
