@@ -160,7 +160,9 @@ def _undescribed(node: dict, path: str, named: bool) -> list[str]:
     """Every named field (a key under ``properties``) below ``node`` without a description: what
     ``kubectl explain`` would show as ``<no description>``. Array items and map values are reached
     through their field, which carries the description."""
-    out = [path] if named and not node.get("description") else []
+    # The API server allows nothing but name and generateName in a CRD's metadata schema.
+    exempt = path == "rf.metadata"
+    out = [path] if named and not exempt and not node.get("description") else []
     for key, child in (node.get("properties") or {}).items():
         out += _undescribed(child, f"{path}.{key}", True)
     for inner, suffix in ((node.get("items"), "[]"), (node.get("additionalProperties"), "{}")):
