@@ -248,6 +248,7 @@ class Router:
                 self.fleet.engine_read_started,
                 self._engine_read,
                 ScrapeConfig(config.engine_load_interval_s, config.engine_load_timeout_s),
+                clock=self.fleet.clock,  # samples are aged on the board's clock
             )
         self._fleet_tasks: list[asyncio.Task] = []
 
