@@ -591,9 +591,11 @@ async def cluster_demo(fleet: Fleet) -> int:
     return 0 if all_same and kv.hit_rate > rr_stats.hit_rate and readopted else 1
 
 
-async def _routes(session, router: str, prompts: list[list[int]]) -> list[str | None]:
+async def _routes(session, router: str, prompts: list[list[int]], fleet: list[str]) -> list[str | None]:
     """Where the router sends each prompt, side-effect free: the engine refuses ``n: 2`` after the
-    router has chosen it (nothing is cached)."""
+    router has chosen it (nothing is cached). First the ``fleet``'s shared load view must be idle: a
+    sibling's probes just before would count as load."""
+    await F.load_idle(session, fleet)
     out = []
     for tokens in prompts:
         status, chosen, _ = await F.completion(session, router, [*tokens, 7], max_tokens=1, n=2)
@@ -618,7 +620,7 @@ async def engine_restart(fleet: Fleet, session, routers: list[str], victim) -> b
             r.raise_for_status()
 
     async def all_routed():
-        where = [await _routes(session, r, prompts) for r in routers]
+        where = [await _routes(session, r, prompts, routers) for r in routers]
         return where if all(w.count(eid) == len(prompts) for w in where) else None
 
     await wait_until("every replica to route the disk prefixes to their engine", all_routed, 30)
@@ -646,7 +648,7 @@ async def engine_restart(fleet: Fleet, session, routers: list[str], victim) -> b
             await asyncio.sleep(0.005)
 
     adopted = await asyncio.wait_for(asyncio.gather(*(readopted(r) for r in routers)), 30)
-    routed = [(await _routes(session, r, prompts)).count(eid) for r in routers]
+    routed = [(await _routes(session, r, prompts, routers)).count(eid) for r in routers]
     hits = 0
     for tokens in prompts:
         status, chosen, body = await F.completion(session, routers[0], [*tokens, 7], max_tokens=1)

@@ -144,6 +144,19 @@ async def get(session: aiohttp.ClientSession, url: str, **kw) -> tuple[int, Any]
         return r.status, body.decode(errors="replace")
 
 
+async def load_idle(session: aiohttp.ClientSession, routers: list[str], timeout: float = 5.0) -> None:
+    """Wait until every replica's fleet load view is idle (docs/fleet-load.md): the replicas share
+    their load, so a probe through one right after probes through another would rightly see them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        views = [(await get(session, r + "/debug/load"))[1] for r in routers]
+        if all(t["load"] == 0 for v in views for t in v["targets"]):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the fleet's load view never went idle: {views}")
+        await asyncio.sleep(0.05)
+
+
 async def metrics(session: aiohttp.ClientSession, router: str) -> dict[str, float]:
     async with session.get(router + "/metrics") as r:
         return parse_metrics(await r.text())

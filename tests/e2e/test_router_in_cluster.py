@@ -23,7 +23,6 @@ visible that way; the per-rank index digests cover ranks.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import secrets
 import time
@@ -52,6 +51,7 @@ from e2e.fleet import (
     get,
     index_diff,
     index_view,
+    load_idle,
     load_manifests,
     metrics,
     pod_url,
@@ -133,17 +133,9 @@ async def _route_all(session, routers: list[str], probes: list[list[int]]) -> li
     after the other, each starting once every replica's fleet load view is idle: the replicas share
     their load (docs/fleet-load.md), so a sibling's in-flight probe would rightly skew a decision."""
 
-    async def idle() -> None:
-        for _ in range(100):
-            views = [(await get(session, r + "/debug/load"))[1] for r in routers]
-            if all(t["load"] == 0 for v in views for t in v["targets"]):
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"the fleet's load view never went idle: {views}")
-
     out = []
     for router in routers:
-        await idle()
+        await load_idle(session, routers)
         decisions = []
         for tokens in probes:
             status, engine, body = await completion(session, router, tokens, max_tokens=1, n=2)
