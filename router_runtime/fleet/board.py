@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from ..proxy.load import LoadTracker
 from ..routing.types import Target
 from .gossip import PeerReport, ReportOutcome, encode_report
-from .view import Bounds, EngineSample, LoadKey, Remote, TargetReport, fleet_load, remote
+from .view import Bounds, EngineSample, LoadKey, Remote, TargetReport, fleet_load, key, remote
 
 MAX_SENDERS = 1024  # sibling processes held at once (a fleet is far smaller; a restart adds one)
 
@@ -31,7 +31,7 @@ class FleetLoadView(Mapping[Target, float]):
     def get(self, t: Target, default: float = 0) -> float:  # type: ignore[override]
         b = self._board
         r = b.remote()
-        k = (t.engine, t.rank)
+        k = key(t)
         return fleet_load(b.own.get(t), r.peers.get(k, 0), r.engines.get(k, 0.0))
 
     def __getitem__(self, t: Target) -> float:
@@ -92,7 +92,7 @@ class LoadBoard:
     def engine_read_started(self, engine: str) -> None:
         own, peers = self.own, self.remote().peers
         self._reading[engine] = {
-            (t.engine, t.rank): (own.get(t), own.started(t), peers.get((t.engine, t.rank), 0))
+            key(t): (own.get(t), own.started(t), peers.get(key(t), 0))
             for t in self.targets()
             if t.engine == engine
         }
@@ -110,7 +110,7 @@ class LoadBoard:
             for t in self.targets():
                 if t.engine != engine:
                     continue
-                k = (t.engine, t.rank)
+                k = key(t)
                 inflight, started, sibs = before.get(k, (own.get(t), own.started(t), 0))
                 known[k] = inflight + own.started(t) - started + max(sibs, peers.get(k, 0))
             self._samples[engine] = (sample, known)
@@ -161,7 +161,7 @@ class LoadBoard:
         now = self.clock()
         out = []
         for t in sorted(self.targets()):
-            k = (t.engine, t.rank)
+            k = key(t)
             out.append(
                 {
                     "engine": t.engine,

@@ -141,8 +141,9 @@ def remote(
 ) -> Remote:
     """Combine the fresh peer reports and engine samples, each sample with what the routers knew when
     it was read (``targets``: engine -> its targets)."""
-    fresh_peers = [(at, ts) for at, ts in peer_reports.values() if now - at <= bounds.peer_max_age_s]
-    expiries = [at + bounds.peer_max_age_s for at, _ in fresh_peers]
+    expiries = [
+        at + bounds.peer_max_age_s for at, _ in peer_reports.values() if now - at <= bounds.peer_max_age_s
+    ]
     engines: dict[LoadKey, float] = {}
     for engine, (sample, known) in samples.items():
         if now - sample.at > bounds.engine_max_age_s:
@@ -150,5 +151,7 @@ def remote(
         expiries.append(sample.at + bounds.engine_max_age_s)
         engines.update(unseen(engine_queues(sample, targets.get(engine, ())), known))
     return Remote(
-        peer_inflight(fresh_peers, now, bounds.peer_max_age_s), engines, min(expiries, default=math.inf)
+        peer_inflight(peer_reports.values(), now, bounds.peer_max_age_s),
+        engines,
+        min(expiries, default=math.inf),
     )
