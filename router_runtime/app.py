@@ -24,6 +24,7 @@ from .bootstrap.http import internal_app, read_token
 from .bootstrap.metrics import BootstrapMetrics
 from .bootstrap.peers import Peer, PeerRegistry
 from .bootstrap.producer import SnapshotProducer
+from .bootstrap.state import Cause, CauseCode
 from .bootstrap.sweep import BootstrapConfig, Bootstrapper
 from .bootstrap.vetting import HashingConfig
 from .config import RouterConfig
@@ -227,6 +228,7 @@ class Router:
         # A booting replica inherits its sibling's session table with the graft (vetted: entries naming
         # engines or incarnations we do not know are dropped).
         self.bootstrap.on_sessions = lambda entries: self.sessions.inherit(from_wire(entries))
+        self.bootstrap.blocker = self.blocker
 
     def _setup_fleet_load(self, config: RouterConfig) -> None:
         """Siblings' reports (sent to the peers bootstrap discovers, so the fleet needs nothing more to
@@ -322,11 +324,22 @@ class Router:
         self.metrics.forget_engines({s.engine for s in specs} | set(self.load.engines()))
         self.fleet.forget_engines({s.engine for s in specs})
 
-    def ready(self) -> tuple[bool, str]:
-        if self.engine_watcher is not None and self.engine_watcher.workers is None:
-            return False, f"engine discovery not synced ({self.engine_watcher.last_error or 'listing'})"
+    def blocker(self) -> Cause | None:
+        """What keeps this replica from routing at all, in words that say where to look."""
+        w = self.engine_watcher
+        if w is not None and w.workers is None:
+            why = f"engine discovery not synced ({w.last_error or 'listing'})"
+            return Cause(CauseCode.ENGINE_DISCOVERY, why)
         if not self.targets.urls:
-            return False, "no engines discovered"
+            where = ""
+            if w is not None:
+                where = f": no ready endpoint in EndpointSlices {w.label_selector} in namespace {w.namespace}"
+            return Cause(CauseCode.NO_ENGINES, f"no engines discovered{where}")
+        return None
+
+    def ready(self) -> tuple[bool, str]:
+        if (cause := self.blocker()) is not None:
+            return False, cause.message
         if not self.targets.candidates():
             return False, "no healthy engine"
         if self.policy.needs_tokens and any(w.kv for w in self.kv.workers.values()) and not self.kv.live():
@@ -397,6 +410,7 @@ class Router:
 
     async def _metrics(self, _req: web.Request) -> web.Response:
         self.kv.live()  # refresh the live-subscription gauge
+        self.kv.misfits()  # and the configuration-mismatch one
         states = list(self.health.states().values())
         for state in BreakerState:
             self.metrics.engines.labels(state).set(states.count(state))

@@ -204,13 +204,60 @@ async def test_a_refused_snapshot_leaves_the_index_untouched_and_the_rank_cold(c
             await eventually(lambda: b.boot.settled, timeout=10, what="b settled")
             assert b.plane.index.node_count() == 0
             assert b.boot.verdict is Verdict.TIMED_OUT and b.boot.seed_failed
-            outcome = "unreachable" if case == "wrong_token" else "rejected"
+            # Another block size: the peer is foreign, and with no store of its own to judge by the
+            # replica cannot tell which side is wrong, so it stays a failed seed (never fleet_cold).
+            outcome = "unreachable" if case == "wrong_token" else "foreign"
             assert (
                 b.registry.get_sample_value(
                     "routerfleet_bootstrap_snapshot_fetches_total", {"outcome": outcome}
                 )
                 > 0
             )
+            cause = b.boot.report()["cause"]
+            code, text = ("PeerUnreachable", "401") if case == "wrong_token" else ("PeerRefused", "block")
+            assert cause["code"] == code and text in cause["message"], cause
+
+
+async def test_a_replica_whose_own_stream_does_not_fit_says_config_mismatch_without_waiting():
+    """The engines' stores refused for this router's block size while it holds: the verdict names the
+    mismatch at once, whatever its peers answer, and the rank runs live and empty."""
+    async with run_fake_engine(block_size=BS) as e1, replica("a", [e1], peers=[]) as a:
+        await connected(a)
+        load([e1], prompts(1, 50), seed=1)
+        await caught_up(a, [e1])
+        async with replica("b", [e1], peers=[a.url], block_size=BS * 2, timeout_s=30) as b:
+            await connected(b)
+            load([e1], prompts(2, 20), seed=2)  # live stores, held while b is pending
+            await eventually(lambda: b.boot.settled, timeout=10, what="b settled on its own evidence")
+            report = b.boot.report()
+            assert report["verdict"] == "config_mismatch" and not report["seedFailed"], report
+            assert report["ranks"][0]["outcome"] == "config_mismatch"
+            assert report["cause"]["code"] == "ConfigMismatch"
+            assert f"block size {BS}; this router is configured for {BS * 2}" in report["cause"]["message"]
+            assert b.plane.index.node_count() == 0
+            ok, why = b.boot.readiness()
+            assert ok and "cache-blind" in why and "block size" in why, why
+            labels = {"engine": e1.http_url, "rank": "0", "reason": "block_size_mismatch"}
+            b.plane.misfits()  # refreshes the gauge, as a scrape does
+            assert b.registry.get_sample_value("routerfleet_kv_config_mismatch", labels) == 1
+
+
+async def test_a_foreign_peer_leaves_a_replica_whose_stream_fits_fleet_cold():
+    """The other way round: this replica's stores fit, the peer uses another block size. Nothing to
+    inherit (the peer's tree is useless here), so fleet_cold at once instead of a timed-out seed."""
+    async with (
+        run_fake_engine(block_size=BS) as e1,
+        replica("a", [e1], peers=[], block_size=BS * 2) as a,
+        replica("b", [e1], peers=[a.url], timeout_s=30) as b,
+    ):
+        await connected(b)
+        await connected(a)
+        load([e1], prompts(2, 20), seed=2)
+        await eventually(lambda: a.boot.settled, timeout=10, what="a settled")
+        await eventually(lambda: b.boot.settled, timeout=10, what="b settled")
+        assert b.boot.verdict is Verdict.FLEET_COLD, b.boot.report()
+        # a settled no_peers before any store came; its own stream then shows the mismatch.
+        await eventually(lambda: a.boot.verdict is Verdict.CONFIG_MISMATCH, what="a's verdict follows")
 
 
 async def test_a_graft_with_nothing_held_is_proved_by_the_first_live_batch():

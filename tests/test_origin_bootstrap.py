@@ -135,3 +135,46 @@ async def test_live_batches_during_the_replay_are_held_then_applied_in_order():
             ours = b.plane.index.carrier_engine_hashes(sub.carrier)[Tier.DEVICE]
             assert ours == {normalize_hash(h) for h in e.state()["ranks"][0]["blocks"]["device"]}
             assert b.registry.get_sample_value("routerfleet_kv_gaps_total") == 0
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_a_replay_that_does_not_fit_this_routers_block_size_is_a_config_mismatch(dialect):
+    """The engines replay their whole history and not one store fits: not from_origin (an empty index
+    called exact), but config_mismatch, quickly, naming both block sizes; readiness says it too."""
+    async with run_fake_engine(block_size=BS, dialect=dialect) as e:
+        for p in engine_prefixes(1, 10):
+            e.admit(0, p, PLAIN)
+        config = dataclasses.replace(router_config([e]), block_size=BS * 2)
+        async with run_router(config) as (router, url):
+            await eventually(lambda: router.bootstrap.settled, timeout=10, what="bootstrap settled")
+            report = router.bootstrap.report()
+            assert report["verdict"] == "config_mismatch", report
+            assert report["ranks"][0]["outcome"] == "config_mismatch"
+            assert report["cause"]["code"] == "ConfigMismatch", report
+            assert f"block size {BS}; this router is configured for {BS * 2}" in report["cause"]["message"]
+            assert report["index"]["nodes"] == 0
+            attempts = "routerfleet_bootstrap_origin_attempts_total"
+            assert router.registry.get_sample_value(attempts, {"outcome": "config_mismatch"}) == 1
+            async with aiohttp.ClientSession() as http, http.get(url + "/readyz") as r:
+                body = await r.json()
+            # Nothing to inherit can fix it, and no seed is required here: ready, and says it is blind.
+            assert r.status == 200 and "cache-blind" in body["reason"], body
+
+
+async def test_a_router_started_with_the_wrong_block_size_reports_it_once_stores_arrive():
+    """No history to replay, no rollout: the live stream alone shows the mismatch (verdict, metric)."""
+    async with run_fake_engine(block_size=BS) as e:
+        config = dataclasses.replace(router_config([e]), block_size=BS * 2)
+        async with run_router(config) as (router, url):
+            await eventually(lambda: router.bootstrap.settled, timeout=10, what="bootstrap settled")
+            assert router.bootstrap.verdict.value == "no_peers"  # no evidence yet: an empty cache
+            await eventually(lambda: router.kv.live(), what="subscribed")
+            await asyncio.sleep(0.3)
+            for p in engine_prefixes(2, 5):
+                e.admit(0, p, PLAIN)
+            await eventually(lambda: router.bootstrap.verdict.value == "config_mismatch", what="the verdict")
+            async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+                text = await r.text()
+            labels = f'engine="{e.http_url}",rank="0",reason="block_size_mismatch"'
+            sample = f"routerfleet_kv_config_mismatch{{{labels}}}"
+            assert f"{sample} 1.0" in text, text

@@ -132,7 +132,10 @@ def event_body(obj: Mapping[str, Any], ev: Event, now: datetime) -> dict[str, An
     return {
         "apiVersion": "v1",
         "kind": "Event",
-        "metadata": {"name": f"{meta['name']}.{secrets.token_hex(8)}", "namespace": meta["namespace"]},
+        "metadata": {
+            "name": f"{meta['name']}.{ev.key or secrets.token_hex(8)}",
+            "namespace": meta["namespace"],
+        },
         "involvedObject": {
             "apiVersion": API_VERSION,
             "kind": KIND,
@@ -158,7 +161,8 @@ async def post_events(kube: Kube, obj: Mapping[str, Any], events: Sequence[Event
         try:
             await kube.create(event_body(obj, ev, now))
         except ApiError as e:  # an event is never worth failing a reconcile
-            log.warning("event %s not posted: %s", ev.reason, e)
+            if not (ev.key and e.status == 409):  # a keyed event posted before, by a reconcile that died
+                log.warning("event %s not posted: %s", ev.reason, e)
 
 
 # ---- one reconcile ------------------------------------------------------------------------------------
@@ -257,7 +261,11 @@ async def _reconcile(
     uids = {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods}
     for pod in decision.delete:
         await kube.delete("Pod", namespace, pod, uid=uids.get(pod))
-    # 3. the seeded gates, through pods/status (a strategic merge: conditions merge by type)
+    # 3. the seeded gates, through pods/status (a strategic merge: conditions merge by type), each
+    # after its event (keyed: posted again, never twice, if this process dies in between)
+    actions = [e for e in decision.events if e.key]
+    await post_events(kube, obj, actions, now)
+    events += [e for e in decision.events if not e.key]
     by_name = {v.name: v for v in views}
     for pod in decision.admit:
         report = by_name[pod].report
@@ -280,10 +288,10 @@ async def _reconcile(
                 if e.status != 409:
                     raise
                 log.info("%s/%s changed while deciding: deciding again", namespace, name)
-                await post_events(kube, obj, [*events, *decision.events], now)
+                await post_events(kube, obj, events, now)
                 _observe(metrics, namespace, name, obj, fleet, decision, by_name, None)
                 return 0.2, "conflict"
-    await post_events(kube, obj, [*events, *decision.events], now)
+    await post_events(kube, obj, events, now)
     _observe(metrics, namespace, name, obj, fleet, decision, by_name, decision.status)
     return next_delay(decision), ("ok" if fleet is not None else "invalid")
 

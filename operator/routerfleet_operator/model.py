@@ -58,11 +58,17 @@ class Verdict(enum.StrEnum):
     FLEET_COLD = "fleet_cold"
     TIMED_OUT = "timed_out"
     DISABLED = "disabled"
+    # The engines' stores do not fit the router's configuration (block size, KV cache group): never
+    # in passVerdicts (the CRD's enum keeps it out), so it fails the seed whenever siblings serve.
+    CONFIG_MISMATCH = "config_mismatch"
 
 
 # Verdicts that mean "there was nothing to inherit": gating on them deadlocks a first deploy (an
 # unready pod is out of its siblings' peer set, so no replica could ever find a warm one).
 NEVER_GATE = frozenset({Verdict.NO_PEERS, Verdict.FLEET_COLD})
+# Verdicts passVerdicts can never list (the CRD's enum leaves them out): not settled, or not warm
+# whatever was inherited.
+NEVER_PASS = frozenset({Verdict.PENDING, Verdict.CONFIG_MISMATCH})
 DEFAULT_PASS_VERDICTS = frozenset(
     {
         Verdict.WARM,
@@ -92,6 +98,7 @@ class PauseReason(enum.StrEnum):
     USER = "User"  # spec.paused
     SEED_FAILED = "SeedFailed"
     PEER_DISCOVERY_NOT_SYNCED = "PeerDiscoveryNotSynced"
+    CONFIG_MISMATCH = "ConfigMismatch"
 
 
 # The router flags the operator renders; extraArgs may not set them (nor any prefix argparse would

@@ -46,6 +46,7 @@ from .model import (
     TOKEN_VOLUME,
     TOKENIZER_DIR,
     TOKENIZER_VOLUME,
+    Verdict,
 )
 from .spec import Fleet
 
@@ -575,13 +576,27 @@ def render_all(
 # ---- the pod's readiness gate -------------------------------------------------------------------------
 
 
+def _gate_reason(verdict: str) -> str:
+    return "Verdict" + ("".join(w.capitalize() for w in verdict.split("_")) or "Unknown")
+
+
+_GATE_VERDICTS = {_gate_reason(v.value): v for v in Verdict}
+
+
 def seeded_condition(verdict: str, now: datetime) -> dict[str, Any]:
-    """The pod condition that opens the readiness gate (PATCHed into pods/status; never set back)."""
-    reason = "".join(w.capitalize() for w in verdict.split("_")) or "Unknown"
+    """The pod condition that opens the readiness gate (PATCHed into pods/status; never set back). It is
+    also the member's history: the verdict it was seeded with, and when (``seeded_verdict``)."""
     return {
         "type": SEEDED,
         "status": "True",
-        "reason": f"Verdict{reason}",
+        "reason": _gate_reason(verdict),
         "message": f"bootstrap verdict {verdict} passed the fleet's policy",
         "lastTransitionTime": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+
+
+def seeded_verdict(condition: Mapping[str, Any]) -> Verdict | None:
+    """The verdict a pod's gate was opened with (None: not opened, or by something else)."""
+    if condition.get("status") != "True":
+        return None
+    return _GATE_VERDICTS.get(condition.get("reason", ""))

@@ -49,12 +49,17 @@ from .model import (
     Phase,
     Verdict,
 )
-from .render import revision_of, status_selector
+from .render import revision_of, seeded_verdict, status_selector
 from .spec import BootstrapSpec, Fleet, SpecError, format_duration, validate
 
 MEMBERS_CAP = 64
 POLL_S = 5.0  # requeue while a pod's bootstrap is pending
 CACHE_OK = DEFAULT_PASS_VERDICTS  # a seeded replica with one of these is not cold by a failure
+# A new pod that cannot discover a single engine stalls the rollout after this long (the progress
+# deadline is at least as long): a missing or mistyped engine Service is not worth an hour of waiting.
+NO_ENGINES_STALL_S = 60.0
+DISCOVERY_CAUSES = ("NoEnginesDiscovered", "EngineDiscoveryNotSynced")  # the router's CauseCode values
+CAUSE_MAX = 512
 
 
 def ts(t: datetime) -> str:
@@ -72,6 +77,29 @@ def parse_ts(text: str | None) -> datetime | None:
 
 
 @dataclass(frozen=True)
+class Cause:
+    """Why a replica is not (or not yet) warm, as the router words it: ``code`` is CamelCase (the
+    router's ``CauseCode``: ConfigMismatch, NoEnginesDiscovered, PeerRefused, ...), fit for a condition
+    reason; ``message`` is for people."""
+
+    code: str
+    message: str
+
+    @classmethod
+    def parse(cls, doc: Any) -> Cause | None:
+        """Lenient: a missing or malformed cause is no cause (it explains, it never decides alone)."""
+        if not isinstance(doc, Mapping):
+            return None
+        code, message = doc.get("code"), doc.get("message")
+        if not isinstance(code, str) or not code.isalpha() or not code[:1].isupper() or len(code) > 64:
+            return None
+        return cls(code, message[:CAUSE_MAX] if isinstance(message, str) else "")
+
+    def to_dict(self) -> dict[str, str]:
+        return {"code": self.code, "message": self.message}
+
+
+@dataclass(frozen=True)
 class BootstrapReport:
     """A replica's /internal/bootstrap document (routerfleet.io/bootstrap/v1)."""
 
@@ -82,6 +110,7 @@ class BootstrapReport:
     index_blocks: int = 0
     peers_seen: int = 0
     peers_synced: bool = True
+    cause: Cause | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", Verdict(self.verdict))
@@ -102,6 +131,7 @@ class BootstrapReport:
             index_blocks=int(index.get("blocks") or 0),
             peers_seen=int(peers.get("seen") or 0),
             peers_synced=bool(peers.get("synced", True)),
+            cause=Cause.parse(doc.get("cause")),
         )
 
 
@@ -117,6 +147,10 @@ class PodView:
     ready_since: datetime | None = None
     terminating: bool = False
     report: BootstrapReport | None = None  # None: not fetched (not up yet, or unreachable)
+    # The member's history, kept on the pod by its gate condition: the verdict it was seeded with, and
+    # when. Its live verdict (``report``) may change afterwards; this never does.
+    seeded_verdict: Verdict | None = None
+    seeded_at: str | None = None
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any], report: BootstrapReport | None = None) -> PodView:
@@ -124,11 +158,15 @@ class PodView:
         conditions = {c.get("type"): c for c in (pod.get("status") or {}).get("conditions") or ()}
         ready = conditions.get("Ready", {})
         is_ready = ready.get("status") == "True"
+        gate = conditions.get(SEEDED, {})
+        seeded = seeded_verdict(gate)
         return cls(
             name=meta["name"],
             revision=(meta.get("labels") or {}).get(LABEL_REVISION, ""),
             created=meta.get("creationTimestamp") or "",
-            gate=conditions.get(SEEDED, {}).get("status") == "True",
+            seeded_verdict=seeded,
+            seeded_at=gate.get("lastTransitionTime") if seeded is not None else None,
+            gate=gate.get("status") == "True",
             ready=is_ready,
             ready_since=parse_ts(ready.get("lastTransitionTime")) if is_ready else None,
             terminating=bool(meta.get("deletionTimestamp")),
@@ -180,6 +218,7 @@ class RolloutState:
     progress_at: str | None = None
     hold: Hold | None = None
     rolled_back: str | None = None
+    rollback_message: str | None = None  # the seed failure that caused the rollback, in words
     handled_retry: str | None = None
 
     @classmethod
@@ -194,6 +233,7 @@ class RolloutState:
             progress_at=r.get("progressAt"),
             hold=Hold.from_dict(r.get("hold")),
             rolled_back=r.get("rolledBackRevision") or None,
+            rollback_message=r.get("rollbackMessage") or None,
             handled_retry=r.get("handledRetry"),
         )
 
@@ -206,6 +246,10 @@ class Event:
     type: str  # Normal | Warning
     reason: str
     message: str
+    # An event that records an action (a gate opened) has a key: the shell posts it before acting,
+    # under a name made from the key, so an operator that dies in between posts it again and the API
+    # server keeps one (at least once, and exactly one object).
+    key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -246,6 +290,8 @@ def classify(
         return Admission.PASS, None
     if not warm_siblings:
         return Admission.COLD, None  # never gate without a serving sibling: that deadlocks a fleet
+    if r.verdict is Verdict.CONFIG_MISMATCH:
+        return Admission.FAIL, PauseReason.CONFIG_MISMATCH  # the siblings serving are the way back
     if r.verdict is Verdict.TIMED_OUT and not r.seed_failed:
         if not r.peers_synced:
             return Admission.FAIL, PauseReason.PEER_DISCOVERY_NOT_SYNCED
@@ -286,6 +332,7 @@ def decide(obj: Mapping[str, Any], pods: Sequence[PodView], now: datetime) -> De
             progress_at=ts(now),
             hold=None,
             rolled_back=None,
+            rollback_message=None,
         )
         if state.current_revision is not None and state.current_revision != update:
             events.append(
@@ -303,7 +350,8 @@ def decide(obj: Mapping[str, Any], pods: Sequence[PodView], now: datetime) -> De
             delete = tuple(n for n in state.hold.pods if n in by_name and not by_name[n].gate)
         if state.hold is not None or state.rolled_back is not None:
             events.append(Event("Normal", "RetryRequested", f"retrying revision {update}"))
-        state = replace(state, hold=None, rolled_back=None, progress_at=ts(now), handled_retry=retry)
+        state = replace(state, hold=None, rolled_back=None, rollback_message=None)
+        state = replace(state, progress_at=ts(now), handled_retry=retry)
 
     deploy = state.current_revision if (state.rolled_back == update and state.current_revision) else update
     eligible = {deploy, state.current_revision} - {None}
@@ -333,7 +381,7 @@ def decide(obj: Mapping[str, Any], pods: Sequence[PodView], now: datetime) -> De
                         and state.current_revision not in (None, update)
                     )
                     if can_roll_back:
-                        state = replace(state, rolled_back=update)
+                        state = replace(state, rolled_back=update, rollback_message=what)
                         deploy = state.current_revision
                         eligible = {deploy}
                         events.append(Event("Warning", "RolledBack", f"{what}; restoring revision {deploy}"))
@@ -357,9 +405,8 @@ def decide(obj: Mapping[str, Any], pods: Sequence[PodView], now: datetime) -> De
         admitted = [p for p in admitted if p.revision in eligible]
         for p in admitted:
             v = p.report.verdict.value if p.report else "none"
-            events.append(
-                Event("Normal", "ReplicaSeeded", f"pod {p.name} (revision {p.revision}): verdict {v}")
-            )
+            text = f"pod {p.name} (revision {p.revision}): verdict {v}"
+            events.append(Event("Normal", "ReplicaSeeded", text, key=f"seeded.{p.name}"))
 
     admit = tuple(p.name for p in admitted)
     gated = {p.name for p in live if p.gate} | set(admit)
@@ -391,9 +438,16 @@ def decide(obj: Mapping[str, Any], pods: Sequence[PodView], now: datetime) -> De
                 )
             )
 
+    blocked = None
+    if phase is Phase.PROGRESSING:
+        unseeded = [p for p in live if p.name not in gated]
+        blocked = _discovery_blocked(unseeded, state, NO_ENGINES_STALL_S, now)
+        if blocked is not None and _condition_reason(prior, "Stalled") != blocked[0]:
+            events.append(Event("Warning", blocked[0], blocked[1]))
+
     status = _status(
         fleet, prior, generation, state, live, gated, update, deploy, phase, pause_reason,
-        deadline_exceeded, waiting, bool(admitted), now,
+        deadline_exceeded, waiting, bool(admitted), now, blocked=blocked,
     )  # fmt: skip
     requeue = POLL_S if waiting else None
     if phase is Phase.PROGRESSING and not deadline_exceeded:
@@ -417,8 +471,34 @@ def _failure_text(p: PodView, reason: PauseReason | None) -> str:
     v = r.verdict.value if r else "unknown"
     if reason is PauseReason.PEER_DISCOVERY_NOT_SYNCED:
         return f"pod {p.name} timed out without ever listing its peers (check the endpointslices RBAC)"
+    cause = f" ({r.cause.message})" if r and r.cause else ""
+    if reason is PauseReason.CONFIG_MISMATCH:
+        return (
+            f"pod {p.name} cannot index the engines' KV blocks{cause}: check spec.router.blockSize (and the "
+            "KV cache group) against the engines' own settings"
+        )
     flag = " with seedFailed" if r and r.seed_failed else ""
-    return f"pod {p.name} failed to seed: verdict {v}{flag} while seeded siblings were serving"
+    return f"pod {p.name} failed to seed: verdict {v}{flag} while seeded siblings were serving{cause}"
+
+
+def _discovery_blocked(
+    unseeded: Sequence[PodView], state: RolloutState, bound_s: float, now: datetime
+) -> tuple[str, str] | None:
+    """A rollout that cannot progress because its new pods discover no engine (a missing or mistyped
+    engine Service, RBAC, a wrong namespace): (reason, message) once it has made no progress for
+    ``bound_s`` and an unseeded pod says so. Not a hold: it clears itself when engines appear."""
+    since = parse_ts(state.progress_at) or now
+    if (now - since).total_seconds() < bound_s:
+        return None
+    for p in unseeded:  # oldest first
+        cause = p.report.cause if p.report is not None else None
+        if cause is not None and cause.code in DISCOVERY_CAUSES:
+            return (
+                cause.code,
+                f"pod {p.name}: {cause.message} (for {format_duration(bound_s)} or more); the rollout "
+                "waits until the engines can be discovered (check spec.engines)",
+            )
+    return None
 
 
 def _phase(fleet: Fleet, state: RolloutState, update: str, deploy: str) -> tuple[Phase, PauseReason | None]:
@@ -498,6 +578,30 @@ def _verdict_of(p: PodView) -> str:
     return p.report.verdict.value
 
 
+def _camel(verdict: str) -> str:
+    head, *rest = verdict.split("_")
+    return head + "".join(w.capitalize() for w in rest)
+
+
+_HOLD_CONDITION = {
+    PauseReason.SEED_FAILED: "SeedFailurePaused",
+    PauseReason.PEER_DISCOVERY_NOT_SYNCED: "PeerDiscoveryNotSynced",
+    PauseReason.CONFIG_MISMATCH: "ConfigMismatch",
+}
+
+
+def _member_history(p: PodView) -> dict[str, Any]:
+    """What a member was seeded with, kept apart from its live verdict; and the router's cause, while
+    it has one."""
+    out: dict[str, Any] = {}
+    if p.seeded_verdict is not None:
+        out["seededVerdict"] = p.seeded_verdict.value
+        out["seededAt"] = p.seeded_at
+    if p.report is not None and p.report.cause is not None:
+        out["cause"] = p.report.cause.to_dict()
+    return out
+
+
 def _status(
     fleet: Fleet,
     prior: Mapping[str, Any],
@@ -513,6 +617,8 @@ def _status(
     waiting: int,
     progressed: bool,
     now: datetime,
+    *,
+    blocked: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     s = fleet.spec
     replicas = s.replicas
@@ -524,25 +630,9 @@ def _status(
     warm = [p for p in live if p.name in gated and (p.report is None or p.report.verdict in CACHE_OK)]
     updated = [p for p in live if p.revision == update]
 
-    counts = {
-        k: 0
-        for k in (
-            "unknown",
-            "pending",
-            "warm",
-            "fromOrigin",
-            "warmUnwitnessed",
-            "noPeers",
-            "fleetCold",
-            "timedOut",
-            "disabled",
-            "seedFailed",
-        )
-    }
+    counts = dict.fromkeys(("unknown", *(_camel(v.value) for v in Verdict), "seedFailed"), 0)
     for p in live:
-        v = _verdict_of(p)
-        key = "".join(w if i == 0 else w.capitalize() for i, w in enumerate(v.split("_")))
-        counts[key] += 1
+        counts[_camel(_verdict_of(p))] += 1
         if p.report is not None and p.report.seed_failed:
             counts["seedFailed"] += 1
 
@@ -559,6 +649,7 @@ def _status(
             "indexBlocks": p.report.index_blocks if p.report else 0,
             "peersSeen": p.report.peers_seen if p.report else 0,
             "peersSynced": bool(p.report.peers_synced) if p.report else False,
+            **_member_history(p),
         }
         for p in members[:MEMBERS_CAP]
     ]
@@ -567,16 +658,19 @@ def _status(
     hold = state.hold
     if hold is not None:
         stalled = (
-            "SeedFailurePaused" if hold.reason is PauseReason.SEED_FAILED else "PeerDiscoveryNotSynced",
-            f"{hold.message}; revision {hold.revision} paused. "
-            "Annotate routerfleet.io/retry=<any new value> to retry.",
+            _HOLD_CONDITION[hold.reason],
+            f"{hold.message}; revision {hold.revision} paused. Revert the spec to go back at once, or fix "
+            "the cause and annotate routerfleet.io/retry=<any new value> to retry.",
         )
     elif phase is Phase.ROLLED_BACK:
+        why = f" ({state.rollback_message})" if state.rollback_message else ""
         stalled = (
             "SeedFailureRolledBack",
-            f"revision {update} failed to seed; running revision {deploy}. Change the spec, or annotate "
+            f"revision {update} failed to seed{why}; running revision {deploy}. Change the spec, or annotate "
             "routerfleet.io/retry=<any new value> to try it again.",
         )
+    elif blocked is not None:
+        stalled = blocked
     elif deadline_exceeded:
         stalled = (
             "ProgressDeadlineExceeded",
@@ -660,6 +754,7 @@ def _status(
         ("startedAt", state.started_at),
         ("progressAt", state.progress_at),
         ("rolledBackRevision", state.rolled_back),
+        ("rollbackMessage", state.rollback_message),
         ("handledRetry", state.handled_retry),
     ):
         if value is not None:
@@ -697,6 +792,12 @@ def _cache_warm(fleet: Fleet, serving: list[PodView]) -> tuple[str, str, str]:
     cold = [p for p in known if p.report.verdict not in CACHE_OK]  # type: ignore[union-attr]
     if cold:
         names_ = ", ".join(p.name for p in cold[:5])
+        misfit = next((p for p in cold if p.report.verdict is Verdict.CONFIG_MISMATCH), None)  # type: ignore[union-attr]
+        if misfit is not None:
+            cause = misfit.report.cause  # type: ignore[union-attr]
+            why = f" ({misfit.name}: {cause.message})" if cause else ""
+            text = f"serving cache-blind, the engines' blocks do not fit: {names_}{why}"
+            return ("False", "ConfigMismatch", text)
         if any(not p.report.peers_synced for p in cold):  # type: ignore[union-attr]
             return ("False", "PeerDiscoveryNotSynced", f"serving cold, peer discovery never synced: {names_}")
         return ("False", "SeedTimedOut", f"serving cold after a seed timed out: {names_}")

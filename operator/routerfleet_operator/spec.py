@@ -18,6 +18,7 @@ from .model import (
     DEFAULT_PASS_VERDICTS,
     KIND,
     NEVER_GATE,
+    NEVER_PASS,
     OWNED_FLAGS,
     RESERVED_ENV,
     RESERVED_VOLUMES,
@@ -371,6 +372,9 @@ def validate(fleet: Fleet) -> list[str]:
             "spec.bootstrap.passVerdicts must include no_peers and fleet_cold (gating on them deadlocks a "
             f"first deploy); missing: {', '.join(missing)}"
         )
+    never = sorted(v.value for v in NEVER_PASS & s.bootstrap.pass_verdicts)
+    if never:
+        problems.append(f"spec.bootstrap.passVerdicts may not list {', '.join(never)}: it never means warm")
     owned = [a for a in s.router.extra_args if owned_flag_in(a)]
     if owned:
         problems.append(f"spec.router.extraArgs may not set flags the operator owns: {', '.join(owned)}")

@@ -31,6 +31,7 @@ class RankOutcome(enum.StrEnum):
     PUBLISHER_RESET = "publisher_reset"  # the rank was cleared while pending (restart, lost batches)
     TREE_REJECTED = "tree_rejected"  # a snapshot was refused by vetting for this rank
     NOT_IN_SNAPSHOT = "not_in_snapshot"  # the accepted snapshot had nothing for this rank
+    CONFIG_MISMATCH = "config_mismatch"  # the rank's own stores do not fit this router's configuration
 
 
 class OriginOutcome(enum.StrEnum):
@@ -41,6 +42,7 @@ class OriginOutcome(enum.StrEnum):
     TRUNCATED = "truncated"  # the replay stopped mid-way (silence, a byte bound, a bad batch)
     GAP = "gap"  # a hole inside the replay, or between its end and the held live batches
     TIMEOUT = "timeout"  # nothing came back
+    CONFIG_MISMATCH = "config_mismatch"  # complete, and not one store fits this router (kv/fit.py)
 
 
 class SnapshotOutcome(enum.StrEnum):
@@ -49,7 +51,8 @@ class SnapshotOutcome(enum.StrEnum):
     ACCEPTED = "accepted"
     UNREACHABLE = "unreachable"
     COLD_PEER = "cold_peer"  # 404, not ready, or nothing usable: the peer holds nothing for us
-    REJECTED = "rejected"  # malformed, corrupt, foreign hashing, bad shape
+    REJECTED = "rejected"  # malformed, corrupt, bad shape
+    FOREIGN = "foreign"  # another block size or key scheme: which side is wrong, our own stream tells
 
 
 class SweepResult(enum.StrEnum):
@@ -70,6 +73,29 @@ class Verdict(enum.StrEnum):
     FLEET_COLD = "fleet_cold"
     TIMED_OUT = "timed_out"
     DISABLED = "disabled"
+    # The engines' own stores do not fit this router's configuration (kv/fit.py): the index stays
+    # empty whatever was inherited. Never in the operator's passVerdicts.
+    CONFIG_MISMATCH = "config_mismatch"
+
+
+class CauseCode(enum.StrEnum):
+    """Why a replica is not (or not yet) warm, as the operator shows it: the reasons of its conditions."""
+
+    CONFIG_MISMATCH = "ConfigMismatch"
+    NO_ENGINES = "NoEnginesDiscovered"
+    ENGINE_DISCOVERY = "EngineDiscoveryNotSynced"  # RBAC, a missing namespace, an unreachable API
+    PEER_DISCOVERY = "PeerDiscoveryNotSynced"
+    PEER_REFUSED = "PeerRefused"
+    PEER_UNREACHABLE = "PeerUnreachable"
+
+
+@dataclass(frozen=True, slots=True)
+class Cause:
+    code: CauseCode
+    message: str  # for a user to act on: names engines, peers and settings, never tokens or hashes
+
+    def to_dict(self) -> dict[str, str]:
+        return {"code": self.code.value, "message": self.message}
 
 
 # Verdicts that only mean "nothing to inherit": never a seed failure, never a readiness hold.
@@ -93,13 +119,18 @@ def verdict(
     settled: bool,
     ranks: Iterable[RankBoot],
     last_sweep: SweepResult | None,
+    misfit: bool = False,
 ) -> Verdict:
     """Fold rank states and outcomes and the last sweep's result into one verdict. A rank whose graft
-    landed and is still proving its watermark counts as warm (a later gap turns it cold)."""
+    landed and is still proving its watermark counts as warm (a later gap turns it cold). ``misfit``: a
+    rank's own stores do not fit our configuration (kv/fit.py), which outranks whatever was inherited:
+    the index cannot hold that rank's blocks, so the replica routes cache-blind on it."""
     if not enabled:
         return Verdict.DISABLED
     if not settled:
         return Verdict.PENDING
+    if misfit:
+        return Verdict.CONFIG_MISMATCH
     ranks = list(ranks)
     seen = {b.outcome for b in ranks}
     if RankOutcome.WARM in seen or any(b.state is RankState.RECOVERED for b in ranks):
@@ -129,7 +160,7 @@ class Gate:
     enabled: bool
     settled: bool
     seed_required: bool
-    seed_failed: bool
+    seed_failed: bool  # or a configuration mismatch: both mean "not warm, and not by bad luck"
     first_rank_at: float | None  # the hold is measured from the first rank, never from construction
     now: float
     timeout_s: float

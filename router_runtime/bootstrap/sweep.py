@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..kv.decode import MalformedFrame, decode_batch
+from ..kv.fit import FitTally, Misfit
 from ..kv.hold import HoldEnd, RankHold
 from ..kv.index import Carrier, RadixIndex
 from ..kv.plane import KVPlane
@@ -38,6 +39,8 @@ from .fetch import FetchFailed, SnapshotFetcher
 from .metrics import BootstrapMetrics
 from .peers import PeerRegistry
 from .state import (
+    Cause,
+    CauseCode,
     Gate,
     OriginOutcome,
     RankBoot,
@@ -121,6 +124,10 @@ class Bootstrapper:
         # Handed the vetted session-affinity entries of the snapshot that was grafted (set by the app).
         self.on_sessions: Callable[[list[WireSession]], object] | None = None
         self._sessions_inherited = False
+        # Set by the app: what keeps the replica from routing at all (no engines, discovery unsynced).
+        self.blocker: Callable[[], Cause | None] | None = None
+        self._origin_misfits: dict[Carrier, Misfit] = {}  # found in an engine's replay, before any batch
+        self._peer_cause: Cause | None = None  # the last refusal or failure of a sweep
         if self.config.enabled:
             plane.rank_listener = self
 
@@ -178,6 +185,7 @@ class Bootstrapper:
         boot = self.ranks.pop(carrier, None)
         self._subs.pop(carrier, None)
         self._queue.discard(carrier)
+        self._origin_misfits.pop(carrier, None)
         if boot is not None:
             boot.epoch += 1  # refuses any graft chunk still in flight for it
         self.metrics.forget(carrier)
@@ -230,19 +238,49 @@ class Bootstrapper:
             and any(b.state is RankState.PENDING for b in self.ranks.values())
         ):
             last = SweepResult.TIMED_OUT  # the deadline passed before any sweep could finish
-        return verdict(self.config.enabled, settled, self.ranks.values(), last)
+        return verdict(self.config.enabled, settled, self.ranks.values(), last, misfit=bool(self.misfits()))
 
     @property
     def seed_failed(self) -> bool:
         return seed_failed(self.verdict, self.candidates_seen)
 
+    def misfits(self) -> dict[Carrier, Misfit]:
+        """Ranks whose stores do not fit our configuration: the live stream's tally (held or applied),
+        else what an origin replay found. A rank whose live stores fit is not one, whatever its replay
+        said (kv/fit.py)."""
+        live = self.plane.misfits()
+        for c, m in self._origin_misfits.items():
+            sub = self._subs.get(c)
+            if c not in live and (sub is None or not sub.fit.accepted):
+                live[c] = m
+        return live
+
+    def cause(self) -> Cause | None:
+        """The first thing a user must fix or wait for, most telling first: a configuration mismatch,
+        what keeps the replica from routing at all, unsynced peer discovery, then the last peer that
+        failed us (only while that matters: the replica is not warm)."""
+        misfits = self.misfits()
+        if misfits:
+            c, m = min(misfits.items())
+            more = f" (and {len(misfits) - 1} more rank(s))" if len(misfits) > 1 else ""
+            return Cause(CauseCode.CONFIG_MISMATCH, f"rank {c}: {m.detail}{more}")
+        blocker = self.blocker() if self.blocker is not None else None
+        if blocker is not None:
+            return blocker
+        if self.config.enabled and not self.peers.synced and not self.settled:
+            return Cause(CauseCode.PEER_DISCOVERY, "peer discovery has not listed the fleet's replicas yet")
+        if self._peer_cause is not None and self.verdict in (Verdict.PENDING, Verdict.TIMED_OUT):
+            return self._peer_cause
+        return None
+
     def readiness(self) -> tuple[bool, str]:
+        mismatch = self.verdict is Verdict.CONFIG_MISMATCH
         ok, why = readiness(
             Gate(
                 enabled=self.config.enabled,
                 settled=self.settled,
                 seed_required=self.config.seed_required,
-                seed_failed=self.seed_failed,
+                seed_failed=self.seed_failed or mismatch,
                 first_rank_at=self.first_rank_at,
                 now=self._clock(),
                 timeout_s=self.config.timeout_s,
@@ -251,6 +289,8 @@ class Bootstrapper:
         )
         if ok and "expired" in why:
             log.warning("bootstrap: seed required but not achieved within 3x the budget; opening readiness")
+        if mismatch and (cause := self.cause()) is not None:
+            why = f"{why}; cache-blind: {cause.message}" if ok else f"bootstrap: {cause.message}"
         return ok, why
 
     def exportable(self, c: Carrier) -> bool:
@@ -271,6 +311,7 @@ class Bootstrapper:
             "settled": self.settled,
             "verdict": self.verdict.value,
             "seedFailed": self.seed_failed,
+            "cause": cause.to_dict() if (cause := self.cause()) is not None else None,
             "ranks": [
                 {
                     "engine": c.engine,
@@ -334,6 +375,7 @@ class Bootstrapper:
             if not self._pending(batch):
                 await self._sessions_only(deadline)  # every rank exact: only the session table is missing
         while True:
+            self._settle_misfits(self._pending(batch))  # our own stream's evidence before any peer's
             live = self._pending(batch)
             if not live:
                 return
@@ -366,13 +408,20 @@ class Bootstrapper:
                     outcomes.append(exc.outcome)
                     self.metrics.fetches.labels(exc.outcome.value).inc()
                     log.info("bootstrap: peer %s: %s", peer.name, exc)
+                    code = CauseCode.PEER_UNREACHABLE
+                    if exc.outcome is not SnapshotOutcome.UNREACHABLE:
+                        code = CauseCode.PEER_REFUSED
+                    self._peer_cause = Cause(code, f"peer {peer.name}: {exc}")
                     continue
                 except VetFailed as exc:
-                    o = SnapshotOutcome.COLD_PEER if exc.error.cold_peer else SnapshotOutcome.REJECTED
+                    o = exc.error.outcome
                     outcomes.append(o)
                     self.metrics.fetches.labels(o.value).inc()
                     self.metrics.vet_errors.labels(exc.error.value).inc()
                     log.info("bootstrap: peer %s refused: %s", peer.name, exc.error.value)
+                    if o is not SnapshotOutcome.COLD_PEER:
+                        why = f"peer {peer.name}'s snapshot refused: {exc.error.explain}"
+                        self._peer_cause = Cause(CauseCode.PEER_REFUSED, why)
                     continue
                 self.metrics.fetches.labels(SnapshotOutcome.ACCEPTED.value).inc()
                 self.last_sweep = SweepResult.FOUND
@@ -380,8 +429,12 @@ class Bootstrapper:
                 await self._graft(vetted, self._pending(live))
                 self._inherit_sessions(wire)
                 return
-            if outcomes and all(o is SnapshotOutcome.COLD_PEER for o in outcomes):
-                return self._give_up(live, SweepResult.FLEET_COLD)
+            if outcomes and all(o in (SnapshotOutcome.COLD_PEER, SnapshotOutcome.FOREIGN) for o in outcomes):
+                # A foreign peer (another block size or key scheme) holds nothing we can use, but
+                # which side is misconfigured only our own stream can tell: cold only once it fits.
+                fits = all(self._subs[c].fit.accepted for c in live if c in self._subs)
+                if SnapshotOutcome.FOREIGN not in outcomes or fits:
+                    return self._give_up(live, SweepResult.FLEET_COLD)
             await asyncio.sleep(min(cfg.retry_interval_s, max(0.0, deadline - self._clock())))
 
     async def _sessions_only(self, deadline: float) -> None:
@@ -425,6 +478,19 @@ class Bootstrapper:
         for c in ranks:
             self._release(c)
             self._settle(c, RankOutcome.ABANDONED)
+
+    def _settle_misfits(self, ranks: set[Carrier]) -> None:
+        """Ranks whose own stores do not fit our configuration: nothing to graft can make them warm."""
+        for c in ranks:
+            sub = self._subs.get(c)
+            misfit = sub.fit.misfit if sub is not None else None
+            if misfit is not None:
+                self._mismatched(c, misfit)
+
+    def _mismatched(self, c: Carrier, misfit: Misfit) -> None:
+        log.warning("bootstrap rank %s: configuration mismatch: %s", c, misfit.detail)
+        self._release(c)
+        self._settle(c, RankOutcome.CONFIG_MISMATCH)
 
     def _release(self, c: Carrier) -> None:
         sub = self._subs.get(c)
@@ -554,17 +620,27 @@ class Bootstrapper:
         if outcome is not OriginOutcome.COMPLETE or not result.batches:
             self._origin_failed(c, outcome if result.batches else OriginOutcome.TIMEOUT)
             return
-        scratch = RadixIndex(
-            self.plane.index.block_size, full_attention_group=self.plane.index.full_attention_group
-        )
+        block_size, group = self.plane.index.block_size, self.plane.index.full_attention_group
+        scratch = RadixIndex(block_size, full_attention_group=group)
+        fit = FitTally()
         for i, (_seq, payload) in enumerate(result.batches):
             try:
-                scratch.apply_batch(c, decode_batch(payload))
+                batch = decode_batch(payload)
             except MalformedFrame:
                 self._origin_failed(c, OriginOutcome.TRUNCATED)
                 return
+            fit.add(batch, block_size, group)
+            scratch.apply_batch(c, batch)
             if i % 256 == 255:
                 await asyncio.sleep(0)  # a private index: yield to the loop, no writer involved
+        if fit.misfit is not None:
+            # The engine's whole history is refused by our configuration: no sibling can fix that.
+            self._origin_failed(c, OriginOutcome.CONFIG_MISMATCH)
+            boot = self.ranks.get(c)
+            if boot is not None and boot.epoch == epoch and boot.state is RankState.PENDING:
+                self._origin_misfits[c] = fit.misfit
+                self._mismatched(c, fit.misfit)
+            return
         ex = Exporter(scratch)
         while not ex.step(cfg.graft_chunk):
             await asyncio.sleep(0)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..kv.index import Carrier
 from ..kv.snapshot import Columns
+from .state import SnapshotOutcome
 from .wire import Limits, WireSession, WireSnapshot
 
 KNOWN_TIERS = 0xF  # device, host, disk, external
@@ -35,6 +36,28 @@ class VetError(enum.StrEnum):
     def cold_peer(self) -> bool:
         """The peer is fine but has nothing for us (counted apart from rejections)."""
         return self in (VetError.PRODUCER_COLD, VetError.NOTHING_USABLE)
+
+    @property
+    def outcome(self) -> SnapshotOutcome:
+        if self.cold_peer:
+            return SnapshotOutcome.COLD_PEER
+        if self is VetError.HASHING_MISMATCH:
+            return SnapshotOutcome.FOREIGN
+        return SnapshotOutcome.REJECTED
+
+    @property
+    def explain(self) -> str:
+        """The refusal in words (the causes in the operator's status quote it)."""
+        return _EXPLAIN.get(self, self.value)
+
+
+_EXPLAIN = {
+    VetError.UNKNOWN_FORMAT: "unknown_format (a snapshot format this router does not read)",
+    VetError.HASHING_MISMATCH: "hashing_mismatch (the peer uses another block size or key scheme)",
+    VetError.INVALID_PARENT: "invalid_parent (a corrupt tree)",
+    VetError.WORKER_OUT_OF_RANGE: "worker_out_of_range (a corrupt tree)",
+    VetError.TOO_DEEP: "too_deep (a tree deeper than this router accepts)",
+}
 
 
 class VetFailed(Exception):

@@ -69,6 +69,23 @@ class Skip(enum.StrEnum):
     UNKNOWN_BLOCK = "unknown_block"  # a remove for a block this carrier never announced
 
 
+def store_skip(ev: BlockStored, block_size: int, full_attention_group: int) -> Skip | None:
+    """Why a store cannot be indexed under this configuration, before the trie is consulted (the
+    parent check needs it, so it is not here); None: it can. ``kv/fit.py`` tallies the same rule over
+    a rank's stream, to tell a configuration mismatch from an empty cache."""
+    if ev.medium is not None and ev.medium not in MEDIUM_TIERS:
+        return Skip.UNKNOWN_MEDIUM
+    if ev.kv_cache_spec_kind not in (None, "full_attention") or (
+        ev.group_idx is not None and ev.group_idx != full_attention_group
+    ):
+        return Skip.OTHER_GROUP
+    if ev.block_size != block_size:
+        return Skip.BLOCK_SIZE_MISMATCH
+    if len(ev.token_ids) != len(ev.block_hashes) * block_size:
+        return Skip.TOKEN_COUNT
+    return None
+
+
 @dataclass(slots=True)
 class ApplyStats:
     """What applying one batch did; the writer turns it into metrics."""
@@ -251,24 +268,11 @@ class RadixIndex:
         medium = ev.medium
         stats.events["BlockStored", medium or ""] += 1
         n = len(ev.block_hashes)
-        if medium is None:
-            tier = Tier.DEVICE
-        else:
-            tier = MEDIUM_TIERS.get(medium)
-            if tier is None:
-                stats.skipped[Skip.UNKNOWN_MEDIUM] += n
-                return
-        if ev.kv_cache_spec_kind not in (None, "full_attention") or (
-            ev.group_idx is not None and ev.group_idx != self.full_attention_group
-        ):
-            stats.skipped[Skip.OTHER_GROUP] += n
+        skip = store_skip(ev, self.block_size, self.full_attention_group)
+        if skip is not None:
+            stats.skipped[skip] += n
             return
-        if ev.block_size != self.block_size:
-            stats.skipped[Skip.BLOCK_SIZE_MISMATCH] += n
-            return
-        if len(ev.token_ids) != n * self.block_size:
-            stats.skipped[Skip.TOKEN_COUNT] += n
-            return
+        tier = Tier.DEVICE if medium is None else MEDIUM_TIERS[medium]
         if ev.parent_block_hash is None:
             parent = ROOT
             seed = (

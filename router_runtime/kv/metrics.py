@@ -30,6 +30,12 @@ class KVMetrics:
         self.skipped_blocks = Counter(
             p + "skipped_blocks", "Blocks not indexed, by reason", ["reason"], registry=registry
         )
+        self.config_mismatch = Gauge(
+            p + "config_mismatch",
+            "1 for a rank whose stores this router's configuration refuses and none it accepts",
+            ["engine", "rank", "reason"],
+            registry=registry,
+        )
         self.nodes = Gauge(p + "index_nodes", "Nodes in the radix index", registry=registry)
         self.index_blocks = Gauge(
             p + "index_blocks",

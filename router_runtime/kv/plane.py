@@ -33,6 +33,7 @@ from .adoption import (
     parse_storage,
 )
 from .events import AllBlocksCleared, BlockRemoved, EventBatch, SequencedBatch
+from .fit import Misfit
 from .hold import HoldEnd, RankHold
 from .index import Carrier, RadixIndex
 from .metrics import KVMetrics
@@ -211,6 +212,16 @@ class KVPlane:
         subs = self.subscriptions()
         self.metrics.subscriptions_live.set(sum(1 for s in subs if s.connected))
         return any(s.connected for s in subs)
+
+    def misfits(self) -> dict[Carrier, Misfit]:
+        """Ranks whose own stores do not fit this router's configuration (kv/fit.py); refreshes the
+        ``config_mismatch`` gauge."""
+        out = {s.carrier: m for s in self.subscriptions() if (m := s.fit.misfit) is not None}
+        gauge = self.metrics.config_mismatch
+        gauge.clear()
+        for c, m in out.items():
+            gauge.labels(c.engine, str(c.rank), m.reason.value).set(1)
+        return out
 
     # ---- carrier lifecycle: DISCONNECTED, adoption, REMOVED --------------------------------------
     #

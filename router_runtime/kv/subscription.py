@@ -24,6 +24,7 @@ import zmq.asyncio
 from .cursor import Arrival, classify
 from .decode import MalformedFrame, decode_batch, parse_pub_message, parse_replay_reply, topic_matches
 from .events import DecodeStats, SequencedBatch
+from .fit import FitTally
 from .hold import HoldEnd, RankHold
 from .index import Carrier
 from .metrics import KVMetrics
@@ -116,6 +117,9 @@ class RankSubscription:
         self.splice_watermark: int | None = None
         self.on_splice: Callable[[int], None] | None = None
         self._stats = DecodeStats()
+        # What the index's rule makes of this rank's stores, held or applied (a mismatch shows here
+        # before any held batch reaches the index).
+        self.fit = FitTally()
         self._resumes = 0
         self._recent: dict[int, int] = {}  # seq -> payload hash of the last RECENT_HASHES applied
 
@@ -225,6 +229,8 @@ class RankSubscription:
             self.metrics.malformed.labels("rank_mismatch").inc()
             self._clear(ClearReason.MALFORMED_BATCH)
             return
+        index = self.writer.index
+        self.fit.add(batch, index.block_size, index.full_attention_group)
         sb = SequencedBatch(seq, batch, len(payload))
         hold = self.hold
         if hold is not None and hold.active:

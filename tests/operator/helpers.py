@@ -15,7 +15,7 @@ import yaml
 
 from routerfleet_operator.model import ANNOTATION_RETRY, Verdict
 from routerfleet_operator.render import revision_of
-from routerfleet_operator.rollout import BootstrapReport, Decision, PodView, decide
+from routerfleet_operator.rollout import BootstrapReport, Cause, Decision, PodView, decide, ts
 from routerfleet_operator.spec import Fleet
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,6 +66,7 @@ def report(
     synced: bool = True,
     nodes: int = 10,
     blocks: int = 0,
+    cause: tuple[str, str] | None = None,
 ) -> BootstrapReport:
     return BootstrapReport(
         settled=settled,
@@ -74,6 +75,7 @@ def report(
         index_nodes=nodes,
         index_blocks=blocks,
         peers_synced=synced,
+        cause=Cause(*cause) if cause else None,
     )
 
 
@@ -155,6 +157,7 @@ class SimPod:
     container_ready: bool = False
     report: BootstrapReport | None = None
     ready_since: datetime | None = None
+    seeded: tuple[Verdict, str] | None = None  # what the gate condition records: verdict, time
 
     @property
     def ready(self) -> bool:
@@ -169,6 +172,8 @@ class SimPod:
             ready=self.ready,
             ready_since=self.ready_since if self.ready else None,
             report=self.report,
+            seeded_verdict=self.seeded[0] if self.seeded else None,
+            seeded_at=self.seeded[1] if self.seeded else None,
         )
 
 
@@ -235,6 +240,8 @@ class Cluster:
         for name in d.admit:
             assert not self.pods[name].gate, f"{name} admitted twice"
             self.pods[name].gate = True
+            rep = self.pods[name].report
+            self.pods[name].seeded = (rep.verdict if rep else Verdict.DISABLED, ts(self.now))
             if self.pods[name].container_ready:
                 self.pods[name].ready_since = self.now
         if not crash:

@@ -11,6 +11,7 @@ import yaml
 from router_runtime.kv.events import Dialect
 from routerfleet_operator.model import (
     DEFAULT_PASS_VERDICTS,
+    NEVER_PASS,
     OWNED_FLAGS,
     RESERVED_ENV,
     RESERVED_VOLUMES,
@@ -73,9 +74,9 @@ def test_conditions_are_a_map_list():
 
 def test_enums_match_the_code():
     boot = SPEC["properties"]["bootstrap"]["properties"]
-    assert boot["passVerdicts"]["items"]["enum"] == [v.value for v in Verdict if v is not Verdict.PENDING]
+    assert boot["passVerdicts"]["items"]["enum"] == [v.value for v in Verdict if v not in NEVER_PASS]
     assert set(boot["passVerdicts"]["default"]) == DEFAULT_PASS_VERDICTS
-    assert boot["passVerdicts"]["maxItems"] == len(Verdict) - 1
+    assert boot["passVerdicts"]["maxItems"] == len(Verdict) - len(NEVER_PASS)
     router = SPEC["properties"]["router"]["properties"]
     assert tuple(router["policy"]["enum"]) == POLICIES
     engines = SPEC["properties"]["engines"]["properties"]

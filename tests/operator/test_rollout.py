@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from routerfleet_operator.model import ANNOTATION_RESTARTED_AT, OnSeedFailure, Verdict
 from routerfleet_operator.render import revision_of
-from routerfleet_operator.rollout import Admission, BootstrapReport, PodView, classify, decide
+from routerfleet_operator.rollout import Admission, BootstrapReport, Cause, PodView, classify, decide
 from routerfleet_operator.spec import BootstrapSpec, Fleet
 
-from .helpers import T0, Cluster, failing, fleet_obj, report, schema, schema_errors
+from .helpers import T0, Cluster, Script, SimPod, failing, fleet_obj, natural, report, schema, schema_errors
 
 STATUS_SCHEMA = schema()["properties"]["status"]
 SETTLED = [v for v in Verdict if v is not Verdict.PENDING]
@@ -588,3 +588,139 @@ def test_pod_view_from_a_pod():
     assert v.ready_since == T0 + timedelta(minutes=1)
     pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:02:00Z"
     assert PodView.from_pod(pod).terminating
+
+
+# ---- the status says what the routers know (causes, mismatch, history) -----------------------------------
+
+MISMATCH = (
+    "ConfigMismatch",
+    "rank e1#0: the engine publishes block size 16; this router is configured for 32",
+)
+
+
+def mismatching(bad: set[str]) -> Script:
+    """Pods of the ``bad`` revisions run another block size than the engines: config_mismatch."""
+
+    def script(pod: SimPod, c: Cluster) -> BootstrapReport:
+        if pod.revision in bad:
+            return report(Verdict.CONFIG_MISMATCH, nodes=0, cause=MISMATCH)
+        return natural(pod, c)
+
+    return script
+
+
+def stalled_message(c: Cluster) -> str:
+    return next(x["message"] for x in c.status["conditions"] if x["type"] == "Stalled")
+
+
+def test_a_config_mismatch_pauses_naming_it_and_reverting_the_spec_is_instant():
+    c = first_deploy()
+    old = c.status["currentRevision"]
+    new = c.set_spec(router={"blockSize": 32})
+    c.script = mismatching({new})
+    c.min_ready_seen = None
+    c.run(10)
+    assert c.status["rollout"]["pauseReason"] == "ConfigMismatch"
+    assert c.condition("Stalled") == ("True", "ConfigMismatch")
+    assert c.condition("Ready") == ("False", "ConfigMismatch")
+    message = stalled_message(c)
+    assert "block size 16; this router is configured for 32" in message and "spec.router.blockSize" in message
+    assert "Revert the spec" in message
+    held = c.status["rollout"]["hold"]["pods"]
+    member = next(m for m in c.status["members"] if m["pod"] == held[0])
+    assert member["verdict"] == "config_mismatch" and member["cause"]["code"] == "ConfigMismatch"
+    assert c.status["verdicts"]["configMismatch"] == 1
+    assert c.revisions() == {old: 3, new: 1} and c.min_ready_seen >= 3  # the old replicas serve
+    # Undo: put the spec back. The old pods are still there and seeded: Ready at once, no bootstrap.
+    assert c.set_spec(router={"blockSize": 16}) == old
+    d = c.reconcile()
+    assert d.pause_deployment is False and d.deploy_revision == old and d.admit == ()
+    assert c.condition("Ready") == ("False", "ReplicasNotReady")  # the held pod is still running
+    c.tick()  # the Deployment controller removes it
+    c.reconcile()
+    assert c.revisions() == {old: 3}
+    assert c.condition("Ready") == ("True", "AllReplicasReady") and c.condition("Stalled")[0] == "False"
+
+
+def test_a_config_mismatch_with_no_sibling_serving_is_admitted_and_called_cache_blind():
+    c = Cluster(fleet_obj({"replicas": 2}))
+    c.script = mismatching({revision_of(c.fleet)})
+    c.run(8)
+    assert c.condition("Ready") == ("True", "AllReplicasReady")  # never gate alone: that deadlocks
+    status, reason = c.condition("CacheWarm")
+    assert (status, reason) == ("False", "ConfigMismatch")
+    cache = next(x["message"] for x in c.status["conditions"] if x["type"] == "CacheWarm")
+    assert "block size 16" in cache and c.status["warmReplicas"] == 0
+
+
+def test_a_rollback_names_the_cause_of_the_failed_seed():
+    c = first_deploy(rollout={"onSeedFailure": "Rollback"})
+    new = c.set_spec(router={"blockSize": 32})
+    c.script = mismatching({new})
+    c.run(10)
+    assert c.status["rollout"]["phase"] == "RolledBack"
+    assert "block size 16; this router is configured for 32" in stalled_message(c)
+    assert "block size 16" in c.status["rollout"]["rollbackMessage"]
+
+
+def test_a_failed_seed_carries_the_routers_cause():
+    c = first_deploy()
+    new = c.set_spec(router={"image": "v2"})
+    refused = ("PeerRefused", "peer rf-a's snapshot refused: hashing_mismatch (another block size)")
+    c.script = lambda p, c_: (
+        report(Verdict.TIMED_OUT, seed_failed=True, cause=refused) if p.revision == new else natural(p, c_)
+    )
+    c.run(10)
+    assert c.condition("Stalled") == ("True", "SeedFailurePaused")
+    assert "peer rf-a's snapshot refused: hashing_mismatch" in stalled_message(c)
+
+
+def test_a_fleet_whose_engines_cannot_be_discovered_stalls_after_the_bound_and_recovers():
+    c = first_deploy()
+    new = c.set_spec(engines={"serviceName": "missing"})
+    blind = ("NoEnginesDiscovered", "no engines discovered: no ready endpoint in EndpointSlices ...")
+    engines_found = False
+
+    def script(p, c_):
+        if p.revision == new and not engines_found:
+            return report(Verdict.PENDING, settled=False, cause=blind)
+        return natural(p, c_)
+
+    c.script = script
+    c.run(30)
+    assert c.condition("Stalled") == ("False", "AsExpected")  # within the bound: progressing
+    c.now += timedelta(seconds=31)
+    c.reconcile()
+    assert c.condition("Stalled") == ("True", "NoEnginesDiscovered")
+    assert c.condition("Ready") == ("False", "NoEnginesDiscovered")
+    assert "no engines discovered" in stalled_message(c) and "spec.engines" in stalled_message(c)
+    assert len(c.events("NoEnginesDiscovered")) == 1
+    c.reconcile()
+    assert len(c.events("NoEnginesDiscovered")) == 1  # said once
+    # Not a hold: the engines appear and the rollout goes on by itself.
+    engines_found = True
+    for p in c.pods.values():
+        if p.revision == new:
+            p.report = report(Verdict.PENDING, settled=False)
+    c.run(30)
+    assert c.status["currentRevision"] == new and c.condition("Ready")[0] == "True"
+
+
+def test_each_member_keeps_the_verdict_it_was_seeded_with():
+    c = first_deploy(replicas=2)
+    seeded = {m["pod"]: (m["seededVerdict"], m["seededAt"]) for m in c.status["members"]}
+    assert {v for v, _at in seeded.values()} == {"no_peers"} and all(at for _v, at in seeded.values())
+    # The engines restart, the routers' live verdicts change; the history does not.
+    for p in c.pods.values():
+        p.report = report(Verdict.WARM_UNWITNESSED)
+    c.run(3)
+    after = {m["pod"]: (m["seededVerdict"], m["seededAt"], m["verdict"]) for m in c.status["members"]}
+    assert {k: v[:2] for k, v in after.items()} == seeded
+    assert {v[2] for v in after.values()} == {"warm_unwitnessed"}
+
+
+def test_a_cause_is_read_leniently():
+    assert Cause.parse({"code": "ConfigMismatch", "message": "x" * 2000}).message == "x" * 512
+    for bad in (None, "text", {"code": 3}, {"code": "lower"}, {"code": "Bad Code"}, {"code": "A" * 65}):
+        assert Cause.parse(bad) is None
+    assert Cause.parse({"code": "PeerRefused"}) == Cause("PeerRefused", "")
