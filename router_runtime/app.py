@@ -410,7 +410,7 @@ class Router:
 
     async def _metrics(self, _req: web.Request) -> web.Response:
         self.kv.live()  # refresh the live-subscription gauge
-        self.kv.misfits()  # and the configuration-mismatch one
+        self.bootstrap.misfits()  # and the configuration-mismatch one
         states = list(self.health.states().values())
         for state in BreakerState:
             self.metrics.engines.labels(state).set(states.count(state))

@@ -155,10 +155,15 @@ async def test_a_replay_that_does_not_fit_this_routers_block_size_is_a_config_mi
             assert report["index"]["nodes"] == 0
             attempts = "routerfleet_bootstrap_origin_attempts_total"
             assert router.registry.get_sample_value(attempts, {"outcome": "config_mismatch"}) == 1
-            async with aiohttp.ClientSession() as http, http.get(url + "/readyz") as r:
-                body = await r.json()
+            async with aiohttp.ClientSession() as http:
+                async with http.get(url + "/readyz") as r:
+                    body = await r.json()
+                async with http.get(url + "/metrics") as m:
+                    text = await m.text()
             # Nothing to inherit can fix it, and no seed is required here: ready, and says it is blind.
             assert r.status == 200 and "cache-blind" in body["reason"], body
+            labels = f'engine="{e.http_url}",rank="0",reason="block_size_mismatch"'
+            assert f"routerfleet_kv_config_mismatch{{{labels}}} 1.0" in text
 
 
 async def test_a_router_started_with_the_wrong_block_size_reports_it_once_stores_arrive():
@@ -178,3 +183,21 @@ async def test_a_router_started_with_the_wrong_block_size_reports_it_once_stores
             labels = f'engine="{e.http_url}",rank="0",reason="block_size_mismatch"'
             sample = f"routerfleet_kv_config_mismatch{{{labels}}}"
             assert f"{sample} 1.0" in text, text
+
+
+async def test_one_rank_that_does_not_fit_settles_the_others_when_the_peers_are_foreign():
+    """Two DP ranks, history on one: that rank's replay shows the mismatch; the other has nothing to
+    judge by, and its only peer uses another block size. Our own rank already proved we are the odd
+    one, so it settles at once (config_mismatch), not after the bootstrap timeout."""
+    async with (
+        run_fake_engine(block_size=BS, dp_size=2) as e,
+        replica("a", [e], peers=[], origin=True) as a,
+    ):
+        for p in engine_prefixes(1, 10):
+            e.admit(1, p, PLAIN)
+        async with replica("b", [e], peers=[a.url], origin=True, block_size=BS * 2, timeout_s=30) as b:
+            await eventually(lambda: b.boot.settled, timeout=10, what="settled well before the timeout")
+            report = b.boot.report()
+            assert report["verdict"] == "config_mismatch", report
+            outcomes = {r["rank"]: r["outcome"] for r in report["ranks"]}
+            assert outcomes == {0: "abandoned", 1: "config_mismatch"}, outcomes

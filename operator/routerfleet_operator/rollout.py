@@ -473,8 +473,9 @@ def _failure_text(p: PodView, reason: PauseReason | None) -> str:
         return f"pod {p.name} timed out without ever listing its peers (check the endpointslices RBAC)"
     cause = f" ({r.cause.message})" if r and r.cause else ""
     if reason is PauseReason.CONFIG_MISMATCH:
+        what = f": {r.cause.message}" if r and r.cause else ""
         return (
-            f"pod {p.name} cannot index the engines' KV blocks{cause}: check spec.router.blockSize (and the "
+            f"pod {p.name} cannot index the engines' KV blocks{what}. Check spec.router.blockSize (and the "
             "KV cache group) against the engines' own settings"
         )
     flag = " with seedFailed" if r and r.seed_failed else ""

@@ -247,12 +247,16 @@ class Bootstrapper:
     def misfits(self) -> dict[Carrier, Misfit]:
         """Ranks whose stores do not fit our configuration: the live stream's tally (held or applied),
         else what an origin replay found. A rank whose live stores fit is not one, whatever its replay
-        said (kv/fit.py)."""
+        said (kv/fit.py). Refreshes the ``routerfleet_kv_config_mismatch`` gauge."""
         live = self.plane.misfits()
         for c, m in self._origin_misfits.items():
             sub = self._subs.get(c)
             if c not in live and (sub is None or not sub.fit.accepted):
                 live[c] = m
+        gauge = self.plane.metrics.config_mismatch
+        gauge.clear()
+        for c, m in live.items():
+            gauge.labels(c.engine, str(c.rank), m.reason.value).set(1)
         return live
 
     def cause(self) -> Cause | None:
@@ -262,7 +266,7 @@ class Bootstrapper:
         misfits = self.misfits()
         if misfits:
             c, m = min(misfits.items())
-            more = f" (and {len(misfits) - 1} more rank(s))" if len(misfits) > 1 else ""
+            more = f"; {len(misfits) - 1} more rank(s) alike" if len(misfits) > 1 else ""
             return Cause(CauseCode.CONFIG_MISMATCH, f"rank {c}: {m.detail}{more}")
         blocker = self.blocker() if self.blocker is not None else None
         if blocker is not None:
@@ -431,9 +435,12 @@ class Bootstrapper:
                 return
             if outcomes and all(o in (SnapshotOutcome.COLD_PEER, SnapshotOutcome.FOREIGN) for o in outcomes):
                 # A foreign peer (another block size or key scheme) holds nothing we can use, but
-                # which side is misconfigured only our own stream can tell: cold only once it fits.
+                # which side is misconfigured only our own streams can tell: give up once they do
+                # (these ranks fit, so the peers are wrong; or another rank does not, so we are).
+                self._settle_misfits(live)  # a batch may have come in during the fetches
+                live = self._pending(live)
                 fits = all(self._subs[c].fit.accepted for c in live if c in self._subs)
-                if SnapshotOutcome.FOREIGN not in outcomes or fits:
+                if SnapshotOutcome.FOREIGN not in outcomes or fits or self.misfits():
                     return self._give_up(live, SweepResult.FLEET_COLD)
             await asyncio.sleep(min(cfg.retry_interval_s, max(0.0, deadline - self._clock())))
 

@@ -214,14 +214,8 @@ class KVPlane:
         return any(s.connected for s in subs)
 
     def misfits(self) -> dict[Carrier, Misfit]:
-        """Ranks whose own stores do not fit this router's configuration (kv/fit.py); refreshes the
-        ``config_mismatch`` gauge."""
-        out = {s.carrier: m for s in self.subscriptions() if (m := s.fit.misfit) is not None}
-        gauge = self.metrics.config_mismatch
-        gauge.clear()
-        for c, m in out.items():
-            gauge.labels(c.engine, str(c.rank), m.reason.value).set(1)
-        return out
+        """Ranks whose live stores do not fit this router's configuration (kv/fit.py)."""
+        return {s.carrier: m for s in self.subscriptions() if (m := s.fit.misfit) is not None}
 
     # ---- carrier lifecycle: DISCONNECTED, adoption, REMOVED --------------------------------------
     #

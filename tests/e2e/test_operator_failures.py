@@ -470,3 +470,106 @@ def test_unusable_snapshots(cluster, namespace, crd, operator):
     assert "SeedFailedProceeding" in reasons and "RolloutComplete" in reasons, reasons
     completion_through(cluster.wait_pods_ready(ns, SEL, 2, timeout=30)[0])
     print(f"[unusable] done in {time.monotonic() - t0:.1f}s")
+
+
+# -------------------------------------------------------------------- the status says what the routers know
+
+
+def describe(cluster, ns: str, name: str) -> str:
+    out = kubectl_in(cluster, "-n", ns, "describe", "rf", name)
+    return out.stdout or out.stderr
+
+
+def test_a_config_mismatch_and_missing_engines_say_so(cluster, namespace, crd, operator):
+    """Engines whose replay buffers reach sequence 0: a block size change is found in the new replica's
+    origin replay at once (not called from_origin on an empty index), the rollout pauses with a condition
+    naming the mismatch while the old replicas serve, and reverting the spec is Ready again without a
+    bootstrap timeout. Beside it, a fleet pointing at a Service that does not exist goes Stalled with
+    "no engines discovered" within the documented bound (rollout.NO_ENGINES_STALL_S)."""
+    _local_only(cluster)
+    ns = namespace
+    t0 = time.monotonic()
+    deploy_engines(cluster, ns)  # default replay buffers: an engine's whole history can be replayed
+    cluster.wait_pods_ready(ns, ENGINE_LABELS, 2)
+    blind = fleet_manifest(cluster, ns, replicas=1)
+    blind["metadata"]["name"] = "rf-blind"
+    blind["spec"]["engines"]["serviceName"] = "no-such-engine"
+    crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, blind)
+    t_blind = time.monotonic()
+    m = fleet_manifest(cluster, ns, replicas=2)
+    m["spec"]["bootstrap"] = {"timeout": "60s"}
+    crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, m)
+    obj = wait_fleet_ready(cluster, crd, ns, "first deploy Ready")
+    rev1 = obj["status"]["currentRevision"]
+    old = cluster.wait_pods_ready(ns, SEL, 2, timeout=30)
+    old_names = {p.metadata.name for p in old}
+    for p in old:
+        completion_through(p)  # the engines hold blocks: their replay has stores to judge by
+    print(f"\n[mismatch] revision {rev1} Ready after {time.monotonic() - t0:.1f}s")
+
+    # ---- blockSize 16 -> 32: the new replica's origin replay shows the mismatch
+    t1 = time.monotonic()
+    crd.patch_namespaced_custom_object(
+        GROUP, VERSION, ns, PLURAL, FLEET, {"spec": {"router": {"blockSize": 32}}}
+    )
+
+    def paused():
+        o = get_fleet(crd, ns)
+        c = conds(o) if o.get("status") else {}
+        return o if c.get("Stalled") == ("True", "ConfigMismatch") else None
+
+    obj = cluster.wait_for("Stalled/ConfigMismatch", paused, 90)
+    took = time.monotonic() - t1
+    st = obj["status"]
+    assert took < 60, f"paused after {took:.1f}s: as slow as the bootstrap timeout"
+    assert st["rollout"]["pauseReason"] == "ConfigMismatch" and st["currentRevision"] == rev1, st["rollout"]
+    message = condition(obj, "Stalled")["message"]
+    assert "block size 16; this router is configured for 32" in message, message
+    (held,) = st["rollout"]["hold"]["pods"]
+    member = next(mm for mm in st["members"] if mm["pod"] == held)
+    assert member["verdict"] == "config_mismatch" and member["cause"]["code"] == "ConfigMismatch", member
+    assert member["indexNodes"] == 0 and not member["gate"], member
+    held_pod = cluster.core.read_namespaced_pod(held, ns)
+    url = pod_url(held_pod, ROUTER_PORT)
+    text = cluster.wait_for("the held pod's /metrics", lambda: aio(metrics_text, url), 30)
+    assert 'routerfleet_kv_config_mismatch{engine="' in text and 'reason="block_size_mismatch"} 1.0' in text
+    serving = [p for p in router_pods(cluster, ns) if cluster.pod_ready(p)]
+    assert {p.metadata.name for p in serving} == old_names
+    completion_through(serving[0])
+    paused_text = describe(cluster, ns, FLEET)
+    print(f"[mismatch] paused after {took:.1f}s; kubectl describe rf {FLEET}:\n{paused_text}")
+
+    # ---- undo: revert the spec; the old replicas are still seeded, nothing bootstraps
+    t2 = time.monotonic()
+    crd.patch_namespaced_custom_object(
+        GROUP, VERSION, ns, PLURAL, FLEET, {"spec": {"router": {"blockSize": 16}}}
+    )
+
+    def reverted():
+        o = get_fleet(crd, ns)
+        names = {mm["pod"] for mm in o["status"].get("members") or []}
+        ready = condition(o, "Ready")
+        fresh = ready.get("observedGeneration") == o["metadata"]["generation"]
+        return o if ready.get("status") == "True" and fresh and names == old_names else None
+
+    obj = cluster.wait_for("Ready again on the old replicas", reverted, 90)
+    undo = time.monotonic() - t2
+    assert obj["status"]["currentRevision"] == rev1 and obj["status"]["updateRevision"] == rev1
+    assert undo < 30, f"the revert took {undo:.1f}s"
+    print(f"[mismatch] reverted, Ready after {undo:.1f}s")
+
+    # ---- the fleet whose engine Service does not exist: Stalled, saying why
+    def blind_stalled():
+        o = crd.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "rf-blind")
+        c = condition(o, "Stalled")
+        return o if c.get("status") == "True" else None
+
+    bound = 60 + 30  # NO_ENGINES_STALL_S, plus the pod's start and a reconcile period
+    obj = cluster.wait_for("rf-blind Stalled", blind_stalled, max(5, bound - (time.monotonic() - t_blind)))
+    c = condition(obj, "Stalled")
+    assert c["reason"] == "NoEnginesDiscovered" and "no engines discovered" in c["message"], c
+    assert "no-such-engine" in c["message"] or "kubernetes.io/service-name" in c["message"], c
+    assert condition(obj, "Ready")["reason"] == "NoEnginesDiscovered"
+    took = time.monotonic() - t_blind
+    print(f"[mismatch] rf-blind stalled after {took:.1f}s; kubectl describe rf rf-blind:")
+    print(describe(cluster, ns, "rf-blind"))

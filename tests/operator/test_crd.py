@@ -177,3 +177,29 @@ def test_every_crd_field_has_a_description():
         root = version["schema"]["openAPIV3Schema"]
         assert root.get("description")
         assert _undescribed(root, "rf", False) == [], version["name"]
+
+
+SCHEMA_KEYWORDS = {
+    "type", "properties", "description", "items", "enum", "default", "format", "maxItems", "minItems",
+    "maxLength", "minLength", "minimum", "maximum", "pattern", "required", "additionalProperties",
+    "nullable", "x-kubernetes-validations", "x-kubernetes-int-or-string", "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys", "x-kubernetes-preserve-unknown-fields", "x-kubernetes-map-type", "anyOf",
+}  # fmt: skip
+
+
+def _schema_nodes(node: dict, path: str):
+    yield path, node
+    for name, sub in (node.get("properties") or {}).items():
+        yield from _schema_nodes(sub, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        yield from _schema_nodes(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _schema_nodes(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_every_schema_node_uses_only_openapi_keywords():
+    """A comma inside a YAML flow mapping (``{type: string, description: a, b}``) silently makes a
+    keyword out of the rest of the text; the API server refuses the CRD, this test says where."""
+    for version in crd()["spec"]["versions"]:
+        for path, node in _schema_nodes(version["schema"]["openAPIV3Schema"], "rf"):
+            assert set(node) <= SCHEMA_KEYWORDS, (path, set(node) - SCHEMA_KEYWORDS)
