@@ -44,6 +44,7 @@ from .proxy.health import BreakerConfig, BreakerState, HealthBoard, HealthChecke
 from .proxy.load import LoadTracker
 from .proxy.metrics import ProxyMetrics
 from .proxy.server import Proxy, Timeouts
+from .proxy.serving import GuardedRunner
 from .proxy.targets import TargetBook
 from .routing.policies import make_policy
 from .routing.types import Policy
@@ -129,6 +130,7 @@ class Router:
             keepalive_s=config.upstream_keepalive_s,
             sessions=self.sessions,
             loads=self.fleet.view,
+            limits=config.server,
         )
         self.checker = HealthChecker(
             self.health,
@@ -437,11 +439,12 @@ async def run_router(
     await router.start()
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
     # request, so the engine stops working for nobody.
-    runner = web.AppRunner(router.build_app(), access_log=None, handler_cancellation=True)
+    runner = GuardedRunner(router.build_app(), config.server, access_log=None, handler_cancellation=True)
     internal = None
     if router.token is not None:
-        internal = web.AppRunner(
+        internal = GuardedRunner(
             internal_app(router.token, router.bootstrap, router.producer, router.accept_load_report),
+            config.server,
             access_log=None,
         )
     try:

@@ -10,6 +10,7 @@ from .bootstrap.http import read_token
 from .discovery.static import parse_worker
 from .discovery.storage_annotation import validate_annotation_key
 from .kv.plane import WorkerSpec
+from .proxy.serving import ServerLimits
 from .routing.policies import POLICY_NAMES, PolicyConfig
 from .sessions.config import SessionConfig
 from .tokens.tokenizer import TokenizerError, load_tokenizer
@@ -44,6 +45,8 @@ class RouterConfig:
     idle_timeout_s: float = 300.0
     max_body_bytes: int = 32 << 20
     upstream_keepalive_s: float = 4.0
+    # Client connections: the router's own HTTP server (proxy/serving.py).
+    server: ServerLimits = field(default_factory=ServerLimits)
     # Engine health.
     health_interval_s: float = 5.0  # 0: no active checks (request outcomes still drive the breakers)
     health_timeout_s: float = 2.0
@@ -230,6 +233,34 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=32 << 20,
         help="request body limit; larger: 413 (32 MiB)",
+    )
+    c = p.add_argument_group("client connections (the router's HTTP server)")
+    for flag, default, what in (
+        (
+            "--client-header-timeout-ms",
+            10_000,
+            "a request head, from its first byte; then the connection closes",
+        ),
+        ("--client-idle-timeout-ms", 60_000, "an idle keep-alive connection is closed after this"),
+        (
+            "--client-body-base-timeout-ms",
+            10_000,
+            "a request body may take this plus its size at the min rate",
+        ),
+    ):
+        c.add_argument(flag, type=_positive_int, default=default, help=f"{what} (default {default})")
+    c.add_argument(
+        "--client-body-min-rate",
+        type=_positive_int,
+        default=64 << 10,
+        metavar="BYTES_PER_S",
+        help="slowest body upload accepted, past the base timeout; slower: 408 (default 65536)",
+    )
+    c.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=4096,
+        help="open client connections; past it a new one gets 503 and is closed (default 4096)",
     )
 
     h = p.add_argument_group("engine health")
@@ -571,6 +602,13 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         idle_timeout_s=a.idle_timeout_ms / 1000,
         upstream_keepalive_s=a.upstream_keepalive_ms / 1000,
         max_body_bytes=a.max_body_bytes,
+        server=ServerLimits(
+            header_timeout_s=a.client_header_timeout_ms / 1000,
+            idle_timeout_s=a.client_idle_timeout_ms / 1000,
+            max_connections=a.max_connections,
+            body_min_bytes_per_s=a.client_body_min_rate,
+            body_base_s=a.client_body_base_timeout_ms / 1000,
+        ),
         health_interval_s=a.health_interval_ms / 1000,
         health_timeout_s=a.health_timeout_ms / 1000,
         breaker_failures=a.breaker_failures,

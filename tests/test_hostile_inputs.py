@@ -164,6 +164,11 @@ async def test_malformed_framing_never_puts_request_bytes_or_the_token_in_any_lo
         host, port = url.removeprefix("http://").rsplit(":", 1)
         answers = [await send_raw(host, int(port), raw) for raw in framing_attacks(host)]
         assert all(a.split(b" ", 2)[1].startswith(b"4") for a in answers), [a[:40] for a in answers]
+        for a in answers:  # OpenAI's error shape, like every other error, and none of the request's bytes
+            head, _, body = a.partition(b"\r\n\r\n")
+            assert b"Content-Type: application/json" in head and MARKER.encode() not in a, a[:300]
+            if b"Content-Length" in head:
+                assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}, body
         ihost, iport = router.internal_url.removeprefix("http://").rsplit(":", 1)
         auth = f"GET /internal/bootstrap HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}{LONG}\r\n\r\n"
         assert (await send_raw(ihost, int(iport), auth.encode())).split(b" ", 2)[1] == b"400"
@@ -209,3 +214,97 @@ async def test_a_peer_cursor_that_is_not_a_bounded_integer_is_a_rejected_answer(
     finally:
         await fetcher.close()
         await runner.cleanup()
+
+
+# ---- slow and idle clients (proxy/serving.py) -------------------------------------------------------
+
+FAST = {"header_timeout_s": 1.0, "idle_timeout_s": 1.5, "body_base_s": 1.0, "max_connections": 4}
+
+
+def limits(**kw):
+    from router_runtime.proxy.serving import ServerLimits
+
+    return ServerLimits(**{**FAST, **kw})
+
+
+async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
+    """Everything the server sends until it closes the connection (fails past ``seconds``)."""
+    async with asyncio.timeout(seconds):
+        return await reader.read()
+
+
+async def test_a_head_sent_a_byte_at_a_time_is_cut_while_normal_clients_are_served(tmp_path):
+    async with router_over_engine(tmp_path, server=limits()) as (engine, router, url, s):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nX-Slow: ".encode() + b"a" * 100
+        t0 = asyncio.get_running_loop().time()
+
+        async def trickle():
+            for b in head:
+                writer.write(bytes([b]))
+                await asyncio.sleep(0.05)  # 20 bytes/s: the head would take 5 s
+
+        task = asyncio.create_task(trickle())
+        await assert_healthy(router, url, s, engine)  # served meanwhile
+        with contextlib.suppress(ConnectionError):
+            assert await closed_within(reader, 3) == b""
+        took = asyncio.get_running_loop().time() - t0
+        task.cancel()
+        writer.close()
+        assert 0.9 < took < 2.5, took
+
+
+async def test_an_idle_keep_alive_connection_is_closed_and_a_busy_one_is_not(tmp_path):
+    async with router_over_engine(tmp_path, server=limits()) as (_engine, _router, url, _s):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = json.dumps(PROMPT).encode()
+        request = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+        for _ in range(3):  # requests 1 s apart keep it open (each resets the idle clock)
+            writer.write(request)
+            line = await asyncio.wait_for(reader.readline(), 5)
+            assert line.startswith(b"HTTP/1.1 200"), line
+            await asyncio.sleep(1.0)
+            await reader.read(1 << 16)
+        t0 = asyncio.get_running_loop().time()
+        rest = await closed_within(reader, 4)
+        took = asyncio.get_running_loop().time() - t0
+        writer.close()
+        assert b"HTTP/1.1" not in rest and took < 2.5, (rest[:80], took)
+
+
+async def test_a_body_shorter_than_its_content_length_gets_408_in_its_budget(tmp_path):
+    async with router_over_engine(tmp_path, server=limits()) as (engine, router, url, s):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            'Content-Length: 1000\r\n\r\n{"prompt": '.encode()
+        )
+        answer = await closed_within(reader, 5)  # 1 s base + 1000 B at 64 KiB/s, then 2 s lingering
+        writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        await assert_healthy(router, url, s, engine)
+
+
+async def test_past_the_connection_cap_a_new_connection_gets_503_and_the_rest_are_served(tmp_path):
+    async with router_over_engine(tmp_path, server=limits(idle_timeout_s=30)) as (engine, router, url, s):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        idle = [await asyncio.open_connection(host, int(port)) for _ in range(4)]
+        await asyncio.sleep(0.1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        answer = await closed_within(reader, 3)
+        writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), answer[:200]
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        for _r, w in idle:
+            w.close()
+        await asyncio.sleep(0.2)
+        await assert_healthy(router, url, s, engine)  # room again

@@ -163,3 +163,24 @@ async def test_the_router_process_serves_requests():
         assert proc.returncode == 0, stderr.decode()[-2000:]
         log = stderr.decode()
         assert "policy kv_aware" in log and "hello" not in log  # never log prompts
+
+
+def test_client_connection_flags_reach_the_server_limits():
+    from router_runtime.config import parse_args
+    from router_runtime.proxy.serving import ServerLimits
+
+    base = ["--worker", "url=http://127.0.0.1:1"]
+    assert parse_args(base).server == ServerLimits()
+    c = parse_args(
+        [
+            *base,
+            "--client-header-timeout-ms=2500",
+            "--client-idle-timeout-ms=7000",
+            "--client-body-base-timeout-ms=3000",
+            "--client-body-min-rate=1024",
+            "--max-connections=9",
+        ]
+    )
+    assert c.server == ServerLimits(2.5, 7.0, 9, 1024, 3.0)
+    assert c.server.body_timeout_s(2048, 1 << 20) == 5.0
+    assert c.server.body_timeout_s(None, 4096) == 7.0  # chunked: as long as the largest allowed body

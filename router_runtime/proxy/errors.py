@@ -20,8 +20,10 @@ class ProxyError(Exception):
         param: str | None = None,
         code: str | None = None,
         outcome: str = "invalid",
+        close: bool = False,
     ) -> None:
         super().__init__(message)
+        self.close = close  # the connection cannot carry another request (a body left half-read)
         self.status = status
         self.message = message
         self.type = type_
@@ -33,12 +35,15 @@ class ProxyError(Exception):
         return error_json(self.message, type_=self.type, param=self.param, code=self.code)
 
     def response(self, headers: dict[str, str] | None = None) -> web.Response:
-        return web.Response(
+        resp = web.Response(
             status=self.status,
             body=json.dumps(self.to_json()).encode(),
             content_type="application/json",
             headers=headers,
         )
+        if self.close:
+            resp.force_close()
+        return resp
 
 
 def error_json(
@@ -53,6 +58,12 @@ def bad_request(message: str, param: str | None = None) -> ProxyError:
 
 def too_large(limit: int) -> ProxyError:
     return ProxyError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+
+
+def slow_body(budget_s: float) -> ProxyError:
+    return ProxyError(
+        408, f"the request body did not arrive within {budget_s:.0f}s", code="request_timeout", close=True
+    )
 
 
 def unsupported_encoding(encoding: str, supported: frozenset[str]) -> ProxyError:

@@ -47,6 +47,7 @@ from .errors import (
     bad_request,
     gateway_timeout,
     no_engine,
+    slow_body,
     too_large,
     unsupported_encoding,
 )
@@ -55,6 +56,7 @@ from .health import HealthBoard
 from .load import LoadTracker
 from .metrics import ProxyMetrics
 from .request import Kind, ParsedRequest, parse_json, parse_request
+from .serving import ServerLimits
 from .targets import TargetBook
 
 log = logging.getLogger(__name__)
@@ -111,8 +113,10 @@ class Proxy:
         models_timeout_s: float = 10.0,
         sessions: SessionAffinity | None = None,
         loads: Mapping[Target, float] | None = None,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.policy = policy
+        self.limits = limits or ServerLimits()
         self.tokenizer = tokenizer
         self.targets = targets
         self.health = health
@@ -243,9 +247,13 @@ class Proxy:
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding not in DECODED_ENCODINGS:
             raise unsupported_encoding(encoding, DECODED_ENCODINGS)
+        budget = self.limits.body_timeout_s(length, self.max_body_bytes)
         try:
             # aiohttp inflates gzip and deflate, capped at the same size as a plain body
-            return await request.read()
+            async with asyncio.timeout(budget):
+                return await request.read()
+        except TimeoutError:  # a body slower than the floor rate, or shorter than its Content-Length
+            raise slow_body(budget) from None
         except web.HTTPRequestEntityTooLarge:
             raise too_large(self.max_body_bytes) from None
         except RequestPayloadError:  # a body that does not decode as its Content-Encoding says
