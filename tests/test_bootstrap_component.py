@@ -8,6 +8,7 @@ import contextlib
 import random
 from dataclasses import dataclass
 
+import aiohttp
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -206,7 +207,7 @@ async def test_a_refused_snapshot_leaves_the_index_untouched_and_the_rank_cold(c
             assert b.boot.verdict is Verdict.TIMED_OUT and b.boot.seed_failed
             # Another block size: the peer is foreign, and with no store of its own to judge by the
             # replica cannot tell which side is wrong, so it stays a failed seed (never fleet_cold).
-            outcome = "unreachable" if case == "wrong_token" else "foreign"
+            outcome = "rejected" if case == "wrong_token" else "foreign"
             assert (
                 b.registry.get_sample_value(
                     "routerfleet_bootstrap_snapshot_fetches_total", {"outcome": outcome}
@@ -214,7 +215,7 @@ async def test_a_refused_snapshot_leaves_the_index_untouched_and_the_rank_cold(c
                 > 0
             )
             cause = b.boot.report()["cause"]
-            code, text = ("PeerUnreachable", "401") if case == "wrong_token" else ("PeerRefused", "block")
+            code, text = ("PeerRefused", "HTTP 401") if case == "wrong_token" else ("PeerRefused", "block")
             assert cause["code"] == code and text in cause["message"], cause
 
 
@@ -368,3 +369,63 @@ async def test_a_gap_or_restart_while_holding_abandons_the_rank(event):
         # Nothing from before the doubt survives; only what came after it.
         before = prompts(1, 3)
         assert all(b.plane.index.match(p) == {} for p in before)
+
+
+async def test_a_peer_set_that_only_answers_errors_resolves_in_a_few_sweeps_not_at_the_timeout():
+    async def broken(_req):
+        return web.Response(status=500, text="boom")
+
+    app = web.Application()
+    app.router.add_get("/internal/kv_snapshot", broken)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with run_fake_engine(block_size=BS) as e1, replica("b", [e1], peers=[url], timeout_s=60) as b:
+            await eventually(lambda: b.boot.settled, timeout=10, what="settled long before the 60 s timeout")
+            report = b.boot.report()
+            assert report["verdict"] == "timed_out" and report["seedFailed"], report
+            assert report["cause"]["code"] == "PeerRefused" and "HTTP 500" in report["cause"]["message"]
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_graft_whose_cursor_is_beyond_the_stream_turns_cold_at_the_next_batch_not_frozen():
+    """A peer's snapshot claiming cursor 2^63-1: every live batch would be dropped as already in the
+    graft, freezing the rank while it reports warm. The first batch far below the cursor disproves it."""
+    from router_runtime.bootstrap.wire import Limits, decode, encode
+
+    async with run_fake_engine(block_size=BS) as e1, replica("a", [e1], peers=[]) as a:
+        await connected(a)
+        load([e1], prompts(1, 30), seed=1)
+        await caught_up(a, [e1])
+        await eventually(lambda: a.boot.settled, what="a settled")
+        async with aiohttp.ClientSession() as http:
+            headers = {"Authorization": f"Bearer {TOKEN}"}
+            async with http.get(a.url + "/internal/kv_snapshot", headers=headers) as r:
+                assert r.status == 200
+                snap = decode(await r.read(), Limits())
+        snap.cursors = [(w, (1 << 63) - 1) for w, _seq in snap.cursors]
+        forged = encode(snap)
+
+        async def hostile(_req):
+            return web.Response(body=forged, content_type="application/x-msgpack")
+
+        app = web.Application()
+        app.router.add_get("/internal/kv_snapshot", hostile)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with replica("b", [e1], peers=[url], timeout_s=30, max_unknown_probes=1) as b:
+                await eventually(lambda: b.boot.settled, timeout=10, what="b settled on the forged graft")
+                load([e1], prompts(2, 5), seed=2)  # live batches, far below the forged cursor
+                await eventually(
+                    lambda: b.boot.report()["ranks"][0]["outcome"] == "gap", what="cursor disproved"
+                )
+                await caught_up(b, [e1])  # and the rank runs live again: not frozen
+        finally:
+            await runner.cleanup()

@@ -80,8 +80,8 @@ class SnapshotFetcher:
         status, body, encoding = await self._get(peer, params, gzip_ok=True)
         if status == 404:  # no index there, or an older image: as good as cold
             raise FetchFailed(SnapshotOutcome.COLD_PEER, "404")
-        if status != 200:
-            raise FetchFailed(SnapshotOutcome.UNREACHABLE, f"HTTP {status}")
+        if status != 200:  # it answered, and not with a snapshot: a refusal (a wrong token, a broken peer)
+            raise FetchFailed(SnapshotOutcome.REJECTED, f"HTTP {status}")
         # Inflating and decoding run off the event loop (a large or hostile body must not stall it).
         # The failure is raised outside the except block and after dropping the body: a raise inside
         # it would chain the WireError, whose traceback holds the inflated buffer, to the FetchFailed

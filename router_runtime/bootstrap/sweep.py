@@ -80,6 +80,9 @@ class BootstrapConfig:
     retry_interval_s: float = 1.0  # between sweeps while peers are unsynced, unreachable or refused
     probe_interval_s: float = 2.0  # silence before asking peers whether the watermark was passed
     max_unknown_probes: int = 3
+    # Sweeps in a row in which every peer answered and every answer was refused (HTTP errors, corrupt
+    # or malformed snapshots): the seed has failed, say so now rather than at the timeout.
+    max_refused_sweeps: int = 5
     graft_chunk: int = 4096
     # Origin: rebuild a rank from the engine's own replay buffer when it still reaches sequence 0.
     origin: bool = True
@@ -378,6 +381,7 @@ class Bootstrapper:
             await asyncio.wait(origins, timeout=max(0.0, deadline - self._clock()))
             if not self._pending(batch):
                 await self._sessions_only(deadline)  # every rank exact: only the session table is missing
+        refused_sweeps = 0
         while True:
             self._settle_misfits(self._pending(batch))  # our own stream's evidence before any peer's
             live = self._pending(batch)
@@ -389,6 +393,9 @@ class Bootstrapper:
             if not self.peers.synced:
                 await asyncio.sleep(min(cfg.retry_interval_s, deadline - now))
                 continue
+            if refused_sweeps >= cfg.max_refused_sweeps:
+                log.warning("bootstrap: every peer refused %d sweeps in a row; giving up", refused_sweeps)
+                return self._give_up(live, SweepResult.TIMED_OUT)
             candidates = self.peers.candidates(self._rng)
             if not candidates:
                 if self.peers.ever_had_peers:  # a dip to empty after siblings were seen is transient
@@ -433,6 +440,9 @@ class Bootstrapper:
                 await self._graft(vetted, self._pending(live))
                 self._inherit_sessions(wire)
                 return
+            refused_sweeps = (
+                refused_sweeps + 1 if outcomes and set(outcomes) == {SnapshotOutcome.REJECTED} else 0
+            )
             if outcomes and all(o in (SnapshotOutcome.COLD_PEER, SnapshotOutcome.FOREIGN) for o in outcomes):
                 # A foreign peer (another block size or key scheme) holds nothing we can use, but
                 # which side is misconfigured only our own streams can tell: give up once they do

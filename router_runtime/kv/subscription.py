@@ -60,6 +60,10 @@ class Fill(enum.Enum):
 
 
 RECENT_HASHES = 4096  # applied batches whose payload hash a rank remembers (about 100 KiB)
+# After a graft, batches at or below its cursor are already in it, but only the few a sibling can be
+# ahead of our own stream (published between our subscribe and its export). A batch further below
+# disproves the cursor (a hostile or broken peer, or a publisher that restarted): the rank goes cold.
+SPLICE_MAX_LEAD = 65_536
 
 
 def payload_hash(payload: bytes) -> int:
@@ -238,7 +242,7 @@ class RankSubscription:
             return
         wm = self.splice_watermark
         if wm is not None:
-            if seq <= wm:
+            if seq <= wm and wm - seq <= SPLICE_MAX_LEAD:
                 return  # the graft already reflects it; re-applying an old store could undo a removal
             self.splice_watermark = None
             if self.on_splice is not None:
