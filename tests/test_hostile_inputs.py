@@ -27,15 +27,17 @@ PROMPT = {"prompt": "the quick brown fox", "max_tokens": 3}
 
 
 @contextlib.asynccontextmanager
-async def router_over_engine(tmp_path, **config):
+async def router_over_engine(tmp_path, *, kv: bool = False, **config):
+    """A router over one fake engine (``kv``: subscribed to its KV events too)."""
     token = tmp_path / "token"
     token.write_text(TOKEN)
     async with run_fake_engine(block_size=BS) as engine:
+        events = {"kv": engine.kv_endpoint(0), "replay": engine.replay_endpoint(0)} if kv else {}
         cfg = RouterConfig(
             port=0,
             internal_port=0,
             internal_token_file=str(token),
-            workers=(WorkerSpec(engine.http_url, engine.http_url),),
+            workers=(WorkerSpec(engine.http_url, engine.http_url, **events),),
             block_size=BS,
             health_interval_s=0,
             breaker_failures=2,
@@ -308,3 +310,91 @@ async def test_past_the_connection_cap_a_new_connection_gets_503_and_the_rest_ar
             w.close()
         await asyncio.sleep(0.2)
         await assert_healthy(router, url, s, engine)  # room again
+
+
+# ---- hostile peers: a router bootstrapping from them stays healthy, small and cold ------------------
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def _zeros_gzip(mib: int) -> bytes:
+    c = zlib.compressobj(9, zlib.DEFLATED, 31)
+    zero = bytes(1 << 20)
+    return b"".join([*(c.compress(zero) for _ in range(mib)), c.flush()])
+
+
+def _absurd_counts() -> bytes:
+    """A well-formed envelope whose body claims 80M carrier entries and a million records, with none of
+    the bytes to back them (its checksum is right: only the claims are hostile)."""
+    import msgpack
+    import xxhash
+
+    body = msgpack.packb(
+        {
+            "format": 1,
+            "producer": {"id": "p", "incarnation": "i"},
+            "hashing": {"block_size": BS, "scheme": "x"},
+            "producer_ready": True,
+            "workers": [["e", 0, "i"]],
+            "cursors": [[0, 5]],
+            "records": 20_000_000,  # the limit, claimed
+            "parent": b"",
+            "key": b"",
+            "ncar": b"\xff\xff" * 1000,
+        }
+    )
+    return msgpack.packb({"format": 1, "body": body, "checksum": xxhash.xxh3_128_digest(body)})
+
+
+HOSTILE_PEERS = {
+    "gzip bomb (1 GiB of zeros)": (_zeros_gzip(1024), {"Content-Encoding": "gzip"}),
+    "absurd counts": (_absurd_counts(), {}),
+    "garbage": (b"\xc1" * 4096, {}),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_PEERS)
+async def test_a_hostile_peer_leaves_the_router_healthy_small_and_cold(tmp_path, case):
+    from aiohttp import web
+
+    body, headers = HOSTILE_PEERS[case]
+    served = 0
+
+    async def hostile(_req):
+        nonlocal served
+        served += 1
+        return web.Response(body=body, headers={"Content-Type": "application/x-msgpack", **headers})
+
+    app = web.Application()
+    app.router.add_get("/internal/kv_snapshot", hostile)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    peer = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    rss0 = _rss()
+    worst_healthz, rss_max = 0.0, rss0
+    try:
+        # origin off: a young engine's replay would rebuild the rank without asking any peer
+        cfg = {"kv_peers": (peer,), "bootstrap_timeout_s": 30, "bootstrap_origin": False}
+        async with router_over_engine(tmp_path, kv=True, **cfg) as (engine, router, url, s):
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            while served < 3 or not router.bootstrap.settled:  # several refused sweeps, then settled
+                assert loop.time() - start < 20, "never settled"
+                t0 = loop.time()
+                async with s.get(url + "/healthz") as r:
+                    assert r.status == 200
+                worst_healthz = max(worst_healthz, loop.time() - t0)
+                rss_max = max(rss_max, _rss())
+                await asyncio.sleep(0.01)
+            report = router.bootstrap.report()
+            assert report["verdict"] == "timed_out" and report["cause"]["code"] == "PeerRefused", report
+            assert router.kv.index.node_count() == 0
+            await assert_healthy(router, url, s, engine)
+    finally:
+        await runner.cleanup()
+    assert rss_max - rss0 < 100 << 20, (rss_max - rss0) >> 20
+    assert worst_healthz < 0.05, worst_healthz

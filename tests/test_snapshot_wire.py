@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import gzip
 import random
+import tracemalloc
+import zlib
 
 import msgpack
 import pytest
@@ -142,6 +144,37 @@ def test_a_compression_bomb_costs_only_the_limit():
     with pytest.raises(WireError) as err:
         inflate(bomb, Limits(max_bytes=1 << 20))
     assert err.value.kind == "too_large"
+
+
+def zeros_bomb(mib: int) -> bytes:
+    """``mib`` MiB of zeros, gzipped in constant memory (about 1 KiB per MiB)."""
+    c = zlib.compressobj(9, zlib.DEFLATED, 31)
+    zero = bytes(1 << 20)
+    return b"".join([*(c.compress(zero) for _ in range(mib)), c.flush()])
+
+
+def test_a_compression_bomb_is_refused_by_its_ratio_long_before_the_size_limit():
+    """Under the production limit (1 GiB inflated), a 1 GiB bomb costs a few MiB: a snapshot inflates
+    about 2.8x, so more than MAX_INFLATE_RATIO times what was read is refused as it happens."""
+    bomb = zeros_bomb(1024)
+    tracemalloc.start()
+    try:
+        with pytest.raises(WireError) as err:
+            inflate(bomb, Limits())
+        _now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert err.value.kind == "too_large" and "32x" in str(err.value)
+    assert peak < 16 << 20, peak
+
+
+def test_a_large_honest_body_inflates_whole_across_many_steps():
+    # 19 MiB that compress about 3x, like a snapshot: many 1 MiB input and 4 MiB output steps
+    rng = random.Random(5)
+    body = b"".join(rng.randbytes(1 << 16) + bytes(2 << 16) for _ in range(100))
+    packed = gzip.compress(body, compresslevel=1)
+    assert len(packed) > 4 << 20
+    assert inflate(packed, Limits()) == body
 
 
 def test_corruption_and_truncation_are_refused():
