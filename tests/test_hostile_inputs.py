@@ -40,8 +40,7 @@ async def router_over_engine(tmp_path, *, kv: bool = False, **config):
             workers=(WorkerSpec(engine.http_url, engine.http_url, **events),),
             block_size=BS,
             health_interval_s=0,
-            breaker_failures=2,
-            **config,
+            **{"breaker_failures": 2, **config},
         )
         async with (
             run_router(cfg) as (router, url),
@@ -398,3 +397,50 @@ async def test_a_hostile_peer_leaves_the_router_healthy_small_and_cold(tmp_path,
         await runner.cleanup()
     assert rss_max - rss0 < 100 << 20, (rss_max - rss0) >> 20
     assert worst_healthz < 0.05, worst_healthz
+
+
+# ---- no sequence of client requests opens a breaker -------------------------------------------------
+
+
+async def _one_hostile_request(rng, url, s, host, port) -> None:
+    """One request a client without credentials can send, drawn at random."""
+    kind = rng.randrange(7)
+    if kind == 0:
+        _name, body, headers, _status, _code = rng.choice(CASES)
+        async with s.post(url + "/v1/completions", data=body, headers=headers) as r:
+            await r.read()
+    elif kind == 1:
+        await send_raw(host, port, rng.choice(framing_attacks(host)))
+    elif kind == 2:  # the engine refuses these itself (400): its answer, not its health
+        bad = rng.choice([{"max_tokens": 10**30}, {"max_tokens": -1}, {"prompt": [1] * 200_000}])
+        async with s.post(url + "/v1/completions", json={**PROMPT, **bad}) as r:
+            await r.read()
+    elif kind == 3:  # a stream the client drops half-way
+        async with s.post(url + "/v1/completions", json={**PROMPT, "max_tokens": 500, "stream": True}) as r:
+            await r.content.readany()
+    elif kind == 4:
+        path = rng.choice(["/v1/nothing", "/internal/kv_snapshot", "/../etc/passwd", "/v1/completions/x"])
+        async with s.get(url + path) as r:
+            await r.read()
+    elif kind == 5:  # a chat request with a shape the engine may refuse
+        msgs = rng.choice([[{"role": "user"}], [{"role": 7, "content": "x"}], "text", [{"content": None}]])
+        async with s.post(url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}) as r:
+            await r.read()
+    else:
+        async with s.post(url + "/v1/completions", json=PROMPT) as r:
+            await r.read()
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_no_sequence_of_client_requests_opens_a_breaker(tmp_path, seed):
+    """A breaker that opens on one failure, and random sequences of every hostile or careless request
+    in this file: the engine's breaker stays closed and the router ready after each one."""
+    import random
+
+    rng = random.Random(seed)
+    async with router_over_engine(tmp_path, breaker_failures=1) as (engine, router, url, s):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        for i in range(40):
+            await _one_hostile_request(rng, url, s, host, int(port))
+            assert router.health.state(engine.http_url) is BreakerState.CLOSED, i
+        await assert_healthy(router, url, s, engine)
