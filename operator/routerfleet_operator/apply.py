@@ -296,6 +296,24 @@ async def _reconcile(
     return next_delay(decision), ("ok" if fleet is not None else "invalid")
 
 
+async def release_foreign(kube: Kube, obj: Mapping[str, Any]) -> list[str]:
+    """A deleted fleet's Role and RoleBinding in the engines' namespace, when that is another one: an
+    ownerReference cannot cross namespaces, so the garbage collector never removes them. Idempotent
+    (gone is fine); returns what it deleted, as namespace/kind/name."""
+    try:
+        fleet = Fleet.parse(obj)
+    except SpecError:
+        return []
+    if fleet.engines_namespace == fleet.namespace:
+        return []  # owned: the garbage collector removes them with the fleet
+    n = names(fleet)
+    deleted = []
+    for kind, name in (("RoleBinding", n.role_binding), ("Role", n.role)):
+        if await kube.delete(kind, fleet.engines_namespace, name):
+            deleted.append(f"{fleet.engines_namespace}/{kind}/{name}")
+    return deleted
+
+
 def _observe(
     metrics: OperatorMetrics,
     namespace: str,

@@ -6,6 +6,9 @@
   operator restart, and stops it on deletion or when a higher-priority peer takes over): runs
   ``apply.reconcile`` then sleeps until a kick or the decided requeue delay: about 2 s while a rollout
   is not Complete, 60 s once it is. One task per fleet, so reconciles of a fleet never overlap.
+- ``fleet_deleted`` (kopf's deletion handler, behind its finalizer): deletes the fleet's Role and
+  RoleBinding in the engines' namespace when that is another one (an ownerReference cannot cross
+  namespaces, so the garbage collector never would).
 - ``fleet_changed`` (any watch event of a RouterFleet: spec, annotations such as the retry, the scale
   subresource) and ``pod_changed`` (any pod labelled ``routerfleet.io/fleet``: created, Running,
   Ready, deleted) kick the fleet's loop.
@@ -25,7 +28,7 @@ from typing import Any
 
 import kopf
 
-from .apply import reconcile
+from .apply import reconcile, release_foreign
 from .kube import Kube
 from .model import GROUP, LABEL_FLEET, PLURAL, VERSION
 from .render import OperatorRef
@@ -80,6 +83,17 @@ def fleet_changed(namespace: str, name: str, **_: Any) -> None:
 @kopf.on.event("", "v1", "pods", labels={LABEL_FLEET: kopf.PRESENT})
 def pod_changed(namespace: str, labels: dict[str, str], **_: Any) -> None:
     kick(namespace, labels.get(LABEL_FLEET))
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL)
+async def fleet_deleted(body: Any, logger: logging.Logger, **_: Any) -> None:
+    """What the garbage collector cannot remove: RBAC in the engines' namespace when it is another one.
+    kopf holds the fleet's deletion (its finalizer) until this succeeds, retrying on failure."""
+    global _kube
+    if _kube is None:
+        _kube = Kube()
+    for what in await release_foreign(_kube, body):
+        logger.info("deleted %s", what)
 
 
 async def _until(stopped: Any) -> None:

@@ -573,3 +573,46 @@ def test_a_config_mismatch_and_missing_engines_say_so(cluster, namespace, crd, o
     took = time.monotonic() - t_blind
     print(f"[mismatch] rf-blind stalled after {took:.1f}s; kubectl describe rf rf-blind:")
     print(describe(cluster, ns, "rf-blind"))
+
+
+# ------------------------------------------------------------------ engines in another namespace
+
+
+def test_deleting_a_fleet_removes_its_rbac_in_the_engines_namespace(cluster, namespace, crd, operator):
+    """Engines in another namespace (bootstrap off, as the CRD requires): the Role and RoleBinding the
+    operator puts there cannot be owned across namespaces, so the operator deletes them itself (a kopf
+    deletion handler, behind its finalizer) when the fleet goes."""
+    ns = namespace
+    engines_ns = f"{ns[:50]}-engines"
+    labels = {"routerfleet.e2e/test": "true"}
+    cluster.core.create_namespace({"metadata": {"name": engines_ns, "labels": labels}})
+    try:
+        m = fleet_manifest(cluster, ns, replicas=1)
+        m["spec"]["engines"]["namespace"] = engines_ns
+        m["spec"]["bootstrap"] = {"enabled": False}
+        crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, m)
+
+        def rbac_names():
+            roles = {r.metadata.name for r in cluster.rbac.list_namespaced_role(engines_ns).items}
+            bindings = {b.metadata.name for b in cluster.rbac.list_namespaced_role_binding(engines_ns).items}
+            return roles, bindings
+
+        roles, bindings = cluster.wait_for(
+            "the Role and RoleBinding in the engines' namespace",
+            lambda: rbac_names() if all(rbac_names()) else None,
+            60,
+        )
+        assert len(roles) == 1 and len(bindings) == 1, (roles, bindings)
+        crd.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, FLEET)
+
+        def gone():
+            try:
+                crd.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, FLEET)
+                return None
+            except Exception as e:  # 404 once kopf's finalizer is off
+                return getattr(e, "status", None) == 404 or None
+
+        cluster.wait_for("the fleet deleted", gone, 60)
+        assert rbac_names() == (set(), set())
+    finally:
+        cluster.core.delete_namespace(engines_ns)
