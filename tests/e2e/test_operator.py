@@ -524,6 +524,7 @@ def operator_docs(cluster, ns: str) -> tuple[list[dict], list[dict]]:
             "clusterrole.yaml",
             "peering.yaml",
             "deployment.yaml",
+            "service.yaml",
         )
         for d in yaml.safe_load_all((OPERATOR_MANIFESTS / f).read_text())
         if d
@@ -537,7 +538,7 @@ def operator_docs(cluster, ns: str) -> tuple[list[dict], list[dict]]:
             d["spec"]["template"]["spec"]["containers"][0]["image"] = getattr(
                 cluster.provider, "image", "routerfleet:dev"
             )
-        if d["kind"] in ("ServiceAccount", "Deployment"):
+        if d["kind"] in ("ServiceAccount", "Deployment", "Service"):
             d["metadata"]["namespace"] = ns
             namespaced.append(d)
         else:
@@ -605,6 +606,14 @@ def test_two_operator_replicas_in_cluster(cluster, namespace, crd):
         assert "ReplicaSeeded" in cluster.container_log(ns, active, "operator")
         assert "ReplicaSeeded" not in cluster.container_log(ns, paused, "operator")
         print(f"[ha] fleet Ready under the active replica ({time.monotonic() - t0:.1f}s)")
+        # the metrics Service selects both replicas; the active one counts its reconciles
+        slices = cluster.disc.list_namespaced_endpoint_slice(
+            ns, label_selector="kubernetes.io/service-name=routerfleet-operator-metrics"
+        ).items
+        assert sum(len(s.endpoints or []) for s in slices) == 2, slices
+        by_name = {o.metadata.name: o for o in ops}
+        samples = aio(metrics, f"http://{by_name[active].status.pod_ip}:9090")
+        assert samples.get('routerfleet_operator_reconciles_total{result="ok"}', 0) > 0, samples
 
         # the active replica goes: another one (the survivor or the Deployment's new pod) takes over
         cluster.core.delete_namespaced_pod(active, ns)
