@@ -1,10 +1,14 @@
-"""Shared test helpers: wait on conditions (never fixed sleeps), and join a publisher's stream."""
+"""Shared test helpers: wait on conditions (never fixed sleeps), join a publisher's stream, and stand
+up a peer that answers /internal/kv_snapshot as a test wants."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
 
 from router_runtime.fake_engine.publisher import KvPublisher
 from router_runtime.kv.subscription import RankSubscription
@@ -32,3 +36,18 @@ async def join_stream(publisher: KvPublisher, sub: RankSubscription, rank: int =
             raise AssertionError(f"subscription {sub.carrier} never received a batch")
         publisher.publish(rank, ())
         await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def snapshot_peer(answer: Callable[[web.Request], Awaitable[web.Response]]) -> AsyncIterator[str]:
+    """A peer on loopback whose ``/internal/kv_snapshot`` is ``answer`` (hostile, broken, forged);
+    yields its base URL."""
+    app = web.Application()
+    app.router.add_get("/internal/kv_snapshot", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

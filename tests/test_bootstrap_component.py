@@ -27,7 +27,7 @@ from router_runtime.kv.hashing import SCHEME
 from router_runtime.kv.plane import KVPlane, WorkerSpec
 from router_runtime.kv.subscription import ReplayTimeouts
 
-from .support import eventually
+from .support import eventually, snapshot_peer
 
 BS = 4
 TOKEN = "fleet-secret"
@@ -375,21 +375,15 @@ async def test_a_peer_set_that_only_answers_errors_resolves_in_a_few_sweeps_not_
     async def broken(_req):
         return web.Response(status=500, text="boom")
 
-    app = web.Application()
-    app.router.add_get("/internal/kv_snapshot", broken)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
-        async with run_fake_engine(block_size=BS) as e1, replica("b", [e1], peers=[url], timeout_s=60) as b:
-            await eventually(lambda: b.boot.settled, timeout=10, what="settled long before the 60 s timeout")
-            report = b.boot.report()
-            assert report["verdict"] == "timed_out" and report["seedFailed"], report
-            assert report["cause"]["code"] == "PeerRefused" and "HTTP 500" in report["cause"]["message"]
-    finally:
-        await runner.cleanup()
+    async with (
+        snapshot_peer(broken) as url,
+        run_fake_engine(block_size=BS) as e1,
+        replica("b", [e1], peers=[url], timeout_s=60) as b,
+    ):
+        await eventually(lambda: b.boot.settled, timeout=10, what="settled long before the 60 s timeout")
+        report = b.boot.report()
+        assert report["verdict"] == "timed_out" and report["seedFailed"], report
+        assert report["cause"]["code"] == "PeerRefused" and "HTTP 500" in report["cause"]["message"]
 
 
 async def test_a_graft_whose_cursor_is_beyond_the_stream_turns_cold_at_the_next_batch_not_frozen():
@@ -413,19 +407,11 @@ async def test_a_graft_whose_cursor_is_beyond_the_stream_turns_cold_at_the_next_
         async def hostile(_req):
             return web.Response(body=forged, content_type="application/x-msgpack")
 
-        app = web.Application()
-        app.router.add_get("/internal/kv_snapshot", hostile)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        try:
-            async with replica("b", [e1], peers=[url], timeout_s=30, max_unknown_probes=1) as b:
-                await eventually(lambda: b.boot.settled, timeout=10, what="b settled on the forged graft")
-                load([e1], prompts(2, 5), seed=2)  # live batches, far below the forged cursor
-                await eventually(
-                    lambda: b.boot.report()["ranks"][0]["outcome"] == "gap", what="cursor disproved"
-                )
-                await caught_up(b, [e1])  # and the rank runs live again: not frozen
-        finally:
-            await runner.cleanup()
+        async with (
+            snapshot_peer(hostile) as url,
+            replica("b", [e1], peers=[url], timeout_s=30, max_unknown_probes=1) as b,
+        ):
+            await eventually(lambda: b.boot.settled, timeout=10, what="b settled on the forged graft")
+            load([e1], prompts(2, 5), seed=2)  # live batches, far below the forged cursor
+            await eventually(lambda: b.boot.report()["ranks"][0]["outcome"] == "gap", what="cursor disproved")
+            await caught_up(b, [e1])  # and the rank runs live again: not frozen

@@ -21,6 +21,8 @@ from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.kv.plane import WorkerSpec
 from router_runtime.proxy.health import BreakerState
 
+from .support import snapshot_peer
+
 BS = 4
 TOKEN = "hostile-s3cret"
 PROMPT = {"prompt": "the quick brown fox", "max_tokens": 3}
@@ -201,20 +203,14 @@ async def test_a_peer_cursor_that_is_not_a_bounded_integer_is_a_rejected_answer(
     async def answer(_req):
         return web.Response(text=body, content_type="application/json")
 
-    app = web.Application()
-    app.router.add_get("/internal/kv_snapshot", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     fetcher = SnapshotFetcher(TOKEN)
-    try:
-        with pytest.raises(FetchFailed) as failed:
-            await fetcher.cursors(Peer(url, url))
-        assert failed.value.outcome is SnapshotOutcome.REJECTED
-    finally:
-        await fetcher.close()
-        await runner.cleanup()
+    async with snapshot_peer(answer) as url:
+        try:
+            with pytest.raises(FetchFailed) as failed:
+                await fetcher.cursors(Peer(url, url))
+            assert failed.value.outcome is SnapshotOutcome.REJECTED
+        finally:
+            await fetcher.close()
 
 
 # ---- slow and idle clients (proxy/serving.py) -------------------------------------------------------
@@ -367,15 +363,9 @@ async def test_a_hostile_peer_leaves_the_router_healthy_small_and_cold(tmp_path,
         served += 1
         return web.Response(body=body, headers={"Content-Type": "application/x-msgpack", **headers})
 
-    app = web.Application()
-    app.router.add_get("/internal/kv_snapshot", hostile)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    peer = f"http://127.0.0.1:{runner.addresses[0][1]}"
     rss0 = _rss()
     worst_healthz, rss_max = 0.0, rss0
-    try:
+    async with snapshot_peer(hostile) as peer:
         # origin off: a young engine's replay would rebuild the rank without asking any peer
         cfg = {"kv_peers": (peer,), "bootstrap_timeout_s": 30, "bootstrap_origin": False}
         async with router_over_engine(tmp_path, kv=True, **cfg) as (engine, router, url, s):
@@ -393,8 +383,6 @@ async def test_a_hostile_peer_leaves_the_router_healthy_small_and_cold(tmp_path,
             assert report["verdict"] == "timed_out" and report["cause"]["code"] == "PeerRefused", report
             assert router.kv.index.node_count() == 0
             await assert_healthy(router, url, s, engine)
-    finally:
-        await runner.cleanup()
     assert rss_max - rss0 < 100 << 20, (rss_max - rss0) >> 20
     assert worst_healthz < 0.05, worst_healthz
 
