@@ -24,7 +24,7 @@ from .bootstrap.http import internal_app, read_token
 from .bootstrap.metrics import BootstrapMetrics
 from .bootstrap.peers import Peer, PeerRegistry
 from .bootstrap.producer import SnapshotProducer
-from .bootstrap.state import Cause, CauseCode
+from .bootstrap.state import Cause, CauseCode, RankState
 from .bootstrap.sweep import BootstrapConfig, Bootstrapper
 from .bootstrap.vetting import HashingConfig
 from .config import RouterConfig
@@ -36,7 +36,7 @@ from .fleet.gossip import GossipConfig, LoadGossip, PeerReport, ReportOutcome
 from .fleet.metrics import FleetMetrics
 from .fleet.view import Bounds, EngineSample
 from .kv.hashing import SCHEME, hash_set_digest
-from .kv.index import TIER_ORDER
+from .kv.index import TIER_ORDER, Carrier
 from .kv.plane import KVPlane, WorkerSpec
 from .kv.subscription import ReplayTimeouts
 from .proxy import log_redaction
@@ -131,6 +131,7 @@ class Router:
             sessions=self.sessions,
             loads=self.fleet.view,
             limits=config.server,
+            doubt_fn=self.doubtful,
         )
         self.checker = HealthChecker(
             self.health,
@@ -325,6 +326,12 @@ class Router:
                 remove(t)
         self.metrics.forget_engines({s.engine for s in specs} | set(self.load.engines()))
         self.fleet.forget_engines({s.engine for s in specs})
+
+    def doubtful(self, carrier: Carrier) -> bool:
+        """A prediction for this rank is made in a known-doubtful state (the prediction audit labels it):
+        its bootstrap is not settled (holding, or proving a graft's watermark), or the KV plane says so."""
+        boot = self.bootstrap.ranks.get(carrier)
+        return (boot is not None and boot.state is not RankState.SETTLED) or self.kv.doubtful(carrier)
 
     def blocker(self) -> Cause | None:
         """What keeps this replica from routing at all, in words that say where to look."""

@@ -238,6 +238,16 @@ class KVPlane:
     def carrier_states(self) -> dict[str, CarrierState]:
         return {e: r.state for e, r in self._records.items()}
 
+    def doubtful(self, carrier: Carrier) -> bool:
+        """Whether what the index holds for this rank is in a state allowed to lag its engine: batches
+        held (a bootstrap or a re-adoption deciding) or the engine not plainly connected. O(1)."""
+        rec = self._records.get(carrier.engine)
+        if rec is not None and rec.state is not CarrierState.OK:
+            return True
+        entry = self._subs.get(carrier)
+        hold = entry[0].hold if entry is not None else None
+        return hold is not None and hold.active
+
     def engine_unreachable(self, engine: str) -> None:
         """The engine fails health (its breaker opened): hide its carriers. Its subscriptions keep
         running, so its stream's continuity is still tracked (a gap or a restart clears the rank)."""

@@ -17,6 +17,11 @@ RANK_HEADER = "X-Data-Parallel-Rank"
 # Request Content-Encodings the server side decodes (aiohttp; br and zstd would need extra packages).
 DECODED_ENCODINGS = frozenset({"identity", "gzip", "x-gzip", "deflate"})
 ENGINE_HEADER = "X-RouterFleet-Engine"
+# Opt-in (request header "1" or "true"): the response says what the router predicted was cached on the
+# engine it chose, in tokens, and whether that prediction was made in a doubtful state (proxy/audit.py).
+DEBUG_PREDICTION_HEADER = "X-RouterFleet-Debug-Prediction"
+PREDICTED_HEADER = "X-RouterFleet-Predicted-Cached-Tokens"
+DOUBTFUL_HEADER = "X-RouterFleet-Prediction-Doubtful"
 
 HOP_BY_HOP = frozenset(
     {
@@ -34,7 +39,9 @@ HOP_BY_HOP = frozenset(
 )
 # Content-Encoding: the server side already inflated a gzip/deflate body (aiohttp decodes request
 # bodies), so the engine gets the decoded bytes, and must not be told they are still encoded.
-_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "content-encoding", RANK_HEADER.lower()}
+_REQUEST_DROP = HOP_BY_HOP | {
+    "host", "content-length", "content-encoding", RANK_HEADER.lower(), DEBUG_PREDICTION_HEADER.lower()
+}  # fmt: skip
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 
 

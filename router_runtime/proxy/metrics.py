@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from .audit import Audit, AuditOutcome, Prediction
+
 _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 5e-3, 2.5e-2)
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+_TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 _UPSTREAM_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -62,6 +65,39 @@ class ProxyMetrics:
             ["state"],
             registry=registry,
         )
+        # The prediction audit (audit.py): the router's credited prefix against the engine's report.
+        audit = ["engine", "policy", "doubtful"]
+        self.audit_requests = Counter(
+            p + "audit_requests",
+            "Routed requests by how the engine's cached tokens compared with the prediction",
+            ["engine", "policy", "outcome", "doubtful"],
+            registry=registry,
+        )
+        self.audit_predicted = Counter(
+            p + "audit_predicted_tokens", "Cached tokens predicted, on audited requests", audit,
+            registry=registry,
+        )  # fmt: skip
+        self.audit_cached = Counter(
+            p + "audit_cached_tokens", "Cached tokens the engines reported, on audited requests", audit,
+            registry=registry,
+        )  # fmt: skip
+        self.audit_false_hit = Counter(
+            p + "audit_false_hit_tokens",
+            "Tokens predicted cached that the engine did not have (the promise this router keeps)",
+            audit,
+            registry=registry,
+        )
+        self.audit_missed_hit = Counter(
+            p + "audit_missed_hit_tokens", "Tokens the engine had cached beyond the prediction", audit,
+            registry=registry,
+        )  # fmt: skip
+        self.audit_false_hit_per_request = Histogram(
+            p + "audit_false_hit_tokens_per_request",
+            "False-hit tokens of one audited request",
+            ["policy"],
+            registry=registry,
+            buckets=_TOKEN_BUCKETS,
+        )
         self.first_byte = self.upstream_seconds.labels("first_byte")
         self.total = self.upstream_seconds.labels("total")
         self._requests: dict[tuple[str, str, int], object] = {}
@@ -94,6 +130,21 @@ class ProxyMetrics:
         if child is None:
             child = self._inflight[engine] = self.inflight.labels(engine)
         child.set(n)
+
+    def audit(self, engine: str, policy: str, prediction: Prediction, audit: Audit) -> None:
+        doubtful = "true" if prediction.doubtful else "false"
+        self.audit_requests.labels(engine, policy, audit.outcome.value, doubtful).inc()
+        if audit.outcome is AuditOutcome.UNAUDITED:
+            return
+        self.audit_predicted.labels(engine, policy, doubtful).inc(prediction.tokens)
+        self.audit_cached.labels(engine, policy, doubtful).inc(
+            prediction.tokens - audit.false_hit_tokens + audit.missed_hit_tokens
+        )
+        if audit.false_hit_tokens:
+            self.audit_false_hit.labels(engine, policy, doubtful).inc(audit.false_hit_tokens)
+        if audit.missed_hit_tokens:
+            self.audit_missed_hit.labels(engine, policy, doubtful).inc(audit.missed_hit_tokens)
+        self.audit_false_hit_per_request.labels(policy).observe(audit.false_hit_tokens)
 
     def forget_engines(self, keep: set[str]) -> None:
         """Drop the inflight series of engines that left (and have nothing in flight)."""

@@ -36,11 +36,12 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from ..kv.index import RadixIndex
+from ..kv.index import Carrier, RadixIndex
 from ..routing.types import Decision, Policy, RouteRequest, Target
 from ..sessions.affinity import SessionAffinity, SessionCtx
 from ..sessions.classify import promote
 from ..tokens.tokenizer import AsyncTokenizer
+from .audit import Prediction, UsageScan, judge
 from .errors import (
     ProxyError,
     bad_gateway,
@@ -51,7 +52,16 @@ from .errors import (
     too_large,
     unsupported_encoding,
 )
-from .headers import DECODED_ENCODINGS, ENGINE_HEADER, RANK_HEADER, request_headers, response_headers
+from .headers import (
+    DEBUG_PREDICTION_HEADER,
+    DECODED_ENCODINGS,
+    DOUBTFUL_HEADER,
+    ENGINE_HEADER,
+    PREDICTED_HEADER,
+    RANK_HEADER,
+    request_headers,
+    response_headers,
+)
 from .health import HealthBoard
 from .load import LoadTracker
 from .metrics import ProxyMetrics
@@ -114,8 +124,12 @@ class Proxy:
         sessions: SessionAffinity | None = None,
         loads: Mapping[Target, float] | None = None,
         limits: ServerLimits | None = None,
+        doubt_fn: Callable[[Carrier], bool] | None = None,
     ) -> None:
         self.policy = policy
+        # Whether a carrier's index entry is in a known-doubtful state (bootstrap holding or proving a
+        # graft, an engine being re-adopted): its audited predictions are labelled so.
+        self.doubt_fn = doubt_fn
         self.limits = limits or ServerLimits()
         self.tokenizer = tokenizer
         self.targets = targets
@@ -233,7 +247,8 @@ class Proxy:
                     if e.reason == "connect_timeout":
                         raise gateway_timeout(e.message, "connect_timeout") from None
                     raise bad_gateway(e.message, "upstream_connect_failed") from None
-                return await self._relay(request, upstream, target, start, ctx)
+                prediction = self._prediction(route, decision, index)
+                return await self._relay(request, upstream, target, start, ctx, prediction)
             finally:
                 self._release(target, n_tokens)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -295,6 +310,15 @@ class Proxy:
             m.matched_ratio.observe(decision.matched_chars / decision.total_chars)
         return decision
 
+    def _prediction(
+        self, route: RouteRequest, decision: Decision, index: RadixIndex | None
+    ) -> Prediction | None:
+        """What this decision credits the chosen target with (None: the policy does not predict)."""
+        if route.tokens is None or index is None or not self.needs_tokens:
+            return None
+        doubtful = self.doubt_fn(decision.target.carrier) if self.doubt_fn is not None else False
+        return Prediction(decision.matched_blocks * index.block_size, doubtful)
+
     def _acquire(self, target: Target, tokens: int) -> None:
         self.metrics.set_inflight(target.engine, self.load.acquire(target, tokens))
 
@@ -329,7 +353,13 @@ class Proxy:
     # ---- response side -------------------------------------------------------------------------
 
     async def _relay(
-        self, request: web.Request, up: aiohttp.ClientResponse, target: Target, start: float, ctx: _Ctx
+        self,
+        request: web.Request,
+        up: aiohttp.ClientResponse,
+        target: Target,
+        start: float,
+        ctx: _Ctx,
+        prediction: Prediction | None = None,
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         done = False
@@ -348,6 +378,10 @@ class Proxy:
                 headers[sessions.config.engine_header] = sessions.engine_id(target)
                 if 200 <= status < 300 and ctx.session is not None:
                     sessions.remember(ctx.session, target)  # on the headers, before the body
+            if prediction is not None and request.headers.get(DEBUG_PREDICTION_HEADER, "") in ("1", "true"):
+                headers[PREDICTED_HEADER] = str(prediction.tokens)
+                headers[DOUBTFUL_HEADER] = "true" if prediction.doubtful else "false"
+            scan = UsageScan() if prediction is not None and 200 <= status < 300 else None
             resp = web.StreamResponse(status=status, reason=up.reason, headers=headers)
             if up.content_length is not None and "Transfer-Encoding" not in up.headers:
                 resp.content_length = up.content_length
@@ -366,6 +400,8 @@ class Proxy:
                         if not chunk:
                             break
                         cm.reschedule(deadline)  # a slow client is not an idle engine
+                        if scan is not None:
+                            scan.feed(chunk)
                         writing = True
                         await resp.write(chunk)
                         cm.reschedule(min(loop.time() + idle, deadline))
@@ -387,6 +423,9 @@ class Proxy:
                     self._cut(request)
                 return resp
             self.metrics.total.observe(loop.time() - start)
+            if scan is not None and prediction is not None:
+                audit = judge(prediction, scan.cached_tokens)
+                self.metrics.audit(target.engine, self.policy.name, prediction, audit)
             ctx.outcome = "ok" if status < 400 else "upstream_status"
             return resp
         finally:
