@@ -415,3 +415,25 @@ async def test_a_graft_whose_cursor_is_beyond_the_stream_turns_cold_at_the_next_
             load([e1], prompts(2, 5), seed=2)  # live batches, far below the forged cursor
             await eventually(lambda: b.boot.report()["ranks"][0]["outcome"] == "gap", what="cursor disproved")
             await caught_up(b, [e1])  # and the rank runs live again: not frozen
+
+
+async def test_a_rank_is_doubtful_while_its_bootstrap_holds_and_not_after():
+    """The prediction audit labels predictions made while a rank's batches are held: the KV plane's
+    ``doubtful`` is that fact."""
+    release = asyncio.Event()
+
+    async def slow(_req):
+        await release.wait()
+        return web.Response(status=500)
+
+    async with (
+        snapshot_peer(slow) as url,
+        run_fake_engine(block_size=BS) as e1,
+        replica("b", [e1], peers=[url], timeout_s=60, max_refused_sweeps=1) as b,
+    ):
+        await connected(b)
+        (carrier,) = spec(e1).carriers()
+        assert b.plane.doubtful(carrier) and not b.boot.settled
+        release.set()
+        await eventually(lambda: b.boot.settled, timeout=10, what="settled")
+        assert not b.plane.doubtful(carrier)

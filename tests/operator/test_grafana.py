@@ -87,3 +87,19 @@ def test_every_metric_and_grouping_label_exists():
         assert family in used, family
     for prefix in ("routerfleet_bootstrap_", "routerfleet_routing_", "routerfleet_kv_"):
         assert covered(prefix), prefix
+
+
+def test_the_alert_rules_use_only_metrics_that_exist():
+    import yaml
+
+    doc = yaml.safe_load((ROOT / "manifests" / "prometheus" / "routerfleet-rules.yaml").read_text())
+    known = known_metrics()
+    records = set()
+    for group in doc["spec"]["groups"]:
+        for rule in group["rules"]:
+            names = set(re.findall(r"\brouterfleet_[a-z_]+\b", rule["expr"]))
+            assert names - known.keys() == set(), rule
+            assert rule["expr"].count("(") == rule["expr"].count(")"), rule
+            records |= {rule["record"]} if "record" in rule else set()
+            for used in re.findall(r"\brouterfleet:[a-z_:0-9]+", rule["expr"]):
+                assert used in records, (used, "is not recorded above")
