@@ -419,7 +419,7 @@ class Router:
 
     async def _metrics(self, _req: web.Request) -> web.Response:
         self.kv.live()  # refresh the live-subscription gauge
-        self.bootstrap.misfits()  # and the configuration-mismatch one
+        self.bootstrap.publish_misfits()  # and the configuration-mismatch one
         states = list(self.health.states().values())
         for state in BreakerState:
             self.metrics.engines.labels(state).set(states.count(state))

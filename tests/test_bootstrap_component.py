@@ -239,7 +239,7 @@ async def test_a_replica_whose_own_stream_does_not_fit_says_config_mismatch_with
             ok, why = b.boot.readiness()
             assert ok and "cache-blind" in why and "block size" in why, why
             labels = {"engine": e1.http_url, "rank": "0", "reason": "block_size_mismatch"}
-            b.boot.misfits()  # refreshes the gauge, as a scrape does
+            b.boot.publish_misfits()  # as a scrape does
             assert b.registry.get_sample_value("routerfleet_kv_config_mismatch", labels) == 1
 
 

@@ -250,17 +250,20 @@ class Bootstrapper:
     def misfits(self) -> dict[Carrier, Misfit]:
         """Ranks whose stores do not fit our configuration: the live stream's tally (held or applied),
         else what an origin replay found. A rank whose live stores fit is not one, whatever its replay
-        said (kv/fit.py). Refreshes the ``routerfleet_kv_config_mismatch`` gauge."""
+        said (kv/fit.py)."""
         live = self.plane.misfits()
         for c, m in self._origin_misfits.items():
             sub = self._subs.get(c)
             if c not in live and (sub is None or not sub.fit.accepted):
                 live[c] = m
+        return live
+
+    def publish_misfits(self) -> None:
+        """The ``routerfleet_kv_config_mismatch`` gauge, from ``misfits`` (at scrape time)."""
         gauge = self.plane.metrics.config_mismatch
         gauge.clear()
-        for c, m in live.items():
+        for c, m in self.misfits().items():
             gauge.labels(c.engine, str(c.rank), m.reason.value).set(1)
-        return live
 
     def cause(self) -> Cause | None:
         """The first thing a user must fix or wait for, most telling first: a configuration mismatch,

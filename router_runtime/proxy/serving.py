@@ -114,7 +114,10 @@ class _GuardedHandler(RequestHandler):
             self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
         else:
             log.info("refused a malformed request from %s: %s", request.remote, type(exc).__name__)
-        phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "Error"
         kind = "invalid_request_error" if status < 500 else "server_error"
         code = {400: "malformed_request", 413: "request_too_large", 431: "headers_too_large"}.get(status)
         text = f"{phrase}: the request could not be parsed" if status < 500 else phrase
