@@ -373,7 +373,7 @@ ROWS = {
 
 def run_row(name: str, schedule: list[Turn], p: Params, logdir: str, fleet: Fleet) -> Result:
     label, kind, policy, text = ROWS[name]
-    res = Result(fleet.label(label) if kind == "ours" else label)
+    res = Result(fleet.label(label) if kind in FLEET_KINDS else label)
     engines = h.start_engines(p.engines, p.engine_opts(), logdir)
     routers: list[h.Router] = []
     try:
@@ -382,6 +382,11 @@ def run_row(name: str, schedule: list[Turn], p: Params, logdir: str, fleet: Flee
             routers = h.start_fleet(
                 fleet.replicas, engines, logdir, policy=policy or "kv_aware", label=name, extra=fleet.flags
             )
+        elif kind == "vllm-router":
+            # Its replicas share nothing but the engines' event streams: each its own ports.
+            routers = [
+                h.start_router(kind, engines, logdir, label=f"{name}-{i}") for i in range(fleet.replicas)
+            ]
         elif kind is not None:
             routers = [h.start_router(kind, engines, logdir, policy=policy or "kv_aware", label=name)]
         if routers:
@@ -423,10 +428,15 @@ def run_row(name: str, schedule: list[Turn], p: Params, logdir: str, fleet: Flee
     return res
 
 
+# Router kinds that run ``--replicas`` instances (sglang-router keeps its approximate tree per process
+# and has no event stream, so several of it measure nothing new).
+FLEET_KINDS = ("ours", "vllm-router")
+
+
 @dataclass(frozen=True)
 class Fleet:
-    """How many of our router replicas stand in front of the engines, and how the client spreads over
-    them (the anchors always run one)."""
+    """How many router replicas stand in front of the engines (ours, and vllm-router as its anchor),
+    and how the client spreads over them."""
 
     replicas: int = 1
     sticky: bool = False  # each conversation on one replica; else alternating per request
@@ -616,7 +626,10 @@ def main(argv: list[str] | None = None) -> int:
         "--max-wait", type=float, help="before each row, wait up to this many seconds for an idle machine"
     )
     ap.add_argument(
-        "--replicas", type=int, default=1, help="our router replicas in front of the engines (default 1)"
+        "--replicas",
+        type=int,
+        default=1,
+        help="router replicas in front of the engines, ours and vllm-router alike (default 1)",
     )
     ap.add_argument(
         "--client",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import secrets
 import shutil
 import subprocess
@@ -38,7 +39,9 @@ from e2e.fleet import (
     ROUTER_PORT,
     aio,
     apply,
+    chat_turn,
     completion,
+    engine_id,
     engines_view,
     find,
     get,
@@ -46,6 +49,7 @@ from e2e.fleet import (
     index_view,
     load_manifests,
     metrics,
+    parse_metrics,
     pod_url,
 )
 
@@ -505,6 +509,117 @@ def test_rollout_and_scale(cluster, namespace, crd, operator):
     assert [m["verdict"] for m in st["members"]] == ["warm"] * 3, st["members"]
     assert cluster.apps.read_namespaced_deployment(FLEET, ns).spec.replicas == 3
     print(f"[rollout] scaled to 3 after {time.monotonic() - t0:.1f}s")
+
+
+# ------------------------------------------------------------------------------------------ fleet routing
+
+GROUPS, CONVERSATIONS, TURNS = 8, 24, 4
+
+
+def chat_workload(seed: int) -> list[tuple[str, list[str]]]:
+    """Multi-turn chats in GROUPS groups that share a long system prompt: (system, user messages)."""
+    rng = random.Random(seed)
+
+    def text(n: int) -> str:
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(n))
+
+    systems = [text(512) for _ in range(GROUPS)]
+    return [
+        (systems[c % GROUPS], [text(rng.randrange(200, 400)) for _ in range(TURNS)])
+        for c in range(CONVERSATIONS)
+    ]
+
+
+async def run_chats(session: aiohttp.ClientSession, routers: list[str], chats, concurrency: int = 6) -> float:
+    """Every chat turn by turn, each request to the next router in turn (as a Service spreads
+    connections); the hit rate the engines reported (cached over prompt tokens)."""
+    sent = 0
+    totals = [0, 0]
+    slots = asyncio.Semaphore(concurrency)
+
+    async def chat(system: str, users: list[str]) -> None:
+        nonlocal sent
+        messages = [{"role": "system", "content": system}]
+        async with slots:
+            for user in users:
+                messages.append({"role": "user", "content": user})
+                router = routers[sent % len(routers)]
+                sent += 1
+                _, answer, prompt, cached = await chat_turn(session, router, messages)
+                messages.append({"role": "assistant", "content": answer})
+                totals[0] += prompt
+                totals[1] += cached
+
+    await asyncio.gather(*(chat(s, u) for s, u in chats))
+    return totals[1] / totals[0]
+
+
+async def rank_requests(session: aiohttp.ClientSession, engines: dict[str, str]) -> dict[str, float]:
+    """Requests each engine rank admitted: {'<engine>/<rank>': n}."""
+    out: dict[str, float] = {}
+    for eid, url in engines.items():
+        async with session.get(url + "/metrics") as r:
+            page = parse_metrics(await r.text())
+        for k, v in page.items():
+            if k.startswith("routerfleet_fake_engine_requests_total{"):
+                rank = k.split('rank="')[1].split('"')[0]
+                out[f"{eid}/{rank}"] = out.get(f"{eid}/{rank}", 0) + v
+    return out
+
+
+def measure_fleet(cluster, crd, ns: str, n: int, chats) -> tuple[float, list[float]]:
+    """Once ``n`` replicas are Ready, each routing on both engines and hearing its ``n - 1``
+    siblings: the workload's hit rate and the engine ranks' shares of its requests, largest first."""
+    wait_fleet_ready(cluster, crd, ns, f"{n} replicas Ready")
+    engines = cluster.wait_pods_ready(ns, ENGINE_LABELS, 2, timeout=60)
+    pods = cluster.wait_pods_ready(ns, f"routerfleet.io/fleet={FLEET}", n, timeout=60)
+    routers = [pod_url(p, ROUTER_PORT) for p in pods]
+    engine_urls = {engine_id(p): pod_url(p, 8000) for p in engines}
+
+    def settled() -> bool:
+        pages = [aio(metrics, u) for u in routers]
+        return all(
+            m.get('routerfleet_engines{state="closed"}') == 2
+            and m.get("routerfleet_fleet_peers_reporting", 0) == n - 1
+            for m in pages
+        )
+
+    cluster.wait_for(f"{n} replicas see both engines and their {n - 1} siblings", settled, 60)
+    before = aio(rank_requests, engine_urls)
+    hit = aio(run_chats, routers, chats)
+    after = aio(rank_requests, engine_urls)
+    ranks = [f"{e}/{r}" for e in engine_urls for r in (0, 1)]  # a rank with no request has no series
+    counts = sorted((after.get(k, 0) - before.get(k, 0) for k in ranks), reverse=True)
+    shares = [c / sum(counts) for c in counts]
+    print(f"\n[fleet] {n} replica(s): hit rate {100 * hit:.1f}%, rank shares {[round(x, 2) for x in shares]}")
+    return hit, shares
+
+
+def test_three_replicas_route_as_well_as_one(cluster, namespace, crd, operator):
+    """The fleet is the unit (docs/fleet-load.md): one multi-turn chat workload through one replica, then
+    the same workload on fresh engines through three replicas, each request to the next replica. The
+    three keep the hit rate one gets and spread the engine ranks' requests as evenly (replicas that
+    balanced on their own in-flight counts alone could herd onto the same ranks)."""
+    _local_only(cluster)
+    ns = namespace
+    deploy_engines(cluster, ns, ("--decode-tokens-per-s=400",))
+    cluster.wait_pods_ready(ns, ENGINE_LABELS, 2)
+    crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, fleet_manifest(cluster, ns, replicas=1))
+    chats = chat_workload(seed=13)
+    hit1, shares1 = measure_fleet(cluster, crd, ns, 1, chats)
+
+    # fresh engines (empty caches), then two more replicas
+    for p in cluster.core.list_namespaced_pod(ns, label_selector=ENGINE_LABELS).items:
+        cluster.core.delete_namespaced_pod(p.metadata.name, ns, grace_period_seconds=0)
+    p = kubectl(cluster, "-n", ns, "scale", f"rf/{FLEET}", "--replicas=3")
+    assert p.returncode == 0, p.stderr
+    hit3, shares3 = measure_fleet(cluster, crd, ns, 3, chats)
+
+    figures = {"one": (hit1, shares1), "three": (hit3, shares3)}
+    assert hit3 >= 0.9 * hit1, figures
+    # no rank carries far more than its fair quarter, or than it did behind one router (at this low
+    # load the prefix outweighs balance: one router alone leaves shares of 0.38 to 0.12)
+    assert shares3[0] <= max(0.45, shares1[0] + 0.1), figures
 
 
 # ------------------------------------------------------------------------------------------ in the cluster
