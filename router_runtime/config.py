@@ -13,7 +13,7 @@ from .kv.plane import WorkerSpec
 from .proxy.serving import ServerLimits
 from .routing.policies import POLICY_NAMES, PolicyConfig
 from .sessions.config import SessionConfig
-from .tokens.tokenizer import TokenizerError, load_tokenizer
+from .tokens.tokenizer import ChatTemplateSpecError, Family, TokenizerError, load_tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,8 @@ class RouterConfig:
     policy: str = "kv_aware"
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     tokenizer: str = "bytes"  # "bytes" or a Hugging Face tokenizer directory
+    chat_family: Family = Family.VLLM  # whose chat preprocessing the router reproduces
+    chat_template: str | None = None  # the engines' own --chat-template (a file, or a template name)
     tokenizer_threads: int = 0  # 0: min(4, CPUs)
     tokenize_inline_max_bytes: int = 16 << 10  # larger request bodies tokenize (and parse) on the pool
     # The request plane.
@@ -105,14 +107,6 @@ def _non_negative_int(text: str) -> int:
     if v < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {v}")
     return v
-
-
-def _tokenizer(text: str) -> str:
-    try:
-        load_tokenizer(text)  # cached: the router reuses it
-    except TokenizerError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def _port(text: str) -> int:
@@ -206,11 +200,24 @@ def build_parser() -> argparse.ArgumentParser:
         _add_policy_flag(r, f)
     r.add_argument(
         "--tokenizer",
-        type=_tokenizer,
         default="bytes",
         metavar="bytes|PATH",
         help="tokenizer for prefix matching: 'bytes' (the fake engine's), or a directory holding a Hugging "
-        "Face tokenizer.json (and tokenizer_config.json for the chat template); default bytes",
+        "Face tokenizer.json (and tokenizer_config.json or chat_template.jinja for the chat template); "
+        "default bytes",
+    )
+    r.add_argument(
+        "--chat-family",
+        type=Family,
+        choices=list(Family),
+        default=Family.VLLM,
+        help="whose chat preprocessing to reproduce, as the engines behind the router run it (default vllm)",
+    )
+    r.add_argument(
+        "--chat-template",
+        metavar="FILE|NAME",
+        help="the chat template the engines are started with (their --chat-template): a file, or the name of"
+        " one of the tokenizer's named templates; default the tokenizer's own",
     )
     r.add_argument(
         "--tokenizer-threads",
@@ -534,9 +541,19 @@ def _policy_config(parser: argparse.ArgumentParser, a: argparse.Namespace) -> Po
         raise  # unreachable: error() exits
 
 
+def _check_tokenizer(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    try:
+        load_tokenizer(a.tokenizer, a.chat_family, a.chat_template)  # cached: the router reuses it
+    except ChatTemplateSpecError as exc:
+        parser.error(f"argument --chat-template: {exc}")
+    except TokenizerError as exc:
+        parser.error(f"argument --tokenizer: {exc}")
+
+
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
     parser = build_parser()
     a = parser.parse_args(argv)
+    _check_tokenizer(parser, a)
     engines = [w.engine for w in a.worker]
     if len(set(engines)) != len(engines):
         parser.error("argument --worker: the same url is listed twice")
@@ -595,6 +612,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         policy=a.policy,
         policy_config=_policy_config(parser, a),
         tokenizer=a.tokenizer,
+        chat_family=a.chat_family,
+        chat_template=a.chat_template,
         tokenizer_threads=a.tokenizer_threads or 0,
         connect_timeout_s=a.connect_timeout_ms / 1000,
         first_byte_timeout_s=a.first_byte_timeout_ms / 1000,

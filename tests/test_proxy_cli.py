@@ -93,6 +93,8 @@ def test_flags_map_onto_the_config(tmp_path):
         (["--balance-abs-threshold", "x"], "--balance-abs-threshold"),
         (["--cache-threshold", "nan"], "--cache-threshold"),
         (["--tokenizer", "/no/such/dir"], "--tokenizer"),
+        (["--chat-template", "/no/such/file.jinja"], "--chat-template"),
+        (["--chat-family", "tgi"], "--chat-family"),
         (["--connect-timeout-ms", "0"], "--connect-timeout-ms"),
         (["--max-body-bytes", "-5"], "--max-body-bytes"),
         (["--health-interval-ms", "-1"], "--health-interval-ms"),

@@ -108,7 +108,8 @@ async def test_text_and_chat_requests_follow_what_the_engines_cached_from_earlie
             lambda: cached_blocks(router, engines[2], tok.encode(text)) > 10, what="text indexed"
         )
         await eventually(
-            lambda: cached_blocks(router, engines[1], tok.encode_chat(chat)) > 10, what="chat indexed"
+            lambda: cached_blocks(router, engines[1], tok.chat_ids({"messages": chat})) > 10,
+            what="chat indexed",
         )
         assert (
             await routed_to(s, url, {"prompt": text + " And then some.", "max_tokens": 2})
@@ -131,12 +132,13 @@ async def test_a_hugging_face_tokenizer_drives_matching(tmp_path):
     ]
     async with kv_fleet(tokenizer=hf) as (engines, router, url, s):
         # The engines cache what the router's tokenizer makes of these prompts.
-        for engine, ids in ((engines[0], hf.encode(text)), (engines[2], hf.encode_chat(chat))):
+        for engine, ids in ((engines[0], hf.encode(text)), (engines[2], hf.chat_ids({"messages": chat}))):
             async with s.post(engine.http_url + "/admin/store", json={"token_ids": ids}) as r:
                 assert r.status == 200
         await eventually(lambda: cached_blocks(router, engines[0], hf.encode(text)) >= 4, what="text indexed")
         await eventually(
-            lambda: cached_blocks(router, engines[2], hf.encode_chat(chat)) >= 3, what="chat indexed"
+            lambda: cached_blocks(router, engines[2], hf.chat_ids({"messages": chat})) >= 3,
+            what="chat indexed",
         )
         assert await routed_to(s, url, {"prompt": text + "paris", "max_tokens": 1}) == engines[0].http_url
         assert (
@@ -201,13 +203,9 @@ class CountingTokenizer(BytesTokenizer):
         self.calls += 1
         return super().encode(text)
 
-    def encode_chat(self, messages, template_kwargs=None, *, unlocked=False):
+    def render_chat(self, body):  # chat_ids renders too: one call per chat tokenized
         self.calls += 1
-        return super().encode_chat(messages)
-
-    def render_chat(self, messages, template_kwargs=None):
-        self.calls += 1
-        return super().render_chat(messages)
+        return super().render_chat(body)
 
 
 async def test_only_policies_that_match_tokens_or_text_make_the_router_tokenize():

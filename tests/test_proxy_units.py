@@ -40,12 +40,11 @@ def test_completion_prompt_forms():
 def test_chat_forms():
     msgs = [{"role": "user", "content": "hi"}]
     p = parse_request({"messages": msgs}, Kind.CHAT)
-    assert p.messages == msgs and p.template_kwargs is None
+    assert p.chat == {"messages": msgs} and p.tokens is None and p.text is None
+    # The whole body goes to the tokenizer: the engine's chat rules read tools, flags and kwargs too.
     tools = [{"type": "function", "function": {"name": "f"}}]
-    p = parse_request(
-        {"messages": msgs, "tools": tools, "chat_template_kwargs": {"enable_thinking": False}}, Kind.CHAT
-    )
-    assert p.template_kwargs == {"enable_thinking": False, "tools": tools}
+    body = {"messages": msgs, "tools": tools, "chat_template_kwargs": {"enable_thinking": False}}
+    assert parse_request(body, Kind.CHAT).chat is body
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,15 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 from router_runtime.tokens import encode, render_chat
-from router_runtime.tokens.hf import ChatTemplateError, HFTokenizer, TokenizerError
-from router_runtime.tokens.tokenizer import AsyncTokenizer, BytesTokenizer, load_tokenizer
+from router_runtime.tokens.chat import Reason, Untokenizable
+from router_runtime.tokens.hf import HFTokenizer, TokenizerError
+from router_runtime.tokens.tokenizer import (
+    AsyncTokenizer,
+    BytesTokenizer,
+    ChatTemplateSpecError,
+    Family,
+    load_tokenizer,
+)
 
 CORPUS = [
     "hello world",
@@ -73,28 +80,34 @@ def test_chat_template_renders_with_generation_prompt_and_special_tokens(hf_dir)
         {"role": "system", "content": "you are a helpful assistant"},
         {"role": "user", "content": "hello"},
     ]
-    text = tok.render_chat(messages)
+    text = tok.render_chat({"messages": messages})
     assert text == "<s><|system|> you are a helpful assistant </s> <|user|> hello </s> <|assistant|>"
-    ids = tok.encode_chat(messages)
+    ids = tok.chat_ids({"messages": messages})
     # The template carries the BOS: encoded without special tokens, so there is exactly one.
     assert ids == raw.encode(text, add_special_tokens=False).ids
     assert ids.count(raw.token_to_id("<s>")) == 1 and ids[0] == raw.token_to_id("<s>")
-    assert tok.encode_chat(messages, unlocked=True) == ids
+    assert tok.chat_ids({"messages": messages}, unlocked=True) == ids
     # A later turn extends the earlier prompt: the property prefix routing relies on.
     longer = [*messages, {"role": "assistant", "content": "paris"}, {"role": "user", "content": "world"}]
-    assert tok.render_chat(longer).startswith(text.removesuffix("<|assistant|>"))
-    # Tools are rendered through the transformers-style tojson (non-ASCII kept).
-    with_tools = tok.render_chat(messages, {"tools": [{"name": "é"}]})
-    assert '<|tools|> [{"name": "é"}]' in with_tools
+    assert tok.render_chat({"messages": longer}).startswith(text.removesuffix("<|assistant|>"))
+    # Tools are rendered through the transformers-style tojson (non-ASCII kept), as vLLM dumps them.
+    with_tools = tok.render_chat(
+        {"messages": messages, "tools": [{"type": "function", "function": {"name": "é"}}]}
+    )
+    assert '<|tools|> [{"type": "function", "function": {"name": "é", "description": null' in with_tools
 
 
-def test_template_errors_and_sandbox_violations_are_chat_template_errors(tmp_path, hf_dir):
+def test_template_errors_and_sandbox_violations_are_template_errors(tmp_path, hf_dir):
     tok = HFTokenizer.from_dir(str(hf_dir))
-    with pytest.raises(ChatTemplateError):
-        tok.render_chat([{"role": "tool", "content": "x"}])  # raise_exception() in the template
+    with pytest.raises(Untokenizable) as e:
+        tok.render_chat({"messages": [{"role": "tool", "content": "x"}]})  # raise_exception() in the template
+    assert e.value.reason is Reason.TEMPLATE_ERROR
     build_tokenizer_dir(tmp_path / "evil", template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
-    with pytest.raises(ChatTemplateError):
-        HFTokenizer.from_dir(str(tmp_path / "evil")).render_chat([{"role": "user", "content": "x"}])
+    with pytest.raises(Untokenizable) as e:
+        HFTokenizer.from_dir(str(tmp_path / "evil")).render_chat(
+            {"messages": [{"role": "user", "content": "x"}]}
+        )
+    assert e.value.reason is Reason.TEMPLATE_ERROR
 
 
 def test_template_list_form_and_missing_template(tmp_path):
@@ -105,15 +118,14 @@ def test_template_list_form_and_missing_template(tmp_path):
             {"name": "default", "template": "{{ bos_token }}!"},
         ],
     )
-    assert (
-        HFTokenizer.from_dir(str(tmp_path / "named")).render_chat([{"role": "user", "content": "x"}])
-        == "<s>!"
-    )
+    named = HFTokenizer.from_dir(str(tmp_path / "named"))
+    assert named.render_chat({"messages": [{"role": "user", "content": "x"}]}) == "<s>!"
     build_tokenizer_dir(tmp_path / "none", template=None)
     tok = HFTokenizer.from_dir(str(tmp_path / "none"))
     assert not tok.has_chat_template
-    with pytest.raises(ChatTemplateError):
-        tok.encode_chat([{"role": "user", "content": "x"}])
+    with pytest.raises(Untokenizable) as e:
+        tok.chat_ids({"messages": [{"role": "user", "content": "x"}]})
+    assert e.value.reason is Reason.NO_TEMPLATE
 
 
 def test_tokenizer_json_without_config(tmp_path, hf_dir):
@@ -158,8 +170,8 @@ def test_bytes_tokenizer_matches_the_fake_engine():
     tok = BytesTokenizer()
     msgs = [{"role": "user", "content": "héllo"}]
     assert tok.encode("héllo") == encode("héllo")
-    assert tok.render_chat(msgs) == render_chat(msgs)
-    assert tok.encode_chat(msgs) == encode(render_chat(msgs))
+    assert tok.render_chat({"messages": msgs}) == render_chat(msgs)
+    assert tok.chat_ids({"messages": msgs}) == encode(render_chat(msgs))
 
 
 class _Recording:
@@ -182,7 +194,8 @@ async def test_large_prompts_are_tokenized_off_the_event_loop(hf_dir):
     from concurrent.futures import ThreadPoolExecutor
 
     rec = _Recording(HFTokenizer.from_dir(str(hf_dir)))
-    msgs = [{"role": "user", "content": "hello world"}]
+    chat = {"messages": [{"role": "user", "content": "hello world"}]}
+    failing = {"messages": [{"role": "tool", "content": "x"}]}
     with ThreadPoolExecutor(1) as pool:
         tok = AsyncTokenizer(rec, pool, inline_max_bytes=100)
         small = await tok.prompt("hello world", size=50)
@@ -190,14 +203,45 @@ async def test_large_prompts_are_tokenized_off_the_event_loop(hf_dir):
         big = await tok.prompt("hello world", size=101)
         assert rec.threads.pop() is not threading.main_thread()
         assert small == big
-        assert await tok.chat_tokens(msgs, None, 101) == await tok.chat_tokens(msgs, None, 1)
+        assert await tok.chat_ids(chat, 101) == await tok.chat_ids(chat, 1)
         assert rec.threads[0] is not threading.main_thread() and rec.threads[1] is threading.main_thread()
-        assert await tok.chat_text(msgs, None, 101) == await tok.chat_text(msgs, None, 1)
-        # A chat the tokenizer cannot render routes without tokens rather than failing.
-        assert await tok.chat_tokens([{"role": "tool", "content": "x"}], None, 1) is None
-        assert await tok.chat_tokens([{"role": "tool", "content": "x"}], None, 1000) is None
-        assert await tok.chat_text([{"role": "tool", "content": "x"}], None, 1) is None
+        assert await tok.chat_text(chat, 101) == await tok.chat_text(chat, 1)
+        # A chat the tokenizer cannot render raises Untokenizable (routed without tokens), on the pool too.
+        for size in (1, 1000):
+            with pytest.raises(Untokenizable):
+                await tok.chat_ids(failing, size)
+        with pytest.raises(Untokenizable):
+            await tok.chat_text(failing, 1)
     bytes_tok = AsyncTokenizer(BytesTokenizer(), None)
-    assert (
-        await bytes_tok.chat_tokens([{"role": "user", "content": [{"type": "image_url"}]}], None, 1) is None
+    with pytest.raises(Untokenizable):
+        await bytes_tok.chat_ids({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 1)
+
+
+def test_template_choice_follows_the_engines(tmp_path, hf_dir):
+    user = {"messages": [{"role": "user", "content": "x"}]}
+    tools = {**user, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    # Named templates: "tool_use" when tools are sent, else "default".
+    build_tokenizer_dir(
+        tmp_path / "named",
+        template=[
+            {"name": "default", "template": "plain"},
+            {"name": "tool_use", "template": "{{ tools[0].function.name }}"},
+        ],
     )
+    named = HFTokenizer.from_dir(str(tmp_path / "named"))
+    assert (named.render_chat(user), named.render_chat(tools)) == ("plain", "f")
+    # chat_template.jinja beside the tokenizer wins over the config's; {% generation %} blocks load and
+    # render as their body.
+    (hf_dir / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}"
+    )
+    assert HFTokenizer.from_dir(str(hf_dir)).render_chat(user) == "[x]"
+    # The engines' own --chat-template: a file replaces the directory's, a name picks one of them.
+    override = tmp_path / "engine.jinja"
+    override.write_text("{{ bos_token }}override")
+    assert load_tokenizer(str(hf_dir), Family.VLLM, str(override)).render_chat(user) == "<s>override"
+    assert load_tokenizer(str(tmp_path / "named"), Family.VLLM, "default").render_chat(tools) == "plain"
+    with pytest.raises(ChatTemplateSpecError, match="neither a file nor a named template"):
+        load_tokenizer(str(hf_dir), Family.VLLM, "no-such-template")
+    with pytest.raises(ChatTemplateSpecError, match="needs a tokenizer directory"):
+        load_tokenizer("bytes", Family.VLLM, str(override))

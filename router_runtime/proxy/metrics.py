@@ -31,6 +31,12 @@ class ProxyMetrics:
             registry=registry,
             buckets=_DECISION_BUCKETS,
         )
+        self.untokenized = Counter(
+            p + "untokenized_requests",
+            "Chat requests routed without tokens: the router cannot tokenize them as the engine would",
+            ["reason"],
+            registry=registry,
+        )
         self.matched_ratio = Histogram(
             p + "routing_matched_prefix_ratio",
             "Matched share of the request's prefix on the chosen target (blocks, or characters)",

@@ -32,8 +32,7 @@ class ParsedRequest:
     stream: bool
     text: str | None = None  # a completion's text prompt
     tokens: array | None = None  # a completion's token-ID prompt (array('I'))
-    messages: list | None = None  # a chat request's messages
-    template_kwargs: dict[str, Any] | None = None  # chat: tools and chat_template_kwargs for the template
+    chat: dict[str, Any] | None = None  # a chat request's body: its engine's rules read more than messages
     lora_name: str | None = None
     cache_salt: str | None = None
 
@@ -117,24 +116,11 @@ def parse_request(body: Any, kind: Kind) -> ParsedRequest:
         )
     if "messages" not in body:
         raise bad_request("'messages' is required", "messages")
-    messages = _messages(body["messages"])
-    template_kwargs: dict[str, Any] | None = None
+    _messages(body["messages"])
     extra = body.get("chat_template_kwargs")
     if extra is not None and not isinstance(extra, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    if extra or body.get("tools") is not None:
-        # The engine renders tools into the prompt too, so they are part of the prefix to match.
-        template_kwargs = {**(extra or {})}
-        if body.get("tools") is not None:
-            template_kwargs["tools"] = body["tools"]
-    return ParsedRequest(
-        kind,
-        stream,
-        messages=messages,
-        template_kwargs=template_kwargs,
-        lora_name=lora_name,
-        cache_salt=cache_salt,
-    )
+    return ParsedRequest(kind, stream, chat=body, lora_name=lora_name, cache_salt=cache_salt)
 
 
 __all__ = ["Kind", "ParsedRequest", "ProxyError", "parse_json", "parse_request"]

@@ -40,7 +40,7 @@ from ..kv.index import Carrier, RadixIndex
 from ..routing.types import Decision, Policy, RouteRequest, Target
 from ..sessions.affinity import SessionAffinity, SessionCtx
 from ..sessions.classify import promote
-from ..tokens.tokenizer import AsyncTokenizer
+from ..tokens.tokenizer import AsyncTokenizer, Untokenizable
 from .audit import Prediction, UsageScan, judge
 from .errors import (
     ProxyError,
@@ -291,9 +291,15 @@ class Proxy:
                 except UnicodeEncodeError:  # a lone surrogate ("\ud800"): no engine can take it either
                     raise bad_request("'prompt' is not valid Unicode text", "prompt") from None
             else:
-                tokens = await self.tokenizer.chat_tokens(parsed.messages, parsed.template_kwargs, size)
-        if self.needs_text and parsed.messages is not None:
-            text = await self.tokenizer.chat_text(parsed.messages, parsed.template_kwargs, size)
+                try:
+                    tokens = await self.tokenizer.chat_ids(parsed.chat, size)
+                except Untokenizable as e:  # routed without tokens: never on a guessed sequence
+                    self.metrics.untokenized.labels(e.reason).inc()
+        if self.needs_text and parsed.chat is not None:
+            try:
+                text = await self.tokenizer.chat_text(parsed.chat, size)
+            except Untokenizable as e:
+                self.metrics.untokenized.labels(e.reason).inc()
         return RouteRequest(
             tokens=tokens, text=text, lora_name=parsed.lora_name, cache_salt=parsed.cache_salt
         )

@@ -1,33 +1,35 @@
 """A Hugging Face tokenizer for routing: ``tokenizer.json`` through the ``tokenizers`` library, and the
-chat template from ``tokenizer_config.json`` rendered in a sandboxed jinja2 environment, as vLLM and
-SGLang do (``add_generation_prompt=True``, bos/eos and the other special tokens from the config).
+chat template chosen and rendered as the engines' tokenizer library does (``template.py``), after the
+engine family's own request normalization (``chat.py``; docs/tokens.md).
 
 Completions are encoded with the tokenizer's special tokens (a BOS, for most models), as the engines
-encode a text prompt; a rendered chat prompt already carries them, so it is encoded without.
+encode a text prompt; a rendered chat prompt already carries them, so it is encoded without unless the
+request asks (``add_special_tokens``).
 
 ``tokenizers``' ``encode`` holds the GIL for the whole call while ``encode_batch`` releases it, so the
-thread-pool path (``encode_unlocked``) uses a batch of one: the event loop keeps running meanwhile.
+thread-pool path (``unlocked``) uses a batch of one: the event loop keeps running meanwhile.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
-from datetime import datetime
+from collections.abc import Mapping
 from typing import Any
+
+from .chat import ChatPrompt, Family, Reason, Untokenizable, prepare
+from .template import ChatTemplate, TemplateRenderError
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
-_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_DIR = "additional_chat_templates"
+# The library's named special tokens; a config's other ``*_token`` keys join them as template variables.
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class TokenizerError(ValueError):
     """A tokenizer directory that cannot be loaded; the message is fit for the command line."""
-
-
-class ChatTemplateError(ValueError):
-    """A chat request the template cannot render (or no template): route it without tokens."""
 
 
 def _special(value: Any) -> str | None:
@@ -39,58 +41,83 @@ def _special(value: Any) -> str | None:
     return None
 
 
-def _pick_template(value: Any) -> str | None:
-    # Either one template string, or a list of {"name", "template"}, of which "default" is the one used.
+def _specials(cfg: Mapping[str, Any]) -> dict[str, str]:
+    out = {k: v for k in _SPECIAL_KEYS if (v := _special(cfg.get(k))) is not None}
+    for k, v in cfg.items():  # model-specific ones (image_token, ...)
+        if k.endswith("_token") and k not in out and (v := _special(v)) is not None:
+            out[k] = v
+    extra = cfg.get("extra_special_tokens")
+    if isinstance(extra, Mapping):
+        out.update({k: v for k, raw in extra.items() if (v := _special(raw)) is not None})
+    return out
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"cannot read {path!r}: {e}") from None
+
+
+def _templates(path: str, cfg: Mapping[str, Any]) -> dict[str, str]:
+    """The directory's chat templates by name, as the library loads them: ``chat_template.jinja`` and
+    ``additional_chat_templates/*.jinja`` take priority over the config's ``chat_template`` (a string,
+    or a list of ``{"name", "template"}``). A single template is named "default"."""
+    files: dict[str, str] = {}
+    if os.path.isfile(os.path.join(path, TEMPLATE_FILE)):
+        files["default"] = _read(os.path.join(path, TEMPLATE_FILE))
+    extra_dir = os.path.join(path, TEMPLATE_DIR)
+    if os.path.isdir(extra_dir):
+        for name in sorted(os.listdir(extra_dir)):
+            if name.endswith(".jinja"):
+                files[name.removesuffix(".jinja")] = _read(os.path.join(extra_dir, name))
+    if files:
+        return files
+    value = cfg.get("chat_template")
     if isinstance(value, str):
-        return value
+        return {"default": value}
     if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
-        chosen = named.get("default")
-        return chosen if isinstance(chosen, str) else None
-    return None
-
-
-def _compile_template(source: str):
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(
-        value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
-    ):
-        # transformers' override: non-ASCII kept as is (jinja's own tojson escapes it for HTML).
-        return json.dumps(
-            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
+        return {
+            t["name"]: t["template"]
+            for t in value
+            if isinstance(t, Mapping)
+            and isinstance(t.get("name"), str)
+            and isinstance(t.get("template"), str)
+        }
+    return {}
 
 
 class HFTokenizer:
-    """``tokenizer.json`` (+ optional ``tokenizer_config.json``) from one directory."""
+    """``tokenizer.json`` (+ optional ``tokenizer_config.json`` and template files) from one directory.
+
+    ``chat_template``: the engine's own override (vLLM and SGLang ``--chat-template``), a template or the
+    name of one of the directory's named templates; it wins over the directory's."""
 
     def __init__(
-        self, tokenizer: Any, chat_template: str | None, special_tokens: Mapping[str, str], name: str
+        self,
+        tokenizer: Any,
+        templates: Mapping[str, str],
+        special_tokens: Mapping[str, str],
+        name: str,
+        *,
+        family: Family = Family.VLLM,
+        chat_template: str | None = None,
     ):
         self.name = name
+        self.family = family
         self._tok = tokenizer
-        self._template = _compile_template(chat_template) if chat_template else None
         self._special = dict(special_tokens)
+        sources = dict(templates)
+        if chat_template is not None and chat_template not in sources:
+            sources = {"default": chat_template}  # a literal override replaces the directory's set
+        self._given = chat_template if chat_template in templates else None
+        self._templates = {k: ChatTemplate(v) for k, v in sources.items()}
 
     @classmethod
-    def from_dir(cls, path: str) -> HFTokenizer:
+    def from_dir(
+        cls, path: str, *, family: Family = Family.VLLM, chat_template: str | None = None
+    ) -> HFTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:  # pragma: no cover - a declared dependency
@@ -104,31 +131,33 @@ class HFTokenizer:
             tokenizer = Tokenizer.from_file(tok_path)
         except Exception as e:  # the library raises a bare Exception on malformed files
             raise TokenizerError(f"cannot load {tok_path!r}: {e}") from None
-        template, special = None, {}
+        cfg: dict[str, Any] = {}
         cfg_path = os.path.join(path, CONFIG_FILE)
         if os.path.isfile(cfg_path):
             try:
-                with open(cfg_path, encoding="utf-8") as f:
-                    cfg = json.load(f)
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                cfg = json.loads(_read(cfg_path))
+            except json.JSONDecodeError as e:
                 raise TokenizerError(f"cannot read {cfg_path!r}: {e}") from None
             if not isinstance(cfg, dict):
                 raise TokenizerError(f"{cfg_path!r} is not a JSON object")
-            template = _pick_template(cfg.get("chat_template"))
-            special = {k: v for k in _SPECIAL_KEYS if (v := _special(cfg.get(k))) is not None}
-        if template is None:  # newer checkpoints ship the template as its own file
-            jinja_path = os.path.join(path, "chat_template.jinja")
-            if os.path.isfile(jinja_path):
-                with open(jinja_path, encoding="utf-8") as f:
-                    template = f.read()
         try:
-            return cls(tokenizer, template, special, name=os.path.abspath(path))
+            return cls(
+                tokenizer,
+                _templates(path, cfg),
+                _specials(cfg),
+                name=os.path.abspath(path),
+                family=family,
+                chat_template=chat_template,
+            )
         except Exception as e:  # jinja2.TemplateSyntaxError and friends
             raise TokenizerError(f"invalid chat template in {path!r}: {e}") from None
 
     @property
     def has_chat_template(self) -> bool:
-        return self._template is not None
+        return bool(self._templates)
+
+    def has_named(self, name: str) -> bool:
+        return self._given == name
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
@@ -137,25 +166,52 @@ class HFTokenizer:
         """``encode`` that releases the GIL while the Rust side works (for the thread pool)."""
         return self._tok.encode_batch([text], add_special_tokens=True)[0].ids
 
-    def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None
-    ) -> str:
-        if self._template is None:
-            raise ChatTemplateError("the tokenizer has no chat template")
-        kwargs = {**self._special, **(template_kwargs or {})}
-        try:
-            return self._template.render(messages=messages, add_generation_prompt=True, **kwargs)
-        except Exception as e:  # template errors, raise_exception(), sandbox violations
-            raise ChatTemplateError(f"chat template failed: {type(e).__name__}") from None
+    def template_for(self, tools: bool) -> ChatTemplate:
+        """The template the engine would use: the override, else "tool_use" when tools are sent (vLLM),
+        else "default" (SGLang: the first, for lack of its --hf-chat-template-name)."""
+        t = self._templates
+        if not t:
+            raise Untokenizable(Reason.NO_TEMPLATE, "the tokenizer has no chat template")
+        if self._given is not None:
+            return t[self._given]
+        if len(t) == 1:
+            return next(iter(t.values()))
+        if self.family is Family.SGLANG:
+            return next(iter(t.values()))
+        if tools and "tool_use" in t:
+            return t["tool_use"]
+        if "default" in t:
+            return t["default"]
+        raise Untokenizable(Reason.NO_TEMPLATE, "several chat templates and none named 'default'")
 
-    def encode_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        template_kwargs: Mapping[str, Any] | None = None,
-        *,
-        unlocked: bool = False,
-    ) -> list[int]:
-        text = self.render_chat(messages, template_kwargs)
+    def prepare(self, body: Mapping[str, Any]) -> tuple[ChatTemplate, ChatPrompt]:
+        template = self.template_for(body.get("tools") is not None)
+        return template, prepare(body, self.family, template, self._special)
+
+    def render_chat(self, body: Mapping[str, Any]) -> str:
+        """The prompt text the engine renders for this chat request; raises Untokenizable."""
+        template, prompt = self.prepare(body)
+        return self._render(template, prompt)
+
+    def _render(self, template: ChatTemplate, prompt: ChatPrompt) -> str:
+        try:
+            return template.render(prompt.messages, prompt.variables, prompt.continue_final)
+        except TemplateRenderError as e:
+            raise Untokenizable(Reason.TEMPLATE_ERROR, str(e)) from None
+
+    def chat_ids(self, body: Mapping[str, Any], *, unlocked: bool = False) -> list[int]:
+        """The token IDs the engine computes for this chat request; raises Untokenizable."""
+        template, prompt = self.prepare(body)
+        text = self._render(template, prompt)
+        specials = prompt.add_special_tokens
         if unlocked:
-            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
-        return self._tok.encode(text, add_special_tokens=False).ids
+            ids = self._tok.encode_batch([text], add_special_tokens=specials)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=specials).ids
+        if prompt.suffix:
+            tail = self._tok.encode(prompt.suffix, add_special_tokens=True).ids
+            bos = self._special.get("bos_token")
+            if tail and bos is not None and tail[0] == self._tok.token_to_id(bos):
+                tail = tail[1:]
+            ids = [*ids, *tail]
+        return ids

@@ -1,31 +1,39 @@
 """The router's tokenizers for prefix matching, and their off-loop use.
 
 ``--tokenizer bytes`` is the byte tokenizer and its one chat template (what the fake engine uses);
-``--tokenizer PATH`` is a Hugging Face tokenizer directory (``hf.py``). Either way the router only
-tokenizes when its policy matches tokens, and a prompt larger than ``inline_max_bytes`` is tokenized
-on a thread pool so a long prompt never stalls the event loop.
+``--tokenizer PATH`` is a Hugging Face tokenizer directory (``hf.py``), whose chat requests are prepared
+by the engine family's rules (``--chat-family``, ``chat.py``) and rendered with the engine's template
+(``--chat-template`` when the engine has one). Either way the router only tokenizes when its policy
+matches tokens, and a prompt larger than ``inline_max_bytes`` is tokenized on a thread pool so a long
+prompt never stalls the event loop.
 
-A chat request the tokenizer cannot render (no template, a template error, content parts it cannot
-carry) is routed without tokens: the engine is the judge of what is valid, not the router.
+A chat request the router cannot tokenize exactly as the engine would (no template, media parts, a
+template error, a request the engine rejects) raises ``Untokenizable`` with its reason: it is routed
+without tokens and counted. The engine is the judge of what is valid, not the router.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
 from . import bytes_tokenizer
-from .hf import ChatTemplateError, HFTokenizer, TokenizerError
+from .chat import Family, Reason, Untokenizable
+from .hf import HFTokenizer, TokenizerError
 
 __all__ = [
     "AsyncTokenizer",
     "BytesTokenizer",
-    "ChatTemplateError",
+    "ChatTemplateSpecError",
+    "Family",
+    "Reason",
     "Tokenizer",
     "TokenizerError",
+    "Untokenizable",
     "load_tokenizer",
 ]
 
@@ -41,19 +49,13 @@ class Tokenizer(Protocol):
         """``encode``, for a worker thread (releases the GIL where the implementation can)."""
         ...
 
-    def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None
-    ) -> str:
-        """The chat prompt text; raises ChatTemplateError (or ValueError) when it cannot render."""
+    def render_chat(self, body: Mapping[str, Any]) -> str:
+        """A chat request's prompt text, as the engine renders it; raises Untokenizable."""
         ...
 
-    def encode_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        template_kwargs: Mapping[str, Any] | None = None,
-        *,
-        unlocked: bool = False,
-    ) -> Sequence[int]: ...
+    def chat_ids(self, body: Mapping[str, Any], *, unlocked: bool = False) -> Sequence[int]:
+        """A chat request's token IDs, as the engine computes them; raises Untokenizable."""
+        ...
 
 
 class BytesTokenizer:
@@ -66,28 +68,44 @@ class BytesTokenizer:
 
     encode_unlocked = encode
 
-    def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None = None
-    ) -> str:
-        return bytes_tokenizer.render_chat(messages)
+    def render_chat(self, body: Mapping[str, Any]) -> str:
+        try:
+            return bytes_tokenizer.render_chat(body["messages"])
+        except ValueError as e:
+            raise Untokenizable(Reason.REJECTED, str(e)) from None
 
-    def encode_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        template_kwargs: Mapping[str, Any] | None = None,
-        *,
-        unlocked: bool = False,
-    ) -> list[int]:
-        return bytes_tokenizer.encode(bytes_tokenizer.render_chat(messages))
+    def chat_ids(self, body: Mapping[str, Any], *, unlocked: bool = False) -> list[int]:
+        return bytes_tokenizer.encode(self.render_chat(body))
+
+
+class ChatTemplateSpecError(TokenizerError):
+    """A ``--chat-template`` that cannot be used (the message names no flag)."""
+
+
+def _chat_template(spec: str | None) -> str | None:
+    """``--chat-template``: a file's text, else the name of one of the tokenizer's named templates."""
+    if spec is None or not os.path.isfile(spec):
+        return spec
+    try:
+        with open(spec, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ChatTemplateSpecError(f"cannot read {spec!r}: {e}") from None
 
 
 @functools.lru_cache(maxsize=4)
-def load_tokenizer(spec: str) -> Tokenizer:
-    """``"bytes"`` or a Hugging Face tokenizer directory. Raises TokenizerError. Cached, so the command
-    line can validate the flag and the router reuse the loaded tokenizer."""
+def load_tokenizer(spec: str, family: Family = Family.VLLM, chat_template: str | None = None) -> Tokenizer:
+    """``"bytes"`` or a Hugging Face tokenizer directory, with the engine family whose chat rules apply
+    and the engine's own ``--chat-template`` (a file, or a template name). Raises TokenizerError. Cached,
+    so the command line can validate the flags and the router reuse the loaded tokenizer."""
     if spec == "bytes":
+        if chat_template is not None:
+            raise ChatTemplateSpecError("needs a tokenizer directory (--tokenizer PATH)")
         return BytesTokenizer()
-    return HFTokenizer.from_dir(spec)
+    tok = HFTokenizer.from_dir(spec, family=family, chat_template=_chat_template(chat_template))
+    if chat_template is not None and not os.path.isfile(chat_template) and not tok.has_named(chat_template):
+        raise ChatTemplateSpecError(f"{chat_template!r} is neither a file nor a named template of {spec!r}")
+    return tok
 
 
 class AsyncTokenizer:
@@ -110,27 +128,17 @@ class AsyncTokenizer:
             return await asyncio.get_running_loop().run_in_executor(self.executor, tok.encode_unlocked, text)
         return tok.encode(text)
 
-    async def chat_tokens(
-        self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None, size: int
-    ) -> Sequence[int] | None:
-        """None when the tokenizer cannot render these messages."""
+    async def chat_ids(self, body: Mapping[str, Any], size: int) -> Sequence[int]:
+        """Raises Untokenizable."""
         tok = self.tokenizer
-        try:
-            if self._offload(size):
-                fn = functools.partial(tok.encode_chat, messages, template_kwargs, unlocked=True)
-                return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
-            return tok.encode_chat(messages, template_kwargs)
-        except ValueError:  # ChatTemplateError included
-            return None
+        if self._offload(size):
+            fn = functools.partial(tok.chat_ids, body, unlocked=True)
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        return tok.chat_ids(body)
 
-    async def chat_text(
-        self, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any] | None, size: int
-    ) -> str | None:
+    async def chat_text(self, body: Mapping[str, Any], size: int) -> str:
+        """Raises Untokenizable."""
         tok = self.tokenizer
-        try:
-            if self._offload(size):
-                fn = functools.partial(tok.render_chat, messages, template_kwargs)
-                return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
-            return tok.render_chat(messages, template_kwargs)
-        except ValueError:
-            return None
+        if self._offload(size):
+            return await asyncio.get_running_loop().run_in_executor(self.executor, tok.render_chat, body)
+        return tok.render_chat(body)

@@ -1,0 +1,364 @@
+"""A chat request turned into what the engine's chat template renders, by that engine's own rules
+(pure; docs/tokens.md). The engines normalize a request before their template sees it, and every
+normalization changes the token IDs: how content parts are flattened, tool calls and tools rewritten,
+roles mapped, request fields merged into the template's variables. vLLM and SGLang differ in most of
+these, so each family has its own ``prepare_*``.
+
+A request the router cannot reproduce exactly raises ``Untokenizable`` with a reason: it is routed
+without tokens and counted, never on a guessed sequence. That includes requests the engine itself
+rejects (it answers 400; the router forwards them untouched).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .template import ChatTemplate, ContentFormat
+
+
+class Family(enum.StrEnum):
+    """Whose chat preprocessing the router reproduces."""
+
+    VLLM = "vllm"  # vLLM 0.33
+    SGLANG = "sglang"  # SGLang 0.5.23
+
+
+class Reason(enum.StrEnum):
+    """Why a chat request is routed without tokens (``routerfleet_untokenized_requests_total``)."""
+
+    NO_TEMPLATE = "no_template"  # the tokenizer has no chat template
+    REQUEST_TEMPLATE = "request_template"  # the request brings its own template
+    MULTIMODAL = "multimodal"  # image/audio/video parts: the engine's placeholder expansion
+    UNSUPPORTED = "unsupported"  # a construct the router does not reproduce
+    REJECTED = "rejected"  # a request the engine answers 400 (malformed message, conflicting flags)
+    TEMPLATE_ERROR = "template_error"  # the template raised
+
+
+class Untokenizable(ValueError):
+    def __init__(self, reason: Reason, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """Everything the template render and the encode take, as the engine would give it."""
+
+    messages: list[dict[str, Any]]
+    variables: dict[str, Any]  # the template's other variables (tools, add_generation_prompt, ...)
+    continue_final: bool  # the output ends inside the last message (the library's tag-and-cut)
+    add_special_tokens: bool  # encode the rendered text with the tokenizer's special tokens
+    suffix: str | None = None  # SGLang: text encoded on its own and appended (BOS dropped)
+
+
+def _bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if type(v) is not bool:
+        raise Untokenizable(Reason.REJECTED, f"'{key}' must be a boolean")
+    return v
+
+
+def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict):
+        raise Untokenizable(Reason.REJECTED, "'chat_template_kwargs' must be an object")
+    return kw
+
+
+def _no_request_template(body: Mapping[str, Any], kwargs: Mapping[str, Any]) -> None:
+    # vLLM refuses one unless started with --trust-request-chat-template; SGLang has no such field.
+    if body.get("chat_template") is not None or kwargs.get("chat_template") is not None:
+        raise Untokenizable(Reason.REQUEST_TEMPLATE, "the request brings its own chat template")
+
+
+# Content parts: the text-like types and where their text is; everything else the engines know is media.
+_TEXT_KEYS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+_MEDIA_TYPES = frozenset(
+    {
+        "image_url", "input_image", "image_pil", "image_embeds", "audio_url", "input_audio", "audio_embeds",
+        "video_url", "video_embeds", "prompt_embeds", "file",
+    }
+)  # fmt: skip
+# Part keys the OpenAI shapes define (vLLM keeps any other key on an "openai"-format text part).
+_KNOWN_PART_KEYS = frozenset(
+    {
+        "audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil", "image_url",
+        "input_audio", "name", "prompt_cache_breakpoint", "refusal", "text", "thinking", "type", "uuid",
+        "video_embeds", "video_url",
+    }
+)  # fmt: skip
+_BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _part_type(part: Mapping[str, Any]) -> str:
+    t = part.get("type")
+    if isinstance(t, str) and part.get("uuid") is None:
+        if t in _TEXT_KEYS:
+            return t
+        if t in _MEDIA_TYPES:
+            raise Untokenizable(Reason.MULTIMODAL, f"a {t!r} content part")
+        if t == "tool_reference":
+            raise Untokenizable(Reason.UNSUPPORTED, "a 'tool_reference' content part")
+        raise Untokenizable(Reason.REJECTED, f"unknown content part type {t!r}")
+    if any(k in part for k in _MEDIA_TYPES):  # a media part may omit its type
+        raise Untokenizable(Reason.MULTIMODAL, "a media content part")
+    raise Untokenizable(Reason.REJECTED, "a content part without a known 'type'")
+
+
+def _vllm_texts(parts: Sequence[Any], openai: bool) -> list[Any]:
+    """The parts vLLM keeps: str or {"type": "text", "text": ...} (+ unknown keys) in "openai" format."""
+    out: list[Any] = []
+    for part in parts:
+        if isinstance(part, str):
+            out.append({"type": "text", "text": part} if openai else part)
+            continue
+        if not isinstance(part, Mapping):
+            raise Untokenizable(Reason.REJECTED, "a content part must be a string or an object")
+        t = _part_type(part)
+        text = part.get(_TEXT_KEYS[t])
+        if text is None and t in ("text", "refusal"):
+            continue  # skipped, as the engine skips it
+        if not isinstance(text, str):
+            raise Untokenizable(Reason.REJECTED, f"a {t!r} part without its text")
+        if openai:
+            out.append(
+                {"type": "text", "text": text, **{k: v for k, v in part.items() if k not in _KNOWN_PART_KEYS}}
+            )
+        else:
+            out.append(text)
+    return out
+
+
+def _strip_billing_header(parts: list[Any]) -> list[Any]:
+    # A Claude Code attribution line changes on every request: vLLM drops it from system text parts so the
+    # rest of the prompt still hits the cache.
+    out = []
+    for part in parts:
+        text = (
+            part
+            if isinstance(part, str)
+            else part.get("text")
+            if isinstance(part, Mapping) and part.get("type") == "text"
+            else None
+        )
+        if not (isinstance(text, str) and text.startswith(_BILLING_HEADER)):
+            out.append(part)
+            continue
+        rest = text.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return out
+
+
+def _vllm_tool_calls(calls: Any) -> list[dict] | None:
+    """Tool calls with ``arguments`` as an object (parsed from its JSON; ``{}`` when it is not one)."""
+    if not isinstance(calls, list):
+        raise Untokenizable(Reason.REJECTED, "'tool_calls' must be a list")
+    if not calls:
+        return None  # an empty list is dropped: the template takes the plain assistant path
+    out = []
+    for call in calls:
+        if not isinstance(call, dict):
+            raise Untokenizable(Reason.REJECTED, "each tool call must be an object")
+        fn = call.get("function")
+        if call.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise Untokenizable(Reason.REJECTED, "tool calls must be of type 'function'")
+        args = fn.get("arguments")
+        if args and not isinstance(args, dict):
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    args = None
+            if not isinstance(args, dict):
+                args = {}
+        out.append({**call, "function": {**fn, "arguments": args or {}}})
+    return out
+
+
+def _vllm_message(m: Mapping[str, Any], fmt: ContentFormat) -> dict[str, Any]:
+    role = m["role"]
+    openai = fmt is ContentFormat.OPENAI
+    content = m.get("content")
+    parts: list[Any]
+    if content is None:
+        parts = []
+    elif isinstance(content, str):
+        parts = [content]
+    elif isinstance(content, list):
+        parts = list(content)
+    else:
+        raise Untokenizable(Reason.REJECTED, "message 'content' must be a string, a list of parts or null")
+    if role == "system":
+        parts = _strip_billing_header(parts)
+    kept = _vllm_texts(parts, openai)
+    out: dict[str, Any] = {"role": role, "content": kept if openai else "\n".join(kept)}
+    reasoning = m.get("reasoning")
+    if role == "assistant":
+        if m.get("tool_calls") is not None:
+            calls = _vllm_tool_calls(m["tool_calls"])
+            if calls is not None:
+                out["tool_calls"] = calls
+        if reasoning is not None:
+            out["reasoning"] = out["reasoning_content"] = reasoning
+    elif role == "tool":
+        if "tool_call_id" in m:
+            out["tool_call_id"] = m["tool_call_id"]
+        if isinstance(out["content"], list):  # tool results as text parts: one string, whatever the format
+            out["content"] = "\n".join(p["text"] for p in out["content"])
+    if isinstance(m.get("name"), str):
+        out["name"] = m["name"]
+    if isinstance(m.get("task"), str):
+        out["task"] = m["task"]
+    if role == "developer":
+        out["tools"] = m.get("tools")
+    return out
+
+
+def _system_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM, for a template without a developer role: developer messages become system ones, and all
+    system messages are merged into one at the start (parts by newline, messages by a blank line)."""
+    messages = [
+        {k: v for k, v in m.items() if k != "tools"} | {"role": "system"} if m["role"] == "developer" else m
+        for m in messages
+    ]
+    texts: list[str] = []
+    rest: list[dict[str, Any]] = []
+    merge = False
+    for i, m in enumerate(messages):
+        if m["role"] != "system":
+            rest.append(m)
+            continue
+        merge = merge or i > 0 or bool(texts)
+        c = m.get("content", "")
+        if isinstance(c, list):
+            c = "\n".join(
+                p["text"] if isinstance(p, dict) else p for p in c if isinstance(p, str) or "text" in p
+            )
+        if c:
+            texts.append(c)
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest] if merge else messages
+
+
+def _vllm_tool(tool: Any) -> dict[str, Any]:
+    """One tool as vLLM's request model dumps it: fixed key order, absent description and parameters as
+    null, unknown keys dropped."""
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if (
+        not isinstance(fn, dict)
+        or not isinstance(fn.get("name"), str)
+        or tool.get("type", "function") != "function"
+    ):
+        raise Untokenizable(
+            Reason.REJECTED, "each tool must be {'type': 'function', 'function': {'name': ...}}"
+        )
+    out_fn = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
+    if fn.get("strict") is not None:
+        out_fn["strict"] = fn["strict"]
+    defer = fn.get("defer_loading")
+    if defer is None:
+        defer = tool.get("defer_loading")
+    if defer is not None:
+        out_fn["defer_loading"] = defer
+    out = {"type": "function", "function": out_fn}
+    if tool.get("defer_loading") is not None:
+        out["defer_loading"] = tool["defer_loading"]
+    return out
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    # vLLM's layering: a null or "auto" leaves the layer below as it is.
+    return base | {
+        k: v for k, v in over.items() if v is not None and not (isinstance(v, str) and v == "auto")
+    }
+
+
+# ``apply_chat_template``'s own parameters: always accepted from the request, never template variables
+# (except the four it passes on to the template itself).
+_LIBRARY_PARAMS = frozenset(
+    {
+        "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
+        "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+        "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+_RENDERED_PARAMS = ("tools", "documents", "add_generation_prompt")
+
+
+def prepare_vllm(body: Mapping[str, Any], template: ChatTemplate, specials: Mapping[str, str]) -> ChatPrompt:
+    """A chat completion request as vLLM 0.33 hands it to its template and tokenizer."""
+    kwargs = _template_kwargs(body)
+    _no_request_template(body, kwargs)
+    add_generation = _bool(body, "add_generation_prompt", True)
+    continue_final = _bool(body, "continue_final_message", False)
+    if add_generation and continue_final:
+        raise Untokenizable(Reason.REJECTED, "add_generation_prompt and continue_final_message together")
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise Untokenizable(Reason.REJECTED, "'tools' must be a list")
+        tools = [_vllm_tool(t) for t in tools]
+    fmt = template.content_format
+    messages = []
+    for m in body["messages"]:
+        m = dict(m)
+        if m.get("reasoning") is None and m.get("reasoning_content") is not None:
+            m["reasoning"] = m["reasoning_content"]
+        messages.append(_vllm_message(m, fmt))
+    if any(m["role"] == "developer" for m in messages) and not template.mentions_developer:
+        messages = _system_first(messages)
+
+    # The layers, lowest first: tools, the request's chat_template_kwargs, the request's own fields.
+    effort = body.get("reasoning_effort")
+    fields: dict[str, Any] = {
+        "add_generation_prompt": add_generation,
+        "continue_final_message": continue_final,
+        "documents": body.get("documents"),
+        "reasoning_effort": effort,
+    }
+    if effort is not None and "enable_thinking" not in kwargs:
+        fields["enable_thinking"] = effort != "none"
+    if "tokenize" in kwargs:
+        raise Untokenizable(Reason.UNSUPPORTED, "'tokenize' in chat_template_kwargs")
+    merged = _merge(_merge({"tools": tools, "tokenize": False}, kwargs), fields)
+    if merged.get("sanitize_control_tokens") or merged.get("return_assistant_tokens_mask"):
+        raise Untokenizable(Reason.REJECTED, "a library flag that needs tokenize=True")
+    # Only what the library takes or the template reads reaches the render.
+    accepted = (_LIBRARY_PARAMS | template.variables) - {"chat_template", "tokenize"}
+    merged = {k: v for k, v in merged.items() if k in accepted}
+    documents = merged.get("documents")
+    if documents is not None and not (
+        isinstance(documents, list) and all(isinstance(d, dict) for d in documents)
+    ):
+        raise Untokenizable(Reason.REJECTED, "'documents' must be a list of objects")
+    variables = {**specials, **{k: v for k, v in merged.items() if k not in _LIBRARY_PARAMS}}
+    variables.update({k: merged.get(k) for k in _RENDERED_PARAMS})
+    variables["add_generation_prompt"] = bool(variables["add_generation_prompt"])
+    return ChatPrompt(
+        messages=messages,
+        variables=variables,
+        continue_final=bool(merged.get("continue_final_message")),
+        add_special_tokens=_bool(body, "add_special_tokens", False),
+    )
+
+
+def prepare(
+    body: Mapping[str, Any], family: Family, template: ChatTemplate, specials: Mapping[str, str]
+) -> ChatPrompt:
+    if family is Family.VLLM:
+        return prepare_vllm(body, template, specials)
+    raise Untokenizable(Reason.UNSUPPORTED, f"chat preprocessing of the {family} family")
