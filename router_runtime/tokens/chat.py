@@ -104,9 +104,15 @@ _KNOWN_PART_KEYS = frozenset(
 _BILLING_HEADER = "x-anthropic-billing-header"
 
 
+# The Responses API's text part types: vLLM's chat completion request model refuses them.
+_RESPONSES_TEXT = frozenset({"input_text", "output_text"})
+
+
 def _part_type(part: Mapping[str, Any]) -> str:
     t = part.get("type")
     if isinstance(t, str) and part.get("uuid") is None:
+        if t in _RESPONSES_TEXT:
+            raise Untokenizable(Reason.REJECTED, f"a {t!r} part in a chat completion")
         if t in _TEXT_KEYS:
             return t
         if t in _MEDIA_TYPES:
@@ -165,7 +171,9 @@ def _strip_billing_header(parts: list[Any]) -> list[Any]:
 
 
 def _vllm_tool_calls(calls: Any) -> list[dict] | None:
-    """Tool calls with ``arguments`` as an object (parsed from its JSON; ``{}`` when it is not one)."""
+    """Tool calls as vLLM's request model rebuilds them (``id``, ``function`` with ``arguments`` then
+    ``name``, ``type``, then any other keys: the order a template's ``tojson`` shows), ``arguments``
+    parsed from its JSON into an object (``{}`` when it is not one)."""
     if not isinstance(calls, list):
         raise Untokenizable(Reason.REJECTED, "'tool_calls' must be a list")
     if not calls:
@@ -175,18 +183,21 @@ def _vllm_tool_calls(calls: Any) -> list[dict] | None:
         if not isinstance(call, dict):
             raise Untokenizable(Reason.REJECTED, "each tool call must be an object")
         fn = call.get("function")
-        if call.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise Untokenizable(Reason.REJECTED, "tool calls must be of type 'function'")
-        args = fn.get("arguments")
-        if args and not isinstance(args, dict):
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except ValueError:
-                    args = None
-            if not isinstance(args, dict):
-                args = {}
-        out.append({**call, "function": {**fn, "arguments": args or {}}})
+        if call.get("type") != "function" or not isinstance(fn, dict) or not isinstance(call.get("id"), str):
+            raise Untokenizable(Reason.REJECTED, "tool calls need an 'id', type 'function' and a 'function'")
+        name, args = fn.get("name"), fn.get("arguments")
+        if not isinstance(name, str) or not isinstance(args, str):
+            raise Untokenizable(
+                Reason.REJECTED, "a tool call's function needs a 'name' and 'arguments' string"
+            )
+        try:
+            parsed = json.loads(args) if args else {}
+        except ValueError:
+            parsed = {}
+        function = {"arguments": parsed if isinstance(parsed, dict) else {}, "name": name}
+        function |= {k: v for k, v in fn.items() if k not in function}
+        rebuilt = {"id": call["id"], "function": function, "type": "function"}
+        out.append(rebuilt | {k: v for k, v in call.items() if k not in rebuilt})
     return out
 
 
@@ -312,6 +323,13 @@ def prepare_vllm(body: Mapping[str, Any], template: ChatTemplate, specials: Mapp
         if not isinstance(tools, list):
             raise Untokenizable(Reason.REJECTED, "'tools' must be a list")
         tools = [_vllm_tool(t) for t in tools]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        name = (
+            (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        )
+        if not any(t["function"]["name"] == name for t in tools or ()):
+            raise Untokenizable(Reason.REJECTED, "the tool named in 'tool_choice' is not among 'tools'")
     fmt = template.content_format
     messages = []
     for m in body["messages"]:
@@ -337,9 +355,7 @@ def prepare_vllm(body: Mapping[str, Any], template: ChatTemplate, specials: Mapp
     merged = _merge(_merge({"tools": tools, "tokenize": False}, kwargs), fields)
     if merged.get("sanitize_control_tokens") or merged.get("return_assistant_tokens_mask"):
         raise Untokenizable(Reason.REJECTED, "a library flag that needs tokenize=True")
-    # Only what the library takes or the template reads reaches the render.
-    accepted = (_LIBRARY_PARAMS | template.variables) - {"chat_template", "tokenize"}
-    merged = {k: v for k, v in merged.items() if k in accepted}
+    # vLLM then drops the keys the template never reads, which changes nothing it renders.
     documents = merged.get("documents")
     if documents is not None and not (
         isinstance(documents, list) and all(isinstance(d, dict) for d in documents)

@@ -12,8 +12,6 @@ Facts, each computed once per template:
   list of parts), else "string", the way vLLM detects it: loops over ``messages`` or an alias of it,
   then loops over ``<message>.content``, over a macro parameter bound to it, or over a bare ``content``
   outside macros. SGLang's rule is cruder (``sglang_content_format``).
-- ``variables``: the names the template reads but never sets (vLLM passes a request's
-  ``chat_template_kwargs`` only when the template reads them).
 - ``mentions_developer``: whether the template knows the ``developer`` role.
 """
 
@@ -28,7 +26,6 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
-import jinja2.meta
 import jinja2.nodes as nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -107,10 +104,6 @@ class ChatTemplate:
             if _key_of(it) == "content" and _name_of(_base(it)) in ("message", "msg", "m"):
                 return ContentFormat.OPENAI
         return ContentFormat.STRING
-
-    @cached_property
-    def variables(self) -> frozenset[str]:
-        return frozenset(jinja2.meta.find_undeclared_variables(self._ast))
 
     @cached_property
     def mentions_developer(self) -> bool:

