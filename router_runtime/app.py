@@ -51,7 +51,8 @@ from .routing.types import Policy
 from .sessions.affinity import SessionAffinity
 from .sessions.metrics import SessionMetrics
 from .sessions.snapshot import from_wire, to_wire
-from .tokens.tokenizer import AsyncTokenizer, Tokenizer, load_tokenizer
+from .tokens.engine import EngineTokenizer
+from .tokens.tokenizer import ENGINE_TOKENIZER, AsyncTokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +110,7 @@ class Router:
         )
         self.proxy = Proxy(
             policy=self.policy,
-            tokenizer=AsyncTokenizer(
-                tokenizer
-                if tokenizer is not None
-                else load_tokenizer(config.tokenizer, config.chat_family, config.chat_template),
-                self.executor,
-                config.tokenize_inline_max_bytes,
-            ),
+            tokenizer=self._tokenizer(tokenizer),
             targets=self.targets,
             health=self.health,
             load=self.load,
@@ -276,6 +271,17 @@ class Router:
         self.bootstrap_metrics.peers.set(len(registry.peers))
         self.bootstrap_metrics.peers_synced.set(1)
 
+    def _tokenizer(self, given: Tokenizer | None) -> AsyncTokenizer | EngineTokenizer:
+        c = self.config
+        if given is None and c.tokenizer == ENGINE_TOKENIZER:
+            return EngineTokenizer(
+                lambda: [u for e, u in self.targets.urls.items() if self.health.available(e)],
+                c.chat_family,
+                timeout_s=c.engine_tokenize_timeout_s,
+            )
+        tok = given if given is not None else load_tokenizer(c.tokenizer, c.chat_family, c.chat_template)
+        return AsyncTokenizer(tok, self.executor, c.tokenize_inline_max_bytes)
+
     async def start(self) -> None:
         await self.kv.start()
         await self.proxy.start()
@@ -308,6 +314,8 @@ class Router:
                 await self._checker_task
             self._checker_task = None
         await self.proxy.close()
+        if isinstance(self.proxy.tokenizer, EngineTokenizer):
+            await self.proxy.tokenizer.close()
         await self.kv.stop()
         self.executor.shutdown(wait=False, cancel_futures=True)
 

@@ -13,7 +13,7 @@ from .kv.plane import WorkerSpec
 from .proxy.serving import ServerLimits
 from .routing.policies import POLICY_NAMES, PolicyConfig
 from .sessions.config import SessionConfig
-from .tokens.tokenizer import ChatTemplateSpecError, Family, TokenizerError, load_tokenizer
+from .tokens.tokenizer import ENGINE_TOKENIZER, ChatTemplateSpecError, Family, TokenizerError, load_tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +38,7 @@ class RouterConfig:
     tokenizer: str = "bytes"  # "bytes" or a Hugging Face tokenizer directory
     chat_family: Family = Family.VLLM  # whose chat preprocessing the router reproduces
     chat_template: str | None = None  # the engines' own --chat-template (a file, or a template name)
+    engine_tokenize_timeout_s: float = 0.1  # --tokenizer engine: the deadline of one tokenize call
     tokenizer_threads: int = 0  # 0: min(4, CPUs)
     tokenize_inline_max_bytes: int = 16 << 10  # larger request bodies tokenize (and parse) on the pool
     # The request plane.
@@ -202,9 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer",
         default="bytes",
         metavar="bytes|PATH",
-        help="tokenizer for prefix matching: 'bytes' (the fake engine's), or a directory holding a Hugging "
-        "Face tokenizer.json (and tokenizer_config.json or chat_template.jinja for the chat template); "
-        "default bytes",
+        help="tokenizer for prefix matching: 'bytes' (the fake engine's), a directory holding a Hugging "
+        "Face tokenizer.json (and tokenizer_config.json or chat_template.jinja for the chat template), or "
+        "'engine' (the engines' own tokenize endpoint, under --engine-tokenize-timeout-ms); default bytes",
+    )
+    r.add_argument(
+        "--engine-tokenize-timeout-ms",
+        type=_positive_int,
+        default=100,
+        help="with --tokenizer engine: the deadline of one tokenize call; past it the request routes"
+        " without tokens (default 100)",
     )
     r.add_argument(
         "--chat-family",
@@ -542,6 +550,10 @@ def _policy_config(parser: argparse.ArgumentParser, a: argparse.Namespace) -> Po
 
 
 def _check_tokenizer(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.tokenizer == ENGINE_TOKENIZER:
+        if a.chat_template is not None:
+            parser.error("argument --chat-template: not with --tokenizer engine (the engines render)")
+        return
     try:
         load_tokenizer(a.tokenizer, a.chat_family, a.chat_template)  # cached: the router reuses it
     except ChatTemplateSpecError as exc:
@@ -614,6 +626,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         tokenizer=a.tokenizer,
         chat_family=a.chat_family,
         chat_template=a.chat_template,
+        engine_tokenize_timeout_s=a.engine_tokenize_timeout_ms / 1000,
         tokenizer_threads=a.tokenizer_threads or 0,
         connect_timeout_s=a.connect_timeout_ms / 1000,
         first_byte_timeout_s=a.first_byte_timeout_ms / 1000,

@@ -97,7 +97,7 @@ async def test_requests_route_to_the_engine_holding_their_engine_computed_prefix
     block matched; every refused one is counted as untokenized."""
     tok = _tokenizer("qwen3")
     vectors = [v for v in VLLM if v["tokenizer"] == "qwen3"]
-    async with kv_fleet(tokenizer=tok) as (engines, router, url, s):
+    async with kv_fleet(with_tokenizer=tok) as (engines, router, url, s):
         holder = engines[1]
         for v in vectors:
             if "token_ids" in v:
@@ -126,3 +126,17 @@ async def test_requests_route_to_the_engine_holding_their_engine_computed_prefix
                 assert predicted == len(v["token_ids"]) // 4 * 4, v["case"]
         counted = sum(sample(router, "routerfleet_untokenized_requests_total", reason=x) for x in Reason)
         assert counted == refused > 0
+
+
+SGLANG = _vectors("sglang-0.5.23.jsonl")
+
+
+async def test_the_sglang_family_routes_cache_blind_and_says_so():
+    """SGLang's rules are not reproduced yet (docs/tokens.md): every request is refused as
+    unsupported, the visible no, rather than tokenized by vLLM's rules, which differ."""
+    path, _ = TOKENIZERS["qwen3"]
+    tok = load_tokenizer(path(), Family.SGLANG, None)
+    for v in (v for v in SGLANG if v["tokenizer"] == "qwen3" and "token_ids" in v):
+        with pytest.raises(Untokenizable) as e:
+            await _router_ids(tok, v["request"])
+        assert e.value.reason is Reason.UNSUPPORTED

@@ -27,8 +27,9 @@ ENGINE_HEADER = "X-RouterFleet-Engine"
 
 
 @contextlib.asynccontextmanager
-async def kv_fleet(n: int = 3, engine_kw=None, tokenizer=None, **config):
-    """``n`` engines publishing KV events to one kv_aware router, every subscription joined."""
+async def kv_fleet(n: int = 3, engine_kw=None, with_tokenizer=None, **config):
+    """``n`` engines publishing KV events to one kv_aware router, every subscription joined;
+    ``with_tokenizer`` a tokenizer object in place of the config's ``tokenizer``."""
     async with contextlib.AsyncExitStack() as stack:
         engines = [
             await stack.enter_async_context(run_fake_engine(block_size=BS, **(engine_kw or {})))
@@ -39,7 +40,7 @@ async def kv_fleet(n: int = 3, engine_kw=None, tokenizer=None, **config):
             for e in engines
         )
         cfg = RouterConfig(port=0, workers=workers, block_size=BS, health_interval_s=0, **config)
-        router, url = await stack.enter_async_context(run_router(cfg, tokenizer=tokenizer))
+        router, url = await stack.enter_async_context(run_router(cfg, tokenizer=with_tokenizer))
         by_url = {e.http_url: e for e in engines}
         for sub in router.kv.subscriptions():
             await join_stream(by_url[sub.carrier.engine].publisher, sub)
@@ -130,7 +131,7 @@ async def test_a_hugging_face_tokenizer_drives_matching(tmp_path):
         {"role": "system", "content": "you are a helpful assistant"},
         {"role": "user", "content": "hello world"},
     ]
-    async with kv_fleet(tokenizer=hf) as (engines, router, url, s):
+    async with kv_fleet(with_tokenizer=hf) as (engines, router, url, s):
         # The engines cache what the router's tokenizer makes of these prompts.
         for engine, ids in ((engines[0], hf.encode(text)), (engines[2], hf.chat_ids({"messages": chat}))):
             async with s.post(engine.http_url + "/admin/store", json={"token_ids": ids}) as r:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from ..http_body import read_capped
 from .peers import Peer
 from .state import SnapshotOutcome
 from .wire import Limits, WireError, WireSnapshot, decode, inflate
@@ -64,12 +65,10 @@ class SnapshotFetcher:
             async with self._sess().get(
                 peer.url + "/internal/kv_snapshot", params=params, headers=headers
             ) as r:
-                body = bytearray()
-                async for chunk in r.content.iter_chunked(1 << 20):
-                    body += chunk
-                    if len(body) > cap:
-                        raise FetchFailed(SnapshotOutcome.REJECTED, "body over the limit")
-                return r.status, bytes(body), r.headers.get("Content-Encoding", "")
+                body = await read_capped(r.content, cap)
+                if body is None:
+                    raise FetchFailed(SnapshotOutcome.REJECTED, "body over the limit")
+                return r.status, body, r.headers.get("Content-Encoding", "")
         except FetchFailed:
             raise
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:

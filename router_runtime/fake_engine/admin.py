@@ -21,6 +21,8 @@ or null when the op changed nothing (no events -> no batch, as an engine step wi
   PUB. ``keep_in_replay`` true buffers each as an empty batch (replay fills the gap); false loses them.
 - ``POST /admin/wipe_storage {}``: invalidate the disk tier (BlockRemoved per disk block on every rank)
   and move the storage epoch; needs ``--storage-dir``. Answers ``{"storage_epoch"}``.
+- ``POST /admin/tokenize_faults {"delay_ms"?=0, "status"?=200}``: the tokenize endpoints answer after
+  that delay, with that status (an error body unless 200); ``{}`` clears both.
 - ``GET /admin/state``: ``{"incarnation", "dialect", "block_size", "ranks": [{"rank", "last_seq",
   "blocks": {"device": [u64...], "host": [u64...]}}]}``; hashes least recently used first,
   ``last_seq`` -1 before the first batch. Hashes are JSON integers up to 2**64-1 (beyond a JS double).
@@ -171,6 +173,15 @@ class _Admin:
         last = self.engine.publisher.skip(rank, n, _bool(body, "keep_in_replay", True))
         return web.json_response({"rank": rank, "last_seq": last})
 
+    async def tokenize_faults(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        status = _int(body, "status", 200, minimum=200)
+        if status > 599:
+            raise RequestError("'status' must be an HTTP status", "status")
+        faults = self.engine.tokenize_faults
+        faults.delay_s, faults.status = _int(body, "delay_ms", 0) / 1000, status
+        return web.json_response({"delay_ms": faults.delay_s * 1000, "status": faults.status})
+
     async def state(self, _request: web.Request) -> web.Response:
         return web.json_response(self.engine.state())
 
@@ -195,6 +206,7 @@ def admin_routes(engine: FakeEngine) -> list[web.RouteDef]:
         "publish_raw": admin.publish_raw,
         "skip_seq": admin.skip_seq,
         "wipe_storage": admin.wipe_storage,
+        "tokenize_faults": admin.tokenize_faults,
     }
     return [
         *(web.post(f"/admin/{name}", _errors_as_400(h)) for name, h in posts.items()),

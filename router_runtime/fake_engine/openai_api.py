@@ -169,6 +169,21 @@ def parse_chat(body: Any) -> GenerationRequest:
     return _common(body, Kind.CHAT, tokens_of)
 
 
+def tokenize_request(body: Any) -> list[int]:
+    """A tokenize endpoint's body -> token IDs: ``prompt`` (a string) as a completion encodes it, or
+    ``messages`` as a chat completion renders and encodes them."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    if isinstance(body.get("prompt"), str):
+        return encode(body["prompt"])
+    if "messages" in body:
+        try:
+            return encode(render_chat(body["messages"]))
+        except ValueError as e:
+            raise RequestError(f"invalid 'messages': {e}", "messages") from None
+    raise RequestError("'prompt' (a string) or 'messages' is required", "prompt")
+
+
 # ----------------------------------------------------------------------------------------- output
 
 

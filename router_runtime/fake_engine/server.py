@@ -47,6 +47,7 @@ from router_runtime.fake_engine.openai_api import (
     parse_chat,
     parse_completion,
     parse_json_body,
+    tokenize_request,
     usage_json,
 )
 from router_runtime.fake_engine.publisher import Drop, KvPublisher
@@ -59,6 +60,14 @@ log = logging.getLogger(__name__)
 RANK_HEADER = "X-Data-Parallel-Rank"
 INCARNATION_HEADER = "X-Engine-Incarnation"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+@dataclass(slots=True)
+class TokenizeFaults:
+    """Faults of the tokenize endpoint: answer after ``delay_s``, with ``status`` (200: no fault)."""
+
+    delay_s: float = 0.0
+    status: int = 200
 
 
 @dataclass(slots=True)
@@ -106,6 +115,7 @@ class FakeEngine:
         self.load = LoadStats()
         self.rank_load = [LoadStats() for _ in range(config.dp_size)]  # the same, per DP rank
         self._round_robin = itertools.cycle(range(config.dp_size))
+        self.tokenize_faults = TokenizeFaults()  # set through /admin/tokenize_faults (tests)
         self._request_ids = itertools.count(1)
         self._slots: asyncio.Semaphore | None = None
         self._publisher: KvPublisher | None = None
@@ -266,6 +276,8 @@ class FakeEngine:
             [
                 web.post("/v1/completions", self._completions),
                 web.post("/v1/chat/completions", self._chat_completions),
+                web.post("/tokenize", self._tokenize),  # vLLM's
+                web.post("/v1/tokenize", self._tokenize),  # SGLang's
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
@@ -327,6 +339,27 @@ class FakeEngine:
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_chat)
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """The engines' tokenize endpoint: a ``prompt`` or chat ``messages`` -> the token IDs a
+        completion or chat completion of it would run on (``{"count", "max_model_len", "tokens"}``)."""
+        faults = self.tokenize_faults
+        if faults.delay_s:
+            await asyncio.sleep(faults.delay_s)
+        if faults.status != 200:
+            return web.json_response({"error": {"message": "injected fault"}}, status=faults.status)
+        try:
+            tokens = tokenize_request(parse_json_body(await request.read()))
+        except RequestError as e:
+            return bad_request(e)
+        return web.json_response(
+            {
+                "count": len(tokens),
+                "max_model_len": self.config.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
 
     def _pick_rank(self, req: GenerationRequest, request: web.Request) -> int:
         rank = req.rank

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from ..http_body import read_capped
 from .view import EngineSample, RankLoad
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,7 @@ class EngineLoadScraper:
                 if r.status != 200:
                     self.sink(engine, None, "error")
                     return
-                body = await _read_capped(r.content, self.config.max_bytes)
+                body = await read_capped(r.content, self.config.max_bytes)
             if body is None:
                 self.sink(engine, None, "too_large")
                 return
@@ -203,14 +204,3 @@ class EngineLoadScraper:
             self.sink(engine, None, "error")
         else:
             self.sink(engine, sample, "ok")
-
-
-async def _read_capped(stream: aiohttp.StreamReader, cap: int) -> bytes | None:
-    """The whole body, or None past ``cap`` bytes (read in chunks: one read may return any part)."""
-    chunks, size = [], 0
-    while chunk := await stream.read(1 << 16):
-        size += len(chunk)
-        if size > cap:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)

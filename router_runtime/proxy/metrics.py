@@ -33,7 +33,7 @@ class ProxyMetrics:
         )
         self.untokenized = Counter(
             p + "untokenized_requests",
-            "Chat requests routed without tokens: the router cannot tokenize them as the engine would",
+            "Requests routed without tokens: the router cannot tokenize them as the engine would",
             ["reason"],
             registry=registry,
         )

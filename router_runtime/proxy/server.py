@@ -40,6 +40,7 @@ from ..kv.index import Carrier, RadixIndex
 from ..routing.types import Decision, Policy, RouteRequest, Target
 from ..sessions.affinity import SessionAffinity, SessionCtx
 from ..sessions.classify import promote
+from ..tokens.engine import EngineTokenizer
 from ..tokens.tokenizer import AsyncTokenizer, Untokenizable
 from .audit import Prediction, UsageScan, judge
 from .errors import (
@@ -109,7 +110,7 @@ class Proxy:
         self,
         *,
         policy: Policy,
-        tokenizer: AsyncTokenizer,
+        tokenizer: AsyncTokenizer | EngineTokenizer,
         targets: TargetBook,
         health: HealthBoard,
         load: LoadTracker,
@@ -290,6 +291,8 @@ class Proxy:
                     tokens = await self.tokenizer.prompt(parsed.text, size)
                 except UnicodeEncodeError:  # a lone surrogate ("\ud800"): no engine can take it either
                     raise bad_request("'prompt' is not valid Unicode text", "prompt") from None
+                except Untokenizable as e:  # --tokenizer engine, and the engine did not answer in time
+                    self.metrics.untokenized.labels(e.reason).inc()
             else:
                 try:
                     tokens = await self.tokenizer.chat_ids(parsed.chat, size)

@@ -36,6 +36,8 @@ class Reason(enum.StrEnum):
     UNSUPPORTED = "unsupported"  # a construct the router does not reproduce
     REJECTED = "rejected"  # a request the engine answers 400 (malformed message, conflicting flags)
     TEMPLATE_ERROR = "template_error"  # the template raised
+    ENGINE_TIMEOUT = "engine_timeout"  # --tokenizer engine: the engine's answer missed its deadline
+    ENGINE_ERROR = "engine_error"  # --tokenizer engine: no engine, an error, an answer that does not vet
 
 
 class Untokenizable(ValueError):

@@ -25,7 +25,10 @@ from . import bytes_tokenizer
 from .chat import Family, Reason, Untokenizable
 from .hf import HFTokenizer, TokenizerError
 
+ENGINE_TOKENIZER = "engine"  # --tokenizer engine: the engines tokenize (engine.py)
+
 __all__ = [
+    "ENGINE_TOKENIZER",
     "AsyncTokenizer",
     "BytesTokenizer",
     "ChatTemplateSpecError",

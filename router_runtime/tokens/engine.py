@@ -1,0 +1,157 @@
+"""``--tokenizer engine``: the engines tokenize for the router (docs/tokens.md).
+
+For a model whose template the router cannot reproduce locally, the engine's own tokenize endpoint
+gives the exact IDs: vLLM's ``POST /tokenize`` (always served; the render endpoints need
+``--enable-scale-out``), SGLang's ``POST /v1/tokenize``. A request never waits long for it: one call
+to one healthy engine in turn, under a hard deadline; a timeout, an error or an answer that does not
+vet routes the request without tokens (counted as ``engine_timeout`` / ``engine_error``), and it is
+still served. Answers are kept in a bounded LRU keyed by a digest of what was asked, so the turns of a
+conversation that repeat a request (retries, several replicas' probes) cost one call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import aiohttp
+
+from ..http_body import read_capped
+from .chat import Family, Reason, Untokenizable
+
+MAX_ANSWER_BYTES = 16 << 20  # a tokenize answer larger than this is refused (about 2M token IDs)
+
+# What each engine's tokenize endpoint accepts of a chat request (it ignores other keys, so a request
+# that needs one it cannot take is refused rather than tokenized differently).
+_VLLM_CHAT_KEYS = (
+    "messages", "tools", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+    "chat_template", "chat_template_kwargs",
+)  # fmt: skip
+_SGLANG_CHAT_KEYS = ("messages", "tools", "tool_choice", "reasoning_effort", "continue_final_message",
+                     "chat_template_kwargs")  # fmt: skip
+
+
+def tokenize_body(body: Mapping[str, Any], family: Family) -> dict[str, Any]:
+    """A chat request as the engine family's tokenize endpoint takes it (pure). Raises Untokenizable
+    for a field the endpoint would silently drop."""
+    if family is Family.SGLANG:
+        # Without add_generation_prompt, SGLang renders it exactly as a chat completion.
+        return {k: body[k] for k in _SGLANG_CHAT_KEYS if body.get(k) is not None}
+    if body.get("documents") is not None:
+        raise Untokenizable(Reason.UNSUPPORTED, "vLLM's /tokenize takes no 'documents'")
+    out = {k: body[k] for k in _VLLM_CHAT_KEYS if body.get(k) is not None}
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # what the chat path derives from it, as template variables
+        kwargs = dict(out.get("chat_template_kwargs") or {})
+        kwargs.setdefault("reasoning_effort", effort)
+        kwargs.setdefault("enable_thinking", effort != "none")
+        out["chat_template_kwargs"] = kwargs
+    return out
+
+
+def vet_tokens(answer: Any) -> array:
+    """An engine's tokenize answer -> its token IDs; raises ValueError unless it is an object whose
+    ``tokens`` is a list of integers in [0, 2**32) (a bool is not one)."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("tokens"), list):
+        raise ValueError("no 'tokens' list")
+    tokens = answer["tokens"]
+    if any(type(t) is not int for t in tokens):
+        raise ValueError("'tokens' holds a value that is not an integer")
+    try:
+        return array("I", tokens)
+    except OverflowError:
+        raise ValueError("a token ID outside [0, 2**32)") from None
+
+
+class EngineTokenizer:
+    """The async tokenizer interface of ``AsyncTokenizer``, answered by the engines.
+
+    ``engines`` gives the base URLs of the engines that may be asked now (healthy ones)."""
+
+    name = "engine"
+
+    def __init__(
+        self,
+        engines: Callable[[], Sequence[str]],
+        family: Family = Family.VLLM,
+        *,
+        timeout_s: float = 0.1,
+        cache_entries: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engines = engines
+        self.family = family
+        self.timeout_s = timeout_s
+        self.cache_entries = cache_entries
+        self.clock = clock
+        self._cache: OrderedDict[bytes, array] = OrderedDict()
+        self._turn = 0
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def path(self) -> str:
+        return "/v1/tokenize" if self.family is Family.SGLANG else "/tokenize"
+
+    async def prompt(self, text: str, size: int) -> Sequence[int]:
+        """A completion prompt's IDs (the engines add their special tokens, as for a completion)."""
+        return await self._ask({"prompt": text, "add_special_tokens": True})
+
+    async def chat_ids(self, body: Mapping[str, Any], size: int) -> Sequence[int]:
+        return await self._ask(tokenize_body(body, self.family))
+
+    async def chat_text(self, body: Mapping[str, Any], size: int) -> str:
+        raise Untokenizable(Reason.UNSUPPORTED, "the engines' tokenize endpoints return no prompt text")
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _ask(self, request: dict[str, Any]) -> array:
+        raw = json.dumps(request, separators=(",", ":"), sort_keys=True, ensure_ascii=False).encode()
+        key = hashlib.blake2b(raw, digest_size=16).digest()
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        engines = self.engines()
+        if not engines:
+            raise Untokenizable(Reason.ENGINE_ERROR, "no healthy engine to tokenize")
+        url = engines[self._turn % len(engines)] + self.path
+        self._turn += 1
+        try:
+            tokens = await asyncio.wait_for(self._post(url, raw), self.timeout_s)
+        except TimeoutError:
+            raise Untokenizable(Reason.ENGINE_TIMEOUT, "the engine's tokenize missed its deadline") from None
+        except (
+            aiohttp.ClientError,
+            ValueError,
+        ) as e:  # unreachable, non-200, or an answer that fails vetting
+            raise Untokenizable(
+                Reason.ENGINE_ERROR, f"the engine's tokenize failed: {type(e).__name__}"
+            ) from None
+        self._cache[key] = tokens
+        if len(self._cache) > self.cache_entries:
+            self._cache.popitem(last=False)
+        return tokens
+
+    async def _post(self, url: str, raw: bytes) -> array:
+        if self._session is None:
+            # Its own small pool: tokenize calls never take a connection the proxy would use.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit_per_host=4, keepalive_timeout=4.0)
+            )
+        headers = {"Content-Type": "application/json"}
+        async with self._session.post(url, data=raw, headers=headers) as r:
+            if r.status != 200:
+                raise ValueError(f"HTTP {r.status}")
+            body = await read_capped(r.content, MAX_ANSWER_BYTES)
+        if body is None:
+            raise ValueError("answer too large")
+        return vet_tokens(json.loads(body))
