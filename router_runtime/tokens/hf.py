@@ -204,6 +204,8 @@ class HFTokenizer:
         template, prompt = self.prepare(body)
         text = self._render(template, prompt)
         specials = prompt.add_special_tokens
+        if specials is None:  # SGLang: only for a tokenizer that adds nothing to an empty text
+            specials = not self._tok.encode("", add_special_tokens=True).ids
         if unlocked:
             ids = self._tok.encode_batch([text], add_special_tokens=specials)[0].ids
         else:

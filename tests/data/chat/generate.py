@@ -649,6 +649,7 @@ class SglangReference:
                 "_handle_last_assistant_message",
                 "_append_assistant_prefix_to_prompt_ids",
                 "_canonicalize_tool_message_order",
+                "_sort_tool_message_run",
                 "_probe_prompt_text_round_trip",
                 "_thinking_requested",
                 "_get_reasoning_from_request",
@@ -734,6 +735,8 @@ class SglangServer:
 
     def __init__(self, ref: SglangReference, tokenizer: Any, template: Path | None) -> None:
         self.ref = ref
+        # A classmethod of the wheel's calls it on the class (cls._sort_tool_message_run).
+        type(self)._sort_tool_message_run = ref.serving_methods["_sort_tool_message_run"]
         self.rendered: list[str] = []
         # TokenizerManager / TemplateManager state.
         self.tokenizer_manager = types.SimpleNamespace(
