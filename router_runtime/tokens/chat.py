@@ -302,8 +302,8 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-# ``apply_chat_template``'s own parameters: always accepted from the request, never template variables
-# (except the four it passes on to the template itself).
+# ``apply_chat_template``'s own parameters: never template variables, except the three it passes on to
+# the template itself (``_RENDERED_PARAMS``).
 _LIBRARY_PARAMS = frozenset(
     {
         "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
@@ -329,9 +329,8 @@ def prepare_vllm(body: Mapping[str, Any], template: ChatTemplate, specials: Mapp
         tools = [_vllm_tool(t) for t in tools]
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
-        name = (
-            (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
-        )
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
         if not any(t["function"]["name"] == name for t in tools or ()):
             raise Untokenizable(Reason.REJECTED, "the tool named in 'tool_choice' is not among 'tools'")
     fmt = template.content_format
