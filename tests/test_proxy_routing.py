@@ -200,9 +200,9 @@ class CountingTokenizer(BytesTokenizer):
     def __init__(self) -> None:
         self.calls = 0
 
-    def encode(self, text):
+    def prompt_ids(self, text, body, *, unlocked=False):
         self.calls += 1
-        return super().encode(text)
+        return super().prompt_ids(text, body, unlocked=unlocked)
 
     def render_chat(self, body):  # chat_ids renders too: one call per chat tokenized
         self.calls += 1

@@ -40,11 +40,11 @@ def test_completion_prompt_forms():
 def test_chat_forms():
     msgs = [{"role": "user", "content": "hi"}]
     p = parse_request({"messages": msgs}, Kind.CHAT)
-    assert p.chat == {"messages": msgs} and p.tokens is None and p.text is None
+    assert p.body == {"messages": msgs} and p.tokens is None and p.text is None
     # The whole body goes to the tokenizer: the engine's chat rules read tools, flags and kwargs too.
     tools = [{"type": "function", "function": {"name": "f"}}]
     body = {"messages": msgs, "tools": tools, "chat_template_kwargs": {"enable_thinking": False}}
-    assert parse_request(body, Kind.CHAT).chat is body
+    assert parse_request(body, Kind.CHAT).body is body
 
 
 @pytest.mark.parametrize(

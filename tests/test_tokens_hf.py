@@ -70,7 +70,7 @@ def test_completion_encoding_adds_bos(hf_dir):
     bos = raw.token_to_id("<s>")
     ids = tok.encode("hello world")
     assert ids == [bos, raw.token_to_id("hello"), raw.token_to_id("world")]
-    assert tok.encode_unlocked("hello world") == ids
+    assert tok.prompt_ids("hello world", {}, unlocked=True) == tok.prompt_ids("hello world", {}) == ids
 
 
 def test_chat_template_renders_with_generation_prompt_and_special_tokens(hf_dir):
@@ -198,9 +198,9 @@ async def test_large_prompts_are_tokenized_off_the_event_loop(hf_dir):
     failing = {"messages": [{"role": "tool", "content": "x"}]}
     with ThreadPoolExecutor(1) as pool:
         tok = AsyncTokenizer(rec, pool, inline_max_bytes=100)
-        small = await tok.prompt("hello world", size=50)
+        small = await tok.prompt("hello world", {}, size=50)
         assert rec.threads.pop() is threading.main_thread()
-        big = await tok.prompt("hello world", size=101)
+        big = await tok.prompt("hello world", {}, size=101)
         assert rec.threads.pop() is not threading.main_thread()
         assert small == big
         assert await tok.chat_ids(chat, 101) == await tok.chat_ids(chat, 1)

@@ -32,7 +32,7 @@ class ParsedRequest:
     stream: bool
     text: str | None = None  # a completion's text prompt
     tokens: array | None = None  # a completion's token-ID prompt (array('I'))
-    chat: dict[str, Any] | None = None  # a chat request's body: its engine's rules read more than messages
+    body: dict[str, Any] | None = None  # the request body: the engine's tokenization rules read its fields
     lora_name: str | None = None
     cache_salt: str | None = None
 
@@ -112,7 +112,7 @@ def parse_request(body: Any, kind: Kind) -> ParsedRequest:
             raise bad_request("'prompt' is required", "prompt")
         text, tokens = _prompt(body["prompt"])
         return ParsedRequest(
-            kind, stream, text=text, tokens=tokens, lora_name=lora_name, cache_salt=cache_salt
+            kind, stream, text=text, tokens=tokens, body=body, lora_name=lora_name, cache_salt=cache_salt
         )
     if "messages" not in body:
         raise bad_request("'messages' is required", "messages")
@@ -120,7 +120,7 @@ def parse_request(body: Any, kind: Kind) -> ParsedRequest:
     extra = body.get("chat_template_kwargs")
     if extra is not None and not isinstance(extra, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    return ParsedRequest(kind, stream, chat=body, lora_name=lora_name, cache_salt=cache_salt)
+    return ParsedRequest(kind, stream, body=body, lora_name=lora_name, cache_salt=cache_salt)
 
 
 __all__ = ["Kind", "ParsedRequest", "ProxyError", "parse_json", "parse_request"]

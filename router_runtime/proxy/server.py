@@ -288,19 +288,19 @@ class Proxy:
                 tokens = parsed.tokens
             elif parsed.text is not None:
                 try:
-                    tokens = await self.tokenizer.prompt(parsed.text, size)
+                    tokens = await self.tokenizer.prompt(parsed.text, parsed.body or {}, size)
                 except UnicodeEncodeError:  # a lone surrogate ("\ud800"): no engine can take it either
                     raise bad_request("'prompt' is not valid Unicode text", "prompt") from None
-                except Untokenizable as e:  # --tokenizer engine, and the engine did not answer in time
+                except Untokenizable as e:  # a prompt the engine refuses, or no engine answer in time
                     self.metrics.untokenized.labels(e.reason).inc()
             else:
                 try:
-                    tokens = await self.tokenizer.chat_ids(parsed.chat, size)
+                    tokens = await self.tokenizer.chat_ids(parsed.body, size)
                 except Untokenizable as e:  # routed without tokens: never on a guessed sequence
                     self.metrics.untokenized.labels(e.reason).inc()
-        if self.needs_text and parsed.chat is not None:
+        if self.needs_text and parsed.kind is Kind.CHAT:
             try:
-                text = await self.tokenizer.chat_text(parsed.chat, size)
+                text = await self.tokenizer.chat_text(parsed.body, size)
             except Untokenizable as e:
                 self.metrics.untokenized.labels(e.reason).inc()
         return RouteRequest(

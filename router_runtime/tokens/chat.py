@@ -585,6 +585,31 @@ def prepare_sglang(
     return ChatPrompt(messages, variables, continue_final=False, add_special_tokens=None, suffix=suffix)
 
 
+@dataclass(frozen=True, slots=True)
+class CompletionFlags:
+    """How the engine encodes a completion's text prompt."""
+
+    add_special_tokens: bool
+    forced_bos: bool = False  # SGLang: a BOS the tokenizer class adds (``add_bos_token``) on top
+
+
+def completion_flags(body: Mapping[str, Any], family: Family) -> CompletionFlags:
+    """A text completion request's encode flags, by the engine family's rules. Raises Untokenizable:
+    vLLM refuses an empty prompt and ``suffix``, and keeps only the last ``truncate_prompt_tokens``
+    tokens (not reproduced: a prefix match on the whole prompt would be a false hit). SGLang ignores
+    ``add_special_tokens``, ``suffix`` and truncation, and its tokenizer class adds a BOS where the
+    checkpoint's config asks (``add_bos_token``)."""
+    if body.get("prompt") == "":
+        raise Untokenizable(Reason.REJECTED, "an empty prompt")
+    if family is Family.SGLANG:
+        return CompletionFlags(add_special_tokens=True, forced_bos=True)
+    if body.get("suffix") is not None:
+        raise Untokenizable(Reason.REJECTED, "'suffix' (vLLM renders no fill-in-the-middle)")
+    if body.get("truncate_prompt_tokens") is not None:
+        raise Untokenizable(Reason.UNSUPPORTED, "'truncate_prompt_tokens' keeps the prompt's end")
+    return CompletionFlags(add_special_tokens=_bool(body, "add_special_tokens", True))
+
+
 def prepare(
     body: Mapping[str, Any], family: Family, template: ChatTemplate, specials: Mapping[str, str]
 ) -> ChatPrompt:

@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 
 from ..http_body import read_capped
-from .chat import Family, Reason, Untokenizable
+from .chat import Family, Reason, Untokenizable, completion_flags
 
 MAX_ANSWER_BYTES = 16 << 20  # a tokenize answer larger than this is refused (about 2M token IDs)
 
@@ -98,9 +98,10 @@ class EngineTokenizer:
     def path(self) -> str:
         return "/v1/tokenize" if self.family is Family.SGLANG else "/tokenize"
 
-    async def prompt(self, text: str, size: int) -> Sequence[int]:
-        """A completion prompt's IDs (the engines add their special tokens, as for a completion)."""
-        return await self._ask({"prompt": text, "add_special_tokens": True})
+    async def prompt(self, text: str, body: Mapping[str, Any], size: int) -> Sequence[int]:
+        """A completion prompt's IDs, with the special tokens the engine's completion path adds."""
+        flags = completion_flags(body, self.family)
+        return await self._ask({"prompt": text, "add_special_tokens": flags.add_special_tokens})
 
     async def chat_ids(self, body: Mapping[str, Any], size: int) -> Sequence[int]:
         return await self._ask(tokenize_body(body, self.family))

@@ -12,12 +12,13 @@ thread-pool path (``unlocked``) uses a batch of one: the event loop keeps runnin
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from .chat import ChatPrompt, Family, Reason, Untokenizable, prepare
+from .chat import ChatPrompt, Family, Reason, Untokenizable, completion_flags, prepare
 from .template import ChatTemplate, TemplateRenderError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -103,11 +104,13 @@ class HFTokenizer:
         *,
         family: Family = Family.VLLM,
         chat_template: str | None = None,
+        add_bos_token: bool = False,
     ):
         self.name = name
         self.family = family
         self._tok = tokenizer
         self._special = dict(special_tokens)
+        self._add_bos = add_bos_token  # the config's; only SGLang's tokenizer classes act on it
         sources = dict(templates)
         if chat_template is not None and chat_template not in sources:
             sources = {"default": chat_template}  # a literal override replaces the directory's set
@@ -148,6 +151,7 @@ class HFTokenizer:
                 name=os.path.abspath(path),
                 family=family,
                 chat_template=chat_template,
+                add_bos_token=cfg.get("add_bos_token") is True,
             )
         except Exception as e:  # jinja2.TemplateSyntaxError and friends
             raise TokenizerError(f"invalid chat template in {path!r}: {e}") from None
@@ -162,9 +166,27 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
 
-    def encode_unlocked(self, text: str) -> list[int]:
-        """``encode`` that releases the GIL while the Rust side works (for the thread pool)."""
-        return self._tok.encode_batch([text], add_special_tokens=True)[0].ids
+    def _encode(self, text: str, specials: bool, unlocked: bool) -> list[int]:
+        if unlocked:  # encode_batch releases the GIL while the Rust side works (for the thread pool)
+            return self._tok.encode_batch([text], add_special_tokens=specials)[0].ids
+        return self._tok.encode(text, add_special_tokens=specials).ids
+
+    @functools.cached_property
+    def _class_bos(self) -> int | None:
+        """The BOS SGLang's tokenizer class adds on top of ``tokenizer.json`` when the config says
+        ``add_bos_token`` and the file's post-processor does not add it (DeepSeek-V3's files)."""
+        bos = self._special.get("bos_token")
+        bos_id = self._tok.token_to_id(bos) if bos is not None and self._add_bos else None
+        if bos_id is None or self._tok.encode("a", add_special_tokens=True).ids[:1] == [bos_id]:
+            return None
+        return bos_id
+
+    def prompt_ids(self, text: str, body: Mapping[str, Any], *, unlocked: bool = False) -> list[int]:
+        flags = completion_flags(body, self.family)
+        ids = self._encode(text, flags.add_special_tokens, unlocked)
+        if flags.forced_bos and self._class_bos is not None:
+            ids = [self._class_bos, *ids]
+        return ids
 
     def template_for(self, tools: bool) -> ChatTemplate:
         """The template the engine would use: the override, else "tool_use" when tools are sent (vLLM),
@@ -205,11 +227,8 @@ class HFTokenizer:
         text = self._render(template, prompt)
         specials = prompt.add_special_tokens
         if specials is None:  # SGLang: only for a tokenizer that adds nothing to an empty text
-            specials = not self._tok.encode("", add_special_tokens=True).ids
-        if unlocked:
-            ids = self._tok.encode_batch([text], add_special_tokens=specials)[0].ids
-        else:
-            ids = self._tok.encode(text, add_special_tokens=specials).ids
+            specials = not self._tok.encode("", add_special_tokens=True).ids and self._class_bos is None
+        ids = self._encode(text, specials, unlocked)
         if prompt.suffix:
             tail = self._tok.encode(prompt.suffix, add_special_tokens=True).ids
             bos = self._special.get("bos_token")

