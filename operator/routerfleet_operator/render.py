@@ -151,6 +151,8 @@ def tokenizer_arg(fleet: Fleet) -> str:
         return tok.path or ""
     if tok.source == "ConfigMap":
         return TOKENIZER_DIR
+    if tok.source == "Engine":
+        return "engine"
     return "bytes"
 
 

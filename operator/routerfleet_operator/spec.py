@@ -64,7 +64,7 @@ def format_duration(seconds: float) -> str:
 
 @dataclass(frozen=True)
 class Tokenizer:
-    source: str = "Bytes"  # Bytes | Path | ConfigMap
+    source: str = "Bytes"  # Bytes | Path | ConfigMap | Engine (the engines' tokenize endpoint)
     path: str | None = None  # Path: a directory in the container (the image or router.volumes)
     config_map: str | None = None  # ConfigMap: holds tokenizer.json (and tokenizer_config.json)
 

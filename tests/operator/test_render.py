@@ -297,6 +297,13 @@ def test_tokenizer_from_a_config_map():
     assert args[args.index("--tokenizer") + 1] == "/etc/routerfleet/tokenizer"
 
 
+def test_tokenizer_from_the_engines(tmp_path):
+    f = fleet({"router": {"tokenizer": {"source": "Engine"}}})
+    spec = render_pod_template(f)["spec"]
+    assert not any(v["name"] == "tokenizer" for v in spec.get("volumes") or [])
+    assert router_config(f, tmp_path).tokenizer == "engine"
+
+
 def test_scheduling_and_pod_metadata_pass_through():
     f = fleet(
         {
