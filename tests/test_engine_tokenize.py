@@ -6,13 +6,15 @@ and the vetting of its answer."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
+from aiohttp import web
 
 from router_runtime.tokens import encode, render_chat
 from router_runtime.tokens.chat import Family, Reason, Untokenizable
-from router_runtime.tokens.engine import tokenize_body, vet_tokens
+from router_runtime.tokens.engine import EngineTokenizer, tokenize_body, vet_tokens
 
 from .support import eventually
 from .test_proxy_routing import ENGINE_HEADER, cached_blocks, kv_fleet, routed_to, sample
@@ -117,19 +119,53 @@ def test_each_family_is_asked_what_its_endpoint_takes():
 @pytest.mark.parametrize(
     "answer",
     [
-        None,
-        [],
-        {"tokens": "1 2"},
-        {"tokens": [1, True]},
-        {"tokens": [1.0]},
-        {"tokens": [-1]},
-        {"tokens": [2**32]},
+        b"null", b"[]", b"{nope", b'{"tokens": "1 2"}', b'{"tokens": [1, true]}', b'{"tokens": [1.0]}',
+        b'{"tokens": [-1]}', b'{"tokens": [4294967296]}', b'{"tokens": ' + b"[" * 100_000,
     ],
-)
+)  # fmt: skip
 def test_an_answer_that_is_not_token_ids_is_refused(answer):
     with pytest.raises(ValueError):
         vet_tokens(answer)
 
 
 def test_token_ids_are_vetted_into_an_array():
-    assert list(vet_tokens({"tokens": [0, 5, 2**32 - 1], "count": 3})) == [0, 5, 2**32 - 1]
+    assert list(vet_tokens(b'{"tokens": [0, 5, 4294967295], "count": 3}')) == [0, 5, 2**32 - 1]
+
+
+async def test_the_engine_is_asked_in_the_clients_key_order():
+    """A template's tojson shows key order (a tool's properties, tool-call arguments): the request the
+    engine tokenizes must be the client's, not a re-sorted copy. Also: the request's reasoning_effort
+    outranks one in chat_template_kwargs, as in the chat path; a repeat is answered from the cache; a
+    closed tokenizer refuses."""
+    seen: list[bytes] = []
+
+    async def tokenize(request):
+        seen.append(await request.read())
+        return web.json_response({"count": 1, "max_model_len": 8, "tokens": [7]})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    tok = EngineTokenizer(lambda: [f"http://127.0.0.1:{port}"], Family.VLLM, timeout_s=2)
+    params = {"type": "object", "properties": {"zeta": {"type": "string"}, "alpha": {"type": "string"}}}
+    body = {
+        "messages": CHAT,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}],
+        "reasoning_effort": "high",
+        "chat_template_kwargs": {"reasoning_effort": "low"},
+    }
+    try:
+        assert list(await tok.chat_ids(body, 0)) == [7]
+        sent = seen[0].decode()
+        assert sent.index('"zeta"') < sent.index('"alpha"')
+        assert json.loads(sent)["chat_template_kwargs"]["reasoning_effort"] == "high"
+        assert list(await tok.chat_ids(body, 0)) == [7] and len(seen) == 1
+    finally:
+        await tok.close()
+        await runner.cleanup()
+    with pytest.raises(Untokenizable):
+        await tok.chat_ids({**body, "messages": CHAT[:1]}, 0)

@@ -245,3 +245,36 @@ def test_template_choice_follows_the_engines(tmp_path, hf_dir):
         load_tokenizer(str(hf_dir), Family.VLLM, "no-such-template")
     with pytest.raises(ChatTemplateSpecError, match="needs a tokenizer directory"):
         load_tokenizer("bytes", Family.VLLM, str(override))
+
+
+def _deep(n: int):
+    d: dict = {}
+    for _ in range(n):
+        d = {"a": d}
+    return d
+
+
+@pytest.mark.parametrize("family", list(Family))
+async def test_hostile_chat_bodies_are_refused_never_a_crash(hf_dir, family):
+    """Input that makes the rules fail (nesting past the stack, a list where a string is due, a lone
+    surrogate) is a refusal the router counts, not a 500; a completion prompt that is not valid
+    Unicode stays the 400 it was."""
+    tok = AsyncTokenizer(load_tokenizer(str(hf_dir), family), None)
+    user = {"role": "user", "content": "hello"}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}
+    bodies = [
+        {"messages": [user, {"role": "assistant", "content": None, "tool_calls": [call]}]},
+        {"messages": [{"role": "user", "content": [{"type": ["text"], "text": "x"}]}]},
+        {"messages": [user], "reasoning_effort": []},
+        {
+            "messages": [user],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": _deep(5000)}}],
+        },
+        {"messages": [{"role": "user", "content": "bad \ud800 text"}]},
+    ]
+    for body in bodies:
+        with pytest.raises(Untokenizable) as e:
+            await tok.chat_ids(body, 1)
+        assert e.value.reason in (Reason.REJECTED, Reason.TEMPLATE_ERROR), body
+    with pytest.raises(UnicodeEncodeError):
+        await tok.prompt("bad \ud800 text", {"prompt": "bad \ud800 text"}, 1)

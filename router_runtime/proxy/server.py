@@ -41,7 +41,7 @@ from ..routing.types import Decision, Policy, RouteRequest, Target
 from ..sessions.affinity import SessionAffinity, SessionCtx
 from ..sessions.classify import promote
 from ..tokens.engine import EngineTokenizer
-from ..tokens.tokenizer import AsyncTokenizer, Untokenizable
+from ..tokens.tokenizer import AsyncTokenizer, Reason, Untokenizable
 from .audit import Prediction, UsageScan, judge
 from .errors import (
     ProxyError,
@@ -283,26 +283,29 @@ class Proxy:
     async def _route_request(self, parsed: ParsedRequest, size: int) -> RouteRequest:
         tokens: Sequence[int] | None = None
         text = parsed.text
+        refused: Reason | None = None
         if self.needs_tokens:
             if parsed.tokens is not None:
                 tokens = parsed.tokens
             elif parsed.text is not None:
                 try:
-                    tokens = await self.tokenizer.prompt(parsed.text, parsed.body or {}, size)
+                    tokens = await self.tokenizer.prompt(parsed.text, parsed.body, size)
                 except UnicodeEncodeError:  # a lone surrogate ("\ud800"): no engine can take it either
                     raise bad_request("'prompt' is not valid Unicode text", "prompt") from None
                 except Untokenizable as e:  # a prompt the engine refuses, or no engine answer in time
-                    self.metrics.untokenized.labels(e.reason).inc()
+                    refused = e.reason
             else:
                 try:
                     tokens = await self.tokenizer.chat_ids(parsed.body, size)
                 except Untokenizable as e:  # routed without tokens: never on a guessed sequence
-                    self.metrics.untokenized.labels(e.reason).inc()
+                    refused = e.reason
         if self.needs_text and parsed.kind is Kind.CHAT:
             try:
                 text = await self.tokenizer.chat_text(parsed.body, size)
             except Untokenizable as e:
-                self.metrics.untokenized.labels(e.reason).inc()
+                refused = refused or e.reason
+        if refused is not None:  # once per request, whatever the policy needed
+            self.metrics.untokenized.labels(refused).inc()
         return RouteRequest(
             tokens=tokens, text=text, lora_name=parsed.lora_name, cache_salt=parsed.cache_salt
         )

@@ -11,10 +11,11 @@ rejects (it answers 400; the router forwards them untouched).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,22 @@ class Untokenizable(ValueError):
     def __init__(self, reason: Reason, detail: str):
         super().__init__(detail)
         self.reason = reason
+
+
+# What hostile input makes the rules fail with (nesting deeper than the stack, a list where a string
+# was due, a lone surrogate): the engine refuses such a request too, so it is a refusal, not a 500.
+MALFORMED = (RecursionError, TypeError, ValueError, UnicodeError)
+
+
+@contextlib.contextmanager
+def malformed_is_rejected(*passthrough: type[BaseException]) -> Iterator[None]:
+    """Turn a MALFORMED failure inside into Untokenizable (rejected); ``passthrough`` ones go on."""
+    try:
+        yield
+    except (Untokenizable, *passthrough):
+        raise
+    except MALFORMED as e:
+        raise Untokenizable(Reason.REJECTED, f"a malformed request: {type(e).__name__}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +329,7 @@ _LIBRARY_PARAMS = frozenset(
     }
 )  # fmt: skip
 _RENDERED_PARAMS = ("tools", "documents", "add_generation_prompt")
+_VLLM_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"})
 
 
 def prepare_vllm(body: Mapping[str, Any], template: ChatTemplate, specials: Mapping[str, str]) -> ChatPrompt:
@@ -345,6 +363,8 @@ def prepare_vllm(body: Mapping[str, Any], template: ChatTemplate, specials: Mapp
 
     # The layers, lowest first: tools, the request's chat_template_kwargs, the request's own fields.
     effort = body.get("reasoning_effort")
+    if effort is not None and (not isinstance(effort, str) or effort not in _VLLM_EFFORTS):
+        raise Untokenizable(Reason.REJECTED, "'reasoning_effort' is not one of vLLM's levels")
     fields: dict[str, Any] = {
         "add_generation_prompt": add_generation,
         "continue_final_message": continue_final,

@@ -5,8 +5,9 @@ gives the exact IDs: vLLM's ``POST /tokenize`` (always served; the render endpoi
 ``--enable-scale-out``), SGLang's ``POST /v1/tokenize``. A request never waits long for it: one call
 to one healthy engine in turn, under a hard deadline; a timeout, an error or an answer that does not
 vet routes the request without tokens (counted as ``engine_timeout`` / ``engine_error``), and it is
-still served. Answers are kept in a bounded LRU keyed by a digest of what was asked, so the turns of a
-conversation that repeat a request (retries, several replicas' probes) cost one call.
+still served. The request goes as the client wrote it (key order included: a template's ``tojson``
+shows it). Answers are kept briefly (``CACHE_TTL_S``, ``CACHE_BYTES`` in all) under a digest of what
+was asked, so a retried request costs one call and a redeployed template is not served stale for long.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from typing import Any
 import aiohttp
 
 from ..http_body import read_capped
-from .chat import Family, Reason, Untokenizable, completion_flags
+from .chat import Family, Reason, Untokenizable, completion_flags, malformed_is_rejected
 
 MAX_ANSWER_BYTES = 16 << 20  # a tokenize answer larger than this is refused (about 2M token IDs)
+CACHE_TTL_S = 30.0
+CACHE_BYTES = 64 << 20  # the cached token IDs, all entries together
 
 # What each engine's tokenize endpoint accepts of a chat request (it ignores other keys, so a request
 # that needs one it cannot take is refused rather than tokenized differently).
@@ -47,17 +50,22 @@ def tokenize_body(body: Mapping[str, Any], family: Family) -> dict[str, Any]:
         raise Untokenizable(Reason.UNSUPPORTED, "vLLM's /tokenize takes no 'documents'")
     out = {k: body[k] for k in _VLLM_CHAT_KEYS if body.get(k) is not None}
     effort = body.get("reasoning_effort")
-    if effort is not None:  # what the chat path derives from it, as template variables
+    if effort is not None:  # what the chat path derives from it: template variables above the kwargs
         kwargs = dict(out.get("chat_template_kwargs") or {})
-        kwargs.setdefault("reasoning_effort", effort)
+        kwargs["reasoning_effort"] = effort
         kwargs.setdefault("enable_thinking", effort != "none")
         out["chat_template_kwargs"] = kwargs
     return out
 
 
-def vet_tokens(answer: Any) -> array:
-    """An engine's tokenize answer -> its token IDs; raises ValueError unless it is an object whose
-    ``tokens`` is a list of integers in [0, 2**32) (a bool is not one)."""
+def vet_tokens(raw: bytes) -> array:
+    """An engine's tokenize answer -> its token IDs: the one way its bytes become usable. Raises
+    ValueError unless they are JSON of an object whose ``tokens`` is a list of integers in [0, 2**32)
+    (a bool is not one)."""
+    try:
+        answer = json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
     if not isinstance(answer, dict) or not isinstance(answer.get("tokens"), list):
         raise ValueError("no 'tokens' list")
     tokens = answer["tokens"]
@@ -82,17 +90,17 @@ class EngineTokenizer:
         family: Family = Family.VLLM,
         *,
         timeout_s: float = 0.1,
-        cache_entries: int = 4096,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engines = engines
         self.family = family
         self.timeout_s = timeout_s
-        self.cache_entries = cache_entries
         self.clock = clock
-        self._cache: OrderedDict[bytes, array] = OrderedDict()
+        self._cache: OrderedDict[bytes, tuple[float, array]] = OrderedDict()  # digest -> (expiry, IDs)
+        self._cache_bytes = 0
         self._turn = 0
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False
 
     @property
     def path(self) -> str:
@@ -100,27 +108,33 @@ class EngineTokenizer:
 
     async def prompt(self, text: str, body: Mapping[str, Any], size: int) -> Sequence[int]:
         """A completion prompt's IDs, with the special tokens the engine's completion path adds."""
-        flags = completion_flags(body, self.family)
-        return await self._ask({"prompt": text, "add_special_tokens": flags.add_special_tokens})
+        with malformed_is_rejected():
+            flags = completion_flags(body, self.family)
+            return await self._ask({"prompt": text, "add_special_tokens": flags.add_special_tokens})
 
     async def chat_ids(self, body: Mapping[str, Any], size: int) -> Sequence[int]:
-        return await self._ask(tokenize_body(body, self.family))
+        with malformed_is_rejected():
+            return await self._ask(tokenize_body(body, self.family))
 
     async def chat_text(self, body: Mapping[str, Any], size: int) -> str:
         raise Untokenizable(Reason.UNSUPPORTED, "the engines' tokenize endpoints return no prompt text")
 
     async def close(self) -> None:
+        self._closed = True
         if self._session is not None:
             await self._session.close()
             self._session = None
 
     async def _ask(self, request: dict[str, Any]) -> array:
-        raw = json.dumps(request, separators=(",", ":"), sort_keys=True, ensure_ascii=False).encode()
+        if self._closed:
+            raise Untokenizable(Reason.ENGINE_ERROR, "the router is stopping")
+        raw = json.dumps(request, separators=(",", ":")).encode()  # ASCII: a lone surrogate stays escaped
         key = hashlib.blake2b(raw, digest_size=16).digest()
+        now = self.clock()
         hit = self._cache.get(key)
-        if hit is not None:
+        if hit is not None and hit[0] > now:
             self._cache.move_to_end(key)
-            return hit
+            return hit[1]
         engines = self.engines()
         if not engines:
             raise Untokenizable(Reason.ENGINE_ERROR, "no healthy engine to tokenize")
@@ -137,10 +151,21 @@ class EngineTokenizer:
             raise Untokenizable(
                 Reason.ENGINE_ERROR, f"the engine's tokenize failed: {type(e).__name__}"
             ) from None
-        self._cache[key] = tokens
-        if len(self._cache) > self.cache_entries:
-            self._cache.popitem(last=False)
+        self._remember(key, tokens, now)
         return tokens
+
+    def _remember(self, key: bytes, tokens: array, now: float) -> None:
+        old = self._cache.pop(key, None)
+        if old is not None:
+            self._cache_bytes -= old[1].itemsize * len(old[1])
+        size = tokens.itemsize * len(tokens)
+        if size > CACHE_BYTES:
+            return
+        self._cache[key] = (now + CACHE_TTL_S, tokens)
+        self._cache_bytes += size
+        while self._cache_bytes > CACHE_BYTES:
+            _, (_, gone) = self._cache.popitem(last=False)
+            self._cache_bytes -= gone.itemsize * len(gone)
 
     async def _post(self, url: str, raw: bytes) -> array:
         if self._session is None:
@@ -155,4 +180,4 @@ class EngineTokenizer:
             body = await read_capped(r.content, MAX_ANSWER_BYTES)
         if body is None:
             raise ValueError("answer too large")
-        return vet_tokens(json.loads(body))
+        return vet_tokens(body)

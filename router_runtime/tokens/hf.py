@@ -167,9 +167,17 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=True).ids
 
     def _encode(self, text: str, specials: bool, unlocked: bool) -> list[int]:
-        if unlocked:  # encode_batch releases the GIL while the Rust side works (for the thread pool)
-            return self._tok.encode_batch([text], add_special_tokens=specials)[0].ids
-        return self._tok.encode(text, add_special_tokens=specials).ids
+        try:
+            if unlocked:  # encode_batch releases the GIL while the Rust side works (for the thread pool)
+                return self._tok.encode_batch([text], add_special_tokens=specials)[0].ids
+            return self._tok.encode(text, add_special_tokens=specials).ids
+        except TypeError:  # the library's answer to a lone surrogate: say what it is
+            text.encode("utf-8")
+            raise
+
+    @functools.cached_property
+    def _adds_to_empty(self) -> bool:
+        return bool(self._tok.encode("", add_special_tokens=True).ids)
 
     @functools.cached_property
     def _class_bos(self) -> int | None:
@@ -213,7 +221,7 @@ class HFTokenizer:
     def render_chat(self, body: Mapping[str, Any]) -> str:
         """The prompt text the engine renders for this chat request; raises Untokenizable."""
         template, prompt = self.prepare(body)
-        return self._render(template, prompt)
+        return self._render(template, prompt) + (prompt.suffix or "")  # SGLang appends the continuation
 
     def _render(self, template: ChatTemplate, prompt: ChatPrompt) -> str:
         try:
@@ -227,10 +235,10 @@ class HFTokenizer:
         text = self._render(template, prompt)
         specials = prompt.add_special_tokens
         if specials is None:  # SGLang: only for a tokenizer that adds nothing to an empty text
-            specials = not self._tok.encode("", add_special_tokens=True).ids and self._class_bos is None
+            specials = not self._adds_to_empty and self._class_bos is None
         ids = self._encode(text, specials, unlocked)
         if prompt.suffix:
-            tail = self._tok.encode(prompt.suffix, add_special_tokens=True).ids
+            tail = self._encode(prompt.suffix, True, unlocked)
             bos = self._special.get("bos_token")
             if tail and bos is not None and tail[0] == self._tok.token_to_id(bos):
                 tail = tail[1:]

@@ -36,8 +36,8 @@ class ContentFormat(enum.StrEnum):
 
 
 class TemplateRenderError(ValueError):
-    """The template refused the chat (``raise_exception``, a sandbox violation, a type error): the
-    engine answers 400 to the same request."""
+    """The template refused the chat (``raise_exception``, a sandbox violation, a type error, a
+    variable that collides with the render's own arguments)."""
 
 
 class _Generation(jinja2.ext.Extension):

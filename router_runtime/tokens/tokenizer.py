@@ -22,7 +22,7 @@ from concurrent.futures import Executor
 from typing import Any, Protocol
 
 from . import bytes_tokenizer
-from .chat import Family, Reason, Untokenizable
+from .chat import Family, Reason, Untokenizable, malformed_is_rejected
 from .hf import HFTokenizer, TokenizerError
 
 ENGINE_TOKENIZER = "engine"  # --tokenizer engine: the engines tokenize (engine.py)
@@ -129,24 +129,28 @@ class AsyncTokenizer:
         return self.executor is not None and size > self.inline_max_bytes
 
     async def prompt(self, text: str, body: Mapping[str, Any], size: int) -> Sequence[int]:
-        """A completion's text prompt; raises Untokenizable."""
+        """A completion's text prompt; raises Untokenizable, or UnicodeEncodeError for a prompt that is
+        not valid Unicode (a 400: no engine can take it)."""
         tok = self.tokenizer
-        if self._offload(size):
-            fn = functools.partial(tok.prompt_ids, text, body, unlocked=True)
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
-        return tok.prompt_ids(text, body)
+        with malformed_is_rejected(UnicodeEncodeError):
+            if self._offload(size):
+                fn = functools.partial(tok.prompt_ids, text, body, unlocked=True)
+                return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+            return tok.prompt_ids(text, body)
 
     async def chat_ids(self, body: Mapping[str, Any], size: int) -> Sequence[int]:
         """Raises Untokenizable."""
         tok = self.tokenizer
-        if self._offload(size):
-            fn = functools.partial(tok.chat_ids, body, unlocked=True)
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
-        return tok.chat_ids(body)
+        with malformed_is_rejected():
+            if self._offload(size):
+                fn = functools.partial(tok.chat_ids, body, unlocked=True)
+                return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+            return tok.chat_ids(body)
 
     async def chat_text(self, body: Mapping[str, Any], size: int) -> str:
         """Raises Untokenizable."""
         tok = self.tokenizer
-        if self._offload(size):
-            return await asyncio.get_running_loop().run_in_executor(self.executor, tok.render_chat, body)
-        return tok.render_chat(body)
+        with malformed_is_rejected():
+            if self._offload(size):
+                return await asyncio.get_running_loop().run_in_executor(self.executor, tok.render_chat, body)
+            return tok.render_chat(body)
