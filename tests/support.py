@@ -39,11 +39,10 @@ async def join_stream(publisher: KvPublisher, sub: RankSubscription, rank: int =
 
 
 @contextlib.asynccontextmanager
-async def snapshot_peer(answer: Callable[[web.Request], Awaitable[web.Response]]) -> AsyncIterator[str]:
-    """A peer on loopback whose ``/internal/kv_snapshot`` is ``answer`` (hostile, broken, forged);
-    yields its base URL."""
+async def loopback_app(*routes: web.RouteDef) -> AsyncIterator[str]:
+    """An HTTP server on loopback answering ``routes``; yields its base URL."""
     app = web.Application()
-    app.router.add_get("/internal/kv_snapshot", answer)
+    app.add_routes(routes)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -51,3 +50,11 @@ async def snapshot_peer(answer: Callable[[web.Request], Awaitable[web.Response]]
         yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def snapshot_peer(answer: Callable[[web.Request], Awaitable[web.Response]]) -> AsyncIterator[str]:
+    """A peer on loopback whose ``/internal/kv_snapshot`` is ``answer`` (hostile, broken, forged);
+    yields its base URL."""
+    async with loopback_app(web.get("/internal/kv_snapshot", answer)) as url:
+        yield url

@@ -16,7 +16,7 @@ from router_runtime.tokens import encode, render_chat
 from router_runtime.tokens.chat import Family, Reason, Untokenizable
 from router_runtime.tokens.engine import EngineTokenizer, tokenize_body, vet_tokens
 
-from .support import eventually
+from .support import eventually, loopback_app
 from .test_proxy_routing import ENGINE_HEADER, cached_blocks, kv_fleet, routed_to, sample
 
 CHAT = [
@@ -143,14 +143,6 @@ async def test_the_engine_is_asked_in_the_clients_key_order():
         seen.append(await request.read())
         return web.json_response({"count": 1, "max_model_len": 8, "tokens": [7]})
 
-    app = web.Application()
-    app.router.add_post("/tokenize", tokenize)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    tok = EngineTokenizer(lambda: [f"http://127.0.0.1:{port}"], Family.VLLM, timeout_s=2)
     params = {"type": "object", "properties": {"zeta": {"type": "string"}, "alpha": {"type": "string"}}}
     body = {
         "messages": CHAT,
@@ -158,14 +150,15 @@ async def test_the_engine_is_asked_in_the_clients_key_order():
         "reasoning_effort": "high",
         "chat_template_kwargs": {"reasoning_effort": "low"},
     }
-    try:
-        assert list(await tok.chat_ids(body, 0)) == [7]
-        sent = seen[0].decode()
-        assert sent.index('"zeta"') < sent.index('"alpha"')
-        assert json.loads(sent)["chat_template_kwargs"]["reasoning_effort"] == "high"
-        assert list(await tok.chat_ids(body, 0)) == [7] and len(seen) == 1
-    finally:
-        await tok.close()
-        await runner.cleanup()
+    async with loopback_app(web.post("/tokenize", tokenize)) as url:
+        tok = EngineTokenizer(lambda: [url], Family.VLLM, timeout_s=2)
+        try:
+            assert list(await tok.chat_ids(body, 0)) == [7]
+            sent = seen[0].decode()
+            assert sent.index('"zeta"') < sent.index('"alpha"')
+            assert json.loads(sent)["chat_template_kwargs"]["reasoning_effort"] == "high"
+            assert list(await tok.chat_ids(body, 0)) == [7] and len(seen) == 1
+        finally:
+            await tok.close()
     with pytest.raises(Untokenizable):
         await tok.chat_ids({**body, "messages": CHAT[:1]}, 0)
