@@ -204,9 +204,7 @@ class HFTokenizer:
             raise Untokenizable(Reason.NO_TEMPLATE, "the tokenizer has no chat template")
         if self._given is not None:
             return t[self._given]
-        if len(t) == 1:
-            return next(iter(t.values()))
-        if self.family is Family.SGLANG:
+        if len(t) == 1 or self.family is Family.SGLANG:
             return next(iter(t.values()))
         if tools and "tool_use" in t:
             return t["tool_use"]
