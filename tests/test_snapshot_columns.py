@@ -75,7 +75,7 @@ def test_graft_of_export_matches_the_original_under_live_events(before, during, 
     # And the grafted state is maintained by the live stream: removing everything src holds, by the
     # engine hashes carried in the snapshot, empties dst too.
     for c in CARRIERS:
-        hashes = tuple(src._carriers[c].by_engine_hash) if c in src._carriers else ()
+        hashes = tuple(set().union(*src.carrier_engine_hashes(c).values()))
         if hashes:
             for idx in (src, dst):
                 idx.apply_batch(c, EventBatch(0.0, (BlockRemoved(hashes, None),)))

@@ -185,9 +185,13 @@ src=$cache/src
 rm -rf "$src"; mkdir -p "$src"
 tar -C "$root" --exclude=./.git --exclude='./.venv*' --exclude=./.cache --exclude=./build \
   --exclude='*.egg-info' --exclude=__pycache__ --exclude=./.pytest_cache --exclude=./.ruff_cache \
-  --exclude=./.hypothesis -cf - . | tar -C "$src" -xf -
+  --exclude=./.hypothesis --exclude=./native/target -cf - . | tar -C "$src" -xf -
+# The native core's wheel is the one `make setup` built (native/target/wheels), found by name.
+native=$root/native/target/wheels
+compgen -G "$native/routerfleet_index-*.whl" >/dev/null || die "no native wheel in $native: run make setup first"
 # pip's own cache (~/.cache/pip) makes this quick after the first time.
-"$py" -m pip wheel -q --disable-pip-version-check --wheel-dir "$wh.partial" "${src}[speed]" >"$cache/wheel.log" 2>&1 ||
+"$py" -m pip wheel -q --disable-pip-version-check --find-links "$native" --wheel-dir "$wh.partial" \
+  "${src}[speed]" >"$cache/wheel.log" 2>&1 ||
   { tail -30 "$cache/wheel.log" >&2; die "pip wheel failed; log: $cache/wheel.log"; }
 rm -rf "$wh" "$src"; mv "$wh.partial" "$wh"
 say "  $(find "$wh" -name '*.whl' | wc -l) wheels with Python $host_ver, $(du -sm "$wh" | cut -f1) MB"

@@ -13,6 +13,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import routerfleet_index
+
 
 class Tier(enum.IntFlag):
     """Where a carrier holds a block. A bitset: one carrier may hold a block in several tiers."""
@@ -25,16 +27,10 @@ class Tier(enum.IntFlag):
 
 ALL_TIERS = Tier.DEVICE | Tier.HOST | Tier.DISK | Tier.EXTERNAL
 
-# Storage media from both engines' vocabularies. An untagged (None) store means DEVICE; an unknown
-# medium on a store is ignored, and on a remove clears every tier (see docs/kv-wire.md, section 3.2).
-MEDIUM_TIERS: dict[str, Tier] = {
-    "GPU": Tier.DEVICE,
-    "CPU": Tier.HOST,
-    "CPU_PINNED": Tier.HOST,
-    "STORAGE": Tier.DISK,
-    "DISK": Tier.DISK,
-    "EXTERNAL": Tier.EXTERNAL,
-}
+# Storage media from both engines' vocabularies, as the native core maps them. An untagged (None)
+# store means DEVICE; an unknown medium on a store is ignored, and on a remove clears every tier (see
+# docs/kv-wire.md, section 3.2).
+MEDIUM_TIERS: dict[str, Tier] = {m: Tier(t) for m, t in routerfleet_index.MEDIUM_TIERS.items()}
 
 
 class Dialect(enum.StrEnum):

@@ -6,11 +6,11 @@ carriers is structure only (the parent of records that have some). Each record c
 and its carriers, each with its tier bits and its engine hash (future removals and parent
 links arrive as engine hashes, so a graft without them could never be corrected by the live stream).
 
-Both passes run on the index writer and stop every ``budget`` records so live events keep flowing.
-The result is therefore a point-in-time aggregate, not one instant; that is safe because the caller
-reads the per-rank cursors BEFORE the walk starts, and the consumer re-applies every batch after the
-cursor (stores and removals are idempotent), so anything the walk saw change after the cursor is
-corrected by the consumer's own stream.
+Both walks are native (``native/src/snapshot.rs``) and run on the index writer, stopping every
+``budget`` records so live events keep flowing. The result is therefore a point-in-time aggregate,
+not one instant; that is safe because the caller reads the per-rank cursors BEFORE the walk starts,
+and the consumer re-applies every batch after the cursor (stores and removals are idempotent), so
+anything the walk saw change after the cursor is corrected by the consumer's own stream.
 
 Trust: the graft takes columns that the bootstrap plane's vetting produced; it never sees wire data.
 """
@@ -21,7 +21,9 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .index import ROOT, Carrier, RadixIndex
+import routerfleet_index
+
+from .index import Carrier, RadixIndex
 
 
 @dataclass(slots=True)
@@ -41,90 +43,51 @@ class Columns:
         return len(self.key)
 
 
+def _array(typecode: str, data: bytes) -> array:
+    out = array(typecode)
+    out.frombytes(data)
+    return out
+
+
 class Exporter:
     """Walks an index into ``Columns`` a chunk at a time (``step``), carrier by identity: the worker
-    table is built as carriers are met, so a carrier id reused mid-walk can never be misattributed."""
+    table is built as carriers are met, so a carrier id reused mid-walk can never be misattributed.
+    ``include(carrier)`` is asked once per chunk for every carrier of the index."""
 
     def __init__(self, index: RadixIndex, include: Callable[[Carrier], bool] | None = None) -> None:
         self._index = index
-        self._order = index._order  # our own reference: a compaction swaps in a new list
-        self._end = len(self._order)  # nodes created after the walk starts are after the cursors
-        self._pos = 0
+        self._native = routerfleet_index.Exporter(index.native)
         self._include = include or (lambda _c: True)
-        self._index_of: dict[int, int] = {}
-        self.columns = Columns()
-        self.workers: list[Carrier] = []
-        self._worker_idx: dict[Carrier, int] = {}
+        self._columns: Columns | None = None
 
     @property
     def done(self) -> bool:
-        return self._pos >= self._end
+        return self._native.done
 
     def step(self, budget: int = 4096) -> bool:
-        """Export up to ``budget`` more entries of the creation order; True when the walk is done."""
+        """Export up to ``budget`` more slots of the index; True when the walk is done."""
         idx = self._index
-        carriers_of, parents = idx._carriers_of, idx._parent
-        index_of = self._index_of
-        stop = min(self._pos + budget, self._end)
-        for key in self._order[self._pos : stop]:
-            if key in index_of or key not in carriers_of:
-                continue
-            chain = [key]
-            p = parents[key]
-            while p != ROOT and p not in index_of and p in carriers_of:
-                chain.append(p)
-                p = parents[p]
-            if p == ROOT:
-                pidx = -1
-            elif p in index_of:
-                pidx = index_of[p]
-            else:
-                # The chain hangs under a block nobody holds now. It is unreachable today, but a later
-                # event may store that block again and make it reachable, so the chain is sent under a
-                # carrier-less placeholder that only names the missing block's key.
-                pidx = self._placeholder(p)
-            for k in reversed(chain):
-                pidx = self._emit(k, pidx)
-        self._pos = stop
-        return self.done
+        include = [idx.cid(c) for c in idx.carriers if self._include(c)]
+        self._columns = None
+        return self._native.step(idx.native, budget, include)
 
-    def _placeholder(self, key: int) -> int:
-        cols = self.columns
-        i = self._index_of[key] = len(cols.key)
-        cols.parent.append(-1)  # its own parent is unknown; it is never created, only referenced
-        cols.key.append(key)
-        cols.ncar.append(0)
-        return i
+    @property
+    def columns(self) -> Columns:
+        if self._columns is None:
+            parent, key, ncar, worker, tiers, hashes = self._native.columns()
+            self._columns = Columns(
+                _array("q", parent),
+                _array("Q", key),
+                _array("H", ncar),
+                _array("I", worker),
+                _array("B", tiers),
+                _array("Q", hashes),
+            )
+        return self._columns
 
-    def _emit(self, key: int, pidx: int) -> int:
-        cols = self.columns
-        i = len(cols.key)
-        self._index_of[key] = i
-        cols.parent.append(pidx)
-        cols.key.append(key)
-        # The reader visibility predicate: a DISCONNECTED carrier (or tier) is never exported.
-        c = self._index._carriers_of[key] & self._index._visible
-        by_cid = self._index._by_cid
-        n = 0
-        while c:
-            low = c & -c
-            cid = (low.bit_length() - 1) >> 2
-            shift = cid * 4
-            nib = (c >> shift) & 0xF
-            c &= ~(0xF << shift)
-            st = by_cid[cid]
-            if st is None or not self._include(st.carrier):
-                continue
-            w = self._worker_idx.get(st.carrier)
-            if w is None:
-                w = self._worker_idx[st.carrier] = len(self.workers)
-                self.workers.append(st.carrier)
-            cols.worker.append(w)
-            cols.tiers.append(nib)
-            cols.hash.append(st.hash_of[key])
-            n += 1
-        cols.ncar.append(n)
-        return i
+    @property
+    def workers(self) -> list[Carrier]:
+        return [Carrier(engine, rank) for engine, rank in self._native.workers]
 
 
 class Grafter:
@@ -141,34 +104,28 @@ class Grafter:
         admit: Callable[[Carrier], bool] | None = None,
     ) -> None:
         self._index = index
-        self._cols = columns
         self._carriers = carriers
         self._admit = admit or (lambda _c: True)
-        self._pos = 0
-        self._car = 0  # running start of the current record's carrier entries
-        self.blocks = 0  # tier bits newly held
+        self._native = routerfleet_index.Grafter(
+            columns.parent.tobytes(),
+            columns.key.tobytes(),
+            columns.ncar.tobytes(),
+            columns.worker.tobytes(),
+            columns.tiers.tobytes(),
+            columns.hash.tobytes(),
+        )
 
     @property
     def done(self) -> bool:
-        return self._pos >= len(self._cols.key)
+        return self._native.done
+
+    @property
+    def blocks(self) -> int:
+        """Tier bits newly held."""
+        return self._native.blocks
 
     def step(self, budget: int = 4096) -> bool:
-        idx, cols = self._index, self._cols
-        admitted = {c: idx._state(c) for c in set(self._carriers) if c is not None and self._admit(c)}
-        keys, parents, ncar = cols.key, cols.parent, cols.ncar
-        stop = min(self._pos + budget, len(keys))
-        car = self._car
-        for i in range(self._pos, stop):
-            n = ncar[i]
-            if n:
-                key = keys[i]
-                p = parents[i]
-                pkey = ROOT if p < 0 else keys[p]
-                for j in range(car, car + n):
-                    carrier = self._carriers[cols.worker[j]]
-                    st = admitted.get(carrier) if carrier is not None else None
-                    if st is not None:
-                        self.blocks += idx._hold(st, key, pkey, cols.tiers[j], cols.hash[j])
-            car += n
-        self._pos, self._car = stop, car
-        return self.done
+        idx = self._index
+        admitted = {c: idx.cid(c) for c in set(self._carriers) if c is not None and self._admit(c)}
+        carrier_of = [admitted.get(c) if c is not None else None for c in self._carriers]
+        return self._native.step(idx.native, budget, carrier_of)

@@ -1,0 +1,771 @@
+//! The radix index: which carrier (engine, DP rank) holds which KV blocks, in which tiers.
+//!
+//! Storage. A node is one block position in the prefix trie, named by its chained block key (`keys`):
+//! the key identifies the whole path from the root, so the trie is flat: `slot_of` maps a key to its
+//! slot in the `nodes` arena, and a lookup is one probe per block. A node holds its key, its parent's
+//! key (by key, never by slot, so a parent that is dropped and stored again is found again) and its
+//! holders: per carrier, the tier bits and the engine hash it announced the block under. A node no
+//! carrier holds is dropped at once and its slot reused; its descendants stay (an engine may hold a
+//! child whose parent it evicted) but are unreachable until the parent is stored again, which is
+//! exactly what the engine can serve. Each carrier keeps `engine hash -> slot` for its own blocks,
+//! because removals and parent links arrive as engine hashes, opaque and meaningful per carrier only.
+//!
+//! Run cold, never wrong: a store whose parent this carrier never announced, with another block size,
+//! a non-full-attention group or an unknown medium is skipped and counted, never hung off the root.
+//!
+//! Visibility is the one predicate readers use (`match`, the snapshot export): per carrier the tiers
+//! currently visible, 0 while its engine is disconnected, so hiding or re-adopting is one store.
+
+use std::collections::HashMap as StdHashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use hashbrown::HashMap;
+
+use crate::events::{medium_tier, store_skip, Event, Removed, Skip, Stored, ALL_TIERS, DEVICE};
+use crate::keys::{namespace_root, plain_root, KeyChain, Tokens};
+
+/// A carrier's id inside one index: small, reused after the carrier is removed.
+pub type Cid = u16;
+
+/// splitmix64's finalizer: keys are already hashes, but engine hashes and peers' keys need not be
+/// uniform, and hashbrown wants well-mixed high and low bits.
+#[derive(Default)]
+pub struct Mix(u64);
+
+impl Hasher for Mix {
+    fn finish(&self) -> u64 {
+        let mut z = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ b as u64;
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = x;
+    }
+}
+
+pub type U64Map<V> = HashMap<u64, V, BuildHasherDefault<Mix>>;
+
+#[derive(Clone, Copy, Debug)]
+struct Holder {
+    ehash: u64,
+    cid: Cid,
+    tiers: u8,
+}
+
+/// Holders inline for the common case (one carrier); a shared prefix spills to the heap.
+type Holders = smallvec::SmallVec<[Holder; 1]>;
+
+struct Node {
+    key: u64,
+    parent: u64, // meaningful only when the node is not a chain's first block (see `Index::root_bits`)
+    holders: Holders,
+}
+
+struct CarrierState {
+    engine: String,
+    rank: u32,
+    /// Bumped every time the id is given to a carrier: the export tells incarnations of an id apart.
+    generation: u64,
+    by_ehash: U64Map<u32>,
+    tier_blocks: [u64; 4],
+    visible: u8,
+}
+
+/// What applying one batch did; the writer turns it into metrics.
+#[derive(Default, Debug)]
+pub struct ApplyStats {
+    pub stored: u64,
+    pub removed: u64,
+    pub cleared: u64,
+    /// (event type, medium or "") -> events.
+    pub events: StdHashMap<(&'static str, String), u64>,
+    /// Blocks skipped, by reason.
+    pub skipped: StdHashMap<Skip, u64>,
+}
+
+impl ApplyStats {
+    fn skip(&mut self, reason: Skip, blocks: usize) {
+        *self.skipped.entry(reason).or_default() += blocks as u64;
+    }
+    fn event(&mut self, kind: &'static str, medium: Option<&str>) {
+        *self.events.entry((kind, medium.unwrap_or("").to_owned())).or_default() += 1;
+    }
+}
+
+/// A carrier's matched prefix: its length in blocks, and how many of those it holds at best in each
+/// tier (device, host, disk, external).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CarrierMatch {
+    pub cid: Cid,
+    pub blocks: u32,
+    pub tier_blocks: [u32; 4],
+}
+
+/// One node as the export and the debugging reads see it.
+pub struct NodeView<'a> {
+    pub key: u64,
+    pub parent: Option<u64>,
+    holders: &'a Holders,
+}
+
+impl NodeView<'_> {
+    /// (carrier, tier bits, engine hash) of every holder.
+    pub fn holders(&self) -> impl Iterator<Item = (Cid, u8, u64)> + '_ {
+        self.holders.iter().map(|h| (h.cid, h.tiers, h.ehash))
+    }
+}
+
+pub struct Index {
+    block_size: i64,
+    full_attention_group: i64,
+    slot_of: U64Map<u32>,
+    nodes: Vec<Node>,
+    /// Bit per slot: set when the node is a chain's first block (its parent is the root).
+    root_bits: Vec<u64>,
+    free: Vec<u32>,
+    carriers: Vec<Option<CarrierState>>,
+    ids: StdHashMap<(String, u32), Cid>,
+    generations: u64,
+}
+
+fn best_slot(tiers: u8) -> usize {
+    tiers.trailing_zeros() as usize // DEVICE=1 < HOST=2 < DISK=4 < EXTERNAL=8
+}
+
+impl Index {
+    pub fn new(block_size: i64, full_attention_group: i64) -> Result<Index, crate::Error> {
+        if block_size <= 0 {
+            return Err(crate::Error::BlockSize);
+        }
+        Ok(Index {
+            block_size,
+            full_attention_group,
+            slot_of: U64Map::default(),
+            nodes: Vec::new(),
+            root_bits: Vec::new(),
+            free: Vec::new(),
+            carriers: Vec::new(),
+            ids: StdHashMap::new(),
+            generations: 0,
+        })
+    }
+
+    pub fn block_size(&self) -> i64 {
+        self.block_size
+    }
+
+    pub fn full_attention_group(&self) -> i64 {
+        self.full_attention_group
+    }
+
+    // ---- carriers ------------------------------------------------------------------------------
+
+    /// The id of carrier (engine, rank), created (empty, every tier visible) if new. The lowest free id
+    /// is reused, so ids stay small.
+    pub fn carrier(&mut self, engine: &str, rank: u32) -> Result<Cid, crate::Error> {
+        if let Some(&cid) = self.ids.get(&(engine.to_owned(), rank)) {
+            return Ok(cid);
+        }
+        let cid = match self.carriers.iter().position(Option::is_none) {
+            Some(i) => i,
+            None if self.carriers.len() <= Cid::MAX as usize => {
+                self.carriers.push(None);
+                self.carriers.len() - 1
+            }
+            None => return Err(crate::Error::TooManyCarriers),
+        };
+        self.generations += 1;
+        self.carriers[cid] = Some(CarrierState {
+            engine: engine.to_owned(),
+            rank,
+            generation: self.generations,
+            by_ehash: U64Map::default(),
+            tier_blocks: [0; 4],
+            visible: ALL_TIERS,
+        });
+        self.ids.insert((engine.to_owned(), rank), cid as Cid);
+        Ok(cid as Cid)
+    }
+
+    pub fn find_carrier(&self, engine: &str, rank: u32) -> Option<Cid> {
+        self.ids.get(&(engine.to_owned(), rank)).copied()
+    }
+
+    /// (engine, rank, generation) of a live carrier id.
+    pub fn carrier_identity(&self, cid: Cid) -> Option<(&str, u32, u64)> {
+        self.state(cid).map(|s| (s.engine.as_str(), s.rank, s.generation))
+    }
+
+    /// Live carrier ids, ascending.
+    pub fn carrier_ids(&self) -> impl Iterator<Item = Cid> + '_ {
+        self.carriers
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.is_some())
+            .map(|(i, _)| i as Cid)
+    }
+
+    fn state(&self, cid: Cid) -> Option<&CarrierState> {
+        self.carriers.get(cid as usize).and_then(Option::as_ref)
+    }
+
+    fn state_mut(&mut self, cid: Cid) -> &mut CarrierState {
+        self.carriers[cid as usize].as_mut().expect("a live carrier id")
+    }
+
+    pub fn node_count(&self) -> usize {
+        self.slot_of.len()
+    }
+
+    /// Blocks a carrier holds per tier slot (device, host, disk, external).
+    pub fn carrier_blocks(&self, cid: Cid) -> [u64; 4] {
+        self.state(cid).map_or([0; 4], |s| s.tier_blocks)
+    }
+
+    /// The engine hashes a carrier holds, per tier slot: what the index believes the engine holds, in
+    /// the engine's own terms.
+    pub fn carrier_engine_hashes(&self, cid: Cid) -> [Vec<u64>; 4] {
+        let mut out: [Vec<u64>; 4] = Default::default();
+        if let Some(st) = self.state(cid) {
+            for (&h, &slot) in &st.by_ehash {
+                let tiers = self.holder(slot, cid).map_or(0, |x| x.tiers);
+                for (t, hashes) in out.iter_mut().enumerate() {
+                    if tiers >> t & 1 == 1 {
+                        hashes.push(h);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    pub fn visible_tiers(&self, cid: Cid) -> u8 {
+        self.state(cid).map_or(0, |s| s.visible)
+    }
+
+    /// Make exactly `tiers` of this carrier visible to readers (0: invisible).
+    pub fn set_visible(&mut self, cid: Cid, tiers: u8) {
+        self.state_mut(cid).visible = tiers & ALL_TIERS;
+    }
+
+    // ---- mutations (the writer only) ------------------------------------------------------------
+
+    pub fn apply(&mut self, cid: Cid, events: &[Event]) -> ApplyStats {
+        let mut stats = ApplyStats::default();
+        for ev in events {
+            match ev {
+                Event::Stored(s) => self.store(cid, s, &mut stats),
+                Event::Removed(r) => self.remove(cid, r, &mut stats),
+                Event::AllCleared => {
+                    stats.event("AllBlocksCleared", None);
+                    stats.cleared += self.clear_carrier(cid);
+                }
+            }
+        }
+        stats
+    }
+
+    fn store(&mut self, cid: Cid, ev: &Stored, stats: &mut ApplyStats) {
+        stats.event("BlockStored", ev.medium.as_deref());
+        let n = ev.block_hashes.len();
+        if let Some(skip) = store_skip(ev, self.block_size, self.full_attention_group) {
+            stats.skip(skip, n);
+            return;
+        }
+        let bits = ev.medium.as_deref().map_or(Some(DEVICE), medium_tier).unwrap_or(DEVICE);
+        let (mut parent, seed) = match ev.parent_block_hash {
+            None => (None, namespace_root(ev.lora_name.as_deref(), ev.cache_salt.as_deref())),
+            Some(ph) => {
+                // A parent this carrier no longer holds is as unknown as one it never announced.
+                let held = self.state(cid).and_then(|s| s.by_ehash.get(&ph)).copied();
+                match held.filter(|&slot| self.holder(slot, cid).is_some()) {
+                    Some(slot) => {
+                        let key = self.nodes[slot as usize].key;
+                        (Some(key), key)
+                    }
+                    None => {
+                        stats.skip(Skip::UnknownParent, n);
+                        return;
+                    }
+                }
+            }
+        };
+        let keys = KeyChain::new(&ev.tokens, self.block_size as usize, seed, ev.extra_keys.as_deref());
+        for (&h, key) in ev.block_hashes.iter().zip(keys) {
+            stats.stored += self.hold(cid, key, parent, bits, h) as u64;
+            parent = Some(key);
+        }
+    }
+
+    fn remove(&mut self, cid: Cid, ev: &Removed, stats: &mut ApplyStats) {
+        stats.event("BlockRemoved", ev.medium.as_deref());
+        if ev.group_idx.is_some_and(|g| g != self.full_attention_group) {
+            stats.skip(Skip::OtherGroup, ev.block_hashes.len());
+            return;
+        }
+        // Untagged or unknown medium: clear every tier (the engine holds it nowhere we know of).
+        let tiers = ev.medium.as_deref().and_then(medium_tier).unwrap_or(ALL_TIERS);
+        for &h in &ev.block_hashes {
+            match self.state(cid).and_then(|s| s.by_ehash.get(&h)).copied() {
+                Some(slot) => stats.removed += self.release(cid, slot, tiers) as u64,
+                None => stats.skip(Skip::UnknownBlock, 1),
+            }
+        }
+    }
+
+    /// Record that `cid` holds `key` (under `parent`; None: a chain's first block) in `bits` tiers as
+    /// engine hash `ehash`. The one way a carrier gains a block: events and snapshot grafts both come
+    /// here. Returns how many tier bits were new.
+    pub fn hold(&mut self, cid: Cid, key: u64, parent: Option<u64>, bits: u8, ehash: u64) -> u32 {
+        let bits = bits & ALL_TIERS;
+        if bits == 0 || self.state(cid).is_none() {
+            return 0;
+        }
+        if let Some(old) = self.state(cid).and_then(|s| s.by_ehash.get(&ehash)).copied() {
+            if self.nodes[old as usize].key != key {
+                // The engine reused a hash for other content: the old position is no longer held.
+                self.release(cid, old, ALL_TIERS);
+            }
+        }
+        let slot = match self.slot_of.get(&key) {
+            Some(&slot) => slot,
+            None => self.create(key, parent),
+        };
+        let node = &mut self.nodes[slot as usize];
+        let (new, replaced) = match node.holders.iter_mut().find(|x| x.cid == cid) {
+            Some(x) => {
+                let new = bits & !x.tiers;
+                x.tiers |= new;
+                let replaced = (x.ehash != ehash).then_some(x.ehash);
+                x.ehash = ehash;
+                (new, replaced)
+            }
+            None => {
+                node.holders.push(Holder {
+                    ehash,
+                    cid,
+                    tiers: bits,
+                });
+                (bits, None)
+            }
+        };
+        let st = self.state_mut(cid);
+        if let Some(old_h) = replaced {
+            st.by_ehash.remove(&old_h); // the same position, announced under a new engine hash
+        }
+        st.by_ehash.insert(ehash, slot);
+        for t in 0..4 {
+            st.tier_blocks[t] += (new >> t & 1) as u64;
+        }
+        new.count_ones()
+    }
+
+    fn create(&mut self, key: u64, parent: Option<u64>) -> u32 {
+        let node = Node {
+            key,
+            parent: parent.unwrap_or(0),
+            holders: Holders::new(),
+        };
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.nodes[slot as usize] = node;
+                slot
+            }
+            None => {
+                self.nodes.push(node);
+                if self.root_bits.len() * 64 < self.nodes.len() {
+                    self.root_bits.push(0);
+                }
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        let (word, bit) = (slot as usize / 64, slot % 64);
+        if parent.is_none() {
+            self.root_bits[word] |= 1 << bit;
+        } else {
+            self.root_bits[word] &= !(1 << bit);
+        }
+        self.slot_of.insert(key, slot);
+        slot
+    }
+
+    fn holder(&self, slot: u32, cid: Cid) -> Option<&Holder> {
+        self.nodes.get(slot as usize)?.holders.iter().find(|x| x.cid == cid)
+    }
+
+    /// Clear `tiers` of one carrier on one node; a holder left in no tier is dropped with its engine
+    /// hash, and a node left with no holder is dropped. Returns whether any tier was cleared.
+    fn release(&mut self, cid: Cid, slot: u32, tiers: u8) -> bool {
+        let node = &mut self.nodes[slot as usize];
+        let Some(pos) = node.holders.iter().position(|x| x.cid == cid) else {
+            return false;
+        };
+        let h = node.holders[pos];
+        let gone = h.tiers & tiers;
+        if gone == 0 {
+            return false;
+        }
+        let left = h.tiers & !gone;
+        if left != 0 {
+            node.holders[pos].tiers = left;
+        } else {
+            node.holders.swap_remove(pos);
+        }
+        let empty = node.holders.is_empty();
+        let st = self.state_mut(cid);
+        for t in 0..4 {
+            st.tier_blocks[t] -= (gone >> t & 1) as u64;
+        }
+        if left == 0 {
+            st.by_ehash.remove(&h.ehash);
+        }
+        if empty {
+            self.drop_node(slot);
+        }
+        true
+    }
+
+    fn drop_node(&mut self, slot: u32) {
+        let node = &mut self.nodes[slot as usize];
+        node.holders = Holders::new(); // frees a spilled holder list
+        self.slot_of.remove(&node.key);
+        self.free.push(slot);
+    }
+
+    /// Forget every block of a carrier (AllBlocksCleared, a gap replay could not cover, a restart).
+    /// Returns how many blocks it held.
+    pub fn clear_carrier(&mut self, cid: Cid) -> u64 {
+        let Some(st) = self.carriers.get_mut(cid as usize).and_then(Option::as_mut) else {
+            return 0;
+        };
+        let held = std::mem::take(&mut st.by_ehash);
+        st.tier_blocks = [0; 4];
+        let mut n = 0;
+        for (_, slot) in held {
+            let node = &mut self.nodes[slot as usize];
+            if let Some(pos) = node.holders.iter().position(|x| x.cid == cid) {
+                node.holders.swap_remove(pos);
+                n += 1;
+                if node.holders.is_empty() {
+                    self.drop_node(slot);
+                }
+            }
+        }
+        n
+    }
+
+    /// Forget a carrier entirely (its engine left discovery, or restarted as a new incarnation).
+    pub fn remove_carrier(&mut self, cid: Cid) -> u64 {
+        let n = self.clear_carrier(cid);
+        if let Some(st) = self.carriers.get_mut(cid as usize).and_then(Option::take) {
+            self.ids.remove(&(st.engine, st.rank));
+        }
+        n
+    }
+
+    /// Forget `tiers` of every block a carrier holds (a device tier that did not survive a restart);
+    /// blocks left in no tier are forgotten. O(blocks). Returns the blocks that lost a tier.
+    pub fn drop_tiers(&mut self, cid: Cid, tiers: u8) -> u64 {
+        let tiers = tiers & ALL_TIERS;
+        let Some(st) = self.state(cid) else { return 0 };
+        if tiers == 0 {
+            return 0;
+        }
+        if tiers == ALL_TIERS {
+            return self.clear_carrier(cid);
+        }
+        let slots: Vec<u32> = st.by_ehash.values().copied().collect();
+        slots
+            .into_iter()
+            .map(|slot| self.release(cid, slot, tiers) as u64)
+            .sum()
+    }
+
+    // ---- reads -----------------------------------------------------------------------------------
+
+    /// Per carrier that holds at least the first block (visibly): its matched prefix. Hashes while
+    /// walking, so a prompt that misses early costs one block's hash.
+    pub fn match_tokens(&self, tokens: &Tokens, root: u64) -> Vec<CarrierMatch> {
+        if self.slot_of.is_empty() {
+            return Vec::new();
+        }
+        self.match_keys(KeyChain::new(tokens, self.block_size as usize, root, None))
+    }
+
+    /// `match_tokens` for precomputed keys.
+    pub fn match_keys(&self, keys: impl IntoIterator<Item = u64>) -> Vec<CarrierMatch> {
+        // Carriers still holding the whole prefix walked so far; when one misses a node it is done.
+        let mut alive: smallvec::SmallVec<[CarrierMatch; 8]> = smallvec::SmallVec::new();
+        let mut done = Vec::new();
+        for (depth, key) in keys.into_iter().enumerate() {
+            let Some(&slot) = self.slot_of.get(&key) else { break };
+            let holders = &self.nodes[slot as usize].holders;
+            if depth == 0 {
+                for h in holders {
+                    let vis = h.tiers & self.visible_tiers(h.cid);
+                    if vis != 0 {
+                        let mut m = CarrierMatch {
+                            cid: h.cid,
+                            blocks: 1,
+                            tier_blocks: [0; 4],
+                        };
+                        m.tier_blocks[best_slot(vis)] = 1;
+                        alive.push(m);
+                    }
+                }
+            } else {
+                let mut i = 0;
+                while i < alive.len() {
+                    let cid = alive[i].cid;
+                    let vis = holders
+                        .iter()
+                        .find(|h| h.cid == cid)
+                        .map_or(0, |h| h.tiers & self.visible_tiers(cid));
+                    if vis == 0 {
+                        done.push(alive.swap_remove(i));
+                        continue;
+                    }
+                    alive[i].blocks += 1;
+                    alive[i].tier_blocks[best_slot(vis)] += 1;
+                    i += 1;
+                }
+            }
+            if alive.is_empty() {
+                break;
+            }
+        }
+        done.extend(alive);
+        done.sort_by_key(|m| m.cid);
+        done
+    }
+
+    pub fn keys_for(&self, tokens: &Tokens, lora_name: Option<&str>, cache_salt: Option<&str>) -> Vec<u64> {
+        KeyChain::new(
+            tokens,
+            self.block_size as usize,
+            namespace_root(lora_name, cache_salt),
+            None,
+        )
+        .collect()
+    }
+
+    /// Slots ever allocated (live or free): the export walks `[0, slot_end())` in slot order.
+    pub fn slot_end(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// The live node in `slot`, if any.
+    pub fn node_at(&self, slot: usize) -> Option<NodeView<'_>> {
+        let node = self.nodes.get(slot)?;
+        if node.holders.is_empty() {
+            return None;
+        }
+        let is_root = self.root_bits[slot / 64] >> (slot % 64) & 1 == 1;
+        Some(NodeView {
+            key: node.key,
+            parent: (!is_root).then_some(node.parent),
+            holders: &node.holders,
+        })
+    }
+
+    /// The live node named `key`, if any.
+    pub fn node(&self, key: u64) -> Option<NodeView<'_>> {
+        self.node_at(*self.slot_of.get(&key)? as usize)
+    }
+
+    pub fn nodes(&self) -> impl Iterator<Item = NodeView<'_>> {
+        (0..self.nodes.len()).filter_map(|s| self.node_at(s))
+    }
+
+    /// Give back memory after a mass removal: the tables only grow on their own. Called by the writer
+    /// between batches; a no-op unless the key table is mostly empty (then one rehash, O(live nodes)).
+    pub fn maintain(&mut self) {
+        let cap = self.slot_of.capacity();
+        if cap > 1 << 16 && self.slot_of.len() < cap / 8 {
+            self.slot_of.shrink_to_fit();
+        }
+    }
+
+    /// The structure's invariants, checked in full (for tests): every holder is in its carrier's
+    /// engine-hash map and back, no holder is held in no tier, the key table names exactly the live
+    /// nodes, and the per-tier counters agree with a recount.
+    pub fn check(&self) -> Result<(), String> {
+        let mut counts: StdHashMap<Cid, [u64; 4]> = StdHashMap::new();
+        let mut live = 0;
+        for (slot, node) in self.nodes.iter().enumerate() {
+            if node.holders.is_empty() {
+                continue;
+            }
+            live += 1;
+            if self.slot_of.get(&node.key) != Some(&(slot as u32)) {
+                return Err(format!("slot {slot} is not the key table's entry for its key"));
+            }
+            for h in &node.holders {
+                let st = self
+                    .state(h.cid)
+                    .ok_or(format!("slot {slot} held by dead carrier {}", h.cid))?;
+                if h.tiers == 0 || h.tiers & !ALL_TIERS != 0 {
+                    return Err(format!("slot {slot}: carrier {} holds tier bits {:#x}", h.cid, h.tiers));
+                }
+                if st.by_ehash.get(&h.ehash) != Some(&(slot as u32)) {
+                    return Err(format!(
+                        "slot {slot}: carrier {}'s engine hash does not map back",
+                        h.cid
+                    ));
+                }
+                let c = counts.entry(h.cid).or_default();
+                (0..4).for_each(|t| c[t] += (h.tiers >> t & 1) as u64);
+            }
+        }
+        if live != self.slot_of.len() {
+            return Err(format!("{} keys for {live} live nodes", self.slot_of.len()));
+        }
+        for cid in self.carrier_ids() {
+            let st = self.state(cid).expect("live");
+            for (&h, &slot) in &st.by_ehash {
+                if self.holder(slot, cid).map(|x| x.ehash) != Some(h) {
+                    return Err(format!("carrier {cid}: an engine hash names a slot it does not hold"));
+                }
+            }
+            if counts.get(&cid).copied().unwrap_or_default() != st.tier_blocks {
+                return Err(format!("carrier {cid}: tier counters disagree with a recount"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The plain namespace's root, for callers that hash without a namespace.
+    pub fn plain_root() -> u64 {
+        plain_root()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[i64]) -> Event {
+        Event::Stored(Stored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: parent,
+            tokens: Tokens::from_i64(tokens),
+            block_size: 2,
+            medium: None,
+            lora_name: None,
+            extra_keys: None,
+            cache_salt: None,
+            group_idx: None,
+            kv_cache_spec_kind: None,
+        })
+    }
+
+    fn removed(hashes: &[u64], medium: Option<&str>) -> Event {
+        Event::Removed(Removed {
+            block_hashes: hashes.to_vec(),
+            medium: medium.map(str::to_owned),
+            group_idx: None,
+        })
+    }
+
+    fn toks(ids: &[i64]) -> Tokens {
+        Tokens::from_i64(ids)
+    }
+
+    #[test]
+    fn store_match_remove() {
+        let mut ix = Index::new(2, 0).unwrap();
+        let a = ix.carrier("a", 0).unwrap();
+        ix.apply(a, &[stored(&[10, 11], None, &[1, 2, 3, 4])]);
+        assert_eq!(ix.node_count(), 2);
+        let m = ix.match_tokens(&toks(&[1, 2, 3, 4, 5]), plain_root());
+        assert_eq!(
+            m,
+            vec![CarrierMatch {
+                cid: a,
+                blocks: 2,
+                tier_blocks: [2, 0, 0, 0]
+            }]
+        );
+        let stats = ix.apply(a, &[removed(&[11, 99], None)]);
+        assert_eq!((stats.removed, stats.skipped[&Skip::UnknownBlock]), (1, 1));
+        assert_eq!(ix.match_tokens(&toks(&[1, 2, 3, 4]), plain_root())[0].blocks, 1);
+    }
+
+    #[test]
+    fn unknown_parent_is_skipped_not_rooted() {
+        let mut ix = Index::new(2, 0).unwrap();
+        let a = ix.carrier("a", 0).unwrap();
+        let stats = ix.apply(a, &[stored(&[11], Some(10), &[3, 4])]);
+        assert_eq!(stats.skipped[&Skip::UnknownParent], 1);
+        assert_eq!(ix.node_count(), 0);
+    }
+
+    #[test]
+    fn child_survives_its_parent_but_is_unreachable() {
+        let mut ix = Index::new(2, 0).unwrap();
+        let a = ix.carrier("a", 0).unwrap();
+        ix.apply(a, &[stored(&[10, 11], None, &[1, 2, 3, 4]), removed(&[10], None)]);
+        assert_eq!(ix.node_count(), 1);
+        assert!(ix.match_tokens(&toks(&[1, 2, 3, 4]), plain_root()).is_empty());
+        ix.apply(a, &[stored(&[10], None, &[1, 2])]);
+        assert_eq!(ix.match_tokens(&toks(&[1, 2, 3, 4]), plain_root())[0].blocks, 2);
+    }
+
+    #[test]
+    fn tiers_and_visibility() {
+        let mut ix = Index::new(2, 0).unwrap();
+        let a = ix.carrier("a", 0).unwrap();
+        let b = ix.carrier("b", 1).unwrap();
+        ix.apply(a, &[stored(&[10, 11], None, &[1, 2, 3, 4])]);
+        ix.apply(b, &[stored(&[20], None, &[1, 2])]);
+        let mut disk = stored(&[21], Some(20), &[3, 4]);
+        if let Event::Stored(s) = &mut disk {
+            s.medium = Some("DISK".into());
+        }
+        ix.apply(b, &[disk]);
+        let m = ix.match_tokens(&toks(&[1, 2, 3, 4]), plain_root());
+        assert_eq!(
+            m[1],
+            CarrierMatch {
+                cid: b,
+                blocks: 2,
+                tier_blocks: [1, 0, 1, 0]
+            }
+        );
+        ix.set_visible(a, 0);
+        assert_eq!(ix.match_tokens(&toks(&[1, 2, 3, 4]), plain_root()).len(), 1);
+        assert_eq!(ix.drop_tiers(b, DEVICE), 1);
+        assert_eq!(ix.carrier_blocks(b), [0, 0, 1, 0]);
+        assert_eq!(ix.node_count(), 2, "b shares both of a's nodes");
+    }
+
+    #[test]
+    fn reused_engine_hash_moves_the_block() {
+        let mut ix = Index::new(2, 0).unwrap();
+        let a = ix.carrier("a", 0).unwrap();
+        ix.apply(a, &[stored(&[10], None, &[1, 2])]);
+        ix.apply(a, &[stored(&[10], None, &[7, 8])]);
+        assert_eq!(ix.node_count(), 1);
+        assert!(ix.match_tokens(&toks(&[1, 2]), plain_root()).is_empty());
+        assert_eq!(ix.carrier_blocks(a), [1, 0, 0, 0]);
+    }
+
+    #[test]
+    fn removed_carrier_id_is_reused_with_a_new_generation() {
+        let mut ix = Index::new(2, 0).unwrap();
+        let a = ix.carrier("a", 0).unwrap();
+        let gen = ix.carrier_identity(a).unwrap().2;
+        ix.apply(a, &[stored(&[10], None, &[1, 2])]);
+        assert_eq!(ix.remove_carrier(a), 1);
+        assert_eq!(ix.node_count(), 0);
+        let b = ix.carrier("b", 0).unwrap();
+        assert_eq!(b, a);
+        assert!(ix.carrier_identity(b).unwrap().2 > gen);
+    }
+}

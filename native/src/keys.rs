@@ -1,0 +1,182 @@
+//! The router's block keys: a content hash of each block's token IDs, chained from a namespace root.
+//!
+//! Engine block hashes cannot be reproduced outside the engine, so the router hashes token IDs itself
+//! (as Dynamo and llm-d do) and keeps the engine hash only as an opaque per-carrier ID. Block `i`'s key
+//! is `xxh3_64(tokens_le || extra, seed = key of block i-1)`, the first block seeded by the namespace
+//! root: the key of a block names its whole prefix, so the trie is stored flat. Tokens are 4-byte
+//! little-endian when every ID of the sequence fits in u32, else 8-byte two's complement for all of
+//! them (nonsense for a vocabulary, but it must not crash and must never alias a u32 sequence).
+
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+/// Names the key scheme: two routers' keys are comparable only when scheme and block size match.
+pub const SCHEME: &str = "xxh3_64-chain-u32le/v1";
+
+/// The chain seed of the plain namespace (no LoRA adapter, no cache salt).
+pub fn plain_root() -> u64 {
+    xxh3_64(b"routerfleet/block-key/v1")
+}
+
+fn pack_str_or_nil(out: &mut Vec<u8>, s: Option<&str>) {
+    // msgpack, as every replica's encoder writes it: nil, or the shortest str form.
+    let Some(s) = s else {
+        out.push(0xc0);
+        return;
+    };
+    let n = s.len();
+    if n < 32 {
+        out.push(0xa0 | n as u8);
+    } else if n < 1 << 8 {
+        out.extend_from_slice(&[0xd9, n as u8]);
+    } else if n < 1 << 16 {
+        out.push(0xda);
+        out.extend_from_slice(&(n as u16).to_be_bytes());
+    } else {
+        out.push(0xdb);
+        out.extend_from_slice(&(n as u32).to_be_bytes());
+    }
+    out.extend_from_slice(s.as_bytes());
+}
+
+/// The chain seed of a namespace: the plain root, or the root hashed with `[lora_name, cache_salt]`
+/// packed as msgpack, so salted or adapter blocks never match a plain request.
+pub fn namespace_root(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
+    if lora_name.is_none() && cache_salt.is_none() {
+        return plain_root();
+    }
+    let mut packed = vec![0x92];
+    pack_str_or_nil(&mut packed, lora_name);
+    pack_str_or_nil(&mut packed, cache_salt);
+    xxh3_64_with_seed(&packed, plain_root())
+}
+
+/// Token IDs as the key scheme reads them: u32 when they all fit, else i64 for the whole sequence.
+pub enum Tokens {
+    U32(Vec<u32>),
+    I64(Vec<i64>),
+}
+
+impl Tokens {
+    pub fn from_i64(ids: &[i64]) -> Tokens {
+        if ids.iter().all(|&t| (0..=u32::MAX as i64).contains(&t)) {
+            Tokens::U32(ids.iter().map(|&t| t as u32).collect())
+        } else {
+            Tokens::I64(ids.to_vec())
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Tokens::U32(v) => v.len(),
+            Tokens::I64(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The little-endian bytes of tokens `[start, end)`, appended to `out`.
+    fn bytes_into(&self, start: usize, end: usize, out: &mut Vec<u8>) {
+        match self {
+            Tokens::U32(v) => v[start..end]
+                .iter()
+                .for_each(|t| out.extend_from_slice(&t.to_le_bytes())),
+            Tokens::I64(v) => v[start..end]
+                .iter()
+                .for_each(|t| out.extend_from_slice(&t.to_le_bytes())),
+        }
+    }
+}
+
+/// Walks the keys of a token sequence's full blocks one at a time (a trailing partial block is never
+/// keyed: engines cache full blocks only), so a match that misses early hashes one block.
+pub struct KeyChain<'a> {
+    tokens: &'a Tokens,
+    block_size: usize,
+    extra: Option<&'a [Vec<u8>]>,
+    parent: u64,
+    next: usize,
+    buf: Vec<u8>,
+}
+
+impl<'a> KeyChain<'a> {
+    pub fn new(tokens: &'a Tokens, block_size: usize, root: u64, extra: Option<&'a [Vec<u8>]>) -> Self {
+        KeyChain {
+            tokens,
+            block_size,
+            extra,
+            parent: root,
+            next: 0,
+            buf: Vec::with_capacity(block_size * 8),
+        }
+    }
+}
+
+impl Iterator for KeyChain<'_> {
+    type Item = u64;
+
+    fn next(&mut self) -> Option<u64> {
+        let bs = self.block_size;
+        let start = self.next * bs;
+        if bs == 0 || start + bs > self.tokens.len() {
+            return None;
+        }
+        self.buf.clear();
+        self.tokens.bytes_into(start, start + bs, &mut self.buf);
+        if let Some(extra) = self.extra.and_then(|e| e.get(self.next)) {
+            self.buf.extend_from_slice(extra);
+        }
+        self.parent = xxh3_64_with_seed(&self.buf, self.parent);
+        self.next += 1;
+        Some(self.parent)
+    }
+}
+
+/// Keys of every full block of `tokens`, chained from `root`; `extra[i]` (already canonical bytes)
+/// is hashed into block `i`.
+pub fn block_keys(tokens: &Tokens, block_size: usize, root: u64, extra: Option<&[Vec<u8>]>) -> Vec<u64> {
+    KeyChain::new(tokens, block_size, root, extra).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partial_block_is_not_keyed() {
+        let t = Tokens::from_i64(&[1, 2, 3, 4, 5]);
+        assert_eq!(block_keys(&t, 2, plain_root(), None).len(), 2);
+    }
+
+    #[test]
+    fn chain_names_the_prefix() {
+        let a = block_keys(&Tokens::from_i64(&[1, 2, 3, 4]), 2, plain_root(), None);
+        let b = block_keys(&Tokens::from_i64(&[9, 9, 3, 4]), 2, plain_root(), None);
+        assert_ne!(a[1], b[1], "same block after a different prefix is a different key");
+    }
+
+    #[test]
+    fn wide_ids_never_alias_u32() {
+        let narrow = Tokens::from_i64(&[1, 0, 2, 0]);
+        let wide = Tokens::from_i64(&[1, 2, -1, 0]);
+        assert!(matches!(wide, Tokens::I64(_)));
+        assert_ne!(
+            block_keys(&narrow, 2, plain_root(), None)[0],
+            block_keys(&wide, 2, plain_root(), None)[0]
+        );
+    }
+
+    #[test]
+    fn namespaces_are_disjoint() {
+        let plain = namespace_root(None, None);
+        assert_eq!(plain, plain_root());
+        assert_ne!(namespace_root(Some("a"), None), namespace_root(None, Some("a")));
+        assert_ne!(namespace_root(Some("a"), None), plain);
+        let long = "x".repeat(300);
+        assert_ne!(
+            namespace_root(Some(&long), None),
+            namespace_root(Some(&long[..299]), None)
+        );
+    }
+}

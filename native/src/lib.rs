@@ -1,0 +1,443 @@
+//! RouterFleet's native index core, and its Python bindings (the `routerfleet_index` module).
+//!
+//! The pure-Rust core (`keys`, `events`, `index`, `snapshot`) knows nothing of Python; this file is
+//! the shell that converts. Python keeps the sockets, the single writer task and carrier identity
+//! (`router_runtime/kv/index.py` wraps `Index`); every call here runs under the GIL on that writer or
+//! on a reader of the same loop, so a match never observes a half-applied batch.
+
+pub mod events;
+pub mod index;
+pub mod keys;
+pub mod snapshot;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+
+use events::{Event, Removed, Skip, Stored};
+use index::{Cid, Index};
+use keys::Tokens;
+
+#[derive(thiserror::Error, Debug)]
+pub enum Error {
+    #[error("block_size must be positive")]
+    BlockSize,
+    #[error("too many carriers: an index holds at most 65,536")]
+    TooManyCarriers,
+    #[error("unknown carrier id {0}")]
+    UnknownCarrier(Cid),
+    #[error("not a KV event: {0}")]
+    NotAnEvent(String),
+    #[error("column {0}: {1} bytes is not a whole number of {2}-byte items")]
+    ColumnBytes(&'static str, usize, usize),
+}
+
+impl From<Error> for PyErr {
+    fn from(e: Error) -> PyErr {
+        PyValueError::new_err(e.to_string())
+    }
+}
+
+// ---- conversions -----------------------------------------------------------------------------------
+
+fn tokens_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
+    let ids: Vec<i64> = match obj.cast::<PyList>() {
+        Ok(list) => list.iter().map(|x| x.extract::<i64>()).collect::<PyResult<_>>()?,
+        Err(_) => obj.extract()?,
+    };
+    Ok(Tokens::from_i64(&ids))
+}
+
+/// How a conversion treats a store's extra keys: hashed into the keys (encoded by the given Python
+/// callable), or not read at all (for the skip rule, which never looks at them).
+#[derive(Clone, Copy)]
+enum Extra<'a> {
+    Encode(Option<&'a Py<PyAny>>),
+    Ignore,
+}
+
+fn stored_from_py(ev: &Bound<'_, PyAny>, extra: Extra<'_>) -> PyResult<Stored> {
+    let py = ev.py();
+    let extra_keys = match (extra, ev.getattr(intern!(py, "extra_keys"))?) {
+        (Extra::Ignore, _) => None,
+        (_, x) if x.is_none() => None,
+        (Extra::Encode(encode), x) => {
+            // Never hash without them: the same tokens with other extra keys are other content.
+            let encode = encode.ok_or_else(|| PyValueError::new_err("extra keys need an encoder"))?;
+            let mut out = Vec::new();
+            for item in x.try_iter()? {
+                out.push(encode.bind(py).call1((item?,))?.extract::<Vec<u8>>()?);
+            }
+            Some(out)
+        }
+    };
+    Ok(Stored {
+        block_hashes: ev.getattr(intern!(py, "block_hashes"))?.extract()?,
+        parent_block_hash: ev.getattr(intern!(py, "parent_block_hash"))?.extract()?,
+        tokens: tokens_from_py(&ev.getattr(intern!(py, "token_ids"))?)?,
+        block_size: ev.getattr(intern!(py, "block_size"))?.extract()?,
+        medium: ev.getattr(intern!(py, "medium"))?.extract()?,
+        lora_name: ev.getattr(intern!(py, "lora_name"))?.extract()?,
+        extra_keys,
+        cache_salt: ev.getattr(intern!(py, "cache_salt"))?.extract()?,
+        group_idx: ev.getattr(intern!(py, "group_idx"))?.extract()?,
+        kv_cache_spec_kind: ev.getattr(intern!(py, "kv_cache_spec_kind"))?.extract()?,
+    })
+}
+
+fn event_from_py(ev: &Bound<'_, PyAny>, encode_extra: Option<&Py<PyAny>>) -> PyResult<Event> {
+    let py = ev.py();
+    let name = ev.get_type().name()?;
+    Ok(match name.to_str()? {
+        "BlockStored" => Event::Stored(stored_from_py(ev, Extra::Encode(encode_extra))?),
+        "BlockRemoved" => Event::Removed(Removed {
+            block_hashes: ev.getattr(intern!(py, "block_hashes"))?.extract()?,
+            medium: ev.getattr(intern!(py, "medium"))?.extract()?,
+            group_idx: ev.getattr(intern!(py, "group_idx"))?.extract()?,
+        }),
+        "AllBlocksCleared" => Event::AllCleared,
+        other => return Err(Error::NotAnEvent(other.to_owned()).into()),
+    })
+}
+
+fn column<const N: usize, T>(name: &'static str, b: &[u8], from: fn([u8; N]) -> T) -> Result<Vec<T>, Error> {
+    if !b.len().is_multiple_of(N) {
+        return Err(Error::ColumnBytes(name, b.len(), N));
+    }
+    Ok(b.chunks_exact(N)
+        .map(|c| from(c.try_into().expect("exact chunk")))
+        .collect())
+}
+
+fn le_bytes<'py, T: Copy, const N: usize>(py: Python<'py>, xs: &[T], to: fn(T) -> [u8; N]) -> Bound<'py, PyBytes> {
+    let mut out = Vec::with_capacity(xs.len() * N);
+    xs.iter().for_each(|&x| out.extend_from_slice(&to(x)));
+    PyBytes::new(py, &out)
+}
+
+// ---- the index -------------------------------------------------------------------------------------
+
+/// The radix index (see `index.rs`). Carriers are small integer ids here; the Python wrapper maps
+/// them to its `Carrier` values.
+#[pyclass(module = "routerfleet_index", name = "Index")]
+struct PyIndex {
+    inner: Index,
+    /// Canonical bytes of one block's opaque extra keys (a Python callable: they are Python values).
+    encode_extra: Option<Py<PyAny>>,
+}
+
+type MatchRow = (Cid, u32, u32, u32, u32, u32);
+type NodeRow = (u64, Option<u64>, Vec<(Cid, u8)>);
+
+fn rows(ms: Vec<index::CarrierMatch>) -> Vec<MatchRow> {
+    ms.into_iter()
+        .map(|m| {
+            (
+                m.cid,
+                m.blocks,
+                m.tier_blocks[0],
+                m.tier_blocks[1],
+                m.tier_blocks[2],
+                m.tier_blocks[3],
+            )
+        })
+        .collect()
+}
+
+impl PyIndex {
+    fn live(&self, cid: Cid) -> Result<Cid, Error> {
+        self.inner
+            .carrier_identity(cid)
+            .map(|_| cid)
+            .ok_or(Error::UnknownCarrier(cid))
+    }
+}
+
+#[pymethods]
+impl PyIndex {
+    #[new]
+    #[pyo3(signature = (block_size, full_attention_group = 0, encode_extra = None))]
+    fn new(block_size: i64, full_attention_group: i64, encode_extra: Option<Py<PyAny>>) -> PyResult<Self> {
+        Ok(PyIndex {
+            inner: Index::new(block_size, full_attention_group)?,
+            encode_extra,
+        })
+    }
+
+    #[getter]
+    fn block_size(&self) -> i64 {
+        self.inner.block_size()
+    }
+
+    #[getter]
+    fn full_attention_group(&self) -> i64 {
+        self.inner.full_attention_group()
+    }
+
+    /// The id of carrier (engine, rank), created empty and visible if new.
+    fn carrier(&mut self, engine: &str, rank: u32) -> PyResult<Cid> {
+        Ok(self.inner.carrier(engine, rank)?)
+    }
+
+    fn find_carrier(&self, engine: &str, rank: u32) -> Option<Cid> {
+        self.inner.find_carrier(engine, rank)
+    }
+
+    /// Live carriers as (id, engine, rank).
+    fn carriers(&self) -> Vec<(Cid, String, u32)> {
+        self.inner
+            .carrier_ids()
+            .filter_map(|c| self.inner.carrier_identity(c).map(|(e, r, _)| (c, e.to_owned(), r)))
+            .collect()
+    }
+
+    fn node_count(&self) -> usize {
+        self.inner.node_count()
+    }
+
+    /// Apply a batch's events (``EventBatch.events``) for carrier ``cid``. Returns (stored, removed,
+    /// cleared, [(event type, medium or "", n)], [(skip reason, blocks)]).
+    #[allow(clippy::type_complexity)]
+    fn apply_events(
+        &mut self,
+        cid: Cid,
+        events: &Bound<'_, PyAny>,
+    ) -> PyResult<(
+        u64,
+        u64,
+        u64,
+        Vec<(&'static str, String, u64)>,
+        Vec<(&'static str, u64)>,
+    )> {
+        self.live(cid)?;
+        let evs = events
+            .try_iter()?
+            .map(|ev| event_from_py(&ev?, self.encode_extra.as_ref()))
+            .collect::<PyResult<Vec<_>>>()?;
+        let s = self.inner.apply(cid, &evs);
+        let events = s.events.into_iter().map(|((k, m), n)| (k, m, n)).collect();
+        let skipped = s.skipped.into_iter().map(|(r, n)| (r.as_str(), n)).collect();
+        Ok((s.stored, s.removed, s.cleared, events, skipped))
+    }
+
+    fn clear_carrier(&mut self, cid: Cid) -> u64 {
+        self.inner.clear_carrier(cid)
+    }
+
+    fn remove_carrier(&mut self, cid: Cid) -> u64 {
+        self.inner.remove_carrier(cid)
+    }
+
+    fn set_visible(&mut self, cid: Cid, tiers: u8) -> PyResult<()> {
+        self.live(cid)?;
+        self.inner.set_visible(cid, tiers);
+        Ok(())
+    }
+
+    fn visible_tiers(&self, cid: Cid) -> u8 {
+        self.inner.visible_tiers(cid)
+    }
+
+    fn drop_tiers(&mut self, cid: Cid, tiers: u8) -> u64 {
+        self.inner.drop_tiers(cid, tiers)
+    }
+
+    fn maintain(&mut self) {
+        self.inner.maintain()
+    }
+
+    /// (device, host, disk, external) blocks held by a carrier.
+    fn carrier_blocks(&self, cid: Cid) -> [u64; 4] {
+        self.inner.carrier_blocks(cid)
+    }
+
+    /// Engine hashes a carrier holds, per tier slot.
+    fn carrier_engine_hashes(&self, cid: Cid) -> [Vec<u64>; 4] {
+        self.inner.carrier_engine_hashes(cid)
+    }
+
+    /// Matched prefix per carrier: rows of (id, blocks, device, host, disk, external), by id.
+    #[pyo3(signature = (token_ids, lora_name = None, cache_salt = None))]
+    fn match_tokens(
+        &self,
+        token_ids: &Bound<'_, PyAny>,
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> PyResult<Vec<MatchRow>> {
+        let tokens = tokens_from_py(token_ids)?;
+        Ok(rows(
+            self.inner
+                .match_tokens(&tokens, keys::namespace_root(lora_name, cache_salt)),
+        ))
+    }
+
+    fn match_keys(&self, keys: Vec<u64>) -> Vec<MatchRow> {
+        rows(self.inner.match_keys(keys))
+    }
+
+    #[pyo3(signature = (token_ids, lora_name = None, cache_salt = None))]
+    fn keys_for(
+        &self,
+        token_ids: &Bound<'_, PyAny>,
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> PyResult<Vec<u64>> {
+        Ok(self.inner.keys_for(&tokens_from_py(token_ids)?, lora_name, cache_salt))
+    }
+
+    /// Check the structure's invariants in full (for tests); raises AssertionError naming the first
+    /// one broken.
+    fn check(&self) -> PyResult<()> {
+        self.inner.check().map_err(pyo3::exceptions::PyAssertionError::new_err)
+    }
+
+    /// Every node as (key, parent key or None, [(carrier id, tier bits)]), for tests and debugging.
+    fn nodes(&self) -> Vec<NodeRow> {
+        self.inner
+            .nodes()
+            .map(|n| (n.key, n.parent, n.holders().map(|(c, t, _)| (c, t)).collect()))
+            .collect()
+    }
+}
+
+// ---- snapshot walks --------------------------------------------------------------------------------
+
+/// The chunked export (see `snapshot.rs`).
+#[pyclass(module = "routerfleet_index", name = "Exporter")]
+struct PyExporter {
+    inner: snapshot::Exporter,
+}
+
+#[pymethods]
+impl PyExporter {
+    #[new]
+    fn new(index: PyRef<'_, PyIndex>) -> Self {
+        PyExporter {
+            inner: snapshot::Exporter::new(&index.inner),
+        }
+    }
+
+    #[getter]
+    fn done(&self) -> bool {
+        self.inner.done()
+    }
+
+    /// Export up to ``budget`` more slots; only carriers in ``include`` (ids) go out.
+    fn step(&mut self, index: PyRef<'_, PyIndex>, budget: usize, include: Vec<Cid>) -> bool {
+        let mut allowed = vec![false; Cid::MAX as usize + 1];
+        include.iter().for_each(|&c| allowed[c as usize] = true);
+        self.inner.step(&index.inner, budget, &|c| allowed[c as usize])
+    }
+
+    /// (engine, rank) of each worker index.
+    #[getter]
+    fn workers(&self) -> Vec<(String, u32)> {
+        self.inner.workers.clone()
+    }
+
+    /// The columns so far as little-endian bytes: (parent i64, key u64, ncar u16, worker u32, tiers
+    /// u8, hash u64).
+    fn columns<'py>(&self, py: Python<'py>) -> Bound<'py, PyTuple> {
+        let c = &self.inner.columns;
+        let items = [
+            le_bytes(py, &c.parent, i64::to_le_bytes),
+            le_bytes(py, &c.key, u64::to_le_bytes),
+            le_bytes(py, &c.ncar, u16::to_le_bytes),
+            le_bytes(py, &c.worker, u32::to_le_bytes),
+            PyBytes::new(py, &c.tiers),
+            le_bytes(py, &c.hash, u64::to_le_bytes),
+        ];
+        PyTuple::new(py, items).expect("six bytes objects")
+    }
+}
+
+/// The chunked graft (see `snapshot.rs`), over columns given as little-endian bytes.
+#[pyclass(module = "routerfleet_index", name = "Grafter")]
+struct PyGrafter {
+    inner: snapshot::Grafter,
+}
+
+#[pymethods]
+impl PyGrafter {
+    #[new]
+    fn new(parent: &[u8], key: &[u8], ncar: &[u8], worker: &[u8], tiers: &[u8], hash: &[u8]) -> PyResult<Self> {
+        let columns = snapshot::Columns {
+            parent: column("parent", parent, i64::from_le_bytes)?,
+            key: column("key", key, u64::from_le_bytes)?,
+            ncar: column("ncar", ncar, u16::from_le_bytes)?,
+            worker: column("worker", worker, u32::from_le_bytes)?,
+            tiers: tiers.to_vec(),
+            hash: column("hash", hash, u64::from_le_bytes)?,
+        };
+        Ok(PyGrafter {
+            inner: snapshot::Grafter::new(columns),
+        })
+    }
+
+    #[getter]
+    fn done(&self) -> bool {
+        self.inner.done()
+    }
+
+    #[getter]
+    fn blocks(&self) -> u64 {
+        self.inner.blocks
+    }
+
+    /// Graft up to ``budget`` more records; ``carrier_of[w]``: the carrier id for worker ``w``, or None.
+    fn step(&mut self, mut index: PyRefMut<'_, PyIndex>, budget: usize, carrier_of: Vec<Option<Cid>>) -> bool {
+        self.inner.step(&mut index.inner, budget, &carrier_of)
+    }
+}
+
+// ---- module ----------------------------------------------------------------------------------------
+
+#[pyfunction]
+#[pyo3(signature = (lora_name = None, cache_salt = None))]
+fn namespace_root(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
+    keys::namespace_root(lora_name, cache_salt)
+}
+
+/// Keys of every full block of ``token_ids`` chained from ``root``; ``extra[i]``: block i's extra bytes.
+#[pyfunction]
+#[pyo3(signature = (token_ids, block_size, root, extra = None))]
+fn block_keys(
+    token_ids: &Bound<'_, PyAny>,
+    block_size: usize,
+    root: u64,
+    extra: Option<Vec<Vec<u8>>>,
+) -> PyResult<Vec<u64>> {
+    Ok(keys::block_keys(
+        &tokens_from_py(token_ids)?,
+        block_size,
+        root,
+        extra.as_deref(),
+    ))
+}
+
+/// The index's rule for a ``BlockStored``: the skip reason, or None when it can be indexed.
+#[pyfunction]
+fn store_skip(ev: &Bound<'_, PyAny>, block_size: i64, full_attention_group: i64) -> PyResult<Option<&'static str>> {
+    let ev = stored_from_py(ev, Extra::Ignore)?;
+    Ok(events::store_skip(&ev, block_size, full_attention_group).map(Skip::as_str))
+}
+
+#[pymodule]
+fn routerfleet_index(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyIndex>()?;
+    m.add_class::<PyExporter>()?;
+    m.add_class::<PyGrafter>()?;
+    m.add_function(wrap_pyfunction!(namespace_root, m)?)?;
+    m.add_function(wrap_pyfunction!(block_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(store_skip, m)?)?;
+    m.add("SCHEME", keys::SCHEME)?;
+    m.add("PLAIN_ROOT", keys::plain_root())?;
+    let media = PyDict::new(m.py());
+    for (medium, tier) in events::MEDIUM_TIERS {
+        media.set_item(medium, tier)?;
+    }
+    m.add("MEDIUM_TIERS", media)?;
+    m.add("SKIP_REASONS", Skip::ALL.map(Skip::as_str).to_vec())?;
+    Ok(())
+}
