@@ -26,12 +26,15 @@ pub fn medium_tier(medium: &str) -> Option<u8> {
     MEDIUM_TIERS.iter().find(|(m, _)| *m == medium).map(|&(_, t)| t)
 }
 
+#[derive(Clone)]
 pub struct Stored {
     pub block_hashes: Vec<u64>,
     pub parent_block_hash: Option<u64>,
     pub tokens: Tokens,
     pub block_size: i64,
     pub medium: Option<String>,
+    /// Carried for the event's own shape only: the key namespace is the LoRA name.
+    pub lora_id: Option<i64>,
     pub lora_name: Option<String>,
     /// Canonical bytes of each block's opaque extra keys (empty for a block without); None: none sent.
     pub extra_keys: Option<Vec<Vec<u8>>>,
@@ -40,12 +43,14 @@ pub struct Stored {
     pub kv_cache_spec_kind: Option<String>,
 }
 
+#[derive(Clone)]
 pub struct Removed {
     pub block_hashes: Vec<u64>,
     pub medium: Option<String>,
     pub group_idx: Option<i64>,
 }
 
+#[derive(Clone)]
 pub enum Event {
     Stored(Stored),
     Removed(Removed),
@@ -73,6 +78,12 @@ impl Skip {
         Skip::TokenCount,
         Skip::UnknownBlock,
     ];
+
+    /// A refusal that means "this router is configured differently from the engine", not a bad
+    /// event or a prefix we joined after: what the fit tally counts.
+    pub fn is_config(self) -> bool {
+        matches!(self, Skip::BlockSizeMismatch | Skip::OtherGroup | Skip::UnknownMedium)
+    }
 
     pub fn as_str(self) -> &'static str {
         match self {

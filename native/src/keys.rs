@@ -51,6 +51,7 @@ pub fn namespace_root(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 
 }
 
 /// Token IDs as the key scheme reads them: u32 when they all fit, else i64 for the whole sequence.
+#[derive(Clone)]
 pub enum Tokens {
     U32(Vec<u32>),
     I64(Vec<i64>),

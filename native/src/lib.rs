@@ -5,9 +5,11 @@
 //! (`router_runtime/kv/index.py` wraps `Index`); every call here runs under the GIL on that writer or
 //! on a reader of the same loop, so a match never observes a half-applied batch.
 
+pub mod decode;
 pub mod events;
 pub mod index;
 pub mod keys;
+pub mod msgpack;
 pub mod snapshot;
 
 use pyo3::exceptions::PyValueError;
@@ -32,6 +34,13 @@ pub enum Error {
     #[error("column {0}: {1} bytes is not a whole number of {2}-byte items")]
     ColumnBytes(&'static str, usize, usize),
 }
+
+pyo3::create_exception!(
+    routerfleet_index,
+    DecodeError,
+    pyo3::exceptions::PyException,
+    "A payload that does not decode: args (reason, detail), reason a stable metric label."
+);
 
 impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {
@@ -78,6 +87,7 @@ fn stored_from_py(ev: &Bound<'_, PyAny>, extra: Extra<'_>) -> PyResult<Stored> {
         tokens: tokens_from_py(&ev.getattr(intern!(py, "token_ids"))?)?,
         block_size: ev.getattr(intern!(py, "block_size"))?.extract()?,
         medium: ev.getattr(intern!(py, "medium"))?.extract()?,
+        lora_id: ev.getattr(intern!(py, "lora_id"))?.extract()?,
         lora_name: ev.getattr(intern!(py, "lora_name"))?.extract()?,
         extra_keys,
         cache_salt: ev.getattr(intern!(py, "cache_salt"))?.extract()?,
@@ -123,11 +133,22 @@ fn le_bytes<'py, T: Copy, const N: usize>(py: Python<'py>, xs: &[T], to: fn(T) -
 #[pyclass(module = "routerfleet_index", name = "Index")]
 struct PyIndex {
     inner: Index,
-    /// Canonical bytes of one block's opaque extra keys (a Python callable: they are Python values).
-    encode_extra: Option<Py<PyAny>>,
 }
 
 type MatchRow = (Cid, u32, u32, u32, u32, u32);
+type StatsRow = (
+    u64,
+    u64,
+    u64,
+    Vec<(&'static str, String, u64)>,
+    Vec<(&'static str, u64)>,
+);
+
+fn stats_row(s: index::ApplyStats) -> StatsRow {
+    let events = s.events.into_iter().map(|((k, m), n)| (k, m, n)).collect();
+    let skipped = s.skipped.into_iter().map(|(r, n)| (r.as_str(), n)).collect();
+    (s.stored, s.removed, s.cleared, events, skipped)
+}
 type NodeRow = (u64, Option<u64>, Vec<(Cid, u8)>);
 
 fn rows(ms: Vec<index::CarrierMatch>) -> Vec<MatchRow> {
@@ -157,11 +178,10 @@ impl PyIndex {
 #[pymethods]
 impl PyIndex {
     #[new]
-    #[pyo3(signature = (block_size, full_attention_group = 0, encode_extra = None))]
-    fn new(block_size: i64, full_attention_group: i64, encode_extra: Option<Py<PyAny>>) -> PyResult<Self> {
+    #[pyo3(signature = (block_size, full_attention_group = 0))]
+    fn new(block_size: i64, full_attention_group: i64) -> PyResult<Self> {
         Ok(PyIndex {
             inner: Index::new(block_size, full_attention_group)?,
-            encode_extra,
         })
     }
 
@@ -196,29 +216,11 @@ impl PyIndex {
         self.inner.node_count()
     }
 
-    /// Apply a batch's events (``EventBatch.events``) for carrier ``cid``. Returns (stored, removed,
-    /// cleared, [(event type, medium or "", n)], [(skip reason, blocks)]).
-    #[allow(clippy::type_complexity)]
-    fn apply_events(
-        &mut self,
-        cid: Cid,
-        events: &Bound<'_, PyAny>,
-    ) -> PyResult<(
-        u64,
-        u64,
-        u64,
-        Vec<(&'static str, String, u64)>,
-        Vec<(&'static str, u64)>,
-    )> {
+    /// Apply a native ``Batch`` (decoded from the wire, or converted once) for carrier ``cid``. Returns
+    /// (stored, removed, cleared, [(event type, medium or "", n)], [(skip reason, blocks)]).
+    fn apply_batch(&mut self, cid: Cid, batch: PyRef<'_, PyBatch>) -> PyResult<StatsRow> {
         self.live(cid)?;
-        let evs = events
-            .try_iter()?
-            .map(|ev| event_from_py(&ev?, self.encode_extra.as_ref()))
-            .collect::<PyResult<Vec<_>>>()?;
-        let s = self.inner.apply(cid, &evs);
-        let events = s.events.into_iter().map(|((k, m), n)| (k, m, n)).collect();
-        let skipped = s.skipped.into_iter().map(|(r, n)| (r.as_str(), n)).collect();
-        Ok((s.stored, s.removed, s.cleared, events, skipped))
+        Ok(stats_row(self.inner.apply(cid, &batch.inner.events)))
     }
 
     fn clear_carrier(&mut self, cid: Cid) -> u64 {
@@ -391,6 +393,226 @@ impl PyGrafter {
     }
 }
 
+// ---- decoded batches -------------------------------------------------------------------------------
+
+/// A batch of KV events held natively: decoded from a payload (``decode_batch``) or converted once
+/// from Python events (``from_events``). The index applies it without a Python object per event.
+#[pyclass(module = "routerfleet_index", name = "Batch", frozen)]
+struct PyBatch {
+    inner: decode::Batch,
+}
+
+/// (reason, blocks, block_size, group_idx, kv_cache_spec_kind, medium): a run of stores refused for
+/// one configuration reason, described by its first store.
+type RefusalRow = (&'static str, u64, i64, Option<i64>, Option<String>, Option<String>);
+
+#[pymethods]
+impl PyBatch {
+    /// A native batch of Python events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``);
+    /// ``encode_extra`` gives a block's extra keys as canonical bytes.
+    #[staticmethod]
+    #[pyo3(signature = (ts, events, data_parallel_rank = None, encode_extra = None))]
+    fn from_events(
+        ts: f64,
+        events: &Bound<'_, PyAny>,
+        data_parallel_rank: Option<i64>,
+        encode_extra: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        let events = events
+            .try_iter()?
+            .map(|ev| event_from_py(&ev?, encode_extra.as_ref()))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(PyBatch {
+            inner: decode::Batch {
+                ts,
+                events,
+                data_parallel_rank,
+                unknown_fields: 0,
+                unknown_tags: vec![],
+            },
+        })
+    }
+
+    /// The removals and clears of ``batches``, in order, as one batch: what a stream that will never
+    /// be applied may still say about evictions.
+    #[staticmethod]
+    fn evictions(batches: Vec<PyRef<'_, PyBatch>>) -> Self {
+        let events = batches
+            .iter()
+            .flat_map(|b| b.inner.events.iter())
+            .filter(|ev| !matches!(ev, Event::Stored(_)))
+            .cloned()
+            .collect();
+        PyBatch {
+            inner: decode::Batch {
+                ts: 0.0,
+                events,
+                data_parallel_rank: None,
+                unknown_fields: 0,
+                unknown_tags: vec![],
+            },
+        }
+    }
+
+    #[getter]
+    fn ts(&self) -> f64 {
+        self.inner.ts
+    }
+
+    #[getter]
+    fn data_parallel_rank(&self) -> Option<i64> {
+        self.inner.data_parallel_rank
+    }
+
+    #[getter]
+    fn unknown_fields(&self) -> u64 {
+        self.inner.unknown_fields
+    }
+
+    #[getter]
+    fn unknown_tags(&self) -> Vec<String> {
+        self.inner.unknown_tags.clone()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.events.len()
+    }
+
+    /// The index's store rule over this batch: (blocks accepted, runs of configuration refusals).
+    fn fit(&self, block_size: i64, full_attention_group: i64) -> (u64, Vec<RefusalRow>) {
+        let mut accepted = 0;
+        let mut runs: Vec<RefusalRow> = Vec::new();
+        for ev in &self.inner.events {
+            let Event::Stored(s) = ev else { continue };
+            let n = s.block_hashes.len() as u64;
+            match events::store_skip(s, block_size, full_attention_group) {
+                None => accepted += n,
+                Some(skip) if skip.is_config() => match runs.last_mut() {
+                    Some(run) if run.0 == skip.as_str() => run.1 += n,
+                    _ => runs.push((
+                        skip.as_str(),
+                        n,
+                        s.block_size,
+                        s.group_idx,
+                        s.kv_cache_spec_kind.clone(),
+                        s.medium.clone(),
+                    )),
+                },
+                Some(_) => {}
+            }
+        }
+        (accepted, runs)
+    }
+
+    /// The events as Python objects (for tests and tools): ``stored``, ``removed`` and ``cleared``
+    /// are the classes to build (called with keyword arguments); ``unpack_extra`` turns a block's
+    /// canonical extra-key bytes back into its value.
+    fn to_events<'py>(
+        &self,
+        py: Python<'py>,
+        stored: &Bound<'py, PyAny>,
+        removed: &Bound<'py, PyAny>,
+        cleared: &Bound<'py, PyAny>,
+        unpack_extra: &Bound<'py, PyAny>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let mut out = Vec::with_capacity(self.inner.events.len());
+        for ev in &self.inner.events {
+            let kw = PyDict::new(py);
+            out.push(match ev {
+                Event::Stored(s) => {
+                    kw.set_item("block_hashes", PyTuple::new(py, &s.block_hashes)?)?;
+                    kw.set_item("parent_block_hash", s.parent_block_hash)?;
+                    let tokens = match &s.tokens {
+                        Tokens::U32(v) => PyTuple::new(py, v)?,
+                        Tokens::I64(v) => PyTuple::new(py, v)?,
+                    };
+                    kw.set_item("token_ids", tokens)?;
+                    kw.set_item("block_size", s.block_size)?;
+                    kw.set_item("medium", &s.medium)?;
+                    kw.set_item("lora_id", s.lora_id)?;
+                    kw.set_item("lora_name", &s.lora_name)?;
+                    let extra = match &s.extra_keys {
+                        None => None,
+                        Some(blocks) => Some(PyTuple::new(
+                            py,
+                            blocks
+                                .iter()
+                                .map(|b| {
+                                    if b.is_empty() {
+                                        Ok(py.None().into_bound(py))
+                                    } else {
+                                        unpack_extra.call1((PyBytes::new(py, b),))
+                                    }
+                                })
+                                .collect::<PyResult<Vec<_>>>()?,
+                        )?),
+                    };
+                    kw.set_item("extra_keys", extra)?;
+                    kw.set_item("cache_salt", &s.cache_salt)?;
+                    kw.set_item("group_idx", s.group_idx)?;
+                    kw.set_item("kv_cache_spec_kind", &s.kv_cache_spec_kind)?;
+                    stored.call((), Some(&kw))?
+                }
+                Event::Removed(r) => {
+                    kw.set_item("block_hashes", PyTuple::new(py, &r.block_hashes)?)?;
+                    kw.set_item("medium", &r.medium)?;
+                    kw.set_item("group_idx", r.group_idx)?;
+                    removed.call((), Some(&kw))?
+                }
+                Event::AllCleared => cleared.call0()?,
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// Decode one batch payload (any dialect). Raises ``DecodeError(reason, detail)``, never another
+/// exception, whatever the bytes.
+#[pyfunction]
+#[pyo3(signature = (payload, max_bytes = 64 << 20, max_events = 1 << 20, max_tokens_per_event = 1 << 22))]
+fn decode_batch(payload: &[u8], max_bytes: usize, max_events: u64, max_tokens_per_event: u64) -> PyResult<PyBatch> {
+    let limits = decode::DecodeLimits {
+        max_bytes,
+        max_events,
+        max_tokens_per_event,
+    };
+    let result =
+        std::panic::catch_unwind(|| decode::decode_batch(payload, &limits)).unwrap_or(Err(decode::Malformed {
+            reason: decode::Reason::Unexpected,
+            detail: "decoder panicked",
+        }));
+    match result {
+        Ok(inner) => Ok(PyBatch { inner }),
+        Err(m) => Err(DecodeError::new_err((m.reason.as_str(), m.detail))),
+    }
+}
+
+/// An engine block hash as u64: i64 two's complement, u64 as is, bytes by their last 8 bytes BE.
+#[pyfunction]
+fn normalize_hash(x: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let fail = |detail: &'static str| DecodeError::new_err((decode::Reason::BadHash.as_str(), detail));
+    if x.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(fail("hash must be an int or bytes"));
+    }
+    if let Ok(v) = x.extract::<i128>() {
+        return if (i64::MIN as i128..=u64::MAX as i128).contains(&v) {
+            Ok(v as i64 as u64)
+        } else {
+            Err(fail("int hash outside the i64/u64 range"))
+        };
+    }
+    if x.is_instance_of::<PyBytes>() || x.is_instance_of::<pyo3::types::PyByteArray>() {
+        let b: Vec<u8> = x.extract()?;
+        if b.is_empty() {
+            return Err(fail("empty bytes hash"));
+        }
+        return Ok(b[b.len().saturating_sub(8)..]
+            .iter()
+            .fold(0u64, |acc, &x| acc << 8 | x as u64));
+    }
+    Err(fail("hash must be an int or bytes"))
+}
+
 // ---- module ----------------------------------------------------------------------------------------
 
 #[pyfunction]
@@ -428,6 +650,10 @@ fn routerfleet_index(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyIndex>()?;
     m.add_class::<PyExporter>()?;
     m.add_class::<PyGrafter>()?;
+    m.add_class::<PyBatch>()?;
+    m.add("DecodeError", m.py().get_type::<DecodeError>())?;
+    m.add_function(wrap_pyfunction!(decode_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(normalize_hash, m)?)?;
     m.add_function(wrap_pyfunction!(namespace_root, m)?)?;
     m.add_function(wrap_pyfunction!(block_keys, m)?)?;
     m.add_function(wrap_pyfunction!(store_skip, m)?)?;
@@ -439,5 +665,11 @@ fn routerfleet_index(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     m.add("MEDIUM_TIERS", media)?;
     m.add("SKIP_REASONS", Skip::ALL.map(Skip::as_str).to_vec())?;
+    let config: Vec<&str> = Skip::ALL
+        .into_iter()
+        .filter(|s| s.is_config())
+        .map(Skip::as_str)
+        .collect();
+    m.add("CONFIG_SKIPS", config)?;
     Ok(())
 }

@@ -213,6 +213,7 @@ mod tests {
                     tokens: Tokens::from_i64(tokens),
                     block_size: 2,
                     medium: None,
+                    lora_id: None,
                     lora_name: None,
                     extra_keys: None,
                     cache_salt: None,

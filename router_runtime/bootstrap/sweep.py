@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..kv.decode import MalformedFrame, decode_batch
+from ..kv.decode import MalformedFrame, decode
 from ..kv.fit import FitTally, Misfit
 from ..kv.hold import HoldEnd, RankHold
 from ..kv.index import Carrier, RadixIndex
@@ -645,7 +645,7 @@ class Bootstrapper:
         fit = FitTally()
         for i, (_seq, payload) in enumerate(result.batches):
             try:
-                batch = decode_batch(payload)
+                batch = decode(payload)
             except MalformedFrame:
                 self._origin_failed(c, OriginOutcome.TRUNCATED)
                 return

@@ -85,7 +85,7 @@ class SequencedBatch:
     """A batch as it came off one rank's stream: the publisher's sequence number and the batch."""
 
     seq: int
-    batch: EventBatch
+    batch: EventBatch | routerfleet_index.Batch  # native when decoded off the wire
     nbytes: int = 0  # payload size on the wire, for queue accounting
 
 

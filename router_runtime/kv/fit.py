@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .events import BlockStored, EventBatch
-from .index import Skip, store_skip
+import routerfleet_index
 
-# Refusals that mean "this router is configured differently from the engine", not "a bad event" (a
-# token count that does not match the block count) or "a prefix we joined after" (an unknown parent).
-CONFIG_SKIPS = frozenset({Skip.BLOCK_SIZE_MISMATCH, Skip.OTHER_GROUP, Skip.UNKNOWN_MEDIUM})
+from .events import EventBatch
+from .index import Skip, as_native
+
+# Refusals that mean "this router is configured differently from the engine" (the core's list), not
+# "a bad event" (a token count that does not match the block count) or "a prefix we joined after".
+CONFIG_SKIPS = frozenset(Skip(r) for r in routerfleet_index.CONFIG_SKIPS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,16 +30,22 @@ class Misfit:
     detail: str
 
 
-def describe(ev: BlockStored, reason: Skip, block_size: int, full_attention_group: int) -> str:
+def describe(
+    reason: Skip,
+    seen: tuple[int, int | None, str | None, str | None],
+    block_size: int,
+    full_attention_group: int,
+) -> str:
+    """``seen``: the refused store's (block size, group, cache spec kind, medium)."""
+    ev_block_size, group_idx, kind, medium = seen
     if reason is Skip.BLOCK_SIZE_MISMATCH:
-        return f"the engine publishes block size {ev.block_size}; this router is configured for {block_size}"
+        return f"the engine publishes block size {ev_block_size}; this router is configured for {block_size}"
     if reason is Skip.OTHER_GROUP:
-        kind = ev.kv_cache_spec_kind or "unnamed"
         return (
-            f"the engine publishes KV cache group {ev.group_idx} ({kind}) only; this router indexes the "
-            f"full-attention group {full_attention_group}"
+            f"the engine publishes KV cache group {group_idx} ({kind or 'unnamed'}) only; this router "
+            f"indexes the full-attention group {full_attention_group}"
         )
-    return f"the engine publishes medium {ev.medium!r}, which this router does not know"
+    return f"the engine publishes medium {medium!r}, which this router does not know"
 
 
 @dataclass(slots=True)
@@ -48,17 +56,18 @@ class FitTally:
     refused: int = 0  # blocks refused for a configuration reason
     last: Misfit | None = None
 
-    def add(self, batch: EventBatch, block_size: int, full_attention_group: int) -> None:
-        for ev in batch.events:
-            if type(ev) is not BlockStored:
-                continue
-            skip = store_skip(ev, block_size, full_attention_group)
-            if skip is None:
-                self.accepted += len(ev.block_hashes)
-            elif skip in CONFIG_SKIPS:
-                self.refused += len(ev.block_hashes)
-                if self.last is None or self.last.reason is not skip:
-                    self.last = Misfit(skip, describe(ev, skip, block_size, full_attention_group))
+    def add(
+        self, batch: EventBatch | routerfleet_index.Batch, block_size: int, full_attention_group: int
+    ) -> None:
+        # The core applies the index's rule and returns the runs of CONFIG_SKIPS refusals, each
+        # described by its first store.
+        accepted, refusals = as_native(batch).fit(block_size, full_attention_group)
+        self.accepted += accepted
+        for reason, blocks, *seen in refusals:
+            skip = Skip(reason)
+            self.refused += blocks
+            if self.last is None or self.last.reason is not skip:
+                self.last = Misfit(skip, describe(skip, tuple(seen), block_size, full_attention_group))
 
     @property
     def misfit(self) -> Misfit | None:

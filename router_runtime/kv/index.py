@@ -53,6 +53,15 @@ class Skip(enum.StrEnum):
     UNKNOWN_BLOCK = "unknown_block"  # a remove for a block this carrier never announced
 
 
+def as_native(batch: EventBatch | routerfleet_index.Batch) -> routerfleet_index.Batch:
+    """The native form of a batch: decoded batches already are; typed events are converted once."""
+    if isinstance(batch, EventBatch):
+        return routerfleet_index.Batch.from_events(
+            batch.ts, batch.events, batch.data_parallel_rank, extra_key_bytes
+        )
+    return batch
+
+
 def store_skip(ev: BlockStored, block_size: int, full_attention_group: int) -> Skip | None:
     """Why a store cannot be indexed under this configuration, before the trie is consulted; None: it
     can. The index applies this rule; ``kv/fit.py`` tallies it over a rank's stream, to tell a
@@ -92,7 +101,7 @@ class RadixIndex:
     export) see only visible tiers; the bookkeeping reads see everything."""
 
     def __init__(self, block_size: int, *, full_attention_group: int = 0) -> None:
-        self.native = routerfleet_index.Index(block_size, full_attention_group, extra_key_bytes)
+        self.native = routerfleet_index.Index(block_size, full_attention_group)
         self.block_size = block_size
         self.full_attention_group = full_attention_group
         self._cid: dict[Carrier, int] = {}
@@ -137,8 +146,9 @@ class RadixIndex:
 
     # ---- mutations (writer only) ---------------------------------------------------------------
 
-    def apply_batch(self, carrier: Carrier, batch: EventBatch) -> ApplyStats:
-        stored, removed, cleared, events, skipped = self.native.apply_events(self.cid(carrier), batch.events)
+    def apply_batch(self, carrier: Carrier, batch: EventBatch | routerfleet_index.Batch) -> ApplyStats:
+        row = self.native.apply_batch(self.cid(carrier), as_native(batch))
+        stored, removed, cleared, events, skipped = row
         return ApplyStats(
             stored,
             removed,

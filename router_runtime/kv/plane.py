@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import aiohttp
+import routerfleet_index
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
@@ -32,10 +33,10 @@ from .adoption import (
     decide,
     parse_storage,
 )
-from .events import AllBlocksCleared, BlockRemoved, EventBatch, SequencedBatch
+from .events import SequencedBatch
 from .fit import Misfit
 from .hold import HoldEnd, RankHold
-from .index import Carrier, RadixIndex
+from .index import Carrier, RadixIndex, as_native
 from .metrics import KVMetrics
 from .subscription import (
     Endpoints,
@@ -331,11 +332,9 @@ class KVPlane:
         """Held batches that will never be applied (their stream's continuity went unproved) may still
         say what the engine evicted: removals only ever make the index colder, so apply those (a
         process that dies right after evicting from its disk must not have them re-adopted)."""
-        events = tuple(
-            ev for b in batches for ev in b.batch.events if isinstance(ev, BlockRemoved | AllBlocksCleared)
-        )
-        if events:
-            self.writer.call(lambda idx: idx.apply_batch(c, EventBatch(0.0, events)))
+        evictions = routerfleet_index.Batch.evictions([as_native(b.batch) for b in batches])
+        if len(evictions):
+            self.writer.call(lambda idx: idx.apply_batch(c, evictions))
             self.writer.note_eviction(c)
 
     def _undecided_of(self, rec: EngineRecord, gen: int) -> list[Carrier]:

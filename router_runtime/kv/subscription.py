@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from .cursor import Arrival, classify
-from .decode import MalformedFrame, decode_batch, parse_pub_message, parse_replay_reply, topic_matches
+from .decode import MalformedFrame, decode, parse_pub_message, parse_replay_reply, topic_matches
 from .events import DecodeStats, SequencedBatch
 from .fit import FitTally
 from .hold import HoldEnd, RankHold
@@ -222,7 +222,7 @@ class RankSubscription:
         if len(recent) > RECENT_HASHES:
             del recent[next(iter(recent))]
         try:
-            batch = decode_batch(payload, self._stats)
+            batch = decode(payload, self._stats)
         except MalformedFrame as exc:
             # The batch is lost to us and may have removed blocks: forget this rank rather than guess.
             self.metrics.malformed.labels(str(exc.reason)).inc()

@@ -1,0 +1,464 @@
+//! Just enough MessagePack for KV event payloads: a validating pass over the whole payload, then a
+//! zero-copy reader over bytes known to be well formed.
+//!
+//! The validation pass finds every msgpack-level fault in stream order, as an unpacker would, before
+//! any field is read: truncation, reserved bytes, invalid UTF-8, lengths over our bounds or over what
+//! the payload could hold, nesting, map keys that contain maps (no hashable key), trailing bytes.
+//! Nothing is allocated for it, and a forged 4G-element header costs nothing.
+
+use crate::decode::Reason;
+
+/// Per-value bounds (a value over them is `TooLarge`).
+#[derive(Clone, Copy)]
+pub struct Limits {
+    pub max_array: u64,
+    pub max_map: u64,
+    pub max_str: u64,
+    pub max_bin: u64,
+    pub max_ext: u64,
+    pub max_depth: usize,
+}
+
+/// One value's header as the reader meets it. Containers are headers only: their elements follow.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Head<'a> {
+    Nil,
+    Bool(bool),
+    Int(i128),
+    Float(f64),
+    Str(&'a str),
+    Bin(&'a [u8]),
+    Array(u32),
+    Map(u32),
+    Ext(i8, &'a [u8]),
+}
+
+struct Raw {
+    kind: u8, // 0 scalar, 1 str, 2 bin, 3 ext, 4 array, 5 map
+    len: u64, // payload bytes (str/bin/ext) or elements (array/map)
+    header: usize,
+}
+
+/// The header at `buf[pos..]`, without bounds on lengths. Err(Truncated) when the header itself is cut.
+fn raw(buf: &[u8], pos: usize) -> Result<Raw, Reason> {
+    let b = *buf.get(pos).ok_or(Reason::Truncated)?;
+    let be = |n: usize| -> Result<u64, Reason> {
+        let s = buf.get(pos + 1..pos + 1 + n).ok_or(Reason::Truncated)?;
+        Ok(s.iter().fold(0u64, |acc, &x| acc << 8 | x as u64))
+    };
+    let scalar = |extra: usize| -> Result<Raw, Reason> {
+        if buf.len() < pos + 1 + extra {
+            return Err(Reason::Truncated);
+        }
+        Ok(Raw {
+            kind: 0,
+            len: 0,
+            header: 1 + extra,
+        })
+    };
+    Ok(match b {
+        0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => scalar(0)?,
+        0x80..=0x8f => Raw {
+            kind: 5,
+            len: (b & 0x0f) as u64,
+            header: 1,
+        },
+        0x90..=0x9f => Raw {
+            kind: 4,
+            len: (b & 0x0f) as u64,
+            header: 1,
+        },
+        0xa0..=0xbf => Raw {
+            kind: 1,
+            len: (b & 0x1f) as u64,
+            header: 1,
+        },
+        0xc1 => return Err(Reason::NotMsgpack),
+        0xc4 => Raw {
+            kind: 2,
+            len: be(1)?,
+            header: 2,
+        },
+        0xc5 => Raw {
+            kind: 2,
+            len: be(2)?,
+            header: 3,
+        },
+        0xc6 => Raw {
+            kind: 2,
+            len: be(4)?,
+            header: 5,
+        },
+        0xc7 => Raw {
+            kind: 3,
+            len: be(1)?,
+            header: 3,
+        },
+        0xc8 => Raw {
+            kind: 3,
+            len: be(2)?,
+            header: 4,
+        },
+        0xc9 => Raw {
+            kind: 3,
+            len: be(4)?,
+            header: 6,
+        },
+        0xca => scalar(4)?,
+        0xcb => scalar(8)?,
+        0xcc | 0xd0 => scalar(1)?,
+        0xcd | 0xd1 => scalar(2)?,
+        0xce | 0xd2 => scalar(4)?,
+        0xcf | 0xd3 => scalar(8)?,
+        0xd4 => Raw {
+            kind: 3,
+            len: 1,
+            header: 2,
+        },
+        0xd5 => Raw {
+            kind: 3,
+            len: 2,
+            header: 2,
+        },
+        0xd6 => Raw {
+            kind: 3,
+            len: 4,
+            header: 2,
+        },
+        0xd7 => Raw {
+            kind: 3,
+            len: 8,
+            header: 2,
+        },
+        0xd8 => Raw {
+            kind: 3,
+            len: 16,
+            header: 2,
+        },
+        0xd9 => Raw {
+            kind: 1,
+            len: be(1)?,
+            header: 2,
+        },
+        0xda => Raw {
+            kind: 1,
+            len: be(2)?,
+            header: 3,
+        },
+        0xdb => Raw {
+            kind: 1,
+            len: be(4)?,
+            header: 5,
+        },
+        0xdc => Raw {
+            kind: 4,
+            len: be(2)?,
+            header: 3,
+        },
+        0xdd => Raw {
+            kind: 4,
+            len: be(4)?,
+            header: 5,
+        },
+        0xde => Raw {
+            kind: 5,
+            len: be(2)?,
+            header: 3,
+        },
+        0xdf => Raw {
+            kind: 5,
+            len: be(4)?,
+            header: 5,
+        },
+    })
+}
+
+struct Frame {
+    left: u64, // elements still to read; a map counts its keys and values separately
+    is_map: bool,
+    in_key: bool, // this container is (inside) a map key
+}
+
+/// Validate that `buf` holds exactly one well-formed value within `limits`.
+pub fn validate(buf: &[u8], limits: &Limits) -> Result<(), Reason> {
+    let n = buf.len() as u64;
+    let mut stack: Vec<Frame> = Vec::new();
+    let mut pos = 0usize;
+    loop {
+        // Does the next value sit in a map key (its own, or an enclosing one)?
+        let in_key = stack.last().is_some_and(|f| f.in_key || (f.is_map && f.left % 2 == 0));
+        let r = raw(buf, pos)?;
+        let body = pos + r.header;
+        match r.kind {
+            1..=3 => {
+                let bound = [limits.max_str, limits.max_bin, limits.max_ext][r.kind as usize - 1];
+                if r.len > bound {
+                    return Err(Reason::TooLarge);
+                }
+                let end = body as u64 + r.len;
+                if end > n {
+                    return Err(Reason::Truncated);
+                }
+                if r.kind == 1 && std::str::from_utf8(&buf[body..end as usize]).is_err() {
+                    return Err(Reason::NotMsgpack);
+                }
+                // The timestamp extension (-1) has three sizes; an unpacker refuses any other.
+                if r.kind == 3 && buf[body - 1] == 0xff && ![4, 8, 12].contains(&r.len) {
+                    return Err(Reason::NotMsgpack);
+                }
+                pos = end as usize;
+            }
+            4 | 5 => {
+                let is_map = r.kind == 5;
+                let bound = if is_map { limits.max_map } else { limits.max_array };
+                // Every element takes at least a byte: a length the payload cannot hold is a cut one.
+                if r.len > bound.min(n) {
+                    return Err(if r.len > bound {
+                        Reason::TooLarge
+                    } else {
+                        Reason::Truncated
+                    });
+                }
+                if is_map && in_key {
+                    return Err(Reason::BadType); // a map can never be part of a hashable key
+                }
+                if stack.len() >= limits.max_depth {
+                    return Err(Reason::NotMsgpack);
+                }
+                pos = body;
+                if r.len > 0 {
+                    stack.push(Frame {
+                        left: if is_map { r.len * 2 } else { r.len },
+                        is_map,
+                        in_key,
+                    });
+                    continue;
+                }
+            }
+            _ => pos = body,
+        }
+        // A value is complete: count it in its container; a container filled is complete in turn.
+        loop {
+            let Some(f) = stack.last_mut() else {
+                return if pos < buf.len() {
+                    Err(Reason::TrailingData)
+                } else {
+                    Ok(())
+                };
+            };
+            f.left -= 1;
+            if f.left > 0 {
+                break;
+            }
+            stack.pop();
+        }
+    }
+}
+
+/// Reads validated bytes. Every method assumes `validate` accepted the buffer (it never panics on a
+/// buffer it did not, but then its answers are meaningless).
+pub struct Reader<'a> {
+    buf: &'a [u8],
+    pub pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(buf: &'a [u8]) -> Self {
+        Reader { buf, pos: 0 }
+    }
+
+    fn be(&self, at: usize, n: usize) -> u64 {
+        self.buf
+            .get(at..at + n)
+            .map_or(0, |s| s.iter().fold(0u64, |acc, &x| acc << 8 | x as u64))
+    }
+
+    fn bytes(&self, at: usize, n: u64) -> &'a [u8] {
+        let end = (at as u64 + n).min(self.buf.len() as u64) as usize;
+        self.buf.get(at..end).unwrap_or(&[])
+    }
+
+    /// The next value's header; advances past it (and past a scalar's, string's or binary's data).
+    pub fn head(&mut self) -> Head<'a> {
+        let p = self.pos;
+        let Ok(r) = raw(self.buf, p) else {
+            self.pos = self.buf.len();
+            return Head::Nil;
+        };
+        let b = self.buf[p];
+        let body = p + r.header;
+        self.pos = body;
+        match r.kind {
+            1 => {
+                self.pos = body + r.len as usize;
+                Head::Str(std::str::from_utf8(self.bytes(body, r.len)).unwrap_or(""))
+            }
+            2 => {
+                self.pos = body + r.len as usize;
+                Head::Bin(self.bytes(body, r.len))
+            }
+            3 => {
+                self.pos = body + r.len as usize;
+                Head::Ext(self.buf[body - 1] as i8, self.bytes(body, r.len))
+            }
+            4 => Head::Array(r.len as u32),
+            5 => Head::Map(r.len as u32),
+            _ => match b {
+                0x00..=0x7f => Head::Int(b as i128),
+                0xe0..=0xff => Head::Int((b as i8) as i128),
+                0xc0 => Head::Nil,
+                0xc2 => Head::Bool(false),
+                0xc3 => Head::Bool(true),
+                0xca => Head::Float(f32::from_bits(self.be(p + 1, 4) as u32) as f64),
+                0xcb => Head::Float(f64::from_bits(self.be(p + 1, 8))),
+                0xcc => Head::Int(self.be(p + 1, 1) as i128),
+                0xcd => Head::Int(self.be(p + 1, 2) as i128),
+                0xce => Head::Int(self.be(p + 1, 4) as i128),
+                0xcf => Head::Int(self.be(p + 1, 8) as i128),
+                0xd0 => Head::Int(self.be(p + 1, 1) as u8 as i8 as i128),
+                0xd1 => Head::Int(self.be(p + 1, 2) as u16 as i16 as i128),
+                0xd2 => Head::Int(self.be(p + 1, 4) as u32 as i32 as i128),
+                _ => Head::Int(self.be(p + 1, 8) as i64 as i128),
+            },
+        }
+    }
+
+    /// Skip one whole value.
+    pub fn skip(&mut self) {
+        let mut left: u64 = 1;
+        while left > 0 && self.pos < self.buf.len() {
+            left -= 1;
+            match self.head() {
+                Head::Array(n) => left += n as u64,
+                Head::Map(n) => left += 2 * n as u64,
+                _ => {}
+            }
+        }
+    }
+
+    /// The raw bytes of the next whole value, skipping it.
+    pub fn value_bytes(&mut self) -> &'a [u8] {
+        let start = self.pos;
+        self.skip();
+        &self.buf[start..self.pos.min(self.buf.len())]
+    }
+}
+
+/// Appends the canonical encoding of the value at `r` to `out`, as an encoder of the decoded value
+/// writes it: shortest int, str and container forms, floats as float64, and maps frozen into arrays of
+/// `[key, value]` pairs (a map is not a hashable key part). Returns (depth, whether a map was met).
+pub fn canonical(r: &mut Reader<'_>, out: &mut Vec<u8>) -> (usize, bool) {
+    // Shortest header: the fix form, then 8-bit (strings only: code 0 means none), 16-bit, 32-bit.
+    fn len_header(out: &mut Vec<u8>, n: u64, fix: u8, fix_max: u64, codes: [u8; 3]) {
+        if n <= fix_max {
+            out.push(fix | n as u8);
+        } else if codes[0] != 0 && n < 1 << 8 {
+            out.extend_from_slice(&[codes[0], n as u8]);
+        } else if n < 1 << 16 {
+            out.push(codes[1]);
+            out.extend_from_slice(&(n as u16).to_be_bytes());
+        } else {
+            out.push(codes[2]);
+            out.extend_from_slice(&(n as u32).to_be_bytes());
+        }
+    }
+    fn int(out: &mut Vec<u8>, v: i128) {
+        if (0..128).contains(&v) {
+            out.push(v as u8);
+        } else if (-32..0).contains(&v) {
+            out.push(v as i8 as u8);
+        } else if v > 0 {
+            if v < 1 << 8 {
+                out.extend_from_slice(&[0xcc, v as u8]);
+            } else if v < 1 << 16 {
+                out.push(0xcd);
+                out.extend_from_slice(&(v as u16).to_be_bytes());
+            } else if v < 1 << 32 {
+                out.push(0xce);
+                out.extend_from_slice(&(v as u32).to_be_bytes());
+            } else {
+                out.push(0xcf);
+                out.extend_from_slice(&(v as u64).to_be_bytes());
+            }
+        } else if v >= -(1 << 7) {
+            out.extend_from_slice(&[0xd0, v as i8 as u8]);
+        } else if v >= -(1 << 15) {
+            out.push(0xd1);
+            out.extend_from_slice(&(v as i16).to_be_bytes());
+        } else if v >= -(1 << 31) {
+            out.push(0xd2);
+            out.extend_from_slice(&(v as i32).to_be_bytes());
+        } else {
+            out.push(0xd3);
+            out.extend_from_slice(&(v as i64).to_be_bytes());
+        }
+    }
+    match r.head() {
+        Head::Nil => out.push(0xc0),
+        Head::Bool(b) => out.push(if b { 0xc3 } else { 0xc2 }),
+        Head::Int(v) => int(out, v),
+        Head::Float(f) => {
+            out.push(0xcb);
+            out.extend_from_slice(&f.to_bits().to_be_bytes());
+        }
+        Head::Str(s) => {
+            len_header(out, s.len() as u64, 0xa0, 31, [0xd9, 0xda, 0xdb]);
+            out.extend_from_slice(s.as_bytes());
+        }
+        Head::Bin(b) => {
+            let n = b.len();
+            if n < 1 << 8 {
+                out.extend_from_slice(&[0xc4, n as u8]);
+            } else if n < 1 << 16 {
+                out.push(0xc5);
+                out.extend_from_slice(&(n as u16).to_be_bytes());
+            } else {
+                out.push(0xc6);
+                out.extend_from_slice(&(n as u32).to_be_bytes());
+            }
+            out.extend_from_slice(b);
+        }
+        Head::Ext(t, d) => {
+            match d.len() {
+                1 => out.push(0xd4),
+                2 => out.push(0xd5),
+                4 => out.push(0xd6),
+                8 => out.push(0xd7),
+                16 => out.push(0xd8),
+                n if n < 1 << 8 => out.extend_from_slice(&[0xc7, n as u8]),
+                n if n < 1 << 16 => {
+                    out.push(0xc8);
+                    out.extend_from_slice(&(n as u16).to_be_bytes());
+                }
+                n => {
+                    out.push(0xc9);
+                    out.extend_from_slice(&(n as u32).to_be_bytes());
+                }
+            }
+            out.push(t as u8);
+            out.extend_from_slice(d);
+        }
+        Head::Array(n) => {
+            len_header(out, n as u64, 0x90, 15, [0, 0xdc, 0xdd]);
+            let (mut depth, mut map) = (0, false);
+            for _ in 0..n {
+                let (d, m) = canonical(r, out);
+                depth = depth.max(d);
+                map |= m;
+            }
+            return (depth + 1, map);
+        }
+        Head::Map(n) => {
+            len_header(out, n as u64, 0x90, 15, [0, 0xdc, 0xdd]);
+            let mut depth = 0;
+            for _ in 0..n {
+                out.push(0x92);
+                let (dk, _) = canonical(r, out);
+                let (dv, _) = canonical(r, out);
+                depth = depth.max(dk).max(dv);
+            }
+            return (depth + 1, true);
+        }
+    }
+    (0, false)
+}
