@@ -15,7 +15,7 @@
 
 use crate::events::{Event, Removed, Stored};
 use crate::keys::Tokens;
-use crate::msgpack::{canonical, validate, Head, Limits, Reader};
+use crate::msgpack::{canonical, validated, Head, Limits, Reader};
 
 /// Why a frame was dropped. The strings are stable metric label values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,249 +128,387 @@ const MAX_TAG_CHARS: usize = 64;
 // extra_keys nesting we are willing to freeze when it holds a map.
 const MAX_FREEZE_DEPTH: usize = 32;
 
-/// A map's entries: string keys with the position of their value (a repeated key: the last wins),
-/// and how many keys were not strings.
-struct Fields<'a> {
-    named: Vec<(&'a str, usize)>,
+type Field<T> = Option<Result<T, Malformed>>;
+
+/// Take a field: absent is `Ok(None)` (or `absent`), present is its parse result.
+fn take<T>(f: Field<T>) -> Result<Option<T>, Malformed> {
+    f.transpose()
+}
+
+/// The fields of one event, each parsed as it is met (one pass over the event); which ones count
+/// is decided once the tag is known, in the order the rules are checked.
+#[derive(Default)]
+struct EventFields<'a> {
+    tag: Option<Head<'a>>,
+    block_hashes: Field<Vec<u64>>,
+    parent_block_hash: Field<Option<u64>>,
+    token_ids: Field<Tokens>,
+    block_size: Field<i64>,
+    lora_id: Field<Option<i64>>,
+    medium: Field<Option<String>>,
+    lora_name: Field<Option<String>>,
+    extra_keys: Field<Option<Vec<Vec<u8>>>>,
+    group_idx: Field<Option<i64>>,
+    kv_cache_spec_kind: Field<Option<String>>,
+    cache_salt: Field<Option<String>>,
+    /// SGLang's metadata map: (its cache salt, its unknown keys).
+    metadata: Field<(Option<String>, u64)>,
+    /// Distinct string keys met (maps only) and keys that were not strings.
+    keys: smallvec::SmallVec<[&'a str; 24]>,
     other_keys: u64,
 }
 
-impl<'a> Fields<'a> {
-    fn get(&self, name: &str) -> Option<usize> {
-        self.named.iter().rev().find(|(k, _)| *k == name).map(|&(_, p)| p)
-    }
-
+impl EventFields<'_> {
     fn unknown(&self, known: &[&str]) -> u64 {
-        let mut seen: Vec<&str> = Vec::new();
-        for (k, _) in &self.named {
-            if !known.contains(k) && !seen.contains(k) {
-                seen.push(k);
-            }
-        }
-        seen.len() as u64 + self.other_keys
+        self.keys.iter().filter(|k| !known.contains(k)).count() as u64 + self.other_keys
     }
 }
 
-struct Dec<'a> {
-    buf: &'a [u8],
+struct Dec {
     max_tokens: u64,
     unknown_fields: u64,
     unknown_tags: Vec<String>,
 }
 
-impl<'a> Dec<'a> {
-    fn head(&self, pos: usize) -> (Head<'a>, usize) {
-        let mut r = Reader::new(self.buf);
-        r.pos = pos;
-        let h = r.head();
-        (h, r.pos)
+/// Run `parse` on the value at the reader; whatever it finds, the reader ends past that value.
+fn field<'a, T>(r: &mut Reader<'a>, parse: impl FnOnce(&mut Reader<'a>) -> Result<T, Malformed>) -> Field<T> {
+    let start = r.pos;
+    let out = parse(r);
+    if out.is_err() {
+        r.pos = start;
+        r.skip();
     }
+    Some(out)
+}
 
-    /// Positions of the first `k` elements of the array whose elements start at `pos`.
-    fn elements(&self, pos: usize, k: u32) -> Vec<usize> {
-        let mut r = Reader::new(self.buf);
-        r.pos = pos;
-        (0..k)
-            .map(|_| {
-                let p = r.pos;
-                r.skip();
-                p
-            })
-            .collect()
+fn hash_of(h: Head<'_>) -> Result<u64, Malformed> {
+    match h {
+        Head::UInt(v) => Ok(v),
+        Head::NInt(v) => Ok(v as u64), // two's complement
+        Head::Bin(b) if !b.is_empty() => Ok(b[b.len().saturating_sub(8)..]
+            .iter()
+            .fold(0u64, |acc, &x| acc << 8 | x as u64)),
+        Head::Bin(_) => bad(Reason::BadHash, "empty bytes hash"),
+        _ => bad(Reason::BadHash, "hash must be an int or bytes"),
     }
+}
 
-    fn fields(&self, pos: usize, n: u32) -> Fields<'a> {
-        let mut r = Reader::new(self.buf);
-        r.pos = pos;
-        let mut f = Fields {
-            named: Vec::with_capacity(n as usize),
-            other_keys: 0,
-        };
-        for _ in 0..n {
-            let before = r.pos;
-            match r.head() {
-                Head::Str(k) => f.named.push((k, r.pos)),
-                _ => {
-                    r.pos = before;
-                    r.skip();
-                    f.other_keys += 1;
-                }
-            }
-            r.skip(); // the value
-        }
-        f
+fn hashes(r: &mut Reader<'_>, max: u64) -> Result<Vec<u64>, Malformed> {
+    let Head::Array(n) = r.head() else {
+        return bad(Reason::BadType, "block_hashes must be an array");
+    };
+    if n as u64 > max {
+        return bad(Reason::TooLarge, "too many block_hashes");
     }
+    (0..n).map(|_| hash_of(r.head())).collect()
+}
 
-    fn hash_of(h: Head<'_>) -> Result<u64, Malformed> {
-        match h {
-            Head::Int(v) => Ok(v as i64 as u64), // msgpack ints are within i64..u64: two's complement
-            Head::Bin(b) if !b.is_empty() => Ok(b[b.len().saturating_sub(8)..]
-                .iter()
-                .fold(0u64, |acc, &x| acc << 8 | x as u64)),
-            Head::Bin(_) => bad(Reason::BadHash, "empty bytes hash"),
-            _ => bad(Reason::BadHash, "hash must be an int or bytes"),
-        }
+fn opt_hash(r: &mut Reader<'_>) -> Result<Option<u64>, Malformed> {
+    match r.head() {
+        Head::Nil => Ok(None),
+        h => hash_of(h).map(Some),
     }
+}
 
-    fn hashes(&self, pos: usize) -> Result<Vec<u64>, Malformed> {
-        let (h, mut p) = self.head(pos);
-        let Head::Array(n) = h else {
-            return bad(Reason::BadType, "block_hashes must be an array");
-        };
-        if n as u64 > self.max_tokens {
-            return bad(Reason::TooLarge, "too many block_hashes");
-        }
-        let mut r = Reader::new(self.buf);
-        let mut out = Vec::with_capacity(n as usize);
-        for _ in 0..n {
-            r.pos = p;
-            out.push(Self::hash_of(r.head())?);
-            p = r.pos;
-        }
-        Ok(out)
+fn tokens(r: &mut Reader<'_>, max: u64) -> Result<Tokens, Malformed> {
+    let Head::Array(n) = r.head() else {
+        return bad(Reason::BadType, "token_ids must be an array");
+    };
+    if n as u64 > max {
+        return bad(Reason::TooLarge, "too many token_ids");
     }
-
-    fn opt_hash(&self, pos: usize) -> Result<Option<u64>, Malformed> {
-        match self.head(pos).0 {
-            Head::Nil => Ok(None),
-            h => Self::hash_of(h).map(Some),
-        }
-    }
-
-    fn tokens(&self, pos: usize) -> Result<Tokens, Malformed> {
-        let (h, p) = self.head(pos);
-        let Head::Array(n) = h else {
-            return bad(Reason::BadType, "token_ids must be an array");
-        };
-        if n as u64 > self.max_tokens {
-            return bad(Reason::TooLarge, "too many token_ids");
-        }
-        let mut r = Reader::new(self.buf);
-        r.pos = p;
-        let mut narrow: Vec<u32> = Vec::with_capacity(n as usize);
-        for i in 0..n {
-            // Also rejects SGLang EAGLE bigram pairs ([a, b] per token): read as plain tokens they
-            // would index other content.
-            let Head::Int(v) = r.head() else {
-                return bad(Reason::BadType, "token_ids must all be ints");
-            };
-            if let Ok(t) = u32::try_from(v) {
-                narrow.push(t);
+    let mut narrow: Vec<u32> = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        // Also rejects SGLang EAGLE bigram pairs ([a, b] per token): read as plain tokens they would
+        // index other content.
+        let v = match r.head() {
+            Head::UInt(v) if v <= u32::MAX as u64 => {
+                narrow.push(v as u32);
                 continue;
             }
-            // Out of u32: the whole sequence is keyed as 64-bit (u64 beyond i64 as two's complement).
-            let mut wide: Vec<i64> = narrow.iter().map(|&t| t as i64).collect();
-            wide.push(v as i64);
-            for _ in i + 1..n {
-                let Head::Int(v) = r.head() else {
-                    return bad(Reason::BadType, "token_ids must all be ints");
-                };
-                wide.push(v as i64);
-            }
-            return Ok(Tokens::I64(wide));
-        }
-        Ok(Tokens::U32(narrow))
-    }
-
-    fn block_size(&self, pos: usize) -> Result<i64, Malformed> {
-        match self.head(pos).0 {
-            Head::Int(v) if v <= 0 => bad(Reason::BadValue, "block_size must be positive"),
-            Head::Int(v) => Ok(v.min(i64::MAX as i128) as i64),
-            _ => bad(Reason::BadType, "block_size must be an int"),
-        }
-    }
-
-    fn opt_int(&self, pos: Option<usize>, detail: &'static str) -> Result<Option<i64>, Malformed> {
-        let Some(pos) = pos else { return Ok(None) };
-        match self.head(pos).0 {
-            Head::Nil => Ok(None),
-            Head::Int(v) => Ok(Some(v.clamp(i64::MIN as i128, i64::MAX as i128) as i64)),
-            _ => bad(Reason::BadType, detail),
-        }
-    }
-
-    fn opt_str(&self, pos: Option<usize>, detail: &'static str) -> Result<Option<String>, Malformed> {
-        let Some(pos) = pos else { return Ok(None) };
-        match self.head(pos).0 {
-            Head::Nil => Ok(None),
-            Head::Str(s) => Ok(Some(s.to_owned())),
-            _ => bad(Reason::BadType, detail),
-        }
-    }
-
-    /// vLLM's per-block extra keys, each as canonical bytes (empty for a block without).
-    fn extra_keys(&self, pos: Option<usize>) -> Result<Option<Vec<Vec<u8>>>, Malformed> {
-        let Some(pos) = pos else { return Ok(None) };
-        let (h, p) = self.head(pos);
-        let n = match h {
-            Head::Nil => return Ok(None),
-            Head::Array(n) => n,
-            _ => return bad(Reason::BadType, "extra_keys must be an array or nil"),
+            Head::UInt(v) => v as i64, // beyond i64: two's complement, as the key scheme reads it
+            Head::NInt(v) => v,
+            _ => return bad(Reason::BadType, "token_ids must all be ints"),
         };
-        let mut r = Reader::new(self.buf);
-        r.pos = p;
-        let (mut height, mut any_map) = (0, false);
-        let mut out = Vec::with_capacity(n as usize);
-        for _ in 0..n {
-            let mut bytes = Vec::new();
-            if let (Head::Nil, next) = self.head(r.pos) {
-                r.pos = next;
-            } else {
-                let (d, m) = canonical(&mut r, &mut bytes);
-                height = height.max(d);
-                any_map |= m;
+        // Out of u32: the whole sequence is keyed as 64-bit.
+        let mut wide: Vec<i64> = narrow.iter().map(|&t| t as i64).collect();
+        wide.push(v);
+        for _ in i + 1..n {
+            match r.head() {
+                Head::UInt(v) => wide.push(v as i64),
+                Head::NInt(v) => wide.push(v),
+                _ => return bad(Reason::BadType, "token_ids must all be ints"),
             }
-            out.push(bytes);
         }
-        // A map makes the value unhashable: it is frozen (into pairs), as deep as we are willing to go.
-        if any_map && height + 1 > MAX_FREEZE_DEPTH {
-            return bad(Reason::BadShape, "extra_keys nested too deeply");
+        return Ok(Tokens::I64(wide));
+    }
+    Ok(Tokens::U32(narrow))
+}
+
+fn block_size(r: &mut Reader<'_>) -> Result<i64, Malformed> {
+    match r.head() {
+        Head::UInt(0) | Head::NInt(_) => bad(Reason::BadValue, "block_size must be positive"),
+        Head::UInt(v) => Ok(v.min(i64::MAX as u64) as i64),
+        _ => bad(Reason::BadType, "block_size must be an int"),
+    }
+}
+
+fn opt_int(r: &mut Reader<'_>, detail: &'static str) -> Result<Option<i64>, Malformed> {
+    match r.head() {
+        Head::Nil => Ok(None),
+        Head::UInt(v) => Ok(Some(v.min(i64::MAX as u64) as i64)),
+        Head::NInt(v) => Ok(Some(v)),
+        _ => bad(Reason::BadType, detail),
+    }
+}
+
+fn opt_str(r: &mut Reader<'_>, detail: &'static str) -> Result<Option<String>, Malformed> {
+    match r.head() {
+        Head::Nil => Ok(None),
+        Head::Str(s) => Ok(Some(s.to_owned())),
+        _ => bad(Reason::BadType, detail),
+    }
+}
+
+/// vLLM's per-block extra keys, each as canonical bytes (empty for a block without).
+fn extra_keys(r: &mut Reader<'_>) -> Result<Option<Vec<Vec<u8>>>, Malformed> {
+    let n = match r.head() {
+        Head::Nil => return Ok(None),
+        Head::Array(n) => n,
+        _ => return bad(Reason::BadType, "extra_keys must be an array or nil"),
+    };
+    let (mut height, mut any_map) = (0, false);
+    let mut out = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let mut bytes = Vec::new();
+        let start = r.pos;
+        if r.head() != Head::Nil {
+            r.pos = start;
+            let (d, m) = canonical(r, &mut bytes);
+            height = height.max(d);
+            any_map |= m;
         }
-        Ok(Some(out))
+        out.push(bytes);
+    }
+    // A map makes the value unhashable: it is frozen (into pairs), as deep as we are willing to go.
+    if any_map && height + 1 > MAX_FREEZE_DEPTH {
+        return bad(Reason::BadShape, "extra_keys nested too deeply");
+    }
+    Ok(Some(out))
+}
+
+/// SGLang's `BlockStoredWithMetadata` map `{"cache_salt": str}`: (the salt, unknown keys).
+fn metadata(r: &mut Reader<'_>) -> Result<(Option<String>, u64), Malformed> {
+    let n = match r.head() {
+        Head::Nil => return Ok((None, 0)),
+        Head::Map(n) => n,
+        _ => return bad(Reason::BadType, "metadata must be a map"),
+    };
+    let (mut salt, mut unknown, mut seen) = (None, 0, Vec::new());
+    for _ in 0..n {
+        match r.head() {
+            Head::Str("cache_salt") => salt = field(r, |r| opt_str(r, "metadata.cache_salt must be a string or nil")),
+            Head::Str(k) => {
+                if !seen.contains(&k) {
+                    seen.push(k);
+                    unknown += 1;
+                }
+                r.skip();
+            }
+            _ => {
+                unknown += 1;
+                r.skip();
+            }
+        }
+    }
+    Ok((take(salt)?.flatten(), unknown))
+}
+
+impl Dec {
+    /// One field of a map event, by name; keys not read are skipped.
+    fn map_field<'a>(&self, r: &mut Reader<'a>, f: &mut EventFields<'a>, key: &'a str) {
+        let max = self.max_tokens;
+        match key {
+            "type" => {
+                let start = r.pos;
+                f.tag = Some(r.head());
+                r.pos = start;
+                r.skip();
+            }
+            "block_hashes" => f.block_hashes = field(r, |r| hashes(r, max)),
+            "parent_block_hash" => f.parent_block_hash = field(r, opt_hash),
+            "token_ids" => f.token_ids = field(r, |r| tokens(r, max)),
+            "block_size" => f.block_size = field(r, block_size),
+            "lora_id" => f.lora_id = field(r, |r| opt_int(r, "lora_id must be an int or nil")),
+            "medium" => f.medium = field(r, |r| opt_str(r, "medium must be a string or nil")),
+            "lora_name" => f.lora_name = field(r, |r| opt_str(r, "lora_name must be a string or nil")),
+            "extra_keys" => f.extra_keys = field(r, extra_keys),
+            "group_idx" => f.group_idx = field(r, |r| opt_int(r, "group_idx must be an int or nil")),
+            "kv_cache_spec_kind" => {
+                f.kv_cache_spec_kind = field(r, |r| opt_str(r, "kv_cache_spec_kind must be a string or nil"))
+            }
+            "cache_salt" => f.cache_salt = field(r, |r| opt_str(r, "cache_salt must be a string or nil")),
+            "metadata" => f.metadata = field(r, metadata),
+            _ => r.skip(),
+        }
+        if !f.keys.contains(&key) {
+            f.keys.push(key);
+        }
     }
 
-    /// SGLang's `BlockStoredWithMetadata` map `{"cache_salt": str}`.
-    fn metadata_salt(&mut self, pos: Option<usize>) -> Result<Option<String>, Malformed> {
-        let Some(pos) = pos else { return Ok(None) };
-        let (h, p) = self.head(pos);
-        let n = match h {
-            Head::Nil => return Ok(None),
-            Head::Map(n) => n,
-            _ => return bad(Reason::BadType, "metadata must be a map"),
+    /// One event, read in one pass; None for an unknown tag (skipped and counted).
+    fn event(&mut self, r: &mut Reader<'_>) -> Result<Option<Event>, Malformed> {
+        let mut f = EventFields::default();
+        let positional = match r.head() {
+            Head::Map(m) => {
+                for _ in 0..m {
+                    let start = r.pos;
+                    match r.head() {
+                        Head::Str(key) => self.map_field(r, &mut f, key),
+                        _ => {
+                            r.pos = start;
+                            r.skip();
+                            r.skip();
+                            f.other_keys += 1;
+                        }
+                    }
+                }
+                None
+            }
+            Head::Array(0) => return bad(Reason::BadShape, "empty event array"),
+            Head::Array(m) => {
+                let start = r.pos;
+                f.tag = Some(r.head());
+                if !matches!(f.tag, Some(Head::Str(_))) {
+                    r.pos = start;
+                }
+                Some(m)
+            }
+            _ => return bad(Reason::BadShape, "event must be an array or a map"),
         };
-        let f = self.fields(p, n);
-        self.unknown_fields += f.unknown(&["cache_salt"]);
-        self.opt_str(f.get("cache_salt"), "metadata.cache_salt must be a string or nil")
+        let tag = match f.tag {
+            Some(Head::Str(tag)) => tag,
+            _ => return bad(Reason::BadType, "event tag must be a string"),
+        };
+        let stored = matches!(tag, "BlockStored" | "BlockStoredWithMetadata");
+        if let Some(m) = positional {
+            self.array_fields(r, &mut f, m, tag);
+        }
+        let ev = if stored {
+            if positional.is_none() {
+                self.unknown_fields += f.unknown(&STORED_KEYS);
+            }
+            Event::Stored(self.stored(f, positional)?)
+        } else if tag == "BlockRemoved" {
+            if positional.is_none() {
+                self.unknown_fields += f.unknown(&REMOVED_KEYS);
+            }
+            let hashes = match take(f.block_hashes)? {
+                Some(h) => h,
+                None if positional.is_some() => return bad(Reason::BadShape, "BlockRemoved array has no block_hashes"),
+                None => return bad(Reason::BadShape, "BlockRemoved map misses block_hashes"),
+            };
+            Event::Removed(Removed {
+                block_hashes: hashes,
+                medium: take(f.medium)?.flatten(),
+                group_idx: take(f.group_idx)?.flatten(),
+            })
+        } else if tag == "AllBlocksCleared" {
+            if positional.is_none() {
+                self.unknown_fields += f.unknown(&["type"]);
+            }
+            Event::AllCleared
+        } else {
+            self.unknown_tags.push(tag.chars().take(MAX_TAG_CHARS).collect());
+            return Ok(None);
+        };
+        Ok(Some(ev))
     }
 
-    fn stored_array(&mut self, pos: usize, n: u32) -> Result<Stored, Malformed> {
-        // [tag, block_hashes, parent, token_ids, block_size, lora_id, medium, lora_name | metadata,
-        //  extra_keys, group_idx, kv_cache_spec_kind, sliding_window, locality, ownership, session_id,
-        //  lookahead_token_ids]; the first vLLM release stopped at lora_id.
-        if n < 5 {
-            return bad(Reason::BadShape, "BlockStored array is too short");
+    /// The elements after the tag of a positional event, read into their fields by index.
+    fn array_fields<'a>(&mut self, r: &mut Reader<'a>, f: &mut EventFields<'a>, m: u32, tag: &str) {
+        let max = self.max_tokens;
+        let stored = matches!(tag, "BlockStored" | "BlockStoredWithMetadata");
+        let (understood, counted) = match tag {
+            _ if stored => (STORED_ARRAY_FIELDS, STORED_ARRAY_FIELDS),
+            "BlockRemoved" => (4, REMOVED_ARRAY_FIELDS),
+            "AllBlocksCleared" => (1, 1),
+            _ => (1, m), // an unknown tag: skipped whole, nothing counted
+        };
+        if m > counted {
+            self.unknown_fields += (m - counted) as u64;
         }
-        if n > STORED_ARRAY_FIELDS {
-            self.unknown_fields += (n - STORED_ARRAY_FIELDS) as u64;
-        }
-        let at = self.elements(pos, n.min(11));
-        let field = |i: usize| at.get(i).copied();
-        let (mut lora_name, mut cache_salt) = (None, None);
-        if let Some(p7) = field(7) {
-            // Index 7 is vLLM's lora_name, but SGLang's BlockStoredWithMetadata (same tag) puts its
-            // metadata map there instead; the type tells them apart.
-            if let Head::Map(_) = self.head(p7).0 {
-                cache_salt = self.metadata_salt(Some(p7))?;
-            } else {
-                lora_name = self.opt_str(Some(p7), "lora_name must be a string or nil")?;
+        for i in 1..m {
+            if i >= understood {
+                r.skip();
+                continue;
+            }
+            match (stored, i) {
+                (_, 1) => f.block_hashes = field(r, |r| hashes(r, max)),
+                (true, 2) => f.parent_block_hash = field(r, opt_hash),
+                (true, 3) => f.token_ids = field(r, |r| tokens(r, max)),
+                (true, 4) => f.block_size = field(r, block_size),
+                (true, 5) => f.lora_id = field(r, |r| opt_int(r, "lora_id must be an int or nil")),
+                (true, 6) | (false, 2) => f.medium = field(r, |r| opt_str(r, "medium must be a string or nil")),
+                (true, 7) => {
+                    // vLLM's lora_name, or SGLang's BlockStoredWithMetadata map (same tag): the type
+                    // tells them apart.
+                    let start = r.pos;
+                    let is_map = matches!(r.head(), Head::Map(_));
+                    r.pos = start;
+                    if is_map {
+                        f.metadata = field(r, metadata);
+                    } else {
+                        f.lora_name = field(r, |r| opt_str(r, "lora_name must be a string or nil"));
+                    }
+                }
+                (true, 8) => f.extra_keys = field(r, extra_keys),
+                (true, 9) | (false, 3) => f.group_idx = field(r, |r| opt_int(r, "group_idx must be an int or nil")),
+                (true, 10) => {
+                    f.kv_cache_spec_kind = field(r, |r| opt_str(r, "kv_cache_spec_kind must be a string or nil"))
+                }
+                _ => r.skip(),
             }
         }
-        let block_hashes = self.hashes(at[1])?;
-        let parent_block_hash = self.opt_hash(at[2])?;
-        let tokens = self.tokens(at[3])?;
-        let block_size = self.block_size(at[4])?;
-        let medium = self.opt_str(field(6), "medium must be a string or nil")?;
-        let lora_id = self.opt_int(field(5), "lora_id must be an int or nil")?;
+    }
+
+    /// A store from its fields, checked in a fixed order (the first fault met is the one reported).
+    fn stored(&mut self, mut f: EventFields<'_>, positional: Option<u32>) -> Result<Stored, Malformed> {
+        let mut lora_name = None;
+        let cache_salt = if let Some(m) = positional {
+            if m < 5 {
+                return bad(Reason::BadShape, "BlockStored array is too short");
+            }
+            // Element 7 is read first: the lora name, or the metadata map in its place.
+            let meta = take(f.metadata)?;
+            lora_name = take(f.lora_name.take())?.flatten();
+            if let Some((_, unknown)) = meta {
+                self.unknown_fields += unknown;
+            }
+            meta.and_then(|(salt, _)| salt)
+        } else {
+            if f.block_hashes.is_none() || f.token_ids.is_none() || f.block_size.is_none() {
+                return bad(Reason::BadShape, "BlockStored map misses a required field");
+            }
+            let mut salt = take(f.cache_salt)?.flatten();
+            if salt.is_none() {
+                let meta = take(f.metadata)?;
+                if let Some((s, unknown)) = meta {
+                    self.unknown_fields += unknown;
+                    salt = s;
+                }
+            }
+            salt
+        };
+        let block_hashes = take(f.block_hashes)?.unwrap_or_default();
+        let parent_block_hash = take(f.parent_block_hash)?.flatten();
+        let tokens = take(f.token_ids)?.unwrap_or(Tokens::U32(Vec::new()));
+        let block_size = take(f.block_size)?.unwrap_or(0);
+        let medium = take(f.medium)?.flatten();
+        let lora_id = take(f.lora_id)?.flatten();
+        if positional.is_none() {
+            lora_name = take(f.lora_name.take())?.flatten();
+        }
         Ok(Stored {
             block_hashes,
             parent_block_hash,
@@ -379,153 +517,43 @@ impl<'a> Dec<'a> {
             medium,
             lora_id,
             lora_name,
-            extra_keys: self.extra_keys(field(8))?,
+            extra_keys: take(f.extra_keys)?.flatten(),
             cache_salt,
-            group_idx: self.opt_int(field(9), "group_idx must be an int or nil")?,
-            kv_cache_spec_kind: self.opt_str(field(10), "kv_cache_spec_kind must be a string or nil")?,
+            group_idx: take(f.group_idx)?.flatten(),
+            kv_cache_spec_kind: take(f.kv_cache_spec_kind)?.flatten(),
         })
     }
 
-    fn stored_map(&mut self, f: &Fields<'a>) -> Result<Stored, Malformed> {
-        self.unknown_fields += f.unknown(&STORED_KEYS);
-        let (Some(hashes), Some(tokens), Some(block_size)) =
-            (f.get("block_hashes"), f.get("token_ids"), f.get("block_size"))
-        else {
-            return bad(Reason::BadShape, "BlockStored map misses a required field");
-        };
-        let mut cache_salt = self.opt_str(f.get("cache_salt"), "cache_salt must be a string or nil")?;
-        if cache_salt.is_none() {
-            cache_salt = self.metadata_salt(f.get("metadata"))?;
-        }
-        let block_hashes = self.hashes(hashes)?;
-        let parent_block_hash = match f.get("parent_block_hash") {
-            Some(p) => self.opt_hash(p)?,
-            None => None,
-        };
-        let tokens = self.tokens(tokens)?;
-        let block_size = self.block_size(block_size)?;
-        let medium = self.opt_str(f.get("medium"), "medium must be a string or nil")?;
-        let lora_id = self.opt_int(f.get("lora_id"), "lora_id must be an int or nil")?;
-        Ok(Stored {
-            block_hashes,
-            parent_block_hash,
-            tokens,
-            block_size,
-            medium,
-            lora_id,
-            lora_name: self.opt_str(f.get("lora_name"), "lora_name must be a string or nil")?,
-            extra_keys: self.extra_keys(f.get("extra_keys"))?,
-            cache_salt,
-            group_idx: self.opt_int(f.get("group_idx"), "group_idx must be an int or nil")?,
-            kv_cache_spec_kind: self.opt_str(
-                f.get("kv_cache_spec_kind"),
-                "kv_cache_spec_kind must be a string or nil",
-            )?,
-        })
-    }
-
-    fn removed_array(&mut self, pos: usize, n: u32) -> Result<Removed, Malformed> {
-        // [tag, block_hashes, medium, group_idx, locality, ownership]; the first release had hashes only.
-        if n < 2 {
-            return bad(Reason::BadShape, "BlockRemoved array has no block_hashes");
-        }
-        if n > REMOVED_ARRAY_FIELDS {
-            self.unknown_fields += (n - REMOVED_ARRAY_FIELDS) as u64;
-        }
-        let at = self.elements(pos, n.min(4));
-        Ok(Removed {
-            block_hashes: self.hashes(at[1])?,
-            medium: self.opt_str(at.get(2).copied(), "medium must be a string or nil")?,
-            group_idx: self.opt_int(at.get(3).copied(), "group_idx must be an int or nil")?,
-        })
-    }
-
-    fn removed_map(&mut self, f: &Fields<'a>) -> Result<Removed, Malformed> {
-        self.unknown_fields += f.unknown(&REMOVED_KEYS);
-        let Some(hashes) = f.get("block_hashes") else {
-            return bad(Reason::BadShape, "BlockRemoved map misses block_hashes");
-        };
-        Ok(Removed {
-            block_hashes: self.hashes(hashes)?,
-            medium: self.opt_str(f.get("medium"), "medium must be a string or nil")?,
-            group_idx: self.opt_int(f.get("group_idx"), "group_idx must be an int or nil")?,
-        })
-    }
-
-    fn events(&mut self, pos: usize, max_events: u64) -> Result<Vec<Event>, Malformed> {
-        let (h, first) = self.head(pos);
-        let Head::Array(n) = h else {
+    fn events(&mut self, r: &mut Reader<'_>, max_events: u64) -> Result<Vec<Event>, Malformed> {
+        let Head::Array(n) = r.head() else {
             return bad(Reason::BadType, "events must be an array");
         };
         if n as u64 > max_events {
             return bad(Reason::TooLarge, "too many events in the batch");
         }
         let mut out = Vec::with_capacity(n as usize);
-        let mut r = Reader::new(self.buf);
-        r.pos = first;
         for _ in 0..n {
-            let start = r.pos;
-            r.skip();
-            let (h, body) = self.head(start);
-            let ev = match h {
-                Head::Map(m) => {
-                    let f = self.fields(body, m);
-                    let tag = match f.get("type").map(|p| self.head(p).0) {
-                        Some(Head::Str(tag)) => tag,
-                        _ => return bad(Reason::BadType, "event tag must be a string"),
-                    };
-                    match tag {
-                        "BlockStored" | "BlockStoredWithMetadata" => Event::Stored(self.stored_map(&f)?),
-                        "BlockRemoved" => Event::Removed(self.removed_map(&f)?),
-                        "AllBlocksCleared" => {
-                            self.unknown_fields += f.unknown(&["type"]);
-                            Event::AllCleared
-                        }
-                        other => {
-                            self.unknown_tags.push(other.chars().take(MAX_TAG_CHARS).collect());
-                            continue;
-                        }
-                    }
-                }
-                Head::Array(0) => return bad(Reason::BadShape, "empty event array"),
-                Head::Array(m) => {
-                    let tag = match self.head(body).0 {
-                        Head::Str(tag) => tag,
-                        _ => return bad(Reason::BadType, "event tag must be a string"),
-                    };
-                    match tag {
-                        "BlockStored" | "BlockStoredWithMetadata" => Event::Stored(self.stored_array(body, m)?),
-                        "BlockRemoved" => Event::Removed(self.removed_array(body, m)?),
-                        "AllBlocksCleared" => {
-                            self.unknown_fields += (m - 1) as u64;
-                            Event::AllCleared
-                        }
-                        other => {
-                            self.unknown_tags.push(other.chars().take(MAX_TAG_CHARS).collect());
-                            continue;
-                        }
-                    }
-                }
-                _ => return bad(Reason::BadShape, "event must be an array or a map"),
-            };
-            out.push(ev);
+            if let Some(ev) = self.event(r)? {
+                out.push(ev);
+            }
         }
         Ok(out)
     }
+}
 
-    fn ts(&self, pos: usize) -> Result<f64, Malformed> {
-        match self.head(pos).0 {
-            Head::Float(f) => Ok(f),
-            Head::Int(v) => Ok(v as f64),
-            _ => bad(Reason::BadType, "ts must be a number"),
-        }
+fn ts(r: &mut Reader<'_>) -> Result<f64, Malformed> {
+    match r.head() {
+        Head::Float(f) => Ok(f),
+        Head::UInt(v) => Ok(v as f64),
+        Head::NInt(v) => Ok(v as f64),
+        _ => bad(Reason::BadType, "ts must be a number"),
     }
+}
 
-    fn rank(&self, pos: Option<usize>) -> Result<Option<i64>, Malformed> {
-        match self.opt_int(pos, "rank must be an int or nil")? {
-            Some(r) if r < 0 => bad(Reason::BadValue, "rank must not be negative"),
-            r => Ok(r),
-        }
+fn rank(r: &mut Reader<'_>) -> Result<Option<i64>, Malformed> {
+    match opt_int(r, "rank must be an int or nil")? {
+        Some(v) if v < 0 => bad(Reason::BadValue, "rank must not be negative"),
+        v => Ok(v),
     }
 }
 
@@ -543,15 +571,16 @@ pub fn decode_batch(payload: &[u8], limits: &DecodeLimits) -> Result<Batch, Malf
         max_ext: 1 << 16,
         max_depth: 512,
     };
-    validate(payload, &bounds)?;
+    let payload = validated(payload, &bounds)?;
     let mut d = Dec {
-        buf: payload,
         max_tokens: limits.max_tokens_per_event,
         unknown_fields: 0,
         unknown_tags: Vec::new(),
     };
-    let (h, body) = d.head(0);
-    let (ts, events, rank) = match h {
+    let mut r = Reader::new(payload);
+    let (mut ts_f, mut events_f, mut rank_f, mut attn_f): (Field<f64>, Field<Vec<Event>>, Field<_>, Field<_>) =
+        (None, None, None, None);
+    match r.head() {
         Head::Array(size) => {
             if size < 2 {
                 return bad(Reason::BadShape, "batch array is too short");
@@ -559,27 +588,51 @@ pub fn decode_batch(payload: &[u8], limits: &DecodeLimits) -> Result<Batch, Malf
             if size > 3 {
                 d.unknown_fields += (size - 3) as u64;
             }
-            let at = d.elements(body, size.min(3));
-            (at[0], at[1], at.get(2).copied())
+            ts_f = field(&mut r, ts);
+            events_f = field(&mut r, |r| d.events(r, limits.max_events));
+            if size > 2 {
+                rank_f = field(&mut r, rank);
+            }
         }
         Head::Map(n) => {
             // No release encodes a batch as a map, but one vLLM main commit would (docs/kv-wire.md 1.3).
-            let f = d.fields(body, n);
-            d.unknown_fields += f.unknown(&BATCH_KEYS);
-            let (Some(ts), Some(events)) = (f.get("ts"), f.get("events")) else {
+            let mut seen: Vec<&str> = Vec::new();
+            for _ in 0..n {
+                let start = r.pos;
+                let key = match r.head() {
+                    Head::Str(k) => k,
+                    _ => {
+                        r.pos = start;
+                        r.skip();
+                        r.skip();
+                        d.unknown_fields += 1;
+                        continue;
+                    }
+                };
+                match key {
+                    "ts" => ts_f = field(&mut r, ts),
+                    "events" => events_f = field(&mut r, |r| d.events(r, limits.max_events)),
+                    "data_parallel_rank" => rank_f = field(&mut r, rank),
+                    "attn_dp_rank" => attn_f = field(&mut r, rank),
+                    _ => r.skip(),
+                }
+                if !BATCH_KEYS.contains(&key) && !seen.contains(&key) {
+                    seen.push(key);
+                    d.unknown_fields += 1;
+                }
+            }
+            if ts_f.is_none() || events_f.is_none() {
                 return bad(Reason::BadShape, "batch map misses ts or events");
-            };
-            let rank = match f.get("data_parallel_rank") {
-                Some(p) if d.head(p).0 != Head::Nil => Some(p),
-                _ => f.get("attn_dp_rank"),
-            };
-            (ts, events, rank)
+            }
+            if matches!(rank_f, None | Some(Ok(None))) {
+                rank_f = attn_f; // the rank under its other name
+            }
         }
         _ => return bad(Reason::BadShape, "batch must be an array or a map"),
-    };
-    let ts = d.ts(ts)?;
-    let events = d.events(events, limits.max_events)?;
-    let data_parallel_rank = d.rank(rank)?;
+    }
+    let ts = take(ts_f)?.unwrap_or(0.0);
+    let events = take(events_f)?.unwrap_or_default();
+    let data_parallel_rank = take(rank_f)?.flatten();
     Ok(Batch {
         ts,
         events,

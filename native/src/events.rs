@@ -60,7 +60,7 @@ pub enum Event {
 /// Why an event (or some of its blocks) was not indexed; `as_str` is the metric label.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Skip {
-    BlockSizeMismatch,
+    BlockSizeMismatch = 0,
     UnknownParent,
     UnknownMedium,
     OtherGroup,

@@ -83,18 +83,28 @@ pub struct ApplyStats {
     pub stored: u64,
     pub removed: u64,
     pub cleared: u64,
-    /// (event type, medium or "") -> events.
-    pub events: StdHashMap<(&'static str, String), u64>,
-    /// Blocks skipped, by reason.
-    pub skipped: StdHashMap<Skip, u64>,
+    /// (event type, medium or "", events): a handful of distinct entries per batch.
+    pub events: Vec<(&'static str, String, u64)>,
+    /// Blocks skipped, by reason (indexed like `Skip::ALL`).
+    pub skipped: [u64; Skip::ALL.len()],
 }
 
 impl ApplyStats {
     fn skip(&mut self, reason: Skip, blocks: usize) {
-        *self.skipped.entry(reason).or_default() += blocks as u64;
+        self.skipped[reason as usize] += blocks as u64;
     }
+
     fn event(&mut self, kind: &'static str, medium: Option<&str>) {
-        *self.events.entry((kind, medium.unwrap_or("").to_owned())).or_default() += 1;
+        let medium = medium.unwrap_or("");
+        match self.events.iter_mut().find(|(k, m, _)| *k == kind && m == medium) {
+            Some(entry) => entry.2 += 1,
+            None => self.events.push((kind, medium.to_owned(), 1)),
+        }
+    }
+
+    /// Blocks skipped for `reason`.
+    pub fn skipped(&self, reason: Skip) -> u64 {
+        self.skipped[reason as usize]
     }
 }
 
@@ -694,7 +704,7 @@ mod tests {
             }]
         );
         let stats = ix.apply(a, &[removed(&[11, 99], None)]);
-        assert_eq!((stats.removed, stats.skipped[&Skip::UnknownBlock]), (1, 1));
+        assert_eq!((stats.removed, stats.skipped(Skip::UnknownBlock)), (1, 1));
         assert_eq!(ix.match_tokens(&toks(&[1, 2, 3, 4]), plain_root())[0].blocks, 1);
     }
 
@@ -703,7 +713,7 @@ mod tests {
         let mut ix = Index::new(2, 0).unwrap();
         let a = ix.carrier("a", 0).unwrap();
         let stats = ix.apply(a, &[stored(&[11], Some(10), &[3, 4])]);
-        assert_eq!(stats.skipped[&Skip::UnknownParent], 1);
+        assert_eq!(stats.skipped(Skip::UnknownParent), 1);
         assert_eq!(ix.node_count(), 0);
     }
 

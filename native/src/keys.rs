@@ -7,14 +7,16 @@
 //! little-endian when every ID of the sequence fits in u32, else 8-byte two's complement for all of
 //! them (nonsense for a vocabulary, but it must not crash and must never alias a u32 sequence).
 
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Names the key scheme: two routers' keys are comparable only when scheme and block size match.
 pub const SCHEME: &str = "xxh3_64-chain-u32le/v1";
 
 /// The chain seed of the plain namespace (no LoRA adapter, no cache salt).
+pub const PLAIN_ROOT: u64 = xxhash_rust::const_xxh3::xxh3_64(b"routerfleet/block-key/v1");
+
 pub fn plain_root() -> u64 {
-    xxh3_64(b"routerfleet/block-key/v1")
+    PLAIN_ROOT
 }
 
 fn pack_str_or_nil(out: &mut Vec<u8>, s: Option<&str>) {
@@ -123,12 +125,26 @@ impl Iterator for KeyChain<'_> {
         if bs == 0 || start + bs > self.tokens.len() {
             return None;
         }
-        self.buf.clear();
-        self.tokens.bytes_into(start, start + bs, &mut self.buf);
-        if let Some(extra) = self.extra.and_then(|e| e.get(self.next)) {
-            self.buf.extend_from_slice(extra);
-        }
-        self.parent = xxh3_64_with_seed(&self.buf, self.parent);
+        let extra = self.extra.and_then(|e| e.get(self.next)).filter(|x| !x.is_empty());
+        self.parent = match (self.tokens, extra) {
+            // The hot path: the u32 IDs are already their little-endian bytes in memory.
+            #[cfg(target_endian = "little")]
+            (Tokens::U32(v), None) => {
+                let block = &v[start..start + bs];
+                // SAFETY: any initialized u32 slice is a valid byte slice of 4x its length, with
+                // the same lifetime; on a little-endian target those bytes are the LE encoding.
+                let bytes = unsafe { std::slice::from_raw_parts(block.as_ptr().cast::<u8>(), block.len() * 4) };
+                xxh3_64_with_seed(bytes, self.parent)
+            }
+            _ => {
+                self.buf.clear();
+                self.tokens.bytes_into(start, start + bs, &mut self.buf);
+                if let Some(extra) = extra {
+                    self.buf.extend_from_slice(extra);
+                }
+                xxh3_64_with_seed(&self.buf, self.parent)
+            }
+        };
         self.next += 1;
         Some(self.parent)
     }
@@ -166,6 +182,11 @@ mod tests {
             block_keys(&narrow, 2, plain_root(), None)[0],
             block_keys(&wide, 2, plain_root(), None)[0]
         );
+    }
+
+    #[test]
+    fn the_plain_root_is_the_hash_of_its_name() {
+        assert_eq!(PLAIN_ROOT, xxhash_rust::xxh3::xxh3_64(b"routerfleet/block-key/v1"));
     }
 
     #[test]

@@ -50,12 +50,40 @@ impl From<Error> for PyErr {
 
 // ---- conversions -----------------------------------------------------------------------------------
 
+/// Token IDs from a list or tuple of ints (anything else iterable through the slow path). This is
+/// the routing hot path: a 4,096-token prompt is read with one C call per item, no Python iteration.
 fn tokens_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
-    let ids: Vec<i64> = match obj.cast::<PyList>() {
-        Ok(list) => list.iter().map(|x| x.extract::<i64>()).collect::<PyResult<_>>()?,
-        Err(_) => obj.extract()?,
+    let py = obj.py();
+    let (ptr, n, get): (
+        _,
+        isize,
+        unsafe fn(*mut pyo3::ffi::PyObject, isize) -> *mut pyo3::ffi::PyObject,
+    ) = if let Ok(list) = obj.cast::<PyList>() {
+        (list.as_ptr(), list.len() as isize, pyo3::ffi::PyList_GET_ITEM)
+    } else if let Ok(tuple) = obj.cast::<PyTuple>() {
+        (tuple.as_ptr(), tuple.len() as isize, pyo3::ffi::PyTuple_GET_ITEM)
+    } else {
+        let ids: Vec<i64> = obj.extract()?;
+        return Ok(Tokens::from_i64(&ids));
     };
-    Ok(Tokens::from_i64(&ids))
+    let mut narrow: Vec<u32> = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        // SAFETY: `ptr` is a list or tuple of length `n` that we hold a reference to, under the GIL;
+        // the item is borrowed only for the conversion, which raises (and is checked) on a non-int.
+        let x = unsafe { pyo3::ffi::PyLong_AsLongLong(get(ptr, i)) };
+        if x == -1 && PyErr::occurred(py) {
+            return Err(PyErr::fetch(py));
+        }
+        match u32::try_from(x) {
+            Ok(t) => narrow.push(t),
+            Err(_) => {
+                // Out of u32: the whole sequence is keyed as 64-bit; the slow path reads it again.
+                let ids: Vec<i64> = obj.extract()?;
+                return Ok(Tokens::from_i64(&ids));
+            }
+        }
+    }
+    Ok(Tokens::U32(narrow))
 }
 
 /// How a conversion treats a store's extra keys: hashed into the keys (encoded by the given Python
@@ -145,9 +173,12 @@ type StatsRow = (
 );
 
 fn stats_row(s: index::ApplyStats) -> StatsRow {
-    let events = s.events.into_iter().map(|((k, m), n)| (k, m, n)).collect();
-    let skipped = s.skipped.into_iter().map(|(r, n)| (r.as_str(), n)).collect();
-    (s.stored, s.removed, s.cleared, events, skipped)
+    let skipped = Skip::ALL
+        .into_iter()
+        .filter(|&r| s.skipped(r) > 0)
+        .map(|r| (r.as_str(), s.skipped(r)))
+        .collect();
+    (s.stored, s.removed, s.cleared, s.events, skipped)
 }
 type NodeRow = (u64, Option<u64>, Vec<(Cid, u8)>);
 

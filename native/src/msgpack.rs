@@ -24,7 +24,10 @@ pub struct Limits {
 pub enum Head<'a> {
     Nil,
     Bool(bool),
-    Int(i128),
+    /// A non-negative int (every msgpack uint, and non-negative ints written signed).
+    UInt(u64),
+    /// A negative int.
+    NInt(i64),
     Float(f64),
     Str(&'a str),
     Bin(&'a [u8]),
@@ -40,6 +43,7 @@ struct Raw {
 }
 
 /// The header at `buf[pos..]`, without bounds on lengths. Err(Truncated) when the header itself is cut.
+#[inline(always)]
 fn raw(buf: &[u8], pos: usize) -> Result<Raw, Reason> {
     let b = *buf.get(pos).ok_or(Reason::Truncated)?;
     let be = |n: usize| -> Result<u64, Reason> {
@@ -180,7 +184,7 @@ struct Frame {
 }
 
 /// Validate that `buf` holds exactly one well-formed value within `limits`.
-pub fn validate(buf: &[u8], limits: &Limits) -> Result<(), Reason> {
+fn validate(buf: &[u8], limits: &Limits) -> Result<(), Reason> {
     let n = buf.len() as u64;
     let mut stack: Vec<Frame> = Vec::new();
     let mut pos = 0usize;
@@ -255,71 +259,115 @@ pub fn validate(buf: &[u8], limits: &Limits) -> Result<(), Reason> {
     }
 }
 
-/// Reads validated bytes. Every method assumes `validate` accepted the buffer (it never panics on a
-/// buffer it did not, but then its answers are meaningless).
+/// A payload `validate` accepted: the only way to get a `Reader`.
+#[derive(Clone, Copy)]
+pub struct Validated<'a>(&'a [u8]);
+
+/// Validate `buf` (see `validate`) into the form a `Reader` reads.
+pub fn validated<'a>(buf: &'a [u8], limits: &Limits) -> Result<Validated<'a>, Reason> {
+    validate(buf, limits).map(|()| Validated(buf))
+}
+
+/// Reads validated bytes. It never panics; reading past the end yields `Nil`.
 pub struct Reader<'a> {
     buf: &'a [u8],
     pub pos: usize,
 }
 
 impl<'a> Reader<'a> {
-    pub fn new(buf: &'a [u8]) -> Self {
-        Reader { buf, pos: 0 }
+    pub fn new(v: Validated<'a>) -> Self {
+        Reader { buf: v.0, pos: 0 }
     }
 
+    #[inline(always)]
     fn be(&self, at: usize, n: usize) -> u64 {
-        self.buf
-            .get(at..at + n)
-            .map_or(0, |s| s.iter().fold(0u64, |acc, &x| acc << 8 | x as u64))
+        let Some(s) = self.buf.get(at..at + n) else { return 0 };
+        match n {
+            1 => s[0] as u64,
+            2 => u16::from_be_bytes([s[0], s[1]]) as u64,
+            4 => u32::from_be_bytes([s[0], s[1], s[2], s[3]]) as u64,
+            _ => s.iter().fold(0u64, |acc, &x| acc << 8 | x as u64),
+        }
     }
 
-    fn bytes(&self, at: usize, n: u64) -> &'a [u8] {
-        let end = (at as u64 + n).min(self.buf.len() as u64) as usize;
+    #[inline(always)]
+    fn data(&mut self, at: usize, n: u64) -> &'a [u8] {
+        let end = (at as u64).saturating_add(n).min(self.buf.len() as u64) as usize;
+        self.pos = end;
         self.buf.get(at..end).unwrap_or(&[])
     }
 
+    #[inline(always)]
+    fn str(&mut self, at: usize, n: u64) -> Head<'a> {
+        let d = self.data(at, n);
+        // SAFETY: `validate` checked every string of this buffer is UTF-8, and `at..at+n` is exactly
+        // one such string (the reader only moves from value to value).
+        Head::Str(unsafe { std::str::from_utf8_unchecked(d) })
+    }
+
     /// The next value's header; advances past it (and past a scalar's, string's or binary's data).
+    #[inline]
     pub fn head(&mut self) -> Head<'a> {
         let p = self.pos;
-        let Ok(r) = raw(self.buf, p) else {
-            self.pos = self.buf.len();
-            return Head::Nil;
-        };
-        let b = self.buf[p];
-        let body = p + r.header;
-        self.pos = body;
-        match r.kind {
-            1 => {
-                self.pos = body + r.len as usize;
-                Head::Str(std::str::from_utf8(self.bytes(body, r.len)).unwrap_or(""))
+        let Some(&b) = self.buf.get(p) else { return Head::Nil };
+        self.pos = p + 1;
+        match b {
+            0x00..=0x7f => Head::UInt(b as u64),
+            0xe0..=0xff => Head::NInt((b as i8) as i64),
+            0x80..=0x8f => Head::Map((b & 0x0f) as u32),
+            0x90..=0x9f => Head::Array((b & 0x0f) as u32),
+            0xa0..=0xbf => self.str(p + 1, (b & 0x1f) as u64),
+            0xc0 | 0xc1 => Head::Nil,
+            0xc2 => Head::Bool(false),
+            0xc3 => Head::Bool(true),
+            0xc4 => Head::Bin(self.data(p + 2, self.be(p + 1, 1))),
+            0xc5 => Head::Bin(self.data(p + 3, self.be(p + 1, 2))),
+            0xc6 => Head::Bin(self.data(p + 5, self.be(p + 1, 4))),
+            0xc7 => Head::Ext(self.be(p + 2, 1) as i8, self.data(p + 3, self.be(p + 1, 1))),
+            0xc8 => Head::Ext(self.be(p + 3, 1) as i8, self.data(p + 4, self.be(p + 1, 2))),
+            0xc9 => Head::Ext(self.be(p + 5, 1) as i8, self.data(p + 6, self.be(p + 1, 4))),
+            0xca => {
+                self.pos = p + 5;
+                Head::Float(f32::from_bits(self.be(p + 1, 4) as u32) as f64)
             }
-            2 => {
-                self.pos = body + r.len as usize;
-                Head::Bin(self.bytes(body, r.len))
+            0xcb => {
+                self.pos = p + 9;
+                Head::Float(f64::from_bits(self.be(p + 1, 8)))
             }
-            3 => {
-                self.pos = body + r.len as usize;
-                Head::Ext(self.buf[body - 1] as i8, self.bytes(body, r.len))
+            0xcc..=0xd3 => {
+                let n = 1usize << (b & 0x03);
+                self.pos = p + 1 + n;
+                let v = self.be(p + 1, n);
+                if b <= 0xcf {
+                    return Head::UInt(v);
+                }
+                // Sign-extend an n-byte two's complement value.
+                let shift = 64 - 8 * n as u32;
+                match ((v << shift) as i64) >> shift {
+                    x if x < 0 => Head::NInt(x),
+                    x => Head::UInt(x as u64),
+                }
             }
-            4 => Head::Array(r.len as u32),
-            5 => Head::Map(r.len as u32),
-            _ => match b {
-                0x00..=0x7f => Head::Int(b as i128),
-                0xe0..=0xff => Head::Int((b as i8) as i128),
-                0xc0 => Head::Nil,
-                0xc2 => Head::Bool(false),
-                0xc3 => Head::Bool(true),
-                0xca => Head::Float(f32::from_bits(self.be(p + 1, 4) as u32) as f64),
-                0xcb => Head::Float(f64::from_bits(self.be(p + 1, 8))),
-                0xcc => Head::Int(self.be(p + 1, 1) as i128),
-                0xcd => Head::Int(self.be(p + 1, 2) as i128),
-                0xce => Head::Int(self.be(p + 1, 4) as i128),
-                0xcf => Head::Int(self.be(p + 1, 8) as i128),
-                0xd0 => Head::Int(self.be(p + 1, 1) as u8 as i8 as i128),
-                0xd1 => Head::Int(self.be(p + 1, 2) as u16 as i16 as i128),
-                0xd2 => Head::Int(self.be(p + 1, 4) as u32 as i32 as i128),
-                _ => Head::Int(self.be(p + 1, 8) as i64 as i128),
-            },
+            0xd4..=0xd8 => Head::Ext(self.be(p + 1, 1) as i8, self.data(p + 2, 1u64 << (b - 0xd4))),
+            0xd9 => self.str(p + 2, self.be(p + 1, 1)),
+            0xda => self.str(p + 3, self.be(p + 1, 2)),
+            0xdb => self.str(p + 5, self.be(p + 1, 4)),
+            0xdc => {
+                self.pos = p + 3;
+                Head::Array(self.be(p + 1, 2) as u32)
+            }
+            0xdd => {
+                self.pos = p + 5;
+                Head::Array(self.be(p + 1, 4) as u32)
+            }
+            0xde => {
+                self.pos = p + 3;
+                Head::Map(self.be(p + 1, 2) as u32)
+            }
+            0xdf => {
+                self.pos = p + 5;
+                Head::Map(self.be(p + 1, 4) as u32)
+            }
         }
     }
 
@@ -363,6 +411,7 @@ pub fn canonical(r: &mut Reader<'_>, out: &mut Vec<u8>) -> (usize, bool) {
         }
     }
     fn int(out: &mut Vec<u8>, v: i128) {
+        // i128 holds every msgpack int, so one ladder writes both signs.
         if (0..128).contains(&v) {
             out.push(v as u8);
         } else if (-32..0).contains(&v) {
@@ -396,7 +445,8 @@ pub fn canonical(r: &mut Reader<'_>, out: &mut Vec<u8>) -> (usize, bool) {
     match r.head() {
         Head::Nil => out.push(0xc0),
         Head::Bool(b) => out.push(if b { 0xc3 } else { 0xc2 }),
-        Head::Int(v) => int(out, v),
+        Head::UInt(v) => int(out, v as i128),
+        Head::NInt(v) => int(out, v as i128),
         Head::Float(f) => {
             out.push(0xcb);
             out.extend_from_slice(&f.to_bits().to_be_bytes());

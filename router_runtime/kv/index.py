@@ -16,7 +16,6 @@ reader on the same event loop never sees a half-applied batch.
 from __future__ import annotations
 
 import enum
-from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -77,8 +76,8 @@ class ApplyStats:
     stored: int = 0
     removed: int = 0
     cleared: int = 0
-    events: Counter = field(default_factory=Counter)  # (event type, medium) -> count
-    skipped: Counter = field(default_factory=Counter)  # Skip -> blocks
+    events: dict[tuple[str, str], int] = field(default_factory=dict)  # (event type, medium) -> count
+    skipped: dict[Skip, int] = field(default_factory=dict)  # Skip -> blocks, only those skipped
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +152,8 @@ class RadixIndex:
             stored,
             removed,
             cleared,
-            Counter({(kind, medium): n for kind, medium, n in events}),
-            Counter({Skip(reason): n for reason, n in skipped}),
+            {(kind, medium): n for kind, medium, n in events},
+            {Skip(reason): n for reason, n in skipped} if skipped else {},
         )
 
     def clear_carrier(self, carrier: Carrier) -> int:
