@@ -19,7 +19,7 @@
 use std::collections::HashMap as StdHashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashTable};
 
 use crate::events::{medium_tier, store_skip, Event, Removed, Skip, Stored, ALL_TIERS, DEVICE};
 use crate::keys::{namespace_root, plain_root, KeyChain, Tokens};
@@ -51,6 +51,71 @@ impl Hasher for Mix {
 
 pub type U64Map<V> = HashMap<u64, V, BuildHasherDefault<Mix>>;
 
+fn mix(x: u64) -> u64 {
+    let mut h = Mix::default();
+    h.write_u64(x);
+    h.finish()
+}
+
+/// Key -> slot. Only the slot is stored (4 bytes an entry): the key lives in the node, so a probe
+/// compares against the arena. Halves the table against a map of (key, slot) pairs.
+#[derive(Default)]
+struct KeyTable(HashTable<u32>);
+
+impl KeyTable {
+    fn get(&self, nodes: &[Node], key: u64) -> Option<u32> {
+        self.0.find(mix(key), |&s| nodes[s as usize].key == key).copied()
+    }
+
+    /// `key` must be absent, and `nodes[slot]` must already hold it.
+    fn insert(&mut self, nodes: &[Node], key: u64, slot: u32) {
+        self.0.insert_unique(mix(key), slot, |&s| mix(nodes[s as usize].key));
+    }
+
+    fn remove(&mut self, nodes: &[Node], key: u64) {
+        if let Ok(e) = self.0.find_entry(mix(key), |&s| nodes[s as usize].key == key) {
+            e.remove();
+        }
+    }
+}
+
+/// One carrier's engine hash -> slot, storing only the slot: the engine hash lives in the carrier's
+/// holder on that node. Every entry names a slot the carrier holds.
+#[derive(Default)]
+struct EngineHashes(HashTable<u32>);
+
+impl EngineHashes {
+    fn get(&self, nodes: &[Node], cid: Cid, h: u64) -> Option<u32> {
+        self.0
+            .find(mix(h), |&s| nodes[s as usize].ehash_of(cid) == Some(h))
+            .copied()
+    }
+
+    /// The carrier's holder on `nodes[slot]` must already carry `h`, and `h` must be absent.
+    fn insert(&mut self, nodes: &[Node], cid: Cid, h: u64, slot: u32) {
+        self.0
+            .insert_unique(mix(h), slot, |&s| mix(nodes[s as usize].ehash_of(cid).unwrap_or(0)));
+    }
+
+    /// Before the holder stops carrying `h`.
+    fn remove(&mut self, nodes: &[Node], cid: Cid, h: u64) {
+        if let Ok(e) = self
+            .0
+            .find_entry(mix(h), |&s| nodes[s as usize].ehash_of(cid) == Some(h))
+        {
+            e.remove();
+        }
+    }
+
+    fn slots(&self) -> impl Iterator<Item = u32> + '_ {
+        self.0.iter().copied()
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Holder {
     ehash: u64,
@@ -67,12 +132,18 @@ struct Node {
     holders: Holders,
 }
 
+impl Node {
+    fn ehash_of(&self, cid: Cid) -> Option<u64> {
+        self.holders.iter().find(|h| h.cid == cid).map(|h| h.ehash)
+    }
+}
+
 struct CarrierState {
     engine: String,
     rank: u32,
     /// Bumped every time the id is given to a carrier: the export tells incarnations of an id apart.
     generation: u64,
-    by_ehash: U64Map<u32>,
+    by_ehash: EngineHashes,
     tier_blocks: [u64; 4],
     visible: u8,
 }
@@ -134,7 +205,7 @@ impl NodeView<'_> {
 pub struct Index {
     block_size: i64,
     full_attention_group: i64,
-    slot_of: U64Map<u32>,
+    slot_of: KeyTable,
     nodes: Vec<Node>,
     /// Bit per slot: set when the node is a chain's first block (its parent is the root).
     root_bits: Vec<u64>,
@@ -156,7 +227,7 @@ impl Index {
         Ok(Index {
             block_size,
             full_attention_group,
-            slot_of: U64Map::default(),
+            slot_of: KeyTable::default(),
             nodes: Vec::new(),
             root_bits: Vec::new(),
             free: Vec::new(),
@@ -195,7 +266,7 @@ impl Index {
             engine: engine.to_owned(),
             rank,
             generation: self.generations,
-            by_ehash: U64Map::default(),
+            by_ehash: EngineHashes::default(),
             tier_blocks: [0; 4],
             visible: ALL_TIERS,
         });
@@ -230,7 +301,7 @@ impl Index {
     }
 
     pub fn node_count(&self) -> usize {
-        self.slot_of.len()
+        self.slot_of.0.len()
     }
 
     /// Blocks a carrier holds per tier slot (device, host, disk, external).
@@ -243,11 +314,11 @@ impl Index {
     pub fn carrier_engine_hashes(&self, cid: Cid) -> [Vec<u64>; 4] {
         let mut out: [Vec<u64>; 4] = Default::default();
         if let Some(st) = self.state(cid) {
-            for (&h, &slot) in &st.by_ehash {
-                let tiers = self.holder(slot, cid).map_or(0, |x| x.tiers);
+            for slot in st.by_ehash.slots() {
+                let Some(x) = self.holder(slot, cid) else { continue };
                 for (t, hashes) in out.iter_mut().enumerate() {
-                    if tiers >> t & 1 == 1 {
-                        hashes.push(h);
+                    if x.tiers >> t & 1 == 1 {
+                        hashes.push(x.ehash);
                     }
                 }
             }
@@ -293,7 +364,7 @@ impl Index {
             None => (None, namespace_root(ev.lora_name.as_deref(), ev.cache_salt.as_deref())),
             Some(ph) => {
                 // A parent this carrier no longer holds is as unknown as one it never announced.
-                let held = self.state(cid).and_then(|s| s.by_ehash.get(&ph)).copied();
+                let held = self.state(cid).and_then(|s| s.by_ehash.get(&self.nodes, cid, ph));
                 match held.filter(|&slot| self.holder(slot, cid).is_some()) {
                     Some(slot) => {
                         let key = self.nodes[slot as usize].key;
@@ -322,7 +393,7 @@ impl Index {
         // Untagged or unknown medium: clear every tier (the engine holds it nowhere we know of).
         let tiers = ev.medium.as_deref().and_then(medium_tier).unwrap_or(ALL_TIERS);
         for &h in &ev.block_hashes {
-            match self.state(cid).and_then(|s| s.by_ehash.get(&h)).copied() {
+            match self.state(cid).and_then(|s| s.by_ehash.get(&self.nodes, cid, h)) {
                 Some(slot) => stats.removed += self.release(cid, slot, tiers) as u64,
                 None => stats.skip(Skip::UnknownBlock, 1),
             }
@@ -337,39 +408,39 @@ impl Index {
         if bits == 0 || self.state(cid).is_none() {
             return 0;
         }
-        if let Some(old) = self.state(cid).and_then(|s| s.by_ehash.get(&ehash)).copied() {
+        if let Some(old) = self.state(cid).and_then(|s| s.by_ehash.get(&self.nodes, cid, ehash)) {
             if self.nodes[old as usize].key != key {
                 // The engine reused a hash for other content: the old position is no longer held.
                 self.release(cid, old, ALL_TIERS);
             }
         }
-        let slot = match self.slot_of.get(&key) {
-            Some(&slot) => slot,
+        let slot = match self.slot_of.get(&self.nodes, key) {
+            Some(slot) => slot,
             None => self.create(key, parent),
         };
-        let node = &mut self.nodes[slot as usize];
-        let (new, replaced) = match node.holders.iter_mut().find(|x| x.cid == cid) {
-            Some(x) => {
-                let new = bits & !x.tiers;
-                x.tiers |= new;
-                let replaced = (x.ehash != ehash).then_some(x.ehash);
-                x.ehash = ehash;
-                (new, replaced)
-            }
-            None => {
-                node.holders.push(Holder {
-                    ehash,
-                    cid,
-                    tiers: bits,
-                });
-                (bits, None)
-            }
+        // The engine-hash table finds its entries through the holder, so an entry leaves while its
+        // holder still carries the hash, and arrives once it does.
+        let (new, old_h) = match self.holder(slot, cid) {
+            Some(x) => (bits & !x.tiers, Some(x.ehash)),
+            None => (bits, None),
         };
-        let st = self.state_mut(cid);
-        if let Some(old_h) = replaced {
-            st.by_ehash.remove(&old_h); // the same position, announced under a new engine hash
+        let nodes = &mut self.nodes;
+        let st = self.carriers[cid as usize].as_mut().expect("a live carrier id");
+        match old_h {
+            Some(h) if h == ehash => {}
+            Some(h) => st.by_ehash.remove(nodes, cid, h), // the same position under a new engine hash
+            None => nodes[slot as usize].holders.push(Holder { ehash, cid, tiers: 0 }),
         }
-        st.by_ehash.insert(ehash, slot);
+        let x = nodes[slot as usize]
+            .holders
+            .iter_mut()
+            .find(|x| x.cid == cid)
+            .expect("just held");
+        x.tiers |= bits;
+        x.ehash = ehash;
+        if old_h != Some(ehash) {
+            st.by_ehash.insert(nodes, cid, ehash, slot);
+        }
         for t in 0..4 {
             st.tier_blocks[t] += (new >> t & 1) as u64;
         }
@@ -401,7 +472,7 @@ impl Index {
         } else {
             self.root_bits[word] &= !(1 << bit);
         }
-        self.slot_of.insert(key, slot);
+        self.slot_of.insert(&self.nodes, key, slot);
         slot
     }
 
@@ -412,39 +483,37 @@ impl Index {
     /// Clear `tiers` of one carrier on one node; a holder left in no tier is dropped with its engine
     /// hash, and a node left with no holder is dropped. Returns whether any tier was cleared.
     fn release(&mut self, cid: Cid, slot: u32, tiers: u8) -> bool {
-        let node = &mut self.nodes[slot as usize];
-        let Some(pos) = node.holders.iter().position(|x| x.cid == cid) else {
+        let Some(pos) = self.nodes[slot as usize].holders.iter().position(|x| x.cid == cid) else {
             return false;
         };
-        let h = node.holders[pos];
+        let h = self.nodes[slot as usize].holders[pos];
         let gone = h.tiers & tiers;
         if gone == 0 {
             return false;
         }
         let left = h.tiers & !gone;
-        if left != 0 {
-            node.holders[pos].tiers = left;
-        } else {
-            node.holders.swap_remove(pos);
-        }
-        let empty = node.holders.is_empty();
-        let st = self.state_mut(cid);
+        let nodes = &mut self.nodes;
+        let st = self.carriers[cid as usize].as_mut().expect("a live carrier id");
         for t in 0..4 {
             st.tier_blocks[t] -= (gone >> t & 1) as u64;
         }
-        if left == 0 {
-            st.by_ehash.remove(&h.ehash);
+        if left != 0 {
+            nodes[slot as usize].holders[pos].tiers = left;
+            return true;
         }
-        if empty {
+        st.by_ehash.remove(nodes, cid, h.ehash); // while the holder still carries it
+        let node = &mut nodes[slot as usize];
+        node.holders.swap_remove(pos);
+        if node.holders.is_empty() {
             self.drop_node(slot);
         }
         true
     }
 
     fn drop_node(&mut self, slot: u32) {
-        let node = &mut self.nodes[slot as usize];
-        node.holders = Holders::new(); // frees a spilled holder list
-        self.slot_of.remove(&node.key);
+        let key = self.nodes[slot as usize].key;
+        self.slot_of.remove(&self.nodes, key); // while the node still names its key
+        self.nodes[slot as usize].holders = Holders::new(); // frees a spilled holder list
         self.free.push(slot);
     }
 
@@ -457,7 +526,7 @@ impl Index {
         let held = std::mem::take(&mut st.by_ehash);
         st.tier_blocks = [0; 4];
         let mut n = 0;
-        for (_, slot) in held {
+        for slot in held.0 {
             let node = &mut self.nodes[slot as usize];
             if let Some(pos) = node.holders.iter().position(|x| x.cid == cid) {
                 node.holders.swap_remove(pos);
@@ -490,7 +559,7 @@ impl Index {
         if tiers == ALL_TIERS {
             return self.clear_carrier(cid);
         }
-        let slots: Vec<u32> = st.by_ehash.values().copied().collect();
+        let slots: Vec<u32> = st.by_ehash.slots().collect();
         slots
             .into_iter()
             .map(|slot| self.release(cid, slot, tiers) as u64)
@@ -502,7 +571,7 @@ impl Index {
     /// Per carrier that holds at least the first block (visibly): its matched prefix. Hashes while
     /// walking, so a prompt that misses early costs one block's hash.
     pub fn match_tokens(&self, tokens: &Tokens, root: u64) -> Vec<CarrierMatch> {
-        if self.slot_of.is_empty() {
+        if self.slot_of.0.is_empty() {
             return Vec::new();
         }
         self.match_keys(KeyChain::new(tokens, self.block_size as usize, root, None))
@@ -514,7 +583,9 @@ impl Index {
         let mut alive: smallvec::SmallVec<[CarrierMatch; 8]> = smallvec::SmallVec::new();
         let mut done = Vec::new();
         for (depth, key) in keys.into_iter().enumerate() {
-            let Some(&slot) = self.slot_of.get(&key) else { break };
+            let Some(slot) = self.slot_of.get(&self.nodes, key) else {
+                break;
+            };
             let holders = &self.nodes[slot as usize].holders;
             if depth == 0 {
                 for h in holders {
@@ -586,7 +657,7 @@ impl Index {
 
     /// The live node named `key`, if any.
     pub fn node(&self, key: u64) -> Option<NodeView<'_>> {
-        self.node_at(*self.slot_of.get(&key)? as usize)
+        self.node_at(self.slot_of.get(&self.nodes, key)? as usize)
     }
 
     pub fn nodes(&self) -> impl Iterator<Item = NodeView<'_>> {
@@ -596,9 +667,10 @@ impl Index {
     /// Give back memory after a mass removal: the tables only grow on their own. Called by the writer
     /// between batches; a no-op unless the key table is mostly empty (then one rehash, O(live nodes)).
     pub fn maintain(&mut self) {
-        let cap = self.slot_of.capacity();
-        if cap > 1 << 16 && self.slot_of.len() < cap / 8 {
-            self.slot_of.shrink_to_fit();
+        let cap = self.slot_of.0.capacity();
+        if cap > 1 << 16 && self.slot_of.0.len() < cap / 8 {
+            let nodes = &self.nodes;
+            self.slot_of.0.shrink_to_fit(|&s| mix(nodes[s as usize].key));
         }
     }
 
@@ -613,7 +685,7 @@ impl Index {
                 continue;
             }
             live += 1;
-            if self.slot_of.get(&node.key) != Some(&(slot as u32)) {
+            if self.slot_of.get(&self.nodes, node.key) != Some(slot as u32) {
                 return Err(format!("slot {slot} is not the key table's entry for its key"));
             }
             for h in &node.holders {
@@ -623,7 +695,7 @@ impl Index {
                 if h.tiers == 0 || h.tiers & !ALL_TIERS != 0 {
                     return Err(format!("slot {slot}: carrier {} holds tier bits {:#x}", h.cid, h.tiers));
                 }
-                if st.by_ehash.get(&h.ehash) != Some(&(slot as u32)) {
+                if st.by_ehash.get(&self.nodes, h.cid, h.ehash) != Some(slot as u32) {
                     return Err(format!(
                         "slot {slot}: carrier {}'s engine hash does not map back",
                         h.cid
@@ -633,15 +705,27 @@ impl Index {
                 (0..4).for_each(|t| c[t] += (h.tiers >> t & 1) as u64);
             }
         }
-        if live != self.slot_of.len() {
-            return Err(format!("{} keys for {live} live nodes", self.slot_of.len()));
+        if live != self.slot_of.0.len() {
+            return Err(format!("{} keys for {live} live nodes", self.slot_of.0.len()));
         }
         for cid in self.carrier_ids() {
             let st = self.state(cid).expect("live");
-            for (&h, &slot) in &st.by_ehash {
-                if self.holder(slot, cid).map(|x| x.ehash) != Some(h) {
+            for slot in st.by_ehash.slots() {
+                if self.holder(slot, cid).is_none() {
                     return Err(format!("carrier {cid}: an engine hash names a slot it does not hold"));
                 }
+            }
+            let holders = self
+                .nodes
+                .iter()
+                .flat_map(|n| n.holders.iter())
+                .filter(|h| h.cid == cid)
+                .count();
+            if holders != st.by_ehash.len() {
+                return Err(format!(
+                    "carrier {cid}: {} engine hashes for {holders} holders",
+                    st.by_ehash.len()
+                ));
             }
             if counts.get(&cid).copied().unwrap_or_default() != st.tier_blocks {
                 return Err(format!("carrier {cid}: tier counters disagree with a recount"));

@@ -42,6 +42,13 @@ pyo3::create_exception!(
     "A payload that does not decode: args (reason, detail), reason a stable metric label."
 );
 
+pyo3::create_exception!(
+    routerfleet_index,
+    ColumnsRefused,
+    pyo3::exceptions::PyException,
+    "Snapshot columns that vetting refuses: args (reason,), a vetting error value."
+);
+
 impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {
         PyValueError::new_err(e.to_string())
@@ -644,6 +651,31 @@ fn normalize_hash(x: &Bound<'_, PyAny>) -> PyResult<u64> {
     Err(fail("hash must be an int or bytes"))
 }
 
+/// Vetting's column checks (see `snapshot::vet_columns`) over little-endian column bytes. Returns
+/// (usable entries, worker bytes, tiers bytes) with tiers masked and tierless entries pointed one past
+/// the worker table, or raises ``ColumnsRefused(reason)``.
+#[pyfunction]
+fn vet_columns<'py>(
+    py: Python<'py>,
+    parent: &[u8],
+    worker: &[u8],
+    tiers: &[u8],
+    usable: Vec<bool>,
+    known_tiers: u8,
+    max_depth: u32,
+) -> PyResult<(u64, Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+    let parent = column("parent", parent, i64::from_le_bytes)?;
+    let mut worker = column("worker", worker, u32::from_le_bytes)?;
+    let mut tiers = tiers.to_vec();
+    if tiers.len() != worker.len() {
+        return Err(PyValueError::new_err("worker and tiers columns differ in length"));
+    }
+    let n = py
+        .detach(|| snapshot::vet_columns(&parent, &mut worker, &mut tiers, &usable, known_tiers, max_depth))
+        .map_err(|e| ColumnsRefused::new_err(e.as_str()))?;
+    Ok((n, le_bytes(py, &worker, u32::to_le_bytes), PyBytes::new(py, &tiers)))
+}
+
 // ---- module ----------------------------------------------------------------------------------------
 
 #[pyfunction]
@@ -685,6 +717,8 @@ fn routerfleet_index(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DecodeError", m.py().get_type::<DecodeError>())?;
     m.add_function(wrap_pyfunction!(decode_batch, m)?)?;
     m.add_function(wrap_pyfunction!(normalize_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(vet_columns, m)?)?;
+    m.add("ColumnsRefused", m.py().get_type::<ColumnsRefused>())?;
     m.add_function(wrap_pyfunction!(namespace_root, m)?)?;
     m.add_function(wrap_pyfunction!(block_keys, m)?)?;
     m.add_function(wrap_pyfunction!(store_skip, m)?)?;

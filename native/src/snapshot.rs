@@ -195,6 +195,72 @@ impl Grafter {
     }
 }
 
+/// Why a snapshot's columns were refused; `as_str` is the vetting error's value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ColumnsRefused {
+    /// A forward, self or out-of-range parent reference.
+    InvalidParent,
+    TooDeep,
+    WorkerOutOfRange,
+    /// No entry names a usable worker in a tier we rank.
+    NothingUsable,
+}
+
+impl ColumnsRefused {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ColumnsRefused::InvalidParent => "invalid_parent",
+            ColumnsRefused::TooDeep => "too_deep",
+            ColumnsRefused::WorkerOutOfRange => "worker_out_of_range",
+            ColumnsRefused::NothingUsable => "nothing_usable",
+        }
+    }
+}
+
+/// The column checks of vetting, in one pass each: parents strictly backward (-1 for a root) and the
+/// depth bounded; every worker index in range; tier bits masked to `known_tiers`. Entries left with
+/// no tier are pointed at worker `usable.len()` (one past the table: the caller maps it to "skip").
+/// Returns how many entries name a usable worker with a tier left. Rejects rather than repairs.
+pub fn vet_columns(
+    parent: &[i64],
+    worker: &mut [u32],
+    tiers: &mut [u8],
+    usable: &[bool],
+    known_tiers: u8,
+    max_depth: u32,
+) -> Result<u64, ColumnsRefused> {
+    let mut depth: Vec<u32> = Vec::with_capacity(parent.len());
+    for (i, &p) in parent.iter().enumerate() {
+        let d = match p {
+            -1 => 1,
+            p if p < 0 || p as usize >= i => return Err(ColumnsRefused::InvalidParent),
+            p => depth[p as usize] + 1,
+        };
+        if d > max_depth {
+            return Err(ColumnsRefused::TooDeep);
+        }
+        depth.push(d);
+    }
+    drop(depth);
+    if worker.iter().any(|&w| w as usize >= usable.len()) {
+        return Err(ColumnsRefused::WorkerOutOfRange);
+    }
+    let skip = usable.len() as u32;
+    let mut n = 0;
+    for (w, t) in worker.iter_mut().zip(tiers.iter_mut()) {
+        *t &= known_tiers;
+        if *t == 0 {
+            *w = skip; // never grafted as "held in no tier"
+        } else if usable[*w as usize] {
+            n += 1;
+        }
+    }
+    if n == 0 {
+        return Err(ColumnsRefused::NothingUsable);
+    }
+    Ok(n)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,6 +315,21 @@ mod tests {
         assert_eq!(g.blocks, 5);
         let m = dst.match_tokens(&Tokens::from_i64(&[1, 2, 3, 4, 5, 6]), crate::keys::plain_root());
         assert_eq!(m.iter().map(|m| m.blocks).collect::<Vec<_>>(), vec![3, 1]);
+    }
+
+    #[test]
+    fn vetting_refuses_forward_parents_and_masks_tiers() {
+        let (mut w, mut t) = (vec![0, 1], vec![0x11, 0x20]);
+        assert_eq!(
+            vet_columns(&[-1, 1], &mut w, &mut t, &[true, true], 0xF, 9),
+            Err(ColumnsRefused::InvalidParent)
+        );
+        assert_eq!(
+            vet_columns(&[-1, 0], &mut w, &mut t, &[true, true], 0xF, 1),
+            Err(ColumnsRefused::TooDeep)
+        );
+        assert_eq!(vet_columns(&[-1, 0], &mut w, &mut t, &[true, true], 0xF, 9), Ok(1));
+        assert_eq!((w, t), (vec![0, 2], vec![0x1, 0]));
     }
 
     #[test]

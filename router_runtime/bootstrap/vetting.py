@@ -15,6 +15,8 @@ from array import array
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import routerfleet_index
+
 from ..kv.index import Carrier
 from ..kv.snapshot import Columns
 from .state import SnapshotOutcome
@@ -127,25 +129,6 @@ def vet(
     if wire.block_size != hashing.block_size or wire.scheme != hashing.scheme:
         raise VetFailed(VetError.HASHING_MISMATCH)
     cols = wire.columns
-    n = len(cols.key)
-    # Parents strictly backward, and depth bounded: one pass, no recursion.
-    parent = cols.parent
-    depth = array("I", bytes(4 * n))
-    max_depth = limits.max_depth
-    for i in range(n):
-        p = parent[i]
-        if p < 0:
-            if p != -1:
-                raise VetFailed(VetError.INVALID_PARENT)
-            depth[i] = 1
-        elif p >= i:
-            raise VetFailed(VetError.INVALID_PARENT)
-        else:
-            d = depth[p] + 1
-            if d > max_depth:
-                raise VetFailed(VetError.TOO_DEEP)
-            depth[i] = d
-    del depth
     # Workers: resolve identity and incarnation; unknown ones map to None and are skipped. A worker
     # without a cursor is skipped too: nothing could prove our stream joins the snapshot for it.
     carriers: list[Carrier | None] = []
@@ -160,28 +143,22 @@ def vet(
             cursors[c] = seq
             with_cursor.add(w)
     carriers = [c if i in with_cursor else None for i, c in enumerate(carriers)]
-    nworkers = len(carriers)
-    if any(w >= nworkers for w in cols.worker):
-        raise VetFailed(VetError.WORKER_OUT_OF_RANGE)
-    # Tiers: keep known bits only; an entry left with none is dropped by pointing it at no worker.
-    usable = 0
-    tiers = cols.tiers
-    worker = cols.worker
-    for j in range(len(tiers)):
-        t = tiers[j] & KNOWN_TIERS
-        tiers[j] = t
-        if t and carriers[worker[j]] is not None:
-            usable += 1
-    if usable == 0:
-        raise VetFailed(VetError.NOTHING_USABLE)
-    # Entries whose tiers became empty must not be grafted as "held in no tier": give the grafter an
-    # explicit skip by mapping them to a worker slot that resolves to None.
-    if any(t == 0 for t in tiers):
-        skip = len(carriers)
-        carriers.append(None)
-        for j in range(len(tiers)):
-            if tiers[j] == 0:
-                worker[j] = skip
+    # The column checks run in the core, one pass each: parents strictly backward and depth bounded,
+    # worker indices in range, tiers masked to known bits; an entry left with no tier is pointed one
+    # past the worker table, a slot that resolves to None, so it is never grafted as "held in no tier".
+    try:
+        usable, worker, tiers = routerfleet_index.vet_columns(
+            cols.parent.tobytes(),
+            cols.worker.tobytes(),
+            cols.tiers.tobytes(),
+            [c is not None for c in carriers],
+            KNOWN_TIERS,
+            limits.max_depth,
+        )
+    except routerfleet_index.ColumnsRefused as e:
+        raise VetFailed(VetError(e.args[0])) from None
+    cols.worker, cols.tiers = array("I", worker), array("B", tiers)
+    carriers.append(None)
     return VettedSnapshot(
         _TOKEN,
         columns=cols,
