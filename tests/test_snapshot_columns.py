@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from router_runtime.kv.events import BlockRemoved, BlockStored, EventBatch
@@ -47,6 +47,13 @@ def all_prefix_queries(index: RadixIndex, rng: random.Random) -> list[list[int]]
     st.integers(0, 2**32),
 )
 def test_graft_of_export_matches_the_original_under_live_events(before, during, seed):
+    # Re-applying a batch the graft already reflects is only idempotent for content-chained engine
+    # hashes: a store whose parent is one of its own hashes (a hash reused for its own child, which no
+    # engine's chained hashing produces) re-applied lands one block deeper. The router never re-applies
+    # such a batch (the splice watermark skips what the graft reflects); this model re-applies all.
+    assume(
+        not any(isinstance(ev, BlockStored) and ev.parent_block_hash in ev.block_hashes for _c, ev in during)
+    )
     src = RadixIndex(BS)
     for carrier, ev in before:
         src.apply_batch(carrier, EventBatch(0.0, (ev,)))

@@ -2,13 +2,15 @@
 //!
 //! Storage. A node is one block position in the prefix trie, named by its chained block key (`keys`):
 //! the key identifies the whole path from the root, so the trie is flat: `slot_of` maps a key to its
-//! slot in the `nodes` arena, and a lookup is one probe per block. A node holds its key, its parent's
+//! slot in the node arena (`arena.rs`), and a lookup is one probe per block, or none where a chain
+//! is walked in the order it was stored (the arena's child hint). A node holds its key, its parent's
 //! key (by key, never by slot, so a parent that is dropped and stored again is found again) and its
 //! holders: per carrier, the tier bits and the engine hash it announced the block under. A node no
 //! carrier holds is dropped at once and its slot reused; its descendants stay (an engine may hold a
 //! child whose parent it evicted) but are unreachable until the parent is stored again, which is
 //! exactly what the engine can serve. Each carrier keeps `engine hash -> slot` for its own blocks,
 //! because removals and parent links arrive as engine hashes, opaque and meaningful per carrier only.
+//! Both tables store slots only (the keys and hashes live in the arena): about 60 bytes per block.
 //!
 //! Run cold, never wrong: a store whose parent this carrier never announced, with another block size,
 //! a non-full-attention group or an unknown medium is skipped and counted, never hung off the root.
@@ -21,6 +23,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use hashbrown::{HashMap, HashTable};
 
+use crate::arena::{Arena, Holder, NO_SLOT};
 use crate::events::{medium_tier, store_skip, Event, Removed, Skip, Stored, ALL_TIERS, DEVICE};
 use crate::keys::{namespace_root, plain_root, KeyChain, Tokens};
 
@@ -63,17 +66,18 @@ fn mix(x: u64) -> u64 {
 struct KeyTable(HashTable<u32>);
 
 impl KeyTable {
-    fn get(&self, nodes: &[Node], key: u64) -> Option<u32> {
-        self.0.find(mix(key), |&s| nodes[s as usize].key == key).copied()
+    fn get(&self, arena: &Arena, key: u64) -> Option<u32> {
+        self.0.find(mix(key), |&s| arena.key(s) == key).copied()
     }
 
-    /// `key` must be absent, and `nodes[slot]` must already hold it.
-    fn insert(&mut self, nodes: &[Node], key: u64, slot: u32) {
-        self.0.insert_unique(mix(key), slot, |&s| mix(nodes[s as usize].key));
+    /// `key` must be absent, and its node already in `slot`.
+    fn insert(&mut self, arena: &Arena, key: u64, slot: u32) {
+        self.0.insert_unique(mix(key), slot, |&s| mix(arena.key(s)));
     }
 
-    fn remove(&mut self, nodes: &[Node], key: u64) {
-        if let Ok(e) = self.0.find_entry(mix(key), |&s| nodes[s as usize].key == key) {
+    /// While the node still names its key.
+    fn remove(&mut self, arena: &Arena, key: u64) {
+        if let Ok(e) = self.0.find_entry(mix(key), |&s| arena.key(s) == key) {
             e.remove();
         }
     }
@@ -85,24 +89,19 @@ impl KeyTable {
 struct EngineHashes(HashTable<u32>);
 
 impl EngineHashes {
-    fn get(&self, nodes: &[Node], cid: Cid, h: u64) -> Option<u32> {
-        self.0
-            .find(mix(h), |&s| nodes[s as usize].ehash_of(cid) == Some(h))
-            .copied()
+    fn get(&self, arena: &Arena, cid: Cid, h: u64) -> Option<u32> {
+        self.0.find(mix(h), |&s| arena.ehash_of(s, cid) == Some(h)).copied()
     }
 
-    /// The carrier's holder on `nodes[slot]` must already carry `h`, and `h` must be absent.
-    fn insert(&mut self, nodes: &[Node], cid: Cid, h: u64, slot: u32) {
+    /// The carrier's holder on `slot` must already carry `h`, and `h` must be absent.
+    fn insert(&mut self, arena: &Arena, cid: Cid, h: u64, slot: u32) {
         self.0
-            .insert_unique(mix(h), slot, |&s| mix(nodes[s as usize].ehash_of(cid).unwrap_or(0)));
+            .insert_unique(mix(h), slot, |&s| mix(arena.ehash_of(s, cid).unwrap_or(0)));
     }
 
     /// Before the holder stops carrying `h`.
-    fn remove(&mut self, nodes: &[Node], cid: Cid, h: u64) {
-        if let Ok(e) = self
-            .0
-            .find_entry(mix(h), |&s| nodes[s as usize].ehash_of(cid) == Some(h))
-        {
+    fn remove(&mut self, arena: &Arena, cid: Cid, h: u64) {
+        if let Ok(e) = self.0.find_entry(mix(h), |&s| arena.ehash_of(s, cid) == Some(h)) {
             e.remove();
         }
     }
@@ -113,28 +112,6 @@ impl EngineHashes {
 
     fn len(&self) -> usize {
         self.0.len()
-    }
-}
-
-#[derive(Clone, Copy, Debug)]
-struct Holder {
-    ehash: u64,
-    cid: Cid,
-    tiers: u8,
-}
-
-/// Holders inline for the common case (one carrier); a shared prefix spills to the heap.
-type Holders = smallvec::SmallVec<[Holder; 1]>;
-
-struct Node {
-    key: u64,
-    parent: u64, // meaningful only when the node is not a chain's first block (see `Index::root_bits`)
-    holders: Holders,
-}
-
-impl Node {
-    fn ehash_of(&self, cid: Cid) -> Option<u64> {
-        self.holders.iter().find(|h| h.cid == cid).map(|h| h.ehash)
     }
 }
 
@@ -192,13 +169,14 @@ pub struct CarrierMatch {
 pub struct NodeView<'a> {
     pub key: u64,
     pub parent: Option<u64>,
-    holders: &'a Holders,
+    slot: u32,
+    arena: &'a Arena,
 }
 
 impl NodeView<'_> {
     /// (carrier, tier bits, engine hash) of every holder.
     pub fn holders(&self) -> impl Iterator<Item = (Cid, u8, u64)> + '_ {
-        self.holders.iter().map(|h| (h.cid, h.tiers, h.ehash))
+        self.arena.holders(self.slot).map(|h| (h.cid, h.tiers, h.ehash))
     }
 }
 
@@ -206,10 +184,7 @@ pub struct Index {
     block_size: i64,
     full_attention_group: i64,
     slot_of: KeyTable,
-    nodes: Vec<Node>,
-    /// Bit per slot: set when the node is a chain's first block (its parent is the root).
-    root_bits: Vec<u64>,
-    free: Vec<u32>,
+    arena: Arena,
     carriers: Vec<Option<CarrierState>>,
     ids: StdHashMap<(String, u32), Cid>,
     generations: u64,
@@ -228,9 +203,7 @@ impl Index {
             block_size,
             full_attention_group,
             slot_of: KeyTable::default(),
-            nodes: Vec::new(),
-            root_bits: Vec::new(),
-            free: Vec::new(),
+            arena: Arena::default(),
             carriers: Vec::new(),
             ids: StdHashMap::new(),
             generations: 0,
@@ -315,7 +288,9 @@ impl Index {
         let mut out: [Vec<u64>; 4] = Default::default();
         if let Some(st) = self.state(cid) {
             for slot in st.by_ehash.slots() {
-                let Some(x) = self.holder(slot, cid) else { continue };
+                let Some(x) = self.arena.holder(slot, cid) else {
+                    continue;
+                };
                 for (t, hashes) in out.iter_mut().enumerate() {
                     if x.tiers >> t & 1 == 1 {
                         hashes.push(x.ehash);
@@ -360,27 +335,30 @@ impl Index {
             return;
         }
         let bits = ev.medium.as_deref().map_or(Some(DEVICE), medium_tier).unwrap_or(DEVICE);
-        let (mut parent, seed) = match ev.parent_block_hash {
-            None => (None, namespace_root(ev.lora_name.as_deref(), ev.cache_salt.as_deref())),
-            Some(ph) => {
-                // A parent this carrier no longer holds is as unknown as one it never announced.
-                let held = self.state(cid).and_then(|s| s.by_ehash.get(&self.nodes, cid, ph));
-                match held.filter(|&slot| self.holder(slot, cid).is_some()) {
-                    Some(slot) => {
-                        let key = self.nodes[slot as usize].key;
-                        (Some(key), key)
-                    }
-                    None => {
-                        stats.skip(Skip::UnknownParent, n);
-                        return;
-                    }
+        let (mut parent, mut parent_slot, seed) = match ev.parent_block_hash {
+            None => (
+                None,
+                None,
+                namespace_root(ev.lora_name.as_deref(), ev.cache_salt.as_deref()),
+            ),
+            // A parent this carrier no longer holds is as unknown as one it never announced (every
+            // entry of the engine-hash table is a block the carrier holds).
+            Some(ph) => match self.state(cid).and_then(|s| s.by_ehash.get(&self.arena, cid, ph)) {
+                Some(slot) => {
+                    let key = self.arena.key(slot);
+                    (Some(key), Some(slot), key)
                 }
-            }
+                None => {
+                    stats.skip(Skip::UnknownParent, n);
+                    return;
+                }
+            },
         };
         let keys = KeyChain::new(&ev.tokens, self.block_size as usize, seed, ev.extra_keys.as_deref());
         for (&h, key) in ev.block_hashes.iter().zip(keys) {
-            stats.stored += self.hold(cid, key, parent, bits, h) as u64;
-            parent = Some(key);
+            let (new, slot) = self.hold(cid, key, parent, parent_slot, bits, h);
+            stats.stored += new as u64;
+            (parent, parent_slot) = (Some(key), Some(slot));
         }
     }
 
@@ -393,128 +371,101 @@ impl Index {
         // Untagged or unknown medium: clear every tier (the engine holds it nowhere we know of).
         let tiers = ev.medium.as_deref().and_then(medium_tier).unwrap_or(ALL_TIERS);
         for &h in &ev.block_hashes {
-            match self.state(cid).and_then(|s| s.by_ehash.get(&self.nodes, cid, h)) {
+            match self.state(cid).and_then(|s| s.by_ehash.get(&self.arena, cid, h)) {
                 Some(slot) => stats.removed += self.release(cid, slot, tiers) as u64,
                 None => stats.skip(Skip::UnknownBlock, 1),
             }
         }
     }
 
-    /// Record that `cid` holds `key` (under `parent`; None: a chain's first block) in `bits` tiers as
-    /// engine hash `ehash`. The one way a carrier gains a block: events and snapshot grafts both come
-    /// here. Returns how many tier bits were new.
-    pub fn hold(&mut self, cid: Cid, key: u64, parent: Option<u64>, bits: u8, ehash: u64) -> u32 {
+    /// Record that `cid` holds `key` (under `parent`; None: a chain's first block, and in
+    /// `parent_slot` when the caller knows it) in `bits` tiers as engine hash `ehash`. The one way a
+    /// carrier gains a block: events and snapshot grafts both come here. Returns how many tier bits
+    /// were new, and the node's slot (NO_SLOT when nothing was held).
+    pub fn hold(
+        &mut self,
+        cid: Cid,
+        key: u64,
+        parent: Option<u64>,
+        parent_slot: Option<u32>,
+        bits: u8,
+        ehash: u64,
+    ) -> (u32, u32) {
         let bits = bits & ALL_TIERS;
         if bits == 0 || self.state(cid).is_none() {
-            return 0;
+            return (0, NO_SLOT);
         }
-        if let Some(old) = self.state(cid).and_then(|s| s.by_ehash.get(&self.nodes, cid, ehash)) {
-            if self.nodes[old as usize].key != key {
+        if let Some(old) = self.state(cid).and_then(|s| s.by_ehash.get(&self.arena, cid, ehash)) {
+            if self.arena.key(old) != key {
                 // The engine reused a hash for other content: the old position is no longer held.
                 self.release(cid, old, ALL_TIERS);
             }
         }
-        let slot = match self.slot_of.get(&self.nodes, key) {
+        let slot = match self.slot_of.get(&self.arena, key) {
             Some(slot) => slot,
-            None => self.create(key, parent),
+            None => {
+                // The caller's parent slot may have been freed just above: a hint only if it still is.
+                let ps = parent_slot.filter(|&p| self.arena.is_live(p) && Some(self.arena.key(p)) == parent);
+                let slot = self.arena.create(key, parent, ps);
+                self.slot_of.insert(&self.arena, key, slot);
+                slot
+            }
         };
         // The engine-hash table finds its entries through the holder, so an entry leaves while its
         // holder still carries the hash, and arrives once it does.
-        let (new, old_h) = match self.holder(slot, cid) {
-            Some(x) => (bits & !x.tiers, Some(x.ehash)),
-            None => (bits, None),
-        };
-        let nodes = &mut self.nodes;
+        let old = self.arena.holder(slot, cid);
         let st = self.carriers[cid as usize].as_mut().expect("a live carrier id");
-        match old_h {
-            Some(h) if h == ehash => {}
-            Some(h) => st.by_ehash.remove(nodes, cid, h), // the same position under a new engine hash
-            None => nodes[slot as usize].holders.push(Holder { ehash, cid, tiers: 0 }),
+        if let Some(x) = old.filter(|x| x.ehash != ehash) {
+            st.by_ehash.remove(&self.arena, cid, x.ehash); // the same position under a new engine hash
         }
-        let x = nodes[slot as usize]
-            .holders
-            .iter_mut()
-            .find(|x| x.cid == cid)
-            .expect("just held");
-        x.tiers |= bits;
-        x.ehash = ehash;
-        if old_h != Some(ehash) {
-            st.by_ehash.insert(nodes, cid, ehash, slot);
+        let had = old.map_or(0, |x| x.tiers);
+        self.arena.set(
+            slot,
+            Holder {
+                ehash,
+                cid,
+                tiers: had | bits,
+            },
+        );
+        if old.map(|x| x.ehash) != Some(ehash) {
+            st.by_ehash.insert(&self.arena, cid, ehash, slot);
         }
+        let new = bits & !had;
         for t in 0..4 {
             st.tier_blocks[t] += (new >> t & 1) as u64;
         }
-        new.count_ones()
-    }
-
-    fn create(&mut self, key: u64, parent: Option<u64>) -> u32 {
-        let node = Node {
-            key,
-            parent: parent.unwrap_or(0),
-            holders: Holders::new(),
-        };
-        let slot = match self.free.pop() {
-            Some(slot) => {
-                self.nodes[slot as usize] = node;
-                slot
-            }
-            None => {
-                self.nodes.push(node);
-                if self.root_bits.len() * 64 < self.nodes.len() {
-                    self.root_bits.push(0);
-                }
-                (self.nodes.len() - 1) as u32
-            }
-        };
-        let (word, bit) = (slot as usize / 64, slot % 64);
-        if parent.is_none() {
-            self.root_bits[word] |= 1 << bit;
-        } else {
-            self.root_bits[word] &= !(1 << bit);
-        }
-        self.slot_of.insert(&self.nodes, key, slot);
-        slot
-    }
-
-    fn holder(&self, slot: u32, cid: Cid) -> Option<&Holder> {
-        self.nodes.get(slot as usize)?.holders.iter().find(|x| x.cid == cid)
+        (new.count_ones(), slot)
     }
 
     /// Clear `tiers` of one carrier on one node; a holder left in no tier is dropped with its engine
     /// hash, and a node left with no holder is dropped. Returns whether any tier was cleared.
     fn release(&mut self, cid: Cid, slot: u32, tiers: u8) -> bool {
-        let Some(pos) = self.nodes[slot as usize].holders.iter().position(|x| x.cid == cid) else {
+        let Some(h) = self.arena.holder(slot, cid) else {
             return false;
         };
-        let h = self.nodes[slot as usize].holders[pos];
         let gone = h.tiers & tiers;
         if gone == 0 {
             return false;
         }
         let left = h.tiers & !gone;
-        let nodes = &mut self.nodes;
         let st = self.carriers[cid as usize].as_mut().expect("a live carrier id");
         for t in 0..4 {
             st.tier_blocks[t] -= (gone >> t & 1) as u64;
         }
         if left != 0 {
-            nodes[slot as usize].holders[pos].tiers = left;
+            self.arena.set(slot, Holder { tiers: left, ..h });
             return true;
         }
-        st.by_ehash.remove(nodes, cid, h.ehash); // while the holder still carries it
-        let node = &mut nodes[slot as usize];
-        node.holders.swap_remove(pos);
-        if node.holders.is_empty() {
+        st.by_ehash.remove(&self.arena, cid, h.ehash); // while the holder still carries it
+        if self.arena.remove(slot, cid) {
             self.drop_node(slot);
         }
         true
     }
 
     fn drop_node(&mut self, slot: u32) {
-        let key = self.nodes[slot as usize].key;
-        self.slot_of.remove(&self.nodes, key); // while the node still names its key
-        self.nodes[slot as usize].holders = Holders::new(); // frees a spilled holder list
-        self.free.push(slot);
+        self.slot_of.remove(&self.arena, self.arena.key(slot)); // while the node still names its key
+        self.arena.free(slot);
     }
 
     /// Forget every block of a carrier (AllBlocksCleared, a gap replay could not cover, a restart).
@@ -527,11 +478,9 @@ impl Index {
         st.tier_blocks = [0; 4];
         let mut n = 0;
         for slot in held.0 {
-            let node = &mut self.nodes[slot as usize];
-            if let Some(pos) = node.holders.iter().position(|x| x.cid == cid) {
-                node.holders.swap_remove(pos);
+            if self.arena.holder(slot, cid).is_some() {
                 n += 1;
-                if node.holders.is_empty() {
+                if self.arena.remove(slot, cid) {
                     self.drop_node(slot);
                 }
             }
@@ -579,41 +528,56 @@ impl Index {
 
     /// `match_tokens` for precomputed keys.
     pub fn match_keys(&self, keys: impl IntoIterator<Item = u64>) -> Vec<CarrierMatch> {
-        // Carriers still holding the whole prefix walked so far; when one misses a node it is done.
-        let mut alive: smallvec::SmallVec<[CarrierMatch; 8]> = smallvec::SmallVec::new();
+        // Carriers still holding the whole prefix walked so far, with their visible tiers (fixed for
+        // the walk); when one misses a node it is done.
+        let mut alive: smallvec::SmallVec<[(CarrierMatch, u8); 8]> = smallvec::SmallVec::new();
         let mut done = Vec::new();
+        let mut slot = NO_SLOT;
         for (depth, key) in keys.into_iter().enumerate() {
-            let Some(slot) = self.slot_of.get(&self.nodes, key) else {
-                break;
+            // The child hint first: along a chain stored in walking order it saves the table probe.
+            let hint = if slot == NO_SLOT {
+                NO_SLOT
+            } else {
+                self.arena.node(slot).child
             };
-            let holders = &self.nodes[slot as usize].holders;
+            slot = if self.arena.is_live(hint) && self.arena.key(hint) == key {
+                hint
+            } else {
+                match self.slot_of.get(&self.arena, key) {
+                    Some(s) => s,
+                    None => break,
+                }
+            };
+            let (cid0, tiers0, rest) = self.arena.holders_split(slot);
             if depth == 0 {
-                for h in holders {
-                    let vis = h.tiers & self.visible_tiers(h.cid);
-                    if vis != 0 {
+                let first = (tiers0 != 0).then_some((cid0, tiers0));
+                for (cid, tiers) in first.into_iter().chain(rest.iter().map(|h| (h.cid, h.tiers))) {
+                    let visible = self.visible_tiers(cid);
+                    if tiers & visible != 0 {
                         let mut m = CarrierMatch {
-                            cid: h.cid,
+                            cid,
                             blocks: 1,
                             tier_blocks: [0; 4],
                         };
-                        m.tier_blocks[best_slot(vis)] = 1;
-                        alive.push(m);
+                        m.tier_blocks[best_slot(tiers & visible)] = 1;
+                        alive.push((m, visible));
                     }
                 }
             } else {
                 let mut i = 0;
                 while i < alive.len() {
-                    let cid = alive[i].cid;
-                    let vis = holders
-                        .iter()
-                        .find(|h| h.cid == cid)
-                        .map_or(0, |h| h.tiers & self.visible_tiers(cid));
-                    if vis == 0 {
-                        done.push(alive.swap_remove(i));
+                    let (m, visible) = &mut alive[i];
+                    let tiers = if cid0 == m.cid && tiers0 != 0 {
+                        tiers0
+                    } else {
+                        rest.iter().find(|h| h.cid == m.cid).map_or(0, |h| h.tiers)
+                    };
+                    if tiers & *visible == 0 {
+                        done.push(alive.swap_remove(i).0);
                         continue;
                     }
-                    alive[i].blocks += 1;
-                    alive[i].tier_blocks[best_slot(vis)] += 1;
+                    m.blocks += 1;
+                    m.tier_blocks[best_slot(tiers & *visible)] += 1;
                     i += 1;
                 }
             }
@@ -621,7 +585,7 @@ impl Index {
                 break;
             }
         }
-        done.extend(alive);
+        done.extend(alive.into_iter().map(|(m, _)| m));
         done.sort_by_key(|m| m.cid);
         done
     }
@@ -638,30 +602,30 @@ impl Index {
 
     /// Slots ever allocated (live or free): the export walks `[0, slot_end())` in slot order.
     pub fn slot_end(&self) -> usize {
-        self.nodes.len()
+        self.arena.len()
     }
 
     /// The live node in `slot`, if any.
     pub fn node_at(&self, slot: usize) -> Option<NodeView<'_>> {
-        let node = self.nodes.get(slot)?;
-        if node.holders.is_empty() {
+        let slot = u32::try_from(slot).ok()?;
+        if !self.arena.is_live(slot) {
             return None;
         }
-        let is_root = self.root_bits[slot / 64] >> (slot % 64) & 1 == 1;
         Some(NodeView {
-            key: node.key,
-            parent: (!is_root).then_some(node.parent),
-            holders: &node.holders,
+            key: self.arena.key(slot),
+            parent: self.arena.parent(slot),
+            slot,
+            arena: &self.arena,
         })
     }
 
     /// The live node named `key`, if any.
     pub fn node(&self, key: u64) -> Option<NodeView<'_>> {
-        self.node_at(self.slot_of.get(&self.nodes, key)? as usize)
+        self.node_at(self.slot_of.get(&self.arena, key)? as usize)
     }
 
     pub fn nodes(&self) -> impl Iterator<Item = NodeView<'_>> {
-        (0..self.nodes.len()).filter_map(|s| self.node_at(s))
+        (0..self.arena.len()).filter_map(|s| self.node_at(s))
     }
 
     /// Give back memory after a mass removal: the tables only grow on their own. Called by the writer
@@ -669,33 +633,39 @@ impl Index {
     pub fn maintain(&mut self) {
         let cap = self.slot_of.0.capacity();
         if cap > 1 << 16 && self.slot_of.0.len() < cap / 8 {
-            let nodes = &self.nodes;
-            self.slot_of.0.shrink_to_fit(|&s| mix(nodes[s as usize].key));
+            let arena = &self.arena;
+            self.slot_of.0.shrink_to_fit(|&s| mix(arena.key(s)));
         }
     }
 
     /// The structure's invariants, checked in full (for tests): every holder is in its carrier's
-    /// engine-hash map and back, no holder is held in no tier, the key table names exactly the live
-    /// nodes, and the per-tier counters agree with a recount.
+    /// engine-hash table and back, no holder is held in no tier and no carrier holds a node twice,
+    /// the key table names exactly the live nodes, and the per-tier counters agree with a recount.
     pub fn check(&self) -> Result<(), String> {
         let mut counts: StdHashMap<Cid, [u64; 4]> = StdHashMap::new();
+        let mut holders: StdHashMap<Cid, usize> = StdHashMap::new();
         let mut live = 0;
-        for (slot, node) in self.nodes.iter().enumerate() {
-            if node.holders.is_empty() {
+        for slot in 0..self.arena.len() as u32 {
+            if !self.arena.is_live(slot) {
                 continue;
             }
             live += 1;
-            if self.slot_of.get(&self.nodes, node.key) != Some(slot as u32) {
+            if self.slot_of.get(&self.arena, self.arena.key(slot)) != Some(slot) {
                 return Err(format!("slot {slot} is not the key table's entry for its key"));
             }
-            for h in &node.holders {
+            let mut seen = Vec::new();
+            for h in self.arena.holders(slot) {
                 let st = self
                     .state(h.cid)
                     .ok_or(format!("slot {slot} held by dead carrier {}", h.cid))?;
-                if h.tiers == 0 || h.tiers & !ALL_TIERS != 0 {
-                    return Err(format!("slot {slot}: carrier {} holds tier bits {:#x}", h.cid, h.tiers));
+                if h.tiers == 0 || h.tiers & !ALL_TIERS != 0 || seen.contains(&h.cid) {
+                    return Err(format!(
+                        "slot {slot}: carrier {} holds it wrongly ({:#x})",
+                        h.cid, h.tiers
+                    ));
                 }
-                if st.by_ehash.get(&self.nodes, h.cid, h.ehash) != Some(slot as u32) {
+                seen.push(h.cid);
+                if st.by_ehash.get(&self.arena, h.cid, h.ehash) != Some(slot) {
                     return Err(format!(
                         "slot {slot}: carrier {}'s engine hash does not map back",
                         h.cid
@@ -703,6 +673,7 @@ impl Index {
                 }
                 let c = counts.entry(h.cid).or_default();
                 (0..4).for_each(|t| c[t] += (h.tiers >> t & 1) as u64);
+                *holders.entry(h.cid).or_default() += 1;
             }
         }
         if live != self.slot_of.0.len() {
@@ -710,22 +681,8 @@ impl Index {
         }
         for cid in self.carrier_ids() {
             let st = self.state(cid).expect("live");
-            for slot in st.by_ehash.slots() {
-                if self.holder(slot, cid).is_none() {
-                    return Err(format!("carrier {cid}: an engine hash names a slot it does not hold"));
-                }
-            }
-            let holders = self
-                .nodes
-                .iter()
-                .flat_map(|n| n.holders.iter())
-                .filter(|h| h.cid == cid)
-                .count();
-            if holders != st.by_ehash.len() {
-                return Err(format!(
-                    "carrier {cid}: {} engine hashes for {holders} holders",
-                    st.by_ehash.len()
-                ));
+            if holders.get(&cid).copied().unwrap_or(0) != st.by_ehash.len() {
+                return Err(format!("carrier {cid}: engine hashes and holders differ in number"));
             }
             if counts.get(&cid).copied().unwrap_or_default() != st.tier_blocks {
                 return Err(format!("carrier {cid}: tier counters disagree with a recount"));

@@ -5,6 +5,7 @@
 //! (`router_runtime/kv/index.py` wraps `Index`); every call here runs under the GIL on that writer or
 //! on a reader of the same loop, so a match never observes a half-applied batch.
 
+pub mod arena;
 pub mod decode;
 pub mod events;
 pub mod index;
@@ -58,7 +59,8 @@ impl From<Error> for PyErr {
 // ---- conversions -----------------------------------------------------------------------------------
 
 /// Token IDs from a list or tuple of ints (anything else iterable through the slow path). This is
-/// the routing hot path: a 4,096-token prompt is read with one C call per item, no Python iteration.
+/// the routing hot path: a 4,096-token prompt is read with one C call per item, no Python iteration
+/// (what is left, about 3 ns an item, is reaching the int objects themselves).
 fn tokens_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
     let py = obj.py();
     let (ptr, n, get): (

@@ -14,6 +14,7 @@
 
 use std::collections::HashMap as StdHashMap;
 
+use crate::arena::NO_SLOT;
 use crate::index::{Cid, Index, U64Map};
 
 /// Node records as parallel arrays. Record `i` owns carrier entries `[start[i], start[i] + ncar[i])` of
@@ -140,6 +141,9 @@ impl Exporter {
 /// get the carriers unioned in. Bad indices (which vetting rules out) are skipped, never a panic.
 pub struct Grafter {
     columns: Columns,
+    /// Each record's slot once grafted (NO_SLOT before, or when no carrier of it was admitted): the
+    /// parent slot a child's node takes its walk hint from.
+    slots: Vec<u32>,
     pos: usize,
     car: usize,
     /// Tier bits newly held.
@@ -148,8 +152,10 @@ pub struct Grafter {
 
 impl Grafter {
     pub fn new(columns: Columns) -> Grafter {
+        let slots = vec![NO_SLOT; columns.key.len()];
         Grafter {
             columns,
+            slots,
             pos: 0,
             car: 0,
             blocks: 0,
@@ -184,7 +190,12 @@ impl Grafter {
                     break;
                 };
                 if let Some(Some(cid)) = carrier_of.get(w as usize) {
-                    self.blocks += index.hold(*cid, key, parent, tiers, h) as u64;
+                    let parent_slot = (p >= 0).then(|| self.slots[p as usize]).filter(|&s| s != NO_SLOT);
+                    let (new, slot) = index.hold(*cid, key, parent, parent_slot, tiers, h);
+                    self.blocks += new as u64;
+                    if slot != NO_SLOT {
+                        self.slots[i] = slot;
+                    }
                 }
             }
             car += n;
