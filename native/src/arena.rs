@@ -50,6 +50,11 @@ impl Arena {
         self.nodes.len()
     }
 
+    /// Room for `n` more nodes without moving the arena.
+    pub fn reserve(&mut self, n: usize) {
+        self.nodes.reserve(n.saturating_sub(self.free.len()));
+    }
+
     pub fn is_empty(&self) -> bool {
         self.nodes.is_empty()
     }
@@ -165,7 +170,10 @@ impl Arena {
         let rest = self.spill.entry(slot).or_default();
         match rest.iter_mut().find(|x| x.cid == h.cid) {
             Some(x) => *x = h,
-            None => rest.push(h),
+            None => {
+                rest.reserve_exact(1); // most shared nodes have few holders: no doubling
+                rest.push(h);
+            }
         }
         n.flags |= SPILLED;
     }

@@ -600,6 +600,26 @@ impl Index {
         .collect()
     }
 
+    /// The slot of the live node named `key`.
+    pub fn slot(&self, key: u64) -> Option<u32> {
+        self.slot_of.get(&self.arena, key)
+    }
+
+    /// Room for `n` more nodes, so that adding them moves no table (the graft asks before it starts).
+    pub fn reserve_nodes(&mut self, n: usize) {
+        let arena = &self.arena;
+        self.slot_of.0.reserve(n, |&s| mix(arena.key(s)));
+        self.arena.reserve(n);
+    }
+
+    /// Room for `n` more blocks of carrier `cid`.
+    pub fn reserve_carrier(&mut self, cid: Cid, n: usize) {
+        let arena = &self.arena;
+        if let Some(st) = self.carriers.get_mut(cid as usize).and_then(Option::as_mut) {
+            st.by_ehash.0.reserve(n, |&s| mix(arena.ehash_of(s, cid).unwrap_or(0)));
+        }
+    }
+
     /// Slots ever allocated (live or free): the export walks `[0, slot_end())` in slot order.
     pub fn slot_end(&self) -> usize {
         self.arena.len()

@@ -157,10 +157,14 @@ fn column<const N: usize, T>(name: &'static str, b: &[u8], from: fn([u8; N]) -> 
         .collect())
 }
 
-fn le_bytes<'py, T: Copy, const N: usize>(py: Python<'py>, xs: &[T], to: fn(T) -> [u8; N]) -> Bound<'py, PyBytes> {
+fn le_vec<T: Copy, const N: usize>(xs: &[T], to: fn(T) -> [u8; N]) -> Vec<u8> {
     let mut out = Vec::with_capacity(xs.len() * N);
     xs.iter().for_each(|&x| out.extend_from_slice(&to(x)));
-    PyBytes::new(py, &out)
+    out
+}
+
+fn le_bytes<'py, T: Copy, const N: usize>(py: Python<'py>, xs: &[T], to: fn(T) -> [u8; N]) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, &le_vec(xs, to))
 }
 
 // ---- the index -------------------------------------------------------------------------------------
@@ -382,15 +386,18 @@ impl PyExporter {
     /// u8, hash u64).
     fn columns<'py>(&self, py: Python<'py>) -> Bound<'py, PyTuple> {
         let c = &self.inner.columns;
-        let items = [
-            le_bytes(py, &c.parent, i64::to_le_bytes),
-            le_bytes(py, &c.key, u64::to_le_bytes),
-            le_bytes(py, &c.ncar, u16::to_le_bytes),
-            le_bytes(py, &c.worker, u32::to_le_bytes),
-            PyBytes::new(py, &c.tiers),
-            le_bytes(py, &c.hash, u64::to_le_bytes),
-        ];
-        PyTuple::new(py, items).expect("six bytes objects")
+        // Encoded with the GIL released (millions of records); only the copies into bytes hold it.
+        let raw = py.detach(|| {
+            [
+                le_vec(&c.parent, i64::to_le_bytes),
+                le_vec(&c.key, u64::to_le_bytes),
+                le_vec(&c.ncar, u16::to_le_bytes),
+                le_vec(&c.worker, u32::to_le_bytes),
+                c.tiers.clone(),
+                le_vec(&c.hash, u64::to_le_bytes),
+            ]
+        });
+        PyTuple::new(py, raw.iter().map(|b| PyBytes::new(py, b))).expect("six bytes objects")
     }
 }
 
@@ -403,15 +410,26 @@ struct PyGrafter {
 #[pymethods]
 impl PyGrafter {
     #[new]
-    fn new(parent: &[u8], key: &[u8], ncar: &[u8], worker: &[u8], tiers: &[u8], hash: &[u8]) -> PyResult<Self> {
-        let columns = snapshot::Columns {
-            parent: column("parent", parent, i64::from_le_bytes)?,
-            key: column("key", key, u64::from_le_bytes)?,
-            ncar: column("ncar", ncar, u16::from_le_bytes)?,
-            worker: column("worker", worker, u32::from_le_bytes)?,
-            tiers: tiers.to_vec(),
-            hash: column("hash", hash, u64::from_le_bytes)?,
-        };
+    fn new(
+        py: Python<'_>,
+        parent: &[u8],
+        key: &[u8],
+        ncar: &[u8],
+        worker: &[u8],
+        tiers: &[u8],
+        hash: &[u8],
+    ) -> PyResult<Self> {
+        // Parsed with the GIL released: the bytes are immutable and borrowed for the call.
+        let columns = py.detach(|| -> Result<snapshot::Columns, Error> {
+            Ok(snapshot::Columns {
+                parent: column("parent", parent, i64::from_le_bytes)?,
+                key: column("key", key, u64::from_le_bytes)?,
+                ncar: column("ncar", ncar, u16::from_le_bytes)?,
+                worker: column("worker", worker, u32::from_le_bytes)?,
+                tiers: tiers.to_vec(),
+                hash: column("hash", hash, u64::from_le_bytes)?,
+            })
+        })?;
         Ok(PyGrafter {
             inner: snapshot::Grafter::new(columns),
         })

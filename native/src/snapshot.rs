@@ -34,7 +34,12 @@ pub struct Columns {
 pub struct Exporter {
     end: usize,
     pos: usize,
-    record_of: U64Map<u32>,
+    /// Per slot, the record it was exported as (NO_SLOT: not yet). Checked against the record's key,
+    /// since a slot freed and reused during the walk holds another node. A vector, not a map: no
+    /// hashing, and no table that doubles (and stalls the writer) as the export grows.
+    record_at: Vec<u32>,
+    /// Records of blocks nobody held when met (placeholders), by key: rare.
+    placeholder: U64Map<u32>,
     pub columns: Columns,
     /// (engine, rank) of each worker index.
     pub workers: Vec<(String, u32)>,
@@ -43,11 +48,18 @@ pub struct Exporter {
 
 impl Exporter {
     pub fn new(index: &Index) -> Exporter {
+        let end = index.slot_end();
+        let nodes = index.node_count();
+        let mut columns = Columns::default();
+        columns.parent.reserve(nodes);
+        columns.key.reserve(nodes);
+        columns.ncar.reserve(nodes);
         Exporter {
-            end: index.slot_end(),
+            end,
             pos: 0,
-            record_of: U64Map::default(),
-            columns: Columns::default(),
+            record_at: vec![NO_SLOT; end],
+            placeholder: U64Map::default(),
+            columns,
             workers: Vec::new(),
             worker_of: StdHashMap::new(),
         }
@@ -57,42 +69,53 @@ impl Exporter {
         self.pos >= self.end
     }
 
+    /// The record a live node was exported as, if it was.
+    fn exported(&self, slot: u32, key: u64) -> Option<u32> {
+        let r = *self.record_at.get(slot as usize)?;
+        (r != NO_SLOT && self.columns.key[r as usize] == key).then_some(r)
+    }
+
     /// Export up to `budget` more slots. `include(cid)` says which carriers go out (asked by the caller
     /// once per chunk); hidden tiers never do. Returns whether the walk is done.
     pub fn step(&mut self, index: &Index, budget: usize, include: &dyn Fn(Cid) -> bool) -> bool {
         let stop = self.end.min(self.pos.saturating_add(budget)).min(index.slot_end());
-        let mut chain = Vec::new();
+        let mut chain: Vec<u32> = Vec::new();
         for slot in self.pos..stop {
-            let Some(node) = index.node_at(slot) else { continue };
-            if self.record_of.contains_key(&node.key) {
+            let slot = slot as u32;
+            let Some(node) = index.node_at(slot as usize) else {
+                continue;
+            };
+            if self.exported(slot, node.key).is_some() {
                 continue;
             }
+            // Up the chain to an exported ancestor, the root, or a block nobody holds now.
             chain.clear();
-            chain.push(node.key);
+            chain.push(slot);
             let mut parent = node.parent;
+            let mut pidx = -1;
             while let Some(p) = parent {
-                if self.record_of.contains_key(&p) {
-                    break;
-                }
-                match index.node(p) {
-                    Some(up) => {
-                        chain.push(p);
-                        parent = up.parent;
-                    }
-                    None => break,
-                }
-            }
-            let mut pidx = match parent {
-                None => -1,
-                Some(p) => match self.record_of.get(&p) {
-                    Some(&r) => r as i64,
+                let Some(ps) = index.slot(p) else {
                     // The chain hangs under a block nobody holds now: unreachable today, but a later
                     // store may make it reachable, so it goes under a carrier-less placeholder.
-                    None => self.record(p, -1) as i64,
-                },
-            };
-            for &key in chain.iter().rev() {
-                pidx = self.emit(index, key, pidx, include) as i64;
+                    pidx = match self.placeholder.get(&p) {
+                        Some(&r) => r as i64,
+                        None => {
+                            let r = self.record(p, -1);
+                            self.placeholder.insert(p, r);
+                            r as i64
+                        }
+                    };
+                    break;
+                };
+                if let Some(r) = self.exported(ps, p) {
+                    pidx = r as i64;
+                    break;
+                }
+                chain.push(ps);
+                parent = index.node_at(ps as usize).and_then(|n| n.parent);
+            }
+            for &s in chain.iter().rev() {
+                pidx = self.emit(index, s, pidx, include) as i64;
             }
         }
         self.pos = stop.max(self.pos);
@@ -105,16 +128,18 @@ impl Exporter {
     fn record(&mut self, key: u64, pidx: i64) -> u32 {
         let cols = &mut self.columns;
         let i = cols.key.len() as u32;
-        self.record_of.insert(key, i);
         cols.parent.push(pidx);
         cols.key.push(key);
         cols.ncar.push(0);
         i
     }
 
-    fn emit(&mut self, index: &Index, key: u64, pidx: i64, include: &dyn Fn(Cid) -> bool) -> u32 {
-        let i = self.record(key, pidx);
-        let node = index.node(key).expect("a chain node is live");
+    fn emit(&mut self, index: &Index, slot: u32, pidx: i64, include: &dyn Fn(Cid) -> bool) -> u32 {
+        let node = index.node_at(slot as usize).expect("a chain node is live");
+        let i = self.record(node.key, pidx);
+        if let Some(r) = self.record_at.get_mut(slot as usize) {
+            *r = i;
+        }
         let mut n = 0u16;
         for (cid, tiers, ehash) in node.holders() {
             let vis = tiers & index.visible_tiers(cid);
@@ -151,6 +176,23 @@ pub struct Grafter {
 }
 
 impl Grafter {
+    /// Grow the index's tables once, before the first chunk, to what the graft may add: a table that
+    /// doubles inside a chunk moves every entry in one writer turn (tens of milliseconds per million).
+    fn reserve(&self, index: &mut Index, carrier_of: &[Option<Cid>]) {
+        let mut per_worker = vec![0usize; carrier_of.len()];
+        for &w in &self.columns.worker {
+            if let Some(n) = per_worker.get_mut(w as usize) {
+                *n += 1;
+            }
+        }
+        index.reserve_nodes(self.columns.key.len());
+        for (w, &n) in per_worker.iter().enumerate() {
+            if let Some(cid) = carrier_of[w] {
+                index.reserve_carrier(cid, n);
+            }
+        }
+    }
+
     pub fn new(columns: Columns) -> Grafter {
         let slots = vec![NO_SLOT; columns.key.len()];
         Grafter {
@@ -169,6 +211,9 @@ impl Grafter {
     /// Graft up to `budget` more records; `carrier_of[w]` is the local carrier id for worker `w` in this
     /// chunk, None to skip its entries. Returns whether the graft is done.
     pub fn step(&mut self, index: &mut Index, budget: usize, carrier_of: &[Option<Cid>]) -> bool {
+        if self.pos == 0 && self.car == 0 {
+            self.reserve(index, carrier_of);
+        }
         let cols = &self.columns;
         let stop = cols.key.len().min(self.pos.saturating_add(budget));
         let mut car = self.car;

@@ -115,8 +115,10 @@ class SnapshotProducer:
         while not await writer.call(lambda _index: ex.step(self.chunk)):
             pass
         sessions = self._sessions() if self._sessions is not None else []  # read on the loop
+        # The columns are taken in the executor too: their conversion from the native walk releases
+        # the GIL for the encoding, so it must not run on the loop (millions of records).
         body, gz = await asyncio.get_running_loop().run_in_executor(
-            None, self._encode, ex.workers, applied, ex.columns, True, sessions
+            None, lambda: self._encode(ex.workers, applied, ex.columns, True, sessions)
         )
         built = Built(at, body, gz, True, len(ex.columns))
         self._cached = built

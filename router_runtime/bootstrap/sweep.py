@@ -542,7 +542,10 @@ class Bootstrapper:
             )
 
         carriers = [c if c in ours else None for c in vetted.carriers]
-        grafter = Grafter(self.plane.index, vetted.columns, carriers, admit)
+        # Built off the loop: it copies the columns (millions of records); it does not touch the index.
+        grafter = await asyncio.get_running_loop().run_in_executor(
+            None, Grafter, self.plane.index, vetted.columns, carriers, admit
+        )
         chunk = self.config.graft_chunk
         while not await self.plane.writer.call(lambda _index: grafter.step(chunk)):
             pass
