@@ -203,7 +203,8 @@ fn validate(buf: &[u8], limits: &Limits) -> Result<(), Reason> {
                 if end > n {
                     return Err(Reason::Truncated);
                 }
-                if r.kind == 1 && std::str::from_utf8(&buf[body..end as usize]).is_err() {
+                let data = &buf[body..end as usize];
+                if r.kind == 1 && !data.is_ascii() && std::str::from_utf8(data).is_err() {
                     return Err(Reason::NotMsgpack);
                 }
                 // The timestamp extension (-1) has three sizes; an unpacker refuses any other.
