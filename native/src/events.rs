@@ -43,6 +43,25 @@ pub struct Stored {
     pub kv_cache_spec_kind: Option<String>,
 }
 
+impl Stored {
+    /// A device-tier store with every optional field empty (tests build events with it).
+    pub fn plain(block_hashes: &[u64], parent: Option<u64>, tokens: &[i64], block_size: i64) -> Stored {
+        Stored {
+            block_hashes: block_hashes.to_vec(),
+            parent_block_hash: parent,
+            tokens: Tokens::from_i64(tokens),
+            block_size,
+            medium: None,
+            lora_id: None,
+            lora_name: None,
+            extra_keys: None,
+            cache_salt: None,
+            group_idx: None,
+            kv_cache_spec_kind: None,
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Removed {
     pub block_hashes: Vec<u64>,

@@ -722,19 +722,7 @@ mod tests {
     use super::*;
 
     fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[i64]) -> Event {
-        Event::Stored(Stored {
-            block_hashes: hashes.to_vec(),
-            parent_block_hash: parent,
-            tokens: Tokens::from_i64(tokens),
-            block_size: 2,
-            medium: None,
-            lora_id: None,
-            lora_name: None,
-            extra_keys: None,
-            cache_salt: None,
-            group_idx: None,
-            kv_cache_spec_kind: None,
-        })
+        Event::Stored(Stored::plain(hashes, parent, tokens, 2))
     }
 
     fn removed(hashes: &[u64], medium: Option<&str>) -> Event {

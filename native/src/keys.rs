@@ -25,18 +25,7 @@ fn pack_str_or_nil(out: &mut Vec<u8>, s: Option<&str>) {
         out.push(0xc0);
         return;
     };
-    let n = s.len();
-    if n < 32 {
-        out.push(0xa0 | n as u8);
-    } else if n < 1 << 8 {
-        out.extend_from_slice(&[0xd9, n as u8]);
-    } else if n < 1 << 16 {
-        out.push(0xda);
-        out.extend_from_slice(&(n as u16).to_be_bytes());
-    } else {
-        out.push(0xdb);
-        out.extend_from_slice(&(n as u32).to_be_bytes());
-    }
+    crate::msgpack::str_header(out, s.len());
     out.extend_from_slice(s.as_bytes());
 }
 

@@ -393,22 +393,35 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Appends the shortest msgpack str header for `n` bytes.
+pub fn str_header(out: &mut Vec<u8>, n: usize) {
+    if n < 32 {
+        out.push(0xa0 | n as u8);
+    } else if n < 1 << 8 {
+        out.extend_from_slice(&[0xd9, n as u8]);
+    } else if n < 1 << 16 {
+        out.push(0xda);
+        out.extend_from_slice(&(n as u16).to_be_bytes());
+    } else {
+        out.push(0xdb);
+        out.extend_from_slice(&(n as u32).to_be_bytes());
+    }
+}
+
 /// Appends the canonical encoding of the value at `r` to `out`, as an encoder of the decoded value
 /// writes it: shortest int, str and container forms, floats as float64, and maps frozen into arrays of
 /// `[key, value]` pairs (a map is not a hashable key part). Returns (depth, whether a map was met).
 pub fn canonical(r: &mut Reader<'_>, out: &mut Vec<u8>) -> (usize, bool) {
-    // Shortest header: the fix form, then 8-bit (strings only: code 0 means none), 16-bit, 32-bit.
-    fn len_header(out: &mut Vec<u8>, n: u64, fix: u8, fix_max: u64, codes: [u8; 3]) {
-        if n <= fix_max {
-            out.push(fix | n as u8);
-        } else if codes[0] != 0 && n < 1 << 8 {
-            out.extend_from_slice(&[codes[0], n as u8]);
+    // Shortest array header: fixarray, then 16-bit, 32-bit (msgpack has no 8-bit array).
+    fn array_header(out: &mut Vec<u8>, n: u32) {
+        if n < 16 {
+            out.push(0x90 | n as u8);
         } else if n < 1 << 16 {
-            out.push(codes[1]);
+            out.push(0xdc);
             out.extend_from_slice(&(n as u16).to_be_bytes());
         } else {
-            out.push(codes[2]);
-            out.extend_from_slice(&(n as u32).to_be_bytes());
+            out.push(0xdd);
+            out.extend_from_slice(&n.to_be_bytes());
         }
     }
     fn int(out: &mut Vec<u8>, v: i128) {
@@ -453,7 +466,7 @@ pub fn canonical(r: &mut Reader<'_>, out: &mut Vec<u8>) -> (usize, bool) {
             out.extend_from_slice(&f.to_bits().to_be_bytes());
         }
         Head::Str(s) => {
-            len_header(out, s.len() as u64, 0xa0, 31, [0xd9, 0xda, 0xdb]);
+            str_header(out, s.len());
             out.extend_from_slice(s.as_bytes());
         }
         Head::Bin(b) => {
@@ -490,7 +503,7 @@ pub fn canonical(r: &mut Reader<'_>, out: &mut Vec<u8>) -> (usize, bool) {
             out.extend_from_slice(d);
         }
         Head::Array(n) => {
-            len_header(out, n as u64, 0x90, 15, [0, 0xdc, 0xdd]);
+            array_header(out, n);
             let (mut depth, mut map) = (0, false);
             for _ in 0..n {
                 let (d, m) = canonical(r, out);
@@ -500,7 +513,7 @@ pub fn canonical(r: &mut Reader<'_>, out: &mut Vec<u8>) -> (usize, bool) {
             return (depth + 1, map);
         }
         Head::Map(n) => {
-            len_header(out, n as u64, 0x90, 15, [0, 0xdc, 0xdd]);
+            array_header(out, n);
             let mut depth = 0;
             for _ in 0..n {
                 out.push(0x92);

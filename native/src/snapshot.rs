@@ -327,22 +327,7 @@ mod tests {
         let mut ix = Index::new(2, 0).unwrap();
         for (engine, hashes, tokens) in chains {
             let cid = ix.carrier(engine, 0).unwrap();
-            ix.apply(
-                cid,
-                &[Event::Stored(Stored {
-                    block_hashes: hashes.to_vec(),
-                    parent_block_hash: None,
-                    tokens: Tokens::from_i64(tokens),
-                    block_size: 2,
-                    medium: None,
-                    lora_id: None,
-                    lora_name: None,
-                    extra_keys: None,
-                    cache_salt: None,
-                    group_idx: None,
-                    kv_cache_spec_kind: None,
-                })],
-            );
+            ix.apply(cid, &[Event::Stored(Stored::plain(hashes, None, tokens, 2))]);
         }
         ix
     }

@@ -120,7 +120,7 @@ def vet(
 ) -> VettedSnapshot:
     """Check a decoded snapshot against this replica's own view; raise ``VetFailed`` or return the
     only graftable form. ``local`` maps (engine, rank) to the carrier and incarnation we discovered.
-    Consumes ``wire``: its columns are masked and remapped in place (no copy of a large tree)."""
+    Consumes ``wire``: its columns are masked and remapped (by the core, with the GIL released)."""
     limits = limits or Limits()
     if wire.format != 1:
         raise VetFailed(VetError.UNKNOWN_FORMAT)
