@@ -306,6 +306,7 @@ fn metadata(r: &mut Reader<'_>) -> Result<(Option<String>, u64), Malformed> {
     };
     let (mut salt, mut unknown, mut seen) = (None, 0, Vec::new());
     for _ in 0..n {
+        let start = r.pos;
         match r.head() {
             Head::Str("cache_salt") => salt = field(r, |r| opt_str(r, "metadata.cache_salt must be a string or nil")),
             Head::Str(k) => {
@@ -316,6 +317,9 @@ fn metadata(r: &mut Reader<'_>) -> Result<(Option<String>, u64), Malformed> {
                 r.skip();
             }
             _ => {
+                // A key that is not a string is skipped whole (it may be a container), then its value.
+                r.pos = start;
+                r.skip();
                 unknown += 1;
                 r.skip();
             }
@@ -668,6 +672,18 @@ mod tests {
         cut.extend(b"\xdc\x01\x00");
         assert_eq!(reason(&cut), Reason::Truncated);
         assert_eq!(reason(b"\x81\x81\x00\x00\x00"), Reason::BadType, "a map as a map key");
+    }
+
+    #[test]
+    fn a_container_key_in_the_metadata_map_is_skipped_whole() {
+        // [0.0, [["BlockStored", [1], nil, [1, 2], 2, nil, nil, {[1, 2, 3]: 5, "cache_salt": "s"}, nil]]]
+        let mut p = b"\x92\xcb".to_vec();
+        p.extend([0; 8]);
+        p.extend(b"\x91\x99\xabBlockStored\x91\x01\xc0\x92\x01\x02\x02\xc0\xc0");
+        p.extend(b"\x82\x93\x01\x02\x03\x05\xaacache_salt\xa1s\xc0");
+        let b = decode_batch(&p, &DecodeLimits::default()).unwrap();
+        let Event::Stored(s) = &b.events[0] else { panic!() };
+        assert_eq!((s.cache_salt.as_deref(), b.unknown_fields), (Some("s"), 1));
     }
 
     #[test]
