@@ -13,7 +13,7 @@
 //! and a detail that never contains token IDs or hashes. Block hashes become u64: signed ints as two's
 //! complement, byte strings by their last 8 bytes big-endian.
 
-use crate::events::{Event, Removed, Stored};
+use crate::events::{medium, Event, Medium, Removed, Stored};
 use crate::keys::Tokens;
 use crate::msgpack::{canonical, validated, Head, Limits, Reader};
 
@@ -145,7 +145,7 @@ struct EventFields<'a> {
     token_ids: Field<Tokens>,
     block_size: Field<i64>,
     lora_id: Field<Option<i64>>,
-    medium: Field<Option<String>>,
+    medium: Field<Option<Medium>>,
     lora_name: Field<Option<String>>,
     extra_keys: Field<Option<Vec<Vec<u8>>>>,
     group_idx: Field<Option<i64>>,
@@ -270,6 +270,14 @@ fn opt_str(r: &mut Reader<'_>, detail: &'static str) -> Result<Option<String>, M
     }
 }
 
+fn opt_medium(r: &mut Reader<'_>) -> Result<Option<Medium>, Malformed> {
+    match r.head() {
+        Head::Nil => Ok(None),
+        Head::Str(s) => Ok(Some(medium(s))),
+        _ => bad(Reason::BadType, "medium must be a string or nil"),
+    }
+}
+
 /// vLLM's per-block extra keys, each as canonical bytes (empty for a block without).
 fn extra_keys(r: &mut Reader<'_>) -> Result<Option<Vec<Vec<u8>>>, Malformed> {
     let n = match r.head() {
@@ -344,7 +352,7 @@ impl Dec {
             "token_ids" => f.token_ids = field(r, |r| tokens(r, max)),
             "block_size" => f.block_size = field(r, block_size),
             "lora_id" => f.lora_id = field(r, |r| opt_int(r, "lora_id must be an int or nil")),
-            "medium" => f.medium = field(r, |r| opt_str(r, "medium must be a string or nil")),
+            "medium" => f.medium = field(r, opt_medium),
             "lora_name" => f.lora_name = field(r, |r| opt_str(r, "lora_name must be a string or nil")),
             "extra_keys" => f.extra_keys = field(r, extra_keys),
             "group_idx" => f.group_idx = field(r, |r| opt_int(r, "group_idx must be an int or nil")),
@@ -453,7 +461,7 @@ impl Dec {
                 (true, 3) => f.token_ids = field(r, |r| tokens(r, max)),
                 (true, 4) => f.block_size = field(r, block_size),
                 (true, 5) => f.lora_id = field(r, |r| opt_int(r, "lora_id must be an int or nil")),
-                (true, 6) | (false, 2) => f.medium = field(r, |r| opt_str(r, "medium must be a string or nil")),
+                (true, 6) | (false, 2) => f.medium = field(r, opt_medium),
                 (true, 7) => {
                     // vLLM's lora_name, or SGLang's BlockStoredWithMetadata map (same tag): the type
                     // tells them apart.

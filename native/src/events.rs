@@ -22,6 +22,17 @@ pub const MEDIUM_TIERS: [(&str, u8); 6] = [
     ("EXTERNAL", EXTERNAL),
 ];
 
+/// A medium's name: borrowed from `MEDIUM_TIERS` when it is a known one (no allocation per event).
+pub type Medium = std::borrow::Cow<'static, str>;
+
+/// The medium named `name`, interned when known.
+pub fn medium(name: &str) -> Medium {
+    match MEDIUM_TIERS.iter().find(|(m, _)| *m == name) {
+        Some(&(m, _)) => Medium::Borrowed(m),
+        None => Medium::Owned(name.to_owned()),
+    }
+}
+
 pub fn medium_tier(medium: &str) -> Option<u8> {
     MEDIUM_TIERS.iter().find(|(m, _)| *m == medium).map(|&(_, t)| t)
 }
@@ -32,7 +43,7 @@ pub struct Stored {
     pub parent_block_hash: Option<u64>,
     pub tokens: Tokens,
     pub block_size: i64,
-    pub medium: Option<String>,
+    pub medium: Option<Medium>,
     /// Carried for the event's own shape only: the key namespace is the LoRA name.
     pub lora_id: Option<i64>,
     pub lora_name: Option<String>,
@@ -65,7 +76,7 @@ impl Stored {
 #[derive(Clone)]
 pub struct Removed {
     pub block_hashes: Vec<u64>,
-    pub medium: Option<String>,
+    pub medium: Option<Medium>,
     pub group_idx: Option<i64>,
 }
 

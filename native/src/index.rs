@@ -728,7 +728,7 @@ mod tests {
     fn removed(hashes: &[u64], medium: Option<&str>) -> Event {
         Event::Removed(Removed {
             block_hashes: hashes.to_vec(),
-            medium: medium.map(str::to_owned),
+            medium: medium.map(crate::events::medium),
             group_idx: None,
         })
     }
@@ -786,7 +786,7 @@ mod tests {
         ix.apply(b, &[stored(&[20], None, &[1, 2])]);
         let mut disk = stored(&[21], Some(20), &[3, 4]);
         if let Event::Stored(s) = &mut disk {
-            s.medium = Some("DISK".into());
+            s.medium = Some(crate::events::medium("DISK"));
         }
         ix.apply(b, &[disk]);
         let m = ix.match_tokens(&toks(&[1, 2, 3, 4]), plain_root());

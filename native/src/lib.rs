@@ -123,7 +123,10 @@ fn stored_from_py(ev: &Bound<'_, PyAny>, extra: Extra<'_>) -> PyResult<Stored> {
         parent_block_hash: ev.getattr(intern!(py, "parent_block_hash"))?.extract()?,
         tokens: tokens_from_py(&ev.getattr(intern!(py, "token_ids"))?)?,
         block_size: ev.getattr(intern!(py, "block_size"))?.extract()?,
-        medium: ev.getattr(intern!(py, "medium"))?.extract()?,
+        medium: ev
+            .getattr(intern!(py, "medium"))?
+            .extract::<Option<String>>()?
+            .map(|m| events::medium(&m)),
         lora_id: ev.getattr(intern!(py, "lora_id"))?.extract()?,
         lora_name: ev.getattr(intern!(py, "lora_name"))?.extract()?,
         extra_keys,
@@ -140,7 +143,10 @@ fn event_from_py(ev: &Bound<'_, PyAny>, encode_extra: Option<&Py<PyAny>>) -> PyR
         "BlockStored" => Event::Stored(stored_from_py(ev, Extra::Encode(encode_extra))?),
         "BlockRemoved" => Event::Removed(Removed {
             block_hashes: ev.getattr(intern!(py, "block_hashes"))?.extract()?,
-            medium: ev.getattr(intern!(py, "medium"))?.extract()?,
+            medium: ev
+                .getattr(intern!(py, "medium"))?
+                .extract::<Option<String>>()?
+                .map(|m| events::medium(&m)),
             group_idx: ev.getattr(intern!(py, "group_idx"))?.extract()?,
         }),
         "AllBlocksCleared" => Event::AllCleared,
@@ -553,7 +559,7 @@ impl PyBatch {
                         s.block_size,
                         s.group_idx,
                         s.kv_cache_spec_kind.clone(),
-                        s.medium.clone(),
+                        s.medium.as_deref().map(str::to_owned),
                     )),
                 },
                 Some(_) => {}
@@ -586,7 +592,7 @@ impl PyBatch {
                     };
                     kw.set_item("token_ids", tokens)?;
                     kw.set_item("block_size", s.block_size)?;
-                    kw.set_item("medium", &s.medium)?;
+                    kw.set_item("medium", s.medium.as_deref())?;
                     kw.set_item("lora_id", s.lora_id)?;
                     kw.set_item("lora_name", &s.lora_name)?;
                     let extra = match &s.extra_keys {
@@ -613,7 +619,7 @@ impl PyBatch {
                 }
                 Event::Removed(r) => {
                     kw.set_item("block_hashes", PyTuple::new(py, &r.block_hashes)?)?;
-                    kw.set_item("medium", &r.medium)?;
+                    kw.set_item("medium", r.medium.as_deref())?;
                     kw.set_item("group_idx", r.group_idx)?;
                     removed.call((), Some(&kw))?
                 }
