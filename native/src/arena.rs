@@ -209,9 +209,4 @@ impl Arena {
         }
         false
     }
-
-    /// Spilled holder lists (for the invariant check).
-    pub fn spilled(&self) -> usize {
-        self.spill.len()
-    }
 }

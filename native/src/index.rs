@@ -25,7 +25,7 @@ use hashbrown::{HashMap, HashTable};
 
 use crate::arena::{Arena, Holder, NO_SLOT};
 use crate::events::{medium_tier, store_skip, Event, Removed, Skip, Stored, ALL_TIERS, DEVICE};
-use crate::keys::{namespace_root, plain_root, KeyChain, Tokens};
+use crate::keys::{namespace_root, KeyChain, Tokens};
 
 /// A carrier's id inside one index: small, reused after the carrier is removed.
 pub type Cid = u16;
@@ -639,11 +639,6 @@ impl Index {
         })
     }
 
-    /// The live node named `key`, if any.
-    pub fn node(&self, key: u64) -> Option<NodeView<'_>> {
-        self.node_at(self.slot_of.get(&self.arena, key)? as usize)
-    }
-
     pub fn nodes(&self) -> impl Iterator<Item = NodeView<'_>> {
         (0..self.arena.len()).filter_map(|s| self.node_at(s))
     }
@@ -710,16 +705,12 @@ impl Index {
         }
         Ok(())
     }
-
-    /// The plain namespace's root, for callers that hash without a namespace.
-    pub fn plain_root() -> u64 {
-        plain_root()
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::keys::plain_root;
 
     fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[i64]) -> Event {
         Event::Stored(Stored::plain(hashes, parent, tokens, 2))

@@ -384,13 +384,6 @@ impl<'a> Reader<'a> {
             }
         }
     }
-
-    /// The raw bytes of the next whole value, skipping it.
-    pub fn value_bytes(&mut self) -> &'a [u8] {
-        let start = self.pos;
-        self.skip();
-        &self.buf[start..self.pos.min(self.buf.len())]
-    }
 }
 
 /// Appends the shortest msgpack str header for `n` bytes.
