@@ -181,7 +181,9 @@ fn field<'a, T>(r: &mut Reader<'a>, parse: impl FnOnce(&mut Reader<'a>) -> Resul
     Some(out)
 }
 
-fn hash_of(h: Head<'_>) -> Result<u64, Malformed> {
+/// An engine block hash as u64: i64 two's complement, u64 as is, bytes by their last 8 bytes BE
+/// (zero-extended when shorter). The one rule, for the decoder and for `normalize_hash`.
+pub fn hash_of(h: Head<'_>) -> Result<u64, Malformed> {
     match h {
         Head::UInt(v) => Ok(v),
         Head::NInt(v) => Ok(v as u64), // two's complement

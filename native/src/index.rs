@@ -247,10 +247,6 @@ impl Index {
         Ok(cid as Cid)
     }
 
-    pub fn find_carrier(&self, engine: &str, rank: u32) -> Option<Cid> {
-        self.ids.get(&(engine.to_owned(), rank)).copied()
-    }
-
     /// (engine, rank, generation) of a live carrier id.
     pub fn carrier_identity(&self, cid: Cid) -> Option<(&str, u32, u64)> {
         self.state(cid).map(|s| (s.engine.as_str(), s.rank, s.generation))

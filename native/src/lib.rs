@@ -250,18 +250,6 @@ impl PyIndex {
         Ok(self.inner.carrier(engine, rank)?)
     }
 
-    fn find_carrier(&self, engine: &str, rank: u32) -> Option<Cid> {
-        self.inner.find_carrier(engine, rank)
-    }
-
-    /// Live carriers as (id, engine, rank).
-    fn carriers(&self) -> Vec<(Cid, String, u32)> {
-        self.inner
-            .carrier_ids()
-            .filter_map(|c| self.inner.carrier_identity(c).map(|(e, r, _)| (c, e.to_owned(), r)))
-            .collect()
-    }
-
     fn node_count(&self) -> usize {
         self.inner.node_count()
     }
@@ -651,30 +639,31 @@ fn decode_batch(payload: &[u8], max_bytes: usize, max_events: u64, max_tokens_pe
     }
 }
 
-/// An engine block hash as u64: i64 two's complement, u64 as is, bytes by their last 8 bytes BE.
+/// An engine block hash as u64, by the decoder's own rule (`decode::hash_of`).
 #[pyfunction]
 fn normalize_hash(x: &Bound<'_, PyAny>) -> PyResult<u64> {
-    let fail = |detail: &'static str| DecodeError::new_err((decode::Reason::BadHash.as_str(), detail));
-    if x.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(fail("hash must be an int or bytes"));
-    }
-    if let Ok(v) = x.extract::<i128>() {
-        return if (i64::MIN as i128..=u64::MAX as i128).contains(&v) {
-            Ok(v as i64 as u64)
-        } else {
-            Err(fail("int hash outside the i64/u64 range"))
-        };
-    }
-    if x.is_instance_of::<PyBytes>() || x.is_instance_of::<pyo3::types::PyByteArray>() {
-        let b: Vec<u8> = x.extract()?;
-        if b.is_empty() {
-            return Err(fail("empty bytes hash"));
+    let fail = |m: decode::Malformed| DecodeError::new_err((m.reason.as_str(), m.detail));
+    let head = if x.is_instance_of::<pyo3::types::PyBool>() {
+        msgpack::Head::Bool(x.extract()?)
+    } else if let Ok(v) = x.extract::<i128>() {
+        match v {
+            v if (0..=u64::MAX as i128).contains(&v) => msgpack::Head::UInt(v as u64),
+            v if (i64::MIN as i128..0).contains(&v) => msgpack::Head::NInt(v as i64),
+            _ => {
+                let detail = "int hash outside the i64/u64 range";
+                return Err(fail(decode::Malformed {
+                    reason: decode::Reason::BadHash,
+                    detail,
+                }));
+            }
         }
-        return Ok(b[b.len().saturating_sub(8)..]
-            .iter()
-            .fold(0u64, |acc, &x| acc << 8 | x as u64));
-    }
-    Err(fail("hash must be an int or bytes"))
+    } else if x.is_instance_of::<PyBytes>() || x.is_instance_of::<pyo3::types::PyByteArray>() {
+        let b: Vec<u8> = x.extract()?;
+        return decode::hash_of(msgpack::Head::Bin(&b)).map_err(fail);
+    } else {
+        msgpack::Head::Nil
+    };
+    decode::hash_of(head).map_err(fail)
 }
 
 /// Vetting's column checks (see `snapshot::vet_columns`) over little-endian column bytes. Returns
@@ -704,29 +693,6 @@ fn vet_columns<'py>(
 
 // ---- module ----------------------------------------------------------------------------------------
 
-#[pyfunction]
-#[pyo3(signature = (lora_name = None, cache_salt = None))]
-fn namespace_root(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
-    keys::namespace_root(lora_name, cache_salt)
-}
-
-/// Keys of every full block of ``token_ids`` chained from ``root``; ``extra[i]``: block i's extra bytes.
-#[pyfunction]
-#[pyo3(signature = (token_ids, block_size, root, extra = None))]
-fn block_keys(
-    token_ids: &Bound<'_, PyAny>,
-    block_size: usize,
-    root: u64,
-    extra: Option<Vec<Vec<u8>>>,
-) -> PyResult<Vec<u64>> {
-    Ok(keys::block_keys(
-        &tokens_from_py(token_ids)?,
-        block_size,
-        root,
-        extra.as_deref(),
-    ))
-}
-
 /// The index's rule for a ``BlockStored``: the skip reason, or None when it can be indexed.
 #[pyfunction]
 fn store_skip(ev: &Bound<'_, PyAny>, block_size: i64, full_attention_group: i64) -> PyResult<Option<&'static str>> {
@@ -745,11 +711,8 @@ fn routerfleet_index(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(normalize_hash, m)?)?;
     m.add_function(wrap_pyfunction!(vet_columns, m)?)?;
     m.add("ColumnsRefused", m.py().get_type::<ColumnsRefused>())?;
-    m.add_function(wrap_pyfunction!(namespace_root, m)?)?;
-    m.add_function(wrap_pyfunction!(block_keys, m)?)?;
     m.add_function(wrap_pyfunction!(store_skip, m)?)?;
     m.add("SCHEME", keys::SCHEME)?;
-    m.add("PLAIN_ROOT", keys::plain_root())?;
     let media = PyDict::new(m.py());
     for (medium, tier) in events::MEDIUM_TIERS {
         media.set_item(medium, tier)?;
