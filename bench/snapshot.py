@@ -6,14 +6,15 @@
 
 Two processes per run, as two replicas: a producer (builds the index, serves the library's own
 ``internal_app`` + ``SnapshotProducer`` on a loopback port, its index writer being a real ``IndexWriter``)
-and a consumer (GETs ``/internal/kv_snapshot`` with gzip as ``SnapshotFetcher`` does, inflates and
-decodes off the loop as it does, vets on the loop and grafts through its own writer in chunks, as the
-bootstrapper does). Both processes are fresh, so RSS figures are their own.
+and a consumer (GETs ``/internal/kv_snapshot?format=2`` as ``SnapshotFetcher`` does, decodes and vets
+off the loop as the fetcher and the bootstrapper do, and grafts through its own writer in chunks;
+``--format 1`` takes the previous version's path instead: gzip over HTTP, inflate, then decode).
+Both processes are fresh, so RSS figures are their own.
 
 Figures (issue 17 goals):
 
-- total: from the GET to the last graft step (export + encode + gzip on the producer, transfer,
-  inflate + decode, vet, graft); goals: captured shape <= 25 ms, 1M nodes <= 0.4 s, 8M nodes <= 3 s;
+- total: from the GET to the last graft step (export + encode on the producer, transfer, decode, vet,
+  graft); goals: captured shape <= 25 ms, 1M nodes <= 0.4 s, 8M nodes <= 3 s;
 - longest stall of live event application, on either side: each process feeds its writer a one-block
   live batch every millisecond and records how late each was applied against its schedule, so a long
   export or graft step, or anything run on the loop (vet), shows; goal <= 5 ms. Timer resolution is
@@ -21,7 +22,7 @@ Figures (issue 17 goals):
 - peak RSS during the graft vs the finished index: the consumer's peak RSS growth over the whole
   pipeline (body, columns and index alive together), over its RSS growth once only the index is left;
   goal <= 2x;
-- bytes per node on the wire, gzipped; goal <= 12.
+- bytes per node on the wire (format 2's packed columns; format 1 gzipped); goal <= 12.
 
 Engine hashes are random 64-bit values, as vLLM's and SGLang's are (digests); counting hashes
 (1, 2, 3...) compress to a fraction of that and would flatter the wire size (``--seq-hashes`` shows it).
@@ -53,7 +54,8 @@ from prometheus_client import CollectorRegistry
 from router_runtime.bootstrap.http import internal_app
 from router_runtime.bootstrap.producer import SnapshotProducer
 from router_runtime.bootstrap.vetting import HashingConfig, LocalWorker, vet
-from router_runtime.bootstrap.wire import Limits, decode, inflate
+from router_runtime.bootstrap.wire import FORMAT, LEGACY_FORMAT, Limits, decode, inflate
+from router_runtime.http_body import read_capped
 from router_runtime.kv.events import BlockRemoved, BlockStored, EventBatch, SequencedBatch
 from router_runtime.kv.hashing import SCHEME
 from router_runtime.kv.index import Carrier, RadixIndex
@@ -187,16 +189,20 @@ def _stalls(late: list[tuple[float, float]], starts: dict[str, float]) -> dict[s
 
 
 class _TimedProducer(SnapshotProducer):
-    """The library's producer; the bench only times its encode (+ gzip) step apart from the build."""
+    """The library's producer; the bench only times its encode (+ gzip for format 1) apart from the build."""
 
     encode_at = (0.0, 0.0)  # perf_counter at its start and end
 
-    def _encode(self, *args, **kwargs):
-        t = time.perf_counter()
+    async def get(self, max_age_s=None):
+        built = await super().get(max_age_s)
+        self.encode_at = (time.perf_counter(), 0.0)
+        return built
+
+    async def body(self, built, fmt, gzipped):
         try:
-            return super()._encode(*args, **kwargs)
+            return await super().body(built, fmt, gzipped)
         finally:
-            self.encode_at = (t, time.perf_counter())
+            self.encode_at = (self.encode_at[0], time.perf_counter())
 
 
 async def produce(nodes: int, block_size: int, engines: int, seq_hashes: bool) -> None:
@@ -227,7 +233,7 @@ async def produce(nodes: int, block_size: int, engines: int, seq_hashes: bool) -
 
     async def stats(_r: web.Request) -> web.Response:
         enc0, enc1 = producer.encode_at
-        phases = {"export": timing["t0"], "encode+gzip": enc0, "after": enc1}
+        phases = {"export": timing["t0"], "encode": enc0, "after": enc1}
         return web.json_response(
             {
                 "built_nodes": built_nodes,
@@ -264,15 +270,16 @@ class Run:
     nodes: int
     records: int = 0
     total_s: float = 0.0
-    produce_s: float = 0.0  # GET sent -> response headers: the producer's export + encode + gzip
+    format: int = FORMAT
+    produce_s: float = 0.0  # GET sent -> response headers: the producer's export + encode
     export_s: float = 0.0
-    encode_gzip_s: float = 0.0
+    encode_s: float = 0.0  # format 1: + gzip
     transfer_s: float = 0.0
-    inflate_decode_s: float = 0.0
-    vet_s: float = 0.0  # on the loop, as the bootstrapper runs it
+    decode_s: float = 0.0  # format 1: inflate + decode
+    vet_s: float = 0.0  # off the loop, as the bootstrapper runs it
     graft_s: float = 0.0
-    bytes_raw: int = 0
-    bytes_gzip: int = 0
+    bytes_raw: int = 0  # the envelope (format 1: inflated)
+    bytes_wire: int = 0
     wire_bytes_per_node: float = 0.0
     stall_producer_ms: float = 0.0  # longest lateness of a live batch on the producer
     stall_consumer_ms: float = 0.0  # same on the consumer, fetch to graft end
@@ -285,7 +292,7 @@ class Run:
     producer_peak_mib: float = 0.0
 
 
-async def consume(nodes: int, block_size: int, engines: int, seq_hashes: bool) -> Run:
+async def consume(nodes: int, block_size: int, engines: int, seq_hashes: bool, fmt: int) -> Run:
     cmd = [sys.executable, "-m", "bench.snapshot", "--produce", str(nodes), str(block_size), str(engines)]
     cmd += ["--seq-hashes"] if seq_hashes else []
     prod = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -294,15 +301,15 @@ async def consume(nodes: int, block_size: int, engines: int, seq_hashes: bool) -
         if not line:
             raise RuntimeError(f"the producer exited ({prod.wait()})")
         url = f"http://127.0.0.1:{json.loads(line)['port']}"
-        return await _consume(url, nodes, block_size, engines)
+        return await _consume(url, nodes, block_size, engines, fmt)
     finally:
         prod.stdin.close()  # type: ignore[union-attr]
         prod.wait(timeout=60)
 
 
-async def _consume(url: str, nodes: int, block_size: int, engines: int) -> Run:
+async def _consume(url: str, nodes: int, block_size: int, engines: int, fmt: int) -> Run:
     loop = asyncio.get_running_loop()
-    run = Run(nodes)
+    run = Run(nodes, format=fmt)
     dst = RadixIndex(block_size)
     writer = _writer(dst)
     wtask = asyncio.ensure_future(writer.run())
@@ -317,21 +324,23 @@ async def _consume(url: str, nodes: int, block_size: int, engines: int) -> Run:
         _trim()
         run.consumer_base_mib = _rss()
         feed.reset()
-        # The fetch as SnapshotFetcher does it (gzip accepted, no automatic decoding), split in two so
-        # the producer's work and the transfer are timed apart.
+        # The fetch as SnapshotFetcher does it (format 2 asked; for format 1, gzip accepted and no
+        # automatic decoding), split in two so the producer's work and the transfer are timed apart.
         t0 = time.perf_counter()
-        headers = {**hdr, "Accept-Encoding": "gzip"}
-        async with http.get(url + "/internal/kv_snapshot", params={"max_age_ms": "0"}, headers=headers) as r:
+        legacy = fmt == LEGACY_FORMAT
+        headers = {**hdr, "Accept-Encoding": "gzip"} if legacy else hdr
+        params = {"max_age_ms": "0", "format": str(fmt)}
+        async with http.get(url + "/internal/kv_snapshot", params=params, headers=headers) as r:
             t_hdr = time.perf_counter()
             assert r.status == 200, r.status
-            assert r.headers.get("Content-Encoding") == "gzip"
-            body = await r.read()
+            assert (r.headers.get("Content-Encoding") == "gzip") == legacy
+            body = await read_capped(r.content, Limits().max_bytes)  # as SnapshotFetcher reads it
         t_body = time.perf_counter()
         run.produce_s, run.transfer_s = t_hdr - t0, t_body - t_hdr
-        run.bytes_gzip = len(body)
+        run.bytes_wire = len(body)
 
         def open_body(b: bytes):
-            raw = inflate(b, Limits())
+            raw = inflate(b, Limits()) if legacy else b
             return len(raw), decode(raw, Limits())
 
         run.bytes_raw, wire = await loop.run_in_executor(
@@ -339,16 +348,17 @@ async def _consume(url: str, nodes: int, block_size: int, engines: int) -> Run:
         )  # off the loop, as the fetcher
         del body
         t_dec = time.perf_counter()
-        run.inflate_decode_s = t_dec - t_body
+        run.decode_s = t_dec - t_body
         run.records = len(wire.columns)
         local = {
             (w.engine, w.rank): LocalWorker(Carrier(w.engine, w.rank), w.incarnation) for w in wire.workers
         }
-        vetted = vet(wire, local, HashingConfig(block_size, SCHEME))  # on the loop, as sweep.py does
+        # Vetted and the grafter built off the loop, as sweep.py does.
+        vetted = await loop.run_in_executor(None, vet, wire, local, HashingConfig(block_size, SCHEME))
         del wire
+        grafter = await loop.run_in_executor(None, Grafter, dst, vetted.columns, vetted.carriers)
         t_vet = time.perf_counter()
         run.vet_s = t_vet - t_dec
-        grafter = Grafter(dst, vetted.columns, vetted.carriers)
         steps: list[float] = []
 
         def step(_index: RadixIndex, g: Grafter = grafter) -> bool:
@@ -363,7 +373,13 @@ async def _consume(url: str, nodes: int, block_size: int, engines: int) -> Run:
         run.graft_s = t_end - t_vet
         run.total_s = t_end - t0
         run.max_graft_step_ms = max(steps) * 1e3
-        phases = {"fetch": t0, "inflate+decode": t_body, "vet": t_dec, "graft": t_vet, "after": t_end}
+        print(
+            "DEBUG steps",
+            [(i, round(x * 1e3, 1)) for i, x in enumerate(steps) if x > 0.003],
+            len(steps),
+            file=sys.stderr,
+        )
+        phases = {"fetch": t0, "decode": t_body, "vet": t_dec, "graft": t_vet, "after": t_end}
         cons = {k: v for k, v in _stalls(feed.late, phases).items() if k != "after"}
         run.stall_consumer_ms = max(cons.values(), default=0.0)
         async with http.get(url + "/bench/stats", headers=hdr) as r:
@@ -376,14 +392,14 @@ async def _consume(url: str, nodes: int, block_size: int, engines: int) -> Run:
     run.consumer_final_mib = _rss()
     grown = run.consumer_final_mib - run.consumer_base_mib
     run.rss_ratio = (run.consumer_peak_mib - run.consumer_base_mib) / grown if grown > 0 else float("nan")
-    run.encode_gzip_s = ps["encode_s"]
-    run.export_s = run.produce_s - run.encode_gzip_s
+    run.encode_s = ps["encode_s"]
+    run.export_s = run.produce_s - run.encode_s
     prod = {k: v for k, v in ps["stalls_ms"].items() if k != "after"}
     run.stall_producer_ms = max(prod.values(), default=0.0)
     run.stalls_by_phase = {f"producer {k}": v for k, v in prod.items()}
     run.stalls_by_phase.update({f"consumer {k}": v for k, v in cons.items()})
     run.producer_peak_mib = ps["peak_rss_mib"]
-    run.wire_bytes_per_node = run.bytes_gzip / max(run.records, 1)
+    run.wire_bytes_per_node = run.bytes_wire / max(run.records, 1)
     assert dst.node_count() >= ps["built_nodes"], (dst.node_count(), ps["built_nodes"])
     return run
 
@@ -414,6 +430,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seq-hashes", action="store_true", help="counting engine hashes (compress well)")
     ap.add_argument("--json", help="also write every run to this file")
+    ap.add_argument(
+        "--format",
+        type=int,
+        choices=(LEGACY_FORMAT, FORMAT),
+        default=FORMAT,
+        help="the envelope asked for (1: the previous version's, gzipped)",
+    )
     ap.add_argument("--one", nargs=3, type=int, help=argparse.SUPPRESS)  # nodes block_size engines
     ap.add_argument("--produce", nargs=3, type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -421,14 +444,14 @@ def main() -> None:
         asyncio.run(produce(*a.produce, a.seq_hashes))
         return
     if a.one:
-        print(json.dumps(asdict(asyncio.run(consume(*a.one, a.seq_hashes)))))
+        print(json.dumps(asdict(asyncio.run(consume(*a.one, a.seq_hashes, a.format)))))
         return
     shapes = [Shape(*CAPTURED)] if a.captured or not a.nodes else []
     shapes += [Shape(n, 16, 8) for n in a.nodes or []]
     for sh in shapes:
         for _ in range(a.runs):
             cmd = [sys.executable, "-m", "bench.snapshot", "--one", str(sh.nodes), str(sh.block_size)]
-            cmd += [str(sh.engines)] + (["--seq-hashes"] if a.seq_hashes else [])
+            cmd += [str(sh.engines), "--format", str(a.format)] + (["--seq-hashes"] if a.seq_hashes else [])
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 print(
@@ -438,10 +461,13 @@ def main() -> None:
             sh.runs.append(Run(**json.loads(r.stdout.strip().splitlines()[-1])))
             print(f"# {sh.nodes} run {len(sh.runs)}/{a.runs}: {sh.runs[-1].total_s:.3f} s", file=sys.stderr)
     hashes = "counting" if a.seq_hashes else "random 64-bit"
-    print(f"# medians of the runs that finished (fresh producer and consumer each); engine hashes {hashes}")
     print(
-        "| nodes | block | runs | total s | export | encode+gzip | transfer | inflate+decode | vet | graft "
-        "| raw MiB | gzip MiB | B/node wire | stall prod/cons ms | max graft step ms "
+        f"# medians of the runs that finished (fresh producer and consumer each); engine hashes {hashes};"
+        f" envelope format {a.format}" + (" (gzipped)" if a.format == LEGACY_FORMAT else "")
+    )
+    print(
+        "| nodes | block | runs | total s | export | encode | transfer | decode | vet | graft "
+        "| raw MiB | wire MiB | B/node wire | stall prod/cons ms | max graft step ms "
         "| consumer RSS base/peak/final MiB | peak/final |"
     )
     meds: list[tuple[Shape, dict[str, float]]] = []
@@ -457,9 +483,9 @@ def main() -> None:
         print(
             f"| {m['records']:.0f} | {sh.block_size} | {len(sh.runs)}/{a.runs} | {m['total_s']:.3f} "
             f"| {m['export_s']:.3f} "
-            f"| {m['encode_gzip_s']:.3f} | {m['transfer_s']:.3f} | {m['inflate_decode_s']:.3f} "
+            f"| {m['encode_s']:.3f} | {m['transfer_s']:.3f} | {m['decode_s']:.3f} "
             f"| {m['vet_s']:.3f} | {m['graft_s']:.3f} | {m['bytes_raw'] / 2**20:.1f} "
-            f"| {m['bytes_gzip'] / 2**20:.1f} | {m['wire_bytes_per_node']:.1f} "
+            f"| {m['bytes_wire'] / 2**20:.1f} | {m['wire_bytes_per_node']:.1f} "
             f"| {m['stall_producer_ms']:.1f} / {m['stall_consumer_ms']:.1f} | {m['max_graft_step_ms']:.1f} "
             f"| {m['consumer_base_mib']:.0f} / {m['consumer_peak_mib']:.0f} / {m['consumer_final_mib']:.0f} "
             f"| {m['rss_ratio']:.2f}x |"
@@ -485,7 +511,7 @@ def main() -> None:
             f" (goal <= {GOAL_RSS_RATIO}x): {_verdict(m['rss_ratio'], GOAL_RSS_RATIO)}"
         )
         print(
-            f"  {name}: {m['wire_bytes_per_node']:.1f} bytes/node gzipped (goal <= {GOAL_WIRE_BYTES}):"
+            f"  {name}: {m['wire_bytes_per_node']:.1f} bytes/node on the wire (goal <= {GOAL_WIRE_BYTES}):"
             f" {_verdict(m['wire_bytes_per_node'], GOAL_WIRE_BYTES)}"
         )
     if a.json:

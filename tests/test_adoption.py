@@ -22,6 +22,8 @@ from router_runtime.kv.events import BlockRemoved, BlockStored, Dialect, EventBa
 from router_runtime.kv.index import Carrier, RadixIndex
 from router_runtime.kv.snapshot import Exporter
 
+from .columns import arrays
+
 BS = 4
 A, B = Carrier("a"), Carrier("b")
 S1 = StorageIdentity("s1", 0)
@@ -48,9 +50,8 @@ def export(idx: RadixIndex) -> dict[Carrier, int]:
     ex = Exporter(idx)
     while not ex.step(2):
         pass
-    cols = ex.columns
     out: dict[Carrier, int] = {}
-    for w in cols.worker:
+    for w in arrays(ex.columns)["worker"]:
         out[ex.workers[w]] = out.get(ex.workers[w], 0) + 1
     return out
 

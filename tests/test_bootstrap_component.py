@@ -183,6 +183,49 @@ async def test_a_booting_replica_grafts_a_warm_sibling_beneath_its_live_stream()
                 assert report["verdict"] == "warm" and report["settled"] and not report["seedFailed"]
 
 
+async def test_replicas_of_two_versions_seed_each_other_during_a_rollout():
+    """A rollout mixes versions: a new replica must graft from an old one (format 1, gzipped, whatever
+    it is asked) and an old one, booting on a rollback, must get format 1 from a new one."""
+    from router_runtime.bootstrap.wire import CONTENT_TYPE, FORMAT, LEGACY_FORMAT, Limits, decode, inflate
+
+    async with run_fake_engine(block_size=BS) as e1, replica("a", [e1], peers=[]) as a:
+        await connected(a)
+        load([e1], prompts(1, 80), seed=1)
+        await caught_up(a, [e1])
+        auth = {"Authorization": f"Bearer {TOKEN}", "Accept-Encoding": "gzip"}
+        got = {}
+        async with aiohttp.ClientSession(auto_decompress=False) as http:
+            for params in ({}, {"format": "1"}, {"format": "2"}, {"format": "3"}):
+                async with http.get(a.url + "/internal/kv_snapshot", params=params, headers=auth) as r:
+                    got[params.get("format")] = (r.status, r.content_type, r.headers.get("Content-Encoding"))
+                    body = await r.read()
+                    if r.status == 200:
+                        raw = inflate(body, Limits()) if r.headers.get("Content-Encoding") else body
+                        assert decode(raw, Limits()).format == int(params.get("format", LEGACY_FORMAT))
+        assert got == {
+            None: (200, CONTENT_TYPE[LEGACY_FORMAT], "gzip"),  # what an old consumer gets
+            "1": (200, CONTENT_TYPE[LEGACY_FORMAT], "gzip"),
+            "2": (200, CONTENT_TYPE[FORMAT], None),  # never gzipped: packed inside
+            "3": (400, "application/json", None),
+        }
+        async with (
+            aiohttp.ClientSession(auto_decompress=False) as http,
+            http.get(a.url + "/internal/kv_snapshot", headers=auth) as r,
+        ):
+            legacy = await r.read()
+
+        async def old_producer(_req):  # ignores ``format``, as the previous version does
+            return web.Response(
+                body=legacy, content_type="application/x-msgpack", headers={"Content-Encoding": "gzip"}
+            )
+
+        async with snapshot_peer(old_producer) as url, replica("b", [e1], peers=[url]) as b:
+            await eventually(lambda: b.boot.settled, timeout=10, what="b settled")
+            assert b.boot.verdict is Verdict.WARM, b.boot.report()
+            await caught_up(b, [e1])
+            assert same_views(a, b, queries(2_000, seed=3)) > 500
+
+
 async def test_two_replicas_booting_together_never_seed_from_each_other():
     async with run_fake_engine(block_size=BS) as e1:
         load([e1], prompts(1, 50), seed=1)  # the engine is warm, but no router knows it yet

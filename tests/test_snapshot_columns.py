@@ -8,10 +8,12 @@ import random
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from router_runtime.bootstrap.vetting import vet_export
 from router_runtime.kv.events import BlockRemoved, BlockStored, EventBatch
 from router_runtime.kv.index import Carrier, RadixIndex
 from router_runtime.kv.snapshot import Exporter, Grafter
 
+from .columns import arrays
 from .test_index_property import CARRIERS, assert_invariants, events
 
 BS = 2
@@ -30,7 +32,7 @@ def export_all(index: RadixIndex, budget: int = 3, between=None) -> Exporter:
 
 
 def graft_all(index: RadixIndex, ex: Exporter, budget: int = 3) -> None:
-    g = Grafter(index, ex.columns, list(ex.workers))
+    g = Grafter(index, vet_export(ex.columns, len(ex.workers)), [*ex.workers, None])
     while not g.step(budget):
         pass
 
@@ -98,7 +100,7 @@ def test_graft_unions_into_a_live_index_and_skips_unadmitted_carriers():
     assert [len(ex.columns), ex.workers] == [2, [a, b]] or [len(ex.columns), ex.workers] == [2, [b, a]]
     dst = RadixIndex(BS)
     dst.apply_batch(a, EventBatch(0.0, (BlockStored((9,), None, (5, 6), BS),)))  # already live
-    g = Grafter(dst, ex.columns, list(ex.workers), admit=lambda c: c == a)
+    g = Grafter(dst, vet_export(ex.columns, 2), [*ex.workers, None], admit=lambda c: c == a)
     while not g.step(1):
         pass
     assert {c: m.blocks for c, m in dst.match([1, 2, 3, 4]).items()} == {a: 2}
@@ -114,7 +116,8 @@ def test_orphaned_chains_travel_under_a_placeholder():
     ex = export_all(src)
     # Blocks 2 and 3 are unreachable now, but storing block 1 again makes them reachable: they travel
     # under a carrier-less placeholder for block 1.
-    assert list(ex.columns.ncar) == [0, 1, 1] and list(ex.columns.parent) == [-1, 0, 1]
+    cols = arrays(ex.columns)
+    assert list(cols["ncar"]) == [0, 1, 1] and list(cols["parent"]) == [-1, 0, 1]
     dst = RadixIndex(BS)
     graft_all(dst, ex)
     assert dst.match([1, 2, 3, 4, 5, 6]) == {}

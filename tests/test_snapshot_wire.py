@@ -8,6 +8,7 @@ import gzip
 import random
 import tracemalloc
 import zlib
+from dataclasses import replace as dataclasses_replace
 
 import msgpack
 import pytest
@@ -16,11 +17,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router_runtime.bootstrap.vetting import HashingConfig, LocalWorker, VetError, VetFailed, vet
-from router_runtime.bootstrap.wire import Limits, WireError, WireSnapshot, WireWorker, decode, encode, inflate
+from router_runtime.bootstrap.wire import (
+    FORMAT,
+    FORMATS,
+    LEGACY_FORMAT,
+    Limits,
+    WireError,
+    WireSnapshot,
+    WireWorker,
+    decode,
+    encode,
+    inflate,
+)
 from router_runtime.kv.events import BlockStored, EventBatch
 from router_runtime.kv.hashing import SCHEME
 from router_runtime.kv.index import Carrier, RadixIndex
-from router_runtime.kv.snapshot import Exporter, Grafter
+from router_runtime.kv.snapshot import Exporter, Grafter, VettedColumns
+
+from .columns import arrays, edited
 
 BS = 4
 A, B = Carrier("http://a", 0), Carrier("http://b", 1)
@@ -46,13 +60,13 @@ def warm_index(seed: int = 1, conversations: int = 40) -> RadixIndex:
     return index
 
 
-def export(index: RadixIndex, **over) -> WireSnapshot:
+def export(index: RadixIndex, fmt: int = FORMAT, **over) -> WireSnapshot:
     ex = Exporter(index)
     while not ex.step():
         pass
     incs = {A: "inc-a", B: "inc-b"}
     snap = WireSnapshot(
-        format=1,
+        format=fmt,
         producer_id="router-0",
         producer_incarnation="p1",
         producer_ready=True,
@@ -68,6 +82,10 @@ def export(index: RadixIndex, **over) -> WireSnapshot:
     return snap
 
 
+def edit(snap: WireSnapshot, name: str, i: int, value: int) -> None:
+    snap.columns = edited(snap.columns, name, i, value)
+
+
 def graft(snapshot) -> RadixIndex:
     dst = RadixIndex(BS)
     g = Grafter(dst, snapshot.columns, snapshot.carriers)
@@ -76,10 +94,15 @@ def graft(snapshot) -> RadixIndex:
     return dst
 
 
-def test_round_trip_grafts_an_index_that_answers_like_the_source():
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_round_trip_grafts_an_index_that_answers_like_the_source(fmt):
     src = warm_index()
-    body = gzip.compress(encode(export(src)), compresslevel=1)
-    vetted = vet(decode(inflate(body, Limits()), Limits()), LOCAL, HASHING)
+    body = encode(export(src, fmt))
+    if fmt == LEGACY_FORMAT:  # gzipped by the HTTP layer
+        body = bytes(inflate(gzip.compress(body, compresslevel=1), Limits()))
+    wire = decode(body, Limits())
+    assert wire.format == fmt
+    vetted = vet(wire, LOCAL, HASHING)
     dst = graft(vetted)
     assert vetted.cursors == {A: 41, B: 41}
     assert sorted((k, p, tuple(sorted(h.items()))) for k, p, h in dst.iter_nodes()) == sorted(
@@ -104,11 +127,13 @@ def test_unknown_workers_and_other_incarnations_are_dropped():
 def test_unknown_tier_bits_are_dropped_not_folded():
     src = warm_index()
     snap = export(src)
-    snap.columns.tiers[0] = 0x10  # a tier this build does not know
-    snap.columns.tiers[1] |= 0x20
-    vetted = vet(decode(encode(snap), Limits()), LOCAL, HASHING)
-    assert vetted.columns.tiers[1] & 0xF0 == 0
-    assert vetted.carriers[vetted.columns.worker[0]] is None  # entry 0 has no known tier left
+    tiers = arrays(snap.columns)["tiers"]
+    edit(snap, "tiers", 0, 0x10)  # a tier this build does not know
+    edit(snap, "tiers", 1, tiers[1] | 0x20)
+    vetted = arrays(vet(decode(encode(snap), Limits()), LOCAL, HASHING).columns)
+    assert vetted["tiers"][1] == tiers[1]
+    snap = vet(decode(encode(snap), Limits()), LOCAL, HASHING)
+    assert snap.carriers[arrays(snap.columns)["worker"][0]] is None  # entry 0 has no known tier left
 
 
 @pytest.mark.parametrize(
@@ -117,16 +142,20 @@ def test_unknown_tier_bits_are_dropped_not_folded():
         (lambda s: setattr(s, "producer_ready", False), VetError.PRODUCER_COLD),
         (lambda s: setattr(s, "block_size", BS * 2), VetError.HASHING_MISMATCH),
         (lambda s: setattr(s, "scheme", "sha256-chain"), VetError.HASHING_MISMATCH),
-        (lambda s: s.columns.parent.__setitem__(0, 5), VetError.INVALID_PARENT),  # forward
-        (lambda s: s.columns.parent.__setitem__(3, 3), VetError.INVALID_PARENT),  # self
-        (lambda s: s.columns.parent.__setitem__(2, -7), VetError.INVALID_PARENT),  # out of range
-        (lambda s: s.columns.worker.__setitem__(0, 99), VetError.WORKER_OUT_OF_RANGE),
+        (lambda s: edit(s, "parent", 0, 5), VetError.INVALID_PARENT),  # forward
+        (lambda s: edit(s, "parent", 3, 3), VetError.INVALID_PARENT),  # self
+        (lambda s: edit(s, "parent", 2, -7), VetError.INVALID_PARENT),  # out of range
+        (lambda s: edit(s, "worker", 0, 99), VetError.WORKER_OUT_OF_RANGE),
         (lambda s: setattr(s, "cursors", []), VetError.NOTHING_USABLE),  # nothing proves continuity
     ],
 )
-def test_vetting_refuses(mutate, error):
-    snap = export(warm_index())
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_vetting_refuses(mutate, error, fmt):
+    snap = export(warm_index(), fmt)
     mutate(snap)
+    bad = arrays(snap.columns)["parent"]
+    if fmt == FORMAT and any(p < -1 or p == i for i, p in enumerate(bad)):
+        pytest.skip("format 2 names a parent by its distance back: a self or negative one is not expressible")
     with pytest.raises(VetFailed) as err:
         vet(decode(encode(snap), Limits()), LOCAL, HASHING)
     assert err.value.error is error
@@ -177,8 +206,9 @@ def test_a_large_honest_body_inflates_whole_across_many_steps():
     assert inflate(packed, Limits()) == body
 
 
-def test_corruption_and_truncation_are_refused():
-    body = encode(export(warm_index()))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_corruption_and_truncation_are_refused(fmt):
+    body = encode(export(warm_index(), fmt))
     flipped = bytearray(body)
     flipped[len(body) // 2] ^= 0x40
     with pytest.raises(WireError) as err:
@@ -192,6 +222,10 @@ def test_corruption_and_truncation_are_refused():
     with pytest.raises(WireError) as err:
         decode(body, Limits(max_records=3))
     assert err.value.kind == "too_large"
+    if fmt == FORMAT:
+        with pytest.raises(WireError) as err:
+            decode(body[:-1], Limits())
+        assert err.value.kind == "truncated"
 
 
 def test_the_vetted_type_cannot_be_built_outside_vetting():
@@ -201,6 +235,18 @@ def test_the_vetted_type_cannot_be_built_outside_vetting():
         VettedSnapshot(
             object(), columns=None, carriers=[], cursors={}, built_ms=0, producer_id="", usable_entries=1
         )
+    # In the core too: vetted columns have no constructor, and a grafter takes nothing else.
+    with pytest.raises(TypeError):
+        VettedColumns()
+    with pytest.raises(TypeError):
+        Grafter(RadixIndex(BS), export(warm_index()).columns, [A, B])
+
+
+def test_vetted_columns_graft_once():
+    vetted = vet(decode(encode(export(warm_index())), Limits()), LOCAL, HASHING)
+    graft(vetted)
+    with pytest.raises(ValueError, match="grafted already"):
+        graft(vetted)
 
 
 msgpack_values = st.recursive(
@@ -236,7 +282,8 @@ def test_arbitrary_input_only_ever_raises_wire_errors(data, fields, draw):
     with contextlib.suppress(WireError):
         decode(data, Limits())
     # A well-checksummed body with arbitrary field values: the checksum passes, the shape does not.
-    good = msgpack.unpackb(msgpack.unpackb(encode(export(warm_index(conversations=3))))["body"])
+    legacy = encode(export(warm_index(conversations=3), LEGACY_FORMAT))
+    good = msgpack.unpackb(msgpack.unpackb(legacy)["body"])
     good.update(fields)
     body = msgpack.packb(good)
     envelope = msgpack.packb({"format": 1, "body": body, "checksum": xxhash.xxh3_128_digest(body)})
@@ -246,3 +293,27 @@ def test_arbitrary_input_only_ever_raises_wire_errors(data, fields, draw):
         return
     with contextlib.suppress(VetFailed):
         vet(snap, LOCAL, HASHING)
+
+
+META_FIELDS = [f for f in FIELDS if f not in ("records", "parent", "key", "ncar", "worker", "tiers", "hash")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from([*META_FIELDS, "sessions"]), msgpack_values), st.binary(max_size=64))
+def test_a_format_2_envelope_with_arbitrary_metadata_only_ever_raises_wire_errors(fields, junk):
+    """The core checks the frame and the columns; the metadata map is the shell's to check."""
+    import routerfleet_index
+
+    snap = export(warm_index(conversations=3))
+    good = msgpack.unpackb(msgpack.unpackb(encode(dataclasses_replace(snap, format=LEGACY_FORMAT)))["body"])
+    meta = {k: v for k, v in good.items() if k in META_FIELDS} | fields
+    for envelope in (
+        routerfleet_index.encode_snapshot(msgpack.packb(meta), snap.columns),
+        routerfleet_index.encode_snapshot(junk, snap.columns),
+    ):
+        try:
+            wire = decode(envelope, Limits())
+        except WireError:
+            continue
+        with contextlib.suppress(VetFailed):
+            vet(wire, LOCAL, HASHING)

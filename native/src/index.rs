@@ -188,6 +188,10 @@ pub struct Index {
     carriers: Vec<Option<CarrierState>>,
     ids: StdHashMap<(String, u32), Cid>,
     generations: u64,
+    /// Nodes a graft in progress reserved room for: `maintain` never shrinks the key table below it
+    /// (the room would be given back at once, and the graft would grow it again by doublings, each a
+    /// stall of the writer).
+    reserved: usize,
 }
 
 fn best_slot(tiers: u8) -> usize {
@@ -207,6 +211,7 @@ impl Index {
             carriers: Vec::new(),
             ids: StdHashMap::new(),
             generations: 0,
+            reserved: 0,
         })
     }
 
@@ -271,6 +276,11 @@ impl Index {
 
     pub fn node_count(&self) -> usize {
         self.slot_of.0.len()
+    }
+
+    /// Holders over all nodes (each has its entry in its carrier's engine-hash table).
+    pub fn holder_count(&self) -> usize {
+        self.carriers.iter().flatten().map(|s| s.by_ehash.len()).sum()
     }
 
     /// Blocks a carrier holds per tier slot (device, host, disk, external).
@@ -601,8 +611,10 @@ impl Index {
         self.slot_of.get(&self.arena, key)
     }
 
-    /// Room for `n` more nodes, so that adding them moves no table (the graft asks before it starts).
+    /// Room for `n` more nodes, so that adding them moves no table (the graft asks before it starts),
+    /// kept until `release_reserved`.
     pub fn reserve_nodes(&mut self, n: usize) {
+        self.reserved = self.slot_of.0.len() + n;
         let arena = &self.arena;
         self.slot_of.0.reserve(n, |&s| mix(arena.key(s)));
         self.arena.reserve(n);
@@ -641,9 +653,14 @@ impl Index {
 
     /// Give back memory after a mass removal: the tables only grow on their own. Called by the writer
     /// between batches; a no-op unless the key table is mostly empty (then one rehash, O(live nodes)).
+    /// The graft that reserved room is done (or gone): the key table may shrink again.
+    pub fn release_reserved(&mut self) {
+        self.reserved = 0;
+    }
+
     pub fn maintain(&mut self) {
         let cap = self.slot_of.0.capacity();
-        if cap > 1 << 16 && self.slot_of.0.len() < cap / 8 {
+        if cap > 1 << 16 && self.slot_of.0.len().max(self.reserved) < cap / 8 {
             let arena = &self.arena;
             self.slot_of.0.shrink_to_fit(|&s| mix(arena.key(s)));
         }
@@ -710,6 +727,18 @@ mod tests {
 
     fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[i64]) -> Event {
         Event::Stored(Stored::plain(hashes, parent, tokens, 2))
+    }
+
+    #[test]
+    fn maintenance_keeps_the_room_a_graft_reserved_until_it_is_released() {
+        let mut ix = Index::new(2, 0).unwrap();
+        ix.reserve_nodes(1 << 20);
+        let cap = ix.slot_of.0.capacity();
+        ix.maintain();
+        assert_eq!(ix.slot_of.0.capacity(), cap, "a reservation in use is not shrunk away");
+        ix.release_reserved();
+        ix.maintain();
+        assert!(ix.slot_of.0.capacity() < cap);
     }
 
     fn removed(hashes: &[u64], medium: Option<&str>) -> Event {

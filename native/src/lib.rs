@@ -7,6 +7,7 @@
 
 pub mod arena;
 pub mod decode;
+pub mod envelope;
 pub mod events;
 pub mod index;
 pub mod keys;
@@ -32,6 +33,8 @@ pub enum Error {
     UnknownCarrier(Cid),
     #[error("not a KV event: {0}")]
     NotAnEvent(String),
+    #[error("columns of lengths that do not fit together")]
+    Inconsistent,
     #[error("column {0}: {1} bytes is not a whole number of {2}-byte items")]
     ColumnBytes(&'static str, usize, usize),
 }
@@ -41,6 +44,13 @@ pyo3::create_exception!(
     DecodeError,
     pyo3::exceptions::PyException,
     "A payload that does not decode: args (reason, detail), reason a stable metric label."
+);
+
+pyo3::create_exception!(
+    routerfleet_index,
+    WireRefused,
+    pyo3::exceptions::PyException,
+    "A snapshot envelope that does not read: args (kind, detail), kind a stable metric label."
 );
 
 pyo3::create_exception!(
@@ -167,10 +177,6 @@ fn le_vec<T: Copy, const N: usize>(xs: &[T], to: fn(T) -> [u8; N]) -> Vec<u8> {
     let mut out = Vec::with_capacity(xs.len() * N);
     xs.iter().for_each(|&x| out.extend_from_slice(&to(x)));
     out
-}
-
-fn le_bytes<'py, T: Copy, const N: usize>(py: Python<'py>, xs: &[T], to: fn(T) -> [u8; N]) -> Bound<'py, PyBytes> {
-    PyBytes::new(py, &le_vec(xs, to))
 }
 
 // ---- the index -------------------------------------------------------------------------------------
@@ -376,35 +382,63 @@ impl PyExporter {
         self.inner.workers.clone()
     }
 
-    /// The columns so far as little-endian bytes: (parent i64, key u64, ncar u16, worker u32, tiers
-    /// u8, hash u64).
-    fn columns<'py>(&self, py: Python<'py>) -> Bound<'py, PyTuple> {
-        let c = &self.inner.columns;
-        // Encoded with the GIL released (millions of records); only the copies into bytes hold it.
-        let raw = py.detach(|| {
-            [
-                le_vec(&c.parent, i64::to_le_bytes),
-                le_vec(&c.key, u64::to_le_bytes),
-                le_vec(&c.ncar, u16::to_le_bytes),
-                le_vec(&c.worker, u32::to_le_bytes),
-                c.tiers.clone(),
-                le_vec(&c.hash, u64::to_le_bytes),
-            ]
-        });
-        PyTuple::new(py, raw.iter().map(|b| PyBytes::new(py, b))).expect("six bytes objects")
+    /// The exported columns, moved out (the exporter is left empty): call once the walk is done.
+    fn take_columns(&mut self) -> PyColumns {
+        PyColumns {
+            inner: std::mem::take(&mut self.inner.columns),
+        }
     }
 }
 
-/// The chunked graft (see `snapshot.rs`), over columns given as little-endian bytes.
-#[pyclass(module = "routerfleet_index", name = "Grafter")]
-struct PyGrafter {
-    inner: snapshot::Grafter,
+/// Snapshot columns, decoded or exported: well-formed in shape, NOT trusted (``vet_columns`` decides).
+#[pyclass(module = "routerfleet_index", name = "Columns")]
+#[derive(Default)]
+struct PyColumns {
+    inner: snapshot::Columns,
+}
+
+/// A new ``bytes`` of `data`, copied with the GIL released: ``PyBytes::new`` copies under it, and for a
+/// snapshot of hundreds of MiB that is a stall of every thread, the event loop's included.
+fn bytes_off_gil<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+    let len = pyo3::ffi::Py_ssize_t::try_from(data.len()).map_err(|_| PyValueError::new_err("too large"))?;
+    // SAFETY: a bytes object created with a null source is allocated and left uninitialised; it is
+    // not visible to any other thread until it is returned, so filling it without the GIL is sound,
+    // and every byte is written before Python can read it.
+    unsafe {
+        let obj = Bound::from_owned_ptr_or_err(py, pyo3::ffi::PyBytes_FromStringAndSize(std::ptr::null(), len))?;
+        let dst = std::slice::from_raw_parts_mut(pyo3::ffi::PyBytes_AsString(obj.as_ptr()) as *mut u8, data.len());
+        py.detach(|| dst.copy_from_slice(data));
+        Ok(obj.cast_into_unchecked())
+    }
+}
+
+fn le_tuple<'py>(py: Python<'py>, c: &snapshot::Columns) -> PyResult<Bound<'py, PyTuple>> {
+    // Encoded with the GIL released (millions of records), copied into bytes the same way.
+    let raw = py.detach(|| {
+        [
+            le_vec(&c.parent, i64::to_le_bytes),
+            le_vec(&c.key, u64::to_le_bytes),
+            le_vec(&c.ncar, u16::to_le_bytes),
+            le_vec(&c.worker, u32::to_le_bytes),
+            c.tiers.clone(),
+            le_vec(&c.hash, u64::to_le_bytes),
+        ]
+    });
+    let out: Vec<Bound<'py, PyBytes>> = raw.iter().map(|b| bytes_off_gil(py, b)).collect::<PyResult<_>>()?;
+    PyTuple::new(py, out)
 }
 
 #[pymethods]
-impl PyGrafter {
+impl PyColumns {
     #[new]
-    fn new(
+    fn empty() -> Self {
+        PyColumns::default()
+    }
+
+    /// Columns from little-endian bytes (parent i64, key u64, ncar u16, worker u32, tiers u8, hash u64),
+    /// checked to fit together: record columns of one length, entry columns of the ncar sum.
+    #[staticmethod]
+    fn from_le(
         py: Python<'_>,
         parent: &[u8],
         key: &[u8],
@@ -413,19 +447,79 @@ impl PyGrafter {
         tiers: &[u8],
         hash: &[u8],
     ) -> PyResult<Self> {
-        // Parsed with the GIL released: the bytes are immutable and borrowed for the call.
-        let columns = py.detach(|| -> Result<snapshot::Columns, Error> {
-            Ok(snapshot::Columns {
+        let inner = py.detach(|| -> Result<snapshot::Columns, Error> {
+            let c = snapshot::Columns {
                 parent: column("parent", parent, i64::from_le_bytes)?,
                 key: column("key", key, u64::from_le_bytes)?,
                 ncar: column("ncar", ncar, u16::from_le_bytes)?,
                 worker: column("worker", worker, u32::from_le_bytes)?,
                 tiers: tiers.to_vec(),
                 hash: column("hash", hash, u64::from_le_bytes)?,
-            })
+            };
+            let entries: usize = c.ncar.iter().map(|&n| n as usize).sum();
+            if c.parent.len() != c.key.len()
+                || c.ncar.len() != c.key.len()
+                || [c.worker.len(), c.tiers.len(), c.hash.len()] != [entries; 3]
+            {
+                return Err(Error::Inconsistent);
+            }
+            Ok(c)
         })?;
+        Ok(PyColumns { inner })
+    }
+
+    /// The columns as little-endian bytes, in ``from_le``'s order.
+    fn le<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        le_tuple(py, &self.inner)
+    }
+
+    /// Carrier entries (the sum of ``ncar``).
+    #[getter]
+    fn entries(&self) -> usize {
+        self.inner.worker.len()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.key.len()
+    }
+}
+
+/// Columns that passed ``vet_columns``: the only value a ``Grafter`` takes. Python cannot build one.
+#[pyclass(module = "routerfleet_index", name = "VettedColumns")]
+struct PyVetted {
+    inner: Option<snapshot::Vetted>,
+}
+
+#[pymethods]
+impl PyVetted {
+    /// The vetted columns as little-endian bytes (``Columns.le``'s order), for inspection.
+    fn le<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let empty = snapshot::Columns::default();
+        le_tuple(py, self.inner.as_ref().map_or(&empty, |v| v.columns()))
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.as_ref().map_or(0, |v| v.columns().key.len())
+    }
+}
+
+/// The chunked graft (see `snapshot.rs`), of vetted columns.
+#[pyclass(module = "routerfleet_index", name = "Grafter")]
+struct PyGrafter {
+    inner: snapshot::Grafter,
+}
+
+#[pymethods]
+impl PyGrafter {
+    /// Takes the vetted columns (a ``VettedColumns`` grafts once).
+    #[new]
+    fn new(py: Python<'_>, mut vetted: PyRefMut<'_, PyVetted>) -> PyResult<Self> {
+        let v = vetted
+            .inner
+            .take()
+            .ok_or_else(|| PyValueError::new_err("these vetted columns were grafted already"))?;
         Ok(PyGrafter {
-            inner: snapshot::Grafter::new(columns),
+            inner: py.detach(|| snapshot::Grafter::new(v)),
         })
     }
 
@@ -666,29 +760,66 @@ fn normalize_hash(x: &Bound<'_, PyAny>) -> PyResult<u64> {
     decode::hash_of(head).map_err(fail)
 }
 
-/// Vetting's column checks (see `snapshot::vet_columns`) over little-endian column bytes. Returns
-/// (usable entries, worker bytes, tiers bytes) with tiers masked and tierless entries pointed one past
-/// the worker table, or raises ``ColumnsRefused(reason)``.
+/// Vetting's column checks (see `snapshot::vet_columns`), with the GIL released. Moves the columns out
+/// of ``columns`` (left empty) into the returned (usable entries, ``VettedColumns``), tiers masked and
+/// tierless entries pointed one past the worker table; or raises ``ColumnsRefused(reason)``.
 #[pyfunction]
-fn vet_columns<'py>(
-    py: Python<'py>,
-    parent: &[u8],
-    worker: &[u8],
-    tiers: &[u8],
+fn vet_columns(
+    py: Python<'_>,
+    mut columns: PyRefMut<'_, PyColumns>,
     usable: Vec<bool>,
     known_tiers: u8,
     max_depth: u32,
-) -> PyResult<(u64, Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
-    let parent = column("parent", parent, i64::from_le_bytes)?;
-    let mut worker = column("worker", worker, u32::from_le_bytes)?;
-    let mut tiers = tiers.to_vec();
-    if tiers.len() != worker.len() {
-        return Err(PyValueError::new_err("worker and tiers columns differ in length"));
-    }
-    let n = py
-        .detach(|| snapshot::vet_columns(&parent, &mut worker, &mut tiers, &usable, known_tiers, max_depth))
+) -> PyResult<(u64, PyVetted)> {
+    let cols = std::mem::take(&mut columns.inner);
+    let v = py
+        .detach(|| snapshot::vet_columns(cols, &usable, known_tiers, max_depth))
         .map_err(|e| ColumnsRefused::new_err(e.as_str()))?;
-    Ok((n, le_bytes(py, &worker, u32::to_le_bytes), PyBytes::new(py, &tiers)))
+    Ok((v.usable, PyVetted { inner: Some(v) }))
+}
+
+/// A format-2 snapshot envelope of ``meta`` (msgpack bytes) and ``columns`` (see `envelope.rs`),
+/// built with the GIL released.
+#[pyfunction]
+#[pyo3(signature = (meta, columns=None))]
+fn encode_snapshot<'py>(
+    py: Python<'py>,
+    meta: &[u8],
+    columns: Option<PyRef<'_, PyColumns>>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let empty = snapshot::Columns::default();
+    let cols = columns.as_ref().map_or(&empty, |c| &c.inner);
+    let out = py.detach(|| envelope::encode(meta, cols));
+    bytes_off_gil(py, &out)
+}
+
+/// Whether ``data`` starts as a format-2 envelope.
+#[pyfunction]
+fn is_envelope(data: &[u8]) -> bool {
+    envelope::is_envelope(data)
+}
+
+/// Read a format-2 envelope, with the GIL released: (meta bytes, ``Columns``), or raises
+/// ``WireRefused(kind, detail)``.
+#[pyfunction]
+fn decode_snapshot(
+    py: Python<'_>,
+    data: &[u8],
+    max_bytes: usize,
+    max_records: u64,
+    max_entries: u64,
+    max_meta: usize,
+) -> PyResult<(Py<PyBytes>, PyColumns)> {
+    let limits = envelope::Limits {
+        max_bytes,
+        max_records,
+        max_entries,
+        max_meta,
+    };
+    let (meta, inner) = py
+        .detach(|| envelope::decode(data, &limits))
+        .map_err(|e| WireRefused::new_err((e.kind(), e.to_string())))?;
+    Ok((PyBytes::new(py, &meta).unbind(), PyColumns { inner }))
 }
 
 // ---- module ----------------------------------------------------------------------------------------
@@ -705,6 +836,12 @@ fn routerfleet_index(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyIndex>()?;
     m.add_class::<PyExporter>()?;
     m.add_class::<PyGrafter>()?;
+    m.add_class::<PyColumns>()?;
+    m.add_class::<PyVetted>()?;
+    m.add("WireRefused", m.py().get_type::<WireRefused>())?;
+    m.add_function(wrap_pyfunction!(encode_snapshot, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_snapshot, m)?)?;
+    m.add_function(wrap_pyfunction!(is_envelope, m)?)?;
     m.add_class::<PyBatch>()?;
     m.add("DecodeError", m.py().get_type::<DecodeError>())?;
     m.add_function(wrap_pyfunction!(decode_batch, m)?)?;

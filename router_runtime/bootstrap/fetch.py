@@ -18,7 +18,7 @@ import aiohttp
 from ..http_body import read_capped
 from .peers import Peer
 from .state import SnapshotOutcome
-from .wire import Limits, WireError, WireSnapshot, decode, inflate
+from .wire import FORMAT, Limits, WireError, WireSnapshot, decode, inflate
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +75,9 @@ class SnapshotFetcher:
             raise FetchFailed(SnapshotOutcome.UNREACHABLE, type(exc).__name__) from None
 
     async def snapshot(self, peer: Peer, max_age_ms: int, *, sessions_only: bool = False) -> WireSnapshot:
+        # A producer of the previous version ignores ``format`` and answers format 1: decode reads both.
         params = {"sessions_only": "true"} if sessions_only else {"max_age_ms": str(max_age_ms)}
+        params["format"] = str(FORMAT)
         status, body, encoding = await self._get(peer, params, gzip_ok=True)
         if status == 404:  # no index there, or an older image: as good as cold
             raise FetchFailed(SnapshotOutcome.COLD_PEER, "404")

@@ -14,6 +14,7 @@ from aiohttp import web
 from ..fleet.gossip import MAX_BODY_BYTES, GossipRejected, PeerReport, vet_report
 from .producer import SnapshotProducer
 from .sweep import Bootstrapper
+from .wire import CONTENT_TYPE, FORMAT, LEGACY_FORMAT
 
 
 def read_token(path: str) -> str:
@@ -22,6 +23,23 @@ def read_token(path: str) -> str:
     if not token:
         raise ValueError(f"the token file {path} is empty")
     return token
+
+
+# A snapshot body goes out a slice at a time: one write of hundreds of MiB is copied whole into the
+# transport's buffer, on the loop, where every live event waits behind it.
+_SEND_SLICE = 1 << 20
+
+
+async def _send(request: web.Request, body: bytes, content_type: str, gzipped: bool) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Encoding": "gzip"} if gzipped else None)
+    resp.content_type = content_type
+    resp.content_length = len(body)
+    await resp.prepare(request)
+    view = memoryview(body)
+    for start in range(0, len(body), _SEND_SLICE):
+        await resp.write(view[start : start + _SEND_SLICE])
+    await resp.write_eof()
+    return resp
 
 
 def _error(status: int, message: str, code: str) -> web.Response:
@@ -51,8 +69,15 @@ def internal_app(
         if producer is None:  # this replica keeps no index: as good as cold to a consumer
             return _error(404, "this router keeps no KV index", "no_index")
         q = request.query
+        # The consumer names the format it reads (this version's routers ask for 2); without it, the
+        # body is format 1, what a router of the previous version expects during a rollout or rollback.
+        fmt = LEGACY_FORMAT
+        if "format" in q:
+            if q["format"] not in (str(LEGACY_FORMAT), str(FORMAT)):
+                return _error(400, f"format must be {LEGACY_FORMAT} or {FORMAT}", "invalid_format")
+            fmt = int(q["format"])
         if q.get("sessions_only") == "true":
-            return web.Response(body=producer.sessions_body(), content_type="application/x-msgpack")
+            return web.Response(body=producer.sessions_body(fmt), content_type=CONTENT_TYPE[fmt])
         if q.get("cursors_only") == "true":
             return web.json_response(
                 {
@@ -73,11 +98,8 @@ def internal_app(
                 return _error(400, "max_age_ms must be >= 0", "invalid_max_age")
             max_age_s = max_age_ms / 1000
         built = await producer.get(max_age_s)
-        if "gzip" in request.headers.get("Accept-Encoding", ""):
-            return web.Response(
-                body=built.gzipped, content_type="application/x-msgpack", headers={"Content-Encoding": "gzip"}
-            )
-        return web.Response(body=built.body, content_type="application/x-msgpack")
+        gzipped = fmt == LEGACY_FORMAT and "gzip" in request.headers.get("Accept-Encoding", "")
+        return await _send(request, await producer.body(built, fmt, gzipped), CONTENT_TYPE[fmt], gzipped)
 
     async def bootstrap(_request: web.Request) -> web.Response:
         if bootstrapper is None:

@@ -1,33 +1,36 @@
 """The producer half: builds this replica's snapshot for booting siblings.
 
-Builds are single-flighted and the encoded body is cached, so a boot herd shares one walk. The entry
-is stamped BEFORE the cursors are read, and the cursors are read in the same writer turn that starts
-the walk, so a body never claims to cover more of a publisher's stream than it does; the consumer's
-``max_age_ms`` (its strictest holding-since) decides whether a cached body is fresh enough.
+Builds are single-flighted and cached, so a boot herd shares one walk; each format's body is encoded
+from the cached export once, on first request, off the loop. The entry is stamped BEFORE the cursors
+are read, and the cursors are read in the same writer turn that starts the walk, so a body never
+claims to cover more of a publisher's stream than it does; the consumer's ``max_age_ms`` (its strictest
+holding-since) decides whether a cached body is fresh enough.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gzip
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..kv.index import Carrier
 from ..kv.plane import KVPlane
 from ..kv.snapshot import Columns, Exporter
 from .vetting import HashingConfig
-from .wire import FORMAT, WireSession, WireSnapshot, WireWorker, encode
+from .wire import FORMAT, LEGACY_FORMAT, WireSession, WireSnapshot, WireWorker, encode
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Built:
     at: float  # monotonic stamp taken before the cursors were read
-    body: bytes
-    gzipped: bytes
+    snapshot: WireSnapshot  # the export; each format's body is encoded from it on first request
     ready: bool
     records: int
+    # (format, gzipped) -> the encoding of that body, single-flighted
+    bodies: dict[tuple[int, bool], asyncio.Future] = field(default_factory=dict)
 
 
 class SnapshotProducer:
@@ -92,17 +95,30 @@ class SnapshotProducer:
                 return built
             # That build started before the caller's bound: the next one will not.
 
-    def sessions_body(self) -> bytes:
+    def sessions_body(self, fmt: int = LEGACY_FORMAT) -> bytes:
         """An envelope holding only the session table (no nodes): for a sibling that rebuilt every
         rank from the engines' own replay buffers and so fetched no snapshot. Never cached: small."""
         sessions = self._sessions() if self._sessions is not None else []
-        body, _gz = self._encode([], {}, Columns(), self.ready(), sessions)
-        return body
+        snap = self._snapshot([], {}, Columns(), self.ready(), sessions)
+        return encode(dataclasses.replace(snap, format=fmt))
+
+    async def body(self, built: Built, fmt: int, gzipped: bool) -> bytes:
+        """``built`` in format ``fmt``, encoded once per format off the loop. Format 1 is gzipped when
+        asked (its digests barely compress, but an old consumer expects it); format 2 never is (its
+        columns that compress are packed inside)."""
+        key = (fmt, gzipped and fmt == LEGACY_FORMAT)
+        task = built.bodies.get(key)
+        if task is None:
+            snap = dataclasses.replace(built.snapshot, format=fmt)
+            task = built.bodies[key] = asyncio.ensure_future(
+                asyncio.get_running_loop().run_in_executor(None, _encode_body, snap, key[1])
+            )
+        return await asyncio.shield(task)
 
     async def _build(self) -> Built:
         at = self._clock()
         if not self.ready():
-            built = Built(at, *self._encode([], {}, Columns(), ready=False), ready=False, records=0)
+            built = Built(at, self._snapshot([], {}, Columns(), ready=False), ready=False, records=0)
             self._cached = built
             return built
         writer = self.plane.writer
@@ -115,24 +131,20 @@ class SnapshotProducer:
         while not await writer.call(lambda _index: ex.step(self.chunk)):
             pass
         sessions = self._sessions() if self._sessions is not None else []  # read on the loop
-        # The columns are taken in the executor too: their conversion from the native walk releases
-        # the GIL for the encoding, so it must not run on the loop (millions of records).
-        body, gz = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self._encode(ex.workers, applied, ex.columns, True, sessions)
-        )
-        built = Built(at, body, gz, True, len(ex.columns))
+        cols = ex.columns
+        built = Built(at, self._snapshot(ex.workers, applied, cols, True, sessions), True, len(cols))
         self._cached = built
         return built
 
-    def _encode(
+    def _snapshot(
         self,
         workers: list[Carrier],
         applied: dict[Carrier, int],
         cols: Columns,
         ready: bool,
         sessions: list[WireSession] | None = None,
-    ):
-        snap = WireSnapshot(
+    ) -> WireSnapshot:
+        return WireSnapshot(
             format=FORMAT,
             producer_id=self.producer_id,
             producer_incarnation=self.producer_incarnation,
@@ -145,7 +157,9 @@ class SnapshotProducer:
             columns=cols,
             sessions=sessions or [],
         )
-        body = encode(snap)
-        # Level 1: the body is repetitive, so the fastest level already shrinks it several-fold, and
-        # this runs on a replica that is serving traffic during a boot herd.
-        return body, gzip.compress(body, compresslevel=1)
+
+
+def _encode_body(snap: WireSnapshot, gzipped: bool) -> bytes:
+    body = encode(snap)
+    # Level 1: this runs on a replica that is serving traffic during a boot herd.
+    return gzip.compress(body, compresslevel=1) if gzipped else body

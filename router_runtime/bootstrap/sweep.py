@@ -53,7 +53,7 @@ from .state import (
     seed_failed,
     verdict,
 )
-from .vetting import HashingConfig, LocalWorker, VetFailed, VettedSnapshot, vet, vet_sessions
+from .vetting import HashingConfig, LocalWorker, VetFailed, VettedSnapshot, vet, vet_export, vet_sessions
 from .wire import WireSession, WireSnapshot
 
 log = logging.getLogger(__name__)
@@ -417,7 +417,12 @@ class Bootstrapper:
                         wire = await asyncio.wait_for(self.fetcher.snapshot(peer, max_age_ms), left)
                     except TimeoutError:
                         raise FetchFailed(SnapshotOutcome.UNREACHABLE, "bootstrap deadline") from None
-                    vetted = vet(wire, self._local(), self.hashing)
+                    # Off the loop: the column checks are one pass each over millions of records, run
+                    # by the core with the GIL released, so the loop keeps applying live events.
+                    local = self._local()
+                    vetted = await asyncio.get_running_loop().run_in_executor(
+                        None, vet, wire, local, self.hashing
+                    )
                 except FetchFailed as exc:
                     outcomes.append(exc.outcome)
                     self.metrics.fetches.labels(exc.outcome.value).inc()
@@ -542,7 +547,7 @@ class Bootstrapper:
             )
 
         carriers = [c if c in ours else None for c in vetted.carriers]
-        # Built off the loop: it copies the columns (millions of records); it does not touch the index.
+        # Built off the loop: it counts the columns (millions of records); it does not touch the index.
         grafter = await asyncio.get_running_loop().run_in_executor(
             None, Grafter, self.plane.index, vetted.columns, carriers, admit
         )
@@ -684,7 +689,10 @@ class Bootstrapper:
             b = self.ranks.get(carrier)
             return b is not None and b.epoch == epoch and b.state is RankState.PENDING
 
-        grafter = Grafter(self.plane.index, ex.columns, [c for _w in ex.workers], admit)
+        # Our own scratch export, through vetting's checks like a peer's (tierless entries name the
+        # worker one past the table: None).
+        columns = vet_export(ex.columns, len(ex.workers))
+        grafter = Grafter(self.plane.index, columns, [*(c for _w in ex.workers), None], admit)
         for b in rest:  # re-held while the graft lands; released right after it
             sub.hold.add(b)
         chunk = cfg.graft_chunk

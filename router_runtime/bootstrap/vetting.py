@@ -11,16 +11,15 @@ dropped, as are tier bits this build does not rank (dropped, never folded onto d
 from __future__ import annotations
 
 import enum
-from array import array
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import routerfleet_index
 
 from ..kv.index import Carrier
-from ..kv.snapshot import Columns
+from ..kv.snapshot import Columns, VettedColumns
 from .state import SnapshotOutcome
-from .wire import Limits, WireSession, WireSnapshot
+from .wire import FORMATS, Limits, WireSession, WireSnapshot
 
 KNOWN_TIERS = 0xF  # device, host, disk, external
 
@@ -29,6 +28,7 @@ class VetError(enum.StrEnum):
     UNKNOWN_FORMAT = "unknown_format"
     PRODUCER_COLD = "producer_cold"  # not ready: empty, unsettled or hashing not established
     HASHING_MISMATCH = "hashing_mismatch"  # another block size or key scheme
+    INCONSISTENT = "inconsistent_columns"  # columns whose lengths do not fit together
     INVALID_PARENT = "invalid_parent"  # forward, self or out-of-range parent reference
     WORKER_OUT_OF_RANGE = "worker_out_of_range"
     TOO_DEEP = "too_deep"
@@ -56,6 +56,7 @@ class VetError(enum.StrEnum):
 _EXPLAIN = {
     VetError.UNKNOWN_FORMAT: "unknown_format (a snapshot format this router does not read)",
     VetError.HASHING_MISMATCH: "hashing_mismatch (the peer uses another block size or key scheme)",
+    VetError.INCONSISTENT: "inconsistent_columns (a corrupt tree)",
     VetError.INVALID_PARENT: "invalid_parent (a corrupt tree)",
     VetError.WORKER_OUT_OF_RANGE: "worker_out_of_range (a corrupt tree)",
     VetError.TOO_DEEP: "too_deep (a tree deeper than this router accepts)",
@@ -95,7 +96,7 @@ class VettedSnapshot:
         self,
         token: object,
         *,
-        columns: Columns,
+        columns: VettedColumns,
         carriers: list[Carrier | None],
         cursors: dict[Carrier, int],
         built_ms: int,
@@ -122,13 +123,12 @@ def vet(
     only graftable form. ``local`` maps (engine, rank) to the carrier and incarnation we discovered.
     Consumes ``wire``: its columns are masked and remapped (by the core, with the GIL released)."""
     limits = limits or Limits()
-    if wire.format != 1:
+    if wire.format not in FORMATS:
         raise VetFailed(VetError.UNKNOWN_FORMAT)
     if not wire.producer_ready:
         raise VetFailed(VetError.PRODUCER_COLD)
     if wire.block_size != hashing.block_size or wire.scheme != hashing.scheme:
         raise VetFailed(VetError.HASHING_MISMATCH)
-    cols = wire.columns
     # Workers: resolve identity and incarnation; unknown ones map to None and are skipped. A worker
     # without a cursor is skipped too: nothing could prove our stream joins the snapshot for it.
     carriers: list[Carrier | None] = []
@@ -143,31 +143,37 @@ def vet(
             cursors[c] = seq
             with_cursor.add(w)
     carriers = [c if i in with_cursor else None for i, c in enumerate(carriers)]
-    # The column checks run in the core, one pass each: parents strictly backward and depth bounded,
-    # worker indices in range, tiers masked to known bits; an entry left with no tier is pointed one
-    # past the worker table, a slot that resolves to None, so it is never grafted as "held in no tier".
-    try:
-        usable, worker, tiers = routerfleet_index.vet_columns(
-            cols.parent.tobytes(),
-            cols.worker.tobytes(),
-            cols.tiers.tobytes(),
-            [c is not None for c in carriers],
-            KNOWN_TIERS,
-            limits.max_depth,
-        )
-    except routerfleet_index.ColumnsRefused as e:
-        raise VetFailed(VetError(e.args[0])) from None
-    cols.worker, cols.tiers = array("I", worker), array("B", tiers)
-    carriers.append(None)
+    usable, columns = _vet_columns(wire.columns, [c is not None for c in carriers], limits)
+    if usable == 0:
+        raise VetFailed(VetError.NOTHING_USABLE)
+    carriers.append(None)  # the slot tierless entries point at
     return VettedSnapshot(
         _TOKEN,
-        columns=cols,
+        columns=columns,
         carriers=carriers,
         cursors=cursors,
         built_ms=wire.built_ms,
         producer_id=wire.producer_id,
         usable_entries=usable,
     )
+
+
+def _vet_columns(columns: Columns, usable: list[bool], limits: Limits) -> tuple[int, VettedColumns]:
+    """The column checks, in the core with the GIL released, one pass each: lengths that fit together,
+    parents strictly backward and depth bounded, worker indices in range, tiers masked to known bits;
+    an entry left with no tier is pointed one past the worker table (a slot that resolves to None), so
+    it is never grafted as "held in no tier". Consumes ``columns``."""
+    try:
+        return routerfleet_index.vet_columns(columns, usable, KNOWN_TIERS, limits.max_depth)
+    except routerfleet_index.ColumnsRefused as e:
+        raise VetFailed(VetError(e.args[0])) from None
+
+
+def vet_export(columns: Columns, workers: int, limits: Limits | None = None) -> VettedColumns:
+    """An export of one of this replica's own indexes (a scratch index rebuilt from an engine's replay),
+    through the same checks as a peer's, every worker usable: the graft takes nothing else. The
+    returned columns name worker ``workers`` for a tierless entry: give the grafter one more carrier."""
+    return _vet_columns(columns, [True] * workers, limits or Limits())[1]
 
 
 def vet_sessions(sessions: Iterable[WireSession], incarnations: Mapping[str, str]) -> list[WireSession]:

@@ -1,7 +1,15 @@
-"""The peer snapshot envelope: versioned, binary (msgpack), checksummed, bounded while reading.
+"""The peer snapshot envelope: versioned, binary, checksummed, bounded while reading.
 
-Outer frame: ``msgpack({"format": 1, "body": bin, "checksum": bin16})``, the checksum being xxh3-128
-of ``body``, so corruption is caught before the body is even unpacked. The body is a msgpack map:
+Two formats. Format 2 (``native/src/envelope.rs``) is what routers of this version exchange: the
+metadata below as one msgpack map, then the node columns framed, checksummed and (for the columns
+that compress) LZ4-packed by the core with the GIL released; a consumer asks for it with
+``?format=2``. Format 1 is the previous version's, still served to a consumer that does not ask
+(a sibling of the old version during a rollout or a rollback) and still read from a producer that
+does not offer format 2; it is slower (gzip over digests that do not compress) but says the same.
+
+Format 1's outer frame: ``msgpack({"format": 1, "body": bin, "checksum": bin16})``, the checksum
+being xxh3-128 of ``body``, so corruption is caught before the body is even unpacked. The body is a
+msgpack map (format 2's metadata map holds the same fields, without ``records`` and the columns):
 
 - ``producer``: ``{"id", "incarnation"}``, who built it (a pod name and a per-process id);
 - ``producer_ready``: the producer's tree is non-empty, its hashing configuration is set and its own
@@ -17,7 +25,7 @@ of ``body``, so corruption is caught before the body is even unpacked. The body 
   entry: the SHA-256 session digest, never a raw key), ``target`` (u32 index into ``targets``) and
   ``age_ms`` (u32) per entry. Vetted apart from the tree (``vetting.vet_sessions``).
 
-Compression is the HTTP layer's (gzip when the client accepts it); ``inflate`` bounds it.
+Format 1's compression is the HTTP layer's (gzip when the client accepts it); ``inflate`` bounds it.
 """
 
 from __future__ import annotations
@@ -29,11 +37,16 @@ from array import array
 from dataclasses import dataclass, field
 
 import msgpack
+import routerfleet_index
 import xxhash
 
 from ..kv.snapshot import Columns
 
-FORMAT = 1
+FORMAT = 2  # what this version builds and asks for
+LEGACY_FORMAT = 1
+FORMATS = (LEGACY_FORMAT, FORMAT)
+# Media types of the two formats' bodies (format 1's is plain msgpack).
+CONTENT_TYPE = {LEGACY_FORMAT: "application/x-msgpack", FORMAT: "application/vnd.routerfleet.kv-snapshot.v2"}
 
 
 class WireErrorKind(enum.StrEnum):
@@ -62,6 +75,7 @@ class Limits:
     max_workers: int = 65_536
     max_depth: int = 1_000_000
     max_sessions: int = 1_000_000
+    max_meta_bytes: int = 256 << 20  # format 2's metadata map (workers, cursors, sessions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +125,21 @@ def _le(a: array) -> bytes:
     return a.tobytes()
 
 
+def _meta(snap: WireSnapshot) -> dict:
+    fields = {
+        "format": snap.format,
+        "producer": {"id": snap.producer_id, "incarnation": snap.producer_incarnation},
+        "producer_ready": snap.producer_ready,
+        "hashing": {"block_size": snap.block_size, "scheme": snap.scheme},
+        "workers": [[w.engine, w.rank, w.incarnation] for w in snap.workers],
+        "cursors": [list(c) for c in snap.cursors],
+        "built_ms": snap.built_ms,
+    }
+    if snap.sessions:
+        fields["sessions"] = _encode_sessions(snap.sessions)
+    return fields
+
+
 def _from_le(typecode: str, data: object, count: int, name: str) -> array:
     if not isinstance(data, bytes):
         raise WireError(WireErrorKind.MALFORMED, f"{name} is not bytes")
@@ -124,28 +153,26 @@ def _from_le(typecode: str, data: object, count: int, name: str) -> array:
 
 
 def encode(snap: WireSnapshot) -> bytes:
-    cols = snap.columns
-    fields = {
-        "format": snap.format,
-        "producer": {"id": snap.producer_id, "incarnation": snap.producer_incarnation},
-        "producer_ready": snap.producer_ready,
-        "hashing": {"block_size": snap.block_size, "scheme": snap.scheme},
-        "workers": [[w.engine, w.rank, w.incarnation] for w in snap.workers],
-        "cursors": [list(c) for c in snap.cursors],
-        "built_ms": snap.built_ms,
-        "records": len(cols.key),
-        "parent": _le(cols.parent),
-        "key": _le(cols.key),
-        "ncar": _le(cols.ncar),
-        "worker": _le(cols.worker),
-        "tiers": cols.tiers.tobytes(),
-        "hash": _le(cols.hash),
+    """The envelope in ``snap.format``. Format 2 is built by the core, off the GIL: call it off the loop
+    for a large tree all the same (the caller's executor), as the columns' size is unbounded."""
+    if snap.format == FORMAT:
+        return routerfleet_index.encode_snapshot(msgpack.packb(_meta(snap), use_bin_type=True), snap.columns)
+    if snap.format != LEGACY_FORMAT:
+        raise ValueError(f"no encoder for snapshot format {snap.format}")
+    parent, key, ncar, worker, tiers, hashes = snap.columns.le()
+    fields = _meta(snap)
+    fields |= {
+        "records": len(snap.columns),
+        "parent": parent,
+        "key": key,
+        "ncar": ncar,
+        "worker": worker,
+        "tiers": tiers,
+        "hash": hashes,
     }
-    if snap.sessions:
-        fields["sessions"] = _encode_sessions(snap.sessions)
     body = msgpack.packb(fields, use_bin_type=True)
     return msgpack.packb(
-        {"format": FORMAT, "body": body, "checksum": xxhash.xxh3_128_digest(body)}, use_bin_type=True
+        {"format": LEGACY_FORMAT, "body": body, "checksum": xxhash.xxh3_128_digest(body)}, use_bin_type=True
     )
 
 
@@ -244,9 +271,12 @@ def inflate(data: bytes, limits: Limits) -> bytearray:
 
 
 def decode(data: bytes, limits: Limits) -> WireSnapshot:
-    """Parse an (inflated) envelope; raises WireError for anything malformed, corrupt or over a bound."""
+    """Parse an (inflated) envelope of either format; raises WireError for anything malformed, corrupt
+    or over a bound."""
     if len(data) > limits.max_bytes:
         raise WireError(WireErrorKind.TOO_LARGE, "envelope over the limit")
+    if routerfleet_index.is_envelope(bytes(data[:4])):
+        return _decode_v2(data if isinstance(data, bytes) else bytes(data), limits)
     try:
         outer = msgpack.unpackb(
             data, raw=False, max_bin_len=limits.max_bytes, max_str_len=64, max_array_len=0, max_map_len=8
@@ -255,27 +285,82 @@ def decode(data: bytes, limits: Limits) -> WireSnapshot:
         raise WireError(WireErrorKind.MALFORMED, type(exc).__name__) from None
     if not isinstance(outer, dict):
         raise WireError(WireErrorKind.MALFORMED, "envelope is not a map")
-    if outer.get("format") != FORMAT:
+    if outer.get("format") != LEGACY_FORMAT:
         raise WireError(WireErrorKind.UNKNOWN_FORMAT, str(outer.get("format"))[:16])
     body, checksum = outer.get("body"), outer.get("checksum")
     if not isinstance(body, bytes) or not isinstance(checksum, bytes):
         raise WireError(WireErrorKind.MALFORMED, "body or checksum missing")
     if xxhash.xxh3_128_digest(body) != checksum:
         raise WireError(WireErrorKind.CHECKSUM, "body does not match its checksum")
+    b = _unpack_map(body, limits, limits.max_bytes)
+    try:
+        columns = _legacy_columns(b, limits)
+        return _body(b, limits, LEGACY_FORMAT, columns)
+    except WireError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        raise WireError(WireErrorKind.MALFORMED, type(exc).__name__) from None
+
+
+def _decode_v2(data: bytes, limits: Limits) -> WireSnapshot:
+    try:
+        meta, columns = routerfleet_index.decode_snapshot(
+            data, limits.max_bytes, limits.max_records, limits.max_carrier_entries, limits.max_meta_bytes
+        )
+    except routerfleet_index.WireRefused as exc:
+        raise WireError(WireErrorKind(exc.args[0]), exc.args[1]) from None
+    b = _unpack_map(meta, limits, limits.max_meta_bytes)
+    try:
+        return _body(b, limits, FORMAT, columns)
+    except WireError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        raise WireError(WireErrorKind.MALFORMED, type(exc).__name__) from None
+
+
+def _unpack_map(data: bytes, limits: Limits, max_bin: int) -> dict:
     try:
         b = msgpack.unpackb(
-            body,
+            data,
             raw=False,
-            max_bin_len=limits.max_bytes,
+            max_bin_len=max_bin,
             max_str_len=4096,
             max_array_len=limits.max_workers,
             max_map_len=32,
         )
-        return _body(b, limits)
-    except WireError:
-        raise
-    except (ValueError, msgpack.UnpackException, TypeError, KeyError, IndexError) as exc:
+    except (ValueError, msgpack.UnpackException, TypeError) as exc:
         raise WireError(WireErrorKind.MALFORMED, type(exc).__name__) from None
+    if not isinstance(b, dict):
+        raise WireError(WireErrorKind.MALFORMED, "body is not a map")
+    return b
+
+
+def _legacy_columns(b: dict, limits: Limits) -> Columns:
+    """Format 1's columns, from the body map's little-endian byte fields."""
+    records = _int(b["records"], "records")
+    if records > limits.max_records:
+        raise WireError(WireErrorKind.TOO_LARGE, "record count over the limit")
+    parent = _sized(b["parent"], records, 8, "parent")
+    ncar = _sized(b["ncar"], records, 2, "ncar")
+    entries = sum(_from_le("H", ncar, records, "ncar"))
+    if entries > limits.max_carrier_entries:
+        raise WireError(WireErrorKind.TOO_LARGE, "carrier entries over the limit")
+    return Columns.from_le(
+        parent,
+        _sized(b["key"], records, 8, "key"),
+        ncar,
+        _sized(b["worker"], entries, 4, "worker"),
+        _sized(b["tiers"], entries, 1, "tiers"),
+        _sized(b["hash"], entries, 8, "hash"),
+    )
+
+
+def _sized(data: object, count: int, width: int, name: str) -> bytes:
+    if not isinstance(data, bytes):
+        raise WireError(WireErrorKind.MALFORMED, f"{name} is not bytes")
+    if len(data) != count * width:
+        raise WireError(WireErrorKind.MALFORMED, f"{name} has {len(data)} bytes for {count} entries")
+    return data
 
 
 def _int(v: object, name: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
@@ -290,12 +375,9 @@ def _str(v: object, name: str) -> str:
     return v
 
 
-def _body(b: dict, limits: Limits) -> WireSnapshot:
-    if not isinstance(b, dict):
-        raise WireError(WireErrorKind.MALFORMED, "body is not a map")
-    fmt = _int(b["format"], "format")
-    if fmt != FORMAT:
-        raise WireError(WireErrorKind.UNKNOWN_FORMAT, str(fmt))
+def _body(b: dict, limits: Limits, fmt: int, columns: Columns) -> WireSnapshot:
+    if _int(b["format"], "format") != fmt:
+        raise WireError(WireErrorKind.UNKNOWN_FORMAT, str(b["format"]))
     producer, hashing = b["producer"], b["hashing"]
     workers = []
     for w in b["workers"]:
@@ -309,19 +391,6 @@ def _body(b: dict, limits: Limits) -> WireSnapshot:
         if not isinstance(c, list) or len(c) != 2:
             raise WireError(WireErrorKind.MALFORMED, "cursor entry")
         cursors.append((_int(c[0], "cursor worker", 0, len(workers) - 1), _int(c[1], "cursor seq", -1)))
-    records = _int(b["records"], "records")
-    if records > limits.max_records:
-        raise WireError(WireErrorKind.TOO_LARGE, "record count over the limit")
-    cols = Columns()
-    cols.parent = _from_le("q", b["parent"], records, "parent")
-    cols.key = _from_le("Q", b["key"], records, "key")
-    cols.ncar = _from_le("H", b["ncar"], records, "ncar")
-    entries = sum(cols.ncar)
-    if entries > limits.max_carrier_entries:
-        raise WireError(WireErrorKind.TOO_LARGE, "carrier entries over the limit")
-    cols.worker = _from_le("I", b["worker"], entries, "worker")
-    cols.tiers = _from_le("B", b["tiers"], entries, "tiers")
-    cols.hash = _from_le("Q", b["hash"], entries, "hash")
     return WireSnapshot(
         format=fmt,
         producer_id=_str(producer["id"], "producer id"),
@@ -332,6 +401,6 @@ def _body(b: dict, limits: Limits) -> WireSnapshot:
         workers=workers,
         cursors=cursors,
         built_ms=_int(b["built_ms"], "built_ms"),
-        columns=cols,
+        columns=columns,
         sessions=_sessions(b.get("sessions"), limits),
     )

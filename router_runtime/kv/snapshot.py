@@ -17,36 +17,19 @@ Trust: the graft takes columns that the bootstrap plane's vetting produced; it n
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import routerfleet_index
 
 from .index import Carrier, RadixIndex
 
-
-@dataclass(slots=True)
-class Columns:
-    """Node records as parallel arrays. Carriers are flattened: record ``i`` owns carrier entries
-    ``[start[i], start[i] + ncar[i])`` of ``worker``/``tiers``/``hash``, with ``start`` the running
-    sum of ``ncar``."""
-
-    parent: array = field(default_factory=lambda: array("q"))
-    key: array = field(default_factory=lambda: array("Q"))
-    ncar: array = field(default_factory=lambda: array("H"))
-    worker: array = field(default_factory=lambda: array("I"))  # index into the worker table
-    tiers: array = field(default_factory=lambda: array("B"))
-    hash: array = field(default_factory=lambda: array("Q"))
-
-    def __len__(self) -> int:
-        return len(self.key)
-
-
-def _array(typecode: str, data: bytes) -> array:
-    out = array(typecode)
-    out.frombytes(data)
-    return out
+# Node records as parallel columns, held by the core: record ``i`` owns carrier entries
+# ``[start[i], start[i] + ncar[i])`` of worker/tiers/hash, ``start`` being the running sum of ``ncar``.
+# ``Columns.from_le(parent, key, ncar, worker, tiers, hash)`` builds them from little-endian bytes
+# (i64, u64, u16, u32, u8, u64) and ``.le()`` gives those bytes back. Not trusted: only vetting's
+# ``routerfleet_index.vet_columns`` turns them into ``VettedColumns``, the one thing a graft takes.
+Columns = routerfleet_index.Columns
+VettedColumns = routerfleet_index.VettedColumns
 
 
 class Exporter:
@@ -68,21 +51,15 @@ class Exporter:
         """Export up to ``budget`` more slots of the index; True when the walk is done."""
         idx = self._index
         include = [idx.cid(c) for c in idx.carriers if self._include(c)]
-        self._columns = None
         return self._native.step(idx.native, budget, include)
 
     @property
     def columns(self) -> Columns:
+        """The export, once the walk is done (taken from the walk once; vetting consumes it)."""
         if self._columns is None:
-            parent, key, ncar, worker, tiers, hashes = self._native.columns()
-            self._columns = Columns(
-                _array("q", parent),
-                _array("Q", key),
-                _array("H", ncar),
-                _array("I", worker),
-                _array("B", tiers),
-                _array("Q", hashes),
-            )
+            if not self.done:
+                raise RuntimeError("the export is not done")
+            self._columns = self._native.take_columns()
         return self._columns
 
     @property
@@ -91,29 +68,23 @@ class Exporter:
 
 
 class Grafter:
-    """Applies vetted ``Columns`` onto a live index a chunk at a time: absent nodes are created, present
+    """Applies ``VettedColumns`` onto a live index a chunk at a time: absent nodes are created, present
     ones get the carriers unioned in. ``carriers[w]`` is the local carrier for worker ``w`` (already
     resolved by vetting), or None to skip that worker's entries; ``admit(carrier)`` is asked per
-    chunk, so a rank that stopped pending (a restart, a removal) is never grafted."""
+    chunk, so a rank that stopped pending (a restart, a removal) is never grafted. Takes the columns:
+    build it off the loop (it counts them)."""
 
     def __init__(
         self,
         index: RadixIndex,
-        columns: Columns,
+        columns: VettedColumns,
         carriers: list[Carrier | None],
         admit: Callable[[Carrier], bool] | None = None,
     ) -> None:
         self._index = index
         self._carriers = carriers
         self._admit = admit or (lambda _c: True)
-        self._native = routerfleet_index.Grafter(
-            columns.parent.tobytes(),
-            columns.key.tobytes(),
-            columns.ncar.tobytes(),
-            columns.worker.tobytes(),
-            columns.tiers.tobytes(),
-            columns.hash.tobytes(),
-        )
+        self._native = routerfleet_index.Grafter(columns)
 
     @property
     def done(self) -> bool:
