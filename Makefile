@@ -61,9 +61,10 @@ test: lint kube
 	$(MAKE) --no-print-directory image
 
 # The demo (e2e/demo.py): a local cluster (root; the control plane is built on first use, as for the
-# tests), manifests/base deployed, kv_aware vs round_robin on a chat workload, a 1 -> 3 scale-up with
-# each replica's bootstrap verdict, all torn down on exit. When no cluster can start it says why and
-# runs the cluster-less demo (python -m e2e.demo --local). CLUSTER=kind asks for kind instead.
+# tests), the operator from manifests/operator, a RouterFleet from manifests/samples/demo.yaml under a
+# chat workload: rollouts with and without peer bootstrap, a failed seed, an engine restart; all torn
+# down on exit. When no cluster can start it says why and runs the cluster-less demo
+# (python -m e2e.demo --local). CLUSTER=kind asks for kind instead.
 demo: setup
 	$(BIN)/python -m e2e.demo $(if $(CLUSTER),--provider $(CLUSTER))
 

@@ -2,19 +2,24 @@
 
 Cluster mode (the default; root, because the cluster lives in a private network namespace):
 builds the control plane on first use (e2e/kube, ~7 min on 2 cores, cached), starts it with the
-process node agent, deploys manifests/base (two fake engines with 2 DP ranks each, a kv_aware
-router) plus a round_robin router, and then
+process node agent, and then, with the manifests a user applies, printing each kubectl command:
 
-1. drives the same short multi-turn chat workload through the kv_aware router and, after clearing
-   the engines' caches, through the round_robin router, and prints hit rate (from
-   usage.prompt_tokens_details.cached_tokens) and TTFT side by side;
-2. scales the kv_aware router 1 -> 3 while traffic keeps flowing and prints each replica's bootstrap
-   verdict (from /internal/bootstrap) and whether its index equals the first replica's;
-3. kills one engine's container (SIGKILL, as an OOM kill would): it restarts in its pod with its disk
+1. installs the operator: the CRDs, then `kubectl apply -k manifests/operator` (two replicas, kopf
+   peering);
+2. deploys manifests/base's fake engines (2 engines x 2 DP ranks, a disk tier each);
+3. applies manifests/samples/demo.yaml (a 3-replica RouterFleet), waits with `kubectl wait
+   --for=condition=Ready`, prints `kubectl get rf` and each replica's verdict from the status;
+4. runs multi-turn chats round-robin over the Ready router pods (as the fleet's Service would) and
+   prints the hit rate (usage.prompt_tokens_details.cached_tokens) and TTFT;
+   then, the traffic still flowing: a rollout triggered by a spec change (`extraArgs`), live, with its
+   hit rate before, during and after;
+5. a failed seed: a block-size change the engines do not share; the rollout pauses (condition
+   Stalled/ConfigMismatch, the Event) while the old replicas serve, and the revert is Ready at once;
+6. the same rollout with peer bootstrap disabled, side by side with the first;
+7. kills one engine's container (SIGKILL, as an OOM kill would): it restarts in its pod with its disk
    tier (an emptyDir) intact, and the demo prints how soon after its return the routers re-adopt that
-   tier and send the prefixes kept there back to it, and how many hit (local provider only: it
-   signals the container's process);
-4. deletes everything and stops the cluster (also on Ctrl-C or a failure).
+   tier and send the prefixes kept there back to it (local provider only: it signals the process);
+8. stops the cluster, which removes everything (also on Ctrl-C or a failure).
 
 When no cluster can start (not root, no Go to build it, ...) it says why and runs the local demo.
 
@@ -38,21 +43,23 @@ import argparse
 import asyncio
 import contextlib
 import inspect
+import json
 import os
 import random
-import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 
 from e2e import fleet as F
+from e2e import fleet_traffic as T
 from router_runtime.kv.decode import normalize_hash
 from router_runtime.kv.hashing import hash_set_digest
 
@@ -290,16 +297,20 @@ async def local_main_async(seconds: float, clear: bool) -> int:
 # ================================================================================================ cluster
 
 NODE = "node-1"
-CHATS, TURNS, CONCURRENCY = 40, 6, 8
-SYSTEM_PROMPTS = 4
+SAMPLE = F.ROOT / "manifests" / "samples" / "demo.yaml"  # the RouterFleet the demo applies
+FLEET = "demo"
+OPERATOR_NS = "routerfleet-system"  # manifests/operator's namespace
+OPERATOR_LABELS = "app.kubernetes.io/name=routerfleet-operator"
 # Engines keep this many batches per rank for replay: a long-running engine's buffer no longer reaches
 # sequence 0, so a new replica cannot rebuild from the engines (from_origin) and inherits a sibling's
 # index instead, the path this demo shows. (The manifests keep the engine's default, 10000.)
-DEMO_REPLAY_BUFFER = 64
-# Step 3: the engines keep a disk tier in an emptyDir (it survives a container restart, not the pod),
-# and this many conversation prefixes of DISK_PREFIX_BLOCKS blocks are put on the victim's.
+DEMO_REPLAY_BUFFER = 8
+# The engines keep a disk tier in an emptyDir (it survives a container restart, not the pod), and
+# this many conversation prefixes of DISK_PREFIX_BLOCKS blocks are put on the victim's.
 STORAGE_DIR = "/var/lib/routerfleet-kv"
 DISK_PREFIXES, DISK_PREFIX_BLOCKS = 40, 4
+STEADY_S = 12.0  # traffic before the first rollout
+AFTER_S = 8.0  # traffic after a rollout completes, in its "after" window
 T0 = time.monotonic()
 
 
@@ -313,6 +324,20 @@ class NoCluster(RuntimeError):
 
 def say(msg: str) -> None:
     print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+def shell(cmd: str) -> None:
+    """Show a command as the user would type it (the demo runs its equivalent)."""
+    print(f"{'':9}$ {cmd}", flush=True)
+
+
+def wrap(text: str, first: str, rest: str) -> str:
+    return textwrap.fill(text, 96, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False)
+
+
+def indent(text: str) -> None:
+    for line in text.rstrip().splitlines():
+        print(f"{'':11}{line}", flush=True)
 
 
 async def wait_until(what: str, fn, timeout: float, interval: float = 0.2):
@@ -333,262 +358,281 @@ async def wait_until(what: str, fn, timeout: float, interval: float = 0.2):
         await asyncio.sleep(interval)
 
 
-def _ready(p) -> bool:
-    conds = {c.type: c.status for c in p.status.conditions or []}
-    return (
-        p.status.phase == "Running"
-        and conds.get("Ready") == "True"
-        and bool(p.status.pod_ip)
-        and p.metadata.deletion_timestamp is None
-    )
+class Demo:
+    """The demo's cluster: its clients, the namespace it works in, and the traffic it drives."""
 
+    def __init__(self, kube: T.Kube, provider, ns: str) -> None:
+        self.kube, self.provider, self.ns = kube, provider, ns
+        self.core = kube.core
 
-@dataclass
-class Chat:
-    system: str
-    turns: list[str]
-    messages: list[dict] = field(default_factory=list)
+    def kubectl(self, *args: str, show: bool = True, output: bool = False) -> str:
+        """Run kubectl (shown as typed, namespace flag included when it is the demo's)."""
+        if show:
+            shell("kubectl " + " ".join(args))
+        out = self.kube.run_kubectl(*args)
+        if output:
+            indent(out)
+        return out
 
+    def fleet(self) -> dict:
+        return self.kube.fleet(self.ns, FLEET)
 
-def make_chats(seed: int) -> list[Chat]:
-    """CHATS conversations of TURNS user turns; each opens with one of SYSTEM_PROMPTS long system
-    prompts (~800 tokens with the byte tokenizer), turns of ~300 tokens."""
-    rng = random.Random(seed)
-    words = [
-        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randrange(2, 9)))
-        for _ in range(400)
-    ]
+    def patch(self, merge: str) -> None:
+        self.kubectl("-n", self.ns, "patch", f"rf/{FLEET}", "--type", "merge", "-p", merge)
 
-    def text(n_chars: int) -> str:
-        out: list[str] = []
-        while sum(len(w) + 1 for w in out) < n_chars:
-            out.append(rng.choice(words))
-        return " ".join(out)
+    def pods(self, ns: str, selector: str) -> list:
+        return sorted(self.kube.pods(ns, selector), key=lambda p: p.metadata.name)
 
-    systems = [f"You are assistant #{i}. " + text(800) for i in range(SYSTEM_PROMPTS)]
-    return [Chat(rng.choice(systems), [text(300) for _ in range(TURNS)]) for _ in range(CHATS)]
-
-
-@dataclass
-class Stats:
-    ttft: list[float] = field(default_factory=list)
-    prompt: int = 0
-    cached: int = 0
-
-    def add(self, ttft: float, prompt: int, cached: int) -> None:
-        self.ttft.append(ttft)
-        self.prompt += prompt
-        self.cached += cached
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached / self.prompt if self.prompt else 0.0
-
-
-async def run_chat(session, router: str, chat: Chat, stats: Stats) -> None:
-    chat.messages = [{"role": "system", "content": chat.system}]
-    for user in chat.turns:
-        chat.messages.append({"role": "user", "content": user})
-        ttft, answer, prompt, cached = await F.chat_turn(session, router, chat.messages)
-        stats.add(ttft, prompt, cached)
-        chat.messages.append({"role": "assistant", "content": answer})
-
-
-async def chat_workload(session, router: str, seed: int) -> Stats:
-    """Every chat of ``make_chats(seed)``, CONCURRENCY conversations at a time, turns in order."""
-    stats = Stats()
-    queue = list(make_chats(seed))
-
-    async def worker():
-        while queue:
-            await run_chat(session, router, queue.pop(0), stats)
-
-    await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
-    return stats
-
-
-async def background(session, router: str, stop: asyncio.Event) -> int:
-    """Chats through ``router`` until ``stop``; returns the number of requests."""
-    stats = Stats()
-    seed = 1000
-    while not stop.is_set():
-        chat = make_chats(seed)[0]
-        seed += 1
-        await run_chat(session, router, chat, stats)
-    return len(stats.ttft)
-
-
-class Fleet:
-    """The demo's namespace on a cluster: kubernetes clients and the objects' pod views."""
-
-    def __init__(self, kubeconfig, namespace: str, provider) -> None:
-        from kubernetes import client, config
-
-        cfg = client.Configuration()
-        config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
-        self.api = client.ApiClient(cfg)
-        self.core = client.CoreV1Api(self.api)
-        self.apps = client.AppsV1Api(self.api)
-        self.ns = namespace
-        self.provider = provider
-
-    def pods(self, selector: str) -> list:
-        return sorted(
-            self.core.list_namespaced_pod(self.ns, label_selector=selector).items,
-            key=lambda p: p.metadata.name,
-        )
-
-    async def ready_pods(self, selector: str, n: int, timeout: float = 90) -> list:
+    async def ready_pods(self, ns: str, selector: str, n: int, timeout: float = 90) -> list:
         def cond():
-            pods = self.pods(selector)
-            return pods if len(pods) == n and all(_ready(p) for p in pods) else None
+            pods = self.pods(ns, selector)
+            return pods if len(pods) == n and all(T.pod_ready(p) for p in pods) else None
 
-        return await wait_until(f"{n} pods {selector} ready", cond, timeout)
+        return await wait_until(f"{n} pods {selector} Ready in {ns}", cond, timeout)
+
+    def condition(self, obj: dict, type_: str) -> dict:
+        return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
 
     def dump(self) -> None:
         """Pod states and the tail of each container's log (after a failure)."""
-        try:
-            pods = self.core.list_namespaced_pod(self.ns).items
-        except Exception as e:
-            print(f"(cannot list pods: {e!r})")
-            return
-        for p in pods:
-            conds = {c.type: c.status for c in p.status.conditions or []}
-            print(
-                f"--- pod {p.metadata.name}: {p.status.phase} ip={p.status.pod_ip} ready={conds.get('Ready')}"
-            )
-            for c in p.spec.containers:
-                log = self.provider.container_log(self.ns, p.metadata.name, c.name) or ""
-                for line in log.splitlines()[-12:]:
-                    print(f"    {line[:200]}")
+        for ns in (self.ns, OPERATOR_NS):
+            try:
+                pods = self.core.list_namespaced_pod(ns).items
+            except Exception as e:
+                print(f"(cannot list pods in {ns}: {e!r})")
+                continue
+            for p in pods:
+                conds = T.conds(p)
+                print(f"--- pod {ns}/{p.metadata.name}: {p.status.phase} ready={conds.get('Ready')}")
+                for c in p.spec.containers:
+                    log = self.provider.container_log(ns, p.metadata.name, c.name) or ""
+                    for line in log.splitlines()[-12:]:
+                        print(f"    {line[:200]}")
 
 
-async def node_ready(fleet: Fleet) -> None:
+async def node_ready(demo: Demo) -> None:
     def cond():
-        n = fleet.core.read_node(NODE)
-        conds = {c.type: c.status for c in n.status.conditions or []}
+        n = demo.core.read_node(NODE)
         taints = [t for t in n.spec.taints or [] if t.key.startswith("node.kubernetes.io/")]
-        return conds.get("Ready") == "True" and not taints
+        return T.conds(n).get("Ready") == "True" and not taints
 
     await wait_until(f"node {NODE} Ready", cond, 90)
 
 
-def print_table(rows: list[tuple]) -> None:
-    print()
-    print(f"  {'policy':<13}{'requests':>9}{'hit rate':>10}{'TTFT p50':>11}{'TTFT p90':>11}")
-    for name, s in rows:
+def members_table(obj: dict) -> None:
+    st = obj.get("status") or {}
+    print(f"{'':11}{'router pod':<28}{'revision':<12}{'verdict':<18}{'seeded':<8}{'index blocks':>12}")
+    for m in sorted(st.get("members") or [], key=lambda m: m["pod"]):
         print(
-            f"  {name:<13}{len(s.ttft):>9}{s.hit_rate:>10.1%}"
-            f"{F.percentile(s.ttft, 50) * 1000:>8.1f} ms{F.percentile(s.ttft, 90) * 1000:>8.1f} ms"
+            f"{'':11}{m['pod']:<28}{m.get('revision', '-'):<12}{m.get('verdict') or '-':<18}"
+            f"{'yes' if m.get('gate') else 'no':<8}{m.get('indexNodes', 0):>12}"
         )
+
+
+def traffic_line(traffic: T.Traffic, since: float) -> str:
+    recent = [r for r in traffic.reqs if r.t >= time.monotonic() - 3]
+    h, n, _ = T.hit(recent)
+    revs: dict[str, int] = {}
+    for _pod, _ip, rev in traffic.ready:
+        revs[rev] = revs.get(rev, 0) + 1
+    ready = ", ".join(f"{n} of {rev}" for rev, n in sorted(revs.items())) or "none"
+    t = time.monotonic() - since
+    return f"+{t:4.1f}s  Ready routers: {ready:<28} last 3 s: {n:>3} requests, hit {h:6.1%}"
+
+
+async def rollout(demo: Demo, traffic: T.Traffic, patch: dict, what: str) -> dict:
+    """Patch the fleet (a rollout), show its progress under traffic, and return the hit-rate windows."""
+    obj = await asyncio.to_thread(demo.fleet)
+    traffic.old_rev = obj["status"]["currentRevision"]
+    traffic.replicas, traffic.done = {}, None
+    traffic.trigger = time.monotonic()
+    demo.patch(json.dumps(patch))
+    say(f"rolling out ({what}); traffic keeps flowing, round-robin over the Ready routers")
+    deadline = time.monotonic() + 120
+    while traffic.done is None:
+        if time.monotonic() > deadline:
+            raise DemoError(f"the rollout ({what}) did not complete in 120 s")
+        await asyncio.sleep(2)
+        print(f"{'':11}{traffic_line(traffic, traffic.trigger)}", flush=True)
+    took = traffic.done - traffic.trigger
+    say(f"  rollout complete in {took:.1f}s; {AFTER_S:.0f} s more traffic on the new revision ...")
+    await asyncio.sleep(AFTER_S)
+    members_table(await asyncio.to_thread(demo.fleet))
+    T0_, D = traffic.trigger, traffic.done
+    reqs = traffic.reqs
+    verdicts = sorted({r.verdict or "-" for r in traffic.replicas.values()})
+    return {
+        "what": what,
+        "took": took,
+        "verdicts": verdicts,
+        "before": T.hit([r for r in reqs if T0_ - STEADY_S <= r.t < T0_]),
+        "during": T.hit([r for r in reqs if T0_ <= r.t < D]),
+        "new": T.hit([r for r in reqs if T0_ <= r.t < D and r.rev != traffic.old_rev]),
+        "after": T.hit([r for r in reqs if D <= r.t < D + AFTER_S]),
+    }
+
+
+def rollout_table(results: list[dict]) -> None:
+    print()
+    cols = [r["what"] for r in results]
+    print(f"{'':11}{'hit rate / TTFT p50':<34}" + "".join(f"{c:<30}" for c in cols))
+
+    def cell(x):
+        h, n, p50 = x
+        return f"{h:6.1%} / {p50:5.1f} ms ({n} req)" if n else "-"
+
+    for key, label in (
+        ("before", f"before ({STEADY_S:.0f} s)"),
+        ("during", "during the rollout"),
+        ("new", "  ... via new-revision routers"),
+        ("after", f"after ({AFTER_S:.0f} s)"),
+    ):
+        print(f"{'':11}{label:<34}" + "".join(f"{cell(r[key]):<30}" for r in results))
+    print(f"{'':11}{'rollout took':<34}" + "".join(f"{r['took']:.1f} s{'':<24}" for r in results))
+    label = "new replicas' verdicts"
+    print(f"{'':11}{label:<34}" + "".join(f"{', '.join(r['verdicts']):<30}" for r in results))
     print()
 
 
-async def cluster_demo(fleet: Fleet) -> int:
-    ns = fleet.ns
-    token = secrets.token_hex(16)
-    docs = F.load_manifests(token=token)
-    engine_args = F.find(docs, "Deployment", F.ENGINE)["spec"]["template"]["spec"]["containers"][0]["args"]
-    engine_args.append(f"--replay-buffer={DEMO_REPLAY_BUFFER}")
-    engine_args += [f"--storage-dir={STORAGE_DIR}", "--disk-capacity-blocks=4096"]
-    engine_pod = F.find(docs, "Deployment", F.ENGINE)["spec"]["template"]["spec"]
-    engine_pod["containers"][0].setdefault("volumeMounts", []).append(
-        {"name": "kv-storage", "mountPath": STORAGE_DIR}
-    )
-    engine_pod.setdefault("volumes", []).append({"name": "kv-storage", "emptyDir": {}})
-    rr = F.policy_variant(docs, "router-rr", "round_robin")
-    await asyncio.to_thread(fleet.core.create_namespace, {"metadata": {"name": ns}})
+async def install_operator(demo: Demo) -> None:
+    say("1. the operator, as a user installs it (the CRDs, then manifests/operator)")
+    crds = [str(F.ROOT / "crds"), str(F.ROOT / "manifests" / "operator" / "crds")]
+    shell("kubectl apply --server-side -f crds/ -f manifests/operator/crds/")
+    demo.kube.run_kubectl("apply", "--server-side", "-f", crds[0], "-f", crds[1])
+    established = ("crd/routerfleets.routerfleet.io", "crd/clusterkopfpeerings.kopf.dev")
+    demo.kube.run_kubectl("wait", "--for=condition=Established", *established)
+    shell("kubectl apply --server-side -k manifests/operator")
+    demo.kube.run_kubectl("apply", "--server-side", "-k", str(F.ROOT / "manifests" / "operator"))
+    ops = await demo.ready_pods(OPERATOR_NS, OPERATOR_LABELS, 2, timeout=90)
+    say(f"  {len(ops)} operator pods Ready in {OPERATOR_NS} (kopf peering: one active, one standing by)")
+
+
+async def deploy_engines(demo: Demo) -> list:
+    docs = F.load_manifests()
+    engine = F.find(docs, "Deployment", F.ENGINE)
+    pod = engine["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    c["args"] += [f"--replay-buffer={DEMO_REPLAY_BUFFER}", f"--storage-dir={STORAGE_DIR}"]
+    c["args"].append("--disk-capacity-blocks=4096")
+    c.setdefault("volumeMounts", []).append({"name": "kv-storage", "mountPath": STORAGE_DIR})
+    pod.setdefault("volumes", []).append({"name": "kv-storage", "emptyDir": {}})
+    await asyncio.to_thread(demo.core.create_namespace, {"metadata": {"name": demo.ns}})
     await wait_until(
-        f"default ServiceAccount in {ns}",
-        lambda: fleet.core.read_namespaced_service_account("default", ns),
+        f"default ServiceAccount in {demo.ns}",
+        lambda: demo.core.read_namespaced_service_account("default", demo.ns),
         30,
     )
-    await asyncio.to_thread(F.apply, fleet.api, ns, docs + rr)
-    say(
-        f"namespace {ns}: manifests/base (2 fake engines x 2 DP ranks, a kv_aware router)"
-        " + a round_robin router"
-    )
-
-    engines = await fleet.ready_pods(F.ENGINE_LABELS, 2)
-    (kv_pod,) = await fleet.ready_pods(F.ROUTER_LABELS, 1, timeout=120)
-    (rr_pod,) = await fleet.ready_pods("app.kubernetes.io/name=router-rr", 1, timeout=120)
+    await asyncio.to_thread(F.apply, demo.kube.api, demo.ns, [engine, F.find(docs, "Service", F.ENGINE)])
+    say(f"2. engines: manifests/base's fake engines in {demo.ns} (2 engines x 2 DP ranks, a disk tier each)")
+    engines = await demo.ready_pods(demo.ns, F.ENGINE_LABELS, 2)
     for p in engines:
         say(f"  engine {p.metadata.name} at {p.status.pod_ip}")
-    say(f"  router {kv_pod.metadata.name} (kv_aware) at {kv_pod.status.pod_ip}")
-    say(f"  router {rr_pod.metadata.name} (round_robin) at {rr_pod.status.pod_ip}")
-    kv_url, rr_url = F.pod_url(kv_pod, F.ROUTER_PORT), F.pod_url(rr_pod, F.ROUTER_PORT)
-    engine_urls = [F.pod_url(p, F.ENGINE_PORT) for p in engines]
+    return engines
 
-    timeout = aiohttp.ClientTimeout(total=30)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        # 1. kv_aware vs round_robin on the same engines, each from empty caches
-        what = f"{CHATS} chats x {TURNS} turns, {CONCURRENCY} at a time"
-        say(f"workload ({what}) via the kv_aware router ...")
-        t = time.monotonic()
-        kv = await chat_workload(session, kv_url, seed=1)
-        say(f"  {len(kv.ttft)} requests in {time.monotonic() - t:.1f}s")
-        for url in engine_urls:
-            async with session.post(url + "/admin/clear", json={}) as r:
-                r.raise_for_status()
-        say("engines' caches cleared; the same workload via the round_robin router ...")
-        t = time.monotonic()
-        rr_stats = await chat_workload(session, rr_url, seed=1)
-        say(f"  {len(rr_stats.ttft)} requests in {time.monotonic() - t:.1f}s")
-        print_table([("kv_aware", kv), ("round_robin", rr_stats)])
 
-        # 2. scale the kv_aware router 1 -> 3 under traffic
-        say("scaling the kv_aware router 1 -> 3 (chats keep flowing through the first replica) ...")
-        stop = asyncio.Event()
-        traffic = asyncio.create_task(background(session, kv_url, stop))
-        t = time.monotonic()
+async def failed_seed(demo: Demo, traffic: T.Traffic) -> bool:
+    """A block-size change the engines do not share: the new replica's seed fails, the rollout pauses
+    saying why, the old replicas keep serving; the revert is Ready again at once."""
+    say("5. a failed seed: the routers' block size changed to 32 (the engines use 16)")
+    obj = await asyncio.to_thread(demo.fleet)
+    rev = obj["status"]["currentRevision"]
+    demo.patch('{"spec":{"router":{"blockSize":32}}}')
+    t = time.monotonic()
+
+    def paused():
+        o = demo.fleet()
+        c = demo.condition(o, "Stalled")
+        return o if c.get("status") == "True" and c.get("reason") == "ConfigMismatch" else None
+
+    obj = await wait_until("the rollout to pause with ConfigMismatch", paused, 90)
+    say(f"  paused after {time.monotonic() - t:.1f}s, the old replicas still serving:")
+    demo.kubectl("-n", demo.ns, "get", f"rf/{FLEET}", output=True)
+    c = demo.condition(obj, "Stalled")
+    print(f"{'':11}condition Stalled=True, reason {c['reason']}:")
+    indent(wrap(c["message"], "  ", "  "))
+    events = demo.kubectl(
+        "-n", demo.ns, "get", "events", "--field-selector", f"involvedObject.name={FLEET}",
+        "--sort-by=.lastTimestamp", "-o", "custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message",
+    )  # fmt: skip
+    lines = [ln for ln in events.rstrip().splitlines()[1:] if "Pause" in ln or "Mismatch" in ln]
+    print(f"{'':11}the Event (type, reason, message):")
+    for ln in lines[-1:]:
+        indent(wrap(" ".join(ln.split()), "  ", "    "))
+    serving = {p for p, _ip, r in traffic.ready if r == rev}
+    say(f"  {len(serving)} routers of the old revision still Ready and routing; reverting the spec ...")
+    t = time.monotonic()
+    demo.patch('{"spec":{"router":{"blockSize":16}}}')
+
+    def reverted():
+        o = demo.fleet()
+        ready = demo.condition(o, "Ready")
+        fresh = ready.get("observedGeneration") == o["metadata"]["generation"]
+        same = o["status"]["currentRevision"] == rev
+        return o if ready.get("status") == "True" and fresh and same else None
+
+    await wait_until("Ready again after the revert", reverted, 60)
+    took = time.monotonic() - t
+    say(f"  Ready again {took:.1f}s after the revert, on the same revision (nothing rebooted)")
+    return True
+
+
+async def cluster_demo(demo: Demo) -> int:
+    import base64
+
+    await install_operator(demo)
+    engines = await deploy_engines(demo)
+    say("3. a RouterFleet: manifests/samples/demo.yaml (3 routers, peer bootstrap on)")
+    shell(f"kubectl -n {demo.ns} apply -f manifests/samples/demo.yaml")
+    demo.kube.run_kubectl("-n", demo.ns, "apply", "-f", str(SAMPLE))
+    demo.kubectl("-n", demo.ns, "wait", "--for=condition=Ready", f"rf/{FLEET}", "--timeout=150s")
+    demo.kubectl("-n", demo.ns, "get", "rf", output=True)
+    members_table(await asyncio.to_thread(demo.fleet))
+    print(
+        f"{'':11}(the first replicas boot together: nothing to inherit yet, so abandoned/no_peers/fleet_cold;"
+        f"\n{'':11} each holds a readiness gate until its bootstrap settles)"
+    )
+    sec = await asyncio.to_thread(demo.core.read_namespaced_secret, f"{FLEET}-internal-token", demo.ns)
+    token = base64.b64decode(sec.data["token"]).decode()
+    traffic = T.Traffic(demo.kube, demo.ns, FLEET, token, seed=7)
+    ok = True
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        await traffic.refresh(session)
+        tasks = [asyncio.create_task(traffic.monitor(session))]
+        tasks += [asyncio.create_task(traffic.worker(session)) for _ in range(T.WORKERS)]
         try:
-            await asyncio.to_thread(
-                fleet.apps.patch_namespaced_deployment_scale, F.ROUTER, ns, {"spec": {"replicas": 3}}
+            chats = f"{T.CONVERSATIONS} conversations, {T.WORKERS} in flight"
+            say(f"4. multi-turn chats ({chats}) for {STEADY_S:.0f} s")
+            t = time.monotonic()
+            await asyncio.sleep(STEADY_S)
+            steady = [r for r in traffic.reqs if r.t >= t]
+            h, n, p50 = T.hit(steady)
+            p90 = 1000 * F.percentile([r.ttft for r in steady], 90)
+            say(f"  {n} requests: hit rate {h:.1%}, TTFT p50 {p50:.1f} ms, p90 {p90:.1f} ms")
+            # A flag that changes nothing the demo measures (a routing tunable would): only the rollout.
+            warm = {"router": {"extraArgs": ["--first-byte-timeout-ms=120000"]}}
+            on = await rollout(demo, traffic, {"spec": warm}, "bootstrap on")
+            ok &= await failed_seed(demo, traffic)
+            say("6. the same rollout with peer bootstrap disabled (the new routers start cold)")
+            cold = {
+                "bootstrap": {"enabled": False},
+                "router": {"extraArgs": ["--first-byte-timeout-ms=150000"]},
+            }
+            off = await rollout(demo, traffic, {"spec": cold}, "bootstrap off")
+            rollout_table([on, off])
+            indent(
+                "bootstrap off: a new router indexes only what the engines store after it joins; a block"
+                "\nchained under a prefix it never saw is skipped (see its index blocks), so the shared"
+                "\nprefixes look uncached to it and it scatters them. bootstrap on: each new router grafted"
+                "\na warm sibling's index beneath its live stream before it went Ready.\n"
             )
-            pods = await fleet.ready_pods(F.ROUTER_LABELS, 3, timeout=120)
-            say(f"  3 replicas ready {time.monotonic() - t:.1f}s after the scale-up")
+            ok &= on["after"][0] > off["after"][0]
         finally:
-            stop.set()
-            n_bg = await traffic
-        say(f"  {n_bg} requests served by the first replica meanwhile")
-        others = [p for p in pods if p.metadata.uid != kv_pod.metadata.uid]
-        replicas = [(kv_pod, "first"), *((p, "new") for p in others)]
-        urls = [F.pod_url(p, F.ROUTER_PORT) for p, _ in replicas]
-
-        async def converged():
-            views = [await F.index_view(session, u) for u in urls]
-            return views if all(v == views[0] for v in views) else None
-
-        try:
-            views = await wait_until("the three indexes to agree", converged, 15)
-        except DemoError:
-            views = [await F.index_view(session, u) for u in urls]
-        print()
-        print(
-            f"  {'replica':<36}{'verdict':<18}{'rank outcomes':<24}{'index blocks':>13}  same index as first"
-        )
-        for (p, role), view in zip(replicas, views, strict=True):
-            rep = await F.bootstrap_report(session, F.pod_url(p, F.INTERNAL_PORT), token)
-            outcomes: dict[str, int] = {}
-            for k in rep["ranks"]:
-                o = k["outcome"] or k["state"]  # no outcome yet: recovered (proving its graft) or pending
-                outcomes[o] = outcomes.get(o, 0) + 1
-            ranks = ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())) or "-"
-            same = "-" if role == "first" else ("yes" if view == views[0] else "NO")
-            print(
-                f"  {p.metadata.name + f' ({role})':<36}{rep['verdict']:<18}{ranks:<24}"
-                f"{rep['index']['blocks']:>13}  {same}"
-            )
-        print(
-            "\n  warm: a sibling's index grafted and joined by the live stream; recovered: grafted, waiting"
-            "\n  for the rank's next live batch; abandoned: nothing to inherit (the first replica booted"
-            "\n  alone); from_origin: rebuilt from the engine's own replay buffer.\n"
-        )
-        all_same = all(v == views[0] for v in views)
-
-        # 3. an engine's container dies and restarts in its pod, its disk tier intact
-        readopted = await engine_restart(fleet, session, urls, engines[0])
-    return 0 if all_same and kv.hit_rate > rr_stats.hit_rate and readopted else 1
+            traffic.stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        say("7. an engine's container killed (SIGKILL, as an OOM kill would), its disk tier intact")
+        routers = [f"http://{ip}:{F.ROUTER_PORT}" for _p, ip, _r in traffic.ready]
+        ok &= await engine_restart(demo, session, routers, engines[0])
+    return 0 if ok else 1
 
 
 async def _routes(session, router: str, prompts: list[list[int]], fleet: list[str]) -> list[str | None]:
@@ -603,9 +647,9 @@ async def _routes(session, router: str, prompts: list[list[int]], fleet: list[st
     return out
 
 
-async def engine_restart(fleet: Fleet, session, routers: list[str], victim) -> bool:
-    if not getattr(fleet.provider, "reaches_pod_ips", False):
-        say("step 3 (an engine container killed) needs the local provider: skipped")
+async def engine_restart(demo: Demo, session, routers: list[str], victim) -> bool:
+    if not getattr(demo.provider, "reaches_pod_ips", False):
+        say("  (needs the local provider: skipped)")
         return True
     name, eid = victim.metadata.name, F.engine_id(victim)
     url = F.pod_url(victim, F.ENGINE_PORT)
@@ -624,16 +668,16 @@ async def engine_restart(fleet: Fleet, session, routers: list[str], victim) -> b
         return where if all(w.count(eid) == len(prompts) for w in where) else None
 
     await wait_until("every replica to route the disk prefixes to their engine", all_routed, 30)
-    status = (await asyncio.to_thread(fleet.core.read_namespaced_pod, name, fleet.ns)).status
+    status = (await asyncio.to_thread(demo.core.read_namespaced_pod, name, demo.ns)).status
     cs = status.container_statuses[0]
     say(f"{DISK_PREFIXES} prefixes on {name}'s disk tier; killing its container (SIGKILL) ...")
     t_kill = time.monotonic()
     os.kill(int(cs.container_id.removeprefix("process://")), signal.SIGKILL)
 
     def back():
-        p = fleet.core.read_namespaced_pod(name, fleet.ns)
+        p = demo.core.read_namespaced_pod(name, demo.ns)
         c = (p.status.container_statuses or [None])[0]
-        return p if _ready(p) and c is not None and c.restart_count > cs.restart_count else None
+        return p if T.pod_ready(p) and c is not None and c.restart_count > cs.restart_count else None
 
     await wait_until(f"{name} restarted in its pod and Ready", back, 90, interval=0.02)
     t_back = time.monotonic()
@@ -650,10 +694,14 @@ async def engine_restart(fleet: Fleet, session, routers: list[str], victim) -> b
     adopted = await asyncio.wait_for(asyncio.gather(*(readopted(r) for r in routers)), 30)
     routed = [(await _routes(session, r, prompts, routers)).count(eid) for r in routers]
     hits = 0
-    for tokens in prompts:
+    misses = []
+    for i, tokens in enumerate(prompts):
         status, chosen, body = await F.completion(session, routers[0], [*tokens, 7], max_tokens=1)
         cached = (body.get("usage") or {}).get("prompt_tokens_details", {}).get("cached_tokens", 0)
-        hits += status == 200 and chosen == eid and cached >= DISK_PREFIX_BLOCKS * BLOCK
+        hit = status == 200 and chosen == eid and cached >= DISK_PREFIX_BLOCKS * BLOCK
+        hits += hit
+        if not hit:
+            misses.append(f"prefix {i} (rank {i % 2}): HTTP {status}, to {chosen}, {cached} tokens cached")
     print()
     print(f"  {'replica':<10}{'disk tier shown again':>24}{'disk blocks':>13}{'prefixes routed back':>23}")
     for i, ((dt, blocks), n) in enumerate(zip(adopted, routed, strict=True)):
@@ -663,6 +711,8 @@ async def engine_restart(fleet: Fleet, session, routers: list[str], victim) -> b
         "\n  the engine's disk (its GPU tier died with the process and was dropped; the disk was re-adopted"
         "\n  because /server_info proved the same storage identity and epoch).\n"
     )
+    for m in misses:
+        print(f"  missed: {m}")
     return hits == len(prompts) and all(n == len(prompts) for n in routed)
 
 
@@ -704,27 +754,23 @@ def start_cluster(provider_name: str):
 def run_cluster(provider_name: str, keep_ns: bool) -> int:
     provider, kubeconfig = start_cluster(provider_name)
     ns = f"routerfleet-demo-{uuid.uuid4().hex[:5]}"
-    rc = 1
-    fleet = None
+    demo = None
     try:
         say(f"cluster up ({provider.describe()})")
-        fleet = Fleet(kubeconfig, ns, provider)
-        asyncio.run(node_ready(fleet))
-        rc = asyncio.run(cluster_demo(fleet))
-        return rc
-    except DemoError as e:
+        demo = Demo(T.Kube(kubeconfig), provider, ns)
+        asyncio.run(node_ready(demo))
+        return asyncio.run(cluster_demo(demo))
+    except (DemoError, RuntimeError) as e:  # RuntimeError: a kubectl that failed
         print(f"\ndemo failed: {e}", flush=True)
-        if fleet is not None:
-            fleet.dump()
+        if demo is not None:
+            demo.dump()
         return 1
     finally:
-        say("tearing down (namespace, then the cluster) ...")
-        if fleet is not None and not keep_ns:
-            with contextlib.suppress(Exception):
-                fleet.core.delete_namespace(ns)
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline and fleet.pods(""):
-                    time.sleep(0.2)
+        # The cluster is the demo's own: stopping it removes everything (the namespaces, the
+        # cluster-scoped CRDs and RBAC, every pod's process).
+        say("tearing down (the cluster and everything in it) ...")
+        if keep_ns:
+            say(f"  (--keep-namespace: not deleting {ns} first)")
         provider.down()
         say("done")
 
