@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup test lint kube demo bench clean
+.PHONY: setup test lint kube helm manifests demo bench clean
 
 setup: $(VENV)/.installed
 
@@ -47,14 +47,24 @@ lint: setup
 kube:
 	@nice -n 10 bash e2e/kube/build.sh >/dev/null
 
+# helm, for the chart's tests (charts/routerfleet-operator), built the same way (e2e/helm): a few
+# minutes cold, cached.
+helm:
+	@nice -n 10 bash e2e/helm/build.sh >/dev/null
+
+# manifests/operator/operator.yaml is the chart rendered for `kubectl apply -k` (tests/test_chart.py
+# checks it is current): edit the chart, then run this.
+manifests: setup helm
+	$(BIN)/python -m e2e.chart > manifests/operator/operator.yaml
+
 # Two pytest runs, then the container image build and smoke run (`make image`): every test not
 # marked e2e, then the e2e tests in a private network namespace with
 # one cluster for the whole run (tests/e2e/conftest.py). One e2e test alone, as root:
 #   .venv/bin/python -m pytest tests/e2e/test_node_agent.py::test_serviceaccount_token_and_rbac
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
-test: lint kube
-	@export ROUTERFLEET_KUBE_BIN=$$(bash e2e/kube/build.sh | tail -1); \
+test: lint kube helm
+	@export ROUTERFLEET_KUBE_BIN=$$(bash e2e/kube/build.sh | tail -1) ROUTERFLEET_HELM_BIN=$$(bash e2e/helm/build.sh | tail -1); \
 	$(PYTEST) -m "not e2e"; rc=$$?; [ $$rc -eq 5 ] && rc=0; [ $$rc -eq 0 ] || exit $$rc; \
 	$(BIN)/python -m e2e.cluster pytest -q -p no:cacheprovider tests/e2e; \
 	rc=$$?; [ $$rc -eq 5 ] && rc=0; [ $$rc -eq 0 ] || exit $$rc; \

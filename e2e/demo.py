@@ -695,6 +695,7 @@ async def engine_restart(demo: Demo, session, routers: list[str], victim) -> boo
     routed = [(await _routes(session, r, prompts, routers)).count(eid) for r in routers]
     hits = 0
     misses = []
+    await F.load_idle(session, routers)  # the probes just above must not count as load any more
     for i, tokens in enumerate(prompts):
         status, chosen, body = await F.completion(session, routers[0], [*tokens, 7], max_tokens=1)
         cached = (body.get("usage") or {}).get("prompt_tokens_details", {}).get("cached_tokens", 0)

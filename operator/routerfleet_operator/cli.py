@@ -13,6 +13,7 @@ routerfleet-operator validate -f fleet.yaml
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 from pathlib import Path
@@ -43,6 +44,22 @@ def _run(a: argparse.Namespace) -> int:
 
         start_http_server(a.metrics_port, addr=a.metrics_addr)  # the default registry: METRICS
     kopf.configure(verbose=a.verbose)
+    if a.peering is not None:
+        from .kube import Kube
+        from .peering import PeeringMissing, wait_for_peering
+
+        async def wait() -> None:
+            kube = Kube()
+            try:
+                await wait_for_peering(kube, a.peering, a.namespace)
+            finally:
+                await kube.close()
+
+        try:
+            asyncio.run(wait())
+        except PeeringMissing as exc:
+            print(f"routerfleet-operator: {exc}", file=sys.stderr)
+            return 1
     kopf.run(
         clusterwide=not a.namespace,
         namespaces=a.namespace,
@@ -54,7 +71,8 @@ def _run(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The CLI's parser (the chart's test parses the command its Deployment renders with it)."""
     ap = argparse.ArgumentParser(
         prog="routerfleet-operator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -91,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     o.add_argument("--metrics-addr", default="0.0.0.0", help="the metrics listener's address")
     o.add_argument("-v", "--verbose", action="store_true")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     if a.cmd == "run":
         return _run(a)
 

@@ -633,14 +633,7 @@ def operator_docs(cluster, ns: str) -> tuple[list[dict], list[dict]]:
     name, the test namespace's ServiceAccount, the e2e image."""
     docs = [
         d
-        for f in (
-            "crds/clusterkopfpeerings.kopf.dev.yaml",
-            "serviceaccount.yaml",
-            "clusterrole.yaml",
-            "peering.yaml",
-            "deployment.yaml",
-            "service.yaml",
-        )
+        for f in ("crds/clusterkopfpeerings.kopf.dev.yaml", "operator.yaml")
         for d in yaml.safe_load_all((OPERATOR_MANIFESTS / f).read_text())
         if d
     ]
@@ -744,3 +737,112 @@ def test_two_operator_replicas_in_cluster(cluster, namespace, crd):
         except ApiException as e:
             if e.status != 404:
                 raise
+
+
+def test_helm_install_and_uninstall(cluster, namespace, crd):
+    """charts/routerfleet-operator installed by helm, watching this namespace (the other tests' operators
+    own theirs): its replicas coordinate through a KopfPeering here, the fleet is reconciled to Ready,
+    and `helm uninstall` leaves nothing of the release behind. The CRDs are the suite's (installed
+    before any test), so the release does not install them (tests/operator/test_chart.py renders them)."""
+    from e2e import chart
+
+    _local_only(cluster)
+    ns = namespace
+    release = f"op-{ns[-5:]}"  # the namespace's random suffix
+    t0 = time.monotonic()
+    peering_crd = OPERATOR_MANIFESTS / "crds" / "kopfpeerings.kopf.dev.yaml"
+    p = kubectl(cluster, "apply", "--server-side", "-f", str(peering_crd))
+    assert p.returncode == 0, p.stderr
+    assert (
+        kubectl(cluster, "wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev").returncode == 0
+    )
+    kube = ("--kubeconfig", str(cluster.kubeconfig), "--namespace", ns)
+    repo, tag = getattr(cluster.provider, "image", "routerfleet:dev").rsplit(":", 1)
+    sets = (f"watchNamespaces={{{ns}}}", "crds.install=false", f"image.repository={repo}", f"image.tag={tag}")
+    chart.run("install", release, str(chart.CHART), *kube, *(a for v in sets for a in ("--set", v)))
+    selector = f"app.kubernetes.io/instance={release}"
+    try:
+        ops = cluster.wait_pods_ready(ns, selector, 2, timeout=90)
+        print(f"\n[helm] {release}: {len(ops)} operator pods Ready ({time.monotonic() - t0:.1f}s)")
+        deploy_engines(cluster, ns)
+        cluster.wait_pods_ready(ns, ENGINE_LABELS, 2)
+        crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, fleet_manifest(cluster, ns, 2))
+        obj = wait_fleet_ready(cluster, crd, ns, "fleet Ready under the helm-installed operator")
+        assert len(obj["status"]["members"]) == 2
+        names = {o.metadata.name for o in ops}
+
+        def both_peers():
+            p = client.CustomObjectsApi(cluster.api).get_namespaced_custom_object(
+                "kopf.dev", "v1", ns, "kopfpeerings", "routerfleet-operator"
+            )
+            return p if names <= set(p.get("status") or {}) else None
+
+        cluster.wait_for("both replicas in the namespace's KopfPeering", both_peers, 30)
+        # One replica reconciled, the other stood by: each waited for the peering object Helm creates
+        # after the Deployment (routerfleet_operator/peering.py), so neither ran as if alone.
+        logs = {n: cluster.container_log(ns, n, "operator") for n in names}
+        seeded = [n for n, log in logs.items() if "ReplicaSeeded" in log]
+        assert len(seeded) == 1, seeded
+        print(
+            f"[helm] fleet Ready, both replicas in the namespace's KopfPeering ({time.monotonic() - t0:.1f}s)"
+        )
+        crd.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, FLEET)  # the operator's finalizer
+        cluster.wait_for("the fleet gone", lambda: not crd.list_namespaced_custom_object(
+            GROUP, VERSION, ns, PLURAL)["items"], 60)  # fmt: skip
+    finally:
+        chart.run("uninstall", release, *kube, "--wait", "--timeout", "60s")
+    sel = {"label_selector": selector}
+    listed = [
+        ("deployment", cluster.apps.list_namespaced_deployment(ns, **sel).items),
+        ("serviceaccount", cluster.core.list_namespaced_service_account(ns, **sel).items),
+        ("service", cluster.core.list_namespaced_service(ns, **sel).items),
+        ("clusterrole", cluster.rbac.list_cluster_role(**sel).items),
+        ("clusterrolebinding", cluster.rbac.list_cluster_role_binding(**sel).items),
+    ]
+    left = [f"{kind}/{o.metadata.name}" for kind, objs in listed for o in objs]
+    peerings = client.CustomObjectsApi(cluster.api).list_namespaced_custom_object(
+        "kopf.dev", "v1", ns, "kopfpeerings", **sel
+    )
+    left += [f"kopfpeering/{k['metadata']['name']}" for k in peerings["items"]]
+    assert not left, f"helm uninstall left {left}"
+    print(f"[helm] uninstalled, nothing of {release} left ({time.monotonic() - t0:.1f}s)")
+
+
+def test_the_operator_waits_for_its_peering_object(cluster, namespace, monkeypatch):
+    """`run --peering` waits for the peering object kopf will use (created by Helm after the Deployment)
+    and, past its bound, says which is missing instead of running as if alone."""
+    from routerfleet_operator.kube import Kube
+    from routerfleet_operator.peering import PeeringMissing, wait_for_peering
+
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+    peering_crd = OPERATOR_MANIFESTS / "crds" / "kopfpeerings.kopf.dev.yaml"
+    assert kubectl(cluster, "apply", "--server-side", "-f", str(peering_crd)).returncode == 0
+    assert (
+        kubectl(cluster, "wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev").returncode == 0
+    )
+    obj = {
+        "apiVersion": "kopf.dev/v1",
+        "kind": "KopfPeering",
+        "metadata": {"name": "late", "namespace": namespace},
+    }
+
+    async def scenario() -> float:
+        kube = Kube()
+        try:
+            with pytest.raises(PeeringMissing, match=f"namespaces/{namespace}/kopfpeerings/late"):
+                await wait_for_peering(kube, "late", [namespace], timeout_s=1.0)
+            t0 = time.monotonic()
+            waiter = asyncio.ensure_future(wait_for_peering(kube, "late", [namespace], timeout_s=30.0))
+            await asyncio.sleep(1.0)
+            assert not waiter.done()
+            await asyncio.to_thread(
+                client.CustomObjectsApi(cluster.api).create_namespaced_custom_object,
+                "kopf.dev", "v1", namespace, "kopfpeerings", obj,
+            )  # fmt: skip
+            await asyncio.wait_for(waiter, 10)
+            return time.monotonic() - t0
+        finally:
+            await kube.close()
+
+    took = asyncio.run(scenario())
+    assert 1.0 <= took < 5.0, took
