@@ -24,7 +24,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from .model import Phase
+from .model import OnSeedFailure, Phase
 
 PREFIX = "routerfleet_operator_"
 RESULTS = ("ok", "conflict", "invalid", "gone", "error")
@@ -74,6 +74,8 @@ class OperatorMetrics:
             ["policy"],
             registry=registry,
         )
+        for policy in OnSeedFailure:  # zeros from the start, not a gap on the dashboard
+            self.seed_failures.labels(policy=policy.value)
         self.fleet_verdicts = Gauge(
             p + "fleet_verdicts",
             "Replicas of a fleet per bootstrap verdict (status.verdicts)",

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..kv.index import Carrier
 from .state import OriginOutcome, RankOutcome, RankState, SnapshotOutcome, SweepResult
+from .vetting import VetError
 
 _STATE_VALUE = {RankState.PENDING: 0, RankState.RECOVERED: 1, RankState.SETTLED: 2}
 
@@ -70,6 +71,8 @@ class BootstrapMetrics:
             self.sweeps.labels(s.value)
         for o in OriginOutcome:
             self.origin.labels(o.value)
+        for e in VetError:
+            self.vet_errors.labels(e.value)
 
     def set_state(self, c: Carrier, state: RankState) -> None:
         self.state.labels(c.engine, str(c.rank)).set(_STATE_VALUE[state])

@@ -59,3 +59,12 @@ class KVMetrics:
             registry=registry,
             buckets=(1e-6, 5e-6, 2e-5, 1e-4, 5e-4, 2e-3, 1e-2, 5e-2, 0.25),
         )
+        # Every label value exists from the start, so dashboards and alerts see zeros, not gaps.
+        # (Imported here: the subscription module imports this one.)
+        from .decode import MalformedReason
+        from .subscription import ReplayOutcome
+
+        for o in (*ReplayOutcome, "unavailable"):
+            self.replays.labels(str(o))
+        for r in (*MalformedReason, "rank_mismatch"):
+            self.malformed.labels(str(r))

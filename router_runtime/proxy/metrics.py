@@ -146,10 +146,9 @@ class ProxyMetrics:
         self.audit_cached.labels(engine, policy, doubtful).inc(
             prediction.tokens - audit.false_hit_tokens + audit.missed_hit_tokens
         )
-        if audit.false_hit_tokens:
-            self.audit_false_hit.labels(engine, policy, doubtful).inc(audit.false_hit_tokens)
-        if audit.missed_hit_tokens:
-            self.audit_missed_hit.labels(engine, policy, doubtful).inc(audit.missed_hit_tokens)
+        # Incremented by zero too: a router that is never wrong shows a false-hit ratio of 0, not no data.
+        self.audit_false_hit.labels(engine, policy, doubtful).inc(audit.false_hit_tokens)
+        self.audit_missed_hit.labels(engine, policy, doubtful).inc(audit.missed_hit_tokens)
         self.audit_false_hit_per_request.labels(policy).observe(audit.false_hit_tokens)
 
     def forget_engines(self, keep: set[str]) -> None:

@@ -739,17 +739,12 @@ def test_two_operator_replicas_in_cluster(cluster, namespace, crd):
                 raise
 
 
-def test_helm_install_and_uninstall(cluster, namespace, crd):
-    """charts/routerfleet-operator installed by helm, watching this namespace (the other tests' operators
-    own theirs): its replicas coordinate through a KopfPeering here, the fleet is reconciled to Ready,
-    and `helm uninstall` leaves nothing of the release behind. The CRDs are the suite's (installed
-    before any test), so the release does not install them (tests/operator/test_chart.py renders them)."""
+def helm_install_operator(cluster, ns: str) -> str:
+    """charts/routerfleet-operator installed by helm into ``ns``, watching only ``ns`` (the other tests'
+    operators own theirs), without the CRDs (the suite's); returns the release name."""
     from e2e import chart
 
-    _local_only(cluster)
-    ns = namespace
     release = f"op-{ns[-5:]}"  # the namespace's random suffix
-    t0 = time.monotonic()
     peering_crd = OPERATOR_MANIFESTS / "crds" / "kopfpeerings.kopf.dev.yaml"
     p = kubectl(cluster, "apply", "--server-side", "-f", str(peering_crd))
     assert p.returncode == 0, p.stderr
@@ -760,6 +755,21 @@ def test_helm_install_and_uninstall(cluster, namespace, crd):
     repo, tag = getattr(cluster.provider, "image", "routerfleet:dev").rsplit(":", 1)
     sets = (f"watchNamespaces={{{ns}}}", "crds.install=false", f"image.repository={repo}", f"image.tag={tag}")
     chart.run("install", release, str(chart.CHART), *kube, *(a for v in sets for a in ("--set", v)))
+    return release
+
+
+def test_helm_install_and_uninstall(cluster, namespace, crd):
+    """charts/routerfleet-operator installed by helm, watching this namespace (the other tests' operators
+    own theirs): its replicas coordinate through a KopfPeering here, the fleet is reconciled to Ready,
+    and `helm uninstall` leaves nothing of the release behind. The CRDs are the suite's (installed
+    before any test), so the release does not install them (tests/operator/test_chart.py renders them)."""
+    from e2e import chart
+
+    _local_only(cluster)
+    ns = namespace
+    t0 = time.monotonic()
+    release = helm_install_operator(cluster, ns)
+    kube = ("--kubeconfig", str(cluster.kubeconfig), "--namespace", ns)
     selector = f"app.kubernetes.io/instance={release}"
     try:
         ops = cluster.wait_pods_ready(ns, selector, 2, timeout=90)
