@@ -25,6 +25,7 @@ import pytest
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
+from e2e.fleet_traffic import conds, pod_ready
 from e2e.provider import get_provider
 
 NODE = "node-1"
@@ -33,17 +34,8 @@ NODE = "node-1"
 # ------------------------------------------------------------------------------------------ pure helpers
 
 
-def conditions(obj) -> dict[str, str]:
-    return {c.type: c.status for c in (obj.status.conditions or [])}
-
-
-def pod_ready(p) -> bool:
-    return (
-        p.status.phase == "Running"
-        and conditions(p).get("Ready") == "True"
-        and bool(p.status.pod_ip)
-        and p.metadata.deletion_timestamp is None
-    )
+# A pod's conditions and readiness: the demo's and the benches' definitions (e2e/fleet_traffic.py).
+conditions = conds
 
 
 def deployment_available(d) -> bool:
