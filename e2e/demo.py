@@ -365,10 +365,9 @@ class Demo:
         self.kube, self.provider, self.ns = kube, provider, ns
         self.core = kube.core
 
-    def kubectl(self, *args: str, show: bool = True, output: bool = False) -> str:
-        """Run kubectl (shown as typed, namespace flag included when it is the demo's)."""
-        if show:
-            shell("kubectl " + " ".join(args))
+    def kubectl(self, *args: str, output: bool = False) -> str:
+        """Run kubectl, shown as typed (``output``: its output too)."""
+        shell("kubectl " + " ".join(args))
         out = self.kube.run_kubectl(*args)
         if output:
             indent(out)

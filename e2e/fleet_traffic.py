@@ -59,14 +59,13 @@ class Kube:
 
         return str(kube_bin_dir(build=False) / "kubectl")
 
-    def run_kubectl(self, *args: str, input: str | None = None) -> str:
+    def run_kubectl(self, *args: str) -> str:
         """kubectl's output; RuntimeError with its message when it fails."""
         p = subprocess.run(
             [self.kubectl, "--kubeconfig", self.kubeconfig, *args],
             capture_output=True,
             text=True,
             timeout=90,
-            input=input,
         )
         if p.returncode != 0:
             raise RuntimeError(f"kubectl {' '.join(args)}: {p.stderr.strip()}")

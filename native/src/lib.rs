@@ -473,12 +473,6 @@ impl PyColumns {
         le_tuple(py, &self.inner)
     }
 
-    /// Carrier entries (the sum of ``ncar``).
-    #[getter]
-    fn entries(&self) -> usize {
-        self.inner.worker.len()
-    }
-
     fn __len__(&self) -> usize {
         self.inner.key.len()
     }
@@ -496,10 +490,6 @@ impl PyVetted {
     fn le<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         let empty = snapshot::Columns::default();
         le_tuple(py, self.inner.as_ref().map_or(&empty, |v| v.columns()))
-    }
-
-    fn __len__(&self) -> usize {
-        self.inner.as_ref().map_or(0, |v| v.columns().key.len())
     }
 }
 

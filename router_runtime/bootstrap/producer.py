@@ -27,8 +27,6 @@ from .wire import FORMAT, LEGACY_FORMAT, WireSession, WireSnapshot, WireWorker, 
 class Built:
     at: float  # monotonic stamp taken before the cursors were read
     snapshot: WireSnapshot  # the export; each format's body is encoded from it on first request
-    ready: bool
-    records: int
     # (format, gzipped) -> the encoding of that body, single-flighted
     bodies: dict[tuple[int, bool], asyncio.Future] = field(default_factory=dict)
 
@@ -118,7 +116,7 @@ class SnapshotProducer:
     async def _build(self) -> Built:
         at = self._clock()
         if not self.ready():
-            built = Built(at, self._snapshot([], {}, Columns(), ready=False), ready=False, records=0)
+            built = Built(at, self._snapshot([], {}, Columns(), ready=False))
             self._cached = built
             return built
         writer = self.plane.writer
@@ -131,8 +129,7 @@ class SnapshotProducer:
         while not await writer.call(lambda _index: ex.step(self.chunk)):
             pass
         sessions = self._sessions() if self._sessions is not None else []  # read on the loop
-        cols = ex.columns
-        built = Built(at, self._snapshot(ex.workers, applied, cols, True, sessions), True, len(cols))
+        built = Built(at, self._snapshot(ex.workers, applied, ex.columns, True, sessions))
         self._cached = built
         return built
 
