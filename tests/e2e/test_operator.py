@@ -836,12 +836,11 @@ def test_the_operator_waits_for_its_peering_object(cluster, namespace, monkeypat
         "metadata": {"name": "late", "namespace": namespace},
     }
 
-    async def scenario() -> float:
+    async def scenario() -> None:
         kube = Kube()
         try:
             with pytest.raises(PeeringMissing, match=f"namespaces/{namespace}/kopfpeerings/late"):
                 await wait_for_peering(kube, "late", [namespace], timeout_s=1.0)
-            t0 = time.monotonic()
             waiter = asyncio.ensure_future(wait_for_peering(kube, "late", [namespace], timeout_s=30.0))
             await asyncio.sleep(1.0)
             assert not waiter.done()
@@ -849,10 +848,8 @@ def test_the_operator_waits_for_its_peering_object(cluster, namespace, monkeypat
                 client.CustomObjectsApi(cluster.api).create_namespaced_custom_object,
                 "kopf.dev", "v1", namespace, "kopfpeerings", obj,
             )  # fmt: skip
-            await asyncio.wait_for(waiter, 10)
-            return time.monotonic() - t0
+            await asyncio.wait_for(waiter, 10)  # it returns once the object exists
         finally:
             await kube.close()
 
-    took = asyncio.run(scenario())
-    assert 1.0 <= took < 5.0, took
+    asyncio.run(scenario())
