@@ -209,6 +209,8 @@ def start_all(
     specs = {
         "ours": ("ours kv_aware", "ours", "kv_aware", False),
         "ours-rr": ("ours round_robin", "ours", "round_robin", False),
+        # The audit's stream half off: no include_usage asked of the engine, nothing stripped.
+        "ours-noaudit": ("ours kv_aware --no-audit-stream-usage", "ours", "kv_aware", False),
         "vllm": ("vllm-router kv_aware", "vllm-router", "kv_aware", False),
         "sglang": ("sglang-router cache_aware", "sglang-router", "", True),
     }
@@ -220,8 +222,9 @@ def start_all(
                 if not ok:
                     skipped[name] = why
                     continue
+            extra = ["--no-audit-stream-usage"] if name == "ours-noaudit" else []
             r = h.start_router(
-                kind, [engine], logdir, policy=policy or "kv_aware", label=name, cpus=router_cpus
+                kind, [engine], logdir, policy=policy or "kv_aware", label=name, cpus=router_cpus, extra=extra
             )
             routers.append(r)
             targets.append(Target(name, label, r.url, text, "direct-text" if text else "direct", r))
@@ -244,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, help="runs; medians are reported (default 3, quick 1)")
     ap.add_argument(
         "--rows",
-        default="ours,ours-rr,vllm,sglang",
-        help="routers, from ours,ours-rr,vllm,sglang (default all)",
+        default="ours,ours-noaudit,ours-rr,vllm,sglang",
+        help="routers, from ours,ours-noaudit,ours-rr,vllm,sglang (default all)",
     )
     ap.add_argument("--conns", type=int, default=32, help="connections in the throughput loop (default 32)")
     ap.add_argument(
@@ -324,6 +327,12 @@ def main(argv: list[str] | None = None) -> int:
         h.stop_all([*routers, engine])
 
     report(targets, lat, thr, errors)
+    costs = [audit_cost() for _ in range(3)]
+    tiny_us, stream_us = h.med([c[0] for c in costs]), h.med([c[1] for c in costs])
+    print(
+        f"\n# the prediction audit in-process, per request: {tiny_us:.1f} us on a tiny response,"
+        f" {stream_us:.1f} us on a 64-chunk stream (strip included)"
+    )
     if dead:
         print(f"\n# WARNING: exited during the run: {', '.join(dead)}")
     print("\n# flags (E0 = the engine's HTTP URL, KV PUB and replay endpoints):")
@@ -353,6 +362,41 @@ def main(argv: list[str] | None = None) -> int:
                 indent=1,
             )
     return 0
+
+
+def audit_cost(n: int = 2000) -> tuple[float, float]:
+    """The audit's own work per request, in-process (us): the scan and verdict over a tiny response, and
+    the strip over a 64-chunk stream with its usage-only chunk; the metrics counted in both."""
+    from prometheus_client import CollectorRegistry
+
+    from router_runtime.proxy.audit import Prediction, UsageScan, UsageStrip, judge
+    from router_runtime.proxy.metrics import ProxyMetrics
+
+    metrics = ProxyMetrics(CollectorRegistry())
+    usage = {"prompt_tokens": 32, "completion_tokens": 64, "prompt_tokens_details": {"cached_tokens": 32}}
+    base = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": h.MODEL}
+    tiny = json.dumps({**base, "choices": [{"index": 0, "text": "a"}], "usage": usage}).encode()
+
+    def event(obj) -> bytes:
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    chunks = [event({**base, "choices": [{"index": 0, "text": "a"}]})] * 64
+    chunks += [event({**base, "choices": [], "usage": usage}), b"data: [DONE]\n\n"]
+    prediction = Prediction(32, tiers=(32, 0, 0, 0))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        scan = UsageScan()
+        scan.feed(tiny)
+        metrics.audit("e", "kv_aware", prediction, judge(prediction, scan.cached_tokens))
+    t1 = time.perf_counter()
+    for _ in range(n):
+        strip = UsageStrip()
+        for c in chunks:
+            strip.feed(c)
+        strip.flush()
+        metrics.audit("e", "kv_aware", prediction, judge(prediction, strip.scan.cached_tokens))
+    t2 = time.perf_counter()
+    return (t1 - t0) / n * 1e6, (t2 - t1) / n * 1e6
 
 
 def report(
@@ -427,6 +471,10 @@ def report(
                 h.med([x.router_cpu_us_per_req for x in o]), h.med([x.router_cpu_us_per_req for x in v])
             )
             print(f"  ours/vllm-router: max req/s {rps}, router CPU per request {cpu}")
+        if "ours" in by_name and "ours-noaudit" in by_name:
+            o, n = thr["ours", shape], thr["ours-noaudit", shape]
+            d = h.med([x.router_cpu_us_per_req for x in o]) - h.med([x.router_cpu_us_per_req for x in n])
+            print(f"  stream usage audit on - off: router CPU per request {d:+.0f} us")
     bad = {k: v for k, v in errors.items() if v}
     if bad:
         print(f"\n  errors: {bad}")

@@ -129,6 +129,7 @@ class Router:
             loads=self.fleet.view,
             limits=config.server,
             doubt_fn=self.doubtful,
+            audit_stream_usage=config.audit_stream_usage,
         )
         self.checker = HealthChecker(
             self.health,

@@ -48,6 +48,8 @@ class RouterConfig:
     idle_timeout_s: float = 300.0
     max_body_bytes: int = 32 << 20
     upstream_keepalive_s: float = 4.0
+    # Ask engines for usage on streams whose client did not, and strip it again (proxy/audit.py).
+    audit_stream_usage: bool = True
     # Client connections: the router's own HTTP server (proxy/serving.py).
     server: ServerLimits = field(default_factory=ServerLimits)
     # Engine health.
@@ -248,6 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=32 << 20,
         help="request body limit; larger: 413 (32 MiB)",
+    )
+    p.add_argument(
+        "--audit-stream-usage",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask the engine for usage on streams whose client did not (stream_options.include_usage),"
+        " so the prediction audit covers them; the client's stream is unchanged (default on)",
     )
     c = p.add_argument_group("client connections (the router's HTTP server)")
     for flag, default, what in (
@@ -634,6 +643,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         idle_timeout_s=a.idle_timeout_ms / 1000,
         upstream_keepalive_s=a.upstream_keepalive_ms / 1000,
         max_body_bytes=a.max_body_bytes,
+        audit_stream_usage=a.audit_stream_usage,
         server=ServerLimits(
             header_timeout_s=a.client_header_timeout_ms / 1000,
             idle_timeout_s=a.client_idle_timeout_ms / 1000,

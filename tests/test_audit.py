@@ -5,6 +5,7 @@ without telling anyone counted as false-hit tokens, streams audited from the usa
 from __future__ import annotations
 
 import json
+import re
 
 import aiohttp
 import pytest
@@ -13,7 +14,15 @@ from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
 from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.kv.plane import WorkerSpec
-from router_runtime.proxy.audit import Audit, AuditOutcome, Prediction, UsageScan, judge
+from router_runtime.proxy.audit import (
+    Audit,
+    AuditOutcome,
+    Prediction,
+    UsageScan,
+    UsageStrip,
+    judge,
+    request_usage,
+)
 
 from .support import eventually
 
@@ -55,6 +64,74 @@ def test_a_stream_reports_its_last_usage_and_none_without_it():
     assert scan.cached_tokens is None
 
 
+def test_usage_is_asked_for_only_on_streams_whose_client_left_stream_options_alone():
+    raw = b' \n{"model": "m", "stream": true, "prompt": "caf\xc3\xa9 \\"q\\""}'
+    asked = request_usage(raw, json.loads(raw))
+    assert asked is not None and asked.startswith(b' \n{"stream_options":{"include_usage":true},')
+    assert json.loads(asked) == {**json.loads(raw), "stream_options": {"include_usage": True}}
+    assert asked.endswith(raw[3:])  # the client's bytes, unchanged behind the added key
+    for body in (
+        {"stream": False, "prompt": "x"},
+        {"prompt": "x"},
+        {"stream": "yes", "prompt": "x"},
+        {"stream": True, "stream_options": {"include_usage": False}},
+        {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+        {"stream": True, "stream_options": None},
+    ):
+        assert request_usage(json.dumps(body).encode(), body) is None, body
+    utf16 = json.dumps({"stream": True, "prompt": "x"}).encode("utf-16-le")
+    assert request_usage(utf16, json.loads(utf16)) is None
+
+
+def _events(*chunks: dict, end: bytes = b"\n\n") -> bytes:
+    return b"".join(b"data: " + json.dumps(c, separators=(",", ":")).encode() + end for c in chunks) + (
+        b"data: [DONE]" + end
+    )
+
+
+def _chunk(text: str, finish=None, **extra) -> dict:
+    base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+    return {**base, "choices": [choice], **extra}
+
+
+USAGE = {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}}
+# SGLang's completion chunks carry "usage":null with or without include_usage: it is not the router's.
+CHUNKS = [_chunk("a"), _chunk('"choices":[] in text', usage=None), _chunk("", "length")]
+USAGE_ONLY = {**{k: v for k, v in _chunk("").items() if k != "choices"}, "choices": [], "usage": USAGE}
+
+
+@pytest.mark.parametrize("end", [b"\n\n", b"\r\n\r\n"])
+@pytest.mark.parametrize("size", [1, 2, 5, 17, 1 << 20])
+def test_the_strip_gives_the_client_the_stream_it_would_have_had(end, size):
+    """Across every split of the engine's bytes, the client gets exactly the stream it would have had
+    without include_usage, and the scan the engine's figure."""
+    engine = _events(*CHUNKS, USAGE_ONLY, end=end)
+    wanted = _events(*CHUNKS, end=end)
+    for offset in range(0, min(size, 9)):
+        strip = UsageStrip()
+        pieces = [engine[:offset], *(engine[i : i + size] for i in range(offset, len(engine), size))]
+        out = b"".join(strip.feed(p) for p in pieces) + strip.flush()
+        assert out == wanted, (size, offset)
+        assert strip.scan.cached_tokens == 32
+
+
+def test_the_strip_keeps_usage_an_engine_sends_unasked_and_an_unterminated_tail():
+    """SGLang-style usage on the finishing chunk is the engine's own and stays; only the usage-only
+    chunk goes. A stream cut before its blank line still passes on what it had."""
+    engine = _events(_chunk("a"), _chunk("", "stop", usage=USAGE), USAGE_ONLY)
+    strip = UsageStrip()
+    out = strip.feed(engine) + strip.flush()
+    assert out == _events(_chunk("a"), _chunk("", "stop", usage=USAGE))
+    strip = UsageStrip()
+    assert strip.feed(b'data: {"choices":[],"usage":null}') == b""
+    assert strip.flush() == b'data: {"choices":[],"usage":null}'  # no usage object: not the usage chunk
+
+
+def test_a_prediction_names_its_tiers():
+    assert Prediction(48, tiers=(32, 16, 0, 0)).tier_header() == "device=32,host=16,disk=0,external=0"
+
+
 def audited(router, outcome: str, doubtful: str = "false") -> float:
     return sum(
         router.registry.get_sample_value(
@@ -82,6 +159,7 @@ async def test_a_router_audits_its_predictions_against_the_engine():
                 usage = (await r.json())["usage"]
                 assert r.headers["X-RouterFleet-Predicted-Cached-Tokens"] == "40"
                 assert r.headers["X-RouterFleet-Prediction-Doubtful"] == "false"
+                assert r.headers["X-RouterFleet-Predicted-Tiers"] == "device=40,host=0,disk=0,external=0"
             assert usage["prompt_tokens_details"]["cached_tokens"] == 40
             assert audited(router, "exact") == 2 and audited(router, "false_hit") == 0
 
@@ -98,11 +176,32 @@ async def test_a_router_audits_its_predictions_against_the_engine():
             )
             assert false_hit == 40
 
-            # Streams are audited from the usage they carry (the fake engine sends it on the last
-            # chunk, and again in the usage-only chunk when asked); with none, the pure scan says None.
-            for options in ({}, {"stream_options": {"include_usage": True}}):
+            # Streams are audited whether or not the client asked for usage: the router asks, and a
+            # client that did not gets the stream it would have had from the engine itself (the same
+            # events but the id and timestamp), usage-only chunk and all taken out again.
+            for options, usage_chunk in (({}, False), ({"stream_options": {"include_usage": True}}, True)):
                 before = audited(router, "exact")
                 stream = {"prompt": list(range(100, 140)), "max_tokens": 2, "stream": True, **options}
                 async with s.post(url + "/v1/completions", json=stream) as r:
-                    await r.read()
+                    via_router = await r.read()
                 assert audited(router, "exact") == before + 1, options
+                async with s.post(e.http_url + "/v1/completions", json=stream) as r:
+                    direct = await r.read()
+                assert _same_events(via_router, direct) and (b'"choices":[]' in via_router) is usage_chunk
+
+        # Without --audit-stream-usage, such a stream is counted unaudited, never as a miss.
+        cfg = RouterConfig(
+            port=0, workers=(worker,), block_size=BS, health_interval_s=0, audit_stream_usage=False
+        )
+        async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
+            await eventually(lambda: router.ready()[0], what="ready")
+            stream = {"prompt": list(range(200, 240)), "max_tokens": 2, "stream": True}
+            async with s.post(url + "/v1/completions", json=stream) as r:
+                assert b"usage" not in await r.read()
+            assert audited(router, "unaudited") == 1 and audited(router, "exact") == 0
+
+
+def _same_events(a: bytes, b: bytes) -> bool:
+    """Two streams of the same request, equal but for each response's id and creation time."""
+    ids = re.compile(rb'"id":"[^"]*","object":"([^"]*)","created":\d+')
+    return ids.sub(rb"\1", a) == ids.sub(rb"\1", b) and a.count(b"\n\n") >= 3

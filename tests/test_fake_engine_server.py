@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -22,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from router_runtime.fake_engine import FakeEngine, run_fake_engine
+from router_runtime.fake_engine.cache import RankCache
 from router_runtime.fake_engine.hashing import block_hashes
 from router_runtime.kv.decode import MalformedFrame, decode_batch, parse_pub_message, parse_replay_reply
 from router_runtime.kv.events import BlockRemoved, BlockStored, Dialect, EventBatch
@@ -148,17 +150,18 @@ async def test_completion_stream_chunks_and_usage(engine: FakeEngine, http) -> N
     assert len(chunks) == 4
     assert all(c["object"] == "text_completion" and len(c["choices"][0]["text"]) == 1 for c in chunks)
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
-    assert "usage" not in chunks[0]
-    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    assert not any("usage" in c for c in chunks)  # as vLLM and SGLang: no usage unless asked
     _, full = await post(http, url, body)
     assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"]
     # include_usage adds OpenAI's usage-only chunk after the finishing one
-    chunks = await sse(http, url, {**body, "stream_options": {"include_usage": True}})
+    asked = {**body, "stream_options": {"include_usage": True}}
+    chunks = await sse(http, url, asked)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 12
-    # zero tokens: still one finishing chunk with usage
-    chunks = await sse(http, url, {**body, "max_tokens": 0})
-    assert len(chunks) == 1 and chunks[0]["choices"][0]["finish_reason"] == "length"
-    assert chunks[0]["usage"]["completion_tokens"] == 0
+    assert chunks[-1]["usage"]["completion_tokens"] == 4 and not any("usage" in c for c in chunks[:-1])
+    # zero tokens: still one finishing chunk, then the usage
+    chunks = await sse(http, url, {**asked, "max_tokens": 0})
+    assert len(chunks) == 2 and chunks[0]["choices"][0]["finish_reason"] == "length"
+    assert chunks[1]["usage"]["completion_tokens"] == 0
 
 
 async def test_chat_non_stream_and_stream(engine: FakeEngine, http) -> None:
@@ -170,14 +173,17 @@ async def test_chat_non_stream_and_stream(engine: FakeEngine, http) -> None:
     assert len(full["choices"][0]["message"]["content"]) == 3
     n_prompt = len(tokenize_chat(messages))
     assert full["usage"]["prompt_tokens"] == n_prompt
-    chunks = await sse(http, url, {"messages": messages, "max_tokens": 3})
+    chunks = await sse(
+        http, url, {"messages": messages, "max_tokens": 3, "stream_options": {"include_usage": True}}
+    )
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    usage = chunks.pop()["usage"]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert (
         "".join(c["choices"][0]["delta"]["content"] for c in chunks)
         == full["choices"][0]["message"]["content"]
     )
-    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == n_prompt // BS * BS
+    assert usage["prompt_tokens_details"]["cached_tokens"] == n_prompt // BS * BS
     # the same chat sent as a completion of the rendered tokens hits the same blocks
     _, as_completion = await post(
         http, engine.http_url + "/v1/completions", {"prompt": tokenize_chat(messages), "max_tokens": 1}
@@ -416,6 +422,42 @@ async def test_max_concurrency_queues_requests(http) -> None:
             assert "routerfleet_fake_engine_requests_waiting 1.0" in await r.text()
         await asyncio.gather(*tasks)
         assert time.monotonic() - t0 >= 0.19  # 2 x 10 tokens at 100 tok/s, one at a time
+
+
+async def test_cached_tokens_are_exact_under_concurrency(http) -> None:
+    """The prediction audit is only as good as the engine's report: with many requests in flight over a
+    cache small enough to evict, each response's cached_tokens is what a replay of the prompts in
+    admission order (the ids' order) through the same cache reports."""
+    rng = random.Random(7)
+    systems = [[rng.randrange(1000) for _ in range(4 * BS)] for _ in range(3)]
+    tail = [[rng.randrange(1000) for _ in range(rng.randrange(0, 3 * BS))] for _ in range(48)]
+    prompts = [rng.choice(systems) + t for t in tail]
+    async with run_fake_engine(
+        block_size=BS, prefill_us_per_token=300.0, decode_tokens_per_s=2000, capacity_blocks=10,
+        host_capacity_blocks=6,
+    ) as e:  # fmt: skip
+        url = e.http_url + "/v1/completions"
+
+        async def one(prompt):
+            if rng.random() < 0.5:
+                status, body = await post(http, url, {"prompt": prompt, "max_tokens": 3})
+                assert status == 200
+                return body["id"], body["usage"]
+            asked = {"prompt": prompt, "max_tokens": 3, "stream_options": {"include_usage": True}}
+            chunks = await sse(http, url, asked)
+            return chunks[-1]["id"], chunks[-1]["usage"]
+
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        replay = RankCache(e.caches[0].config)
+    order = sorted(range(len(prompts)), key=lambda i: int(results[i][0].rsplit("-", 1)[1]))
+    assert len({results[i][0] for i in order}) == len(prompts)
+    seen_hits = 0
+    for i in order:
+        want = replay.admit(prompts[i]).cached_tokens
+        got = results[i][1]["prompt_tokens_details"]["cached_tokens"]
+        assert got == want, (i, got, want)
+        seen_hits += got > 0
+    assert 0 < seen_hits < len(prompts)  # the run had hits, and misses (evictions) among them
 
 
 # -------------------------------------------------------------------------------------------- the CLI

@@ -231,19 +231,13 @@ class ResponseHeader:
             }
         return {**self._base(self.object), "choices": [choice], "usage": usage}
 
-    def chunk(
-        self, text: str, *, first: bool = False, finish_reason: str | None = None, usage=None
-    ) -> dict[str, Any]:
+    def chunk(self, text: str, *, first: bool = False, finish_reason: str | None = None) -> dict[str, Any]:
         if self.kind is Kind.COMPLETION:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            out = {**self._base("text_completion"), "choices": [choice]}
-        else:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            out = {**self._base("chat.completion.chunk"), "choices": [choice]}
-        if usage is not None:
-            out["usage"] = usage
-        return out
+            return {**self._base("text_completion"), "choices": [choice]}
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._base("chat.completion.chunk"), "choices": [choice]}
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         """OpenAI's ``include_usage`` chunk: no choices, just usage."""

@@ -418,6 +418,9 @@ class FakeEngine:
         cfg = self.config
         async with self._slot(rank):
             admission = self.admit(rank, req.prompt_tokens, req.namespace)
+            # Numbered in admission order (nothing awaits between the two), so each response's
+            # cached_tokens can be checked against a replay of the prompts in id order.
+            serial = next(self._request_ids)
             cached = admission.cached_tokens
             n_prompt = len(req.prompt_tokens)
             stats = self.rank_stats[rank]
@@ -430,7 +433,7 @@ class FakeEngine:
             output = generate_tokens(req.prompt_tokens, req.max_tokens)
             prefix = "cmpl" if req.kind is Kind.COMPLETION else "chatcmpl"
             header = ResponseHeader(
-                id=f"{prefix}-{self.incarnation[:8]}-{next(self._request_ids)}",
+                id=f"{prefix}-{self.incarnation[:8]}-{serial}",
                 created=int(time.time()),
                 model=req.model or cfg.model,
                 kind=req.kind,
@@ -460,9 +463,9 @@ class FakeEngine:
         usage: dict[str, Any],
         headers: dict[str, str],
     ) -> web.StreamResponse:
-        """SSE: one chunk per generated token; the chunk carrying ``finish_reason`` always also carries
-        ``usage`` (so clients get ``cached_tokens`` without opting in); with
-        ``stream_options.include_usage`` an OpenAI-style usage-only chunk follows; then ``[DONE]``."""
+        """SSE: one chunk per generated token, the last carrying ``finish_reason``; with
+        ``stream_options.include_usage`` the usage-only chunk (``"choices":[]``) follows; then
+        ``[DONE]``. As vLLM and SGLang stream: no usage unless asked for."""
         response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         await response.prepare(request)
         rate = self.config.decode_tokens_per_s
@@ -473,16 +476,11 @@ class FakeEngine:
                 if rate:
                     await _sleep(start + (i + 1) / rate - time.monotonic())
                 last = i == len(output) - 1
-                chunk = header.chunk(
-                    decode([token]),
-                    first=first,
-                    finish_reason="length" if last else None,
-                    usage=usage if last else None,
-                )
+                chunk = header.chunk(decode([token]), first=first, finish_reason="length" if last else None)
                 first = False
                 await response.write(_sse(chunk))
             if not output:
-                await response.write(_sse(header.chunk("", first=True, finish_reason="length", usage=usage)))
+                await response.write(_sse(header.chunk("", first=True, finish_reason="length")))
             if req.include_usage:
                 await response.write(_sse(header.usage_chunk(usage)))
             await response.write(b"data: [DONE]\n\n")

@@ -10,8 +10,15 @@ allowed to lag, and a dashboard separates them from the steady state.
 The engine's figure is read from the response bytes as they stream past (``UsageScan``): the key
 ``"cached_tokens":`` can only appear unescaped as a JSON key, never inside a string (a quote in a string
 is escaped), so a scan for it is exact and costs a regex search per chunk. A response that carries no
-such key (a streamed one without ``stream_options.include_usage``, an engine that reports no usage) is
-counted as unaudited, never as a miss.
+such key (an engine that reports no usage) is counted as unaudited, never as a miss.
+
+A streamed request whose client did not ask for usage gets it asked for (``request_usage``): the body
+sent to the engine gains ``"stream_options":{"include_usage":true}``, and ``UsageStrip`` takes out of the
+stream what that added: the usage-only chunk (``"choices":[]``) before ``[DONE]``. That is all vLLM
+(0.33) and SGLang (0.5.23) add for it; the ``"usage":null`` that some of their chunks carry (SGLang's
+completions, its tool-call chunks) is there with or without the option, so it stays. An engine started
+to always include usage (vLLM's ``--enable-force-include-usage``) sends that chunk to clients that did
+not ask; behind it, run the router with ``--no-audit-stream-usage``, or the chunk is stripped.
 
 What the router predicts is what it credited: the chosen target's matched blocks times the block size.
 (vLLM recomputes the last prompt token, so a fully cached, block-aligned prompt reports one block fewer;
@@ -24,8 +31,12 @@ import enum
 import re
 from dataclasses import dataclass
 
+from ..kv.events import Tier
+
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,12})')
 _TAIL = 64  # bytes kept across chunks: the key and its number may straddle two
+# The order of the index match's tier counts: device, host, disk, external.
+TIERS = tuple(t.name.lower() for t in Tier)
 
 
 class AuditOutcome(enum.StrEnum):
@@ -41,6 +52,10 @@ class Prediction:
 
     tokens: int
     doubtful: bool = False
+    tiers: tuple[int, int, int, int] = (0, 0, 0, 0)  # of ``tokens``: device, host, disk, external
+
+    def tier_header(self) -> str:
+        return ",".join(f"{name}={n}" for name, n in zip(TIERS, self.tiers, strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,3 +96,63 @@ class UsageScan:
             if found is not None:
                 self.cached_tokens = int(found.group(1))
         self._tail = data[-_TAIL:]
+
+
+# The chunk ``include_usage`` adds, as bytes. Both keys can only appear unescaped as JSON keys, and only
+# at a chunk's top level (``choices`` and ``usage`` are members of the chunk object itself).
+_NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+_BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")  # an event's end: a blank line, in any of SSE's line ends
+_ASKED = b'"stream_options":{"include_usage":true},'
+
+
+def request_usage(raw: bytes, body: object) -> bytes | None:
+    """``raw`` with ``stream_options.include_usage`` asked for, or None when it stays as it is: not a
+    stream, or the client set ``stream_options`` itself (its choice, and continuous usage or other
+    options would change what the stream carries). The key goes in as bytes after the opening brace:
+    the rest of the body reaches the engine exactly as the client sent it."""
+    if not isinstance(body, dict) or body.get("stream") is not True or "stream_options" in body:
+        return None
+    start = len(raw) - len(raw.lstrip())
+    # An ASCII-compatible encoding only: a UTF-16/32 body (json accepts those) would take no ASCII insert.
+    if raw[start : start + 1] != b"{" or b"\x00" in raw[:4]:
+        return None
+    return raw[: start + 1] + _ASKED + raw[start + 1 :]
+
+
+class UsageStrip:
+    """A stream's bytes as the client would have had them had the router not asked for usage: whole
+    server-sent events pass on, each scanned for the engine's figure (``scan``), except the usage-only
+    chunk. A partial event waits for its end (engines write one event per write, so nothing waits in
+    practice)."""
+
+    __slots__ = ("_pending", "scan")
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self.scan = UsageScan()
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self._pending and chunk.endswith(b"\n\n") and b'"usage"' not in chunk:
+            return chunk  # whole events without usage, the common chunk: as they are
+        data = self._pending + chunk if self._pending else chunk
+        out = []
+        pos = 0
+        for end in _BOUNDARY.finditer(data):
+            out.append(self._event(data[pos : end.start()], end.group()))
+            pos = end.end()
+        self._pending = data[pos:]
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        """What is left at the stream's end (an event without its blank line)."""
+        rest, self._pending = self._pending, b""
+        return self._event(rest, b"") if rest else b""
+
+    def _event(self, event: bytes, end: bytes) -> bytes:
+        if b'"usage"' not in event:
+            return event + end
+        self.scan.feed(event)
+        if _NO_CHOICES.search(event) and _USAGE_OBJECT.search(event):
+            return b""  # the usage-only chunk
+        return event + end

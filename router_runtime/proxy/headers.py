@@ -18,9 +18,11 @@ RANK_HEADER = "X-Data-Parallel-Rank"
 DECODED_ENCODINGS = frozenset({"identity", "gzip", "x-gzip", "deflate"})
 ENGINE_HEADER = "X-RouterFleet-Engine"
 # Opt-in (request header "1" or "true"): the response says what the router predicted was cached on the
-# engine it chose, in tokens, and whether that prediction was made in a doubtful state (proxy/audit.py).
+# engine it chose, in tokens, by tier ("device=32,host=16,disk=0,external=0"), and whether that
+# prediction was made in a doubtful state (proxy/audit.py).
 DEBUG_PREDICTION_HEADER = "X-RouterFleet-Debug-Prediction"
 PREDICTED_HEADER = "X-RouterFleet-Predicted-Cached-Tokens"
+PREDICTED_TIERS_HEADER = "X-RouterFleet-Predicted-Tiers"
 DOUBTFUL_HEADER = "X-RouterFleet-Prediction-Doubtful"
 
 HOP_BY_HOP = frozenset(

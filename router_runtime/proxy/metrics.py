@@ -6,9 +6,12 @@ than ``labels()``'s lock and validation per request.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from .audit import Audit, AuditOutcome, Prediction
+from .audit import TIERS, Audit, AuditOutcome, Prediction
 
 _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 5e-3, 2.5e-2)
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
@@ -83,6 +86,12 @@ class ProxyMetrics:
             p + "audit_predicted_tokens", "Cached tokens predicted, on audited requests", audit,
             registry=registry,
         )  # fmt: skip
+        self.audit_predicted_tier = Counter(
+            p + "audit_predicted_tier_tokens",
+            "Cached tokens predicted on audited requests, by the tier the index holds them in",
+            ["engine", "policy", "tier"],
+            registry=registry,
+        )
         self.audit_cached = Counter(
             p + "audit_cached_tokens", "Cached tokens the engines reported, on audited requests", audit,
             registry=registry,
@@ -110,6 +119,7 @@ class ProxyMetrics:
         self._decisions: dict[tuple[str, str], object] = {}
         self._inflight: dict[str, object] = {}
         self._retries: dict[str, object] = {}
+        self._audit: dict[tuple[str, str, str], _AuditSeries] = {}
 
     def request(self, policy: str, outcome: str, status: int) -> None:
         key = (policy, outcome, status)
@@ -139,17 +149,30 @@ class ProxyMetrics:
 
     def audit(self, engine: str, policy: str, prediction: Prediction, audit: Audit) -> None:
         doubtful = "true" if prediction.doubtful else "false"
-        self.audit_requests.labels(engine, policy, audit.outcome.value, doubtful).inc()
+        key = (engine, policy, doubtful)
+        c = self._audit.get(key)
+        if c is None:  # the label lookups cost more than the rest of the audit: once per series
+            c = self._audit[key] = _AuditSeries(
+                {o: self.audit_requests.labels(engine, policy, o.value, doubtful) for o in AuditOutcome},
+                self.audit_predicted.labels(engine, policy, doubtful),
+                self.audit_cached.labels(engine, policy, doubtful),
+                self.audit_false_hit.labels(engine, policy, doubtful),
+                self.audit_missed_hit.labels(engine, policy, doubtful),
+                self.audit_false_hit_per_request.labels(policy),
+                tuple(self.audit_predicted_tier.labels(engine, policy, t) for t in TIERS),
+            )
+        c.requests[audit.outcome].inc()
         if audit.outcome is AuditOutcome.UNAUDITED:
             return
-        self.audit_predicted.labels(engine, policy, doubtful).inc(prediction.tokens)
-        self.audit_cached.labels(engine, policy, doubtful).inc(
-            prediction.tokens - audit.false_hit_tokens + audit.missed_hit_tokens
-        )
+        c.predicted.inc(prediction.tokens)
+        c.cached.inc(prediction.tokens - audit.false_hit_tokens + audit.missed_hit_tokens)
+        for child, n in zip(c.tiers, prediction.tiers, strict=True):
+            if n:
+                child.inc(n)
         # Incremented by zero too: a router that is never wrong shows a false-hit ratio of 0, not no data.
-        self.audit_false_hit.labels(engine, policy, doubtful).inc(audit.false_hit_tokens)
-        self.audit_missed_hit.labels(engine, policy, doubtful).inc(audit.missed_hit_tokens)
-        self.audit_false_hit_per_request.labels(policy).observe(audit.false_hit_tokens)
+        c.false_hit.inc(audit.false_hit_tokens)
+        c.missed_hit.inc(audit.missed_hit_tokens)
+        c.false_hit_per_request.observe(audit.false_hit_tokens)
 
     def forget_engines(self, keep: set[str]) -> None:
         """Drop the inflight series of engines that left (and have nothing in flight)."""
@@ -157,3 +180,16 @@ class ProxyMetrics:
             if engine not in keep:
                 del self._inflight[engine]
                 self.inflight.remove(engine)
+
+
+@dataclass(frozen=True, slots=True)
+class _AuditSeries:
+    """The audit's children for one (engine, policy, doubtful)."""
+
+    requests: dict[AuditOutcome, Any]
+    predicted: Any
+    cached: Any
+    false_hit: Any
+    missed_hit: Any
+    false_hit_per_request: Any
+    tiers: tuple[Any, ...]

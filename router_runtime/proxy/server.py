@@ -42,7 +42,7 @@ from ..sessions.affinity import SessionAffinity, SessionCtx
 from ..sessions.classify import promote
 from ..tokens.engine import EngineTokenizer
 from ..tokens.tokenizer import AsyncTokenizer, Reason, Untokenizable
-from .audit import Prediction, UsageScan, judge
+from .audit import Prediction, UsageScan, UsageStrip, judge, request_usage
 from .errors import (
     ProxyError,
     bad_gateway,
@@ -59,6 +59,7 @@ from .headers import (
     DOUBTFUL_HEADER,
     ENGINE_HEADER,
     PREDICTED_HEADER,
+    PREDICTED_TIERS_HEADER,
     RANK_HEADER,
     request_headers,
     response_headers,
@@ -126,8 +127,11 @@ class Proxy:
         loads: Mapping[Target, float] | None = None,
         limits: ServerLimits | None = None,
         doubt_fn: Callable[[Carrier], bool] | None = None,
+        audit_stream_usage: bool = True,
     ) -> None:
         self.policy = policy
+        # Ask the engine for usage on streams whose client did not, so they are audited too (audit.py).
+        self.audit_stream_usage = audit_stream_usage
         # Whether a carrier's index entry is in a known-doubtful state (bootstrap holding or proving a
         # graft, an engine being re-adopted): its audited predictions are labelled so.
         self.doubt_fn = doubt_fn
@@ -216,6 +220,10 @@ class Proxy:
             raise no_engine("no engine can take the request (none discovered, or all unhealthy)")
         route = await self._route_request(parsed, len(raw))
         index = self.index_fn()
+        asked = None
+        if self.audit_stream_usage and self._predicts(route, index):
+            asked = request_usage(raw, body)
+        sent = raw if asked is None else asked
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
             sctx = ctx.session
@@ -237,7 +245,7 @@ class Proxy:
             try:
                 start = loop.time()
                 try:
-                    upstream = await self._open(request, target, raw)
+                    upstream = await self._open(request, target, sent)
                 except _ConnectFailed as e:
                     self.health.failure(target.engine)
                     remaining = tuple(t for t in targets if t.engine != target.engine)
@@ -249,7 +257,9 @@ class Proxy:
                         raise gateway_timeout(e.message, "connect_timeout") from None
                     raise bad_gateway(e.message, "upstream_connect_failed") from None
                 prediction = self._prediction(route, decision, index)
-                return await self._relay(request, upstream, target, start, ctx, prediction)
+                return await self._relay(
+                    request, upstream, target, start, ctx, prediction, strip=asked is not None
+                )
             finally:
                 self._release(target, n_tokens)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -326,10 +336,15 @@ class Proxy:
         self, route: RouteRequest, decision: Decision, index: RadixIndex | None
     ) -> Prediction | None:
         """What this decision credits the chosen target with (None: the policy does not predict)."""
-        if route.tokens is None or index is None or not self.needs_tokens:
+        if not self._predicts(route, index):
             return None
         doubtful = self.doubt_fn(decision.target.carrier) if self.doubt_fn is not None else False
-        return Prediction(decision.matched_blocks * index.block_size, doubtful)
+        bs = index.block_size
+        tiers = tuple(n * bs for n in decision.tier_blocks)
+        return Prediction(decision.matched_blocks * bs, doubtful, tiers)
+
+    def _predicts(self, route: RouteRequest, index: RadixIndex | None) -> bool:
+        return route.tokens is not None and index is not None and self.needs_tokens
 
     def _acquire(self, target: Target, tokens: int) -> None:
         self.metrics.set_inflight(target.engine, self.load.acquire(target, tokens))
@@ -372,7 +387,10 @@ class Proxy:
         start: float,
         ctx: _Ctx,
         prediction: Prediction | None = None,
+        strip: bool = False,
     ) -> web.StreamResponse:
+        """Stream the engine's response to the client. ``strip``: the router asked for usage the client
+        did not (audit.py), and takes out of an event stream what that added."""
         loop = asyncio.get_running_loop()
         done = False
         try:
@@ -393,9 +411,13 @@ class Proxy:
             if prediction is not None and request.headers.get(DEBUG_PREDICTION_HEADER, "") in ("1", "true"):
                 headers[PREDICTED_HEADER] = str(prediction.tokens)
                 headers[DOUBTFUL_HEADER] = "true" if prediction.doubtful else "false"
-            scan = UsageScan() if prediction is not None and 200 <= status < 300 else None
+                headers[PREDICTED_TIERS_HEADER] = prediction.tier_header()
+            audited = prediction is not None and 200 <= status < 300
+            strip = strip and audited and up.content_type == "text/event-stream"
+            stripper = UsageStrip() if strip else None
+            scan = stripper.scan if stripper is not None else UsageScan() if audited else None
             resp = web.StreamResponse(status=status, reason=up.reason, headers=headers)
-            if up.content_length is not None and "Transfer-Encoding" not in up.headers:
+            if up.content_length is not None and "Transfer-Encoding" not in up.headers and not strip:
                 resp.content_length = up.content_length
             t = self.timeouts
             deadline = start + t.total_s
@@ -412,13 +434,18 @@ class Proxy:
                         if not chunk:
                             break
                         cm.reschedule(deadline)  # a slow client is not an idle engine
-                        if scan is not None:
+                        if stripper is not None:
+                            chunk = stripper.feed(chunk)
+                        elif scan is not None:
                             scan.feed(chunk)
                         writing = True
-                        await resp.write(chunk)
+                        if chunk:
+                            await resp.write(chunk)
                         cm.reschedule(min(loop.time() + idle, deadline))
                 done = True  # the engine's response is complete: its connection can be reused
                 writing = True
+                if stripper is not None and (rest := stripper.flush()):
+                    await resp.write(rest)
                 await resp.write_eof()
             except asyncio.CancelledError:  # the client went away (handler cancellation)
                 ctx.outcome = "cancelled"

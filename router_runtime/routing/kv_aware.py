@@ -139,4 +139,6 @@ class KvAwarePolicy:
                 # load won.
                 reason = Reason.PREFIX if credits[i] > 0 else Reason.LEAST_LOADED
         m = matches.get(target.carrier) if matches else None
-        return Decision(target, reason, m.blocks if m is not None else 0, total)
+        if m is None:
+            return Decision(target, reason, 0, total)
+        return Decision(target, reason, m.blocks, total, m.tier_blocks)

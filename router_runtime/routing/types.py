@@ -57,6 +57,7 @@ class Decision:
     reason: Reason
     matched_blocks: int = 0  # the chosen target's matched prefix (KV policies)
     total_blocks: int = 0  # full blocks in the request
+    tier_blocks: tuple[int, int, int, int] = (0, 0, 0, 0)  # of matched_blocks: device, host, disk, external
     # matched / total characters for text-prefix routing
     matched_chars: int = 0
     total_chars: int = 0
