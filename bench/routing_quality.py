@@ -171,7 +171,13 @@ def reusable_share(schedule: list[Turn], block: int) -> float:
 
 def body(turn: Turn, p: Params, text: bool) -> bytes:
     prompt: Any = turn.prompt if text else turn.prompt_ids
-    b = {"model": h.MODEL, "prompt": prompt, "max_tokens": p.reply_tokens, "stream": True}
+    b = {
+        "model": h.MODEL,
+        "prompt": prompt,
+        "max_tokens": p.reply_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},  # engines stream usage only when asked
+    }
     return json.dumps(b, separators=(",", ":")).encode()
 
 

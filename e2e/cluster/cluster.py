@@ -188,6 +188,21 @@ class Cluster:
             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
         )
 
+    def restart_apiserver(self, down_s: float = 0.0) -> float:
+        """Stop the API server (SIGTERM, as a control-plane upgrade would), stay down ``down_s``, start
+        it again; the seconds from its start to /readyz. Its clients see refused connections meanwhile."""
+        p = self.procs["kube-apiserver"]
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        time.sleep(down_s)
+        t0 = time.monotonic()
+        self._start_apiserver()
+        return time.monotonic() - t0
+
     def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(
             [str(self.bin_dir / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],

@@ -23,6 +23,8 @@ or null when the op changed nothing (no events -> no batch, as an engine step wi
   and move the storage epoch; needs ``--storage-dir``. Answers ``{"storage_epoch"}``.
 - ``POST /admin/tokenize_faults {"delay_ms"?=0, "status"?=200}``: the tokenize endpoints answer after
   that delay, with that status (an error body unless 200); ``{}`` clears both.
+- ``POST /admin/health_fault {"ms"}``: ``/health`` answers 503 for that long (a readiness flap);
+  ``{"ms": 0}`` ends it.
 - ``GET /admin/state``: ``{"incarnation", "dialect", "block_size", "ranks": [{"rank", "last_seq",
   "blocks": {"device": [u64...], "host": [u64...]}}]}``; hashes least recently used first,
   ``last_seq`` -1 before the first batch. Hashes are JSON integers up to 2**64-1 (beyond a JS double).
@@ -30,6 +32,7 @@ or null when the op changed nothing (no events -> no batch, as an engine step wi
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -182,6 +185,12 @@ class _Admin:
         faults.delay_s, faults.status = _int(body, "delay_ms", 0) / 1000, status
         return web.json_response({"delay_ms": faults.delay_s * 1000, "status": faults.status})
 
+    async def health_fault(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        ms = _int(body, "ms", 0)
+        self.engine.unhealthy_until = time.monotonic() + ms / 1000
+        return web.json_response({"unhealthy_ms": ms})
+
     async def state(self, _request: web.Request) -> web.Response:
         return web.json_response(self.engine.state())
 
@@ -207,6 +216,7 @@ def admin_routes(engine: FakeEngine) -> list[web.RouteDef]:
         "skip_seq": admin.skip_seq,
         "wipe_storage": admin.wipe_storage,
         "tokenize_faults": admin.tokenize_faults,
+        "health_fault": admin.health_fault,
     }
     return [
         *(web.post(f"/admin/{name}", _errors_as_400(h)) for name, h in posts.items()),

@@ -116,6 +116,9 @@ class FakeEngine:
         self.rank_load = [LoadStats() for _ in range(config.dp_size)]  # the same, per DP rank
         self._round_robin = itertools.cycle(range(config.dp_size))
         self.tokenize_faults = TokenizeFaults()  # set through /admin/tokenize_faults (tests)
+        # /health answers 503 until this time.monotonic() (set through /admin/health_fault): a readiness
+        # flap without touching anything else the engine serves.
+        self.unhealthy_until = 0.0
         self._request_ids = itertools.count(1)
         self._slots: asyncio.Semaphore | None = None
         self._publisher: KvPublisher | None = None
@@ -289,7 +292,7 @@ class FakeEngine:
         return app
 
     async def _health(self, _request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        return web.Response(status=503 if time.monotonic() < self.unhealthy_until else 200)
 
     async def _models(self, _request: web.Request) -> web.Response:
         model = {
