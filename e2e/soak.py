@@ -519,8 +519,14 @@ class Soak:
             self.seeding.append(fresh)
         elif kind == "apiserver_restart":
             fault.target = "kube-apiserver"
-            took = await asyncio.to_thread(self.cluster.restart_apiserver, self.rng.uniform(1.0, 5.0))
-            fault.note = f"back in {took:.1f}s"
+            down = self.rng.uniform(1.0, 5.0)
+            await asyncio.to_thread(self.cluster.stop_apiserver)
+            await asyncio.sleep(down)
+            # Started on this (the main) thread: a component dies with the thread that spawned it.
+            t_start = time.monotonic()
+            self.cluster.start_apiserver()
+            await asyncio.to_thread(self.cluster.wait_apiserver)
+            fault.note = f"down {down:.1f}s, Ready {time.monotonic() - t_start:.1f}s after its start"
         elif kind == "readiness_flap":
             ms = int(self.rng.uniform(8000, 12000))
             async with session.post(

@@ -73,6 +73,7 @@ class Router:
         self.replica_id = os.environ.get("POD_NAME") or f"router-{os.getpid()}"
         # Unique per process even where ids repeat (pid 1 in every container, replicas in one test).
         self.incarnation = f"{os.getpid()}-{int(time.time() * 1000)}-{secrets.token_hex(4)}"
+        self.draining = False  # set by drain() on SIGTERM
         self.kv = KVPlane(
             config.block_size,
             self.registry,
@@ -357,7 +358,14 @@ class Router:
             return Cause(CauseCode.NO_ENGINES, f"no engines discovered{where}")
         return None
 
+    def drain(self) -> None:
+        """Shutting down: not Ready from now on, and every response closes its connection, so clients
+        move off before the server stops listening (cli.py)."""
+        self.draining = True
+
     def ready(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "shutting down"
         if (cause := self.blocker()) is not None:
             return False, cause.message
         if not self.targets.candidates():
@@ -404,7 +412,17 @@ class Router:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/debug/index", self._index)
         app.router.add_get("/debug/load", self._load)
+        app.on_response_prepare.append(self._close_if_draining)
         return app
+
+    async def _close_if_draining(self, _request: web.Request, response: web.StreamResponse) -> None:
+        # A keep-alive connection closed by the server while a client sends on it loses that request
+        # (the client sees a disconnect before any answer): while draining, each response says
+        # Connection: close instead, so no connection is left idle for the final close to catch. The
+        # header by hand: aiohttp has composed its own headers before this hook runs.
+        if self.draining:
+            response.force_close()
+            response.headers["Connection"] = "close"
 
     async def _healthz(self, _req: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

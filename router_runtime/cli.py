@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 
@@ -17,7 +18,7 @@ async def _serve(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with run_router(config) as (_router, url):
+    async with run_router(config) as (router, url):
         log.info(
             "router listening on %s: policy %s, tokenizer %s, %d static workers",
             url,
@@ -26,6 +27,14 @@ async def _serve(config: RouterConfig) -> None:
             len(config.workers),
         )
         await stop.wait()
+        # Drain: not Ready, every response closes its connection, and new requests are still served,
+        # while the Service's endpoints and the clients' pools catch up; a second signal cuts it short.
+        # Then the server stops listening and waits for the requests in flight.
+        stop.clear()
+        router.drain()
+        log.info("draining for %.1fs", config.shutdown_drain_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), config.shutdown_drain_s)
     log.info("router stopped")
 
 

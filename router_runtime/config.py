@@ -50,6 +50,9 @@ class RouterConfig:
     upstream_keepalive_s: float = 4.0
     # Ask engines for usage on streams whose client did not, and strip it again (proxy/audit.py).
     audit_stream_usage: bool = True
+    # On SIGTERM: this long not Ready, closing each connection after its response, before the server
+    # stops listening (cli.py).
+    shutdown_drain_s: float = 5.0
     # Client connections: the router's own HTTP server (proxy/serving.py).
     server: ServerLimits = field(default_factory=ServerLimits)
     # Engine health.
@@ -250,6 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=32 << 20,
         help="request body limit; larger: 413 (32 MiB)",
+    )
+    p.add_argument(
+        "--shutdown-drain-ms",
+        type=_non_negative_int,
+        default=5_000,
+        help="on SIGTERM, stay up this long not Ready, closing connections after each response, so the"
+        " Service and clients move off before the server stops (keep it below the pod's termination"
+        " grace period; default 5000)",
     )
     p.add_argument(
         "--audit-stream-usage",
@@ -644,6 +655,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         upstream_keepalive_s=a.upstream_keepalive_ms / 1000,
         max_body_bytes=a.max_body_bytes,
         audit_stream_usage=a.audit_stream_usage,
+        shutdown_drain_s=a.shutdown_drain_ms / 1000,
         server=ServerLimits(
             header_timeout_s=a.client_header_timeout_ms / 1000,
             idle_timeout_s=a.client_idle_timeout_ms / 1000,

@@ -424,6 +424,19 @@ async def test_max_concurrency_queues_requests(http) -> None:
         assert time.monotonic() - t0 >= 0.19  # 2 x 10 tokens at 100 tok/s, one at a time
 
 
+async def test_health_fault_fails_health_and_nothing_else(engine: FakeEngine, http) -> None:
+    async with http.post(engine.http_url + "/admin/health_fault", json={"ms": 60_000}) as r:
+        assert r.status == 200
+    async with http.get(engine.http_url + "/health") as r:
+        assert r.status == 503
+    status, _ = await post(http, engine.http_url + "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+    assert status == 200  # a readiness flap: the engine still serves
+    async with http.post(engine.http_url + "/admin/health_fault", json={"ms": 0}) as r:
+        assert r.status == 200
+    async with http.get(engine.http_url + "/health") as r:
+        assert r.status == 200
+
+
 async def test_cached_tokens_are_exact_under_concurrency(http) -> None:
     """The prediction audit is only as good as the engine's report: with many requests in flight over a
     cache small enough to evict, each response's cached_tokens is what a replay of the prompts in

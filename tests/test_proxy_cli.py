@@ -167,6 +167,49 @@ async def test_the_router_process_serves_requests():
         assert "policy kv_aware" in log and "hello" not in log  # never log prompts
 
 
+async def test_sigterm_drains_before_the_server_stops():
+    """On SIGTERM the router stays up for --shutdown-drain-ms: /readyz says it is shutting down, requests
+    are still served, each with Connection: close (no idle keep-alive connection for the final close to
+    catch a client's next request on); then it exits 0."""
+    async with run_fake_engine(block_size=16) as engine:
+        port = free_port()
+        worker = f"url={engine.http_url},kv={engine.kv_endpoint(0)},replay={engine.replay_endpoint(0)}"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router_runtime.cli", "--port", str(port), "--shutdown-drain-ms", "30000",
+            "--worker", worker,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+
+                async def status() -> int:
+                    try:
+                        async with s.get(url + "/readyz") as r:
+                            return r.status
+                    except aiohttp.ClientConnectionError:
+                        return 0
+
+                async def until(want: int) -> None:
+                    while await status() != want:
+                        assert proc.returncode is None, "the router exited"
+                        await asyncio.sleep(0.05)
+
+                await asyncio.wait_for(until(200), 20)
+                async with s.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}) as r:
+                    assert r.status == 200 and "close" not in r.headers.get("Connection", "").lower()
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(until(503), 20)
+                async with s.get(url + "/readyz") as r:
+                    assert (await r.json())["reason"] == "shutting down"
+                async with s.post(url + "/v1/completions", json={"prompt": "b", "max_tokens": 1}) as r:
+                    assert r.status == 200 and r.headers["Connection"].lower() == "close"
+        finally:
+            proc.send_signal(signal.SIGTERM)  # the second signal ends the drain
+            _, stderr = await asyncio.wait_for(proc.communicate(), 20)
+        assert proc.returncode == 0, stderr.decode()[-2000:]
+
+
 def test_client_connection_flags_reach_the_server_limits():
     from router_runtime.config import parse_args
     from router_runtime.proxy.serving import ServerLimits

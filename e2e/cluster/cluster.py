@@ -188,9 +188,9 @@ class Cluster:
             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
         )
 
-    def restart_apiserver(self, down_s: float = 0.0) -> float:
-        """Stop the API server (SIGTERM, as a control-plane upgrade would), stay down ``down_s``, start
-        it again; the seconds from its start to /readyz. Its clients see refused connections meanwhile."""
+    def stop_apiserver(self) -> None:
+        """Stop the API server (SIGTERM, as a control-plane upgrade would); ``start_apiserver`` brings it
+        back. Its clients see refused connections meanwhile."""
         p = self.procs["kube-apiserver"]
         p.send_signal(signal.SIGTERM)
         try:
@@ -198,10 +198,12 @@ class Cluster:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-        time.sleep(down_s)
-        t0 = time.monotonic()
-        self._start_apiserver()
-        return time.monotonic() - t0
+
+    def start_apiserver(self) -> None:
+        """Start the API server again (``wait_apiserver`` waits for /readyz). Call it from a thread that
+        outlives the cluster (the main one): a component dies with the thread that spawned it
+        (PDEATHSIG)."""
+        self._start_apiserver(wait=False)
 
     def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -299,7 +301,7 @@ class Cluster:
             lambda: json.loads(self._get(f"http://127.0.0.1:{c}/health")[1]).get("health") == "true",
         )
 
-    def _start_apiserver(self) -> None:
+    def _start_apiserver(self, wait: bool = True) -> None:
         pki = self.pki
         assert pki is not None
         self._spawn(
@@ -326,6 +328,10 @@ class Cluster:
                 f"--v={self.verbosity}",
             ],
         )
+        if wait:
+            self.wait_apiserver()
+
+    def wait_apiserver(self) -> None:
         self._wait("kube-apiserver /readyz", lambda: self._get(f"{self.server}/readyz", self._ssl)[0] == 200)
 
     def _start_controller_manager(self) -> None:
