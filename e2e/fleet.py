@@ -16,6 +16,7 @@ import json
 import re
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -225,46 +226,67 @@ async def completion(
         return r.status, r.headers.get("X-RouterFleet-Engine"), out
 
 
-async def chat_turn(
-    session: aiohttp.ClientSession, router: str, messages: list[dict], max_tokens: int = 16
-) -> tuple[float, str, int, int]:
-    """One streamed chat completion: (TTFT seconds, answer text, prompt tokens, cached tokens). TTFT is
-    to the first content chunk; usage comes with the last chunk."""
-    body = {
+def chat_body(messages: list[dict], max_tokens: int = 16) -> dict:
+    """A streamed chat completion that asks for usage (engines stream it only when asked)."""
+    return {
         "messages": messages,
         "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+@dataclass
+class StreamedChat:
+    """What a streamed chat response carried, read to its end."""
+
+    text: str = ""
+    usage: dict = field(default_factory=dict)
+    done: bool = False  # it ended with [DONE] (else it was cut)
+    first_content: float | None = None  # time.monotonic() of the first content chunk
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.usage.get("prompt_tokens", 0)
+
+    @property
+    def cached_tokens(self) -> int:
+        return (self.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+async def read_chat_stream(r: aiohttp.ClientResponse) -> StreamedChat:
+    out, text = StreamedChat(), []
+    async for raw in r.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            out.done = True
+            break
+        chunk = json.loads(data)
+        for choice in chunk.get("choices") or []:
+            if piece := (choice.get("delta") or {}).get("content"):
+                if out.first_content is None:
+                    out.first_content = time.monotonic()
+                text.append(piece)
+        out.usage = chunk.get("usage") or out.usage
+    out.text = "".join(text)
+    return out
+
+
+async def chat_turn(
+    session: aiohttp.ClientSession, router: str, messages: list[dict], max_tokens: int = 16
+) -> tuple[float, str, int, int]:
+    """One streamed chat completion: (TTFT seconds, answer text, prompt tokens, cached tokens). TTFT is
+    to the first content chunk; usage comes with the last chunk."""
     t0 = time.monotonic()
-    ttft = None
-    text: list[str] = []
-    usage: dict = {}
-    async with session.post(router + "/v1/chat/completions", json=body) as r:
+    async with session.post(router + "/v1/chat/completions", json=chat_body(messages, max_tokens)) as r:
         if r.status != 200:
             raise AssertionError(f"chat via {router}: {r.status} {(await r.text())[:300]}")
-        async for raw in r.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    if ttft is None:
-                        ttft = time.monotonic() - t0
-                    text.append(piece)
-            usage = chunk.get("usage") or usage
-    details = usage.get("prompt_tokens_details") or {}
-    return (
-        ttft if ttft is not None else time.monotonic() - t0,
-        "".join(text),
-        usage.get("prompt_tokens", 0),
-        details.get("cached_tokens", 0),
-    )
+        chat = await read_chat_stream(r)
+    first = chat.first_content if chat.first_content is not None else time.monotonic()
+    return first - t0, chat.text, chat.prompt_tokens, chat.cached_tokens
 
 
 def percentile(values: list[float], p: float) -> float:

@@ -317,18 +317,12 @@ class Soak:
             await asyncio.sleep(T.PAUSE_S)
 
     async def request(self, session, pod: str, ip: str, messages: list[dict]) -> tuple[Outcome, str]:
-        body = {
-            "messages": messages,
-            "max_tokens": 16,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
         out = Outcome(time.monotonic(), 0.0, pod, "cut")
-        text: list[str] = []
+        text = ""
         try:
             async with session.post(
                 f"http://{ip}:{F.ROUTER_PORT}/v1/chat/completions",
-                json=body,
+                json=F.chat_body(messages),
                 headers={DEBUG_PREDICTION_HEADER: "1"},
             ) as r:
                 out.status = r.status
@@ -344,32 +338,18 @@ class Soak:
                     except (ValueError, KeyError, TypeError):
                         out.kind, out.cause = "cut", f"{r.status} not an OpenAI error: {raw[:80]!r}"
                     return out, ""
-                usage = None
-                async for line in r.content:
-                    line = line.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        out.kind = "ok"
-                        break
-                    chunk = json.loads(data)
-                    for choice in chunk.get("choices") or []:
-                        if piece := (choice.get("delta") or {}).get("content"):
-                            text.append(piece)
-                    usage = chunk.get("usage") or usage
-                if out.kind == "ok":
-                    usage = usage or {}
-                    out.prompt = usage.get("prompt_tokens", 0)
-                    out.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                chat = await F.read_chat_stream(r)
+                if chat.done:
+                    out.kind, out.prompt, out.cached = "ok", chat.prompt_tokens, chat.cached_tokens
                 else:
                     out.cause = "stream ended before [DONE]"
+                text = chat.text
         except aiohttp.ClientConnectorError as e:
             out.kind, out.cause = "refused", f"{ip}: {e.os_error!r:.60}"
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             out.cause = type(e).__name__
         out.t1 = time.monotonic()
-        return out, "".join(text)
+        return out, text
 
     async def sampler(self) -> None:
         """Router pods' RSS and open files, every 5 s (the node agent's processes: /proc)."""

@@ -117,40 +117,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+async def start_router(engine, *flags: str) -> tuple[asyncio.subprocess.Process, str]:
+    """``routerfleet-router`` in front of ``engine``, as a process; (the process, its URL)."""
+    port = free_port()
+    worker = f"url={engine.http_url},kv={engine.kv_endpoint(0)},replay={engine.replay_endpoint(0)}"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router_runtime.cli", "--port", str(port), "--worker", worker, *flags,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def until_readyz(s: aiohttp.ClientSession, proc, url: str, want: int) -> None:
+    """Poll /readyz until it answers ``want`` (an async ``eventually``)."""
+
+    async def status() -> int:
+        try:
+            async with s.get(url + "/readyz") as r:
+                return r.status
+        except aiohttp.ClientConnectionError:
+            return 0
+
+    async def poll() -> None:
+        while await status() != want:
+            assert proc.returncode is None, "the router exited"
+            await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(poll(), 20)
+
+
 async def test_the_router_process_serves_requests():
     async with run_fake_engine(block_size=16) as engine:
-        port = free_port()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "router_runtime.cli",
-            "--port",
-            str(port),
-            "--worker",
-            f"url={engine.http_url},kv={engine.kv_endpoint(0)},replay={engine.replay_endpoint(0)}",
-            "--health-interval-ms",
-            "100",
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        url = f"http://127.0.0.1:{port}"
+        proc, url = await start_router(engine, "--health-interval-ms", "100", "--shutdown-drain-ms", "0")
         try:
             async with aiohttp.ClientSession() as s:
-
-                async def ready() -> bool:
-                    try:
-                        async with s.get(url + "/readyz") as r:
-                            return r.status == 200
-                    except aiohttp.ClientConnectionError:
-                        return False
-
-                async def wait_ready():  # poll until ready (an async `eventually`)
-                    while not await ready():
-                        assert proc.returncode is None, "the router exited"
-                        await asyncio.sleep(0.05)
-
-                await asyncio.wait_for(wait_ready(), 20)
+                await until_readyz(s, proc, url, 200)
                 async with s.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3}) as r:
                     assert r.status == 200 and r.headers["X-RouterFleet-Engine"] == engine.http_url
                     assert len((await r.json())["choices"][0]["text"]) == 3
@@ -172,34 +174,14 @@ async def test_sigterm_drains_before_the_server_stops():
     are still served, each with Connection: close (no idle keep-alive connection for the final close to
     catch a client's next request on); then it exits 0."""
     async with run_fake_engine(block_size=16) as engine:
-        port = free_port()
-        worker = f"url={engine.http_url},kv={engine.kv_endpoint(0)},replay={engine.replay_endpoint(0)}"
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "router_runtime.cli", "--port", str(port), "--shutdown-drain-ms", "30000",
-            "--worker", worker,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
+        proc, url = await start_router(engine, "--shutdown-drain-ms", "30000")
         try:
             async with aiohttp.ClientSession() as s:
-
-                async def status() -> int:
-                    try:
-                        async with s.get(url + "/readyz") as r:
-                            return r.status
-                    except aiohttp.ClientConnectionError:
-                        return 0
-
-                async def until(want: int) -> None:
-                    while await status() != want:
-                        assert proc.returncode is None, "the router exited"
-                        await asyncio.sleep(0.05)
-
-                await asyncio.wait_for(until(200), 20)
+                await until_readyz(s, proc, url, 200)
                 async with s.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}) as r:
                     assert r.status == 200 and "close" not in r.headers.get("Connection", "").lower()
                 proc.send_signal(signal.SIGTERM)
-                await asyncio.wait_for(until(503), 20)
+                await until_readyz(s, proc, url, 503)
                 async with s.get(url + "/readyz") as r:
                     assert (await r.json())["reason"] == "shutting down"
                 async with s.post(url + "/v1/completions", json={"prompt": "b", "max_tokens": 1}) as r:
