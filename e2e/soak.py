@@ -692,7 +692,10 @@ def report(run: Run) -> list[str]:
         print(f"  {n:5d}  {cause}")
 
     def killed_under(o: Outcome) -> bool:
-        return any(a <= o.t0 <= b and (o.engine in f.killed or o.router in f.killed) for f, a, b in windows)
+        # Overlap, not start: a stream begun just before the kill is the one the kill cuts.
+        return any(
+            o.t0 <= b and o.t1 >= a and (o.engine in f.killed or o.router in f.killed) for f, a, b in windows
+        )
 
     excused = 0
     for o in run.outcomes:
