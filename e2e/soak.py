@@ -599,7 +599,13 @@ class Soak:
                         say(f"time is up after {i} faults")
                         break
                     before = await self.counters(session)
-                    fault = await self.inject(kind, session)
+                    try:
+                        fault = await self.inject(kind, session)
+                    except RuntimeError as e:  # a wait inside the injection timed out: the fleet is stuck
+                        fault = Fault(kind, "?", time.monotonic(), problem=f"while injecting: {e}")
+                        self.run.faults.append(fault)
+                        say(f"{i + 1}/{len(schedule)} {kind}: {fault.problem}; stopping")
+                        break
                     self.run.faults.append(fault)
                     ok = await self.wait_converged(session, fault)
                     delta = (await self.counters(session)) - before
