@@ -60,6 +60,7 @@ import aiohttp
 
 from e2e import fleet as F
 from e2e import fleet_traffic as T
+from e2e.dump import dump_namespace
 from router_runtime.kv.decode import normalize_hash
 from router_runtime.kv.hashing import hash_set_digest
 
@@ -393,20 +394,12 @@ class Demo:
         return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
 
     def dump(self) -> None:
-        """Pod states and the tail of each container's log (after a failure)."""
+        """Each namespace's events, workloads, pod states and container log tails (after a failure)."""
         for ns in (self.ns, OPERATOR_NS):
-            try:
-                pods = self.core.list_namespaced_pod(ns).items
-            except Exception as e:
-                print(f"(cannot list pods in {ns}: {e!r})")
-                continue
-            for p in pods:
-                conds = T.conds(p)
-                print(f"--- pod {ns}/{p.metadata.name}: {p.status.phase} ready={conds.get('Ready')}")
-                for c in p.spec.containers:
-                    log = self.provider.container_log(ns, p.metadata.name, c.name) or ""
-                    for line in log.splitlines()[-12:]:
-                        print(f"    {line[:200]}")
+            print(dump_namespace(self.kube.api, ns, self.container_log, log_lines=12))
+
+    def container_log(self, ns: str, pod: str, container: str) -> str:
+        return self.provider.container_log(ns, pod, container) or ""
 
 
 async def node_ready(demo: Demo) -> None:

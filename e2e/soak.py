@@ -59,6 +59,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections import Counter
@@ -69,6 +70,7 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e import fleet as F
 from e2e import fleet_traffic as T
+from e2e.dump import dump_namespace
 from router_runtime.proxy.headers import (
     DEBUG_PREDICTION_HEADER,
     DOUBTFUL_HEADER,
@@ -153,6 +155,15 @@ class Fault:
     # one of them is the fault's own doing (nothing can answer from a SIGKILLed process).
     killed: set[str] = field(default_factory=set)
     problem: str = ""  # the fault did not have the effect it must have
+    waits: list[tuple[float, str]] = field(default_factory=list)  # (since, what convergence waited for)
+
+    def recovery(self) -> str:
+        """What convergence waited for, and from when to when (seconds after the injection)."""
+        spans = []
+        for (t, why), nxt in zip(self.waits, [*self.waits[1:], (self.converged, "")], strict=True):
+            end = f"{nxt[0] - self.injected:.1f}" if nxt[0] is not None else "..."
+            spans.append(f"{why} {t - self.injected:.1f}-{end}s")
+        return "; ".join(spans)
 
     def window(self, end: float) -> tuple[float, float]:
         return self.t0, (self.converged if self.converged is not None else end) + AFTER_S
@@ -269,8 +280,12 @@ class Soak:
         )
 
     def engine_pods(self) -> list:
-        pods = self.kube.pods(self.ns, F.ENGINE_LABELS)
-        return sorted((p for p in pods if not p.metadata.deletion_timestamp), key=lambda p: p.metadata.name)
+        return live(self.kube.pods(self.ns, F.ENGINE_LABELS))
+
+    def router_pods(self) -> list:
+        """The fleet's router pods that are not terminating. A rollout's old pods drain for seconds
+        after the fleet is Ready again: deleting one of them replaces nothing, killing one cuts nothing."""
+        return live(self.kube.pods(self.ns, f"routerfleet.io/fleet={FLEET}"))
 
     # ---- traffic -------------------------------------------------------------------------------
 
@@ -375,13 +390,12 @@ class Soak:
         """None when the fleet has converged, else what it still waits for."""
         try:
             obj = await asyncio.to_thread(self.kube.fleet, self.ns, FLEET)
-            routers = await asyncio.to_thread(self.kube.pods, self.ns, f"routerfleet.io/fleet={FLEET}")
+            routers = await asyncio.to_thread(self.router_pods)
             engines = await asyncio.to_thread(self.engine_pods)
         except Exception as e:  # urllib3's errors are not OSErrors
             return f"the API server ({type(e).__name__})"
         if not T.fleet_ready(obj):
             return "the RouterFleet Ready on one revision"
-        routers = [p for p in routers if not p.metadata.deletion_timestamp]
         if len(routers) != ROUTERS or not all(T.pod_ready(p) for p in routers):
             return f"{ROUTERS} router pods Ready"
         if len(engines) != ENGINES or not all(T.pod_ready(p) for p in engines):
@@ -407,6 +421,8 @@ class Soak:
             if why is None:
                 fault.converged = time.monotonic()
                 return True
+            if not fault.waits or fault.waits[-1][1] != why:
+                fault.waits.append((time.monotonic(), why))
             await asyncio.sleep(0.5)
         fault.note += f" NOT CONVERGED after {self.converge_timeout:.0f}s: waiting for {why}"
         return False
@@ -438,10 +454,7 @@ class Soak:
             else:
                 os.kill(pid, signal.SIGKILL)
         elif kind == "router_pod_deleted":
-            pods = [
-                p for p in await asyncio.to_thread(self.kube.pods, self.ns, f"routerfleet.io/fleet={FLEET}")
-            ]
-            pod = self.rng.choice(pods)
+            pod = self.rng.choice(await asyncio.to_thread(self.router_pods))
             fault.target = pod.metadata.name
             await asyncio.to_thread(self.core.delete_namespaced_pod, pod.metadata.name, self.ns)
         elif kind in ("rollout", "operator_killed"):
@@ -486,11 +499,13 @@ class Soak:
             else:
                 fault.note += f"; the routers counted the gap ({outcome}) {seen:.1f}s after the PUB came back"
         elif kind == "peer_killed_seeding":
-            routers = await asyncio.to_thread(self.kube.pods, self.ns, f"routerfleet.io/fleet={FLEET}")
+            every = await asyncio.to_thread(self.kube.pods, self.ns, f"routerfleet.io/fleet={FLEET}")
+            routers = live(every)
             gone, *siblings = self.rng.sample(routers, len(routers))
             fault.target = gone.metadata.name
             await asyncio.to_thread(self.core.delete_namespaced_pod, gone.metadata.name, self.ns)
-            fresh = await asyncio.to_thread(self._new_router_process, {p.metadata.name for p in routers})
+            # New: not among the pods before the delete, terminating ones included (their process runs on).
+            fresh = await asyncio.to_thread(self._new_router_process, {p.metadata.name for p in every})
             peer = self.rng.choice(siblings)
             fault.killed.add(peer.metadata.name)
             if (pid := container_pid(peer)) is not None:
@@ -616,6 +631,8 @@ class Soak:
                     took = (fault.converged or time.monotonic()) - fault.t0
                     n = f"{i + 1}/{len(schedule)}"
                     say(f"{n} {kind} on {fault.target}: {took:.1f}s to converge; {fault.note}")
+                    if fault.waits:
+                        say(f"    waited for: {fault.recovery()}")
                     if not ok:
                         break
                     await asyncio.sleep(self.rng.uniform(2.0, 6.0))
@@ -623,6 +640,11 @@ class Soak:
             finally:
                 self.stop.set()
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def live(pods: list) -> list:
+    """``pods`` without the terminating ones, by name."""
+    return sorted((p for p in pods if not p.metadata.deletion_timestamp), key=lambda p: p.metadata.name)
 
 
 def container_pid(pod) -> int | None:
@@ -675,6 +697,8 @@ def report(run: Run) -> list[str]:
         print(f"  {f.t0 - t:7.1f}  {f.kind:<20} {f.target:<40} converged after {conv}  {f.note.strip()}")
         if f.effect:
             print(f"  {'':7}  {'':<20} {f.effect}")
+        if f.waits:
+            print(f"  {'':7}  {'':<20} waited for: {f.recovery()}")
         if f.converged is None:
             failures.append(f"{f.kind} on {f.target} did not converge")
         if f.problem:
@@ -773,10 +797,11 @@ def report(run: Run) -> list[str]:
     return failures
 
 
-def soak(kube: T.Kube, cluster, ns: str, *, seed: int, faults: list[str], rounds: int, minutes: float,
+def soak(kube: T.Kube, provider, ns: str, *, seed: int, faults: list[str], rounds: int, minutes: float,
          converge_timeout: float = 150.0, settle_s: float = 20.0) -> list[str]:  # fmt: skip
-    """Set up in ``ns`` (the operator cluster-wide), run, report; the failures (empty: passed)."""
-    s = Soak(kube, cluster, ns, seed, converge_timeout)
+    """Set up in ``ns`` (the operator cluster-wide) on the local ``provider``'s cluster, run, report;
+    the failures (empty: passed). A failed run leaves a dump of both namespaces in a file it names."""
+    s = Soak(kube, provider.cluster, ns, seed, converge_timeout)
     say("installing the operator (manifests/operator) ...")
     s.install_operator()
     try:
@@ -788,9 +813,24 @@ def soak(kube: T.Kube, cluster, ns: str, *, seed: int, faults: list[str], rounds
         schedule = plan(seed, faults, rounds)
         say(f"seed {seed}: {len(schedule)} faults, at most {minutes:g} minutes: {', '.join(schedule)}")
         asyncio.run(s.main(schedule, minutes * 60, settle_s))
-        return report(s.run)
+        failures = report(s.run)
+        if failures:
+            failures.append(f"the cluster's state at the end: {write_dump(kube, provider, ns)}")
+        return failures
     finally:
         s.uninstall_operator()
+
+
+def write_dump(kube: T.Kube, provider, ns: str) -> str:
+    path = os.path.join(tempfile.gettempdir(), f"{ns}-dump.txt")
+
+    def log(ns: str, pod: str, container: str) -> str:
+        return provider.container_log(ns, pod, container) or ""
+
+    with open(path, "w") as f:
+        for n in (ns, OPERATOR_NS):
+            f.write(dump_namespace(kube.api, n, log, log_lines=200) + "\n")
+    return path
 
 
 def main() -> None:
@@ -822,7 +862,7 @@ def main() -> None:
     try:
         ns = f"routerfleet-soak-{uuid.uuid4().hex[:5]}"
         failures = soak(
-            T.Kube(kubeconfig), provider.cluster, ns, seed=a.seed, faults=faults, rounds=rounds,
+            T.Kube(kubeconfig), provider, ns, seed=a.seed, faults=faults, rounds=rounds,
             minutes=a.minutes, converge_timeout=a.converge_timeout,
         )  # fmt: skip
     finally:

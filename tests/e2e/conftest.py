@@ -25,6 +25,7 @@ import pytest
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
+from e2e.dump import describe_pod, dump_namespace
 from e2e.fleet_traffic import conds, pod_ready
 from e2e.provider import get_provider
 
@@ -46,26 +47,6 @@ def deployment_available(d) -> bool:
         and (s.available_replicas or 0) == want
         and (s.replicas or 0) == want
     )
-
-
-def describe_pod(p) -> str:
-    lines = [
-        f"pod {p.metadata.name}: phase={p.status.phase} ip={p.status.pod_ip} node={p.spec.node_name}"
-        f"{' terminating' if p.metadata.deletion_timestamp else ''}",
-        "  conditions: "
-        + ", ".join(
-            f"{c.type}={c.status}{f'({c.reason})' if c.reason else ''}" for c in p.status.conditions or []
-        ),
-    ]
-    for cs in p.status.container_statuses or []:
-        state = next((k for k in ("running", "waiting", "terminated") if getattr(cs.state, k)), "?")
-        detail = getattr(cs.state, state, None)
-        extra = getattr(detail, "reason", None) or getattr(detail, "exit_code", None) or ""
-        lines.append(
-            f"  container {cs.name}: {state} {extra} ready={cs.ready} started={cs.started} "
-            f"restarts={cs.restart_count} id={cs.container_id}"
-        )
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------ the cluster
@@ -213,25 +194,9 @@ class E2ECluster:
         return text
 
     def dump_namespace(self, ns: str, log_lines: int = 40) -> str:
-        """Events, pod statuses and the tail of every container's log in `ns`."""
-        out = [f"cluster: {self.provider.describe()}", f"--- events in {ns}"]
-        try:
-            events = self.core.list_namespaced_event(ns).items
-            events.sort(key=lambda e: str(e.last_timestamp or e.event_time or e.metadata.creation_timestamp))
-            for e in events:
-                obj = f"{e.involved_object.kind}/{e.involved_object.name}"
-                out.append(f"{e.last_timestamp or e.event_time} {e.type} {e.reason} {obj}: {e.message}")
-            pods = self.core.list_namespaced_pod(ns).items
-        except ApiException as e:
-            return "\n".join([*out, f"(API error: {e.status} {e.reason})"])
-        out.append(f"--- pods in {ns}")
-        out += [describe_pod(p) for p in pods]
-        for p in pods:
-            for c in p.spec.containers:
-                tail = self.container_log(ns, p.metadata.name, c.name).splitlines()[-log_lines:]
-                out.append(f"--- log {p.metadata.name}/{c.name} (last {log_lines} lines)")
-                out += tail
-        return "\n".join(out)
+        """Events, workloads, pod statuses and the tail of every container's log in `ns`."""
+        dump = dump_namespace(self.api, ns, self.container_log, log_lines)
+        return f"cluster: {self.provider.describe()}\n{dump}"
 
 
 # ------------------------------------------------------------------------------------------ fixtures

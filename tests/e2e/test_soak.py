@@ -16,13 +16,12 @@ from e2e.soak import FAULTS, soak
 
 def test_short_soak(cluster):
     _local_only(cluster)
-    control_plane = getattr(cluster.provider, "cluster", None)
-    if control_plane is None:
+    if getattr(cluster.provider, "cluster", None) is None:
         pytest.skip("the soak restarts the API server: it needs the run's own control plane")
     ns = f"soak-{uuid.uuid4().hex[:5]}"
     try:
         failures = soak(
-            T.Kube(cluster.kubeconfig), control_plane, ns, seed=11, faults=list(FAULTS), rounds=1,
+            T.Kube(cluster.kubeconfig), cluster.provider, ns, seed=11, faults=list(FAULTS), rounds=1,
             minutes=8, settle_s=10,
         )  # fmt: skip
     finally:
