@@ -62,10 +62,10 @@ class Provider:
 
 def enter_private_netns() -> None:
     """Move this process (its main thread, and every process and thread it starts from now on) into a
-    fresh network namespace with `lo` up and 10.244.0.0/16 local, like `e2e.cluster.netns` does by
+    fresh network namespace with `lo` up and the node's bridge, like `e2e.cluster.netns` does by
     re-exec. Root only: unprivileged, a user namespace is needed, which a threaded process cannot enter.
     """
-    from e2e.cluster.netns import ENV_MARKER, POD_CIDR
+    from e2e.cluster.netns import ENV_MARKER, SETUP_COMMANDS
 
     if os.geteuid() != 0:
         raise ProviderError(
@@ -75,7 +75,7 @@ def enter_private_netns() -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     if libc.unshare(0x40000000) != 0:  # CLONE_NEWNET
         raise ProviderError(f"unshare(CLONE_NEWNET): {os.strerror(ctypes.get_errno())}")
-    for cmd in (["ip", "link", "set", "lo", "up"], ["ip", "route", "add", "local", POD_CIDR, "dev", "lo"]):
+    for cmd in SETUP_COMMANDS:
         subprocess.run(cmd, check=True)
     os.environ[ENV_MARKER] = str(os.stat("/proc/self/ns/net").st_ino)
 

@@ -11,7 +11,7 @@ seeded schedule injects faults, one at a time, each followed by a wait for the f
     router_pod_deleted   a router pod deleted (a new one boots and seeds from a sibling)
     rollout              a spec change (extraArgs) rolled out mid-traffic
     operator_killed      a rollout started, then every operator pod deleted at once
-    kv_stream_dropped    an engine's KV event traffic dropped (iptables, inside the run's netns), then
+    kv_stream_dropped    an engine's KV event traffic dropped (iptables, in the engine pod's netns), then
                          restored: a stall, then gaps the routers fill by replay
     replay_unanswered    the same, with the engine's replay socket dropped too: the gap cannot be
                          filled, so the rank must go cold, visibly
@@ -43,7 +43,7 @@ At the end it prints a timeline and the figures, and exits non-zero unless:
     python -m e2e.soak --faults rollout,engine_killed --minutes 5
 
 It needs root (the cluster lives in a private network namespace) and the local provider (it signals
-processes and sets iptables rules in that namespace). The short soak of ``make test`` is
+processes and sets iptables rules in an engine pod's namespace). The short soak of ``make test`` is
 tests/e2e/test_soak.py, on the test run's cluster.
 """
 
@@ -469,7 +469,9 @@ class Soak:
                     )
                 fault.note = f"{len(ops)} operator pods deleted"
         elif kind in ("kv_stream_dropped", "replay_unanswered"):
-            ip = victim.status.pod_ip
+            ip, pid = victim.status.pod_ip, container_pid(victim)
+            if pid is None:
+                raise RuntimeError(f"{victim.metadata.name} has no process to cut off")
             pub = [KV_PORT + r for r in range(DP)]
             replay = [REPLAY_PORT + r for r in range(DP)] if kind == "replay_unanswered" else []
             hold = self.rng.uniform(4.0, 10.0)
@@ -480,8 +482,8 @@ class Soak:
             await self.admin(session, engine, "store", {"rank": 0, "token_ids": tokens})
             await self.wait_following(session, victim)
             base = await self.counters(session)
-            with blocked(ip, replay):
-                with blocked(ip, pub):
+            with blocked(pid, replay):
+                with blocked(pid, pub):
                     # Requests go on meanwhile: the engine stores blocks nobody hears of yet. A seq
                     # that only replay carries makes the gap certain (TCP alone would catch up).
                     await asyncio.sleep(hold)
@@ -654,20 +656,21 @@ def container_pid(pod) -> int | None:
 
 
 @contextlib.contextmanager
-def blocked(ip: str, ports: list[int]):
-    """Drop TCP traffic to and from ``ip``'s ``ports`` (both directions: nothing is refused, the
-    packets just vanish, as on a partitioned network) for the block's duration."""
+def blocked(pid: int, ports: list[int]):
+    """Drop TCP traffic to and from ``ports`` in the network namespace of process ``pid`` (a pod's),
+    both directions: nothing is refused, the packets just vanish, as on a partitioned network."""
+    iptables = ["nsenter", f"--net=/proc/{pid}/ns/net", "--", "iptables"]
     rules = []
     for port in ports:
-        rules.append(["OUTPUT", "-p", "tcp", "-d", ip, "--dport", str(port), "-j", "DROP"])
-        rules.append(["OUTPUT", "-p", "tcp", "-s", ip, "--sport", str(port), "-j", "DROP"])
+        rules.append(["INPUT", "-p", "tcp", "--dport", str(port), "-j", "DROP"])
+        rules.append(["OUTPUT", "-p", "tcp", "--sport", str(port), "-j", "DROP"])
     for r in rules:
-        subprocess.run(["iptables", "-I", *r], check=True, capture_output=True)
+        subprocess.run([*iptables, "-I", *r], check=True, capture_output=True)
     try:
         yield
     finally:
         for r in rules:
-            subprocess.run(["iptables", "-D", *r], check=False, capture_output=True)
+            subprocess.run([*iptables, "-D", *r], check=False, capture_output=True)
 
 
 def plan(seed: int, faults: list[str], rounds: int) -> list[str]:

@@ -1,7 +1,8 @@
 """A real Kubernetes control plane as local processes: etcd, kube-apiserver, kube-controller-manager,
 kube-scheduler. No node agent: pods stay Pending until something plays the kubelet.
 
-Run it inside the private netns from `netns.py` (fixed ports, pod range 10.244.0.0/16 local).
+Run it inside the private netns from `netns.py` (fixed ports; the node's bridge holds the API server's
+advertise address, which pods reach it at).
 
     with Cluster(bin_dir, work_dir) as c:      # start() ... stop()
         os.environ["KUBECONFIG"] = str(c.kubeconfig)
@@ -26,12 +27,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .netns import ADVERTISE_ADDRESS
 from .pki import PKI, CertPair
 
 SERVICE_CIDR = "10.96.0.0/16"
 SERVICE_IP = "10.96.0.1"  # first address of SERVICE_CIDR: the `kubernetes` Service
-# Local inside the netns thanks to the 10.244.0.0/16 route; kept out of the range pods get.
-ADVERTISE_ADDRESS = "10.244.255.254"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 
 CONTROLLERS = (
@@ -308,7 +308,7 @@ class Cluster:
             "kube-apiserver",
             [
                 f"--etcd-servers=http://127.0.0.1:{self.ports.etcd_client}",
-                "--bind-address=127.0.0.1",
+                "--bind-address=0.0.0.0",  # the run's private netns: loopback, and the pods' bridge
                 f"--secure-port={self.ports.apiserver}",
                 f"--advertise-address={ADVERTISE_ADDRESS}",
                 f"--cert-dir={self.work_dir / 'apiserver-certs'}",

@@ -1,23 +1,42 @@
-"""A private network namespace for one test run.
+"""A private network namespace for one test run, wired like a one-node cluster's host.
 
-Everything of a run (etcd, the control plane, the node agent, the pods, the tests) lives in one
-netns with `lo` up and `ip route add local 10.244.0.0/16 dev lo`, so every 10.244.x.y is a local
-address: pods get real, non-loopback IPs that EndpointSlice validation accepts, nothing leaves the
-namespace, and parallel runs never clash on ports.
+Everything of a run outside the pods (etcd, the control plane, the node agent, the tests) lives in one
+netns with `lo` up and a bridge, `rf0`, holding the node's address 10.244.0.1/16 and the API server's
+advertise address. Each pod gets a netns of its own from the node agent, joined to the bridge by a
+veth pair (see node_agent.PodNetwork): pods get real, non-loopback IPs that EndpointSlice validation
+accepts, their own loopback and ports (two pods may both listen on 0.0.0.0:8080), nothing leaves the
+run's namespace, and parallel runs never clash on ports.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import sys
 
 POD_CIDR = "10.244.0.0/16"
+BRIDGE = "rf0"
+NODE_IP = "10.244.0.1"  # the node's InternalIP and the pods' gateway, on the bridge
+# The API server's advertise address (the `kubernetes` Service's endpoint, which pods reach it at):
+# on the bridge too, kept out of the range pods get.
+ADVERTISE_ADDRESS = "10.244.255.254"
 ENV_MARKER = "ROUTERFLEET_NETNS"  # holds the inode of the netns that was set up
 
+# The run's network, as commands run inside the fresh netns: loopback, and the bridge with the node's
+# addresses (a bridge without ports yet has no carrier; its addresses are local all the same).
+SETUP_COMMANDS = (
+    ("ip", "link", "set", "lo", "up"),
+    ("ip", "link", "add", BRIDGE, "type", "bridge"),
+    ("ip", "addr", "add", f"{NODE_IP}/16", "dev", BRIDGE),
+    ("ip", "addr", "add", f"{ADVERTISE_ADDRESS}/32", "dev", BRIDGE),
+    ("ip", "link", "set", BRIDGE, "up"),
+)
+
 _SETUP = (
-    "set -e; ip link set lo up; ip route add local {cidr} dev lo; "
-    'export {env}="$(stat -L -c %i /proc/self/ns/net)"; exec "$@"'
+    "set -e; "
+    + "; ".join(shlex.join(c) for c in SETUP_COMMANDS)
+    + '; export {env}="$(stat -L -c %i /proc/self/ns/net)"; exec "$@"'
 )
 
 
@@ -31,7 +50,7 @@ def in_private_netns() -> bool:
 
 
 def unshare_command(argv: list[str]) -> list[str]:
-    """`argv` wrapped so it runs in a fresh netns with lo up and the pod range routed locally.
+    """`argv` wrapped so it runs in a fresh netns with lo up and the node's bridge (SETUP_COMMANDS).
 
     As root: `unshare --net`; otherwise `unshare --user --map-root-user --net`.
     """
@@ -39,7 +58,7 @@ def unshare_command(argv: list[str]) -> list[str]:
         if shutil.which(tool) is None:
             raise RuntimeError(f"'{tool}' not found on PATH (util-linux / iproute2 / coreutils)")
     ns = ["--net"] if os.geteuid() == 0 else ["--user", "--map-root-user", "--net"]
-    script = _SETUP.format(cidr=POD_CIDR, env=ENV_MARKER)
+    script = _SETUP.format(env=ENV_MARKER)
     return ["unshare", *ns, "--", "sh", "-c", script, "routerfleet-netns", *argv]
 
 

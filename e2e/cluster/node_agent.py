@@ -4,17 +4,20 @@
 
 Authenticates as system:node:<node> (so the Node authorizer and NodeRestriction apply, as for a real
 kubelet), registers the Node and renews its Lease, watches the pods bound to it and for each one:
-- allocates a pod IP 10.244.x.y (local in the test netns);
+- gives the pod a network namespace of its own (held open by a sleeping process) on a veth pair to the
+  node's bridge, with its loopback and eth0 = a pod IP 10.244.x.y/16, default route via the node: pods
+  listen on 0.0.0.0 like any container, and a pod's localhost is its own;
 - materialises its volumes in <pod dir>/volumes/<name>: emptyDir, secret, configMap, downwardAPI and
   projected (serviceAccountToken via the TokenRequest API, bound to the pod and renewed after 80% of
   its lifetime; configMap; secret; downwardAPI). The ServiceAccount admission plugin adds the usual
   kube-api-access projected volume, so pods get token, ca.crt and namespace like on a real node;
 - runs every container's command+args as a process (the image is ignored; the venv's bin dir leads
-  PATH) in a private mount namespace (`unshare --mount --propagation private`) with each volumeMount
-  bind-mounted at its mountPath (missing mount points are created, empty, in the host's tree);
-- builds the environment as kubelet does: KUBERNETES_SERVICE_HOST/PORT = the API server as reachable
-  in the netns (127.0.0.1:6443, a SAN of its certificate), so in-cluster config works unchanged with
-  the pod's own token and RBAC; envFrom; env with $(VAR) expansion, fieldRefs, secretKeyRef and
+  PATH) in the pod's network namespace and a private mount namespace (`unshare --mount --propagation
+  private`) with each volumeMount bind-mounted at its mountPath (missing mount points are created,
+  empty, in the host's tree);
+- builds the environment as kubelet does: KUBERNETES_SERVICE_HOST/PORT = the API server at its
+  advertise address on the node's bridge (a SAN of its certificate), so in-cluster config works
+  unchanged with the pod's own token and RBAC; envFrom; env with $(VAR) expansion, fieldRefs, secretKeyRef and
   configMapKeyRef (a missing reference: CreateContainerConfigError, retried);
 - probes: startupProbe gates the others; livenessProbe failure kills the container (SIGTERM, the
   grace period, SIGKILL; a `Killing` event); readinessProbe sets `ready`; httpGet, tcpSocket, exec;
@@ -26,7 +29,8 @@ Container output goes to <workdir>/pods/<namespace>_<pod>_<uid>/<container>.log.
 
 Not done: init and sidecar containers, lifecycle hooks (preStop/postStart), resources and cgroups,
 securityContext (processes run as the agent's user), hostPath/PVC volumes, image pulls, kubelet's
-HTTP server (no `kubectl logs/exec`), resourceFieldRef env, per-service env variables.
+HTTP server (no `kubectl logs/exec/port-forward`), resourceFieldRef env, per-service env variables,
+hostNetwork, Service ClusterIPs (no kube-proxy: clients use EndpointSlices, as the routers do).
 """
 
 from __future__ import annotations
@@ -55,11 +59,12 @@ import aiohttp
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
+from .netns import ADVERTISE_ADDRESS, BRIDGE, NODE_IP, POD_CIDR
+
 log = logging.getLogger("node-agent")
 
-NODE_IP = "10.244.0.1"
-POD_NET = ipaddress.ip_network("10.244.0.0/16")
-RESERVED = {ipaddress.ip_address(NODE_IP), ipaddress.ip_address("10.244.255.254")}
+POD_NET = ipaddress.ip_network(POD_CIDR)
+RESERVED = {ipaddress.ip_address(NODE_IP), ipaddress.ip_address(ADVERTISE_ADDRESS)}
 LEASE_DURATION = 40
 HEARTBEAT = 10.0
 KUBELET_VERSION = "v1.36.3"
@@ -579,6 +584,80 @@ def _killpg(proc: asyncio.subprocess.Process, sig: int) -> None:
         os.killpg(proc.pid, sig)
 
 
+def veth_name(pod_ip: str) -> str:
+    """The node-side end of a pod's veth pair, from its IP (unique: an agent never reuses an IP; at
+    most 15 characters, the kernel's limit)."""
+    b = ipaddress.ip_address(pod_ip).packed
+    return f"rfv{b[2]}x{b[3]}"
+
+
+async def _run(*argv: str) -> None:
+    p = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await p.communicate()
+    if p.returncode != 0:
+        raise OSError(f"{' '.join(argv)}: exit {p.returncode}: {out.decode(errors='replace').strip()}")
+
+
+class PodNetwork:
+    """A pod's network namespace, as a CNI bridge plugin would make it: held open by a sleeping
+    process (the pause container's role), one end of a veth pair as its eth0 with the pod IP, the
+    other end on the node's bridge. Containers and exec probes join it with ``enter``; it ends with the
+    holder, and the veth pair with it."""
+
+    def __init__(self, pod_ip: str, holder: asyncio.subprocess.Process):
+        self.pod_ip, self.holder = pod_ip, holder
+
+    @classmethod
+    async def create(cls, pod_ip: str) -> PodNetwork:
+        holder = await asyncio.create_subprocess_exec(
+            "unshare", "--net", "--", "sleep", "infinity",
+            stdin=asyncio.subprocess.DEVNULL, start_new_session=True, preexec_fn=_pdeathsig,
+        )  # fmt: skip
+        net = cls(pod_ip, holder)
+        try:
+            ns = f"/proc/{holder.pid}/ns/net"
+            await net._until_own_netns(ns)
+            veth = veth_name(pod_ip)
+            await _run(
+                "ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", str(holder.pid)
+            )
+            await _run("ip", "link", "set", veth, "master", BRIDGE, "up")
+            inside = (
+                f"ip link set lo up && ip addr add {pod_ip}/{POD_NET.prefixlen} dev eth0 && "
+                f"ip link set eth0 up && ip route add default via {NODE_IP}"
+            )
+            await _run("nsenter", f"--net={ns}", "--", "sh", "-c", inside)
+        except BaseException:
+            await net.close()
+            raise
+        return net
+
+    async def _until_own_netns(self, ns: str) -> None:
+        """Until the holder has left the agent's netns (unshare execs sleep once it has)."""
+        mine = os.stat("/proc/self/ns/net").st_ino
+        for _ in range(200):
+            with contextlib.suppress(OSError):
+                if os.stat(ns).st_ino != mine:
+                    return
+            if self.holder.returncode is not None:
+                break
+            await asyncio.sleep(0.01)
+        raise OSError(f"the pod network's holder did not enter a new netns (exit {self.holder.returncode})")
+
+    def enter(self, argv: list[str]) -> list[str]:
+        """``argv`` run in the pod's netns (nsenter execs in place: the pid stays the container's)."""
+        return ["nsenter", f"--net=/proc/{self.holder.pid}/ns/net", "--", *argv]
+
+    async def close(self) -> None:
+        _killpg(self.holder, signal.SIGKILL)
+        await self.holder.wait()
+
+
 class PodWorker:
     """Runs one pod: volumes and credentials, processes, probes, status, termination."""
 
@@ -596,6 +675,7 @@ class PodWorker:
         self.volume_dir = self.log_dir / "volumes"
         self.tasks: list[asyncio.Task] = []
         self.tokens: dict[tuple[str, int], tuple[str, float]] = {}  # key -> (token, refresh at)
+        self.net: PodNetwork | None = None
 
     def update(self, pod: dict) -> None:
         self.pod = pod
@@ -607,17 +687,20 @@ class PodWorker:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.dirty.set()
         writer = asyncio.create_task(self._status_writer())
-        self.tasks = [asyncio.create_task(self._volumes())] + [
-            asyncio.create_task(self._container(spec, rt))
-            for spec, rt in zip(self.pod["spec"]["containers"], self.containers, strict=True)
-        ]
         try:
-            await self.terminating.wait()
-            await self._terminate()
+            if await self._sandbox():
+                self.tasks = [asyncio.create_task(self._volumes())] + [
+                    asyncio.create_task(self._container(spec, rt))
+                    for spec, rt in zip(self.pod["spec"]["containers"], self.containers, strict=True)
+                ]
+                await self.terminating.wait()
+                await self._terminate()
         finally:
             for t in self.tasks:
                 t.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
+            if self.net is not None:
+                await self.net.close()
             await self._write_status()
             writer.cancel()
         try:
@@ -636,9 +719,24 @@ class PodWorker:
             if e.status not in (404, 409):
                 raise
 
+    async def _sandbox(self) -> bool:
+        """The pod's network, retried (with kubelet's Warning event) until it exists or the pod is
+        deleted first (False)."""
+        while not self.terminating.is_set():
+            try:
+                self.net = await PodNetwork.create(self.pod_ip)
+                return True
+            except OSError as e:
+                log.warning("pod %s/%s network: %s", self.ns, self.name, e)
+                await self.agent.event(self.pod, "FailedCreatePodSandBox", f"pod network: {e}", "Warning")
+                await self._backoff(5.0)
+        return False
+
     async def kill_now(self) -> None:
         for p in self.procs.values():
             _killpg(p, signal.SIGKILL)
+        if self.net is not None:
+            await self.net.close()
 
     def _grace(self) -> int:
         grace = self.pod["metadata"].get("deletionGracePeriodSeconds")
@@ -732,7 +830,12 @@ class PodWorker:
             **env,
         }
         mounts = container_mounts(spec, self.volume_dir)
-        return with_mounts(mounts, argv), penv, mounts
+        return self.enter(mounts, argv), penv, mounts
+
+    def enter(self, mounts: list, argv: list[str]) -> list[str]:
+        """``argv`` as a process of this pod: in its network namespace, with its mounts."""
+        assert self.net is not None
+        return self.net.enter(with_mounts(mounts, argv))
 
     # ------------------------------------------------------------ containers
 
@@ -814,7 +917,7 @@ class PodWorker:
         sets `ready`. Without a startup probe the container counts as started at once."""
 
         def check(pr: dict):
-            return lambda: probe_once(pr, spec, self.pod_ip, env, mounts)
+            return lambda: probe_once(pr, spec, self.pod_ip, env, lambda argv: self.enter(mounts, argv))
 
         if sp := spec.get("startupProbe"):
             async for ok in probe_verdicts(sp, check(sp)):
@@ -928,10 +1031,11 @@ async def probe_verdicts(pr: dict, check) -> AsyncIterator[bool]:
 
 
 async def probe_once(
-    pr: dict, spec: dict, pod_ip: str, env: dict[str, str] | None = None, mounts: list | None = None
+    pr: dict, spec: dict, pod_ip: str, env: dict[str, str] | None = None, enter=lambda argv: argv
 ) -> bool:
     """One httpGet / tcpSocket / exec probe with timeoutSeconds. exec runs the command with the
-    container's environment and mounts; exit code 0 is success."""
+    container's environment, as a process of its pod (``enter(argv)``: in its network namespace, with
+    its mounts); exit code 0 is success."""
     timeout = pr.get("timeoutSeconds", 1)
     try:
         if "httpGet" in pr:
@@ -954,7 +1058,7 @@ async def probe_once(
             return True
         if "exec" in pr:
             p = await asyncio.create_subprocess_exec(
-                *with_mounts(mounts or [], pr["exec"]["command"]),
+                *enter(pr["exec"]["command"]),
                 env=env,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
@@ -995,10 +1099,11 @@ class NodeAgent:
 
     @property
     def service_env(self) -> dict[str, str]:
-        """KUBERNETES_SERVICE_HOST/PORT: the API server as the pods reach it in the test netns (its
-        serving certificate has 127.0.0.1 among its SANs), so in-cluster config works unchanged."""
-        u = urllib.parse.urlsplit(self.api.base)
-        return {"KUBERNETES_SERVICE_HOST": u.hostname or "", "KUBERNETES_SERVICE_PORT": str(u.port or 443)}
+        """KUBERNETES_SERVICE_HOST/PORT: the API server at its advertise address on the node's bridge,
+        as the pods reach it from their own netns (a SAN of its serving certificate), on the port this
+        agent uses; in-cluster config works unchanged."""
+        port = urllib.parse.urlsplit(self.api.base).port or 443
+        return {"KUBERNETES_SERVICE_HOST": ADVERTISE_ADDRESS, "KUBERNETES_SERVICE_PORT": str(port)}
 
     async def event(self, pod: dict, reason: str, message: str, type_: str = "Normal") -> None:
         """A core/v1 Event about `pod`, as kubelet records them; failures are only logged."""

@@ -104,7 +104,6 @@ class PauseReason(enum.StrEnum):
 # The router flags the operator renders; extraArgs may not set them (nor any prefix argparse would
 # expand to one of them). The CRD's CEL rule carries the same list (a test compares them).
 OWNED_FLAGS = (
-    "--host",
     "--port",
     "--worker",
     "--block-size",

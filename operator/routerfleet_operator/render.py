@@ -158,11 +158,11 @@ def tokenizer_arg(fleet: Fleet) -> str:
 
 def router_args(fleet: Fleet) -> list[str]:
     """The flags of ``routerfleet-router``, derived from the spec; then the user's extraArgs. The router
-    binds the pod IP (``$(POD_IP)``, expanded by the kubelet from the downward-API env)."""
+    listens on all addresses, like any container (an extraArgs ``--host=$(POD_IP)`` comes later and wins)."""
     s = fleet.spec
     e = s.engines
     args = [
-        "--host", "$(POD_IP)",
+        "--host", "0.0.0.0",
         "--port", str(HTTP_PORT),
         "--log-level", s.router.log_level,
         "--policy", s.router.policy,
@@ -251,7 +251,7 @@ def _container(fleet: Fleet) -> dict[str, Any]:
             {"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"},
             {"name": INTERNAL_PORT_NAME, "containerPort": INTERNAL_PORT, "protocol": "TCP"},
         ],
-        # POD_NAME/POD_IP let a replica leave itself out of its peer set; the router binds POD_IP.
+        # POD_NAME/POD_IP let a replica leave itself out of its peer set.
         "env": [
             _field_env("POD_NAME", "metadata.name"),
             _field_env("POD_NAMESPACE", "metadata.namespace"),

@@ -607,3 +607,53 @@ def test_startup_liveness_and_exec_probes(cluster, namespace):
     assert p.status.container_statuses[0].last_state.terminated is not None
     events = core.list_namespaced_event(ns, field_selector="involvedObject.name=probed").items
     assert any(e.reason == "Killing" and "liveness" in e.message for e in events), [e.message for e in events]
+
+
+# A server on 0.0.0.0:7000 answering with its pod's name.
+SERVE_NAME = """
+import http.server, os
+class Name(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(os.environ["HOSTNAME"].encode())
+http.server.HTTPServer(("0.0.0.0", 7000), Name).serve_forever()
+"""
+
+# What a pod sees of the network: its own loopback (nothing listens there), the others' pod IPs.
+LOOK_AROUND = """
+import socket, sys, urllib.request
+try:
+    socket.create_connection(("127.0.0.1", 7000), 2)
+    print("loopback: answered")
+except ConnectionRefusedError:
+    print("loopback: refused")
+for ip in sys.argv[1:]:
+    print(ip, urllib.request.urlopen(f"http://{ip}:7000/", timeout=5).read().decode())
+"""
+
+
+def test_each_pod_has_its_own_network(cluster, namespace):
+    """Two pods both listen on 0.0.0.0:7000 (one port, two network namespaces) and each answers at its
+    own pod IP; an exec probe runs in its pod's netns (it reaches the pod's own loopback); a third pod
+    finds its loopback empty and reaches the others at their pod IPs."""
+    _local_only(cluster, "connects to pod IPs")
+    ns, core = namespace, cluster.core
+    dial_own_loopback = "import socket; socket.create_connection(('127.0.0.1', 7000), 1)"
+    own_loopback = {"exec": {"command": ["python", "-c", dial_own_loopback]}, "periodSeconds": 1}
+    for name in ("a", "b"):
+        server = _container(name, "python", "-c", SERVE_NAME, readinessProbe=own_loopback)
+        body = _pod_body(name, server)
+        body["metadata"]["labels"] = {"app": "serve-name"}
+        core.create_namespaced_pod(ns, body)
+    pods = {p.metadata.name: p for p in cluster.wait_pods_ready(ns, "app=serve-name", 2)}
+    ips = [pods["a"].status.pod_ip, pods["b"].status.pod_ip]
+    assert len(set(ips)) == 2, ips
+    for name, ip in zip("ab", ips, strict=True):
+        with urllib.request.urlopen(f"http://{ip}:7000/", timeout=5) as r:
+            assert r.read().decode() == name
+
+    look = _container("c", "python", "-c", LOOK_AROUND, *ips)
+    core.create_namespaced_pod(ns, _pod_body("c", look, restartPolicy="Never"))
+    cluster.wait_pod(ns, "c", lambda p: p.status.phase in ("Succeeded", "Failed"), "finished")
+    log = cluster.container_log(ns, "c", "c")
+    assert "loopback: refused" in log, log
+    assert f"{ips[0]} a" in log and f"{ips[1]} b" in log, log

@@ -33,7 +33,7 @@ from routerfleet_operator.render import (
     seeded_condition,
     template_hash,
 )
-from routerfleet_operator.spec import Fleet
+from routerfleet_operator.spec import Fleet, validate
 
 from .helpers import T0, fleet_obj
 
@@ -43,21 +43,29 @@ def fleet(spec=None, **meta) -> Fleet:
 
 
 def router_config(f: Fleet, tmp_path):
-    """Parse the rendered flags with the router's own parser (the kubelet's $(POD_IP) expanded, the
-    token file present)."""
+    """Parse the rendered flags with the router's own parser (the token file present)."""
     token = tmp_path / "token"
     token.write_text("t0ken\n")
-    args = [
-        "127.0.0.1" if a == "$(POD_IP)" else str(token) if a == f"{TOKEN_DIR}/token" else a
-        for a in router_args(f)
-    ]
+    args = [str(token) if a == f"{TOKEN_DIR}/token" else a for a in router_args(f)]
     return parse_args(args)
+
+
+def test_the_router_listens_on_all_addresses_unless_extra_args_say_otherwise(tmp_path):
+    """All addresses, like any container (port-forward and a localhost sidecar reach it); a user's
+    ``--host`` in extraArgs comes after the operator's and wins: the pod IP only, or ``::``."""
+    assert router_config(fleet(), tmp_path).host == "0.0.0.0"
+    pinned = fleet({"router": {"extraArgs": ["--host=$(POD_IP)"]}})
+    assert validate(pinned) == []
+    args = router_args(pinned)
+    assert args[-1] == "--host=$(POD_IP)" and args.index("--host") < len(args) - 1
+    v6 = fleet({"router": {"extraArgs": ["--host=::"]}})
+    assert router_config(v6, tmp_path).host == "::"
 
 
 def test_router_flags_parse_with_the_router(tmp_path):
     f = fleet({"engines": {"dpSize": 2, "replayPort": 5658, "topic": "kv@"}, "bootstrap": {"timeout": "90s"}})
     c = router_config(f, tmp_path)
-    assert c.host == "127.0.0.1" and c.port == 8080 and c.internal_port == 8081
+    assert c.host == "0.0.0.0" and c.port == 8080 and c.internal_port == 8081
     assert c.k8s_selector == "kubernetes.io/service-name=vllm" and c.k8s_namespace == "ns"
     assert (c.k8s_http_port, c.k8s_kv_port, c.k8s_replay_port, c.k8s_dp_size, c.k8s_topic) == (
         "http", "kv", "5658", 2, "kv@",
