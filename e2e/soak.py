@@ -23,7 +23,9 @@ seeded schedule injects faults, one at a time, each followed by a wait for the f
 
 Converged means: the RouterFleet Ready for its generation on one revision, 3 router pods and 4 engine
 pods Ready, and every router's index holding each engine rank as live (`/debug/index`). A fault that
-does not converge within ``--converge-timeout`` is a deadlock: the soak records it and stops.
+does not converge within ``--converge-timeout`` is a deadlock: the soak records it and stops. The
+timeline gives each fault's own time (a drop held, the API server stopped and started), then how long
+the fleet took to converge after it, and what it waited for meanwhile.
 
 At the end it prints a timeline and the figures, and exits non-zero unless:
 
@@ -517,13 +519,16 @@ class Soak:
         elif kind == "apiserver_restart":
             fault.target = "kube-apiserver"
             down = self.rng.uniform(1.0, 5.0)
+            t_stop = time.monotonic()
             await asyncio.to_thread(self.cluster.stop_apiserver)
+            stopped = time.monotonic() - t_stop
             await asyncio.sleep(down)
             # Started on this (the main) thread: a component dies with the thread that spawned it.
             t_start = time.monotonic()
             self.cluster.start_apiserver()
             await asyncio.to_thread(self.cluster.wait_apiserver)
-            fault.note = f"down {down:.1f}s, Ready {time.monotonic() - t_start:.1f}s after its start"
+            ready = time.monotonic() - t_start
+            fault.note = f"stopped {stopped:.1f}s after SIGTERM, down {down:.1f}s, Ready {ready:.1f}s after"
         elif kind == "readiness_flap":
             ms = int(self.rng.uniform(8000, 12000))
             async with session.post(
@@ -630,9 +635,10 @@ class Soak:
                     for pod in self.seeding:
                         fault.effect += f"; {pod}: {await self.verdict(session, pod)}"
                     self.seeding.clear()
-                    took = (fault.converged or time.monotonic()) - fault.t0
-                    n = f"{i + 1}/{len(schedule)}"
-                    say(f"{n} {kind} on {fault.target}: {took:.1f}s to converge; {fault.note}")
+                    own = fault.injected - fault.t0
+                    took = (fault.converged or time.monotonic()) - fault.injected
+                    n, what = f"{i + 1}/{len(schedule)}", f"{kind} on {fault.target} ({own:.1f}s)"
+                    say(f"{n} {what}, converged {took:.1f}s later; {fault.note}")
                     if fault.waits:
                         say(f"    waited for: {fault.recovery()}")
                     if not ok:
@@ -696,8 +702,9 @@ def report(run: Run) -> list[str]:
     t = run.start
     print("\n## timeline (s from the start)")
     for f in run.faults:
-        conv = f"{f.converged - f.t0:5.1f}s" if f.converged is not None else "never"
-        print(f"  {f.t0 - t:7.1f}  {f.kind:<20} {f.target:<40} converged after {conv}  {f.note.strip()}")
+        conv = f"{f.converged - f.injected:5.1f}s" if f.converged is not None else "never"
+        own = f"{f.injected - f.t0:4.1f}s" if f.injected else "  ? "
+        print(f"  {f.t0 - t:7.1f}  {f.kind:<20} {f.target:<40} {own}, converged {conv} later {f.note}")
         if f.effect:
             print(f"  {'':7}  {'':<20} {f.effect}")
         if f.waits:
@@ -769,7 +776,7 @@ def report(run: Run) -> list[str]:
 
     print(
         f"  {'phase':<22}{'requests':>9}{'hit rate':>10}{'false-hit tok':>15}{'refused':>9}"
-        f"{'recovery s (med/max)':>24}"
+        f"{'fault s (med)':>14}{'recovery s (med/max)':>22}"
     )
     print(
         f"  {'steady':<22}{len(steady):>9}{hit_rate(steady):>10.1%}{sum(o.false_hit for o in steady):>15}"
@@ -780,10 +787,12 @@ def report(run: Run) -> list[str]:
         if not fs:
             continue
         during = [o for o in ok if (w := in_window(o)) is not None and w.kind == kind]
-        rec = sorted((f.converged or end) - f.t0 for f in fs)
+        # The fault's own time (a drop held, an API server stopped and started), then the fleet's.
+        own = sorted((f.injected or end) - f.t0 for f in fs)
+        rec = sorted((f.converged or end) - (f.injected or f.t0) for f in fs)
         print(
             f"  {kind:<22}{len(during):>9}{hit_rate(during):>10.1%}{sum(o.false_hit for o in during):>15}"
-            f"{refused_in(kind):>9}{rec[len(rec) // 2]:>15.1f} / {rec[-1]:.1f}"
+            f"{refused_in(kind):>9}{own[len(own) // 2]:>14.1f}{rec[len(rec) // 2]:>13.1f} / {rec[-1]:.1f}"
         )
     print("\n## router processes (RSS MiB and open files, first -> last sample, pods that lived > 60 s)")
     for pod, ss in sorted(run.samples.items()):
@@ -827,8 +836,8 @@ def soak(kube: T.Kube, provider, ns: str, *, seed: int, faults: list[str], round
 def write_dump(kube: T.Kube, provider, ns: str) -> str:
     path = os.path.join(tempfile.gettempdir(), f"{ns}-dump.txt")
 
-    def log(ns: str, pod: str, container: str) -> str:
-        return provider.container_log(ns, pod, container) or ""
+    def log(namespace: str, pod: str, container: str) -> str:
+        return provider.container_log(namespace, pod, container) or ""
 
     with open(path, "w") as f:
         for n in (ns, OPERATOR_NS):
