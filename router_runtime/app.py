@@ -40,6 +40,8 @@ from .kv.index import TIER_ORDER, Carrier
 from .kv.plane import KVPlane, WorkerSpec
 from .kv.subscription import ReplayTimeouts
 from .proxy import log_redaction
+from .proxy.endpoints import FORWARDED
+from .proxy.errors import openai_errors
 from .proxy.health import BreakerConfig, BreakerState, HealthBoard, HealthChecker
 from .proxy.load import LoadTracker
 from .proxy.metrics import ProxyMetrics
@@ -403,10 +405,14 @@ class Router:
 
     def build_app(self) -> web.Application:
         # aiohttp refuses a body of client_max_size or more; the proxy answers 413 itself above the limit.
-        app = web.Application(client_max_size=self.config.max_body_bytes + 1)
+        app = web.Application(client_max_size=self.config.max_body_bytes + 1, middlewares=[openai_errors])
         app.router.add_post("/v1/completions", self.proxy.completions)
         app.router.add_post("/v1/chat/completions", self.proxy.chat_completions)
         app.router.add_get("/v1/models", self.proxy.models)
+        for path in FORWARDED:
+            app.router.add_post(path, self.proxy.by_load)
+        for path in self.config.allow_paths:
+            app.router.add_route("*", path, self.proxy.by_load)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics)

@@ -10,6 +10,7 @@ from .bootstrap.http import read_token
 from .discovery.static import parse_worker
 from .discovery.storage_annotation import validate_annotation_key
 from .kv.plane import WorkerSpec
+from .proxy.endpoints import allowed_path
 from .proxy.serving import ServerLimits
 from .routing.policies import POLICY_NAMES, PolicyConfig
 from .sessions.config import SessionConfig
@@ -48,6 +49,8 @@ class RouterConfig:
     idle_timeout_s: float = 300.0
     max_body_bytes: int = 32 << 20
     upstream_keepalive_s: float = 4.0
+    # Engine paths beyond the served ones (proxy/endpoints.py) an operator lets through, by load.
+    allow_paths: tuple[str, ...] = ()
     # Ask engines for usage on streams whose client did not, and strip it again (proxy/audit.py).
     audit_stream_usage: bool = True
     # On SIGTERM: this long not Ready, closing each connection after its response, before the server
@@ -127,6 +130,13 @@ def _annotation_key(text: str) -> str:
         return validate_annotation_key(text.strip()) if text.strip() else ""
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not a Kubernetes annotation key: {exc}") from None
+
+
+def _allow_path(text: str) -> str:
+    try:
+        return allowed_path(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _worker(text: str) -> WorkerSpec:
@@ -253,6 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=32 << 20,
         help="request body limit; larger: 413 (32 MiB)",
+    )
+    q.add_argument(
+        "--allow-path",
+        type=_allow_path,
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="forward this engine path too (any method, to an engine by load); repeatable. Every path"
+        " the router does not serve is refused with a 404, engines' administrative ones included",
     )
     p.add_argument(
         "--shutdown-drain-ms",
@@ -654,6 +673,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         idle_timeout_s=a.idle_timeout_ms / 1000,
         upstream_keepalive_s=a.upstream_keepalive_ms / 1000,
         max_body_bytes=a.max_body_bytes,
+        allow_paths=tuple(dict.fromkeys(a.allow_path)),
         audit_stream_usage=a.audit_stream_usage,
         shutdown_drain_s=a.shutdown_drain_ms / 1000,
         server=ServerLimits(

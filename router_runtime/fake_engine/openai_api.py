@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router_runtime.fake_engine.hashing import Namespace
-from router_runtime.tokens import encode, render_chat
+from router_runtime.tokens import decode, encode, render_chat
 
 DEFAULT_MAX_TOKENS = 16
 _MAX_TOKEN_ID = (1 << 32) - 1  # SGLang hashes tokens as u32, so anything larger cannot be cached
@@ -182,6 +182,14 @@ def tokenize_request(body: Any) -> list[int]:
         except ValueError as e:
             raise RequestError(f"invalid 'messages': {e}", "messages") from None
     raise RequestError("'prompt' (a string) or 'messages' is required", "prompt")
+
+
+def detokenize_request(body: Any) -> str:
+    """A detokenize endpoint's body (``{"tokens": [...]}``) -> the text."""
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list):
+        raise RequestError("'tokens' (a list of token IDs) is required", "tokens")
+    return decode(_token_list(tokens, "tokens"))
 
 
 # ----------------------------------------------------------------------------------------- output

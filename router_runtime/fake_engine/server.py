@@ -33,6 +33,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from router_runtime.fake_engine import pooling_api
 from router_runtime.fake_engine.admin import admin_routes
 from router_runtime.fake_engine.cache import Admission, CacheConfig, RankCache
 from router_runtime.fake_engine.config import FakeEngineConfig
@@ -43,6 +44,7 @@ from router_runtime.fake_engine.openai_api import (
     Kind,
     RequestError,
     ResponseHeader,
+    detokenize_request,
     generate_tokens,
     parse_chat,
     parse_completion,
@@ -281,6 +283,17 @@ class FakeEngine:
                 web.post("/v1/chat/completions", self._chat_completions),
                 web.post("/tokenize", self._tokenize),  # vLLM's
                 web.post("/v1/tokenize", self._tokenize),  # SGLang's
+                web.post("/detokenize", self._detokenize),
+                web.post("/v1/detokenize", self._detokenize),
+                web.post("/v1/embeddings", self._pooling(pooling_api.embeddings)),
+                web.post("/pooling", self._pooling(pooling_api.pooling)),
+                web.post("/classify", self._pooling(pooling_api.classify)),
+                web.post("/score", self._pooling(pooling_api.score)),
+                web.post("/v1/score", self._pooling(pooling_api.score)),
+                web.post("/rerank", self._pooling(pooling_api.rerank)),
+                web.post("/v1/rerank", self._pooling(pooling_api.rerank)),
+                web.post("/v2/rerank", self._pooling(pooling_api.rerank)),
+                web.post("/v1/audio/transcriptions", self._transcription),
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
@@ -363,6 +376,38 @@ class FakeEngine:
                 "token_strs": None,
             }
         )
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        try:
+            return web.json_response({"prompt": detokenize_request(parse_json_body(await request.read()))})
+        except RequestError as e:
+            return bad_request(e)
+
+    def _pooling(self, shape: Callable[[Any, str], dict]):
+        """A pooling endpoint (pooling_api.py): its JSON body -> ``shape``'s answer."""
+
+        async def handler(request: web.Request) -> web.Response:
+            try:
+                return web.json_response(shape(parse_json_body(await request.read()), self.config.model))
+            except RequestError as e:
+                return bad_request(e)
+
+        return handler
+
+    async def _transcription(self, request: web.Request) -> web.Response:
+        """OpenAI's audio transcription: a multipart form with ``file`` (and ``model``); the "text" says
+        how many bytes of audio arrived, so a test can tell the whole form got through."""
+        if not request.content_type.startswith("multipart/"):
+            return bad_request(RequestError("expected a multipart/form-data body", "file"))
+        size, model = None, self.config.model
+        async for part in await request.multipart():
+            if part.name == "file":
+                size = len(await part.read())
+            elif part.name == "model":
+                model = await part.text()
+        if size is None:
+            return bad_request(RequestError("'file' is required", "file"))
+        return web.json_response({"text": f"{size} bytes of audio", "model": model})
 
     def _pick_rank(self, req: GenerationRequest, request: web.Request) -> int:
         rank = req.rank

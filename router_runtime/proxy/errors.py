@@ -84,3 +84,33 @@ def bad_gateway(message: str, code: str) -> ProxyError:
 
 def gateway_timeout(message: str, code: str) -> ProxyError:
     return ProxyError(504, message, type_="upstream_timeout", code=code, outcome="timeout")
+
+
+def not_found(method: str, path: str) -> ProxyError:
+    return ProxyError(
+        404,
+        f"{method} {path[:200]} is not served by this router (engines' administrative paths never are;"
+        " an operator may add one with --allow-path)",
+        code="not_found",
+    )
+
+
+def method_not_allowed(method: str, path: str, allowed: set[str]) -> ProxyError:
+    return ProxyError(
+        405,
+        f"{method} is not allowed on {path[:200]} (use {', '.join(sorted(allowed))})",
+        code="method_not_allowed",
+    )
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own 404 and 405 (no route, or not that method) in OpenAI's error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as e:
+        return method_not_allowed(request.method, request.path, e.allowed_methods).response(
+            {"Allow": ",".join(sorted(e.allowed_methods))}
+        )
+    except web.HTTPNotFound:
+        return not_found(request.method, request.path).response()

@@ -27,7 +27,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -37,6 +37,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from ..kv.index import Carrier, RadixIndex
+from ..routing.simple import LeastLoadedPolicy
 from ..routing.types import Decision, Policy, RouteRequest, Target
 from ..sessions.affinity import SessionAffinity, SessionCtx
 from ..sessions.classify import promote
@@ -156,6 +157,7 @@ class Proxy:
         self.needs_text = bool(getattr(policy, "needs_text", policy.name == "approx_prefix"))
         self.sessions = sessions
         self._strip = sessions.strip if sessions is not None else frozenset()
+        self._by_load = LeastLoadedPolicy()  # what has no prefix to route on (endpoints.py)
         self._session: aiohttp.ClientSession | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -188,15 +190,25 @@ class Proxy:
     # ---- handlers ------------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, Kind.COMPLETION)
+        return await self._handle(request, lambda ctx: self._serve(request, Kind.COMPLETION, ctx))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, Kind.CHAT)
+        return await self._handle(request, lambda ctx: self._serve(request, Kind.CHAT, ctx))
 
-    async def _handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+    async def by_load(self, request: web.Request) -> web.StreamResponse:
+        """A path without a prefix to route on (endpoints.py): to a healthy engine by load, relayed
+        as chat is."""
+        return await self._handle(request, lambda ctx: self._serve_by_load(request, ctx), self._by_load.name)
+
+    async def _handle(
+        self,
+        request: web.Request,
+        serve: Callable[[_Ctx], Awaitable[web.StreamResponse]],
+        policy: str | None = None,
+    ) -> web.StreamResponse:
         ctx = _Ctx()
         try:
-            return await self._serve(request, kind, ctx)
+            return await serve(ctx)
         except ProxyError as e:
             ctx.status, ctx.outcome = e.status, e.outcome
             return e.response({ENGINE_HEADER: ctx.engine} if ctx.engine else None)
@@ -206,7 +218,7 @@ class Proxy:
                 ctx.status = 500
             raise
         finally:
-            self.metrics.request(self.policy.name, ctx.outcome, ctx.status)
+            self.metrics.request(policy or self.policy.name, ctx.outcome, ctx.status)
 
     async def _serve(self, request: web.Request, kind: Kind, ctx: _Ctx) -> web.StreamResponse:
         raw = await self._read_body(request)
@@ -224,28 +236,68 @@ class Proxy:
         if self.audit_stream_usage and self._predicts(route, index):
             asked = request_usage(raw, body)
         sent = raw if asked is None else asked
-        loop = asyncio.get_running_loop()
-        for attempt in (0, 1):
+        n_tokens = len(route.tokens) if route.tokens is not None else 0
+
+        def decide(targets: Sequence[Target], attempt: int) -> Decision:
             sctx = ctx.session
             if sctx is None:
-                decision = self._decide(route, targets, index)
-            else:
-                # Classified once (the first decision); a retry keeps the state, and the preference
-                # while the remembered engine is still a candidate.
-                classified = sessions.classify(sctx, targets)
-                prefer = classified.preferred if classified.preferred in targets else None
-                routed = replace(route, prefer=prefer, prefer_vouched=classified.vouched)
-                decision = self._decide(routed, promote(targets, prefer), index)
-                if attempt == 0:
-                    sessions.selected(sctx, decision.target, self.policy.name)
+                return self._decide(route, targets, index)
+            # Classified once (the first decision); a retry keeps the state, and the preference while
+            # the remembered engine is still a candidate.
+            classified = sessions.classify(sctx, targets)
+            prefer = classified.preferred if classified.preferred in targets else None
+            routed = replace(route, prefer=prefer, prefer_vouched=classified.vouched)
+            decision = self._decide(routed, promote(targets, prefer), index)
+            if attempt == 0:
+                sessions.selected(sctx, decision.target, self.policy.name)
+            return decision
+
+        def relay(upstream: aiohttp.ClientResponse, decision: Decision, start: float):
+            prediction = self._prediction(route, decision, index)
+            return self._relay(
+                request, upstream, decision.target, start, ctx, prediction, strip=asked is not None
+            )
+
+        return await self._forward(request, ctx, targets, decide, sent, relay, n_tokens)
+
+    async def _serve_by_load(self, request: web.Request, ctx: _Ctx) -> web.StreamResponse:
+        raw = await self._read_body(request)
+        targets = self.targets.candidates()
+        if not targets:
+            raise no_engine("no engine can take the request (none discovered, or all unhealthy)")
+        unrouted = RouteRequest(tokens=None)
+
+        def decide(targets: Sequence[Target], _attempt: int) -> Decision:
+            return self._by_load.choose(unrouted, targets, self.loads, None)
+
+        def relay(upstream: aiohttp.ClientResponse, decision: Decision, start: float):
+            return self._relay(request, upstream, decision.target, start, ctx)
+
+        return await self._forward(request, ctx, targets, decide, raw, relay)
+
+    async def _forward(
+        self,
+        request: web.Request,
+        ctx: _Ctx,
+        targets: Sequence[Target],
+        decide: Callable[[Sequence[Target], int], Decision],
+        body: bytes,
+        relay: Callable[[aiohttp.ClientResponse, Decision, float], Awaitable[web.StreamResponse]],
+        n_tokens: int = 0,
+    ) -> web.StreamResponse:
+        """Send ``body`` to the target ``decide`` picks and ``relay`` the answer, counting it in the
+        target's load meanwhile. A connect failure before any byte counts against the engine's
+        breaker and is retried once, without that engine."""
+        loop = asyncio.get_running_loop()
+        for attempt in (0, 1):
+            decision = decide(targets, attempt)
             target = decision.target
             ctx.engine = target.engine
-            n_tokens = len(route.tokens) if route.tokens is not None else 0
             self._acquire(target, n_tokens)
             try:
                 start = loop.time()
                 try:
-                    upstream = await self._open(request, target, sent)
+                    upstream = await self._open(request, target, body)
                 except _ConnectFailed as e:
                     self.health.failure(target.engine)
                     remaining = tuple(t for t in targets if t.engine != target.engine)
@@ -256,10 +308,7 @@ class Proxy:
                     if e.reason == "connect_timeout":
                         raise gateway_timeout(e.message, "connect_timeout") from None
                     raise bad_gateway(e.message, "upstream_connect_failed") from None
-                prediction = self._prediction(route, decision, index)
-                return await self._relay(
-                    request, upstream, target, start, ctx, prediction, strip=asked is not None
-                )
+                return await relay(upstream, decision, start)
             finally:
                 self._release(target, n_tokens)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -353,16 +402,19 @@ class Proxy:
         self.metrics.set_inflight(target.engine, self.load.release(target, tokens))
 
     async def _open(self, request: web.Request, target: Target, raw: bytes) -> aiohttp.ClientResponse:
-        """POST to the engine and wait for its response headers."""
+        """Send the request (its method, path and query, ``raw`` as the body) to the engine and wait
+        for its response headers."""
         headers = request_headers(request.headers, self._strip)
-        if "Content-Type" not in headers:  # the body parsed as JSON; say so (FastAPI servers insist)
+        if raw and "Content-Type" not in headers:  # a body that parsed as JSON (FastAPI servers insist)
             headers["Content-Type"] = "application/json"
         if target.rank is not None:
             headers[RANK_HEADER] = str(target.rank)
         t = self.timeouts
         try:
             async with asyncio.timeout(min(t.first_byte_s, t.total_s)):
-                return await self.session.post(target.url + request.path_qs, data=raw, headers=headers)
+                return await self.session.request(
+                    request.method, target.url + request.path_qs, data=raw, headers=headers
+                )
         except aiohttp.ConnectionTimeoutError:
             raise _ConnectFailed("connect_timeout", "timed out connecting to the engine") from None
         except aiohttp.ClientConnectorError:
