@@ -3,6 +3,9 @@ vLLM 0.33 answers with, deterministic values, and a 400 for what vLLM refuses.""
 
 from __future__ import annotations
 
+import base64
+import struct
+
 import pytest
 
 from router_runtime.fake_engine import pooling_api as P
@@ -55,3 +58,11 @@ def test_detokenize_inverts_tokenize():
     assert detokenize_request({"tokens": encode("héllo")}) == "héllo"
     with pytest.raises(RequestError, match="tokens"):
         detokenize_request({"tokens": "x"})
+
+
+def test_embeddings_in_base64_are_little_endian_float32():
+    b64 = P.embeddings({"input": "fox", "encoding_format": "base64"}, "m")["data"][0]["embedding"]
+    as_float32 = struct.unpack(f"<{P.DIM}f", struct.pack(f"<{P.DIM}f", *P.vector(encode("fox"))))
+    assert struct.unpack(f"<{P.DIM}f", base64.b64decode(b64)) == as_float32
+    with pytest.raises(RequestError, match="encoding_format"):
+        P.embeddings({"input": "fox", "encoding_format": "int8"}, "m")

@@ -9,11 +9,14 @@ import asyncio
 import json
 
 import aiohttp
+import openai
 import pytest
 
 from router_runtime.config import parse_args
+from router_runtime.fake_engine.pooling_api import DIM, vector
 from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.proxy.endpoints import FORWARDED, allowed_path
+from router_runtime.tokens import encode
 
 from .test_proxy_http import ENGINE_HEADER, closed_port_url, http_worker, post, routed, sample
 
@@ -165,3 +168,27 @@ async def test_an_allowed_path_goes_through_with_its_method():
     ):
         assert r.status == 200 and r.headers[ENGINE_HEADER] == engine.http_url
         assert (await r.json())["block_size"] == 4
+
+
+async def test_the_openai_sdks_embeddings_create_through_the_router():
+    """The SDK asks for base64 unless told otherwise and decodes it: both ways give the engine's
+    vectors (float32)."""
+    async with (
+        run_fake_engine(block_size=4) as engine,
+        routed([http_worker(engine.http_url)]) as (_, url, _s),
+    ):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        try:
+            for fmt in ({}, {"encoding_format": "float"}):
+                out = await client.embeddings.create(model="m", input=["fox", "dog"], **fmt)
+                want = [vector(encode(t)) for t in ("fox", "dog")]
+                got = [d.embedding for d in out.data]
+                assert [len(v) for v in got] == [DIM, DIM]
+                assert all(
+                    abs(a - b) < 1e-6
+                    for v, w in zip(got, want, strict=True)
+                    for a, b in zip(v, w, strict=True)
+                )
+                assert out.usage.prompt_tokens == 6
+        finally:
+            await client.close()

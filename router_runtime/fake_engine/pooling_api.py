@@ -4,6 +4,8 @@ input's tokens (the byte tokenizer), so a test can check that an answer belongs 
 
 from __future__ import annotations
 
+import base64
+import struct
 from typing import Any
 
 from router_runtime.tokens import encode
@@ -40,6 +42,10 @@ def vector(tokens: list[int]) -> list[float]:
     return [((s * (i + 1)) % 1000) / 1000 for i in range(DIM)]
 
 
+def _encoded(v: list[float], fmt: str) -> list[float] | str:
+    return base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() if fmt == "base64" else v
+
+
 def _score(a: list[int], b: list[int]) -> float:
     """Shared tokens over all tokens (a toy relevance in [0, 1])."""
     sa, sb = set(a), set(b)
@@ -55,8 +61,16 @@ def _model(body: dict, default: str) -> str:
 
 
 def embeddings(body: Any, model: str) -> dict[str, Any]:
+    """``encoding_format`` ``base64`` (the OpenAI SDK's default) packs each vector as little-endian
+    float32, as vLLM does."""
     inputs = [_tokens(x) for x in _texts(body)]
-    data = [{"index": i, "object": "embedding", "embedding": vector(t)} for i, t in enumerate(inputs)]
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise RequestError("'encoding_format' must be 'float' or 'base64'", "encoding_format")
+    data = [
+        {"index": i, "object": "embedding", "embedding": _encoded(vector(t), fmt)}
+        for i, t in enumerate(inputs)
+    ]
     n = sum(map(len, inputs))
     return {
         "id": "embd-fake",
