@@ -30,12 +30,15 @@ the fleet took to converge after it, and what it waited for meanwhile.
 At the end it prints a timeline and the figures, and exits non-zero unless:
 
 - no false-hit tokens outside doubtful predictions (the router's own label: a rank in hold, a graft
-  being proved, an engine being re-adopted); inside them, reported;
+  being proved, an engine being re-adopted, a gap being replayed, a stream silent while its engine
+  stores blocks); inside them, reported. A false hit on an engine whose KV stream went silent less
+  than the router's stall threshold (+1 s) before is reported apart: the router cannot know yet;
 - no request lost: every request got a complete response or an OpenAI-style error naming its cause;
   a response cut mid-stream counts as lost unless a fault killed or deleted the engine it was on, or
   SIGKILLed the router process it was on (a router pod deleted is asked to stop, and must drain). A
-  connection refused by a router pod that just went away is retried on the next Ready one (a client's
-  retry; counted per phase), and lost only if no pod accepts it;
+  connection refused by a router pod that just went away (or a connect that times out: its network
+  went with it) is retried on the next Ready one (a client's retry; counted per phase), and lost only
+  if no pod accepts it;
 - every fault converged;
 - router memory and open files flat (reported; a replica whose RSS grew by more than 50% over its
   life, past its first minute, fails the run).
@@ -73,6 +76,7 @@ from kubernetes.client.exceptions import ApiException
 from e2e import fleet as F
 from e2e import fleet_traffic as T
 from e2e.dump import dump_namespace
+from router_runtime.config import RouterConfig
 from router_runtime.proxy.headers import (
     DEBUG_PREDICTION_HEADER,
     DOUBTFUL_HEADER,
@@ -103,13 +107,16 @@ FAULTS = (
 )
 ENGINE_FAULTS = {"engine_pod_deleted", "engine_killed"}
 WORKERS = 4
-AFTER_S = 10.0
+AFTER_S = 10.0  # a fault's window extends this long past its convergence ("after" figures)
+# A silent stream is known to the router (its predictions doubtful) once the engine has owed it a batch
+# for its stall threshold (--kv-stall-ms); a false hit before that, on that engine, it cannot know of.
+UNKNOWABLE_S = RouterConfig().kv_stall_s + 1.0
 # Router counters that show what a fault did to the KV plane.
 EVIDENCE = (
     "routerfleet_kv_gaps",
     "routerfleet_kv_replays",
     "routerfleet_kv_ranks_cleared",
-)  # a fault's window extends this long past its convergence ("after" figures)
+)
 
 
 def say(msg: str) -> None:
@@ -158,6 +165,7 @@ class Fault:
     killed: set[str] = field(default_factory=set)
     problem: str = ""  # the fault did not have the effect it must have
     waits: list[tuple[float, str]] = field(default_factory=list)  # (since, what convergence waited for)
+    silent: tuple[str, float] | None = None  # (engine, since): its KV stream dropped from then
 
     def recovery(self) -> str:
         """What convergence waited for, and from when to when (seconds after the injection)."""
@@ -363,6 +371,8 @@ class Soak:
                 text = chat.text
         except aiohttp.ClientConnectorError as e:
             out.kind, out.cause = "refused", f"{ip}: {e.os_error!r:.60}"
+        except aiohttp.ConnectionTimeoutError:  # a pod gone with its network: nothing was sent either
+            out.kind, out.cause = "refused", f"{ip}: connect timed out"
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             out.cause = type(e).__name__
         out.t1 = time.monotonic()
@@ -486,6 +496,7 @@ class Soak:
             base = await self.counters(session)
             with blocked(pid, replay):
                 with blocked(pid, pub):
+                    fault.silent = (F.engine_id(victim), time.monotonic())
                     # Requests go on meanwhile: the engine stores blocks nobody hears of yet. A seq
                     # that only replay carries makes the gap certain (TCP alone would catch up).
                     await asyncio.sleep(hold)
@@ -745,18 +756,28 @@ def report(run: Run) -> list[str]:
             failures.append(f"a request to {o.router} lost at {o.t0 - t:.1f}s: {o.cause}")
     if excused:
         print(f"  ({excused} cut on the process a fault killed under them)")
+
+    def unknowable(o: Outcome) -> bool:
+        """On an engine whose stream had gone silent too recently for the router to know."""
+        return any(
+            f.silent is not None and o.engine == f.silent[0] and 0 <= o.t0 - f.silent[1] <= UNKNOWABLE_S
+            for f in run.faults
+        )
+
     steady = [o for o in ok if in_window(o) is None]
-    false_plain = sum(o.false_hit for o in ok if not o.doubtful)
+    blind = sum(o.false_hit for o in ok if not o.doubtful and unknowable(o))
+    false_plain = sum(o.false_hit for o in ok if not o.doubtful) - blind
     false_doubt = sum(o.false_hit for o in ok if o.doubtful)
     predicted = sum(o.predicted or 0 for o in ok)
     print(
         f"\n## the audit: {len(ok)} audited; predicted {predicted} cached tokens; false-hit tokens"
         f" {false_plain} outside doubtful predictions, {false_doubt} inside"
-        f" ({sum(o.doubtful for o in ok)} doubtful requests);"
+        f" ({sum(o.doubtful for o in ok)} doubtful requests), {blind} in a silent stream's first"
+        f" {UNKNOWABLE_S:g}s (before the router's stall threshold, it cannot know);"
         f" missed-hit tokens {sum(o.missed_hit for o in ok)}"
     )
     if false_plain:
-        bad = [o for o in ok if o.false_hit and not o.doubtful]
+        bad = [o for o in ok if o.false_hit and not o.doubtful and not unknowable(o)]
         for o in bad[:10]:
             f = in_window(o)
             print(

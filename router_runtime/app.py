@@ -85,6 +85,7 @@ class Router:
             disconnect_grace_s=config.kv_disconnect_grace_s,
             adoption_cap=config.kv_adoption_cap,
             adoption_window_s=config.kv_adoption_window_s,
+            stall_s=config.kv_stall_s,
         )
         self.policy = policy if policy is not None else make_policy(config.policy, config.policy_config)
         self.metrics = ProxyMetrics(self.registry)
@@ -132,6 +133,7 @@ class Router:
             loads=self.fleet.view,
             limits=config.server,
             doubt_fn=self.doubtful,
+            expect_fn=self.kv.expect_batch,
             audit_stream_usage=config.audit_stream_usage,
         )
         self.checker = HealthChecker(

@@ -32,6 +32,8 @@ class RouterConfig:
     kv_disconnect_grace_s: float = 600.0
     kv_adoption_cap: int = 3  # re-adoptions per storage identity per window (0: no cap)
     kv_adoption_window_s: float = 3600.0
+    # A rank whose engine stored blocks for a request and sent no batch for this long is doubtful.
+    kv_stall_s: float = 2.0
     log_level: str = "info"
     # Routing.
     policy: str = "kv_aware"
@@ -174,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=10_000,
         help="total bound on one gap replay (default 10000)",
+    )
+    p.add_argument(
+        "--kv-stall-ms",
+        type=_non_negative_int,
+        default=2000,
+        help="a rank whose engine stored new blocks for a request (its usage says so) and sent no batch"
+        " for this long counts as stalled: its predictions are doubtful until a batch comes"
+        " (routerfleet_kv_stalled_ranks; default 2000, 0: off)",
     )
     p.add_argument(
         "--kv-disconnect-grace-s",
@@ -657,6 +667,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         queue_batches=a.kv_queue_batches,
         queue_bytes=a.kv_queue_bytes,
         kv_disconnect_grace_s=a.kv_disconnect_grace_s,
+        kv_stall_s=a.kv_stall_ms / 1000,
         kv_adoption_cap=a.kv_adoption_cap,
         kv_adoption_window_s=a.kv_adoption_window_s,
         log_level=a.log_level,

@@ -4,11 +4,14 @@ without telling anyone counted as false-hit tokens, streams audited from the usa
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
 import aiohttp
 import pytest
+import zmq
+import zmq.asyncio
 
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
@@ -175,6 +178,11 @@ async def test_a_router_audits_its_predictions_against_the_engine():
                 {"engine": e.http_url, "policy": "kv_aware", "doubtful": "false"},
             )
             assert false_hit == 40
+            # That request's own blocks came with a sequence past the lost one: a gap, replayed. A
+            # prediction made while it is being filled is doubtful, so wait for it to settle.
+            carrier = router.kv.subscriptions()[0].carrier
+            await eventually(lambda: router.registry.get_sample_value("routerfleet_kv_gaps_total") == 1)
+            await eventually(lambda: not router.doubtful(carrier), what="the gap settled")
 
             # Streams are audited whether or not the client asked for usage: the router asks, and a
             # client that did not gets the stream it would have had from the engine itself (the same
@@ -205,3 +213,84 @@ def _same_events(a: bytes, b: bytes) -> bool:
     """Two streams of the same request, equal but for each response's id and creation time."""
     ids = re.compile(rb'"id":"[^"]*","object":"([^"]*)","created":\d+')
     return ids.sub(rb"\1", a) == ids.sub(rb"\1", b) and a.count(b"\n\n") >= 3
+
+
+def test_a_prediction_knows_when_the_engine_must_have_stored_blocks():
+    p = Prediction(16, prompt_tokens=40, block_size=16)  # 2 full blocks in the prompt
+    assert p.stores_blocks(16) and p.stores_blocks(0)
+    assert not p.stores_blocks(32)  # both full blocks were cached: nothing new to store
+    assert not Prediction(0, prompt_tokens=40).stores_blocks(0)  # no block size: no claim
+
+
+async def test_a_silent_stream_makes_the_rank_doubtful_until_a_batch_comes():
+    """The engine serves requests that store blocks but its PUB stays silent (a partition TCP would
+    hide): once it owes a batch for longer than --kv-stall-ms, the rank's predictions are doubtful and
+    routerfleet_kv_stalled_ranks says so; the batch that finally comes (the gap filled by replay) ends
+    it."""
+    async with run_fake_engine(block_size=BS, decode_tokens_per_s=0) as e:
+        worker = WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
+        cfg = RouterConfig(port=0, workers=(worker,), block_size=BS, health_interval_s=0, kv_stall_s=0.3)
+        async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
+            await eventually(lambda: router.ready()[0], what="ready")
+            debug = {"X-RouterFleet-Debug-Prediction": "1"}
+            stalled = lambda: router.registry.get_sample_value("routerfleet_kv_stalled_ranks")  # noqa: E731
+
+            async def complete(first: int) -> str:
+                body = {"prompt": list(range(first, first + 40)), "max_tokens": 1}
+                async with s.post(url + "/v1/completions", json=body, headers=debug) as r:
+                    assert r.status == 200
+                    return r.headers["X-RouterFleet-Prediction-Doubtful"]
+
+            assert await complete(1) == "false"  # heard: its batch arrives
+            await eventually(lambda: router.kv.index.node_count() >= 10, what="the blocks indexed")
+            await asyncio.sleep(0.5)
+            assert stalled() == 0 and await complete(1) == "false"  # all cached: nothing owed
+
+            await e_admin(s, e, "mute", {"rank": 0})
+            assert await complete(100) == "false"  # stores 10 blocks nobody hears of
+            await eventually(lambda: stalled() == 1, what="the rank stalled")
+            assert await complete(300) == "true"
+
+            await e_admin(s, e, "mute", {"rank": 0, "on": False})
+            await e_admin(s, e, "store", {"rank": 0, "token_ids": list(range(400, 440))})
+            filled = {"outcome": "filled"}
+            await eventually(
+                lambda: router.registry.get_sample_value("routerfleet_kv_replays_total", filled) == 1,
+                what="the gap filled by replay",
+            )
+            assert stalled() == 0 and await complete(500) == "false"
+
+
+async def e_admin(s, e, what: str, body: dict) -> None:
+    async with s.post(f"{e.http_url}/admin/{what}", json=body) as r:
+        assert r.status == 200, await r.text()
+
+
+async def test_a_rank_whose_gap_is_being_replayed_is_doubtful():
+    """A gap is seen and the replay socket does not answer (a ROUTER that never replies): until the
+    replay gives up and the rank goes cold, what the index holds for it lacks batches, and a
+    prediction then is doubtful; after, it is a plain cold rank again."""
+    ctx = zmq.asyncio.Context()
+    mute = ctx.socket(zmq.ROUTER)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        async with run_fake_engine(block_size=BS, decode_tokens_per_s=0) as e:
+            worker = WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=f"tcp://127.0.0.1:{port}")
+            cfg = RouterConfig(
+                port=0, workers=(worker,), block_size=BS, health_interval_s=0, replay_idle_timeout_s=1.0
+            )
+            async with run_router(cfg) as (router, _), aiohttp.ClientSession() as s:
+                await eventually(lambda: router.ready()[0], what="ready")
+                carrier = router.kv.subscriptions()[0].carrier
+                await e_admin(s, e, "store", {"rank": 0, "token_ids": list(range(1, 41))})
+                await eventually(lambda: router.kv.index.node_count() >= 10, what="the blocks indexed")
+                assert not router.doubtful(carrier)
+                await e_admin(s, e, "skip_seq", {"rank": 0, "keep_in_replay": False})
+                await e_admin(s, e, "store", {"rank": 0, "token_ids": list(range(100, 140))})
+                await eventually(lambda: router.doubtful(carrier), what="the gap seen, its replay out")
+                await eventually(lambda: not router.doubtful(carrier), what="the replay given up")
+                cleared = {"reason": "replay_failed"}
+                assert router.registry.get_sample_value("routerfleet_kv_ranks_cleared_total", cleared) == 1
+    finally:
+        mute.close(0)
+        ctx.term()

@@ -19,6 +19,8 @@ or null when the op changed nothing (no events -> no batch, as an engine step wi
   sequenced batch (malformed-input tests).
 - ``POST /admin/skip_seq {"rank", "n"?=1, "keep_in_replay"?=true}``: consume ``n`` seqs with nothing on
   PUB. ``keep_in_replay`` true buffers each as an empty batch (replay fills the gap); false loses them.
+- ``POST /admin/mute {"rank", "on"?=true}``: while on, the rank sends nothing on PUB (every batch,
+  requests' included, is kept for replay): a silent stream.
 - ``POST /admin/wipe_storage {}``: invalidate the disk tier (BlockRemoved per disk block on every rank)
   and move the storage epoch; needs ``--storage-dir``. Answers ``{"storage_epoch"}``.
 - ``POST /admin/tokenize_faults {"delay_ms"?=0, "status"?=200}``: the tokenize endpoints answer after
@@ -176,6 +178,12 @@ class _Admin:
         last = self.engine.publisher.skip(rank, n, _bool(body, "keep_in_replay", True))
         return web.json_response({"rank": rank, "last_seq": last})
 
+    async def mute(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        rank, on = self._rank(body), _bool(body, "on", True)
+        self.engine.publisher.mute(rank, on)
+        return web.json_response({"rank": rank, "muted": on})
+
     async def tokenize_faults(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         status = _int(body, "status", 200, minimum=200)
@@ -214,6 +222,7 @@ def admin_routes(engine: FakeEngine) -> list[web.RouteDef]:
         "restart": admin.restart,
         "publish_raw": admin.publish_raw,
         "skip_seq": admin.skip_seq,
+        "mute": admin.mute,
         "wipe_storage": admin.wipe_storage,
         "tokenize_faults": admin.tokenize_faults,
         "health_fault": admin.health_fault,

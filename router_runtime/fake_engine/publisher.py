@@ -63,6 +63,7 @@ class _RankStream:
     next_seq: int = 0
     stats: RankStats = field(default_factory=RankStats)
     task: asyncio.Task | None = None
+    muted: bool = False  # every batch kept for replay, none sent on PUB (a silent stream)
 
 
 def bind_port_range(sockets: list[zmq.Socket], host: str, base: int) -> int:
@@ -220,9 +221,14 @@ class KvPublisher:
         stream.stats.batches += 1
         if drop is not Drop.ALL:
             stream.buffer.append((seq, payload))
-        if drop is Drop.NONE:
+        if drop is Drop.NONE and not stream.muted:
             stream.pub.send_multipart(pub_frames(self.topic, seq, payload), copy=False)
         return seq
+
+    def mute(self, rank: int, on: bool) -> None:
+        """While muted, ``rank`` sends nothing on PUB and keeps its batches for replay: the silent
+        stream of a partition (the next batch after it shows the gap)."""
+        self._ranks[rank].muted = on
 
     def skip(self, rank: int, n: int, keep_in_replay: bool = True) -> int:
         """Consume ``n`` sequence numbers on ``rank`` without sending anything on PUB: a lost batch.

@@ -17,6 +17,12 @@ class KVMetrics:
         )
         self.batches = Counter(p + "batches", "Event batches applied", registry=registry)
         self.gaps = Counter(p + "gaps", "Sequence gaps detected on a rank's stream", registry=registry)
+        self.stalled = Gauge(
+            p + "stalled_ranks",
+            "Ranks whose engine owes a batch (it stored blocks for a request) for longer than the stall"
+            " threshold: a silent stream, its predictions doubtful",
+            registry=registry,
+        )
         self.replays = Counter(p + "replays", "Gap replays, by outcome", ["outcome"], registry=registry)
         self.ranks_cleared = Counter(
             p + "ranks_cleared", "Ranks whose blocks were cleared, by reason", ["reason"], registry=registry

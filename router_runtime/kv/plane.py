@@ -104,6 +104,7 @@ class KVPlane:
         adoption_window_s: float = 3600.0,
         storage_lookup: Callable[[WorkerSpec], Awaitable[StorageIdentity | None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        stall_s: float = 2.0,
     ) -> None:
         self.registry = registry
         self.index = RadixIndex(block_size)
@@ -126,6 +127,9 @@ class KVPlane:
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._tasks: dict[str, set[asyncio.Task]] = {}  # per engine: lookups and pending decisions
         self._undecided: dict[Carrier, int] = {}  # returning ranks awaiting a decision -> generation
+        # A rank whose engine has owed a batch this long is stalled (doubtful); 0: never.
+        self.stall_s = stall_s
+        self.metrics.stalled.set_function(self._stalled_ranks)
 
     async def start(self) -> None:
         self._writer_task = asyncio.create_task(self.writer.run(), name="kv-index-writer")
@@ -246,8 +250,29 @@ class KVPlane:
         if rec is not None and rec.state is not CarrierState.OK:
             return True
         entry = self._subs.get(carrier)
-        hold = entry[0].hold if entry is not None else None
-        return hold is not None and hold.active
+        if entry is None:
+            return False
+        sub = entry[0]
+        hold = sub.hold
+        return (
+            (hold is not None and hold.active)
+            or sub.filling
+            or (self.stall_s > 0 and sub.stalled(time.monotonic(), self.stall_s))
+        )
+
+    def expect_batch(self, carrier: Carrier, since: float) -> None:
+        """A request dispatched to this rank at ``since`` (``time.monotonic()``) made its engine store
+        new blocks (its usage says so): a batch is due on the rank's stream. One that stays silent
+        past ``stall_s`` makes the rank doubtful until a batch arrives."""
+        entry = self._subs.get(carrier)
+        if entry is not None:
+            entry[0].expect_batch(since)
+
+    def _stalled_ranks(self) -> int:
+        if self.stall_s <= 0:
+            return 0
+        now = time.monotonic()
+        return sum(sub.stalled(now, self.stall_s) for sub, _ in self._subs.values())
 
     def engine_unreachable(self, engine: str) -> None:
         """The engine fails health (its breaker opened): hide its carriers. Its subscriptions keep

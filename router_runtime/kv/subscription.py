@@ -113,6 +113,12 @@ class RankSubscription:
         self.live_last: int | None = None  # last sequence seen on the live stream
         self.connected = False
         self.last_event_at: float | None = None
+        # A gap seen and being replayed: until it is filled (or the rank cleared), the index lacks
+        # batches the engine sent (a prediction now is doubtful).
+        self.filling = False
+        # Since when the engine owes us a batch: a request it served stored new blocks (the proxy
+        # says so, ``expect_batch``). A batch arriving after that pays the debt.
+        self.owed_since: float | None = None
         # Set by the bootstrap while this rank is pending: batches wait here instead of the writer.
         self.hold: RankHold | None = None
         # Set by the bootstrap after a graft whose held batches did not reach past the snapshot's
@@ -202,8 +208,12 @@ class RankSubscription:
             arrival = classify(self.cursor, seq)
         if arrival is Arrival.GAP:
             self.metrics.gaps.inc()
-            while (fill := await self._fill_gap(seq)) is Fill.RESET:
-                pass  # the position was reset meanwhile: fill again from the new cursor
+            self.filling = True
+            try:
+                while (fill := await self._fill_gap(seq)) is Fill.RESET:
+                    pass  # the position was reset meanwhile: fill again from the new cursor
+            finally:
+                self.filling = False
             if fill is Fill.STALE:
                 return  # the live batch in hand is a dead process's
             arrival = classify(self.cursor, seq)
@@ -212,6 +222,17 @@ class RankSubscription:
                 arrival = Arrival.FIRST
         if arrival is not Arrival.DUPLICATE:
             self._accept(seq, payload)
+
+    def expect_batch(self, since: float) -> None:
+        """A request dispatched at ``since`` made the engine store new blocks: a batch is due."""
+        if self.owed_since is None or (self.last_event_at or float("-inf")) >= self.owed_since:
+            self.owed_since = since
+
+    def stalled(self, now: float, after_s: float) -> bool:
+        """The engine has owed us a batch for longer than ``after_s``: its stream is silent while it
+        serves (a partition that TCP hides, a stuck publisher), so the index may lag it."""
+        owed = self.owed_since
+        return owed is not None and (self.last_event_at or float("-inf")) < owed and now - owed > after_s
 
     # ---- applying ------------------------------------------------------------------------------
 

@@ -4,8 +4,9 @@ engine says it had (``usage.prompt_tokens_details.cached_tokens``, vLLM's and SG
 "Never route on a false cache hit" becomes a number: false-hit tokens (predicted beyond what the engine
 had) and missed-hit tokens (cached there but not credited), per engine and policy, counted as
 ``routerfleet_audit_*``. A prediction made while its rank was in doubt (bootstrap holding or proving
-a graft, an engine being re-adopted) is labelled ``doubtful``: those are the states where the index is
-allowed to lag, and a dashboard separates them from the steady state.
+a graft, an engine being re-adopted, a gap being replayed, a stream silent while its engine stores
+blocks) is labelled ``doubtful``: those are the states where the index is allowed to lag, and a
+dashboard separates them from the steady state. The doubt is judged when the decision is made.
 
 The engine's figure is read from the response bytes as they stream past (``UsageScan``): the key
 ``"cached_tokens":`` can only appear unescaped as a JSON key, never inside a string (a quote in a string
@@ -53,9 +54,17 @@ class Prediction:
     tokens: int
     doubtful: bool = False
     tiers: tuple[int, int, int, int] = (0, 0, 0, 0)  # of ``tokens``: device, host, disk, external
+    prompt_tokens: int = 0
+    block_size: int = 0
 
     def tier_header(self) -> str:
         return ",".join(f"{name}={n}" for name, n in zip(TIERS, self.tiers, strict=True))
+
+    def stores_blocks(self, cached_tokens: int) -> bool:
+        """Whether the engine, having had ``cached_tokens`` of the prompt cached, computed at least one
+        full block more of it: a block it stores and announces on its KV stream."""
+        bs = self.block_size
+        return bs > 0 and self.prompt_tokens // bs > cached_tokens // bs
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,6 +128,7 @@ class Proxy:
         loads: Mapping[Target, float] | None = None,
         limits: ServerLimits | None = None,
         doubt_fn: Callable[[Carrier], bool] | None = None,
+        expect_fn: Callable[[Carrier, float], None] | None = None,
         audit_stream_usage: bool = True,
     ) -> None:
         self.policy = policy
@@ -136,6 +137,9 @@ class Proxy:
         # Whether a carrier's index entry is in a known-doubtful state (bootstrap holding or proving a
         # graft, an engine being re-adopted): its audited predictions are labelled so.
         self.doubt_fn = doubt_fn
+        # Told when an audited response shows the engine stored new blocks (a batch is due on that
+        # rank's stream; one that never comes makes the rank doubtful: KVPlane.expect_batch).
+        self.expect_fn = expect_fn
         self.limits = limits or ServerLimits()
         self.tokenizer = tokenizer
         self.targets = targets
@@ -252,13 +256,15 @@ class Proxy:
                 sessions.selected(sctx, decision.target, self.policy.name)
             return decision
 
-        def relay(upstream: aiohttp.ClientResponse, decision: Decision, start: float):
-            prediction = self._prediction(route, decision, index)
+        def relay(upstream: aiohttp.ClientResponse, decision: Decision, start: float, prediction):
             return self._relay(
                 request, upstream, decision.target, start, ctx, prediction, strip=asked is not None
             )
 
-        return await self._forward(request, ctx, targets, decide, sent, relay, n_tokens)
+        def predict(decision: Decision) -> Prediction | None:
+            return self._prediction(route, decision, index)
+
+        return await self._forward(request, ctx, targets, decide, sent, relay, n_tokens, predict)
 
     async def _serve_by_load(self, request: web.Request, ctx: _Ctx) -> web.StreamResponse:
         raw = await self._read_body(request)
@@ -270,7 +276,7 @@ class Proxy:
         def decide(targets: Sequence[Target], _attempt: int) -> Decision:
             return self._by_load.choose(unrouted, targets, self.loads, None)
 
-        def relay(upstream: aiohttp.ClientResponse, decision: Decision, start: float):
+        def relay(upstream: aiohttp.ClientResponse, decision: Decision, start: float, _prediction):
             return self._relay(request, upstream, decision.target, start, ctx)
 
         return await self._forward(request, ctx, targets, decide, raw, relay)
@@ -282,15 +288,18 @@ class Proxy:
         targets: Sequence[Target],
         decide: Callable[[Sequence[Target], int], Decision],
         body: bytes,
-        relay: Callable[[aiohttp.ClientResponse, Decision, float], Awaitable[web.StreamResponse]],
+        relay: Callable[..., Awaitable[web.StreamResponse]],
         n_tokens: int = 0,
+        predict: Callable[[Decision], Prediction | None] | None = None,
     ) -> web.StreamResponse:
         """Send ``body`` to the target ``decide`` picks and ``relay`` the answer, counting it in the
         target's load meanwhile. A connect failure before any byte counts against the engine's
-        breaker and is retried once, without that engine."""
+        breaker and is retried once, without that engine. ``predict`` states what the decision
+        credits, as the index stood when it was made (before the engine's answer can change that)."""
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
             decision = decide(targets, attempt)
+            prediction = predict(decision) if predict is not None else None
             target = decision.target
             ctx.engine = target.engine
             self._acquire(target, n_tokens)
@@ -308,7 +317,7 @@ class Proxy:
                     if e.reason == "connect_timeout":
                         raise gateway_timeout(e.message, "connect_timeout") from None
                     raise bad_gateway(e.message, "upstream_connect_failed") from None
-                return await relay(upstream, decision, start)
+                return await relay(upstream, decision, start, prediction)
             finally:
                 self._release(target, n_tokens)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -390,7 +399,7 @@ class Proxy:
         doubtful = self.doubt_fn(decision.target.carrier) if self.doubt_fn is not None else False
         bs = index.block_size
         tiers = tuple(n * bs for n in decision.tier_blocks)
-        return Prediction(decision.matched_blocks * bs, doubtful, tiers)
+        return Prediction(decision.matched_blocks * bs, doubtful, tiers, len(route.tokens), bs)
 
     def _predicts(self, route: RouteRequest, index: RadixIndex | None) -> bool:
         return route.tokens is not None and index is not None and self.needs_tokens
@@ -515,8 +524,11 @@ class Proxy:
                 return resp
             self.metrics.total.observe(loop.time() - start)
             if scan is not None and prediction is not None:
-                audit = judge(prediction, scan.cached_tokens)
+                cached = scan.cached_tokens
+                audit = judge(prediction, cached)
                 self.metrics.audit(target.engine, self.policy.name, prediction, audit)
+                if cached is not None and self.expect_fn is not None and prediction.stores_blocks(cached):
+                    self.expect_fn(target.carrier, start)
             ctx.outcome = "ok" if status < 400 else "upstream_status"
             return resp
         finally:
