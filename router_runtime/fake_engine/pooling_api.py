@@ -56,8 +56,17 @@ def _usage(n: int) -> dict[str, Any]:
     return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0, "prompt_tokens_details": None}
 
 
-def _model(body: dict, default: str) -> str:
-    return body["model"] if isinstance(body.get("model"), str) else default
+def _listing(kind: str, body: dict, model: str, data: list, tokens: int) -> dict[str, Any]:
+    """vLLM's envelope of a pooling answer: a list of ``data`` with the usage of ``tokens``."""
+    name = body["model"] if isinstance(body.get("model"), str) else model
+    return {
+        "id": f"{kind}-fake",
+        "object": "list",
+        "created": 0,
+        "model": name,
+        "data": data,
+        "usage": _usage(tokens),
+    }
 
 
 def embeddings(body: Any, model: str) -> dict[str, Any]:
@@ -71,28 +80,13 @@ def embeddings(body: Any, model: str) -> dict[str, Any]:
         {"index": i, "object": "embedding", "embedding": _encoded(vector(t), fmt)}
         for i, t in enumerate(inputs)
     ]
-    n = sum(map(len, inputs))
-    return {
-        "id": "embd-fake",
-        "object": "list",
-        "created": 0,
-        "model": _model(body, model),
-        "data": data,
-        "usage": _usage(n),
-    }
+    return _listing("embd", body, model, data, sum(map(len, inputs)))
 
 
 def pooling(body: Any, model: str) -> dict[str, Any]:
     inputs = [_tokens(x) for x in _texts(body)]
     data = [{"index": i, "object": "pooling", "data": vector(t)} for i, t in enumerate(inputs)]
-    return {
-        "id": "pool-fake",
-        "object": "list",
-        "created": 0,
-        "model": _model(body, model),
-        "data": data,
-        "usage": _usage(sum(map(len, inputs))),
-    }
+    return _listing("pool", body, model, data, sum(map(len, inputs)))
 
 
 def classify(body: Any, model: str) -> dict[str, Any]:
@@ -103,14 +97,7 @@ def classify(body: Any, model: str) -> dict[str, Any]:
         data.append(
             {"index": i, "label": "LABEL_1" if p >= 0.5 else "LABEL_0", "probs": [1 - p, p], "num_classes": 2}
         )
-    return {
-        "id": "classify-fake",
-        "object": "list",
-        "created": 0,
-        "model": _model(body, model),
-        "data": data,
-        "usage": _usage(sum(map(len, inputs))),
-    }
+    return _listing("classify", body, model, data, sum(map(len, inputs)))
 
 
 def score(body: Any, model: str) -> dict[str, Any]:
@@ -123,15 +110,7 @@ def score(body: Any, model: str) -> dict[str, Any]:
         raise RequestError("'text_1' must be one text or as many as 'text_2'", "text_1")
     pairs = enumerate(zip(queries, docs, strict=True))
     data = [{"index": i, "object": "score", "score": _score(q, d)} for i, (q, d) in pairs]
-    n = sum(map(len, queries)) + sum(map(len, docs))
-    return {
-        "id": "score-fake",
-        "object": "list",
-        "created": 0,
-        "model": _model(body, model),
-        "data": data,
-        "usage": _usage(n),
-    }
+    return _listing("score", body, model, data, sum(map(len, queries)) + sum(map(len, docs)))
 
 
 def rerank(body: Any, model: str) -> dict[str, Any]:
@@ -148,9 +127,5 @@ def rerank(body: Any, model: str) -> dict[str, Any]:
     scored = sorted(((_score(q, encode(d)), i) for i, d in enumerate(docs)), key=lambda x: (-x[0], x[1]))
     results = [{"index": i, "document": {"text": docs[i]}, "relevance_score": s} for s, i in scored[:top_n]]
     n = len(q) + sum(len(encode(d)) for d in docs)
-    return {
-        "id": "rerank-fake",
-        "model": _model(body, model),
-        "usage": {"total_tokens": n},
-        "results": results,
-    }
+    name = body["model"] if isinstance(body.get("model"), str) else model
+    return {"id": "rerank-fake", "model": name, "usage": {"total_tokens": n}, "results": results}
