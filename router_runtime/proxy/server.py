@@ -528,7 +528,7 @@ class Proxy:
                 audit = judge(prediction, cached)
                 self.metrics.audit(target.engine, self.policy.name, prediction, audit)
                 if cached is not None and self.expect_fn is not None and prediction.stores_blocks(cached):
-                    self.expect_fn(target.carrier, start)
+                    self.expect_fn(target.carrier, start)  # loop.time() is time.monotonic()
             ctx.outcome = "ok" if status < 400 else "upstream_status"
             return resp
         finally:
