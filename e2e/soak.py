@@ -85,6 +85,7 @@ from router_runtime.proxy.headers import (
 )
 
 FLEET = "soak"
+ROUTER_PODS = f"routerfleet.io/fleet={FLEET}"  # the fleet's router pods, every revision
 OPERATOR_NS = "routerfleet-system"  # manifests/operator's namespace
 OPERATOR_LABELS = "app.kubernetes.io/name=routerfleet-operator"
 DIALECTS = ("vllm-0.33", "sglang")  # one Deployment of two engines each, behind one Service
@@ -295,14 +296,14 @@ class Soak:
     def router_pods(self) -> list:
         """The fleet's router pods that are not terminating. A rollout's old pods drain for seconds
         after the fleet is Ready again: deleting one of them replaces nothing, killing one cuts nothing."""
-        return live(self.kube.pods(self.ns, f"routerfleet.io/fleet={FLEET}"))
+        return live(self.kube.pods(self.ns, ROUTER_PODS))
 
     # ---- traffic -------------------------------------------------------------------------------
 
     async def refresh(self) -> None:
         while not self.stop.is_set():
             try:
-                pods = await asyncio.to_thread(self.kube.pods, self.ns, f"routerfleet.io/fleet={FLEET}")
+                pods = await asyncio.to_thread(self.kube.pods, self.ns, ROUTER_PODS)
                 self.ready = [
                     (p.metadata.name, p.status.pod_ip)
                     for p in pods
@@ -382,7 +383,7 @@ class Soak:
         """Router pods' RSS and open files, every 5 s (the node agent's processes: /proc)."""
         while not self.stop.is_set():
             with contextlib.suppress(Exception):  # the API server may be down: next time
-                pods = await asyncio.to_thread(self.kube.pods, self.ns, f"routerfleet.io/fleet={FLEET}")
+                pods = await asyncio.to_thread(self.kube.pods, self.ns, ROUTER_PODS)
                 for p in pods:
                     pid = container_pid(p)
                     if pid is None:
@@ -514,7 +515,7 @@ class Soak:
             else:
                 fault.note += f"; the routers counted the gap ({outcome}) {seen:.1f}s after the PUB came back"
         elif kind == "peer_killed_seeding":
-            every = await asyncio.to_thread(self.kube.pods, self.ns, f"routerfleet.io/fleet={FLEET}")
+            every = await asyncio.to_thread(self.kube.pods, self.ns, ROUTER_PODS)
             routers = live(every)
             gone, *siblings = self.rng.sample(routers, len(routers))
             fault.target = gone.metadata.name
@@ -564,7 +565,7 @@ class Soak:
         """The replacement router pod, once its process runs (the moment it starts to seed)."""
 
         def started():
-            for p in self.kube.pods(self.ns, f"routerfleet.io/fleet={FLEET}"):
+            for p in self.kube.pods(self.ns, ROUTER_PODS):
                 if p.metadata.name not in old and container_pid(p) is not None:
                     return p.metadata.name
             return None

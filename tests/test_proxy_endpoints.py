@@ -6,6 +6,7 @@ shape unless ``--allow-path`` adds it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import aiohttp
@@ -15,7 +16,7 @@ import pytest
 from router_runtime.config import parse_args
 from router_runtime.fake_engine.pooling_api import DIM, vector
 from router_runtime.fake_engine.server import run_fake_engine
-from router_runtime.proxy.endpoints import FORWARDED, allowed_path
+from router_runtime.proxy.endpoints import FORWARDED, OWN, allowed_path
 from router_runtime.tokens import encode
 
 from .test_proxy_http import ENGINE_HEADER, closed_port_url, http_worker, post, routed, sample
@@ -81,11 +82,19 @@ async def test_an_engines_error_comes_back_as_it_sent_it():
         assert json.loads(through)["error"]["param"] == "input"
 
 
+async def test_own_lists_every_path_the_router_itself_serves():
+    """allowed_path refuses the router's own paths by endpoints.OWN: it must name what the app
+    serves, or an allowed path could hide behind one of them."""
+    async with routed([http_worker(closed_port_url())]) as (router, _, _s):
+        served = {r.resource.canonical for r in router.build_app().router.routes()}
+    assert served - set(FORWARDED) == {*OWN, "/debug/index", "/debug/load"}
+
+
 async def test_by_load_spreads_and_avoids_the_busy_engine():
     """Sequential requests alternate (ties rotate); with a slow stream in flight on one engine, the
     next embeddings go to the other."""
     async with (
-        run_fake_engine(block_size=4, decode_tokens_per_s=20) as a,
+        run_fake_engine(block_size=4, decode_tokens_per_s=5) as a,
         run_fake_engine(block_size=4) as b,
         routed([http_worker(a.http_url), http_worker(b.http_url)]) as (_, url, s),
     ):
@@ -97,13 +106,13 @@ async def test_by_load_spreads_and_avoids_the_busy_engine():
 
         async def slow_on_a():
             for i in range(100):  # until the policy puts one on a (slow there, quick on b)
-                body = {"prompt": f"slow {i} " * 4, "max_tokens": 40, "stream": True}
+                body = {"prompt": f"slow {i} " * 4, "max_tokens": 600, "stream": True}
                 async with s.post(url + "/v1/completions", json=body) as r:
                     if r.headers[ENGINE_HEADER] == a.http_url:
                         started.set()
-                        await r.read()
+                        await r.read()  # two minutes on a: cancelled once the checks are done
                         return
-                    await r.read()
+                    await r.read()  # quick on b
 
         started = asyncio.Event()
         task = asyncio.create_task(slow_on_a())
@@ -111,7 +120,9 @@ async def test_by_load_spreads_and_avoids_the_busy_engine():
         for _ in range(3):
             _, headers, _ = await post(s, url, BODIES["/v1/embeddings"], "/v1/embeddings")
             assert headers[ENGINE_HEADER] == b.http_url
-        await task
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def test_a_transcription_form_arrives_whole():

@@ -56,14 +56,18 @@ def _usage(n: int) -> dict[str, Any]:
     return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0, "prompt_tokens_details": None}
 
 
+def _model(body: dict, default: str) -> str:
+    """The request's model name, else the engine's."""
+    return body["model"] if isinstance(body.get("model"), str) else default
+
+
 def _listing(kind: str, body: dict, model: str, data: list, tokens: int) -> dict[str, Any]:
     """vLLM's envelope of a pooling answer: a list of ``data`` with the usage of ``tokens``."""
-    name = body["model"] if isinstance(body.get("model"), str) else model
     return {
         "id": f"{kind}-fake",
         "object": "list",
         "created": 0,
-        "model": name,
+        "model": _model(body, model),
         "data": data,
         "usage": _usage(tokens),
     }
@@ -126,6 +130,5 @@ def rerank(body: Any, model: str) -> dict[str, Any]:
     q = encode(body["query"])
     scored = sorted(((_score(q, encode(d)), i) for i, d in enumerate(docs)), key=lambda x: (-x[0], x[1]))
     results = [{"index": i, "document": {"text": docs[i]}, "relevance_score": s} for s, i in scored[:top_n]]
-    n = len(q) + sum(len(encode(d)) for d in docs)
-    name = body["model"] if isinstance(body.get("model"), str) else model
-    return {"id": "rerank-fake", "model": name, "usage": {"total_tokens": n}, "results": results}
+    usage = {"total_tokens": len(q) + sum(len(encode(d)) for d in docs)}
+    return {"id": "rerank-fake", "model": _model(body, model), "usage": usage, "results": results}

@@ -194,19 +194,18 @@ class Proxy:
     # ---- handlers ------------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, lambda ctx: self._serve(request, Kind.COMPLETION, ctx))
+        return await self._handle(lambda ctx: self._serve(request, Kind.COMPLETION, ctx))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, lambda ctx: self._serve(request, Kind.CHAT, ctx))
+        return await self._handle(lambda ctx: self._serve(request, Kind.CHAT, ctx))
 
     async def by_load(self, request: web.Request) -> web.StreamResponse:
         """A path without a prefix to route on (endpoints.py): to a healthy engine by load, relayed
         as chat is."""
-        return await self._handle(request, lambda ctx: self._serve_by_load(request, ctx), self._by_load.name)
+        return await self._handle(lambda ctx: self._serve_by_load(request, ctx), self._by_load.name)
 
     async def _handle(
         self,
-        request: web.Request,
         serve: Callable[[_Ctx], Awaitable[web.StreamResponse]],
         policy: str | None = None,
     ) -> web.StreamResponse:
