@@ -51,6 +51,7 @@ from .proxy.targets import TargetBook
 from .routing.policies import make_policy
 from .routing.types import Policy
 from .sessions.affinity import SessionAffinity
+from .sessions.bindings import BindingMetrics, ResponseBindings
 from .sessions.metrics import SessionMetrics
 from .sessions.snapshot import from_wire, to_wire
 from .tokens.engine import EngineTokenizer
@@ -98,6 +99,9 @@ class Router:
         self.sessions = SessionAffinity(
             config.sessions, SessionMetrics(self.registry), evicted_at=lambda: self.kv.writer.evicted_at
         )
+        self.bindings = ResponseBindings(
+            config.responses, BindingMetrics(self.registry), incarnations=lambda: self.sessions.incarnations
+        )
         # KV policies target (engine, rank); the others whole engines.
         self.targets = TargetBook(self.health, per_rank=bool(self.policy.needs_tokens))
         self.fleet_metrics = FleetMetrics(self.registry)
@@ -135,6 +139,7 @@ class Router:
             doubt_fn=self.doubtful,
             expect_fn=self.kv.expect_batch,
             audit_stream_usage=config.audit_stream_usage,
+            bindings=self.bindings,
         )
         self.checker = HealthChecker(
             self.health,
@@ -227,6 +232,7 @@ class Router:
                 # A DISCONNECTED carrier is exported neither as blocks nor as a cursor.
                 include=lambda c: self.bootstrap.exportable(c) and self.kv.index.visible_tiers(c) != 0,
                 sessions=lambda: to_wire(self.sessions.export()),
+                responses=lambda: to_wire(self.bindings.export()),
             )
             if self.token and keeps_index
             else None
@@ -234,6 +240,7 @@ class Router:
         # A booting replica inherits its sibling's session table with the graft (vetted: entries naming
         # engines or incarnations we do not know are dropped).
         self.bootstrap.on_sessions = lambda entries: self.sessions.inherit(from_wire(entries))
+        self.bootstrap.on_responses = lambda entries: self.bindings.inherit(from_wire(entries))
         self.bootstrap.blocker = self.blocker
 
     def _setup_fleet_load(self, config: RouterConfig) -> None:
@@ -411,6 +418,15 @@ class Router:
         app.router.add_post("/v1/completions", self.proxy.completions)
         app.router.add_post("/v1/chat/completions", self.proxy.chat_completions)
         app.router.add_get("/v1/models", self.proxy.models)
+        app.router.add_post("/v1/responses", self.proxy.responses_create)
+        item = "/v1/responses/{response_id}"
+        app.router.add_get(item, self.proxy.response_item)
+        app.router.add_delete(item, self.proxy.response_item)
+        app.router.add_post(item + "/cancel", self.proxy.response_item)
+        app.router.add_get(item + "/input_items", self.proxy.response_item)
+        app.router.add_post("/v1/messages", self.proxy.messages)
+        app.router.add_post("/generate", self.proxy.generate)
+        app.router.add_post("/inference/v1/generate", self.proxy.token_generate)
         for path in FORWARDED:
             app.router.add_post(path, self.proxy.by_load)
         for path in self.config.allow_paths:

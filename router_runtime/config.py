@@ -13,6 +13,7 @@ from .kv.plane import WorkerSpec
 from .proxy.endpoints import allowed_path
 from .proxy.serving import ServerLimits
 from .routing.policies import POLICY_NAMES, PolicyConfig
+from .sessions.bindings import BindingConfig
 from .sessions.config import SessionConfig
 from .tokens.tokenizer import ENGINE_TOKENIZER, ChatTemplateSpecError, Family, TokenizerError, load_tokenizer
 
@@ -91,6 +92,8 @@ class RouterConfig:
     bootstrap_origin: bool = True
     # Session affinity (docs/sessions.md).
     sessions: SessionConfig = field(default_factory=SessionConfig)
+    # Which engine holds each stored Responses API response (docs/sessions.md).
+    responses: BindingConfig = field(default_factory=BindingConfig)
     # The fleet's load view (docs/fleet-load.md): siblings' reports over the internal port, engine reads.
     fleet_gossip_window_s: float = 0.05  # 0: do not gossip
     fleet_heartbeat_s: float = 0.5
@@ -399,6 +402,26 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="use inbound hint headers to classify a session (only behind a gateway that sets them)",
     )
+    r = p.add_argument_group("response bindings: a stored response's engine (docs/sessions.md)")
+    r.add_argument(
+        "--response-ttl-ms",
+        type=_positive_int,
+        default=86_400_000,
+        help="how long a response id stays bound to its engine (default 86400000)",
+    )
+    r.add_argument(
+        "--response-max-entries",
+        type=_positive_int,
+        default=200_000,
+        help="response bindings kept per replica, LRU beyond (default 200000)",
+    )
+    r.add_argument(
+        "--response-probe-timeout-ms",
+        type=_bounded_ms(0, 60_000),
+        default=1_000,
+        help="deadline for asking the engines which holds a response no table knows; 0: never ask "
+        "(default 1000)",
+    )
     k = p.add_argument_group("kubernetes discovery (instead of --worker)")
     k.add_argument(
         "--k8s-selector",
@@ -527,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bounded_ms(lo: int, hi: int):
     def parse(text: str) -> int:
-        v = _positive_int(text)
+        v = _non_negative_int(text) if lo == 0 else _positive_int(text)
         if not lo <= v <= hi:
             raise argparse.ArgumentTypeError(f"expected {lo}..{hi}, got {v}")
         return v
@@ -646,6 +669,11 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         )
     except ValueError as exc:
         parser.error(f"session affinity: {exc}")
+    responses = BindingConfig(
+        ttl_s=a.response_ttl_ms / 1000,
+        max_entries=a.response_max_entries,
+        probe_timeout_s=a.response_probe_timeout_ms / 1000,
+    )
     if a.kv_disconnect_grace_s < 0:
         parser.error(f"--kv-disconnect-grace-s must be >= 0, got {a.kv_disconnect_grace_s}")
     if a.kv_adoption_cap < 0:
@@ -719,6 +747,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         bootstrap_seed_required=a.kv_bootstrap_seed_required,
         bootstrap_origin=a.kv_origin,
         sessions=sessions,
+        responses=responses,
         fleet_gossip_window_s=a.fleet_gossip_window_ms / 1000,
         fleet_heartbeat_s=a.fleet_heartbeat_ms / 1000,
         fleet_peer_max_age_s=a.fleet_peer_max_age_ms / 1000,

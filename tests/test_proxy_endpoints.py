@@ -87,7 +87,9 @@ async def test_own_lists_every_path_the_router_itself_serves():
     serves, or an allowed path could hide behind one of them."""
     async with routed([http_worker(closed_port_url())]) as (router, _, _s):
         served = {r.resource.canonical for r in router.build_app().router.routes()}
-    assert served - set(FORWARDED) == {*OWN, "/debug/index", "/debug/load"}
+    items = {"/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel"}
+    items.add("/v1/responses/{response_id}/input_items")
+    assert served - set(FORWARDED) == {*OWN, "/debug/index", "/debug/load", *items}
 
 
 async def test_by_load_spreads_and_avoids_the_busy_engine():

@@ -46,6 +46,7 @@ class SnapshotProducer:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         sessions: Callable[[], list[WireSession]] | None = None,
+        responses: Callable[[], list[WireSession]] | None = None,
     ) -> None:
         self.plane = plane
         self.hashing = hashing
@@ -56,7 +57,10 @@ class SnapshotProducer:
         self.default_max_age_s = default_max_age_s
         self.chunk = chunk
         self._clock, self._wall = clock, wall
-        self._sessions = sessions  # the session-affinity table a booting sibling inherits
+        # What a booting sibling inherits besides the tree: the session-affinity table and the
+        # response bindings.
+        self._sessions = sessions
+        self._responses = responses
         self._cached: Built | None = None
         self._inflight: asyncio.Task | None = None
 
@@ -94,10 +98,10 @@ class SnapshotProducer:
             # That build started before the caller's bound: the next one will not.
 
     def sessions_body(self, fmt: int = LEGACY_FORMAT) -> bytes:
-        """An envelope holding only the session table (no nodes): for a sibling that rebuilt every
-        rank from the engines' own replay buffers and so fetched no snapshot. Never cached: small."""
-        sessions = self._sessions() if self._sessions is not None else []
-        snap = self._snapshot([], {}, Columns(), self.ready(), sessions)
+        """An envelope holding only the session table and the response bindings (no nodes): for a
+        sibling that rebuilt every rank from the engines' own replay buffers and so fetched no
+        snapshot. Never cached: small."""
+        snap = self._snapshot([], {}, Columns(), self.ready(), self._tables())
         return encode(dataclasses.replace(snap, format=fmt))
 
     async def body(self, built: Built, fmt: int, gzipped: bool) -> bytes:
@@ -128,8 +132,7 @@ class SnapshotProducer:
         applied, ex = await writer.call(start)
         while not await writer.call(lambda _index: ex.step(self.chunk)):
             pass
-        sessions = self._sessions() if self._sessions is not None else []  # read on the loop
-        built = Built(at, self._snapshot(ex.workers, applied, ex.columns, True, sessions))
+        built = Built(at, self._snapshot(ex.workers, applied, ex.columns, True, self._tables()))
         self._cached = built
         return built
 
@@ -139,7 +142,7 @@ class SnapshotProducer:
         applied: dict[Carrier, int],
         cols: Columns,
         ready: bool,
-        sessions: list[WireSession] | None = None,
+        tables: dict[str, list[WireSession]] | None = None,
     ) -> WireSnapshot:
         return WireSnapshot(
             format=FORMAT,
@@ -152,8 +155,15 @@ class SnapshotProducer:
             cursors=[(i, applied[c]) for i, c in enumerate(workers) if c in applied],
             built_ms=int(self._wall() * 1000),
             columns=cols,
-            sessions=sessions or [],
+            **(tables or {}),
         )
+
+    def _tables(self) -> dict[str, list[WireSession]]:
+        """The remembered tables, read on the loop."""
+        return {
+            "sessions": self._sessions() if self._sessions is not None else [],
+            "responses": self._responses() if self._responses is not None else [],
+        }
 
 
 def _encode_body(snap: WireSnapshot, gzipped: bool) -> bytes:

@@ -126,6 +126,8 @@ class Bootstrapper:
         self.settled_at: float | None = None
         # Handed the vetted session-affinity entries of the snapshot that was grafted (set by the app).
         self.on_sessions: Callable[[list[WireSession]], object] | None = None
+        # And its response bindings (which engine holds a stored response), vetted the same way.
+        self.on_responses: Callable[[list[WireSession]], object] | None = None
         self._sessions_inherited = False
         # Set by the app: what keeps the replica from routing at all (no engines, discovery unsynced).
         self.blocker: Callable[[], Cause | None] | None = None
@@ -464,7 +466,7 @@ class Bootstrapper:
 
     async def _sessions_only(self, deadline: float) -> None:
         """Ask one sibling for its session table alone (the tree came from the engines' replay)."""
-        if self.on_sessions is None or self._sessions_inherited:
+        if (self.on_sessions is None and self.on_responses is None) or self._sessions_inherited:
             return
         for peer in self.peers.candidates(self._rng):
             left = deadline - self._clock()
@@ -479,14 +481,19 @@ class Bootstrapper:
                 return
 
     def _inherit_sessions(self, wire: WireSnapshot) -> None:
-        if self.on_sessions is None or not wire.sessions:
+        """The sibling's session table and response bindings, vetted (once: the first that has any)."""
+        tables = [(self.on_sessions, wire.sessions), (self.on_responses, wire.responses)]
+        if not any(take is not None and entries for take, entries in tables):
             return
         self._sessions_inherited = True
         incarnations = {spec.engine: spec.incarnation for spec in self.plane.workers.values()}
-        try:
-            self.on_sessions(vet_sessions(wire.sessions, incarnations))
-        except Exception:
-            log.exception("bootstrap: inheriting the session table failed")
+        for take, entries in tables:
+            if take is None or not entries:
+                continue
+            try:
+                take(vet_sessions(entries, incarnations))
+            except Exception:
+                log.exception("bootstrap: inheriting a remembered table failed")
 
     def _local(self) -> dict[tuple[str, int], LocalWorker]:
         return {

@@ -24,6 +24,9 @@ msgpack map (format 2's metadata map holds the same fields, without ``records`` 
   too: ``targets`` ``[[engine, rank (-1: whole engine), incarnation], ...]``, ``digest`` (32 bytes per
   entry: the SHA-256 session digest, never a raw key), ``target`` (u32 index into ``targets``) and
   ``age_ms`` (u32) per entry. Vetted apart from the tree (``vetting.vet_sessions``).
+- ``responses`` (optional; absent from older producers): the producer's response bindings (which engine
+  holds a stored Responses API response), in the same columnar shape, each ``digest`` the SHA-256 of a
+  response id. Vetted as the sessions are.
 
 Format 1's compression is the HTTP layer's (gzip when the client accepts it); ``inflate`` bounds it.
 """
@@ -116,6 +119,7 @@ class WireSnapshot:
     built_ms: int
     columns: Columns = field(default_factory=Columns)
     sessions: list[WireSession] = field(default_factory=list)
+    responses: list[WireSession] = field(default_factory=list)  # response bindings, same shape
 
 
 def _le(a: array) -> bytes:
@@ -137,6 +141,8 @@ def _meta(snap: WireSnapshot) -> dict:
     }
     if snap.sessions:
         fields["sessions"] = _encode_sessions(snap.sessions)
+    if snap.responses:
+        fields["responses"] = _encode_sessions(snap.responses)
     return fields
 
 
@@ -403,4 +409,5 @@ def _body(b: dict, limits: Limits, fmt: int, columns: Columns) -> WireSnapshot:
         built_ms=_int(b["built_ms"], "built_ms"),
         columns=columns,
         sessions=_sessions(b.get("sessions"), limits),
+        responses=_sessions(b.get("responses"), limits),
     )

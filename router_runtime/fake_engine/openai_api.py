@@ -10,8 +10,8 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from router_runtime.fake_engine.hashing import Namespace
 from router_runtime.tokens import decode, encode, render_chat
@@ -21,13 +21,16 @@ _MAX_TOKEN_ID = (1 << 32) - 1  # SGLang hashes tokens as u32, so anything larger
 
 
 class RequestError(ValueError):
-    """A client error: becomes HTTP 400 with OpenAI's error shape."""
+    """A client error: becomes HTTP ``status`` (400 unless said) with OpenAI's error shape."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, code: str | None = None, status: int = 400
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.status = status
 
     def to_json(self) -> dict[str, Any]:
         return error_json(self.message, param=self.param, code=self.code)
@@ -50,6 +53,10 @@ def parse_json_body(raw: bytes) -> Any:
 class Kind(enum.StrEnum):
     COMPLETION = "completion"
     CHAT = "chat"
+    RESPONSES = "responses"  # OpenAI's Responses API (responses_api.py)
+    MESSAGES = "messages"  # Anthropic's Messages API (messages_api.py)
+    GENERATE = "generate"  # SGLang's native /generate (generate_api.py)
+    TOKEN_GENERATE = "token_generate"  # vLLM's /inference/v1/generate (generate_api.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +69,10 @@ class GenerationRequest:
     namespace: Namespace
     rank: int | None  # body data_parallel_rank; the server also checks the header and validates range
     model: str | None
+    messages: tuple[
+        dict[str, Any], ...
+    ] = ()  # a conversation's chat messages (the Responses store keeps them)
+    fields: dict[str, Any] = field(default_factory=dict)  # request fields an API's answer echoes
 
 
 # ------------------------------------------------------------------------------------------ parsing
@@ -77,7 +88,7 @@ def _token_list(v: list, param: str) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _prompt_tokens(prompt: Any) -> tuple[int, ...]:
+def prompt_tokens(prompt: Any) -> tuple[int, ...]:
     # Accepted: "text", [ids...], ["text"], [[ids...]]. Several prompts in one request are not.
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
@@ -105,12 +116,14 @@ def _opt_str(body: Mapping[str, Any], key: str) -> str | None:
     return v
 
 
-def _common(body: Any, kind: Kind, tokens_of) -> GenerationRequest:
+def parse_generation(
+    body: Any, kind: Kind, tokens_of, max_tokens_key: str = "max_tokens", **extra: Any
+) -> GenerationRequest:
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     tokens = tokens_of(body)
-    max_tokens = body.get("max_tokens")
-    param = "max_tokens"
+    max_tokens = body.get(max_tokens_key)
+    param = max_tokens_key
     if max_tokens is None and kind is Kind.CHAT:
         max_tokens, param = body.get("max_completion_tokens"), "max_completion_tokens"
     if max_tokens is None:
@@ -143,6 +156,7 @@ def _common(body: Any, kind: Kind, tokens_of) -> GenerationRequest:
         namespace=Namespace(lora_name=_opt_str(body, "lora_name"), cache_salt=_opt_str(body, "cache_salt")),
         rank=rank,
         model=model,
+        **extra,
     )
 
 
@@ -152,9 +166,9 @@ def parse_completion(body: Any) -> GenerationRequest:
     def tokens_of(b: dict) -> tuple[int, ...]:
         if "prompt" not in b:
             raise RequestError("'prompt' is required", "prompt")
-        return _prompt_tokens(b["prompt"])
+        return prompt_tokens(b["prompt"])
 
-    return _common(body, Kind.COMPLETION, tokens_of)
+    return parse_generation(body, Kind.COMPLETION, tokens_of)
 
 
 def parse_chat(body: Any) -> GenerationRequest:
@@ -166,7 +180,7 @@ def parse_chat(body: Any) -> GenerationRequest:
         except ValueError as e:
             raise RequestError(f"invalid 'messages': {e}", "messages") from None
 
-    return _common(body, Kind.CHAT, tokens_of)
+    return parse_generation(body, Kind.CHAT, tokens_of)
 
 
 def tokenize_request(body: Any) -> list[int]:
@@ -202,13 +216,38 @@ def generate_tokens(prompt_tokens: tuple[int, ...], n: int) -> list[int]:
     return [ord("a") + (start + i) % 26 for i in range(n)]
 
 
-def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt: int
+    completion: int
+    cached: int
+
+
+def usage_json(u: Usage) -> dict[str, Any]:
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens": u.prompt,
+        "completion_tokens": u.completion,
+        "total_tokens": u.prompt + u.completion,
+        "prompt_tokens_details": {"cached_tokens": u.cached},
     }
+
+
+def sse(obj: dict[str, Any], event: str | None = None) -> bytes:
+    """One server-sent event (with an ``event:`` line where the API names its events)."""
+    data = b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return data if event is None else b"event: " + event.encode() + b"\n" + data
+
+
+class Shape(Protocol):
+    """How one API spells a generation's answer, whole or as a stream of events."""
+
+    def full(self, text: str, usage: Usage) -> dict[str, Any]: ...
+
+    def opening(self, usage: Usage) -> list[bytes]: ...
+
+    def delta(self, text: str, index: int, last: bool) -> bytes: ...
+
+    def closing(self, text: str, usage: Usage) -> list[bytes]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,3 +290,27 @@ class ResponseHeader:
         """OpenAI's ``include_usage`` chunk: no choices, just usage."""
         obj = "text_completion" if self.kind is Kind.COMPLETION else "chat.completion.chunk"
         return {**self._base(obj), "choices": [], "usage": usage}
+
+
+class ChatShape:
+    """Completions and chat completions: one chunk per token, the last with ``finish_reason``; the
+    usage-only chunk if ``stream_options.include_usage`` asked for it; then ``[DONE]``."""
+
+    def __init__(self, header: ResponseHeader, include_usage: bool) -> None:
+        self.header = header
+        self.include_usage = include_usage
+
+    def full(self, text: str, usage: Usage) -> dict[str, Any]:
+        return self.header.full(text, "length", usage_json(usage))
+
+    def opening(self, usage: Usage) -> list[bytes]:
+        return []
+
+    def delta(self, text: str, index: int, last: bool) -> bytes:
+        return sse(self.header.chunk(text, first=index == 0, finish_reason="length" if last else None))
+
+    def closing(self, text: str, usage: Usage) -> list[bytes]:
+        out = [] if text else [sse(self.header.chunk("", first=True, finish_reason="length"))]
+        if self.include_usage:
+            out.append(sse(self.header.usage_chunk(usage_json(usage))))
+        return [*out, b"data: [DONE]\n\n"]

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import secrets
 import time
@@ -37,22 +36,39 @@ from router_runtime.fake_engine import pooling_api
 from router_runtime.fake_engine.admin import admin_routes
 from router_runtime.fake_engine.cache import Admission, CacheConfig, RankCache
 from router_runtime.fake_engine.config import FakeEngineConfig
+from router_runtime.fake_engine.generate_api import (
+    GenerateShape,
+    TokenGenerateShape,
+    parse_generate,
+    parse_token_generate,
+)
 from router_runtime.fake_engine.hashing import Namespace
+from router_runtime.fake_engine.messages_api import MessagesShape, parse_messages
+from router_runtime.fake_engine.messages_api import error_json as messages_error
 from router_runtime.fake_engine.metrics import EngineCollector
 from router_runtime.fake_engine.openai_api import (
+    ChatShape,
     GenerationRequest,
     Kind,
     RequestError,
     ResponseHeader,
+    Shape,
+    Usage,
     detokenize_request,
     generate_tokens,
     parse_chat,
     parse_completion,
     parse_json_body,
     tokenize_request,
-    usage_json,
 )
 from router_runtime.fake_engine.publisher import Drop, KvPublisher
+from router_runtime.fake_engine.responses_api import (
+    ResponsesShape,
+    ResponseStore,
+    StoredResponse,
+    not_found,
+    parse_responses,
+)
 from router_runtime.fake_engine.storage import StorageDir
 from router_runtime.kv.events import KVEvent
 from router_runtime.tokens import decode
@@ -89,7 +105,7 @@ class LoadStats:
 
 
 def bad_request(e: RequestError) -> web.Response:
-    return web.json_response(e.to_json(), status=400)
+    return web.json_response(e.to_json(), status=e.status)
 
 
 class FakeEngine:
@@ -122,6 +138,7 @@ class FakeEngine:
         # flap without touching anything else the engine serves.
         self.unhealthy_until = 0.0
         self._request_ids = itertools.count(1)
+        self.responses = ResponseStore()  # the Responses API's stored responses (lost on restart)
         self._slots: asyncio.Semaphore | None = None
         self._publisher: KvPublisher | None = None
         self._runner: web.AppRunner | None = None
@@ -250,6 +267,7 @@ class FakeEngine:
             cache.reset(keep_disk=self.storage is not None)
         self.publisher.reset()
         self.incarnation = self._new_incarnation()
+        self.responses.clear()
         self._round_robin = itertools.cycle(range(self.config.dp_size))
         log.info("restarted as incarnation %s", self.incarnation)
         return self.incarnation
@@ -281,6 +299,13 @@ class FakeEngine:
             [
                 web.post("/v1/completions", self._completions),
                 web.post("/v1/chat/completions", self._chat_completions),
+                web.post("/v1/responses", self._responses),
+                web.get("/v1/responses/{response_id}", self._get_response),
+                web.delete("/v1/responses/{response_id}", self._delete_response),
+                web.post("/v1/responses/{response_id}/cancel", self._cancel_response),
+                web.post("/v1/messages", self._messages),  # vLLM's Anthropic API
+                web.post("/generate", self._native_generate),  # SGLang's
+                web.post("/inference/v1/generate", self._token_generate),  # vLLM's token-in
                 web.post("/tokenize", self._tokenize),  # vLLM's
                 web.post("/v1/tokenize", self._tokenize),  # SGLang's
                 web.post("/detokenize", self._detokenize),
@@ -355,6 +380,15 @@ class FakeEngine:
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_chat)
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_messages, messages_error)
+
+    async def _native_generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_generate)
+
+    async def _token_generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_token_generate)
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         """The engines' tokenize endpoint: a ``prompt`` or chat ``messages`` -> the token IDs a
@@ -449,7 +483,10 @@ class FakeEngine:
                 self._slots.release()
 
     async def _generate(
-        self, request: web.Request, parse: Callable[[Any], GenerationRequest]
+        self,
+        request: web.Request,
+        parse: Callable[[Any], GenerationRequest],
+        errors: Callable[[RequestError], dict[str, Any]] = RequestError.to_json,
     ) -> web.StreamResponse:
         try:
             req = parse(parse_json_body(await request.read()))
@@ -462,7 +499,7 @@ class FakeEngine:
                     "max_tokens",
                 )
         except RequestError as e:
-            return bad_request(e)
+            return web.json_response(errors(e), status=e.status)
         cfg = self.config
         async with self._slot(rank):
             admission = self.admit(rank, req.prompt_tokens, req.namespace)
@@ -479,21 +516,17 @@ class FakeEngine:
 
             await _sleep((n_prompt - cached) * cfg.prefill_us_per_token / 1e6)  # prefill: uncached only
             output = generate_tokens(req.prompt_tokens, req.max_tokens)
-            prefix = "cmpl" if req.kind is Kind.COMPLETION else "chatcmpl"
-            header = ResponseHeader(
-                id=f"{prefix}-{self.incarnation[:8]}-{serial}",
-                created=int(time.time()),
-                model=req.model or cfg.model,
-                kind=req.kind,
-            )
-            usage = usage_json(n_prompt, len(output), cached)
+            text = decode(output)
+            shape = self._shape(req, serial)
+            usage = Usage(n_prompt, len(output), cached)
             headers = {RANK_HEADER: str(rank), INCARNATION_HEADER: self.incarnation}
             try:
                 if req.stream:
-                    response = await self._stream(request, req, header, output, usage, headers)
+                    response = await self._stream(request, req, shape, output, usage, headers)
                 else:
                     await _sleep(len(output) / cfg.decode_tokens_per_s if cfg.decode_tokens_per_s else 0)
-                    body = header.full(decode(output), "length", usage)
+                    body = shape.full(text, usage)
+                    self._keep(req, shape, text, usage)
                     response = web.json_response(body, headers=headers)
             finally:
                 # Counted even if the client went away mid-stream: the engine did the work.
@@ -502,45 +535,83 @@ class FakeEngine:
                     self.admit(rank, (*req.prompt_tokens, *output), req.namespace)
             return response
 
+    def _shape(self, req: GenerationRequest, serial: int) -> Shape:
+        """The answer's shape for the request's API; its id is unique for this incarnation."""
+        tag = f"{self.incarnation[:8]}-{serial}"
+        model = req.model or self.config.model
+        if req.kind is Kind.RESPONSES:
+            return ResponsesShape(f"resp_{self.incarnation}{serial:08x}", model, req.fields)
+        if req.kind is Kind.MESSAGES:
+            return MessagesShape(f"msg_{self.incarnation}{serial:08x}", model)
+        if req.kind is Kind.GENERATE:
+            return GenerateShape(tag)
+        if req.kind is Kind.TOKEN_GENERATE:
+            return TokenGenerateShape(tag)
+        prefix = "cmpl" if req.kind is Kind.COMPLETION else "chatcmpl"
+        header = ResponseHeader(id=f"{prefix}-{tag}", created=int(time.time()), model=model, kind=req.kind)
+        return ChatShape(header, req.include_usage)
+
+    def _keep(self, req: GenerationRequest, shape: Shape, text: str, usage: Usage) -> None:
+        """A stored response keeps its conversation (before the client can see its end)."""
+        if isinstance(shape, ResponsesShape) and req.fields.get("store"):
+            history = (*req.messages, {"role": "assistant", "content": text})
+            self.responses.put(shape.id, StoredResponse(history, shape.full(text, usage)))
+
     async def _stream(
         self,
         request: web.Request,
         req: GenerationRequest,
-        header: ResponseHeader,
+        shape: Shape,
         output: list[int],
-        usage: dict[str, Any],
+        usage: Usage,
         headers: dict[str, str],
     ) -> web.StreamResponse:
-        """SSE: one chunk per generated token, the last carrying ``finish_reason``; with
-        ``stream_options.include_usage`` the usage-only chunk (``"choices":[]``) follows; then
-        ``[DONE]``. As vLLM and SGLang stream: no usage unless asked for."""
+        """SSE in the shape of the request's API, one event per generated token, paced at the decode
+        rate. As vLLM and SGLang stream: no usage in a chat stream unless asked for."""
         response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         await response.prepare(request)
         rate = self.config.decode_tokens_per_s
         start = time.monotonic()
-        first = True
         try:
+            for event in shape.opening(usage):
+                await response.write(event)
             for i, token in enumerate(output):
                 if rate:
                     await _sleep(start + (i + 1) / rate - time.monotonic())
-                last = i == len(output) - 1
-                chunk = header.chunk(decode([token]), first=first, finish_reason="length" if last else None)
-                first = False
-                await response.write(_sse(chunk))
-            if not output:
-                await response.write(_sse(header.chunk("", first=True, finish_reason="length")))
-            if req.include_usage:
-                await response.write(_sse(header.usage_chunk(usage)))
-            await response.write(b"data: [DONE]\n\n")
+                await response.write(shape.delta(decode([token]), i, i == len(output) - 1))
+            text = decode(output)
+            self._keep(req, shape, text, usage)
+            for event in shape.closing(text, usage):
+                await response.write(event)
             await response.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
             log.debug("client went away mid-stream")
             raise
         return response
 
+    # ------------------------------------------------------- stored responses
 
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, lambda body: parse_responses(body, self.responses))
+
+    async def _get_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        stored = self.responses.get(response_id)
+        if stored is None:
+            return bad_request(not_found(response_id, "response_id"))
+        return web.json_response(stored.body)
+
+    async def _delete_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        if not self.responses.delete(response_id):
+            return bad_request(not_found(response_id, "response_id"))
+        return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+    async def _cancel_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        if self.responses.get(response_id) is None:
+            return bad_request(not_found(response_id, "response_id"))
+        return bad_request(RequestError("Cannot cancel a synchronous response."))
 
 
 async def _sleep(seconds: float) -> None:

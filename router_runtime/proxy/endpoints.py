@@ -1,4 +1,4 @@
-"""The paths the public port serves besides chat, completions and models, and the rule for the rest.
+"""The paths the public port serves besides the prompt-bearing ones, and the rule for the rest.
 
 Engines serve more than generation: embeddings, pooling, classification, scoring and reranking,
 tokenization, audio transcription. Those carry no prefix worth routing on, so they go to a healthy
@@ -32,8 +32,19 @@ FORWARDED = (
 )
 
 # The router's own paths on the public port: an allow-list entry may not shadow one.
-OWN = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz", "/readyz", "/metrics")
-_OWN_PREFIXES = ("/debug/",)
+OWN = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/v1/responses",
+    "/v1/messages",
+    "/generate",
+    "/inference/v1/generate",
+    "/healthz",
+    "/readyz",
+    "/metrics",
+)
+_OWN_PREFIXES = ("/debug/", "/v1/responses/")
 
 _PATH = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@%/-]{0,255}")
 

@@ -24,6 +24,14 @@ from .errors import ProxyError, bad_request
 class Kind(enum.StrEnum):
     COMPLETION = "completion"
     CHAT = "chat"
+    RESPONSES = "responses"  # OpenAI's Responses API: rendered as chat (tokens/shapes.py)
+    MESSAGES = "messages"  # Anthropic's Messages API: rendered as chat
+    GENERATE = "generate"  # SGLang's native /generate: ``text`` or ``input_ids``, as a completion's prompt
+    TOKEN_GENERATE = "token_generate"  # vLLM's /inference/v1/generate: ``token_ids``
+
+
+# The kinds whose prompt is a completion's (text or token IDs); the others are rendered as chat.
+PROMPT_KINDS = frozenset({Kind.COMPLETION, Kind.GENERATE, Kind.TOKEN_GENERATE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +43,16 @@ class ParsedRequest:
     body: dict[str, Any] | None = None  # the request body: the engine's tokenization rules read its fields
     lora_name: str | None = None
     cache_salt: str | None = None
+    previous_response_id: str | None = None  # Responses: the stored response it continues
+
+
+# Where each prompt kind carries its prompt (the first present is read).
+_PROMPT_FIELDS = {
+    Kind.COMPLETION: ("prompt",),
+    Kind.GENERATE: ("text", "input_ids"),
+    Kind.TOKEN_GENERATE: ("token_ids",),
+}
+MAX_RESPONSE_ID = 256
 
 
 def parse_json(raw: bytes) -> Any:
@@ -51,28 +69,28 @@ def _ids(value: list, param: str) -> array:
         raise bad_request(f"'{param}' token IDs must be integers in [0, 2**32)", param) from None
 
 
-def _prompt(prompt: Any) -> tuple[str | None, array | None]:
+def _prompt(prompt: Any, param: str = "prompt") -> tuple[str | None, array | None]:
     if isinstance(prompt, str):
         return prompt, None
     if not isinstance(prompt, list):
-        raise bad_request("'prompt' must be a string or a list of token IDs", "prompt")
+        raise bad_request(f"'{param}' must be a string or a list of token IDs", param)
     if not prompt:
-        raise bad_request("'prompt' must not be empty", "prompt")
+        raise bad_request(f"'{param}' must not be empty", param)
     first = prompt[0]
     if type(first) is int:
-        return None, _ids(prompt, "prompt")
+        return None, _ids(prompt, param)
     if isinstance(first, str):
         if not all(isinstance(p, str) for p in prompt):
-            raise bad_request("'prompt' must not mix strings and other values", "prompt")
+            raise bad_request(f"'{param}' must not mix strings and other values", param)
         return first, None
     if isinstance(first, list):
         if not all(isinstance(p, list) for p in prompt):
-            raise bad_request("'prompt' must not mix token lists and other values", "prompt")
+            raise bad_request(f"'{param}' must not mix token lists and other values", param)
         for p in prompt[1:]:
-            _ids(p, "prompt")
-        return None, _ids(first, "prompt")
+            _ids(p, param)
+        return None, _ids(first, param)
     raise bad_request(
-        "'prompt' must be a string, a list of token IDs, or a list of strings or token-ID lists", "prompt"
+        f"'{param}' must be a string, a list of token IDs, or a list of strings or token-ID lists", param
     )
 
 
@@ -107,13 +125,24 @@ def parse_request(body: Any, kind: Kind) -> ParsedRequest:
     elif type(stream) is not bool:
         raise bad_request("'stream' must be a boolean", "stream")
     lora_name, cache_salt = _opt_str(body, "lora_name"), _opt_str(body, "cache_salt")
-    if kind is Kind.COMPLETION:
-        if "prompt" not in body:
-            raise bad_request("'prompt' is required", "prompt")
-        text, tokens = _prompt(body["prompt"])
+    if kind in PROMPT_KINDS:
+        field = _PROMPT_FIELDS[kind]
+        name = next((f for f in field if body.get(f) is not None), None)
+        if name is None:
+            raise bad_request(f"'{field[0]}' is required", field[0])
+        text, tokens = _prompt(body[name], name)
+        if kind is Kind.TOKEN_GENERATE and tokens is None:
+            raise bad_request("'token_ids' must be a list of token IDs", name)
+        if kind is Kind.GENERATE:
+            lora_name = _opt_str(body, "lora_path")
         return ParsedRequest(
             kind, stream, text=text, tokens=tokens, body=body, lora_name=lora_name, cache_salt=cache_salt
         )
+    if kind is Kind.RESPONSES:
+        previous = _opt_str(body, "previous_response_id")
+        if previous is not None and len(previous) > MAX_RESPONSE_ID:
+            raise bad_request("'previous_response_id' is not a response id", "previous_response_id")
+        return ParsedRequest(kind, stream, body=body, previous_response_id=previous)
     if "messages" not in body:
         raise bad_request("'messages' is required", "messages")
     _messages(body["messages"])

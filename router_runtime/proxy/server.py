@@ -39,9 +39,12 @@ from aiohttp.web_protocol import RequestPayloadError
 from ..kv.index import Carrier, RadixIndex
 from ..routing.simple import LeastLoadedPolicy
 from ..routing.types import Decision, Policy, RouteRequest, Target
+from ..routing.types import Reason as DecisionReason
 from ..sessions.affinity import SessionAffinity, SessionCtx
+from ..sessions.bindings import ResponseBindings, ResponseIdScan, Verdict
 from ..sessions.classify import promote
 from ..tokens.engine import EngineTokenizer
+from ..tokens.shapes import messages_chat, responses_chat
 from ..tokens.tokenizer import AsyncTokenizer, Reason, Untokenizable
 from .audit import Prediction, UsageScan, UsageStrip, judge, request_usage
 from .errors import (
@@ -69,10 +72,17 @@ from .health import HealthBoard
 from .load import LoadTracker
 from .metrics import ProxyMetrics
 from .request import Kind, ParsedRequest, parse_json, parse_request
+from .responses import ResponseRouter, response_error
 from .serving import ServerLimits
 from .targets import TargetBook
 
 log = logging.getLogger(__name__)
+
+# The kinds whose stream takes OpenAI's ``stream_options`` (the audit may ask for usage there); the
+# other APIs always report it.
+_USAGE_OPTION_KINDS = frozenset({Kind.COMPLETION, Kind.CHAT})
+# The APIs rendered as a chat request, and how their body becomes one (tokens/shapes.py).
+_AS_CHAT = {Kind.RESPONSES: responses_chat, Kind.MESSAGES: messages_chat}
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +140,7 @@ class Proxy:
         doubt_fn: Callable[[Carrier], bool] | None = None,
         expect_fn: Callable[[Carrier, float], None] | None = None,
         audit_stream_usage: bool = True,
+        bindings: ResponseBindings | None = None,
     ) -> None:
         self.policy = policy
         # Ask the engine for usage on streams whose client did not, so they are audited too (audit.py).
@@ -163,6 +174,8 @@ class Proxy:
         self._strip = sessions.strip if sessions is not None else frozenset()
         self._by_load = LeastLoadedPolicy()  # what has no prefix to route on (endpoints.py)
         self._session: aiohttp.ClientSession | None = None
+        # Where a stored Responses API response lives (a request naming one must go there).
+        self.responses = ResponseRouter(bindings, lambda: self.session) if bindings is not None else None
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -199,6 +212,23 @@ class Proxy:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(lambda ctx: self._serve(request, Kind.CHAT, ctx))
 
+    async def responses_create(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(lambda ctx: self._serve(request, Kind.RESPONSES, ctx))
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(lambda ctx: self._serve(request, Kind.MESSAGES, ctx))
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(lambda ctx: self._serve(request, Kind.GENERATE, ctx))
+
+    async def token_generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(lambda ctx: self._serve(request, Kind.TOKEN_GENERATE, ctx))
+
+    async def response_item(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/responses/{response_id}[/...]`` (GET, DELETE, cancel, input items): to the engine
+        holding that response, whatever the policy."""
+        return await self._handle(lambda ctx: self._serve_bound(request, ctx), DecisionReason.RESPONSE.value)
+
     async def by_load(self, request: web.Request) -> web.StreamResponse:
         """A path without a prefix to route on (endpoints.py): to a healthy engine by load, relayed
         as chat is."""
@@ -227,21 +257,32 @@ class Proxy:
         raw = await self._read_body(request)
         body = await self._parse(raw)
         parsed = parse_request(body, kind)
-        sessions = self.sessions
-        if sessions is not None and sessions.enabled:
-            ctx.session = await sessions.begin(request.headers, body)
         targets = self.targets.candidates()
         if not targets:
             raise no_engine("no engine can take the request (none discovered, or all unhealthy)")
-        route = await self._route_request(parsed, len(raw))
+        previous = parsed.previous_response_id
+        # A continued response runs where its stored context is: no choice to make (or the clear error).
+        pinned = None
+        if previous is not None and self.responses is not None:
+            pinned = await self.responses.target(previous, targets, request.headers, "previous_response_id")
+        sessions = self.sessions
+        if pinned is None and sessions is not None and sessions.enabled:
+            ctx.session = await sessions.begin(request.headers, body)
+        # A pinned request is not routed by the policy: nothing to tokenize.
+        route = await self._route_request(parsed, len(raw)) if pinned is None else RouteRequest(tokens=None)
         index = self.index_fn()
         asked = None
-        if self.audit_stream_usage and self._predicts(route, index):
+        if self.audit_stream_usage and kind in _USAGE_OPTION_KINDS and self._predicts(route, index):
             asked = request_usage(raw, body)
         sent = raw if asked is None else asked
         n_tokens = len(route.tokens) if route.tokens is not None else 0
 
         def decide(targets: Sequence[Target], attempt: int) -> Decision:
+            if pinned is not None:
+                if pinned not in targets:  # its engine failed to connect: nowhere else holds it
+                    raise response_error(Verdict.UNAVAILABLE, previous, "previous_response_id")
+                self.metrics.decision(self.policy.name, DecisionReason.RESPONSE)
+                return Decision(pinned, DecisionReason.RESPONSE)
             sctx = ctx.session
             if sctx is None:
                 return self._decide(route, targets, index)
@@ -256,14 +297,35 @@ class Proxy:
             return decision
 
         def relay(upstream: aiohttp.ClientResponse, decision: Decision, start: float, prediction):
+            bind = ResponseIdScan() if kind is Kind.RESPONSES and self.responses is not None else None
             return self._relay(
-                request, upstream, decision.target, start, ctx, prediction, strip=asked is not None
+                request, upstream, decision.target, start, ctx, prediction, strip=asked is not None, bind=bind
             )
 
         def predict(decision: Decision) -> Prediction | None:
             return self._prediction(route, decision, index)
 
         return await self._forward(request, ctx, targets, decide, sent, relay, n_tokens, predict)
+
+    async def _serve_bound(self, request: web.Request, ctx: _Ctx) -> web.StreamResponse:
+        raw = await self._read_body(request)
+        targets = self.targets.candidates()
+        if not targets:
+            raise no_engine("no engine can take the request (none discovered, or all unhealthy)")
+        response_id = request.match_info["response_id"]
+        if self.responses is None:  # pragma: no cover - the app always has bindings
+            raise response_error(Verdict.UNKNOWN, response_id, "response_id")
+        target = await self.responses.target(response_id, targets, request.headers, "response_id")
+
+        def decide(targets: Sequence[Target], _attempt: int) -> Decision:
+            if target not in targets:
+                raise response_error(Verdict.UNAVAILABLE, response_id, "response_id")
+            return Decision(target, DecisionReason.RESPONSE)
+
+        def relay(upstream: aiohttp.ClientResponse, decision: Decision, start: float, _prediction):
+            return self._relay(request, upstream, decision.target, start, ctx)
+
+        return await self._forward(request, ctx, targets, decide, raw, relay)
 
     async def _serve_by_load(self, request: web.Request, ctx: _Ctx) -> web.StreamResponse:
         raw = await self._read_body(request)
@@ -351,6 +413,13 @@ class Proxy:
         tokens: Sequence[int] | None = None
         text = parsed.text
         refused: Reason | None = None
+        # What the chat template renders: the chat body, or the one another API's request becomes.
+        chat = parsed.body if parsed.kind is Kind.CHAT else None
+        if parsed.kind in _AS_CHAT and (self.needs_tokens or self.needs_text):
+            try:
+                chat = _AS_CHAT[parsed.kind](parsed.body)
+            except Untokenizable as e:
+                refused = e.reason
         if self.needs_tokens:
             if parsed.tokens is not None:
                 tokens = parsed.tokens
@@ -361,14 +430,14 @@ class Proxy:
                     raise bad_request("'prompt' is not valid Unicode text", "prompt") from None
                 except Untokenizable as e:  # a prompt the engine refuses, or no engine answer in time
                     refused = e.reason
-            else:
+            elif chat is not None:
                 try:
-                    tokens = await self.tokenizer.chat_ids(parsed.body, size)
+                    tokens = await self.tokenizer.chat_ids(chat, size)
                 except Untokenizable as e:  # routed without tokens: never on a guessed sequence
                     refused = e.reason
-        if self.needs_text and parsed.kind is Kind.CHAT:
+        if self.needs_text and chat is not None:
             try:
-                text = await self.tokenizer.chat_text(parsed.body, size)
+                text = await self.tokenizer.chat_text(chat, size)
             except Untokenizable as e:
                 refused = refused or e.reason
         if refused is not None:  # once per request, whatever the policy needed
@@ -448,9 +517,11 @@ class Proxy:
         ctx: _Ctx,
         prediction: Prediction | None = None,
         strip: bool = False,
+        bind: ResponseIdScan | None = None,
     ) -> web.StreamResponse:
         """Stream the engine's response to the client. ``strip``: the router asked for usage the client
-        did not (audit.py), and takes out of an event stream what that added."""
+        did not (audit.py), and takes out of an event stream what that added. ``bind``: a stored
+        response's id is bound to this engine as it passes, before the client can see it."""
         loop = asyncio.get_running_loop()
         done = False
         try:
@@ -476,6 +547,8 @@ class Proxy:
             strip = strip and audited and up.content_type == "text/event-stream"
             stripper = UsageStrip() if strip else None
             scan = stripper.scan if stripper is not None else UsageScan() if audited else None
+            if not 200 <= status < 300:
+                bind = None
             resp = web.StreamResponse(status=status, reason=up.reason, headers=headers)
             if up.content_length is not None and "Transfer-Encoding" not in up.headers and not strip:
                 resp.content_length = up.content_length
@@ -498,6 +571,9 @@ class Proxy:
                             chunk = stripper.feed(chunk)
                         elif scan is not None:
                             scan.feed(chunk)
+                        if bind is not None and (rid := bind.feed(chunk)) is not None:
+                            assert self.responses is not None
+                            await self.responses.bindings.bind(rid, target)
                         writing = True
                         if chunk:
                             await resp.write(chunk)

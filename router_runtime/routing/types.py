@@ -49,6 +49,7 @@ class Reason(enum.StrEnum):
     ROUND_ROBIN = "round_robin"
     POWER_OF_TWO = "power_of_two"
     SESSION = "session"  # a returning session's remembered target, which the policy alone would not pick
+    RESPONSE = "response"  # the engine holding the stored response the request continues (not a choice)
 
 
 @dataclass(frozen=True, slots=True)

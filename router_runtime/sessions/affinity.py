@@ -26,7 +26,7 @@ from .classify import Classified, SessionState, classify, selection
 from .config import SessionConfig
 from .keys import session_digest
 from .metrics import SessionMetrics
-from .store import Entry, LocalStore, Remembered, SessionStore
+from .store import Entry, LocalStore, Remembered, SessionStore, settle_quietly
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class SessionAffinity:
                 else:
                     # Not awaited: a store that ignores cancellation still cannot hold the request.
                     task.cancel()
-                    task.add_done_callback(_consume)
+                    task.add_done_callback(settle_quietly)
                     result = "timeout"
                     self._warn("session lookup timed out")
             if value is not None and not isinstance(value, Remembered):
@@ -248,8 +248,3 @@ class SessionAffinity:
         if now - self._last_warn >= _WARN_EVERY_S:  # sampled: a sick store must not flood the log
             self._last_warn = now
             log.warning("%s; routing without session memory", message)
-
-
-def _consume(task: asyncio.Task) -> None:
-    if not task.cancelled():
-        task.exception()

@@ -15,6 +15,7 @@ from typing import Any
 
 MAX_KEY_BYTES = 4096  # longer keys are not eligible (not a session id anyone sends)
 _DOMAIN = b"routerfleet/session/v1"
+_RESPONSE_DOMAIN = b"routerfleet/response/v1"
 
 
 class KeySource(enum.StrEnum):
@@ -33,6 +34,11 @@ def digest(source: KeySource | str, model: str, key: str) -> bytes:
     for part in (str(source), model, key):
         h.update(_lp(part.encode("utf-8", "surrogatepass")))
     return h.digest()
+
+
+def response_digest(response_id: str) -> bytes:
+    """A Responses API id's key in the binding table and the shared store; 32 bytes."""
+    return hashlib.sha256(_RESPONSE_DOMAIN + _lp(response_id.encode("utf-8", "surrogatepass"))).digest()
 
 
 def _usable(v: Any) -> str | None:

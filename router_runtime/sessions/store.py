@@ -12,6 +12,7 @@ digests (``keys.digest``), never raw keys.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -45,6 +46,12 @@ class Entry:
     digest: bytes
     value: Remembered
     age_s: float
+
+
+def settle_quietly(task: asyncio.Task) -> None:
+    """A done-callback for a lookup abandoned at its deadline: its late failure is not an error."""
+    if not task.cancelled():
+        task.exception()
 
 
 class SessionStore(Protocol):

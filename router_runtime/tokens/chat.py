@@ -122,7 +122,7 @@ _KNOWN_PART_KEYS = frozenset(
         "video_embeds", "video_url",
     }
 )  # fmt: skip
-_BILLING_HEADER = "x-anthropic-billing-header"
+BILLING_HEADER = "x-anthropic-billing-header"
 
 
 # The Responses API's text part types: vLLM's chat completion request model refuses them.
@@ -182,7 +182,7 @@ def _strip_billing_header(parts: list[Any]) -> list[Any]:
             if isinstance(part, Mapping) and part.get("type") == "text"
             else None
         )
-        if not (isinstance(text, str) and text.startswith(_BILLING_HEADER)):
+        if not (isinstance(text, str) and text.startswith(BILLING_HEADER)):
             out.append(part)
             continue
         rest = text.partition("\n")[2]

@@ -1,0 +1,247 @@
+"""Response bindings: which engine holds a stored response of the Responses API (docs/sessions.md).
+
+A hard requirement, not a preference: a stored response exists only on the engine that made it, so a
+request naming it (``previous_response_id``; GET, DELETE or cancel of ``/v1/responses/{id}``) must go
+there, whichever replica receives it. Elsewhere it fails, or silently runs without its context.
+
+The engine's answer names the id (``ResponseIdScan`` finds it at the head of the body or stream); the
+router binds it to the engine, DP rank and incarnation that answered, in its local table and, when one
+is configured, in the fleet's shared store. A lookup asks the local table, then the shared store under a
+hard deadline, then (the proxy's probe) the engines themselves. ``resolve`` turns what was found into a
+verdict against the engines now routable: an engine that restarted lost its responses (vLLM keeps them
+in memory), so a binding to an older incarnation is ``gone``, never routed.
+
+Only digests of ids are kept; ids, prompts and answers are never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from ..routing.types import Target
+from .keys import response_digest
+from .store import Entry, LocalStore, Remembered, SessionStore, settle_quietly
+
+log = logging.getLogger(__name__)
+
+_WARN_EVERY_S = 10.0
+SCAN_HEAD_BYTES = 64 << 10  # the id is the response object's first field, in the first event of a stream
+# vLLM and OpenAI spell them resp_<hex or base62>; an output item's id (msg_, rs_, fc_) never matches.
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]{1,200})"')
+RESPONSE_ID_PATTERN = re.compile(r"resp_[A-Za-z0-9_-]{1,200}")
+
+
+@dataclass(frozen=True, slots=True)
+class BindingConfig:
+    ttl_s: float = 86_400.0  # a binding lives this long after it was written
+    max_entries: int = 200_000  # local table bound (least recently used beyond it)
+    lookup_timeout_s: float = 0.02  # hard deadline of one shared-store lookup
+    write_timeout_s: float = 0.05  # how long a response waits for its binding to reach the shared store
+    probe_timeout_s: float = 1.0  # hard deadline of asking the engines (0: never ask them)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not (math.isfinite(v) and (v > 0 or (f.name == "probe_timeout_s" and v == 0))):
+                raise ValueError(f"response binding {f.name}={v!r}: must be a positive number")
+
+
+class Source(enum.StrEnum):
+    """Where a binding was found (``routerfleet_response_lookups_total``)."""
+
+    LOCAL = "local"
+    STORE = "store"
+    PROBE = "probe"
+    NONE = "none"
+
+
+class Verdict(enum.StrEnum):
+    """What a request naming a response gets."""
+
+    FOUND = "found"  # routed to the engine holding it
+    UNKNOWN = "unknown"  # no table, store or engine knows it: 404
+    GONE = "gone"  # its engine restarted (its responses lost) or left the fleet: 404
+    UNAVAILABLE = "unavailable"  # its engine is in the fleet but not routable now: 503
+
+
+def resolve(
+    bound: Remembered | None, candidates: Sequence[Target], incarnations: Mapping[str, str]
+) -> tuple[Verdict, Target | None]:
+    """A binding against the engines now routable (pure): its own (engine, rank) target, else any
+    target of its engine (the store is the engine's, not the rank's)."""
+    if bound is None:
+        return Verdict.UNKNOWN, None
+    if incarnations.get(bound.engine) != bound.incarnation:
+        return Verdict.GONE, None
+    same = [t for t in candidates if t.engine == bound.engine]
+    if not same:
+        return Verdict.UNAVAILABLE, None
+    return Verdict.FOUND, next((t for t in same if t.rank == bound.rank), same[0])
+
+
+class ResponseIdScan:
+    """Finds the response id at the head of an answer relayed chunk by chunk (``found``: once)."""
+
+    __slots__ = ("_head", "done", "found")
+
+    def __init__(self) -> None:
+        self._head = b""
+        self.found: str | None = None
+        self.done = False
+
+    def feed(self, chunk: bytes) -> str | None:
+        """The id, the first time the head shows it; None before, after, and when it never does."""
+        if self.done:
+            return None
+        head = self._head + chunk
+        m = _RESPONSE_ID.search(head)
+        if m is not None:
+            self.done = True
+            self.found = m.group(1).decode()
+            self._head = b""
+            return self.found
+        if len(head) > SCAN_HEAD_BYTES:
+            self.done = True
+            self._head = b""
+        else:
+            self._head = head
+        return None
+
+
+class BindingMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        p = "routerfleet_response_"
+        self.lookups = Counter(
+            p + "lookups",
+            "Requests naming a stored response, by where its binding was found (none: nowhere)",
+            ["source"],
+            registry=registry,
+        )
+        self.verdicts = Counter(
+            p + "verdicts",
+            "Requests naming a stored response, by verdict (found: routed to its engine; unknown, gone:"
+            " 404; unavailable: 503)",
+            ["verdict"],
+            registry=registry,
+        )
+        self.binds = Counter(
+            p + "binds",
+            "Response ids bound to their engine, by the shared store's result (local: no shared store)",
+            ["result"],
+            registry=registry,
+        )
+        self.entries = Gauge(p + "bindings", "Entries in the local response-binding table", registry=registry)
+        self.inherited = Counter(
+            p + "bindings_inherited",
+            "Response bindings inherited from a sibling's snapshot",
+            registry=registry,
+        )
+        self._lookups = {s: self.lookups.labels(s.value) for s in Source}
+        self._verdicts = {v: self.verdicts.labels(v.value) for v in Verdict}
+        self._binds = {r: self.binds.labels(r) for r in ("local", "stored", "timeout", "error")}
+
+    def lookup(self, source: Source) -> None:
+        self._lookups[source].inc()
+
+    def verdict(self, verdict: Verdict) -> None:
+        self._verdicts[verdict].inc()
+
+    def bind(self, result: str) -> None:
+        self._binds[result].inc()
+
+
+class ResponseBindings:
+    """The local table (always) and the fleet's shared store (optional) of response bindings."""
+
+    def __init__(
+        self,
+        config: BindingConfig,
+        metrics: BindingMetrics,
+        incarnations: Callable[[], Mapping[str, str]],
+        shared: SessionStore | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.incarnations = incarnations
+        self.local = LocalStore(ttl_s=config.ttl_s, max_entries=config.max_entries)
+        self.shared = shared
+        self._last_warn = -_WARN_EVERY_S
+
+    async def find(self, response_id: str) -> tuple[Remembered | None, Source]:
+        """The binding of ``response_id`` in the local table, else the shared store (a timeout or an
+        error there is a miss, warned about)."""
+        digest = response_digest(response_id)
+        value = self.local.get_nowait(digest)
+        if value is not None:
+            return value, Source.LOCAL
+        if self.shared is not None:
+            task = asyncio.ensure_future(self.shared.get(digest))
+            done, _ = await asyncio.wait((task,), timeout=self.config.lookup_timeout_s)
+            if not done:
+                task.cancel()
+                task.add_done_callback(settle_quietly)
+                self._warn("the shared store did not answer a response lookup in time")
+            elif task.exception() is not None:
+                self._warn(
+                    f"a response lookup in the shared store failed ({type(task.exception()).__name__})"
+                )
+            elif isinstance(value := task.result(), Remembered):
+                self.local.put_nowait(digest, value)
+                self._gauge()
+                return value, Source.STORE
+        return None, Source.NONE
+
+    async def bind(self, response_id: str, target: Target) -> Remembered | None:
+        """Bind ``response_id`` to ``target``: locally at once, then in the shared store (awaited up to
+        the write deadline, so a follow-up sent as soon as the answer ends finds it on any replica).
+        Returns the binding (None: an engine name too long to keep)."""
+        value = Remembered(target.engine, target.rank, self.incarnations().get(target.engine, ""))
+        if not value.fits():
+            return None
+        digest = response_digest(response_id)
+        self.local.put_nowait(digest, value)
+        self._gauge()
+        if self.shared is None:
+            self.metrics.bind("local")
+            return value
+        try:
+            await asyncio.wait_for(self.shared.put(digest, value), self.config.write_timeout_s)
+        except TimeoutError:
+            self.metrics.bind("timeout")
+            self._warn("a response binding did not reach the shared store in time")
+        except Exception as exc:
+            self.metrics.bind("error")
+            self._warn(f"a response binding write to the shared store failed ({type(exc).__name__})")
+        else:
+            self.metrics.bind("stored")
+        return value
+
+    # ---- the peer snapshot ---------------------------------------------------------------------
+
+    def export(self) -> list[Entry]:
+        return self.local.entries()
+
+    def inherit(self, entries: Iterable[Entry]) -> int:
+        n = self.local.inherit(entries)
+        self.metrics.inherited.inc(n)
+        self._gauge()
+        log.info("response bindings: inherited %d from a sibling", n)
+        return n
+
+    def _gauge(self) -> None:
+        self.metrics.entries.set(len(self.local))
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warn >= _WARN_EVERY_S:  # sampled: a sick store must not flood the log
+            self._last_warn = now
+            log.warning("%s; using this replica's table only", message)
