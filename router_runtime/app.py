@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .bootstrap.fetch import SnapshotFetcher
@@ -53,6 +53,7 @@ from .routing.types import Policy
 from .sessions.affinity import SessionAffinity
 from .sessions.bindings import BindingMetrics, ResponseBindings
 from .sessions.metrics import SessionMetrics
+from .sessions.redis_store import SharedClient
 from .sessions.snapshot import from_wire, to_wire
 from .tokens.engine import EngineTokenizer
 from .tokens.tokenizer import ENGINE_TOKENIZER, AsyncTokenizer, Tokenizer, load_tokenizer
@@ -96,11 +97,21 @@ class Router:
             on_transition=self._breaker_moved,
         )
         self.load = LoadTracker()
+        # The fleet-shared store (Redis), when configured: sessions and response bindings, each table
+        # backed by this replica's own (docs/sessions.md).
+        self.shared_store = self._shared_store(config)
+        shared = self.shared_store
         self.sessions = SessionAffinity(
-            config.sessions, SessionMetrics(self.registry), evicted_at=lambda: self.kv.writer.evicted_at
+            config.sessions,
+            SessionMetrics(self.registry),
+            shared.table("sessions", config.sessions.ttl_s) if shared is not None else None,
+            evicted_at=lambda: self.kv.writer.evicted_at,
         )
         self.bindings = ResponseBindings(
-            config.responses, BindingMetrics(self.registry), incarnations=lambda: self.sessions.incarnations
+            config.responses,
+            BindingMetrics(self.registry),
+            incarnations=lambda: self.sessions.incarnations,
+            shared=shared.table("responses", config.responses.ttl_s) if shared is not None else None,
         )
         # KV policies target (engine, rank); the others whole engines.
         self.targets = TargetBook(self.health, per_rank=bool(self.policy.needs_tokens))
@@ -295,6 +306,22 @@ class Router:
         tok = given if given is not None else load_tokenizer(c.tokenizer, c.chat_family, c.chat_template)
         return AsyncTokenizer(tok, self.executor, c.tokenize_inline_max_bytes)
 
+    def _shared_store(self, config: RouterConfig) -> SharedClient | None:
+        if config.session_store is None:
+            return None
+        up = Gauge(
+            "routerfleet_shared_store_up",
+            "1 while the shared session store answers; 0 after a failure, until it answers again (the"
+            " replica's own tables serve meanwhile)",
+            registry=self.registry,
+        )
+        password = (
+            read_token(config.session_store_password_file) if config.session_store_password_file else None
+        )
+        return SharedClient(
+            config.session_store, password=password, on_state=lambda ok: up.set(1 if ok else 0)
+        )
+
     async def start(self) -> None:
         await self.kv.start()
         await self.proxy.start()
@@ -327,6 +354,8 @@ class Router:
                 await self._checker_task
             self._checker_task = None
         await self.proxy.close()
+        if self.shared_store is not None:
+            await self.shared_store.close()
         if isinstance(self.proxy.tokenizer, EngineTokenizer):
             await self.proxy.tokenizer.close()
         await self.kv.stop()

@@ -15,6 +15,7 @@ from .proxy.serving import ServerLimits
 from .routing.policies import POLICY_NAMES, PolicyConfig
 from .sessions.bindings import BindingConfig
 from .sessions.config import SessionConfig
+from .sessions.redis_store import store_url
 from .tokens.tokenizer import ENGINE_TOKENIZER, ChatTemplateSpecError, Family, TokenizerError, load_tokenizer
 
 
@@ -94,6 +95,9 @@ class RouterConfig:
     sessions: SessionConfig = field(default_factory=SessionConfig)
     # Which engine holds each stored Responses API response (docs/sessions.md).
     responses: BindingConfig = field(default_factory=BindingConfig)
+    # The fleet-shared store for both (redis://, rediss:// or unix://), and its password's file.
+    session_store: str | None = None
+    session_store_password_file: str | None = None
     # The fleet's load view (docs/fleet-load.md): siblings' reports over the internal port, engine reads.
     fleet_gossip_window_s: float = 0.05  # 0: do not gossip
     fleet_heartbeat_s: float = 0.5
@@ -398,6 +402,18 @@ def build_parser() -> argparse.ArgumentParser:
         "(default X-RouterFleet-Last-Engine)",
     )
     s.add_argument(
+        "--session-store",
+        type=_session_store,
+        metavar="URL",
+        help="the fleet-shared store of session memory and response bindings (Redis or Valkey: "
+        "redis://host:6379/0, rediss://..., unix:///path); default: each replica's own memory",
+    )
+    s.add_argument(
+        "--session-store-password-file",
+        metavar="PATH",
+        help="file holding the store's password (a mounted Secret)",
+    )
+    s.add_argument(
         "--session-trust-hints",
         action="store_true",
         help="use inbound hint headers to classify a session (only behind a gateway that sets them)",
@@ -548,6 +564,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _session_store(text: str) -> str:
+    try:
+        return store_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _bounded_ms(lo: int, hi: int):
     def parse(text: str) -> int:
         v = _non_negative_int(text) if lo == 0 else _positive_int(text)
@@ -669,6 +692,13 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         )
     except ValueError as exc:
         parser.error(f"session affinity: {exc}")
+    if a.session_store_password_file:
+        if not a.session_store:
+            parser.error("argument --session-store-password-file: needs --session-store")
+        try:
+            read_token(a.session_store_password_file)
+        except (OSError, ValueError) as exc:
+            parser.error(f"argument --session-store-password-file: {exc}")
     responses = BindingConfig(
         ttl_s=a.response_ttl_ms / 1000,
         max_entries=a.response_max_entries,
@@ -748,6 +778,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         bootstrap_origin=a.kv_origin,
         sessions=sessions,
         responses=responses,
+        session_store=a.session_store,
+        session_store_password_file=a.session_store_password_file,
         fleet_gossip_window_s=a.fleet_gossip_window_ms / 1000,
         fleet_heartbeat_s=a.fleet_heartbeat_ms / 1000,
         fleet_peer_max_age_s=a.fleet_peer_max_age_ms / 1000,

@@ -285,7 +285,7 @@ async def test_only_2xx_writes_and_transport_errors_never_do():
         )
         router, url = await stack.enter_async_context(run_router(cfg))
         s = await stack.enter_async_context(aiohttp.ClientSession())
-        store = router.sessions.store
+        store = router.sessions.local
         for status in (400, 429, 500, 503):
             async with s.post(
                 url + "/v1/completions", json={"prompt": "x", "prompt_cache_key": "k", "status": status}
@@ -312,7 +312,7 @@ async def test_only_2xx_writes_and_transport_errors_never_do():
             s.post(url + "/v1/completions", json={"prompt": "x", "prompt_cache_key": "k"}) as r,
         ):
             assert r.status == 502
-        assert len(router.sessions.store) == 0
+        assert len(router.sessions.local) == 0
 
 
 async def test_hint_headers_are_stripped_trusted_or_not_and_session_headers_pass():

@@ -341,7 +341,7 @@ async def test_keys_are_never_stored_or_logged_raw(caplog):
     c = a.classify(ctx2, (A, B))
     a.selected(ctx2, c.preferred, "kv_aware")
     assert c.state is SessionState.RETURNING and c.preferred == A
-    (key,) = list(a.store._d)
+    (key,) = list(a.local._d)
     assert key == digest("header", "m", RAW) and RAW.encode() not in key
     wire = encode(WireSnapshot(1, "p", "i", True, 4, "s", [], [], 0, sessions=to_wire(a.export())))
     assert RAW.encode() not in wire

@@ -60,18 +60,17 @@ class SessionAffinity:
         self,
         config: SessionConfig,
         metrics: SessionMetrics,
-        store: SessionStore | None = None,
+        shared: SessionStore | None = None,
         evicted_at: Callable[[], Mapping[Carrier, float]] | None = None,
     ) -> None:
-        """``evicted_at``: the index writer's record of when each carrier last evicted (monotonic)."""
+        """``shared``: the fleet's store (Redis), asked first under the deadline; this replica's own
+        table answers when it misses, fails or is late. ``evicted_at``: the index writer's record of when
+        each carrier last evicted (monotonic)."""
         self.config = config
         self.evicted_at = evicted_at
         self.metrics = metrics
-        self.store: SessionStore = (
-            store
-            if store is not None
-            else LocalStore(ttl_s=config.ttl_s, max_entries=config.max_entries, on_evict=metrics.evicted)
-        )
+        self.local = LocalStore(ttl_s=config.ttl_s, max_entries=config.max_entries, on_evict=metrics.evicted)
+        self.shared = shared
         self.enabled = config.enabled
         self.strip = frozenset({config.hint_header.lower()})  # never forwarded to an engine
         self._incarnations: dict[str, str] = {}
@@ -121,20 +120,16 @@ class SessionAffinity:
         return ctx
 
     async def _lookup(self, digest: bytes) -> tuple[Remembered | None, float | None]:
-        """The remembered engine and when it was written (None: not known)."""
+        """The remembered engine and when it was written (None: not known; ``since`` is known for an
+        entry of the local table only). The shared store is the fleet's latest word; this replica's
+        table stands in when it has nothing, fails or is late (a store outage degrades, never fails)."""
         t0 = time.perf_counter()
-        store = self.store
         value: Remembered | None = None
         since: float | None = None
+        result = "miss"
         try:
-            nowait = getattr(store, "get_nowait", None)
-            if nowait is not None:  # the local store: synchronous and O(1), no task needed
-                value = nowait(digest)
-                if value is not None:
-                    since = store.written_at(digest)
-                result = "hit" if value is not None else "miss"
-            else:
-                task = asyncio.ensure_future(store.get(digest))
+            if self.shared is not None:
+                task = asyncio.ensure_future(self.shared.get(digest))
                 done, _ = await asyncio.wait((task,), timeout=self.config.lookup_timeout_s)
                 if done:
                     value = task.result()
@@ -150,6 +145,11 @@ class SessionAffinity:
         except Exception as exc:  # never fails the request
             value, result = None, "error"
             self._warn(f"session lookup failed ({type(exc).__name__})")
+        if value is None:  # the local table: synchronous and O(1)
+            value = self.local.get_nowait(digest)
+            if value is not None:
+                since = self.local.written_at(digest)
+                result = "hit" if result == "miss" else result
         self.metrics.lookup(result, time.perf_counter() - t0)
         return value, since
 
@@ -190,17 +190,10 @@ class SessionAffinity:
         if not value.fits():
             self.metrics.write("too_large")
             return
-        store = self.store
-        put_nowait = getattr(store, "put_nowait", None)
-        if put_nowait is not None:
-            try:
-                put_nowait(ctx.digest, value)
-            except Exception as exc:
-                self.metrics.write("error")
-                self._warn(f"session write failed ({type(exc).__name__})")
-                return
+        self.local.put_nowait(ctx.digest, value)
+        self._gauge()
+        if self.shared is None:
             self.metrics.write("written")
-            self._gauge()
             return
         task = asyncio.ensure_future(self._put(ctx.digest, value))
         self._writes.add(task)
@@ -208,7 +201,7 @@ class SessionAffinity:
 
     async def _put(self, digest: bytes, value: Remembered) -> None:
         try:
-            await asyncio.wait_for(self.store.put(digest, value), self.config.write_timeout_s)
+            await asyncio.wait_for(self.shared.put(digest, value), self.config.write_timeout_s)
         except TimeoutError:
             self.metrics.write("timeout")
             self._warn("session write timed out")
@@ -221,16 +214,14 @@ class SessionAffinity:
     # ---- the peer snapshot ---------------------------------------------------------------------
 
     def export(self) -> list[Entry]:
-        """The local table for a booting sibling (empty when off or not local)."""
-        if not self.enabled or not isinstance(self.store, LocalStore):
-            return []
-        return self.store.entries()
+        """The local table for a booting sibling (empty when off)."""
+        return self.local.entries() if self.enabled else []
 
     def inherit(self, entries: Iterable[Entry]) -> int:
         """A sibling's vetted entries, after a graft. Returns how many were taken."""
-        if not self.enabled or not isinstance(self.store, LocalStore):
+        if not self.enabled:
             return 0
-        n = self.store.inherit(entries)
+        n = self.local.inherit(entries)
         self.metrics.inherited.inc(n)
         self._gauge()
         log.info("sessions: inherited %d entries from a sibling", n)
@@ -239,9 +230,7 @@ class SessionAffinity:
     # ---- helpers -------------------------------------------------------------------------------
 
     def _gauge(self) -> None:
-        store = self.store
-        if isinstance(store, LocalStore):
-            self.metrics.entries.set(len(store))
+        self.metrics.entries.set(len(self.local))
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()

@@ -1,4 +1,4 @@
-"""A real Prometheus (Debian's package, e2e/prometheus/install.sh) scrapes a helm-installed operator and a
+"""A real Prometheus (Debian's package, e2e/debian/install.sh) scrapes a helm-installed operator and a
 fleet's routers with the shipped scrape jobs (manifests/prometheus/scrape.yaml: Kubernetes service
 discovery of the annotated router pods and operator Service), and after a chat workload and a rollout
 every PromQL expression of the Grafana dashboard (manifests/grafana/routerfleet.json) returns at
@@ -155,7 +155,7 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def prometheus(cfg: dict, workdir: Path):
     binary = shutil.which("prometheus")
-    assert binary, "prometheus is not installed: run e2e/prometheus/install.sh (make test does)"
+    assert binary, "prometheus is not installed: run `make prometheus` (make test does)"
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(cfg))
     url = f"http://127.0.0.1:{_free_port()}"
