@@ -38,9 +38,12 @@ INTERNAL_PORT_NAME = "internal"
 TOKEN_KEY = "token"
 TOKEN_VOLUME = "internal-token"
 TOKENIZER_VOLUME = "tokenizer"
-RESERVED_VOLUMES = (TOKEN_VOLUME, TOKENIZER_VOLUME)
+SESSION_STORE_VOLUME = "session-store"
+RESERVED_VOLUMES = (TOKEN_VOLUME, TOKENIZER_VOLUME, SESSION_STORE_VOLUME)
 TOKEN_DIR = "/var/run/routerfleet/internal-token"
 TOKENIZER_DIR = "/etc/routerfleet/tokenizer"
+SESSION_STORE_DIR = "/var/run/routerfleet/session-store"  # the store's password, from its Secret
+SESSION_STORE_KEY = "password"
 
 # The router's /internal/bootstrap document.
 BOOTSTRAP_API_VERSION = "routerfleet.io/bootstrap/v1"
@@ -127,6 +130,8 @@ OWNED_FLAGS = (
     "--no-kv-bootstrap",
     "--kv-bootstrap-timeout-ms",
     "--kv-bootstrap-seed-required",
+    "--session-store",
+    "--session-store-password-file",
     "--help",
 )
 RESERVED_ENV = ("POD_NAME", "POD_NAMESPACE", "POD_IP")

@@ -41,6 +41,9 @@ from .model import (
     LABEL_REVISION,
     ROUTER_APP,
     SEEDED,
+    SESSION_STORE_DIR,
+    SESSION_STORE_KEY,
+    SESSION_STORE_VOLUME,
     TOKEN_DIR,
     TOKEN_KEY,
     TOKEN_VOLUME,
@@ -188,6 +191,11 @@ def router_args(fleet: Fleet) -> list[str]:
         "--kv-peer-selector", f"kubernetes.io/service-name={names(fleet).peer_service}",
         "--kv-peer-port", INTERNAL_PORT_NAME,
     ]  # fmt: skip
+    store = s.router.session_store
+    if store is not None:
+        args += ["--session-store", store.url]
+        if store.password_secret:
+            args += ["--session-store-password-file", f"{SESSION_STORE_DIR}/{SESSION_STORE_KEY}"]
     b = s.bootstrap
     if b.enabled:
         args += ["--kv-bootstrap-timeout-ms", str(round(b.timeout_s * 1000))]
@@ -242,6 +250,8 @@ def _container(fleet: Fleet) -> dict[str, Any]:
     mounts: list[dict[str, Any]] = [{"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}]
     if r.tokenizer.source == "ConfigMap":
         mounts.append({"name": TOKENIZER_VOLUME, "mountPath": TOKENIZER_DIR, "readOnly": True})
+    if r.session_store is not None and r.session_store.password_secret:
+        mounts.append({"name": SESSION_STORE_VOLUME, "mountPath": SESSION_STORE_DIR, "readOnly": True})
     c: dict[str, Any] = {
         "name": "router",
         "image": r.image,
@@ -283,6 +293,12 @@ def _pod_template_unhashed(fleet: Fleet) -> dict[str, Any]:
     ]
     if r.tokenizer.source == "ConfigMap":
         volumes.append({"name": TOKENIZER_VOLUME, "configMap": {"name": r.tokenizer.config_map}})
+    store = r.session_store
+    if store is not None and store.password_secret:
+        items = [{"key": store.password_key, "path": SESSION_STORE_KEY}]
+        volumes.append(
+            {"name": SESSION_STORE_VOLUME, "secret": {"secretName": store.password_secret, "items": items}}
+        )
     volumes += [dict(v) for v in r.volumes]
     spec: dict[str, Any] = {
         "serviceAccountName": n.service_account,

@@ -70,6 +70,15 @@ class Tokenizer:
 
 
 @dataclass(frozen=True)
+class SessionStore:
+    """The fleet-shared store of session memory and response bindings (Redis or Valkey)."""
+
+    url: str  # redis://, rediss:// or unix:// (no password in it)
+    password_secret: str | None = None  # a Secret in the fleet's namespace holding the password
+    password_key: str = "password"
+
+
+@dataclass(frozen=True)
 class Scheduling:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
@@ -95,6 +104,7 @@ class RouterSpec:
     pod_annotations: Mapping[str, str] = field(default_factory=dict)
     volumes: tuple[Mapping[str, Any], ...] = ()
     volume_mounts: tuple[Mapping[str, Any], ...] = ()
+    session_store: SessionStore | None = None
 
 
 @dataclass(frozen=True)
@@ -239,6 +249,15 @@ def _bounded_duration(text: Any, where: str, bounds: tuple[float, float]) -> flo
     return s
 
 
+def _session_store(store: Any) -> SessionStore | None:
+    if store is None:
+        return None
+    if not isinstance(store, Mapping) or not isinstance(store.get("url"), str):
+        raise SpecError("spec.router.sessionStore needs a url")
+    ref = store.get("passwordSecretRef") or {}
+    return SessionStore(store["url"], ref.get("name"), ref.get("key", "password"))
+
+
 def parse_spec(spec: Mapping[str, Any]) -> FleetSpec:
     router = _obj(spec, "router", "spec")
     if not router.get("image"):
@@ -289,6 +308,7 @@ def parse_spec(spec: Mapping[str, Any]) -> FleetSpec:
             pod_annotations=dict(router.get("podAnnotations") or {}),
             volumes=tuple(router.get("volumes") or ()),
             volume_mounts=tuple(router.get("volumeMounts") or ()),
+            session_store=_session_store(router.get("sessionStore")),
         ),
         engines=EnginesSpec(
             service_name=engines.get("serviceName"),
@@ -417,6 +437,9 @@ def validate(fleet: Fleet) -> list[str]:
         problems.append("spec.router.tokenizer.source Path needs tokenizer.path")
     if tok.source == "ConfigMap" and not tok.config_map:
         problems.append("spec.router.tokenizer.source ConfigMap needs tokenizer.configMapName")
+    store = s.router.session_store
+    if store is not None and not store.url.startswith(("redis://", "rediss://", "unix://")):
+        problems.append("spec.router.sessionStore.url must be a redis://, rediss:// or unix:// URL")
     if s.disruption.max_unavailable is not None and s.disruption.min_available is not None:
         problems.append("spec.disruption: set at most one of maxUnavailable and minAvailable")
     return problems

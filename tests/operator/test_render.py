@@ -13,6 +13,7 @@ from routerfleet_operator.model import (
     LABEL_FLEET,
     LABEL_REVISION,
     SEEDED,
+    SESSION_STORE_DIR,
     TOKEN_DIR,
 )
 from routerfleet_operator.render import (
@@ -43,11 +44,11 @@ def fleet(spec=None, **meta) -> Fleet:
 
 
 def router_config(f: Fleet, tmp_path):
-    """Parse the rendered flags with the router's own parser (the token file present)."""
-    token = tmp_path / "token"
-    token.write_text("t0ken\n")
-    args = [str(token) if a == f"{TOKEN_DIR}/token" else a for a in router_args(f)]
-    return parse_args(args)
+    """Parse the rendered flags with the router's own parser (the mounted secrets' files present)."""
+    files = {f"{TOKEN_DIR}/token": tmp_path / "token", f"{SESSION_STORE_DIR}/password": tmp_path / "password"}
+    for path in files.values():
+        path.write_text("s3cret\n")
+    return parse_args([str(files[a]) if a in files else a for a in router_args(f)])
 
 
 def test_the_router_listens_on_all_addresses_unless_extra_args_say_otherwise(tmp_path):
@@ -303,6 +304,26 @@ def test_tokenizer_from_a_config_map():
     assert {"name": "tokenizer", "configMap": {"name": "llama-tok"}} in spec["volumes"]
     args = spec["containers"][0]["args"]
     assert args[args.index("--tokenizer") + 1] == "/etc/routerfleet/tokenizer"
+
+
+def test_the_shared_session_store_and_its_password_from_a_secret(tmp_path):
+    f = fleet(
+        {"router": {"sessionStore": {"url": "redis://redis:6379/0", "passwordSecretRef": {"name": "auth"}}}}
+    )
+    spec = render_pod_template(f)["spec"]
+    secret = {"secretName": "auth", "items": [{"key": "password", "path": "password"}]}
+    assert {"name": "session-store", "secret": secret} in spec["volumes"]
+    mount = {"name": "session-store", "mountPath": "/var/run/routerfleet/session-store", "readOnly": True}
+    assert mount in spec["containers"][0]["volumeMounts"]
+    args = spec["containers"][0]["args"]
+    assert args[args.index("--session-store-password-file") + 1] == f"{SESSION_STORE_DIR}/password"
+    assert router_config(f, tmp_path).session_store == "redis://redis:6379/0"  # the router's parser agrees
+    plain = render_pod_template(fleet({"router": {"sessionStore": {"url": "unix:///run/redis.sock"}}}))[
+        "spec"
+    ]
+    assert not any(v["name"] == "session-store" for v in plain["volumes"])
+    assert "--session-store-password-file" not in plain["containers"][0]["args"]
+    assert validate(fleet({"router": {"sessionStore": {"url": "http://x"}}})) != []
 
 
 def test_tokenizer_from_the_engines(tmp_path):
