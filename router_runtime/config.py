@@ -414,6 +414,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="file holding the store's password (a mounted Secret)",
     )
     s.add_argument(
+        "--session-user-ids",
+        action="store_true",
+        help="treat an Anthropic request's metadata.user_id as its session key (where each user holds "
+        "one conversation at a time)",
+    )
+    s.add_argument(
         "--session-trust-hints",
         action="store_true",
         help="use inbound hint headers to classify a session (only behind a gateway that sets them)",
@@ -689,6 +695,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
             engine_header=a.session_engine_header,
             hint_header=a.session_hint_header,
             trust_hints=a.session_trust_hints,
+            user_ids=a.session_user_ids,
         )
     except ValueError as exc:
         parser.error(f"session affinity: {exc}")

@@ -220,7 +220,13 @@ async def test_anthropic_messages_route_kv_aware_streamed_and_not():
         assert len(text) == 3 and final.usage.cache_read_input_tokens > 0  # routed where it is cached
         assert sample(router, "routerfleet_routing_decisions_total", policy="kv_aware", reason="prefix") >= 1
         assert sample(router, "routerfleet_untokenized_requests_total", reason="unsupported") == 0
-        assert engine
+        # Audited by Anthropic's cache_read_input_tokens, streamed or not: the predictions held.
+        labels = {"engine": engine, "policy": "kv_aware", "doubtful": "false"}
+        audits = {
+            o: sample(router, "routerfleet_audit_requests_total", outcome=o, **labels)
+            for o in ("exact", "false_hit", "unaudited")
+        }
+        assert audits == {"exact": 2, "false_hit": 0, "unaudited": 0}
 
 
 async def test_generate_endpoints_route_kv_aware():

@@ -82,6 +82,15 @@ def test_only_explicit_keys_are_eligible_in_precedence_order():
     )
     assert session_digest({"model": "m"}, h, "x-session-id") == digest("header", "m", "hdr")
     assert session_digest({"model": "m"}, h, None) is None
+    # The Responses API's conversation (an id or an object), Anthropic's user id only when opted in.
+    for conv in ("conv_1", {"id": "conv_1"}):
+        assert session_digest({"model": "m", "conversation": conv}, {}, None) == digest(
+            "conversation", "m", "conv_1"
+        )
+    anthropic_body = {"model": "m", "metadata": {"user_id": "u-7"}}
+    assert session_digest(anthropic_body, {}, None) is None
+    assert session_digest(anthropic_body, {}, None, user_ids=True) == digest("metadata.user_id", "m", "u-7")
+    assert session_digest({"metadata": "u"}, {}, None, user_ids=True) is None
     # Not a usable key: ineligible (never an error), and nothing derived from the payload.
     for bad in ({"prompt_cache_key": 5}, {"conversation_id": ""}, {"prompt_cache_key": "x" * 5000}):
         assert session_digest({**bad, "prompt": "hello"}, {}, "x-session-id") is None

@@ -34,7 +34,9 @@ from dataclasses import dataclass
 
 from ..kv.events import Tier
 
-_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,12})')
+# vLLM's and SGLang's usage (and the Responses API's) say cached_tokens; Anthropic's Messages API says
+# cache_read_input_tokens.
+_CACHED = re.compile(rb'"(?:cached_tokens|cache_read_input_tokens)"\s*:\s*(\d{1,12})')
 _TAIL = 64  # bytes kept across chunks: the key and its number may straddle two
 # The order of the index match's tier counts: device, host, disk, external.
 TIERS = tuple(t.name.lower() for t in Tier)
@@ -98,7 +100,7 @@ class UsageScan:
 
     def feed(self, chunk: bytes) -> None:
         data = self._tail + chunk if self._tail else chunk
-        if b"cached_tokens" in data:
+        if b"cached_tokens" in data or b"cache_read_input_tokens" in data:
             found = None
             for found in _CACHED.finditer(data):  # noqa: B007 (the last match is the one)
                 pass

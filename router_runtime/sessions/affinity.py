@@ -101,7 +101,7 @@ class SessionAffinity:
 
     async def begin(self, headers: Mapping[str, str], body: Any) -> SessionCtx:
         cfg = self.config
-        ctx = SessionCtx(session_digest(body, headers, cfg.key_header or None))
+        ctx = SessionCtx(session_digest(body, headers, cfg.key_header or None, cfg.user_ids))
         hint = headers.get(cfg.hint_header)
         if hint is not None:
             if not cfg.trust_hints:

@@ -17,6 +17,7 @@ class SessionConfig:
     engine_header: str = "X-RouterFleet-Engine-Id"  # response header: the serving engine's opaque id
     hint_header: str = "X-RouterFleet-Last-Engine"  # request header: an echoed engine id
     trust_hints: bool = False  # use inbound hints (else they are only stripped)
+    user_ids: bool = False  # Anthropic's metadata.user_id is a session key (one user, one conversation)
 
     def __post_init__(self) -> None:
         for f in fields(self):

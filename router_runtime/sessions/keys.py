@@ -21,6 +21,8 @@ _RESPONSE_DOMAIN = b"routerfleet/response/v1"
 class KeySource(enum.StrEnum):
     PROMPT_CACHE_KEY = "prompt_cache_key"
     CONVERSATION_ID = "conversation_id"
+    CONVERSATION = "conversation"  # the Responses API's: an id, or {"id": ...}
+    USER_ID = "metadata.user_id"  # Anthropic's Messages API: only where the operator opts in
     HEADER = "header"
 
 
@@ -47,16 +49,30 @@ def _usable(v: Any) -> str | None:
     return None
 
 
-def session_digest(body: Any, headers: Mapping[str, str], header: str | None) -> bytes | None:
+def _body_key(body: dict, source: KeySource) -> str | None:
+    if source is KeySource.CONVERSATION:
+        v = body.get("conversation")
+        return _usable(v.get("id") if isinstance(v, dict) else v)
+    if source is KeySource.USER_ID:
+        meta = body.get("metadata")
+        return _usable(meta.get("user_id")) if isinstance(meta, dict) else None
+    return _usable(body.get(source.value))
+
+
+def session_digest(
+    body: Any, headers: Mapping[str, str], header: str | None, user_ids: bool = False
+) -> bytes | None:
     """The request's session digest, or None when it carries no eligible key. Precedence:
-    ``prompt_cache_key``, then ``conversation_id``, then the header. Never raises: a malformed key
-    makes the request ineligible, not invalid."""
+    ``prompt_cache_key``, ``conversation_id``, the Responses API's ``conversation``, Anthropic's
+    ``metadata.user_id`` (with ``user_ids``: a user may hold several conversations), then the header.
+    Never raises: a malformed key makes the request ineligible, not invalid."""
     model = ""
     if isinstance(body, dict):
         m = body.get("model")
         model = m if isinstance(m, str) else ""
-        for source in (KeySource.PROMPT_CACHE_KEY, KeySource.CONVERSATION_ID):
-            key = _usable(body.get(source.value))
+        sources = [KeySource.PROMPT_CACHE_KEY, KeySource.CONVERSATION_ID, KeySource.CONVERSATION]
+        for source in sources + [KeySource.USER_ID] * user_ids:
+            key = _body_key(body, source)
             if key is not None:
                 return digest(source, model, key)
     if header:
