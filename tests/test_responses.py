@@ -227,6 +227,8 @@ async def test_anthropic_messages_route_kv_aware_streamed_and_not():
             for o in ("exact", "false_hit", "unaudited")
         }
         assert audits == {"exact": 2, "false_hit": 0, "unaudited": 0}
+        counted = await client.messages.count_tokens(model="m", system=system, messages=messages)
+        assert counted.input_tokens == first.usage.input_tokens
 
 
 async def test_generate_endpoints_route_kv_aware():

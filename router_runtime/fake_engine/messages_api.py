@@ -34,6 +34,17 @@ def parse_messages(body: Any) -> GenerationRequest:
     return parse_generation(body, Kind.MESSAGES, tokens_of)
 
 
+def count_tokens(body: Any) -> dict[str, Any]:
+    """``POST /v1/messages/count_tokens``: the prompt's tokens, as ``/v1/messages`` would count them."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    try:
+        n = len(encode(render_chat(messages_chat(body)["messages"])))
+    except (Untokenizable, ValueError) as e:
+        raise RequestError(f"invalid 'messages': {e}", "messages") from None
+    return {"input_tokens": n}
+
+
 def _usage(u: Usage, output: int | None = None) -> dict[str, Any]:
     return {
         "input_tokens": u.prompt,

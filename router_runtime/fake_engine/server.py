@@ -43,7 +43,7 @@ from router_runtime.fake_engine.generate_api import (
     parse_token_generate,
 )
 from router_runtime.fake_engine.hashing import Namespace
-from router_runtime.fake_engine.messages_api import MessagesShape, parse_messages
+from router_runtime.fake_engine.messages_api import MessagesShape, count_tokens, parse_messages
 from router_runtime.fake_engine.messages_api import error_json as messages_error
 from router_runtime.fake_engine.metrics import EngineCollector
 from router_runtime.fake_engine.openai_api import (
@@ -304,6 +304,7 @@ class FakeEngine:
                 web.delete("/v1/responses/{response_id}", self._delete_response),
                 web.post("/v1/responses/{response_id}/cancel", self._cancel_response),
                 web.post("/v1/messages", self._messages),  # vLLM's Anthropic API
+                web.post("/v1/messages/count_tokens", self._count_tokens),
                 web.post("/generate", self._native_generate),  # SGLang's
                 web.post("/inference/v1/generate", self._token_generate),  # vLLM's token-in
                 web.post("/tokenize", self._tokenize),  # vLLM's
@@ -383,6 +384,12 @@ class FakeEngine:
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_messages, messages_error)
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        try:
+            return web.json_response(count_tokens(parse_json_body(await request.read())))
+        except RequestError as e:
+            return web.json_response(messages_error(e), status=e.status)
 
     async def _native_generate(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_generate)

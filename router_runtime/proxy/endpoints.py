@@ -29,6 +29,7 @@ FORWARDED = (
     "/v1/detokenize",
     "/v1/audio/transcriptions",
     "/v1/audio/translations",
+    "/v1/messages/count_tokens",  # Anthropic's: a count, nothing generated
 )
 
 # The router's own paths on the public port: an allow-list entry may not shadow one.

@@ -22,6 +22,7 @@ import os
 import random
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -620,6 +621,109 @@ def test_three_replicas_route_as_well_as_one(cluster, namespace, crd, operator):
     # no rank carries far more than its fair quarter, or than it did behind one router (at this low
     # load the prefix outweighs balance: one router alone leaves shares of 0.38 to 0.12)
     assert shares3[0] <= max(0.45, shares1[0] + 0.1), figures
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def respond(session: aiohttp.ClientSession, router: str, text: str, previous: str | None = None):
+    """POST /v1/responses: (status, X-RouterFleet-Engine, body)."""
+    body = {"model": "m", "input": text, "max_output_tokens": 3}
+    if previous is not None:
+        body["previous_response_id"] = previous
+    async with session.post(router + "/v1/responses", json=body) as r:
+        return r.status, r.headers.get("X-RouterFleet-Engine"), await r.json(content_type=None)
+
+
+def test_responses_follow_ups_stay_on_their_engine_through_a_shared_store(
+    cluster, namespace, crd, operator, tmp_path
+):
+    """Three replicas sharing a real redis-server (spec.router.sessionStore, its password from a
+    Secret), each request to the next replica: every previous_response_id follow-up lands on the
+    engine holding the response, after the replica that served the last turn is deleted and after a
+    rolling update replaces them all; with the store killed, on every replica still (its own table,
+    else the probe of the engines)."""
+    _local_only(cluster)
+    from e2e.cluster.netns import NODE_IP
+
+    ns = namespace
+    server = shutil.which("redis-server")
+    assert server, "redis-server is not installed: run `make redis` (make test does)"
+    port = free_port()
+    password = secrets.token_hex(8)
+    redis = subprocess.Popen(
+        [server, "--bind", NODE_IP, "--port", str(port), "--save", "", "--appendonly", "no",
+         "--requirepass", password, "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        cluster.core.create_namespaced_secret(
+            ns, client.V1Secret(metadata=client.V1ObjectMeta(name="redis-auth"), string_data={"pw": password})
+        )
+        deploy_engines(cluster, ns)
+        cluster.wait_pods_ready(ns, ENGINE_LABELS, 2)
+        fleet = fleet_manifest(cluster, ns, replicas=3)
+        store = {
+            "url": f"redis://{NODE_IP}:{port}/0",
+            "passwordSecretRef": {"name": "redis-auth", "key": "pw"},
+        }
+        fleet["spec"]["router"]["sessionStore"] = store
+        crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, fleet)
+        wait_fleet_ready(cluster, crd, ns, "3 replicas with a shared store Ready")
+        sel = f"routerfleet.io/fleet={FLEET}"
+
+        def routers() -> list[str]:
+            pods = cluster.core.list_namespaced_pod(ns, label_selector=sel).items
+            live = [p for p in pods if p.metadata.deletion_timestamp is None and cluster.pod_ready(p)]
+            return [pod_url(p, ROUTER_PORT) for p in sorted(live, key=lambda p: p.metadata.name)]
+
+        urls = routers()
+        code, engine, first = aio(respond, urls[0], "The quick brown fox " * 8)
+        assert code == 200, first
+        state = {"id": first["id"], "k": 0}
+
+        def follow(where: list[str], n: int) -> None:
+            for i in range(n):
+                url = where[(state["k"] + i) % len(where)]
+                code, got, body = aio(respond, url, f"turn {state['k'] + i}", state["id"])
+                assert code == 200 and got == engine, (url, code, got, body)
+                state["id"] = body["id"]
+            state["k"] += n
+
+        follow(urls[1:] + urls[:1], 6)
+        from_store = 'routerfleet_response_lookups_total{source="store"}'
+        stored = sum(aio(metrics, u).get(from_store, 0) for u in urls)
+        assert stored >= 4, stored  # the turns another replica served were found in the store
+        # The replica that served the last turn is deleted.
+        last = urls[(state["k"] - 1) % 3]
+        victim = next(p for p in cluster.core.list_namespaced_pod(ns, label_selector=sel).items
+                      if pod_url(p, ROUTER_PORT) == last)  # fmt: skip
+        cluster.core.delete_namespaced_pod(victim.metadata.name, ns, grace_period_seconds=0)
+        follow([u for u in urls if u != last], 2)
+        # A rolling update replaces every replica.
+        crd.patch_namespaced_custom_object(
+            GROUP, VERSION, ns, PLURAL, FLEET,
+            {"spec": {"router": {"env": [{"name": "ROUTERFLEET_E2E_ROLL", "value": "1"}]}}},
+        )  # fmt: skip
+        obj = wait_fleet_ready(cluster, crd, ns, "the new revision rolled out", timeout=240)
+        cluster.wait_for(
+            "3 new replicas Ready", lambda: len(routers()) == 3 and set(routers()).isdisjoint(urls), 90
+        )
+        assert obj["status"]["currentRevision"]
+        follow(routers(), 3)
+        # The store dies: no replica fails a follow-up.
+        redis.kill()
+        redis.wait()
+        follow(routers(), 3)
+        up = [aio(metrics, u).get("routerfleet_shared_store_up") for u in routers()]
+        assert 0 in up, up
+    finally:
+        if redis.poll() is None:
+            redis.kill()
+            redis.wait()
 
 
 # ------------------------------------------------------------------------------------------ in the cluster
