@@ -173,8 +173,9 @@ if [[ -z $py ]]; then
   if [[ -x $root/.venv/bin/python ]]; then py=$root/.venv/bin/python; else py=python3; fi
 fi
 host_ver=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])') || die "cannot run $py"
-base_ver=$(docker run --rm --network none --entrypoint python3 "$base" \
-  -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || base_ver=unknown
+base_full=$(docker run --rm --network none --entrypoint python3 "$base" \
+  -c 'import platform; print(platform.python_version())' 2>/dev/null) || base_full=unknown
+base_ver=${base_full%.*}
 [[ $base_ver == unknown || $host_ver == "$base_ver" ]] ||
   die "$py is Python $host_ver but $base has $base_ver: binary wheels would not fit; set ROUTERFLEET_WHEEL_PYTHON to a python$base_ver"
 wh=$root/build/wheelhouse
@@ -193,6 +194,37 @@ compgen -G "$native/routerfleet_index-*.whl" >/dev/null || die "no native wheel 
 "$py" -m pip wheel -q --disable-pip-version-check --find-links "$native" --wheel-dir "$wh.partial" \
   "${src}[speed]" >"$cache/wheel.log" 2>&1 ||
   { tail -30 "$cache/wheel.log" >&2; die "pip wheel failed; log: $cache/wheel.log"; }
+# pip evaluated the requirements' markers for the host's Python; the image's may be an older patch
+# release (Debian's 3.11.2: redis then needs async-timeout, for python_full_version < "3.11.3"). Wheel
+# what the image's Python needs besides.
+if [[ $base_full != unknown ]]; then
+  extra=$("$py" - "$wh.partial" "$base_full" <<'PY'
+import sys, zipfile, pathlib
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+wh, full = pathlib.Path(sys.argv[1]), sys.argv[2]
+env = {**default_environment(), "python_full_version": full, "python_version": ".".join(full.split(".")[:2])}
+have, need = set(), []
+for w in wh.glob("*.whl"):
+    have.add(canonicalize_name(w.name.split("-")[0]))
+    with zipfile.ZipFile(w) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        for line in z.read(meta).decode().splitlines():
+            if line.startswith("Requires-Dist:"):
+                r = Requirement(line.split(":", 1)[1].strip())
+                if r.marker is not None and r.marker.evaluate({**env, "extra": "speed"}):
+                    need.append(r)
+print(" ".join(sorted({str(r).split(";")[0].replace(" ", "") for r in need if canonicalize_name(r.name) not in have})))
+PY
+  ) || die "cannot read the wheelhouse's requirements"
+  if [[ -n $extra ]]; then
+    # shellcheck disable=SC2086 # one requirement per word
+    "$py" -m pip wheel -q --disable-pip-version-check --wheel-dir "$wh.partial" $extra >>"$cache/wheel.log" 2>&1 ||
+      { tail -30 "$cache/wheel.log" >&2; die "pip wheel of $extra (for Python $base_full) failed; log: $cache/wheel.log"; }
+    say "  for the image's Python $base_full: $extra"
+  fi
+fi
 rm -rf "$wh" "$src"; mv "$wh.partial" "$wh"
 say "  $(find "$wh" -name '*.whl' | wc -l) wheels with Python $host_ver, $(du -sm "$wh" | cut -f1) MB"
 done_step wheelhouse
