@@ -19,7 +19,7 @@ import aiohttp
 from ..routing.types import Target
 from ..sessions.bindings import ResponseBindings, Source, Verdict, resolve
 from ..sessions.store import Remembered
-from .errors import ProxyError, no_engine
+from .errors import ProxyError
 
 
 def response_error(verdict: Verdict, response_id: str, param: str) -> ProxyError:
@@ -34,12 +34,15 @@ def response_error(verdict: Verdict, response_id: str, param: str) -> ProxyError
             code="response_engine_gone",
         )
     if verdict is Verdict.UNAVAILABLE:
-        error = no_engine(
+        return ProxyError(
+            503,
             f"The engine holding response '{rid}' cannot take requests right now (unhealthy or"
-            " unreachable); retry later."
+            " unreachable); retry later.",
+            type_="service_unavailable",
+            param=param,
+            code="response_engine_unavailable",
+            outcome="no_engine",
         )
-        error.code, error.param = "response_engine_unavailable", param
-        return error
     return ProxyError(
         404,
         f"Response with id '{rid}' not found: no engine in this fleet holds it.",
