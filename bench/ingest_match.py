@@ -75,7 +75,8 @@ import xxhash
 from router_runtime.kv.decode import decode
 from router_runtime.kv.encode import encode_batch
 from router_runtime.kv.events import BlockRemoved, BlockStored, DecodeStats, Dialect, EventBatch
-from router_runtime.kv.index import Carrier, RadixIndex
+from router_runtime.kv.index import RadixIndex
+from router_runtime.worker import Carrier
 
 from . import scale as bench_scale
 

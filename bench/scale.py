@@ -43,7 +43,8 @@ from dataclasses import asdict, dataclass, field
 from router_runtime.kv.decode import decode
 from router_runtime.kv.encode import encode_batch
 from router_runtime.kv.events import BlockRemoved, BlockStored, DecodeStats, Dialect, EventBatch
-from router_runtime.kv.index import Carrier, RadixIndex
+from router_runtime.kv.index import RadixIndex
+from router_runtime.worker import Carrier
 
 BLOCK = 16
 CHAIN = 512  # blocks per synthetic store event for the GC build

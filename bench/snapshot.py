@@ -58,10 +58,11 @@ from router_runtime.bootstrap.wire import FORMAT, LEGACY_FORMAT, Limits, decode,
 from router_runtime.http_body import read_capped
 from router_runtime.kv.events import BlockRemoved, BlockStored, EventBatch, SequencedBatch
 from router_runtime.kv.hashing import SCHEME
-from router_runtime.kv.index import Carrier, RadixIndex
+from router_runtime.kv.index import RadixIndex
 from router_runtime.kv.metrics import KVMetrics
 from router_runtime.kv.snapshot import Grafter
 from router_runtime.kv.writer import IndexWriter
+from router_runtime.worker import Carrier
 
 CHUNK = 4096  # export and graft budget per writer turn: the library's defaults
 TOKEN = "bench-token"

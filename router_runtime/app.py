@@ -22,7 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from .bootstrap.fetch import SnapshotFetcher
 from .bootstrap.http import internal_app, read_token
 from .bootstrap.metrics import BootstrapMetrics
-from .bootstrap.peers import Peer, PeerRegistry
+from .bootstrap.peers import Peer, PeerRegistry, peers_of
 from .bootstrap.producer import SnapshotProducer
 from .bootstrap.state import Cause, CauseCode, RankState
 from .bootstrap.sweep import BootstrapConfig, Bootstrapper
@@ -36,8 +36,8 @@ from .fleet.gossip import GossipConfig, LoadGossip, PeerReport, ReportOutcome
 from .fleet.metrics import FleetMetrics
 from .fleet.view import Bounds, EngineSample
 from .kv.hashing import SCHEME, hash_set_digest
-from .kv.index import TIER_ORDER, Carrier
-from .kv.plane import KVPlane, WorkerSpec
+from .kv.index import TIER_ORDER
+from .kv.plane import KVPlane
 from .kv.subscription import ReplayTimeouts
 from .proxy import log_redaction
 from .proxy.endpoints import FORWARDED
@@ -57,6 +57,7 @@ from .sessions.redis_store import SharedClient
 from .sessions.snapshot import from_wire, to_wire
 from .tokens.engine import EngineTokenizer
 from .tokens.tokenizer import ENGINE_TOKENIZER, AsyncTokenizer, Tokenizer, load_tokenizer
+from .worker import Carrier, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -289,9 +290,7 @@ class Router:
 
     def _peers_changed(self, specs: list[WorkerSpec]) -> None:
         registry = self.bootstrap.peers
-        registry.publish(
-            [Peer(s.engine.rpartition("/")[2], s.url, s.url.split("//")[1].rsplit(":", 1)[0]) for s in specs]
-        )
+        registry.publish(peers_of(specs))
         self.bootstrap_metrics.peers.set(len(registry.peers))
         self.bootstrap_metrics.peers_synced.set(1)
 

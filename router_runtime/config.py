@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from .bootstrap.http import read_token
 from .discovery.static import parse_worker
 from .discovery.storage_annotation import validate_annotation_key
-from .kv.plane import WorkerSpec
 from .proxy.endpoints import allowed_path
 from .proxy.serving import ServerLimits
 from .routing.policies import POLICY_NAMES, PolicyConfig
@@ -17,6 +16,7 @@ from .sessions.bindings import BindingConfig
 from .sessions.config import SessionConfig
 from .sessions.redis_store import store_url
 from .tokens.tokenizer import ENGINE_TOKENIZER, ChatTemplateSpecError, Family, TokenizerError, load_tokenizer
+from .worker import WorkerSpec
 
 
 @dataclass(frozen=True, slots=True)

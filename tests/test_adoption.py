@@ -19,8 +19,9 @@ from router_runtime.kv.adoption import (
     parse_storage,
 )
 from router_runtime.kv.events import BlockRemoved, BlockStored, Dialect, EventBatch, Tier
-from router_runtime.kv.index import Carrier, RadixIndex
+from router_runtime.kv.index import RadixIndex
 from router_runtime.kv.snapshot import Exporter
+from router_runtime.worker import Carrier
 
 from .columns import arrays
 

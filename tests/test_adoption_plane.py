@@ -22,9 +22,9 @@ from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.kv.adoption import CarrierState, StorageIdentity
 from router_runtime.kv.events import Tier
 from router_runtime.kv.hold import HoldEnd
-from router_runtime.kv.index import Carrier
-from router_runtime.kv.plane import KVPlane, WorkerSpec, lookup_storage
+from router_runtime.kv.plane import KVPlane, lookup_storage
 from router_runtime.kv.subscription import ReplayTimeouts
+from router_runtime.worker import Carrier, WorkerSpec
 
 from .support import eventually, join_stream
 

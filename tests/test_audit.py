@@ -16,7 +16,6 @@ import zmq.asyncio
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
 from router_runtime.fake_engine.server import run_fake_engine
-from router_runtime.kv.plane import WorkerSpec
 from router_runtime.proxy.audit import (
     Audit,
     AuditOutcome,
@@ -26,6 +25,7 @@ from router_runtime.proxy.audit import (
     judge,
     request_usage,
 )
+from router_runtime.worker import WorkerSpec
 
 from .support import eventually
 

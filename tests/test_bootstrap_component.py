@@ -24,8 +24,9 @@ from router_runtime.bootstrap.vetting import HashingConfig
 from router_runtime.fake_engine.cache import PLAIN
 from router_runtime.fake_engine.server import FakeEngine, run_fake_engine
 from router_runtime.kv.hashing import SCHEME
-from router_runtime.kv.plane import KVPlane, WorkerSpec
+from router_runtime.kv.plane import KVPlane
 from router_runtime.kv.subscription import ReplayTimeouts
+from router_runtime.worker import WorkerSpec
 
 from .support import eventually, snapshot_peer
 

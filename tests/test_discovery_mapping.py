@@ -35,7 +35,7 @@ from router_runtime.discovery.kubernetes import (
     watch_events,
 )
 from router_runtime.discovery.server_info import parse_server_info
-from router_runtime.kv.plane import WorkerSpec
+from router_runtime.worker import WorkerSpec
 from tests.support import eventually
 
 NS = "llm"

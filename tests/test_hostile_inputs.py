@@ -18,8 +18,8 @@ import pytest
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
 from router_runtime.fake_engine.server import run_fake_engine
-from router_runtime.kv.plane import WorkerSpec
 from router_runtime.proxy.health import BreakerState
+from router_runtime.worker import WorkerSpec
 
 from .support import snapshot_peer
 

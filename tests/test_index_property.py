@@ -17,7 +17,8 @@ from router_runtime.kv.events import (
     EventBatch,
     Tier,
 )
-from router_runtime.kv.index import Carrier, CarrierMatch, RadixIndex, Skip
+from router_runtime.kv.index import CarrierMatch, RadixIndex, Skip
+from router_runtime.worker import Carrier
 
 BS = 2
 CARRIERS = [Carrier("e0", 0), Carrier("e0", 1), Carrier("e1", 0)]

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from router_runtime.bootstrap.state import RankBoot, RankOutcome, RankState, SweepResult, Verdict, verdict
 from router_runtime.kv.events import BlockStored, EventBatch
 from router_runtime.kv.fit import CONFIG_SKIPS, FitTally
-from router_runtime.kv.index import Carrier, RadixIndex, Skip, store_skip
+from router_runtime.kv.index import RadixIndex, Skip, store_skip
+from router_runtime.worker import Carrier
 
 BS = 4
 C = Carrier("e1", 0)

@@ -19,9 +19,9 @@ from aiohttp import web
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
 from router_runtime.fake_engine.server import run_fake_engine
-from router_runtime.kv.plane import WorkerSpec
 from router_runtime.proxy.health import BreakerState
 from router_runtime.routing.types import Decision, Reason, RouteRequest, Target
+from router_runtime.worker import WorkerSpec
 
 from .support import eventually
 

@@ -13,11 +13,10 @@ import aiohttp
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
 from router_runtime.fake_engine.server import run_fake_engine
-from router_runtime.kv.index import Carrier
-from router_runtime.kv.plane import WorkerSpec
 from router_runtime.routing.policies import PolicyConfig
 from router_runtime.tokens.hf import HFTokenizer
 from router_runtime.tokens.tokenizer import BytesTokenizer
+from router_runtime.worker import Carrier, WorkerSpec
 
 from .support import eventually, join_stream
 from .test_tokens_hf import build_tokenizer_dir

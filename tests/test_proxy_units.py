@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
-from router_runtime.kv.plane import WorkerSpec
 from router_runtime.proxy.errors import ProxyError
 from router_runtime.proxy.headers import request_headers, response_headers
 from router_runtime.proxy.health import Breaker, BreakerConfig, BreakerState, HealthBoard
@@ -18,6 +17,7 @@ from router_runtime.proxy.load import LoadTracker
 from router_runtime.proxy.request import Kind, parse_json, parse_request
 from router_runtime.proxy.targets import TargetBook
 from router_runtime.routing.types import Target
+from router_runtime.worker import WorkerSpec
 
 # ---------------------------------------------------------------------------------------------- bodies
 

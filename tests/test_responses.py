@@ -18,7 +18,6 @@ from router_runtime.bootstrap.vetting import vet_sessions
 from router_runtime.bootstrap.wire import Limits, WireSession, WireSnapshot, decode, encode
 from router_runtime.config import RouterConfig
 from router_runtime.fake_engine.server import run_fake_engine
-from router_runtime.kv.plane import WorkerSpec
 from router_runtime.routing.types import Target
 from router_runtime.sessions.bindings import (
     SCAN_HEAD_BYTES,
@@ -31,6 +30,7 @@ from router_runtime.sessions.keys import digest, response_digest
 from router_runtime.sessions.store import Remembered
 from router_runtime.tokens.chat import Reason, Untokenizable
 from router_runtime.tokens.shapes import messages_chat, responses_chat
+from router_runtime.worker import WorkerSpec
 
 from .support import eventually, join_stream
 from .test_proxy_routing import kv_fleet

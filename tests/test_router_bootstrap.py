@@ -166,6 +166,30 @@ def test_a_deadline_armed_at_construction_does_not_settle_before_the_first_engin
     assert not boot.settled and not boot.readiness()[0]
 
 
+def test_a_replica_leaves_itself_out_of_its_peers_by_name_or_by_address_ipv6_too():
+    from router_runtime.bootstrap.peers import Peer, PeerRegistry, peers_of
+    from router_runtime.worker import WorkerSpec
+
+    specs = [
+        WorkerSpec("ns/rf-a", "http://10.0.0.5:9090"),
+        WorkerSpec("ns/rf-b", "http://[fd00::7]:9090"),
+        WorkerSpec("ns/rf-c", "http://[fd00::8]:9090"),
+    ]
+    assert [(p.name, p.ip) for p in peers_of(specs)] == [
+        ("rf-a", "10.0.0.5"),
+        ("rf-b", "fd00::7"),
+        ("rf-c", "fd00::8"),
+    ]
+    by_name = PeerRegistry(self_name="rf-b")
+    by_name.publish(peers_of(specs))
+    assert [p.name for p in by_name.peers] == ["rf-a", "rf-c"]
+    # Endpoints without a targetRef: POD_IP is the fallback, and an IPv6 one must match too.
+    for ip, left in (("fd00::7", 2), ("10.0.0.5", 2), ("fd00::9", 3)):
+        registry = PeerRegistry(self_ip=ip)
+        registry.publish([Peer("", p.url, p.ip) for p in peers_of(specs)])
+        assert len(registry.peers) == left, ip
+
+
 def test_peer_selector_is_refused_without_kubernetes_discovery(token_file, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--kv-peer-selector", "app=router", "--internal-token-file", token_file])

@@ -22,7 +22,6 @@ from router_runtime.bootstrap.wire import (
 )
 from router_runtime.config import parse_args
 from router_runtime.kv.index import CarrierMatch
-from router_runtime.kv.plane import WorkerSpec
 from router_runtime.routing.approx_prefix import ApproxPrefixPolicy
 from router_runtime.routing.kv_aware import KvAwarePolicy
 from router_runtime.routing.simple import LeastLoadedPolicy, PowerOfTwoPolicy, RoundRobinPolicy
@@ -34,6 +33,7 @@ from router_runtime.sessions.keys import KeySource, digest, session_digest
 from router_runtime.sessions.metrics import SessionMetrics
 from router_runtime.sessions.snapshot import from_wire, to_wire
 from router_runtime.sessions.store import Entry, LocalStore, Remembered
+from router_runtime.worker import WorkerSpec
 
 A = Target("http://a", "http://a")
 B = Target("http://b", "http://b")

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from router_runtime.bootstrap.vetting import vet_export
 from router_runtime.kv.events import BlockRemoved, BlockStored, EventBatch
-from router_runtime.kv.index import Carrier, RadixIndex
+from router_runtime.kv.index import RadixIndex
 from router_runtime.kv.snapshot import Exporter, Grafter
+from router_runtime.worker import Carrier
 
 from .columns import arrays
 from .test_index_property import CARRIERS, assert_invariants, events

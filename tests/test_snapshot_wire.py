@@ -31,8 +31,9 @@ from router_runtime.bootstrap.wire import (
 )
 from router_runtime.kv.events import BlockStored, EventBatch
 from router_runtime.kv.hashing import SCHEME
-from router_runtime.kv.index import Carrier, RadixIndex
+from router_runtime.kv.index import RadixIndex
 from router_runtime.kv.snapshot import Exporter, Grafter, VettedColumns
+from router_runtime.worker import Carrier
 
 from .columns import arrays, edited
 

@@ -40,7 +40,8 @@ from prometheus_client import CollectorRegistry
 from router_runtime.discovery.endpointslices import EngineDiscoveryConfig
 from router_runtime.discovery.kubernetes import EndpointSliceWatcher
 from router_runtime.discovery.server_info import server_info_spec
-from router_runtime.kv.plane import KVPlane, WorkerSpec
+from router_runtime.kv.plane import KVPlane
+from router_runtime.worker import WorkerSpec
 
 NODE = "node-1"
 SELECTOR = "kubernetes.io/service-name=engine"

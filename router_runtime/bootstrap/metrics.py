@@ -8,7 +8,7 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..kv.index import Carrier
+from ..worker import Carrier
 from .state import OriginOutcome, RankOutcome, RankState, SnapshotOutcome, SweepResult
 from .vetting import VetError
 

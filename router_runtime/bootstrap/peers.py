@@ -10,7 +10,10 @@ when complete, by the discovery feeding this.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from ..worker import WorkerSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +21,13 @@ class Peer:
     name: str  # the pod name (targetRef), or the URL for static peers
     url: str  # base URL of its internal port, e.g. http://10.244.0.7:9090
     ip: str = ""
+
+
+def peers_of(specs: Iterable[WorkerSpec]) -> list[Peer]:
+    """Sibling replicas as the peer watch finds them (a WorkerSpec per pod, ``namespace/pod`` and the
+    internal port's URL): the pod name and the address self-exclusion compares with POD_IP (an IPv6
+    one without its brackets)."""
+    return [Peer(s.engine.rpartition("/")[2], s.url, s.host) for s in specs]
 
 
 class PeerRegistry:

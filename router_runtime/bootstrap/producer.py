@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..kv.index import Carrier
 from ..kv.plane import KVPlane
 from ..kv.snapshot import Columns, Exporter
+from ..worker import Carrier
 from .vetting import HashingConfig
 from .wire import FORMAT, LEGACY_FORMAT, WireSession, WireSnapshot, WireWorker, encode
 

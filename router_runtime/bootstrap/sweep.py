@@ -30,11 +30,12 @@ from dataclasses import dataclass
 from ..kv.decode import MalformedFrame, decode
 from ..kv.fit import FitTally, Misfit
 from ..kv.hold import HoldEnd, RankHold
-from ..kv.index import Carrier, RadixIndex
+from ..kv.index import RadixIndex
 from ..kv.plane import KVPlane
 from ..kv.snapshot import Exporter, Grafter
 from ..kv.subscription import RankSubscription, ReplayOutcome, ReplayTimeouts, replay
 from ..kv.writer import ClearReason
+from ..worker import Carrier
 from .fetch import FetchFailed, SnapshotFetcher
 from .metrics import BootstrapMetrics
 from .peers import PeerRegistry

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import routerfleet_index
 
-from ..kv.index import Carrier
 from ..kv.snapshot import Columns, VettedColumns
+from ..worker import Carrier
 from .state import SnapshotOutcome
 from .wire import FORMATS, Limits, WireSession, WireSnapshot
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..kv.plane import WorkerSpec
+from ..worker import WorkerSpec
 
 PortRef = str | int
 

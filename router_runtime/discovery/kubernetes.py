@@ -48,7 +48,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client import Counter as PromCounter
 
-from ..kv.plane import WorkerSpec
+from ..worker import WorkerSpec
 from .endpointslices import EngineDiscoveryConfig, map_slices
 from .storage_annotation import Reading, Result, read_pod_storage, validate_annotation_key
 

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 import aiohttp
 
-from ..kv.plane import WorkerSpec
+from ..worker import WorkerSpec
 
 _WILDCARDS = {"", "*", "0.0.0.0", "::", "[::]"}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from urllib.parse import urlparse
 
-from ..kv.plane import WorkerSpec
+from ..worker import WorkerSpec
 
 _KEYS = {"url", "kv", "replay", "dp", "topic"}
 

@@ -21,23 +21,13 @@ from dataclasses import dataclass, field
 
 import routerfleet_index
 
+from ..worker import Carrier
 from .events import BlockStored, EventBatch, Tier
 from .hashing import extra_key_bytes
 
 ROOT = -1  # parent key of the first block of every chain (block keys are u64, never negative)
 
 TIER_ORDER = (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.EXTERNAL)  # best first
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class Carrier:
-    """Who holds a block: one engine's data-parallel rank. ``engine`` is the worker identity string."""
-
-    engine: str
-    rank: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.engine}#{self.rank}"
 
 
 class Skip(enum.StrEnum):

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import aiohttp
@@ -21,6 +20,7 @@ import routerfleet_index
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from ..worker import Carrier, WorkerSpec
 from .adoption import (
     ALL,
     AdoptionCap,
@@ -36,7 +36,7 @@ from .adoption import (
 from .events import SequencedBatch
 from .fit import Misfit
 from .hold import HoldEnd, RankHold
-from .index import Carrier, RadixIndex, as_native
+from .index import RadixIndex, as_native
 from .metrics import KVMetrics
 from .subscription import (
     Endpoints,
@@ -70,24 +70,6 @@ def rank_endpoint(base: str, rank: int) -> str:
     if not head.startswith("tcp://") or not port.isdigit():
         raise ValueError(f"per-rank endpoints need tcp://host:port, got {base!r}")
     return f"{head}:{int(port) + rank}"
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """One engine, as discovery sees it."""
-
-    engine: str  # identity: the HTTP URL for static workers, the pod name in Kubernetes
-    url: str  # where requests go
-    kv: str | None = None  # PUB endpoint of rank 0; None: the engine publishes no events
-    replay: str | None = None  # replay ROUTER of rank 0
-    dp_size: int = 1
-    topic: bytes = b""
-    incarnation: str = ""  # a pod UID, or empty for static workers
-    storage_id: str = ""  # the engine's storage identity when discovery knows it (else /server_info)
-    storage_epoch: int = 0
-
-    def carriers(self) -> list[Carrier]:
-        return [Carrier(self.engine, r) for r in range(self.dp_size)]
 
 
 class KVPlane:

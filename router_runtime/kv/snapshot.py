@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 import routerfleet_index
 
-from .index import Carrier, RadixIndex
+from ..worker import Carrier
+from .index import RadixIndex
 
 # Node records as parallel columns, held by the core: record ``i`` owns carrier entries
 # ``[start[i], start[i] + ncar[i])`` of worker/tiers/hash, ``start`` being the running sum of ``ncar``.

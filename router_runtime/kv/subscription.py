@@ -21,12 +21,12 @@ import xxhash
 import zmq
 import zmq.asyncio
 
+from ..worker import Carrier
 from .cursor import Arrival, classify
 from .decode import MalformedFrame, decode, parse_pub_message, parse_replay_reply, topic_matches
 from .events import DecodeStats, SequencedBatch
 from .fit import FitTally
 from .hold import HoldEnd, RankHold
-from .index import Carrier
 from .metrics import KVMetrics
 from .writer import ClearReason, IndexWriter
 

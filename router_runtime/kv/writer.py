@@ -17,8 +17,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..worker import Carrier
 from .events import SequencedBatch
-from .index import TIER_ORDER, ApplyStats, Carrier, RadixIndex
+from .index import TIER_ORDER, ApplyStats, RadixIndex
 from .metrics import KVMetrics
 
 log = logging.getLogger(__name__)

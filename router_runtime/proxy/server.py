@@ -36,7 +36,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from ..kv.index import Carrier, RadixIndex
+from ..kv.index import RadixIndex
 from ..routing.simple import LeastLoadedPolicy
 from ..routing.types import Decision, Policy, RouteRequest, Target
 from ..routing.types import Reason as DecisionReason
@@ -46,6 +46,7 @@ from ..sessions.classify import promote
 from ..tokens.engine import EngineTokenizer
 from ..tokens.shapes import messages_chat, responses_chat
 from ..tokens.tokenizer import AsyncTokenizer, Reason, Untokenizable
+from ..worker import Carrier
 from .audit import Prediction, UsageScan, UsageStrip, judge, request_usage
 from .errors import (
     ProxyError,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..kv.plane import WorkerSpec
 from ..routing.types import Target
+from ..worker import WorkerSpec
 from .health import HealthBoard
 
 

@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..kv.index import Carrier, RadixIndex
+from ..kv.index import RadixIndex
+from ..worker import Carrier
 
 
 @dataclass(frozen=True, slots=True, order=True)

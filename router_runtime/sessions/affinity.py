@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..kv.index import Carrier
 from ..routing.types import Target
+from ..worker import Carrier
 from .classify import Classified, SessionState, classify, selection
 from .config import SessionConfig
 from .keys import session_digest

@@ -16,8 +16,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..kv.index import Carrier
 from ..routing.types import Target
+from ..worker import Carrier
 from .store import Remembered
 
 
