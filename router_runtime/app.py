@@ -371,10 +371,8 @@ class Router:
         self.targets.set_workers(specs)
         self.sessions.set_workers(specs)
         after = self.targets.all_targets()
-        remove = getattr(self.policy, "remove_target", None)
-        if remove is not None:
-            for t in before - after:
-                remove(t)
+        for t in before - after:
+            self.policy.remove_target(t)
         self.metrics.forget_engines({s.engine for s in specs} | set(self.load.engines()))
         self.fleet.forget_engines({s.engine for s in specs})
 

@@ -20,7 +20,7 @@ from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
 from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.proxy.health import BreakerState
-from router_runtime.routing.types import Decision, Reason, RouteRequest, Target
+from router_runtime.routing.types import Decision, KeepsNoTargetState, Reason, RouteRequest, Target
 from router_runtime.worker import WorkerSpec
 
 from .support import eventually
@@ -40,11 +40,12 @@ def closed_port_url() -> str:
     return f"http://127.0.0.1:{port}"
 
 
-class Prefer:
+class Prefer(KeepsNoTargetState):
     """A stand-in policy: the first target of the preferred engines that is a candidate."""
 
     name = "prefer"
     needs_tokens = False
+    needs_text = False
 
     def __init__(self, *engines: str) -> None:
         self.engines = list(engines)

@@ -168,9 +168,7 @@ class Proxy:
         self.keepalive_s = keepalive_s
         self.models_timeout = aiohttp.ClientTimeout(total=models_timeout_s)
         self.needs_tokens = bool(policy.needs_tokens)
-        # Text-prefix policies need a chat request's rendered prompt; the Policy protocol only declares
-        # needs_tokens, so a policy may declare needs_text, and approx_prefix is known to need it.
-        self.needs_text = bool(getattr(policy, "needs_text", policy.name == "approx_prefix"))
+        self.needs_text = bool(policy.needs_text)  # a text-prefix policy: the rendered chat prompt
         self.sessions = sessions
         self._strip = sessions.strip if sessions is not None else frozenset()
         self._by_load = LeastLoadedPolicy()  # what has no prefix to route on (endpoints.py)

@@ -32,6 +32,7 @@ from .types import Decision, Reason, RouteRequest, Target
 class ApproxPrefixPolicy:
     name = "approx_prefix"
     needs_tokens = False
+    needs_text = True
 
     def __init__(
         self,

@@ -28,7 +28,7 @@ import xxhash
 
 from ..kv.index import RadixIndex
 from .load import imbalanced, least_loaded_indices, load_list, pick, preferred_index
-from .types import Decision, Reason, RouteRequest, Target
+from .types import Decision, KeepsNoTargetState, Reason, RouteRequest, Target
 
 _h = xxhash.xxh3_64_intdigest
 
@@ -49,9 +49,10 @@ def request_hash(tokens: Sequence[int] | None) -> int:
         return hash((len(tokens), *tail)) & 0xFFFF_FFFF_FFFF_FFFF
 
 
-class KvAwarePolicy:
+class KvAwarePolicy(KeepsNoTargetState):
     name = "kv_aware"
     needs_tokens = True
+    needs_text = False
 
     def __init__(
         self,

@@ -14,15 +14,16 @@ from collections.abc import Mapping, Sequence
 
 from ..kv.index import RadixIndex
 from .load import imbalanced, least_loaded_indices, load_list, pick, preferred_index
-from .types import Decision, Reason, RouteRequest, Target
+from .types import Decision, KeepsNoTargetState, Reason, RouteRequest, Target
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(KeepsNoTargetState):
     """Targets in turn. The cursor is an index into whatever list is passed, so a changed target list
     resumes at the same position modulo its length."""
 
     name = "round_robin"
     needs_tokens = False
+    needs_text = False
 
     def __init__(self, *, balance_abs_threshold: int = 16, balance_rel_threshold: float = 1.5) -> None:
         self._next = 0
@@ -49,12 +50,13 @@ class RoundRobinPolicy:
         return Decision(targets[i], Reason.ROUND_ROBIN)
 
 
-class LeastLoadedPolicy:
+class LeastLoadedPolicy(KeepsNoTargetState):
     """The fewest in-flight requests. Ties rotate: the k-th decision takes tied[k % len(tied)], so at
     low concurrency (everything at 0) it degrades to round robin rather than always the first target."""
 
     name = "least_loaded"
     needs_tokens = False
+    needs_text = False
 
     def __init__(self) -> None:
         self._turn = 0
@@ -75,12 +77,13 @@ class LeastLoadedPolicy:
         return Decision(targets[i], Reason.LEAST_LOADED)
 
 
-class PowerOfTwoPolicy:
+class PowerOfTwoPolicy(KeepsNoTargetState):
     """Two distinct targets drawn at random; the lower load wins, the first drawn on a tie. Inject a
     seeded ``random.Random`` for reproducible decisions."""
 
     name = "power_of_two"
     needs_tokens = False
+    needs_text = False
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self.rng = rng if rng is not None else random.Random()

@@ -68,6 +68,12 @@ class Decision:
 class Policy(Protocol):
     name: str
     needs_tokens: bool  # whether the proxy must tokenize text requests for this policy
+    needs_text: bool  # whether it matches a chat request's rendered prompt text (approx_prefix)
+
+    def remove_target(self, target: Target) -> int:
+        """Forget what the policy keeps about a target that left discovery (or restarted with an empty
+        cache); returns how much it held (policies that keep nothing per target: 0)."""
+        ...
 
     def choose(
         self,
@@ -80,3 +86,10 @@ class Policy(Protocol):
         (missing = 0). Must not mutate the index; may update the policy's own state (round-robin
         cursor, text tree)."""
         ...
+
+
+class KeepsNoTargetState:
+    """For a policy with nothing to forget when a target leaves (``Policy.remove_target``)."""
+
+    def remove_target(self, target: Target) -> int:
+        return 0
