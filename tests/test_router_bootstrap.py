@@ -140,7 +140,7 @@ async def test_seed_required_holds_readiness_for_three_budgets_then_opens(token_
 
 def test_a_deadline_armed_at_construction_does_not_settle_before_the_first_engine():
     """The seed's review finding: settled() must not latch on a deadline armed before any rank exists,
-    or a fleet with slow engine discovery silently skips bootstrap."""
+    or a fleet with slow engine discovery silently skips bootstrap. And reading it has no effect."""
     from prometheus_client import CollectorRegistry
 
     from router_runtime.bootstrap.fetch import SnapshotFetcher
@@ -164,6 +164,12 @@ def test_a_deadline_armed_at_construction_does_not_settle_before_the_first_engin
     )
     now[0] = 1000.0  # long past any deadline counted from construction
     assert not boot.settled and not boot.readiness()[0]
+    # Reading settles nothing: the loop's check latches it, exports it, and dates it at the deadline.
+    boot.first_rank_at = 990.0
+    assert boot.settled and boot.settled_at is None
+    assert reg.get_sample_value("routerfleet_bootstrap_settled") == 0
+    assert boot.check_settled() and boot.settled_at == 995.0
+    assert reg.get_sample_value("routerfleet_bootstrap_settled") == 1
 
 
 def test_a_replica_leaves_itself_out_of_its_peers_by_name_or_by_address_ipv6_too():

@@ -112,6 +112,7 @@ def internal_app(
                     "ranks": [],
                 }
             )
+        bootstrapper.check_settled()  # a settlement due since the loop last looked is reported whole
         return web.json_response(bootstrapper.report())
 
     async def load(request: web.Request) -> web.Response:

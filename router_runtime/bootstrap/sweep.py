@@ -173,7 +173,9 @@ class Bootstrapper:
         now = self._clock()
         if self.first_rank_at is None:
             self.first_rank_at = now
-        if self.settled:
+            if self.config.enabled:  # the loop checks settlement at the deadline, whatever happens before
+                asyncio.get_running_loop().call_later(self.config.timeout_s, self._wake.set)
+        if self.check_settled():
             return  # a rank added after settling (a scale-up of engines) joins live, cold
         old = self.ranks.get(c)
         boot = RankBoot(epoch=(old.epoch + 1) if old else 1, since=now)
@@ -217,21 +219,30 @@ class Bootstrapper:
 
     # ---- state ---------------------------------------------------------------------------------
 
-    @property
-    def settled(self) -> bool:
-        """A graft landed, every rank resolved, or the timeout passed; latches."""
-        if not self.config.enabled or self._settled:
-            return True
+    def _due(self) -> bool:
+        """Whether settling is due: every rank resolved, or the deadline counted from the first rank
+        passed. Once due, always due: no rank joins the bootstrap after it (``rank_added``)."""
         if self.first_rank_at is None:
             return False
         done = bool(self.ranks) and all(b.state is not RankState.PENDING for b in self.ranks.values())
-        if done or self._clock() >= self.first_rank_at + self.config.timeout_s:
+        return done or self._clock() >= self.first_rank_at + self.config.timeout_s
+
+    @property
+    def settled(self) -> bool:
+        """A graft landed, every rank resolved, or the timeout passed. Only reports: the loop latches
+        the settlement and says so (``check_settled``)."""
+        return not self.config.enabled or self._settled or self._due()
+
+    def check_settled(self) -> bool:
+        """The loop's settlement check: once it is due, latch it, export it and log it (once)."""
+        if self.config.enabled and not self._settled and self._due():
+            assert self.first_rank_at is not None
             self._settled = True
-            self.settled_at = self._clock()
+            self.settled_at = min(self._clock(), self.first_rank_at + self.config.timeout_s)
             self.metrics.settled.set(1)
             self.metrics.seed_failed.set(1 if self.seed_failed else 0)
             log.info("bootstrap settled: %s", self.verdict.value)
-        return self._settled
+        return self.settled
 
     @property
     def verdict(self) -> Verdict:
@@ -372,7 +383,7 @@ class Bootstrapper:
             self._queue.clear()
             if batch:
                 await self._sweep(batch)
-            self.settled  # noqa: B018 (evaluates the latch)
+            self.check_settled()
 
     def _pending(self, batch: set[Carrier]) -> set[Carrier]:
         return {c for c in batch if c in self.ranks and self.ranks[c].state is RankState.PENDING}
