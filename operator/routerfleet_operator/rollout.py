@@ -28,6 +28,10 @@ verdict without seedFailed (no candidate peer was ever reachable) passes cold un
 never synced. What is left is a failed seed, and onSeedFailure decides: Pause holds the pod and pauses
 the Deployment, Rollback restores the current revision's template, Proceed admits the pod cold
 (CacheWarm=False).
+
+``decide`` runs its steps in order, each a small function of what came before: ``_begin`` (a new
+revision), ``_retry``, ``_admit`` (the gates and onSeedFailure), ``_progress`` (step, completion),
+``_phase``; then ``_status`` builds the status from one ``Facts`` value, a function per condition.
 """
 
 from __future__ import annotations
@@ -316,139 +320,54 @@ def decide(obj: Mapping[str, Any], pods: Sequence[PodView], now: datetime) -> De
         return _invalid(prior, generation, problems, now)
 
     s = fleet.spec
-    state = RolloutState.from_status(prior)
     update = revision_of(fleet)
     events: list[Event] = []
     live = sorted((p for p in pods if not p.terminating), key=lambda p: (p.created, p.name))
-    by_name = {p.name: p for p in live}
-
-    if state.update_revision != update:
-        # A new revision: a new rollout. A hold or a rollback belonged to the previous one.
-        state = replace(
-            state,
-            update_revision=update,
-            step=0,
-            started_at=ts(now),
-            progress_at=ts(now),
-            hold=None,
-            rolled_back=None,
-            rollback_message=None,
-        )
-        if state.current_revision is not None and state.current_revision != update:
-            events.append(
-                Event(
-                    "Normal",
-                    "RolloutStarted",
-                    f"rolling out revision {update} (from {state.current_revision})",
-                )
-            )
-
-    delete: tuple[str, ...] = ()
-    retry = fleet.annotations.get(ANNOTATION_RETRY)
-    if retry and retry != state.handled_retry and not s.paused:
-        if state.hold is not None:
-            delete = tuple(n for n in state.hold.pods if n in by_name and not by_name[n].gate)
-        if state.hold is not None or state.rolled_back is not None:
-            events.append(Event("Normal", "RetryRequested", f"retrying revision {update}"))
-        state = replace(state, hold=None, rolled_back=None, rollback_message=None)
-        state = replace(state, progress_at=ts(now), handled_retry=retry)
-
+    state = _begin(RolloutState.from_status(prior), update, now, events)
+    state, delete = _retry(fleet, state, update, {p.name: p for p in live}, now, events)
     deploy = state.current_revision if (state.rolled_back == update and state.current_revision) else update
-    eligible = {deploy, state.current_revision} - {None}
     admitted: list[PodView] = []
-    seeded = {p.name for p in live if p.gate}
     waiting = 0
-
     if not s.paused:
-        for p in live:
-            if p.gate or p.revision not in eligible or p.name in delete:
-                continue
-            if state.hold is not None and p.name in state.hold.pods:
-                continue  # held: sticky until a retry or a new spec
-            # Siblings seeded before this decision: the ones that served while this pod bootstrapped.
-            verdict, reason = classify(p, s.bootstrap, warm_siblings=bool(seeded - {p.name}))
-            if verdict is Admission.WAIT:
-                waiting += 1
-                continue
-            if verdict is Admission.FAIL:
-                policy = s.rollout.on_seed_failure
-                what = _failure_text(p, reason)
-                if policy is not OnSeedFailure.PROCEED:
-                    can_roll_back = (
-                        policy is OnSeedFailure.ROLLBACK
-                        and p.revision == update
-                        and deploy == update
-                        and state.current_revision not in (None, update)
-                    )
-                    if can_roll_back:
-                        state = replace(state, rolled_back=update, rollback_message=what)
-                        deploy = state.current_revision
-                        eligible = {deploy}
-                        events.append(Event("Warning", "RolledBack", f"{what}; restoring revision {deploy}"))
-                    else:
-                        hold = state.hold or Hold(
-                            reason=reason or PauseReason.SEED_FAILED,
-                            revision=p.revision,
-                            pods=(),
-                            since=ts(now),
-                            message=what,
-                        )
-                        state = replace(state, hold=replace(hold, pods=(*hold.pods, p.name)))
-                        extra = "" if policy is OnSeedFailure.PAUSE else " (nothing to roll back to)"
-                        events.append(Event("Warning", "SeedFailurePaused", f"{what}; rollout paused{extra}"))
-                    continue
-                events.append(
-                    Event("Warning", "SeedFailedProceeding", f"{what}; admitted cold (onSeedFailure Proceed)")
-                )
-            admitted.append(p)
-        # A rollback in this decision: its revision's pods are on their way out, do not seed them.
-        admitted = [p for p in admitted if p.revision in eligible]
-        for p in admitted:
-            v = p.report.verdict.value if p.report else "none"
-            text = f"pod {p.name} (revision {p.revision}): verdict {v}"
-            events.append(Event("Normal", "ReplicaSeeded", text, key=f"seeded.{p.name}"))
-
+        state, deploy, admitted, waiting = _admit(fleet, state, update, deploy, live, delete, now, events)
     admit = tuple(p.name for p in admitted)
     gated = {p.name for p in live if p.gate} | set(admit)
-
-    # Progress and completion.
-    step = sum(1 for p in live if p.revision == update and p.name in gated)
-    if step > state.step:
-        state = replace(state, step=step, progress_at=ts(now))
-    if deploy == update and state.hold is None and not s.paused and state.current_revision != update:
-        others = [p for p in live if p.revision != update]
-        serving = [p for p in live if p.revision == update and p.gate and p.ready]
-        if not others and len(serving) >= s.replicas:
-            events.append(
-                Event("Normal", "RolloutComplete", f"revision {update}: {s.replicas} replicas seeded")
-            )
-            state = replace(state, current_revision=update, progress_at=ts(now))
+    state = _progress(fleet, state, update, deploy, live, gated, now, events)
 
     phase, pause_reason = _phase(fleet, state, update, deploy)
     deadline_exceeded = False
+    blocked = None
     if phase is Phase.PROGRESSING:
         since = parse_ts(state.progress_at) or now
         deadline_exceeded = (now - since).total_seconds() > s.rollout.progress_deadline_s
         if deadline_exceeded and _condition_reason(prior, "Stalled") != "ProgressDeadlineExceeded":
-            events.append(
-                Event(
-                    "Warning",
-                    "ProgressDeadlineExceeded",
-                    f"no replica of {update} seeded for {format_duration(s.rollout.progress_deadline_s)}",
-                )
-            )
-
-    blocked = None
-    if phase is Phase.PROGRESSING:
+            deadline = format_duration(s.rollout.progress_deadline_s)
+            text = f"no replica of {update} seeded for {deadline}"
+            events.append(Event("Warning", "ProgressDeadlineExceeded", text))
         unseeded = [p for p in live if p.name not in gated]
         blocked = _discovery_blocked(unseeded, state, NO_ENGINES_STALL_S, now)
         if blocked is not None and _condition_reason(prior, "Stalled") != blocked[0]:
             events.append(Event("Warning", blocked[0], blocked[1]))
 
     status = _status(
-        fleet, prior, generation, state, live, gated, update, deploy, phase, pause_reason,
-        deadline_exceeded, waiting, bool(admitted), now, blocked=blocked,
-    )  # fmt: skip
+        Facts(
+            fleet=fleet,
+            prior=prior,
+            generation=generation,
+            state=state,
+            live=live,
+            gated=gated,
+            update=update,
+            deploy=deploy,
+            phase=phase,
+            pause_reason=pause_reason,
+            deadline_exceeded=deadline_exceeded,
+            waiting=waiting,
+            progressed=bool(admitted),
+            now=now,
+            blocked=blocked,
+        )
+    )
     requeue = POLL_S if waiting else None
     if phase is Phase.PROGRESSING and not deadline_exceeded:
         since = parse_ts(state.progress_at) or now
@@ -464,6 +383,142 @@ def decide(obj: Mapping[str, Any], pods: Sequence[PodView], now: datetime) -> De
         events=tuple(events),
         requeue_after_s=requeue,
     )
+
+
+def _begin(state: RolloutState, update: str, now: datetime, events: list[Event]) -> RolloutState:
+    """A new revision is a new rollout: a hold or a rollback belonged to the previous one."""
+    if state.update_revision == update:
+        return state
+    state = replace(
+        state,
+        update_revision=update,
+        step=0,
+        started_at=ts(now),
+        progress_at=ts(now),
+        hold=None,
+        rolled_back=None,
+        rollback_message=None,
+    )
+    if state.current_revision is not None and state.current_revision != update:
+        text = f"rolling out revision {update} (from {state.current_revision})"
+        events.append(Event("Normal", "RolloutStarted", text))
+    return state
+
+
+def _retry(
+    fleet: Fleet,
+    state: RolloutState,
+    update: str,
+    by_name: Mapping[str, PodView],
+    now: datetime,
+    events: list[Event],
+) -> tuple[RolloutState, tuple[str, ...]]:
+    """A new ``routerfleet.io/retry`` value lifts a hold or a rollback; the held pods that never
+    seeded are deleted, so fresh ones bootstrap again."""
+    retry = fleet.annotations.get(ANNOTATION_RETRY)
+    if not retry or retry == state.handled_retry or fleet.spec.paused:
+        return state, ()
+    delete: tuple[str, ...] = ()
+    if state.hold is not None:
+        delete = tuple(n for n in state.hold.pods if n in by_name and not by_name[n].gate)
+    if state.hold is not None or state.rolled_back is not None:
+        events.append(Event("Normal", "RetryRequested", f"retrying revision {update}"))
+    state = replace(state, hold=None, rolled_back=None, rollback_message=None)
+    return replace(state, progress_at=ts(now), handled_retry=retry), delete
+
+
+def _admit(
+    fleet: Fleet,
+    state: RolloutState,
+    update: str,
+    deploy: str,
+    live: list[PodView],
+    delete: tuple[str, ...],
+    now: datetime,
+    events: list[Event],
+) -> tuple[RolloutState, str, list[PodView], int]:
+    """Which ungated pods get their seeded gate now: each settled one by its verdict, a seed failure
+    handled by ``onSeedFailure`` (a hold, a rollback, or admitted cold). Returns the state, the
+    revision to deploy (a rollback changes it), the admitted pods and how many still bootstrap."""
+    s = fleet.spec
+    eligible = {deploy, state.current_revision} - {None}
+    seeded = {p.name for p in live if p.gate}
+    admitted: list[PodView] = []
+    waiting = 0
+    for p in live:
+        if p.gate or p.revision not in eligible or p.name in delete:
+            continue
+        if state.hold is not None and p.name in state.hold.pods:
+            continue  # held: sticky until a retry or a new spec
+        # Siblings seeded before this decision: the ones that served while this pod bootstrapped.
+        verdict, reason = classify(p, s.bootstrap, warm_siblings=bool(seeded - {p.name}))
+        if verdict is Admission.WAIT:
+            waiting += 1
+            continue
+        if verdict is Admission.FAIL:
+            policy = s.rollout.on_seed_failure
+            what = _failure_text(p, reason)
+            if policy is not OnSeedFailure.PROCEED:
+                can_roll_back = (
+                    policy is OnSeedFailure.ROLLBACK
+                    and p.revision == update
+                    and deploy == update
+                    and state.current_revision not in (None, update)
+                )
+                if can_roll_back:
+                    state = replace(state, rolled_back=update, rollback_message=what)
+                    deploy = state.current_revision
+                    eligible = {deploy}
+                    events.append(Event("Warning", "RolledBack", f"{what}; restoring revision {deploy}"))
+                else:
+                    hold = state.hold or Hold(
+                        reason=reason or PauseReason.SEED_FAILED,
+                        revision=p.revision,
+                        pods=(),
+                        since=ts(now),
+                        message=what,
+                    )
+                    state = replace(state, hold=replace(hold, pods=(*hold.pods, p.name)))
+                    extra = "" if policy is OnSeedFailure.PAUSE else " (nothing to roll back to)"
+                    events.append(Event("Warning", "SeedFailurePaused", f"{what}; rollout paused{extra}"))
+                continue
+            text = f"{what}; admitted cold (onSeedFailure Proceed)"
+            events.append(Event("Warning", "SeedFailedProceeding", text))
+        admitted.append(p)
+    # A rollback in this decision: its revision's pods are on their way out, do not seed them.
+    admitted = [p for p in admitted if p.revision in eligible]
+    for p in admitted:
+        v = p.report.verdict.value if p.report else "none"
+        text = f"pod {p.name} (revision {p.revision}): verdict {v}"
+        events.append(Event("Normal", "ReplicaSeeded", text, key=f"seeded.{p.name}"))
+    return state, deploy, admitted, waiting
+
+
+def _progress(
+    fleet: Fleet,
+    state: RolloutState,
+    update: str,
+    deploy: str,
+    live: list[PodView],
+    gated: set[str],
+    now: datetime,
+    events: list[Event],
+) -> RolloutState:
+    """The step (replicas of the update seeded) and completion: every replica seeded and ready, and
+    nothing of another revision left."""
+    s = fleet.spec
+    step = sum(1 for p in live if p.revision == update and p.name in gated)
+    if step > state.step:
+        state = replace(state, step=step, progress_at=ts(now))
+    if deploy == update and state.hold is None and not s.paused and state.current_revision != update:
+        others = [p for p in live if p.revision != update]
+        serving = [p for p in live if p.revision == update and p.gate and p.ready]
+        if not others and len(serving) >= s.replicas:
+            events.append(
+                Event("Normal", "RolloutComplete", f"revision {update}: {s.replicas} replicas seeded")
+            )
+            state = replace(state, current_revision=update, progress_at=ts(now))
+    return state
 
 
 def _failure_text(p: PodView, reason: PauseReason | None) -> str:
@@ -579,9 +634,21 @@ def _verdict_of(p: PodView) -> str:
     return p.report.verdict.value
 
 
-def _camel(verdict: str) -> str:
-    head, *rest = verdict.split("_")
-    return head + "".join(w.capitalize() for w in rest)
+# status.verdicts' keys (the CRD lists the same): one per verdict, written out, so a new verdict fails
+# the test that holds this map to the enum rather than a status write.
+VERDICT_COUNTS: dict[str, str] = {
+    "unknown": "unknown",  # no report yet
+    Verdict.PENDING.value: "pending",
+    Verdict.WARM.value: "warm",
+    Verdict.FROM_ORIGIN.value: "fromOrigin",
+    Verdict.WARM_UNWITNESSED.value: "warmUnwitnessed",
+    Verdict.NO_PEERS.value: "noPeers",
+    Verdict.FLEET_COLD.value: "fleetCold",
+    Verdict.TIMED_OUT.value: "timedOut",
+    Verdict.DISABLED.value: "disabled",
+    Verdict.CONFIG_MISMATCH.value: "configMismatch",
+}
+SEED_FAILED_COUNT = "seedFailed"
 
 
 _HOLD_CONDITION = {
@@ -589,6 +656,66 @@ _HOLD_CONDITION = {
     PauseReason.PEER_DISCOVERY_NOT_SYNCED: "PeerDiscoveryNotSynced",
     PauseReason.CONFIG_MISMATCH: "ConfigMismatch",
 }
+
+Condition = tuple[str, str, str]  # status, reason, message
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Everything the status is built from, fixed by one decision: each condition is a function of it."""
+
+    fleet: Fleet
+    prior: Mapping[str, Any]
+    generation: int
+    state: RolloutState
+    live: list[PodView]
+    gated: set[str]
+    update: str
+    deploy: str
+    phase: Phase
+    pause_reason: PauseReason | None
+    deadline_exceeded: bool
+    waiting: int  # replicas still bootstrapping
+    progressed: bool  # this decision seeded a replica
+    now: datetime
+    blocked: tuple[str, str] | None = None  # (reason, message): discovery stalls the rollout
+
+    @property
+    def replicas(self) -> int:
+        return self.fleet.spec.replicas
+
+    @property
+    def ready(self) -> list[PodView]:
+        return [p for p in self.live if p.ready]
+
+    @property
+    def available(self) -> list[PodView]:
+        min_ready = self.fleet.spec.rollout.min_ready_seconds
+        return [
+            p for p in self.ready
+            if p.ready_since is None or (self.now - p.ready_since).total_seconds() >= min_ready
+        ]  # fmt: skip
+
+    @property
+    def serving(self) -> list[PodView]:
+        return [p for p in self.live if p.name in self.gated]
+
+    @property
+    def scaling(self) -> bool:
+        return len(self.live) != self.replicas or len(self.ready) < self.replicas
+
+    @property
+    def progress(self) -> str:
+        seeded = sum(1 for p in self.serving if p.revision == self.update)
+        return f"{seeded}/{self.replicas} replicas of revision {self.update} seeded"
+
+    @property
+    def ready_count(self) -> str:
+        return f"{len(self.ready)}/{self.replicas} replicas ready ({len(self.live)} running)"
+
+    @property
+    def settled(self) -> str:
+        return f"{self.replicas} replicas of revision {self.update} seeded and ready"
 
 
 def _member_history(p: PodView) -> dict[str, Any]:
@@ -603,152 +730,110 @@ def _member_history(p: PodView) -> dict[str, Any]:
     return out
 
 
-def _status(
-    fleet: Fleet,
-    prior: Mapping[str, Any],
-    generation: int,
-    state: RolloutState,
-    live: list[PodView],
-    gated: set[str],
-    update: str,
-    deploy: str,
-    phase: Phase,
-    pause_reason: PauseReason | None,
-    deadline_exceeded: bool,
-    waiting: int,
-    progressed: bool,
-    now: datetime,
-    *,
-    blocked: tuple[str, str] | None = None,
-) -> dict[str, Any]:
-    s = fleet.spec
-    replicas = s.replicas
-    ready = [p for p in live if p.ready]
-    available = [
-        p for p in ready
-        if p.ready_since is None or (now - p.ready_since).total_seconds() >= s.rollout.min_ready_seconds
-    ]  # fmt: skip
-    warm = [p for p in live if p.name in gated and (p.report is None or p.report.verdict in CACHE_OK)]
-    updated = [p for p in live if p.revision == update]
-
-    counts = dict.fromkeys(("unknown", *(_camel(v.value) for v in Verdict), "seedFailed"), 0)
-    for p in live:
-        counts[_camel(_verdict_of(p))] += 1
-        if p.report is not None and p.report.seed_failed:
-            counts["seedFailed"] += 1
-
-    members = sorted(live, key=lambda p: (p.name in gated, p.name))
-    member_list = [
-        {
-            "pod": p.name,
-            "revision": p.revision,
-            "verdict": _verdict_of(p),
-            "seedFailed": bool(p.report and p.report.seed_failed),
-            "gate": p.name in gated,
-            "ready": p.ready,
-            "indexNodes": p.report.index_nodes if p.report else 0,
-            "indexBlocks": p.report.index_blocks if p.report else 0,
-            "peersSeen": p.report.peers_seen if p.report else 0,
-            "peersSynced": bool(p.report.peers_synced) if p.report else False,
-            **_member_history(p),
-        }
-        for p in members[:MEMBERS_CAP]
-    ]
-
-    # ---- conditions ----
-    hold = state.hold
+def _stalled(f: Facts) -> tuple[str, str] | None:
+    """Why the rollout cannot go on by itself (reason, message), or None."""
+    hold, update = f.state.hold, f.update
     if hold is not None:
-        stalled = (
+        return (
             _HOLD_CONDITION[hold.reason],
             f"{hold.message}; revision {hold.revision} paused. Revert the spec to go back at once, or fix "
             "the cause and annotate routerfleet.io/retry=<any new value> to retry.",
         )
-    elif phase is Phase.ROLLED_BACK:
-        why = f" ({state.rollback_message})" if state.rollback_message else ""
-        stalled = (
+    if f.phase is Phase.ROLLED_BACK:
+        why = f" ({f.state.rollback_message})" if f.state.rollback_message else ""
+        return (
             "SeedFailureRolledBack",
-            f"revision {update} failed to seed{why}; running revision {deploy}. Change the spec, or annotate "
-            "routerfleet.io/retry=<any new value> to try it again.",
+            f"revision {update} failed to seed{why}; running revision {f.deploy}. Change the spec, or "
+            "annotate routerfleet.io/retry=<any new value> to try it again.",
         )
-    elif blocked is not None:
-        stalled = blocked
-    elif deadline_exceeded:
-        stalled = (
-            "ProgressDeadlineExceeded",
-            f"no replica of revision {update} seeded for {format_duration(s.rollout.progress_deadline_s)}",
-        )
-    else:
-        stalled = None
+    if f.blocked is not None:
+        return f.blocked
+    if f.deadline_exceeded:
+        deadline = format_duration(f.fleet.spec.rollout.progress_deadline_s)
+        return ("ProgressDeadlineExceeded", f"no replica of revision {update} seeded for {deadline}")
+    return None
 
-    serving_update = sum(1 for p in live if p.revision == update and p.name in gated)
-    progress_msg = f"{serving_update}/{replicas} replicas of revision {update} seeded"
-    scaling = len(live) != replicas or len(ready) < replicas
 
+def _reconciling(f: Facts, stalled: tuple[str, str] | None) -> Condition:
     if stalled:
-        reconciling = ("False", "Stalled", stalled[1])
-    elif s.paused:
-        reconciling = ("False", "Paused", "spec.paused is set")
-    elif phase is Phase.PROGRESSING:
-        reconciling = ("True", "RolloutInProgress", progress_msg)
-    elif waiting:
-        reconciling = ("True", "WaitingForSeed", f"{waiting} replica(s) bootstrapping")
-    elif scaling:
-        reconciling = ("True", "Scaling", f"{len(ready)}/{replicas} replicas ready ({len(live)} running)")
-    else:
-        reconciling = ("False", "Reconciled", f"{replicas} replicas of revision {update} seeded and ready")
+        return ("False", "Stalled", stalled[1])
+    if f.fleet.spec.paused:
+        return ("False", "Paused", "spec.paused is set")
+    if f.phase is Phase.PROGRESSING:
+        return ("True", "RolloutInProgress", f.progress)
+    if f.waiting:
+        return ("True", "WaitingForSeed", f"{f.waiting} replica(s) bootstrapping")
+    if f.scaling:
+        return ("True", "Scaling", f.ready_count)
+    return ("False", "Reconciled", f.settled)
 
-    rolling = state.current_revision != update
+
+def _ready(f: Facts, stalled: tuple[str, str] | None) -> Condition:
     if stalled:
-        ready_c = ("False", stalled[0], stalled[1])
-    elif rolling:
-        ready_c = ("False", "Paused" if s.paused else "RolloutInProgress", progress_msg)
-    elif waiting:
-        ready_c = ("False", "WaitingForSeed", f"{waiting} replica(s) bootstrapping")
-    elif scaling:
-        ready_c = (
-            "False",
-            "ReplicasNotReady",
-            f"{len(ready)}/{replicas} replicas ready ({len(live)} running)",
-        )
-    else:
-        ready_c = ("True", "AllReplicasReady", f"{replicas} replicas of revision {update} seeded and ready")
+        return ("False", *stalled)
+    if f.state.current_revision != f.update:
+        return ("False", "Paused" if f.fleet.spec.paused else "RolloutInProgress", f.progress)
+    if f.waiting:
+        return ("False", "WaitingForSeed", f"{f.waiting} replica(s) bootstrapping")
+    if f.scaling:
+        return ("False", "ReplicasNotReady", f.ready_count)
+    return ("True", "AllReplicasReady", f.settled)
 
-    available_c = (
-        ("True", "MinimumReplicasAvailable", f"{len(available)}/{replicas} replicas available")
-        if len(available) >= replicas
-        else ("False", "MinimumReplicasUnavailable", f"{len(available)}/{replicas} replicas available")
-    )
 
+def _available(f: Facts) -> Condition:
+    text = f"{len(f.available)}/{f.replicas} replicas available"
+    if len(f.available) >= f.replicas:
+        return ("True", "MinimumReplicasAvailable", text)
+    return ("False", "MinimumReplicasUnavailable", text)
+
+
+def _progressing(f: Facts, stalled: tuple[str, str] | None) -> Condition:
     if stalled:
-        reason = "RolledBack" if stalled[0] == "SeedFailureRolledBack" else stalled[0]
-        progressing = ("False", reason, stalled[1])
-    elif s.paused:
-        progressing = ("Unknown", "Paused", "spec.paused is set")
-    elif phase is Phase.PROGRESSING:
-        progressing = ("True", "ReplicaSeeded" if progressed else "NewRevisionRollingOut", progress_msg)
-    else:
-        progressing = ("True", "RolloutComplete", f"revision {update} is rolled out")
+        return ("False", "RolledBack" if stalled[0] == "SeedFailureRolledBack" else stalled[0], stalled[1])
+    if f.fleet.spec.paused:
+        return ("Unknown", "Paused", "spec.paused is set")
+    if f.phase is Phase.PROGRESSING:
+        return ("True", "ReplicaSeeded" if f.progressed else "NewRevisionRollingOut", f.progress)
+    return ("True", "RolloutComplete", f"revision {f.update} is rolled out")
 
-    cache = _cache_warm(fleet, [p for p in live if p.name in gated])
 
-    conditions = merge_conditions(
-        prior.get("conditions") or (),
-        [
-            ("Ready", *ready_c),
-            ("Reconciling", *reconciling),
-            ("Stalled", *(("True", *stalled) if stalled else ("False", "AsExpected", ""))),
-            ("Available", *available_c),
-            ("Progressing", *progressing),
-            ("CacheWarm", *cache),
-        ],
-        generation,
-        now,
-    )
+def _verdict_counts(live: list[PodView]) -> dict[str, int]:
+    counts = dict.fromkeys((*VERDICT_COUNTS.values(), SEED_FAILED_COUNT), 0)
+    for p in live:
+        counts[VERDICT_COUNTS[_verdict_of(p)]] += 1
+        if p.report is not None and p.report.seed_failed:
+            counts[SEED_FAILED_COUNT] += 1
+    return counts
 
-    rollout: dict[str, Any] = {"phase": phase.value, "step": state.step}
-    if pause_reason is not None:
-        rollout["pauseReason"] = pause_reason.value
-    message = stalled[1] if stalled else (progress_msg if phase is Phase.PROGRESSING else "")
+
+def _members(f: Facts) -> list[PodView]:
+    """Unseeded first (the ones a reader looks for), then by name."""
+    return sorted(f.live, key=lambda p: (p.name in f.gated, p.name))
+
+
+def _member(p: PodView, gated: set[str]) -> dict[str, Any]:
+    r = p.report
+    return {
+        "pod": p.name,
+        "revision": p.revision,
+        "verdict": _verdict_of(p),
+        "seedFailed": bool(r and r.seed_failed),
+        "gate": p.name in gated,
+        "ready": p.ready,
+        "indexNodes": r.index_nodes if r else 0,
+        "indexBlocks": r.index_blocks if r else 0,
+        "peersSeen": r.peers_seen if r else 0,
+        "peersSynced": bool(r.peers_synced) if r else False,
+        **_member_history(p),
+    }
+
+
+def _rollout_status(f: Facts, stalled: tuple[str, str] | None) -> dict[str, Any]:
+    state = f.state
+    rollout: dict[str, Any] = {"phase": f.phase.value, "step": state.step}
+    if f.pause_reason is not None:
+        rollout["pauseReason"] = f.pause_reason.value
+    message = stalled[1] if stalled else (f.progress if f.phase is Phase.PROGRESSING else "")
     if message:
         rollout["message"] = message
     for key, value in (
@@ -760,25 +845,44 @@ def _status(
     ):
         if value is not None:
             rollout[key] = value
-    if hold is not None:
-        rollout["hold"] = hold.to_dict()
+    if state.hold is not None:
+        rollout["hold"] = state.hold.to_dict()
+    return rollout
 
+
+def _status(f: Facts) -> dict[str, Any]:
+    stalled = _stalled(f)
+    conditions = merge_conditions(
+        f.prior.get("conditions") or (),
+        [
+            ("Ready", *_ready(f, stalled)),
+            ("Reconciling", *_reconciling(f, stalled)),
+            ("Stalled", *(("True", *stalled) if stalled else ("False", "AsExpected", ""))),
+            ("Available", *_available(f)),
+            ("Progressing", *_progressing(f, stalled)),
+            ("CacheWarm", *_cache_warm(f.fleet, f.serving)),
+        ],
+        f.generation,
+        f.now,
+    )
+    members = _members(f)
+    warm = [p for p in f.serving if p.report is None or p.report.verdict in CACHE_OK]
     status: dict[str, Any] = {
-        "observedGeneration": generation,
-        "replicas": len(live),
-        "readyReplicas": len(ready),
+        "observedGeneration": f.generation,
+        "replicas": len(f.live),
+        "readyReplicas": len(f.ready),
         "warmReplicas": len(warm),
-        "updatedReplicas": len(updated),
-        "availableReplicas": len(available),
-        "selector": status_selector(fleet),
-        "updateRevision": update,
-        "rollout": rollout,
-        "verdicts": counts,
-        "members": member_list,
+        "updatedReplicas": sum(1 for p in f.live if p.revision == f.update),
+        "availableReplicas": len(f.available),
+        "selector": status_selector(f.fleet),
+        "updateRevision": f.update,
+        "rollout": _rollout_status(f, stalled),
+        "verdicts": _verdict_counts(f.live),
+        "members": [_member(p, f.gated) for p in members[:MEMBERS_CAP]],
         "conditions": conditions,
     }
-    if state.current_revision is not None:
-        status["currentRevision"] = state.current_revision
+    if f.state.current_revision is not None:
+        status["currentRevision"] = f.state.current_revision
     if len(members) > MEMBERS_CAP:
         status["membersOmitted"] = len(members) - MEMBERS_CAP
     return status

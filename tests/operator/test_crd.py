@@ -19,6 +19,7 @@ from routerfleet_operator.model import (
     Phase,
     Verdict,
 )
+from routerfleet_operator.rollout import SEED_FAILED_COUNT, VERDICT_COUNTS
 from routerfleet_operator.spec import POLICIES, Fleet, validate
 
 from .helpers import SAMPLES, apply_defaults, crd, schema, schema_errors
@@ -87,6 +88,9 @@ def test_enums_match_the_code():
     counts = set(STATUS["properties"]["verdicts"]["properties"])
     camel = {re.sub(r"_(\w)", lambda m: m.group(1).upper(), v.value) for v in Verdict}
     assert counts == camel | {"unknown", "seedFailed"}
+    # The status writes every verdict's count under its own key, and nothing else.
+    assert set(VERDICT_COUNTS) == {"unknown", *(v.value for v in Verdict)}
+    assert {*VERDICT_COUNTS.values(), SEED_FAILED_COUNT} == counts
 
 
 def test_cel_rules_carry_the_code_lists():
