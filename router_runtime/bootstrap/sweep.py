@@ -540,9 +540,7 @@ class Bootstrapper:
         sub = self._subs.get(c)
         if sub is None or sub.hold is None:
             return
-        hold = sub.hold
-        held = hold.take()
-        hold.active = False
+        held = sub.hold.abandon()
         for b in held:
             if not self.plane.writer.submit_batch(c, b):
                 self.plane.writer.submit_clear(c, ClearReason.OVERFLOW)
@@ -593,7 +591,7 @@ class Bootstrapper:
         rest = [b for b in hold.take() if b.seq > cursor]
         if rest and rest[0].seq != cursor + 1:
             return self._gap(c, rest)
-        hold.active = False
+        hold.abandon()  # emptied above: rest is what it held
         writer = self.plane.writer
         for b in rest:
             if not writer.submit_batch(c, b):
@@ -632,7 +630,7 @@ class Bootstrapper:
         self.plane.writer.submit_clear(c, ClearReason.UNCOVERED_GAP)
         boot.epoch += 1
         if boot.retried:
-            sub.hold.active = False
+            sub.hold.abandon()  # emptied already: rest is what it held
             for b in rest:
                 self.plane.writer.submit_batch(c, b)
             self._settle(c, RankOutcome.GAP)

@@ -39,6 +39,14 @@ class CarrierState(enum.StrEnum):
     REMOVED = "removed"
 
 
+class DisconnectCause(enum.StrEnum):
+    """Why an engine went DISCONNECTED: it left discovery (its subscriptions end; a return subscribes
+    again), or its health check failed (they stay, so its stream is still followed)."""
+
+    DISCOVERY = "discovery"
+    HEALTH = "health"
+
+
 class Outcome(enum.StrEnum):
     """Adoption attempts, by outcome (a metric label)."""
 

@@ -57,6 +57,12 @@ class RankHold:
         self._bytes = 0
         return out
 
+    def abandon(self) -> list[SequencedBatch]:
+        """Its owner is done with it: it holds nothing more, and hands back what it held, in order, to
+        apply or judge (an ended hold hands back nothing: ``end`` dropped it)."""
+        self.active = False
+        return self.take()
+
     def take_over_restart(self) -> bool:
         """The rank's publisher restarted its sequence while held. False: the rank is cleared as usual
         (a bootstrap's hold). An owner that judges a new process itself (warm re-adoption) says True

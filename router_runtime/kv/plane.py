@@ -27,6 +27,7 @@ from .adoption import (
     AdoptionMetrics,
     CarrierState,
     Decision,
+    DisconnectCause,
     EngineRecord,
     Outcome,
     StorageIdentity,
@@ -143,7 +144,7 @@ class KVPlane:
         for engine, old in list(self._workers.items()):
             if want.get(engine) != old:
                 if self.disconnect_grace_s > 0 and old.kv is not None:
-                    self._disconnect(old, cancel_subs=True)
+                    self._disconnect(old, DisconnectCause.DISCOVERY)
                 else:
                     self._drop(old)
         for engine, spec in want.items():
@@ -269,7 +270,7 @@ class KVPlane:
             and not self._undecided_of(rec, rec.generation)
         ):
             return  # already hidden; but a return being decided is stopped (it resumes cold)
-        self._disconnect(spec, cancel_subs=False)
+        self._disconnect(spec, DisconnectCause.HEALTH)
 
     def engine_reachable(self, engine: str) -> None:
         """The engine passes health again (its breaker closed). Hidden for health, its subscriptions
@@ -331,8 +332,7 @@ class KVPlane:
             entry = self._subs.get(c)
             if entry is not None and entry[0].hold is not None:
                 hold, entry[0].hold = entry[0].hold, None  # the stream flows to the writer again
-                hold.active = False
-                hold.take()
+                hold.abandon()
             self._resume_cold(rec, c, gen, ClearReason.ADOPTION_FAILED)
 
     def _keep_evictions(self, c: Carrier, batches: list[SequencedBatch]) -> None:
@@ -359,7 +359,7 @@ class KVPlane:
         if self._records.pop(engine, None) is not None:
             self._publish_states()
 
-    def _disconnect(self, spec: WorkerSpec, *, cancel_subs: bool) -> None:
+    def _disconnect(self, spec: WorkerSpec, cause: DisconnectCause) -> None:
         """OK -> DISCONNECTED: hide every carrier at once (readers never see it again until adopted),
         keep its blocks, start the grace timer."""
         rec = self._records.get(spec.engine)
@@ -374,9 +374,9 @@ class KVPlane:
         for carrier in spec.carriers():
             pending = self._undecided.pop(carrier, None) is not None
             undecided |= pending
-            if pending and not cancel_subs:
+            if pending and cause is not DisconnectCause.DISCOVERY:
                 rec.outcomes.append(Outcome.REJECTED)  # it resumes cold (below), counted when shown
-            if pending and not cancel_subs and carrier in self._subs:
+            if pending and cause is not DisconnectCause.DISCOVERY and carrier in self._subs:
                 # Failing health before its adoption was decided, its stream still flowing: what it
                 # held is not provable any more; it goes on cold (and hidden).
                 self.writer.submit_clear(carrier, ClearReason.UNCOVERED_GAP)
@@ -385,7 +385,7 @@ class KVPlane:
             # ... and queued: a show still waiting in the writer's queue from the return it ends
             # would otherwise undo it.
             self.writer.call(lambda idx, c=carrier: idx.set_visible(c, 0))
-            if cancel_subs:
+            if cause is DisconnectCause.DISCOVERY:
                 entry = self._subs.pop(carrier, None)
                 if entry:
                     sub, task = entry
@@ -394,19 +394,18 @@ class KVPlane:
                         # it stays judged against what it was before it returned (less what they
                         # evicted).
                         if sub.hold is not None:
-                            sub.hold.active = False
-                            self._keep_evictions(carrier, sub.hold.take())
+                            self._keep_evictions(carrier, sub.hold.abandon())
                     else:
                         rec.positions[carrier.rank] = sub.position()
                     task.cancel()
                 if self.rank_listener is not None:
                     self.rank_listener.rank_removed(carrier)
-        if undecided and cancel_subs:
+        if undecided and cause is DisconnectCause.DISCOVERY:
             # A return that ended before it settled (a new-process decision takes every undecided
             # rank at once, so none was made): not counted; its ranks are judged on the next return.
             # Stopped by the breaker instead, its ranks went on cold and it settles when shown.
             rec.reset_return()
-        if undecided and cancel_subs and rec.prior_spec is not None:
+        if undecided and cause is DisconnectCause.DISCOVERY and rec.prior_spec is not None:
             rec.spec, rec.prior_spec = rec.prior_spec, None
         h = self._timers.pop(spec.engine, None)
         if h is not None:
@@ -418,7 +417,7 @@ class KVPlane:
             spec.engine,
             gen,
         )
-        log.info("engine %s disconnected (%s)", spec.engine, "health" if not cancel_subs else "discovery")
+        log.info("engine %s disconnected (%s)", spec.engine, cause.value)
         self._publish_states()
 
     def _expire(self, engine: str, generation: int) -> None:
@@ -544,7 +543,7 @@ class KVPlane:
         self, rec: EngineRecord, c: Carrier, gen: int, spec: WorkerSpec, same_shape: bool
     ) -> RankHold:
         return _ReturnHold(
-            on_end=lambda why: self._rank_proved(rec, c, gen, False, why),
+            on_end=lambda why: self._rank_proved(rec, c, gen, continuous=False, why=why),
             on_restart=lambda: self._restarted_in_place(rec, gen, spec, same_shape),
         )
 
@@ -617,13 +616,13 @@ class KVPlane:
             for r in self._records.values()
         )
         if storage is None or rec.storage is None:
-            self._rank_proved(rec, c, gen, False)  # nothing to judge its blocks by: this rank cold
+            self._rank_proved(rec, c, gen, continuous=False)  # nothing to judge its blocks by: this rank cold
             return
         if storage != rec.storage or claimed:
             self._restarted_in_place(rec, gen, spec, same_shape)  # other storage behind the engine
             return
         followed = await self._catch_up(sub)
-        self._rank_proved(rec, c, gen, followed)
+        self._rank_proved(rec, c, gen, continuous=followed)
 
     async def _catch_up(self, sub: RankSubscription) -> bool:
         """A new process's rank, held for the decision: fetch what it published before we subscribed
@@ -685,8 +684,7 @@ class KVPlane:
                 continue
             sub = entry[0]
             if sub.hold is not None:
-                sub.hold.active = False
-                self._keep_evictions(c, sub.hold.take())  # the old process's last word, if any
+                self._keep_evictions(c, sub.hold.abandon())  # the old process's last word, if any
             sub.hold = self._decision_hold(rec, c, gen)
             sub.resume(StreamPosition(cursor=-1))  # the new publisher's stream begins at 0
         cap = self._cap.reached(self._cap_key(rec), self._clock())
@@ -743,8 +741,7 @@ class KVPlane:
         if sub is None or sub.hold is None:
             return True
         hold, sub.hold = sub.hold, None
-        batches: list[SequencedBatch] = hold.take() if hold.active else []
-        hold.active = False
+        batches = hold.abandon()
         for b in batches:
             if not self.writer.submit_batch(sub.carrier, b):
                 sub._clear(ClearReason.OVERFLOW)
@@ -772,6 +769,7 @@ class KVPlane:
         rec: EngineRecord,
         c: Carrier,
         gen: int,
+        *,
         continuous: bool,
         why: HoldEnd | None = None,
         replayed: list[tuple[int, bytes]] = (),  # type: ignore[assignment]
@@ -796,8 +794,7 @@ class KVPlane:
             if why is HoldEnd.OVERFLOW or why is None:
                 self.writer.submit_clear(c, ClearReason.OVERFLOW if why else ClearReason.UNCOVERED_GAP)
             if sub is not None and sub.hold is not None:
-                sub.hold.active = False
-                sub.hold.take()
+                sub.hold.abandon()
                 sub.hold = None
             self._count(Outcome.REJECTED, rec)
         self.writer.call(lambda idx: idx.set_visible(c, ALL))
@@ -822,16 +819,20 @@ class KVPlane:
         # Both read before any await: the live loop moves them as it holds the new batches.
         cursor, known = sub.cursor, sub.cursor_hash
         if cursor is None:
-            self._rank_proved(rec, c, gen, False)  # it never published: nothing held, nothing to prove
+            self._rank_proved(
+                rec, c, gen, continuous=False
+            )  # it never published: nothing held, nothing to prove
             return
         if known is None and cursor >= 0:
-            self._rank_proved(rec, c, gen, False)  # a cursor we never saw a batch for: cannot prove
+            self._rank_proved(
+                rec, c, gen, continuous=False
+            )  # a cursor we never saw a batch for: cannot prove
             return
         if cursor < 0:
             await self._recheck_storage(rec, sub, gen, spec, same_shape)
             return
         if sub.endpoints.replay is None:
-            self._rank_proved(rec, c, gen, False)  # nothing can show our cursor
+            self._rank_proved(rec, c, gen, continuous=False)  # nothing can show our cursor
             return
         for _attempt in range(PROBE_ATTEMPTS):  # a busy engine answers its replay socket late
             result = await replay(self._ctx, sub.endpoints.replay, cursor, self.replay_timeouts)
@@ -847,9 +848,9 @@ class KVPlane:
             return
         ok = bool(got) and got[0][0] == cursor and result.outcome is not ReplayOutcome.MALFORMED
         if not ok:
-            self._rank_proved(rec, c, gen, False)  # it cannot show our cursor: cold
+            self._rank_proved(rec, c, gen, continuous=False)  # it cannot show our cursor: cold
             return
-        self._rank_proved(rec, c, gen, True, replayed=got[1:])
+        self._rank_proved(rec, c, gen, continuous=True, replayed=got[1:])
 
     def _publish_states(self) -> None:
         counts = dict.fromkeys(CarrierState, 0)
