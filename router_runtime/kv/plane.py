@@ -473,7 +473,7 @@ class KVPlane:
     def _cap_key(self, rec: EngineRecord) -> str:
         return f"storage:{rec.storage.storage_id}" if rec.storage else f"engine:{rec.engine}"
 
-    def _count(self, outcome: Outcome | None, rec: EngineRecord) -> None:
+    def _record_outcome(self, outcome: Outcome | None, rec: EngineRecord) -> None:
         """A rank's outcome in the current return (counted, once per return, when it settles)."""
         if outcome is not None:
             rec.outcomes.append(outcome)
@@ -732,7 +732,7 @@ class KVPlane:
         self.writer.call(drop)
         released = all([self._release(subs.get(c.rank)) for c in live])
         self.writer.call(lambda idx: [idx.set_visible(c, ALL) for c in live])
-        self._count(d.outcome if released else Outcome.REJECTED, rec)
+        self._record_outcome(d.outcome if released else Outcome.REJECTED, rec)
         return released
 
     def _release(self, sub: RankSubscription | None) -> bool:
@@ -761,7 +761,7 @@ class KVPlane:
         del self._undecided[c]
         self.writer.submit_clear(c, reason)
         self.writer.call(lambda idx: idx.set_visible(c, ALL))
-        self._count(Outcome.REJECTED, rec)
+        self._record_outcome(Outcome.REJECTED, rec)
         self._settle_if_done(rec, gen)
 
     def _rank_proved(
@@ -788,7 +788,7 @@ class KVPlane:
             for seq, payload in replayed:  # what it published while we were away, in order
                 if sub is not None and sub.cursor is not None and seq == sub.cursor + 1:
                     sub._accept(seq, payload)
-            self._count(Outcome.SUCCESS if released else Outcome.REJECTED, rec)
+            self._record_outcome(Outcome.SUCCESS if released else Outcome.REJECTED, rec)
         else:
             # The subscription already queued a clear (a reset) unless the hold overflowed.
             if why is HoldEnd.OVERFLOW or why is None:
@@ -796,7 +796,7 @@ class KVPlane:
             if sub is not None and sub.hold is not None:
                 sub.hold.abandon()
                 sub.hold = None
-            self._count(Outcome.REJECTED, rec)
+            self._record_outcome(Outcome.REJECTED, rec)
         self.writer.call(lambda idx: idx.set_visible(c, ALL))
         self._settle_if_done(rec, gen)
         return True

@@ -26,11 +26,9 @@ from .classify import Classified, SessionState, classify, selection
 from .config import SessionConfig
 from .keys import session_digest
 from .metrics import SessionMetrics
-from .store import Entry, LocalStore, Remembered, SessionStore, settle_quietly
+from .store import Entry, LocalStore, Remembered, SampledWarnings, SessionStore, settle_quietly
 
 log = logging.getLogger(__name__)
-
-_WARN_EVERY_S = 10.0
 
 
 def engine_id(engine: str, incarnation: str, rank: int | None) -> str:
@@ -76,7 +74,7 @@ class SessionAffinity:
         self._incarnations: dict[str, str] = {}
         self._ids: dict[str, Remembered] = {}
         self._writes: set[asyncio.Task] = set()
-        self._last_warn = -_WARN_EVERY_S
+        self._warn = SampledWarnings(log, "routing without session memory")
 
     # ---- the engine set ------------------------------------------------------------------------
 
@@ -231,9 +229,3 @@ class SessionAffinity:
 
     def _gauge(self) -> None:
         self.metrics.entries.set(len(self.local))
-
-    def _warn(self, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last_warn >= _WARN_EVERY_S:  # sampled: a sick store must not flood the log
-            self._last_warn = now
-            log.warning("%s; routing without session memory", message)

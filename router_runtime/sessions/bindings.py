@@ -21,7 +21,6 @@ import enum
 import logging
 import math
 import re
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
@@ -29,11 +28,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ..routing.types import Target
 from .keys import response_digest
-from .store import Entry, LocalStore, Remembered, SessionStore, settle_quietly
+from .store import Entry, LocalStore, Remembered, SampledWarnings, SessionStore, settle_quietly
 
 log = logging.getLogger(__name__)
 
-_WARN_EVERY_S = 10.0
 SCAN_HEAD_BYTES = 64 << 10  # the id is the response object's first field, in the first event of a stream
 # vLLM and OpenAI spell them resp_<hex or base62>; an output item's id (msg_, rs_, fc_) never matches.
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]{1,200})"')
@@ -174,7 +172,7 @@ class ResponseBindings:
         self.incarnations = incarnations
         self.local = LocalStore(ttl_s=config.ttl_s, max_entries=config.max_entries)
         self.shared = shared
-        self._last_warn = -_WARN_EVERY_S
+        self._warn = SampledWarnings(log, "using this replica's table only")
 
     async def find(self, response_id: str) -> tuple[Remembered | None, Source]:
         """The binding of ``response_id`` in the local table, else the shared store (a timeout or an
@@ -239,9 +237,3 @@ class ResponseBindings:
 
     def _gauge(self) -> None:
         self.metrics.entries.set(len(self.local))
-
-    def _warn(self, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last_warn >= _WARN_EVERY_S:  # sampled: a sick store must not flood the log
-            self._last_warn = now
-            log.warning("%s; using this replica's table only", message)

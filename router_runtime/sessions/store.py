@@ -13,6 +13,7 @@ digests (``keys.digest``), never raw keys.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -46,6 +47,21 @@ class Entry:
     digest: bytes
     value: Remembered
     age_s: float
+
+
+class SampledWarnings:
+    """A store's warnings, at most one per ``every_s`` (a sick store must not flood the log), each
+    saying what the request did instead (``instead``)."""
+
+    def __init__(self, logger: logging.Logger, instead: str, every_s: float = 10.0) -> None:
+        self._log, self._instead, self._every_s = logger, instead, every_s
+        self._last = -every_s
+
+    def __call__(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last >= self._every_s:
+            self._last = now
+            self._log.warning("%s; %s", message, self._instead)
 
 
 def settle_quietly(task: asyncio.Task) -> None:
