@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 from aiohttp import web
 
 from router_runtime.fake_engine.publisher import KvPublisher
+from router_runtime.fake_engine.server import FakeEngine
 from router_runtime.kv.subscription import RankSubscription
+from router_runtime.worker import WorkerSpec
 
 
 async def eventually(predicate: Callable[[], object], timeout: float = 5.0, what: str = "condition"):
@@ -24,6 +26,23 @@ async def eventually(predicate: Callable[[], object], timeout: float = 5.0, what
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+def static_workers(engines: Iterable[FakeEngine]) -> tuple[WorkerSpec, ...]:
+    """Fake engines as static workers (rank 0's KV and replay endpoints; the ranks above follow)."""
+    return tuple(
+        WorkerSpec(
+            e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0), dp_size=e.config.dp_size
+        )
+        for e in engines
+    )
+
+
+async def join_all(router, engines: Iterable[FakeEngine]) -> None:
+    """Wait until the router follows every rank of every engine's stream (``join_stream``)."""
+    by_url = {e.http_url: e for e in engines}
+    for sub in router.kv.subscriptions():
+        await join_stream(by_url[sub.carrier.engine].publisher, sub, sub.carrier.rank)
 
 
 async def join_stream(publisher: KvPublisher, sub: RankSubscription, rank: int = 0) -> None:

@@ -18,7 +18,7 @@ from router_runtime.tokens.hf import HFTokenizer
 from router_runtime.tokens.tokenizer import BytesTokenizer
 from router_runtime.worker import Carrier, WorkerSpec
 
-from .support import eventually, join_stream
+from .support import eventually, join_all, static_workers
 from .test_tokens_hf import build_tokenizer_dir
 
 BS = 4
@@ -34,15 +34,10 @@ async def kv_fleet(n: int = 3, engine_kw=None, with_tokenizer=None, **config):
             await stack.enter_async_context(run_fake_engine(block_size=BS, **(engine_kw or {})))
             for _ in range(n)
         ]
-        workers = tuple(
-            WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
-            for e in engines
-        )
+        workers = static_workers(engines)
         cfg = RouterConfig(port=0, workers=workers, block_size=BS, health_interval_s=0, **config)
         router, url = await stack.enter_async_context(run_router(cfg, tokenizer=with_tokenizer))
-        by_url = {e.http_url: e for e in engines}
-        for sub in router.kv.subscriptions():
-            await join_stream(by_url[sub.carrier.engine].publisher, sub)
+        await join_all(router, engines)
         session = await stack.enter_async_context(aiohttp.ClientSession())
         yield engines, router, url, session
 

@@ -30,9 +30,8 @@ from router_runtime.sessions.keys import digest, response_digest
 from router_runtime.sessions.store import Remembered
 from router_runtime.tokens.chat import Reason, Untokenizable
 from router_runtime.tokens.shapes import messages_chat, responses_chat
-from router_runtime.worker import WorkerSpec
 
-from .support import eventually, join_stream
+from .support import eventually, join_all, static_workers
 from .test_proxy_routing import kv_fleet
 
 BS = 4
@@ -151,11 +150,7 @@ async def test_three_replicas_find_a_response_by_probing_and_a_new_replica_inher
     token.write_text("fleet-secret")
     async with contextlib.AsyncExitStack() as stack:
         engines = [await stack.enter_async_context(run_fake_engine(block_size=BS)) for _ in range(3)]
-        workers = tuple(
-            WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
-            for e in engines
-        )
-        by_url = {e.http_url: e for e in engines}
+        workers = static_workers(engines)
 
         def cfg(probe_s: float, peers=()):
             return RouterConfig(
@@ -172,8 +167,7 @@ async def test_three_replicas_find_a_response_by_probing_and_a_new_replica_inher
 
         async def start(config):
             router, url = await stack.enter_async_context(run_router(config))
-            for sub in router.kv.subscriptions():
-                await join_stream(by_url[sub.carrier.engine].publisher, sub)
+            await join_all(router, engines)
             return router, url
 
         probing = [await start(cfg(2.0)) for _ in range(3)]

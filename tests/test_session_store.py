@@ -28,9 +28,8 @@ from router_runtime.sessions.bindings import BindingConfig
 from router_runtime.sessions.config import SessionConfig
 from router_runtime.sessions.redis_store import SharedClient, _vetted, store_url
 from router_runtime.sessions.store import Remembered
-from router_runtime.worker import WorkerSpec
 
-from .support import join_stream
+from .support import join_stream, static_workers
 
 BS = 4
 ENGINE_HEADER = "X-RouterFleet-Engine"
@@ -114,10 +113,7 @@ async def fleet(store_url_: str, n_engines: int = 3):
     store alone must carry the bindings)."""
     async with contextlib.AsyncExitStack() as stack:
         engines = [await stack.enter_async_context(run_fake_engine(block_size=BS)) for _ in range(n_engines)]
-        workers = tuple(
-            WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
-            for e in engines
-        )
+        workers = static_workers(engines)
         by_url = {e.http_url: e for e in engines}
 
         async def replica(stack_=stack, join: bool = True):

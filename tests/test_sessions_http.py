@@ -26,7 +26,7 @@ from router_runtime.routing.policies import PolicyConfig
 from router_runtime.sessions.config import SessionConfig
 from router_runtime.worker import Carrier, WorkerSpec
 
-from .support import eventually, join_stream
+from .support import eventually, join_all, join_stream, static_workers
 
 BS = 4
 ENGINE = "X-RouterFleet-Engine"
@@ -169,11 +169,7 @@ async def test_three_replicas_keep_the_engine_with_the_echoed_header_and_a_new_o
     token.write_text("fleet-secret")
     async with contextlib.AsyncExitStack() as stack:
         engines = [await stack.enter_async_context(run_fake_engine(block_size=BS)) for _ in range(2)]
-        workers = tuple(
-            WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
-            for e in engines
-        )
-        by_url = {e.http_url: e for e in engines}
+        workers = static_workers(engines)
 
         def cfg(peers=()):
             # Origin bootstrap stays on: the late replica rebuilds every rank from the engines' replay
@@ -195,8 +191,7 @@ async def test_three_replicas_keep_the_engine_with_the_echoed_header_and_a_new_o
         replicas = []
         for _ in range(3):
             router, url = await stack.enter_async_context(run_router(cfg()))
-            for sub in router.kv.subscriptions():
-                await join_stream(by_url[sub.carrier.engine].publisher, sub)
+            await join_all(router, engines)
             replicas.append((router, url))
         s = await stack.enter_async_context(aiohttp.ClientSession())
         key = {"conversation_id": "conv-42", "max_tokens": 1}
