@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 SCAN_HEAD_BYTES = 64 << 10  # the id is the response object's first field, in the first event of a stream
 # vLLM and OpenAI spell them resp_<hex or base62>; an output item's id (msg_, rs_, fc_) never matches.
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]{1,200})"')
-RESPONSE_ID_PATTERN = re.compile(r"resp_[A-Za-z0-9_-]{1,200}")
 
 
 @dataclass(frozen=True, slots=True)
