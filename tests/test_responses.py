@@ -18,6 +18,7 @@ from router_runtime.bootstrap.vetting import vet_sessions
 from router_runtime.bootstrap.wire import Limits, WireSession, WireSnapshot, decode, encode
 from router_runtime.config import RouterConfig
 from router_runtime.fake_engine.server import run_fake_engine
+from router_runtime.proxy.request import Kind, parse_request
 from router_runtime.routing.types import Target
 from router_runtime.sessions.bindings import (
     SCAN_HEAD_BYTES,
@@ -336,6 +337,12 @@ def test_responses_and_messages_become_the_chat_the_engine_renders():
         with pytest.raises(Untokenizable) as err:
             messages_chat(bad)
         assert err.value.reason is reason
+
+
+def test_a_responses_request_keeps_its_namespace():
+    """A salted or adapter request is matched in its own namespace, as chat and completions are."""
+    parsed = parse_request({"input": "x", "cache_salt": "s", "lora_name": "l"}, Kind.RESPONSES)
+    assert (parsed.cache_salt, parsed.lora_name) == ("s", "l")
 
 
 def test_bindings_round_trip_in_the_envelope_apart_from_sessions_and_are_vetted():

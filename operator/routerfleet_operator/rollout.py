@@ -40,6 +40,7 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from functools import cached_property
 from typing import Any
 
 from .model import (
@@ -662,7 +663,8 @@ Condition = tuple[str, str, str]  # status, reason, message
 
 @dataclass(frozen=True)
 class Facts:
-    """Everything the status is built from, fixed by one decision: each condition is a function of it."""
+    """Everything the status is built from, fixed by one decision: each condition is a function of it
+    (the derived figures computed once)."""
 
     fleet: Fleet
     prior: Mapping[str, Any]
@@ -684,11 +686,11 @@ class Facts:
     def replicas(self) -> int:
         return self.fleet.spec.replicas
 
-    @property
+    @cached_property
     def ready(self) -> list[PodView]:
         return [p for p in self.live if p.ready]
 
-    @property
+    @cached_property
     def available(self) -> list[PodView]:
         min_ready = self.fleet.spec.rollout.min_ready_seconds
         return [
@@ -696,24 +698,24 @@ class Facts:
             if p.ready_since is None or (self.now - p.ready_since).total_seconds() >= min_ready
         ]  # fmt: skip
 
-    @property
+    @cached_property
     def serving(self) -> list[PodView]:
         return [p for p in self.live if p.name in self.gated]
 
-    @property
+    @cached_property
     def scaling(self) -> bool:
         return len(self.live) != self.replicas or len(self.ready) < self.replicas
 
-    @property
+    @cached_property
     def progress(self) -> str:
         seeded = sum(1 for p in self.serving if p.revision == self.update)
         return f"{seeded}/{self.replicas} replicas of revision {self.update} seeded"
 
-    @property
+    @cached_property
     def ready_count(self) -> str:
         return f"{len(self.ready)}/{self.replicas} replicas ready ({len(self.live)} running)"
 
-    @property
+    @cached_property
     def settled(self) -> str:
         return f"{self.replicas} replicas of revision {self.update} seeded and ready"
 

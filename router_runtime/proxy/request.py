@@ -142,7 +142,9 @@ def parse_request(body: Any, kind: Kind) -> ParsedRequest:
         previous = _opt_str(body, "previous_response_id")
         if previous is not None and len(previous) > MAX_RESPONSE_ID:
             raise bad_request("'previous_response_id' is not a response id", "previous_response_id")
-        return ParsedRequest(kind, stream, body=body, previous_response_id=previous)
+        return ParsedRequest(
+            kind, stream, body=body, lora_name=lora_name, cache_salt=cache_salt, previous_response_id=previous
+        )
     if "messages" not in body:
         raise bad_request("'messages' is required", "messages")
     _messages(body["messages"])
