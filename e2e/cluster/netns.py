@@ -21,6 +21,10 @@ NODE_IP = "10.244.0.1"  # the node's InternalIP and the pods' gateway, on the br
 # The API server's advertise address (the `kubernetes` Service's endpoint, which pods reach it at):
 # on the bridge too, kept out of the range pods get.
 ADVERTISE_ADDRESS = "10.244.255.254"
+# A bridge without an address of its own takes the lowest MAC among its ports and changes it as veths
+# come and go (pods learn the node's address once and keep it until their neighbour entry ages out);
+# Docker and the CNI bridge plugin pin it, and so does this. Locally administered: no real NIC has it.
+BRIDGE_MAC = "02:52:46:00:00:01"
 ENV_MARKER = "ROUTERFLEET_NETNS"  # holds the inode of the netns that was set up
 
 # The run's network, as commands run inside the fresh netns: loopback, and the bridge with the node's
@@ -28,6 +32,7 @@ ENV_MARKER = "ROUTERFLEET_NETNS"  # holds the inode of the netns that was set up
 SETUP_COMMANDS = (
     ("ip", "link", "set", "lo", "up"),
     ("ip", "link", "add", BRIDGE, "type", "bridge"),
+    ("ip", "link", "set", BRIDGE, "address", BRIDGE_MAC),
     ("ip", "addr", "add", f"{NODE_IP}/16", "dev", BRIDGE),
     ("ip", "addr", "add", f"{ADVERTISE_ADDRESS}/32", "dev", BRIDGE),
     ("ip", "link", "set", BRIDGE, "up"),
