@@ -14,7 +14,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-import router_runtime.kv.plane as plane_mod
+import router_runtime.kv.readoption as readoption_mod
 import router_runtime.kv.subscription as sub_mod
 from router_runtime.fake_engine import FakeEngine, FakeEngineConfig
 from router_runtime.fake_engine.publisher import Drop
@@ -22,7 +22,8 @@ from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.kv.adoption import CarrierState, StorageIdentity
 from router_runtime.kv.events import Tier
 from router_runtime.kv.hold import HoldEnd
-from router_runtime.kv.plane import KVPlane, lookup_storage
+from router_runtime.kv.plane import KVPlane
+from router_runtime.kv.readoption import lookup_storage
 from router_runtime.kv.subscription import ReplayTimeouts
 from router_runtime.worker import Carrier, WorkerSpec
 
@@ -106,7 +107,7 @@ async def warm(plane: KVPlane, engine: FakeEngine, name: str = "e", *, pod: bool
     engine.emit(0, engine.caches[0].store(DISK, tier=Tier.DISK))
     await eventually(lambda: tiers(plane, DISK, name) == (0, 0, 2, 0), what="disk blocks indexed")
     assert tiers(plane, DEV, name) == (2, 0, 0, 0)
-    await eventually(lambda: plane._records[name].storage is not None, what="storage identity learned")
+    await eventually(lambda: plane.readoption.record(name).storage is not None, what="storage learned")
 
 
 async def back(plane: KVPlane, s: WorkerSpec) -> None:
@@ -182,7 +183,7 @@ async def test_a_container_restart_in_the_same_pod_drops_device_and_keeps_disk(t
         engine.emit(0, engine.caches[0].store(DEV))
         engine.emit(0, engine.caches[0].store(DISK, tier=Tier.DISK))
         await eventually(lambda: tiers(plane, DISK) == (0, 0, 2, 0), what="disk blocks indexed")
-        await eventually(lambda: plane._records["e"].storage is not None, what="storage identity learned")
+        await eventually(lambda: plane.readoption.record("e").storage is not None, what="storage learned")
         leave(plane)
         engine.restart()  # the container restarts: same pod UID, a new process on the same storage dir
         engine.emit(0, [])  # it has published less than its predecessor by the time we come back
@@ -233,7 +234,7 @@ async def test_a_caught_up_restart_is_not_proved_by_a_live_batch_while_the_probe
     """The new process reached exactly our cursor, keeps publishing, and its replay answers slowly (as
     vLLM's, polled between engine steps): the live batch numbered cursor + 1 arrives first and must
     not pass as continuity; the probe's payload check decides."""
-    real = plane_mod.replay
+    real = readoption_mod.replay
 
     async def slow(*a, **kw):
         await asyncio.sleep(0.2)
@@ -246,7 +247,7 @@ async def test_a_caught_up_restart_is_not_proved_by_a_live_batch_while_the_probe
         engine.restart()
         for i in range(cursor + 1):
             engine.emit(0, engine.caches[0].store([1000 + i] * BS))
-        monkeypatch.setattr(plane_mod, "replay", slow)
+        monkeypatch.setattr(readoption_mod, "replay", slow)
         plane.set_workers([in_pod(engine)])
         while plane.carrier_states() != {"e": CarrierState.OK}:  # a busy engine
             engine.publisher.publish(0, ())
@@ -261,7 +262,7 @@ async def test_a_busy_engine_that_only_flapped_is_proved_by_a_slow_probe(tmp_pat
     """The same process, publishing all along, its buffer past sequence 0, its replay answering late:
     the batches it publishes while the probe is out move our cursor, and the probe must still compare
     the batch at the cursor it asked for with the one we applied there (every tier kept)."""
-    real = plane_mod.replay
+    real = readoption_mod.replay
 
     async def slow(*a, **kw):
         await asyncio.sleep(0.1)
@@ -273,7 +274,7 @@ async def test_a_busy_engine_that_only_flapped_is_proved_by_a_slow_probe(tmp_pat
             engine.publisher.publish(0, ())
         await eventually(lambda: plane.subscriptions()[0].cursor >= 60, what="busy")
         leave(plane)  # a readiness flap: the process lives on
-        monkeypatch.setattr(plane_mod, "replay", slow)
+        monkeypatch.setattr(readoption_mod, "replay", slow)
         plane.set_workers([spec(engine)])
         while plane.carrier_states() != {"e": CarrierState.OK}:
             engine.publisher.publish(0, ())
@@ -313,7 +314,7 @@ async def test_a_failed_decision_resumes_the_rank_cold_and_its_stream_flows(tmp_
     async with fake(tmp_path) as engine, plane_for() as plane:
         await warm(plane, engine)
         leave(plane)
-        monkeypatch.setattr(plane_mod, "replay", broken)
+        monkeypatch.setattr(readoption_mod, "replay", broken)
         await back(plane, spec(engine))
         assert tiers(plane, DISK) is None and outcome(plane, "rejected") == 1
         assert sample(plane, "routerfleet_kv_ranks_cleared_total", reason="adoption_failed") == 1
@@ -416,7 +417,7 @@ async def test_the_adoption_cap_stops_a_crash_loop(tmp_path):
             plane.set_workers([spec(engine)])
             await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
             await plane.writer.drain()
-            await eventually(lambda: plane._records["e"].storage is not None, what="storage")
+            await eventually(lambda: plane.readoption.record("e").storage is not None, what="storage")
         assert (outcome(plane, "success"), outcome(plane, "rejected")) == (1, 1)
         assert tiers(plane, DISK) is None  # the second cycle was refused: dropped, cold
 
@@ -459,7 +460,8 @@ async def test_events_racing_the_adoption_are_held_and_applied_after_it(tmp_path
     gate = asyncio.Event()
 
     async def slow_lookup(s: WorkerSpec):
-        if plane._records.get("e") is not None and plane._records["e"].state is CarrierState.DISCONNECTED:
+        rec = plane.readoption.record("e")
+        if rec is not None and rec.state is CarrierState.DISCONNECTED:
             await gate.wait()
         return await lookup_storage(s)
 
@@ -488,7 +490,8 @@ async def test_every_rank_is_decided_in_one_step_and_a_second_departure_mid_deci
     gate = asyncio.Event()
 
     async def gated(s: WorkerSpec):
-        if plane._records.get("e") is not None and plane._records["e"].state is CarrierState.DISCONNECTED:
+        rec = plane.readoption.record("e")
+        if rec is not None and rec.state is CarrierState.DISCONNECTED:
             await gate.wait()
         return await lookup_storage(s)
 
@@ -510,7 +513,7 @@ async def test_every_rank_is_decided_in_one_step_and_a_second_departure_mid_deci
         for r in (0, 1):
             engine.emit(r, engine.caches[r].store(DISK, tier=Tier.DISK))
         await eventually(lambda: len(plane.index.match(DISK)) == 2, what="both ranks indexed")
-        await eventually(lambda: plane._records["e"].storage is not None, what="storage")
+        await eventually(lambda: plane.readoption.record("e").storage is not None, what="storage")
 
         def both():
             return WorkerSpec(
@@ -574,7 +577,7 @@ async def test_a_show_queued_before_a_second_departure_does_not_undo_its_hide(tm
     gate = asyncio.Event()
 
     async def gated(s):
-        rec = plane._records.get("e")
+        rec = plane.readoption.record("e")
         if rec is not None and rec.state is CarrierState.DISCONNECTED and gate_on[0]:
             await gate.wait()
         return await lookup_storage(s)
@@ -611,7 +614,7 @@ async def test_one_return_is_one_attempt_and_a_decision_of_no_rank_counts_nothin
     """dp=2, rank 1 idle (cursor -1) and its hold overflowing while its storage is checked: the return
     counts one attempt (its worst rank's outcome), and a check that decides no rank counts nothing."""
     gate = asyncio.Event()
-    real = plane_mod.replay
+    real = readoption_mod.replay
     gating = [False]
 
     async def gated_lookup(s):
@@ -638,14 +641,14 @@ async def test_one_return_is_one_attempt_and_a_decision_of_no_rank_counts_nothin
             await asyncio.sleep(0.01)
         leave(plane)
         s0, r0_ = outcome(plane, "success"), outcome(plane, "rejected")
-        monkeypatch.setattr(plane_mod, "replay", gated_replay)
+        monkeypatch.setattr(readoption_mod, "replay", gated_replay)
         gating[0] = True
         plane.set_workers([both()])
         await asyncio.sleep(0.05)
         sub1 = next(s for s in plane.subscriptions() if s.carrier.rank == 1)
-        assert Carrier("e", 1) in plane._undecided and sub1.hold is not None
+        assert Carrier("e", 1) in plane.readoption.phases() and sub1.hold is not None
         sub1.hold.end(HoldEnd.OVERFLOW)  # as a hold that overflowed
-        assert Carrier("e", 1) not in plane._undecided
+        assert Carrier("e", 1) not in plane.readoption.phases()
         gate.set()
         await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="decided")
         await plane.writer.drain()
@@ -657,7 +660,7 @@ async def test_a_catch_up_answered_by_a_process_that_then_died_is_not_spliced(tm
     """A new incarnation (p2) answers the catch-up replay from 0 and dies; its successor (p3, same
     ports) reaches the live loop from its sequence 0 before the answer is used. The answer does not
     continue p3's stream (another batch at the cursor): refused, and none of p2's blocks shows."""
-    real = plane_mod.replay
+    real = readoption_mod.replay
     sub_box = []
 
     async def racing(ctx, endpoint, start, *a, **kw):
@@ -679,7 +682,7 @@ async def test_a_catch_up_answered_by_a_process_that_then_died_is_not_spliced(tm
         engine.restart()  # p2
         for i in range(10):
             engine.emit(0, engine.caches[0].store([2000 + i] * BS))
-        monkeypatch.setattr(plane_mod, "replay", racing)
+        monkeypatch.setattr(readoption_mod, "replay", racing)
         await back(plane, spec(engine))
         assert 0 <= sub_box[1] <= 9  # the live loop held p3's batches where the answer has p2's
         shown = [i for i in range(10) if tiers(plane, [2000 + i] * BS) is not None]
@@ -705,7 +708,7 @@ async def test_a_breaker_opening_during_a_return_keeps_the_engine_hidden(tmp_pat
         plane.set_workers([spec(engine)])
         await asyncio.sleep(0.05)
         plane.engine_unreachable("e")  # breaker opens mid-decision
-        assert not plane._tasks.get("e") and not plane._undecided  # the decision is stopped
+        assert not plane.readoption.busy("e") and not plane.readoption.phases()  # the decision is stopped
         gate.set()
         await plane.writer.drain()
         assert plane.carrier_states() == {"e": CarrierState.DISCONNECTED}
@@ -731,7 +734,7 @@ async def test_gapless_returns_of_a_live_process_do_not_fill_the_adoption_cap(tm
         for r in range(3):
             engine.emit(r, engine.caches[r].store(DISK, tier=Tier.DISK))
         await eventually(lambda: len(plane.index.match(DISK)) == 3, what="indexed")
-        await eventually(lambda: plane._records["e"].storage is not None, what="storage")
+        await eventually(lambda: plane.readoption.record("e").storage is not None, what="storage")
         for r in range(3):
             for _ in range(8):
                 engine.publisher.publish(r, ())
@@ -773,14 +776,14 @@ async def test_a_rank_is_shown_only_after_its_held_batches_apply(tmp_path):
 def probe_waits(monkeypatch, engine: FakeEngine, until) -> None:
     """Rank 0's probe (a replay from its cursor, not from 0) answers only after ``await until()``:
     a busy engine serves its replay socket late."""
-    real = plane_mod.replay
+    real = readoption_mod.replay
 
     async def late(ctx, endpoint, start, *a, **kw):
         if endpoint == engine.replay_endpoint(0) and start != 0:
             await until()
         return await real(ctx, endpoint, start, *a, **kw)
 
-    monkeypatch.setattr(plane_mod, "replay", late)
+    monkeypatch.setattr(readoption_mod, "replay", late)
 
 
 def dp2(engine: FakeEngine) -> WorkerSpec:
@@ -796,7 +799,7 @@ async def adopted_with_an_idle_rank(plane: KVPlane, engine: FakeEngine) -> tuple
     for r in (0, 1):
         engine.emit(r, engine.caches[r].store(DISK, tier=Tier.DISK))
     await eventually(lambda: len(plane.index.match(DISK)) == 2, what="both ranks indexed")
-    await eventually(lambda: plane._records["e"].storage is not None, what="storage")
+    await eventually(lambda: plane.readoption.record("e").storage is not None, what="storage")
     leave(plane)
     engine.restart()
     await back(plane, dp2(engine))
@@ -813,13 +816,12 @@ async def adopted_with_an_idle_rank(plane: KVPlane, engine: FakeEngine) -> tuple
 async def test_an_idle_rank_of_a_live_process_does_not_fill_the_adoption_cap(tmp_path):
     async with fake(tmp_path, dp_size=2, replay_buffer=8) as engine, plane_for() as plane:
         await adopted_with_an_idle_rank(plane, engine)
-        key = plane._cap_key(plane._records["e"])
-        cap_uses = len(plane._cap._seen.get(key, ()))
+        cap_uses = plane.readoption.cap_uses("e")
         for _ in range(4):  # readiness flaps of the same live process
             leave(plane)
             await back(plane, dp2(engine))
             assert len(plane.index.match(DISK)) == 2
-        assert len(plane._cap._seen.get(key, ())) == cap_uses
+        assert plane.readoption.cap_uses("e") == cap_uses
         assert outcome(plane, "rejected") == 0
 
 
@@ -839,7 +841,7 @@ async def test_an_identity_that_cannot_be_learned_is_not_replaced_by_the_old_one
         engine.restart()
         current[0] = None
         await back(plane, spec(engine))
-        assert tiers(plane, DISK) is None and plane._records["e"].storage is None
+        assert tiers(plane, DISK) is None and plane.readoption.record("e").storage is None
         await join(plane, engine)
         engine.emit(0, engine.caches[0].store(fresh, tier=Tier.DISK))
         await eventually(lambda: tiers(plane, fresh) == (0, 0, 2, 0), what="blocks under no identity")
@@ -872,7 +874,7 @@ async def test_an_identity_change_seen_by_an_idle_rank_is_judged_for_the_whole_e
         current[0] = s2
         probe_waits(monkeypatch, engine, gate.wait)
         await back(plane, dp2(engine))  # decided without rank 0's probe: rank 1's check escalated
-        assert outcome(plane, "identity_mismatch") == 1 and plane._records["e"].storage == s2
+        assert outcome(plane, "identity_mismatch") == 1 and plane.readoption.record("e").storage == s2
         assert plane.index.match(DISK) == {}
         gate.set()
         sub1 = next(s for s in plane.subscriptions() if s.carrier.rank == 1)
@@ -921,7 +923,7 @@ async def test_a_catch_up_must_contain_what_the_live_loop_held_before(tmp_path, 
         engine.restart()  # P dies; P' on the same disk, publishes nothing yet
         assert not engine.caches[1].device_hashes()
         gate_lookup.set()
-        await eventually(lambda: Carrier("e", 1) not in plane._undecided, what="rank 1 decided")
+        await eventually(lambda: Carrier("e", 1) not in plane.readoption.phases(), what="rank 1 decided")
         gate_probe.set()
         await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="settled")
         await plane.writer.drain()
@@ -1051,7 +1053,7 @@ async def test_ranks_kept_before_a_restart_shows_are_judged_with_the_new_process
         engine.restart()
         probe_waits(monkeypatch, engine, gate.wait)
         plane.set_workers([dp2(engine)])
-        await eventually(lambda: Carrier("e", 1) not in plane._undecided, what="rank 1 kept under s1")
+        await eventually(lambda: Carrier("e", 1) not in plane.readoption.phases(), what="rank 1 kept")
         cur[0] = s2
         gate.set()
         await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="settled")
@@ -1156,7 +1158,7 @@ async def test_the_host_tier_is_not_adopted_across_a_restart(tmp_path):
 
 
 def gated_replay(gate):
-    real = plane_mod.replay
+    real = readoption_mod.replay
 
     async def gated(*a, **kw):
         await gate.wait()
@@ -1174,15 +1176,15 @@ async def test_evictions_held_by_a_return_cut_short_are_kept(tmp_path, monkeypat
     async with fake(tmp_path) as engine, plane_for() as plane:
         await warm(plane, engine)
         leave(plane)
-        real = plane_mod.replay
-        probe_start = plane._records["e"].positions[0].cursor
+        real = readoption_mod.replay
+        probe_start = plane.readoption.record("e").positions[0].cursor
 
         async def gated(ctx, endpoint, start, *a, **kw):
             if start == probe_start:  # the probe (a gap fill asks from cursor + 1)
                 await gate.wait()
             return await real(ctx, endpoint, start, *a, **kw)
 
-        monkeypatch.setattr(plane_mod, "replay", gated)
+        monkeypatch.setattr(readoption_mod, "replay", gated)
         plane.set_workers([spec(engine)])  # same process returns; its probe waits
         sub = plane.subscriptions()[0]
         await eventually(lambda: sub.connected, what="connected")
@@ -1203,7 +1205,7 @@ async def test_evictions_held_by_a_breaker_return_cut_short_are_kept(tmp_path, m
     async with fake(tmp_path) as engine, plane_for() as plane:
         await warm(plane, engine)
         plane.engine_unreachable("e")
-        monkeypatch.setattr(plane_mod, "replay", gated_replay(gate))
+        monkeypatch.setattr(readoption_mod, "replay", gated_replay(gate))
         plane.engine_reachable("e")  # held and probed
         sub = plane.subscriptions()[0]
         engine.admit(0, DISK, engine.caches[0].chain(DISK)[0].namespace)
@@ -1223,15 +1225,15 @@ async def test_evictions_of_the_old_process_held_before_a_restart_shows_are_kept
     async with fake(tmp_path) as engine, plane_for() as plane:
         await warm(plane, engine, pod=True)
         leave(plane)
-        real = plane_mod.replay
-        probe_start = plane._records["e"].positions[0].cursor
+        real = readoption_mod.replay
+        probe_start = plane.readoption.record("e").positions[0].cursor
 
         async def gated(ctx, endpoint, start, *a, **kw):
             if start == probe_start:
                 await gate.wait()
             return await real(ctx, endpoint, start, *a, **kw)
 
-        monkeypatch.setattr(plane_mod, "replay", gated)
+        monkeypatch.setattr(readoption_mod, "replay", gated)
         plane.set_workers([in_pod(engine)])
         sub = plane.subscriptions()[0]
         await eventually(lambda: sub.connected, what="connected")
@@ -1268,7 +1270,7 @@ async def test_a_gap_fill_spanning_a_reset_does_not_splice_a_dead_process(tmp_pa
         engine.restart()  # p2
         for _ in range(K + 2):  # p2: 0 .. K+1
             engine.publisher.publish(0, ())
-        real_p, real_s = plane_mod.replay, sub_mod.replay
+        real_p, real_s = readoption_mod.replay, sub_mod.replay
 
         async def probe(ctx, endpoint, start, *a, **kw):
             if start == K:
@@ -1283,7 +1285,7 @@ async def test_a_gap_fill_spanning_a_reset_does_not_splice_a_dead_process(tmp_pa
                 await fill_gate.wait()
             return await real_s(ctx, endpoint, start, *a, **kw)
 
-        monkeypatch.setattr(plane_mod, "replay", probe)
+        monkeypatch.setattr(readoption_mod, "replay", probe)
         monkeypatch.setattr(sub_mod, "replay", fill)
         gating[0] = True
         plane.set_workers([in_pod(engine)])

@@ -153,7 +153,7 @@ async def test_a_publisher_restart_under_a_hold_that_judges_it_is_held_not_clear
         pub.publish(0, [store(2, [5, 6, 7, 8])])
         await eventually(lambda: matched(plane, [5, 6, 7, 8]), what="stores")
         sub = plane.subscriptions()[0]
-        sub.hold = hold = Judging()
+        sub.attach(hold := Judging())
         pub.reset()
         pub.publish(0, [store(3, [7, 7, 7, 7])])
         pub.publish(0, [store(4, [8, 8, 8, 8])])
@@ -161,7 +161,7 @@ async def test_a_publisher_restart_under_a_hold_that_judges_it_is_held_not_clear
         assert hold.restarts == 1 and [b.seq for b in hold.take()] == [0, 1]
         assert sample(plane, "routerfleet_kv_ranks_cleared_total", reason="publisher_restart") == 0
         assert matched(plane, [5, 6, 7, 8]) == {Carrier(ENGINE, 0): 1}  # the index untouched
-        sub.hold = plain = RankHold()
+        sub.attach(plain := RankHold())
         pub.reset()
         pub.publish(0, [store(5, [9, 9, 9, 9])])
         await eventually(

@@ -181,7 +181,7 @@ class Bootstrapper:
         boot = RankBoot(epoch=(old.epoch + 1) if old else 1, since=now)
         self.ranks[c] = boot
         self._subs[c] = sub
-        sub.hold = self._new_hold(c, boot.epoch)
+        sub.attach(self._new_hold(c, boot.epoch))
         sub.on_splice = lambda seq, c=c, e=boot.epoch: self._spliced(c, e, seq)
         if self.config.origin and sub.endpoints.replay:
             boot.origin = asyncio.create_task(self._origin(c, boot.epoch, sub.endpoints.replay))
@@ -538,12 +538,8 @@ class Bootstrapper:
 
     def _release(self, c: Carrier) -> None:
         sub = self._subs.get(c)
-        if sub is None or sub.hold is None:
-            return
-        held = sub.hold.abandon()
-        for b in held:
-            if not self.plane.writer.submit_batch(c, b):
-                self.plane.writer.submit_clear(c, ClearReason.OVERFLOW)
+        if sub is not None:
+            sub.release()
 
     async def _graft(self, vetted: VettedSnapshot, live: set[Carrier]) -> None:
         ours = {c for c in live if c in vetted.cursors}
@@ -591,11 +587,8 @@ class Bootstrapper:
         rest = [b for b in hold.take() if b.seq > cursor]
         if rest and rest[0].seq != cursor + 1:
             return self._gap(c, rest)
-        hold.abandon()  # emptied above: rest is what it held
-        writer = self.plane.writer
-        for b in rest:
-            if not writer.submit_batch(c, b):
-                writer.submit_clear(c, ClearReason.OVERFLOW)
+        sub.detach()  # emptied above: rest is what it held
+        sub.submit(rest)
         if rest or exact:
             if not rest:  # the next live batch must still join; a hole then turns the rank cold
                 boot.watermark = cursor
@@ -630,9 +623,8 @@ class Bootstrapper:
         self.plane.writer.submit_clear(c, ClearReason.UNCOVERED_GAP)
         boot.epoch += 1
         if boot.retried:
-            sub.hold.abandon()  # emptied already: rest is what it held
-            for b in rest:
-                self.plane.writer.submit_batch(c, b)
+            sub.detach()  # emptied already: rest is what it held
+            sub.submit(rest)
             self._settle(c, RankOutcome.GAP)
             return
         boot.retried = True
@@ -641,7 +633,7 @@ class Bootstrapper:
         hold = self._new_hold(c, boot.epoch)
         for b in rest:
             hold.add(b)
-        sub.hold = hold
+        sub.attach(hold)
         sub.on_splice = lambda seq, c=c, e=boot.epoch: self._spliced(c, e, seq)
         self._queue.add(c)
         self._wake.set()
@@ -653,7 +645,7 @@ class Bootstrapper:
         a partial history: anything less leaves the rank to the peer sweep, or cold."""
         cfg = self.config
         result = await replay(
-            self.plane._ctx,
+            self.plane.ctx,
             endpoint,
             0,
             ReplayTimeouts(cfg.origin_idle_s, cfg.origin_timeout_s),

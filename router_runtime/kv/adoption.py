@@ -152,6 +152,9 @@ class AdoptionCap:
             q.popleft()
         return self.cap > 0 and len(q) >= self.cap
 
+    def uses(self, key: str) -> int:
+        return len(self._seen.get(key, ()))
+
     def record(self, key: str, now: float) -> None:
         self._seen.setdefault(key, deque()).append(now)
 

@@ -119,7 +119,8 @@ class RankSubscription:
         # Since when the engine owes us a batch: a request it served stored new blocks (the proxy
         # says so, ``expect_batch``). A batch arriving after that pays the debt.
         self.owed_since: float | None = None
-        # Set by the bootstrap while this rank is pending: batches wait here instead of the writer.
+        # While a bootstrap or a re-adoption decides this rank, its batches wait here instead of the
+        # writer. Its one owner sets and ends it with ``attach`` / ``detach`` / ``release``.
         self.hold: RankHold | None = None
         # Set by the bootstrap after a graft whose held batches did not reach past the snapshot's
         # cursor: batches at or below it are already in the graft and are dropped; the first one above
@@ -147,6 +148,39 @@ class RankSubscription:
         self.cursor, self.live_last, self.cursor_hash = p.cursor, p.live_last, p.cursor_hash
         self._recent = {} if p.cursor_hash is None else {p.cursor: p.cursor_hash}
         self._resumes += 1  # a gap fill in flight is filling from the old cursor: it must start over
+
+    # ---- holding -------------------------------------------------------------------------------
+
+    def attach(self, hold: RankHold) -> None:
+        """From now on batches wait in ``hold`` instead of reaching the writer. One attached already is
+        replaced: its owner has judged what it held (``detach`` it first to keep that)."""
+        self.hold = hold
+
+    def detach(self) -> list[SequencedBatch]:
+        """The owner is done with the hold: batches flow to the writer again. Returns what it held, in
+        order (nothing once it ended: ``RankHold.end`` dropped it)."""
+        hold, self.hold = self.hold, None
+        return hold.abandon() if hold is not None else []
+
+    def submit(self, batches: list[SequencedBatch]) -> bool:
+        """Hand held batches to the writer, in order. False: the writer's queue overflowed, so the rank
+        was cleared (cold) and the rest dropped (applying them past the hole would be a guess)."""
+        for b in batches:
+            if not self.writer.submit_batch(self.carrier, b):
+                self._clear(ClearReason.OVERFLOW)
+                return False
+        return True
+
+    def release(self) -> bool:
+        """Detach the hold and hand what it held to the writer (``submit``)."""
+        return self.submit(self.detach())
+
+    def accept_replayed(self, batches: list[tuple[int, bytes]]) -> None:
+        """Replayed ``(seq, payload)`` batches that continue this rank's cursor, applied in order (held,
+        if a hold is attached); those the live loop or a gap fill took meanwhile are skipped."""
+        for seq, payload in batches:
+            if self.cursor is not None and seq == self.cursor + 1:
+                self._accept(seq, payload)
 
     # ---- the live loop -------------------------------------------------------------------------
 
