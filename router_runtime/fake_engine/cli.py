@@ -13,7 +13,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import zmq
 
@@ -24,26 +24,10 @@ from router_runtime.fake_engine.config import (
     FakeEngineConfig,
 )
 from router_runtime.fake_engine.server import FakeEngine
+from router_runtime.flags import Count, Real
 from router_runtime.kv.events import Dialect
 
 log = logging.getLogger("router_runtime.fake_engine")
-
-
-def _bounded(kind: Callable[[str], float], lo: float, hi: float | None = None) -> Callable[[str], float]:
-    """An argparse type: ``kind`` within [lo, hi]; argparse names the flag in its error line."""
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a valid {kind.__name__}: {text!r}") from None
-        if value < lo or (hi is not None and value > hi):
-            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,19 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="A deterministic fake vLLM/SGLang engine: OpenAI HTTP API plus real-wire ZMQ KV events.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    port = _bounded(int, 0, 65535)
+    port = Count(0, 65535).parse
     p.add_argument("--host", default="0.0.0.0", help="bind host for HTTP and ZMQ (0.0.0.0 binds ZMQ on *)")
     p.add_argument("--port", type=port, default=8000, help="HTTP port (0 = ephemeral)")
     p.add_argument("--kv-port", type=port, default=DEFAULT_KV_PORT, help="PUB base port; rank r uses base+r")
     p.add_argument("--replay-port", type=port, default=DEFAULT_REPLAY_PORT, help="replay ROUTER base port")
-    p.add_argument("--dp-size", type=_bounded(int, 1, 256), default=d.dp_size, help="data-parallel ranks")
-    p.add_argument("--block-size", type=_bounded(int, 1), default=d.block_size, help="tokens per block")
+    p.add_argument("--dp-size", type=Count(1, 256).parse, default=d.dp_size, help="data-parallel ranks")
+    p.add_argument("--block-size", type=Count(1).parse, default=d.block_size, help="tokens per block")
     p.add_argument(
-        "--capacity-blocks", type=_bounded(int, 1), default=d.capacity_blocks, help="device blocks per rank"
+        "--capacity-blocks", type=Count(1).parse, default=d.capacity_blocks, help="device blocks per rank"
     )
     p.add_argument(
         "--host-capacity-blocks",
-        type=_bounded(int, 0),
+        type=Count(0).parse,
         default=d.host_capacity_blocks,
         help="host-tier blocks per rank (0 = no host tier)",
     )
@@ -76,36 +60,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--disk-capacity-blocks",
-        type=_bounded(int, 0),
+        type=Count(0).parse,
         default=d.disk_capacity_blocks,
         help="disk-tier blocks per rank (needs --storage-dir; 0 = no disk tier)",
     )
     p.add_argument("--dialect", choices=[x.value for x in Dialect], default=d.dialect.value)
     p.add_argument("--topic", default=d.topic, help="ZMQ topic (default empty, like vLLM)")
     p.add_argument(
-        "--replay-buffer", type=_bounded(int, 1), default=d.replay_buffer, help="batches kept for replay"
+        "--replay-buffer", type=Count(1).parse, default=d.replay_buffer, help="batches kept for replay"
     )
     p.add_argument(
         "--prefill-us-per-token",
-        type=_bounded(float, 0),
+        type=Real(0).parse,
         default=d.prefill_us_per_token,
         help="simulated prefill time per uncached prompt token",
     )
     p.add_argument(
         "--decode-tokens-per-s",
-        type=_bounded(float, 0),
+        type=Real(0).parse,
         default=d.decode_tokens_per_s,
         help="simulated decode rate (0 = instant)",
     )
     p.add_argument(
         "--max-concurrency",
-        type=_bounded(int, 0),
+        type=Count(0).parse,
         default=d.max_concurrency,
         help="requests running at once; the rest queue (0 = unlimited)",
     )
     p.add_argument(
         "--max-model-len",
-        type=_bounded(int, 1),
+        type=Count(1).parse,
         default=d.max_model_len,
         help=f"prompt + max_tokens must fit in this many tokens, as in vLLM (default {d.max_model_len})",
     )
