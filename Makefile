@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup test lint kube helm prometheus redis manifests demo bench clean
+.PHONY: setup test lint kube helm prometheus redis iptables manifests demo bench clean
 
 setup: $(VENV)/.installed
 
@@ -52,13 +52,16 @@ kube:
 helm:
 	@nice -n 10 bash e2e/helm/build.sh >/dev/null
 
-# Servers from Debian's packages (e2e/debian/install.sh): Prometheus for the dashboard test
+# Tools from Debian's packages (e2e/debian/install.sh): Prometheus for the dashboard test
 # (tests/e2e/test_prometheus.py), redis-server for the shared session store's tests
-# (tests/test_session_store.py). No-ops once installed; root on a new machine.
+# (tests/test_session_store.py), iptables for the soak's partition fault (e2e/soak.py). No-ops once
+# installed; root on a new machine.
 prometheus:
 	@bash e2e/debian/install.sh prometheus prometheus
 redis:
 	@bash e2e/debian/install.sh redis-server redis-server
+iptables:
+	@bash e2e/debian/install.sh iptables iptables
 
 # manifests/operator/operator.yaml is the chart rendered for `kubectl apply -k` (tests/test_chart.py
 # checks it is current): edit the chart, then run this.
@@ -71,7 +74,7 @@ manifests: setup helm
 #   .venv/bin/python -m pytest tests/e2e/test_node_agent.py::test_serviceaccount_token_and_rbac
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
-test: lint kube helm prometheus redis
+test: lint kube helm prometheus redis iptables
 	@export ROUTERFLEET_KUBE_BIN=$$(bash e2e/kube/build.sh | tail -1) ROUTERFLEET_HELM_BIN=$$(bash e2e/helm/build.sh | tail -1); \
 	$(PYTEST) -m "not e2e"; rc=$$?; [ $$rc -eq 5 ] && rc=0; [ $$rc -eq 0 ] || exit $$rc; \
 	$(BIN)/python -m e2e.cluster pytest -q -p no:cacheprovider tests/e2e; \

@@ -61,6 +61,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -835,6 +836,10 @@ def soak(kube: T.Kube, provider, ns: str, *, seed: int, faults: list[str], round
          converge_timeout: float = 150.0, settle_s: float = 20.0) -> list[str]:  # fmt: skip
     """Set up in ``ns`` (the operator cluster-wide) on the local ``provider``'s cluster, run, report;
     the failures (empty: passed). A failed run leaves a dump of both namespaces in a file it names."""
+    if "kv_stream_dropped" in faults and shutil.which("iptables") is None:
+        raise RuntimeError(
+            "iptables not found: the kv_stream_dropped fault drops packets with it (make iptables)"
+        )
     s = Soak(kube, provider.cluster, ns, seed, converge_timeout)
     say("installing the operator (manifests/operator) ...")
     s.install_operator()

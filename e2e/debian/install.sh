@@ -4,6 +4,7 @@
 # its own server (Prometheus inside the cluster's network namespace, redis-server on loopback).
 #   e2e/debian/install.sh prometheus prometheus      # tests/e2e/test_prometheus.py
 #   e2e/debian/install.sh redis-server redis-server  # tests/test_session_store.py
+#   e2e/debian/install.sh iptables iptables          # e2e/soak.py (the kv_stream_dropped fault)
 set -euo pipefail
 package=${1:?usage: install.sh PACKAGE COMMAND} command=${2:?usage: install.sh PACKAGE COMMAND}
 command -v "$command" >/dev/null 2>&1 && exit 0
