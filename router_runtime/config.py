@@ -760,13 +760,13 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         parser.error("argument --kv-peer-selector: needs --k8s-selector")
     if (c.kv_peers or c.kv_peer_selector) and not c.internal_token_file:
         parser.error("argument --kv-peer/--kv-peer-selector: needs --internal-token-file")
-    for flag, path, needs in (
-        ("--internal-token-file", c.internal_token_file, None),
-        ("--session-store-password-file", c.session_store_password_file, c.session_store),
+    if c.session_store_password_file and not c.session_store:
+        parser.error("argument --session-store-password-file: needs --session-store")
+    for flag, path in (
+        ("--internal-token-file", c.internal_token_file),
+        ("--session-store-password-file", c.session_store_password_file),
     ):
         if path:
-            if needs is None and flag == "--session-store-password-file":
-                parser.error(f"argument {flag}: needs --session-store")
             try:
                 read_token(path)
             except (OSError, ValueError) as exc:

@@ -117,14 +117,12 @@ class Readoption:
         return self.grace_s > 0
 
     def stop(self) -> list[asyncio.Task]:
-        """Cancel the timers; hand back the tasks in flight (cancelled) for the plane to await."""
+        """Cancel the timers; hand the tasks in flight to the plane, which cancels and awaits them."""
         for h in self._timers.values():
             h.cancel()
         self._timers.clear()
         tasks = [t for ts in self._tasks.values() for t in ts]
         self._tasks.clear()
-        for t in tasks:
-            t.cancel()
         return tasks
 
     # ---- reads ---------------------------------------------------------------------------------
@@ -229,11 +227,12 @@ class Readoption:
         rec = self._records.get(spec.engine)
         if rec is None or rec.state is not CarrierState.DISCONNECTED:
             return
-        subs = {c.rank: self.plane.subscription(c) for c in spec.carriers()}
-        if any(s is None for s in subs.values()) or any(c in self._undecided for c in spec.carriers()):
+        carriers = spec.carriers()
+        subs = {c.rank: sub for c in carriers if (sub := self.plane.subscription(c)) is not None}
+        if len(subs) < len(carriers) or any(c in self._undecided for c in carriers):
             return  # it left discovery meanwhile, or returned: the discovery path decides
         rec.generation += 1
-        self._await_proof(rec, rec.generation, spec, True, subs)  # type: ignore[arg-type]
+        self._await_proof(rec, rec.generation, spec, True, subs)
 
     def disconnect(self, spec: WorkerSpec, cause: DisconnectCause) -> None:
         """OK -> DISCONNECTED: hide every carrier at once (readers never see it again until adopted),
