@@ -8,7 +8,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOTS = (Path("router_runtime"), Path("operator/routerfleet_operator"))
+ROOTS = (Path("router_runtime"), Path("routerfleet_kube"), Path("operator/routerfleet_operator"))
 
 
 def plane(path: Path) -> str:

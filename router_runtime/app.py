@@ -19,6 +19,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from routerfleet_kube import default_namespace
+
 from .bootstrap.fetch import SnapshotFetcher
 from .bootstrap.http import internal_app, read_token
 from .bootstrap.metrics import BootstrapMetrics
@@ -29,7 +31,7 @@ from .bootstrap.sweep import BootstrapConfig, Bootstrapper
 from .bootstrap.vetting import HashingConfig
 from .config import RouterConfig
 from .discovery.endpointslices import EngineDiscoveryConfig, port_ref
-from .discovery.kubernetes import EndpointSliceWatcher, default_namespace
+from .discovery.kubernetes import EndpointSliceWatcher
 from .fleet.board import LoadBoard
 from .fleet.engine_metrics import EngineLoadScraper, ScrapeConfig
 from .fleet.gossip import GossipConfig, LoadGossip, PeerReport, ReportOutcome

@@ -10,7 +10,7 @@ from typing import Any
 from .bootstrap.http import read_token
 from .discovery.static import parse_worker
 from .discovery.storage_annotation import validate_annotation_key
-from .flags import PORT, Bytes, Count, Flag, Ms, Seconds, Switch, Text
+from .flags import PORT, Bytes, Count, Flag, Ms, Real, Seconds, Switch, Text
 from .proxy.endpoints import allowed_path
 from .proxy.serving import ServerLimits
 from .routing.policies import POLICY_NAMES, PolicyConfig
@@ -127,8 +127,7 @@ def _annotation_key(text: str) -> str:
         raise ValueError(f"not a Kubernetes annotation key: {exc}") from None
 
 
-# (group title, its flags); None: the parser's own options. The policy tunables are derived from
-# PolicyConfig's fields (``_add_policy_flag``) and follow --policy.
+# (group title, its flags); None: the parser's own options.
 FLAGS: tuple[tuple[str | None, tuple[Flag, ...]], ...] = (
     (
         None,
@@ -194,6 +193,69 @@ FLAGS: tuple[tuple[str | None, tuple[Flag, ...]], ...] = (
         "routing",
         (
             Flag("--policy", "policy", Text(choices=POLICY_NAMES), "routing policy"),
+            # the policies' tunables (PolicyConfig), each named for the policies it tunes
+            Flag(
+                "--balance-abs-threshold",
+                "policy_config.balance_abs_threshold",
+                Count(0),
+                "imbalance guard: least loaded when the in-flight spread max - min exceeds this and"
+                " max > min * --balance-rel-threshold",
+            ),
+            Flag(
+                "--balance-rel-threshold",
+                "policy_config.balance_rel_threshold",
+                Real(1.0),
+                "imbalance guard: see --balance-abs-threshold",
+            ),
+            Flag(
+                "--host-weight",
+                "policy_config.host_weight",
+                Real(0.0, hi=1.0),
+                "kv_aware: credit of a block held in host memory (device = 1)",
+            ),
+            Flag(
+                "--disk-weight",
+                "policy_config.disk_weight",
+                Real(0.0, hi=1.0),
+                "kv_aware: credit of a block held on disk",
+            ),
+            Flag(
+                "--external-weight",
+                "policy_config.external_weight",
+                Real(0.0, hi=1.0),
+                "kv_aware: credit of a block held in an external store",
+            ),
+            Flag(
+                "--load-cost-tokens",
+                "policy_config.load_cost_tokens",
+                Real(0.0),
+                "kv_aware: one in-flight request costs as much as prefilling this many tokens",
+            ),
+            Flag(
+                "--spread-ties",
+                "policy_config.spread_ties",
+                Switch(),
+                "kv_aware: break ties by a hash of the request (else target order)",
+            ),
+            Flag(
+                "--cache-threshold",
+                "policy_config.cache_threshold",
+                Real(0.0, hi=1.0),
+                "approx_prefix: route by prefix above this matched fraction of the text",
+            ),
+            Flag(
+                "--max-tree-size",
+                "policy_config.max_tree_size",
+                Count(1),
+                "approx_prefix: characters per target's text tree before LRU eviction",
+            ),
+            Flag(
+                "--seed",
+                "policy_config.seed",
+                Count(None),
+                "power_of_two: random seed",
+                default_text="OS entropy",
+            ),
             Flag(
                 "--tokenizer",
                 "tokenizer",
@@ -620,7 +682,12 @@ FLAGS: tuple[tuple[str | None, tuple[Flag, ...]], ...] = (
 )
 
 # The nested configs a dotted path may name, each built from its flags over its own defaults.
-_NESTED = {"server": "client connections", "sessions": "session affinity", "responses": "response bindings"}
+_NESTED = {
+    "server": "client connections",
+    "sessions": "session affinity",
+    "responses": "response bindings",
+    "policy_config": "routing",
+}
 
 
 def _default(path: str) -> Any:
@@ -640,9 +707,6 @@ def build_parser() -> argparse.ArgumentParser:
         group = p if title is None else p.add_argument_group(title)
         for flag in flags:
             flag.kind.add(group, flag, _default(flag.path))
-            if flag.name == "--policy":
-                for f in dataclasses.fields(PolicyConfig):
-                    _add_policy_flag(group, f)
     return p
 
 
@@ -666,69 +730,6 @@ def _config_values(parser: argparse.ArgumentParser, a: argparse.Namespace) -> di
     return top
 
 
-_POLICY_HELP = {
-    "balance_abs_threshold": "imbalance guard: least loaded when the in-flight spread max - min exceeds "
-    "this and max > min * --balance-rel-threshold",
-    "balance_rel_threshold": "imbalance guard: see --balance-abs-threshold",
-    "host_weight": "kv_aware: credit of a block held in host memory (device = 1)",
-    "disk_weight": "kv_aware: credit of a block held on disk",
-    "external_weight": "kv_aware: credit of a block held in an external store",
-    "load_cost_tokens": "kv_aware: one in-flight request costs as much as prefilling this many tokens",
-    "spread_ties": "kv_aware: break ties by a hash of the request (else target order)",
-    "cache_threshold": "approx_prefix: route by prefix above this matched fraction of the text",
-    "max_tree_size": "approx_prefix: characters per target's text tree before LRU eviction",
-    "seed": "power_of_two: random seed (default: OS entropy)",
-}
-
-
-def _policy_flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _add_policy_flag(group, f: dataclasses.Field) -> None:
-    """One flag per PolicyConfig field, typed after its default, so new tunables get flags for free."""
-    default = f.default if f.default is not dataclasses.MISSING else None
-    help_ = _POLICY_HELP.get(f.name, "routing tunable")
-    if isinstance(default, bool):
-        group.add_argument(
-            _policy_flag(f.name),
-            dest=f"policy_{f.name}",
-            action=argparse.BooleanOptionalAction,
-            default=default,
-            help=f"{help_} (default {default})",
-        )
-        return
-    annotation = str(f.type)
-    if isinstance(default, float) or annotation.startswith("float"):
-        kind = float
-    elif isinstance(default, str) or annotation.startswith("str"):
-        kind = str
-    else:
-        kind = int
-    group.add_argument(
-        _policy_flag(f.name),
-        dest=f"policy_{f.name}",
-        type=kind,
-        default=default,
-        metavar=kind.__name__.upper(),
-        help=help_ if default is None else f"{help_} (default {default})",
-    )
-
-
-def _policy_config(parser: argparse.ArgumentParser, a: argparse.Namespace) -> PolicyConfig:
-    values = {f.name: getattr(a, f"policy_{f.name}") for f in dataclasses.fields(PolicyConfig)}
-    for name, value in values.items():  # one at a time, so the error names the flag
-        try:
-            PolicyConfig(**{name: value})
-        except ValueError as exc:
-            parser.error(f"argument {_policy_flag(name)}: {exc}")
-    try:
-        return PolicyConfig(**values)
-    except ValueError as exc:
-        parser.error(str(exc))
-        raise  # unreachable: error() exits
-
-
 def _check_tokenizer(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.tokenizer == ENGINE_TOKENIZER:
         if a.chat_template is not None:
@@ -746,7 +747,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     parser = build_parser()
     a = parser.parse_args(argv)
     _check_tokenizer(parser, a)
-    c = RouterConfig(**_config_values(parser, a), policy_config=_policy_config(parser, a))
+    c = RouterConfig(**_config_values(parser, a))
     engines = [w.engine for w in c.workers]
     if len(set(engines)) != len(engines):
         parser.error("argument --worker: the same url is listed twice")

@@ -11,23 +11,31 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 
-def _integer(text: str, lo: int) -> int:
-    what = "a positive integer" if lo == 1 else "a non-negative integer" if lo == 0 else f"an integer >= {lo}"
+def _integer(text: str, lo: int | None) -> int:
+    what = (
+        "an integer"
+        if lo is None
+        else "a positive integer"
+        if lo == 1
+        else "a non-negative integer"
+        if lo == 0
+        else f"an integer >= {lo}"
+    )
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if v < lo:
+    if lo is not None and v < lo:
         raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
     return v
 
 
 @dataclass(frozen=True, slots=True)
 class Count:
-    """An integer within ``lo..hi``, the config's value as it is."""
+    """An integer within ``lo..hi`` (None: unbounded), the config's value as it is."""
 
     metavar: ClassVar[str] = "N"
-    lo: int = 1
+    lo: int | None = 1
     hi: int | None = None
 
     def parse(self, text: str) -> int:
@@ -85,11 +93,12 @@ class Ms(Count):
 
 @dataclass(frozen=True, slots=True)
 class Real:
-    """A finite number: at least ``lo``, or above it when ``strict``."""
+    """A finite number: at least ``lo``, or above it when ``strict``; at most ``hi``, if given."""
 
     metavar: ClassVar[str] = "X"
     lo: float = 0.0
     strict: bool = False
+    hi: float | None = None
 
     def parse(self, text: str) -> float:
         try:
@@ -100,6 +109,8 @@ class Real:
             raise argparse.ArgumentTypeError(
                 f"expected {'>' if self.strict else '>='} {self.lo:g}, got {text}"
             )
+        if self.hi is not None and v > self.hi:
+            raise argparse.ArgumentTypeError(f"expected {self.lo:g}..{self.hi:g}, got {text}")
         return v
 
     def add(self, group: Any, flag: Flag, default: Any) -> None:

@@ -48,8 +48,9 @@ async def join_all(router, engines: Iterable[FakeEngine]) -> None:
 async def join_stream(publisher: KvPublisher, sub: RankSubscription, rank: int = 0) -> None:
     """ZMQ drops what a PUB sends before the SUB's subscription arrives, so publish empty batches until
     the subscription has taken one: from then on the stream is contiguous. (A cursor of -1 waits for
-    a new publisher's first batch.)"""
-    deadline = time.monotonic() + 5
+    a new publisher's first batch.) The bound only tells a hang from a join: a suite loading both cores
+    has taken over 5 s to deliver the first batch."""
+    deadline = time.monotonic() + 30
     while sub.cursor is None or sub.cursor < 0:
         if time.monotonic() > deadline:
             raise AssertionError(f"subscription {sub.carrier} never received a batch")

@@ -1,13 +1,11 @@
 """Kubernetes discovery without a cluster: EndpointSlices -> WorkerSpecs (pure), /server_info parsing
 (pure), and the list/watch state machine driven by an in-memory fake API server. No network; the
-credential tests at the end read small kubeconfig files they write under tmp_path."""
+client's own tests (watch bodies, credentials) are in test_kube_client.py."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import ssl
 from datetime import UTC, datetime
 
 import aiohttp
@@ -18,7 +16,6 @@ from kubernetes.client import V1EndpointConditions as V1Cond
 from kubernetes.config import ConfigException
 from prometheus_client import CollectorRegistry
 
-from router_runtime.discovery import kubernetes as kubernetes_discovery
 from router_runtime.discovery.endpointslices import (
     EngineDiscoveryConfig,
     as_dict,
@@ -27,15 +24,10 @@ from router_runtime.discovery.endpointslices import (
     port_ref,
     workers_from_slices,
 )
-from router_runtime.discovery.kubernetes import (
-    ApiError,
-    Backoff,
-    EndpointSliceWatcher,
-    default_namespace,
-    watch_events,
-)
+from router_runtime.discovery.kubernetes import Backoff, EndpointSliceWatcher
 from router_runtime.discovery.server_info import parse_server_info
 from router_runtime.worker import WorkerSpec
+from routerfleet_kube import ApiError
 from tests.support import eventually
 
 NS = "llm"
@@ -675,111 +667,8 @@ def test_backoff_is_bounded_and_resets():
     assert b.next() <= 1.0
 
 
-async def test_watch_events_split_lines_across_chunks():
-    events = [ev("ADDED", sl(f"s{i}", ep("a", "10.0.0.1"))) for i in range(3)]
-    body = b"".join(json.dumps(e).encode() + b"\n" for e in events) + b"\n"  # a blank line is skipped
-
-    async def chunks(size):
-        for i in range(0, len(body), size):
-            yield body[i : i + size]
-
-    for size in (1, 7, 100, len(body)):
-        assert [e async for e in watch_events(chunks(size))] == events
-    trailing = body.rstrip(b"\n")  # the last event without its newline
-
-    async def one():
-        yield trailing
-
-    assert [e async for e in watch_events(one())] == events
-    for bad in (b"not json\n", b'{"type": "ADDED"}\n', b'["x"]\n'):
-
-        async def single(b=bad):
-            yield b
-
-        with pytest.raises(ApiError) as e:
-            [x async for x in watch_events(single())]
-        assert e.value.reason == "decode"
-
-
-async def test_watch_event_size_is_bounded(monkeypatch):
-    monkeypatch.setattr(kubernetes_discovery, "MAX_EVENT_BYTES", 10)
-
-    async def endless():
-        yield b"x" * 11
-
-    with pytest.raises(ApiError, match="longer than 10 bytes"):
-        [x async for x in watch_events(endless())]
-
-
 def test_port_ref():
     assert port_ref("8000") == 8000 and port_ref(" kv ") == "kv" and port_ref("") == ""
-
-
-def test_default_namespace(monkeypatch, tmp_path):
-    kc = tmp_path / "kubeconfig"  # a file we wrote: the only I/O, local
-    kc.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [
-                    {"name": "a", "context": {"cluster": "c", "user": "u", "namespace": "ns-a"}},
-                    {"name": "b", "context": {"cluster": "c", "user": "u", "namespace": "ns-b"}},
-                    {"name": "none", "context": {"cluster": "c", "user": "u"}},
-                ],
-                "current-context": "a",
-            }
-        )
-    )
-    monkeypatch.setattr(kubernetes_discovery, "SA_NAMESPACE_FILE", str(tmp_path / "absent"))
-    monkeypatch.setenv("POD_NAMESPACE", "from-env")
-    assert default_namespace(str(kc)) == "from-env"
-    monkeypatch.delenv("POD_NAMESPACE")
-    assert default_namespace(str(kc)) == "ns-a"
-    assert default_namespace(str(kc), "b") == "ns-b"
-    assert default_namespace(str(kc), "none") == "default"
-    assert default_namespace(str(tmp_path / "missing")) == "default"
-    (tmp_path / "sa-ns").write_text("from-sa\n")
-    monkeypatch.setattr(kubernetes_discovery, "SA_NAMESPACE_FILE", str(tmp_path / "sa-ns"))
-    assert default_namespace(str(kc)) == "from-sa"
-
-
-def _kubeconfig(tmp_path, user: dict, cluster_extra: dict | None = None):
-    kc = tmp_path / "kc"
-    kc.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [
-                    {"name": "c", "cluster": {"server": "https://10.0.0.1:6443/", **(cluster_extra or {})}}
-                ],
-                "users": [{"name": "u", "user": user}],
-                "contexts": [{"name": "a", "context": {"cluster": "c", "user": "u"}}],
-                "current-context": "a",
-            }
-        )
-    )
-    return str(kc)
-
-
-async def test_kube_api_credentials_from_a_kubeconfig(tmp_path, monkeypatch):
-    monkeypatch.delenv("KUBECONFIG", raising=False)
-    kc = _kubeconfig(
-        tmp_path, {"token": "s3cret"}, {"insecure-skip-tls-verify": True, "tls-server-name": "api"}
-    )
-    api = kubernetes_discovery.KubeApi.from_environment(kc)
-    assert api.host == "https://10.0.0.1:6443" and api._server_hostname == "api"
-    assert await api._headers() == {"Authorization": "Bearer s3cret"}
-    assert api._path("llm") == "https://10.0.0.1:6443/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"
-    assert api._path(None) == "https://10.0.0.1:6443/apis/discovery.k8s.io/v1/endpointslices"
-    assert api._ssl.verify_mode == ssl.CERT_NONE
-    await api.close()
-    monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path, {"username": "a", "password": "b"}))
-    api = kubernetes_discovery.KubeApi.from_environment()
-    assert (await api._headers())["Authorization"].startswith("Basic ")
 
 
 async def test_start_without_credentials_raises(tmp_path):

@@ -1,6 +1,6 @@
 """An engine's storage identity from its pod's annotation (--k8s-storage-annotation): the pure reading
 and key validation, the flag, the watcher reading each new pod UID once (found, absent, malformed,
-forbidden, timeout) and merging the identity before it publishes, and KubeApi.get_pod over a real
+forbidden, timeout) and merging the identity before it publishes, and KubeSlices.get_pod over a real
 socket. No cluster; tests/e2e/test_discovery.py runs it against a real API server with RBAC."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from aiohttp import web
 
 from router_runtime.config import parse_args
 from router_runtime.discovery import kubernetes as kubernetes_discovery
-from router_runtime.discovery.kubernetes import POD_METADATA_ACCEPT, ApiError
+from router_runtime.discovery.kubernetes import POD_METADATA_ACCEPT, KubeSlices
 from router_runtime.discovery.storage_annotation import (
     Reading,
     Result,
@@ -24,6 +24,7 @@ from router_runtime.discovery.storage_annotation import (
     validate_annotation_key,
 )
 from router_runtime.kv.adoption import StorageIdentity
+from routerfleet_kube import ApiError
 from tests.support import eventually
 from tests.test_discovery_mapping import NS, FakeApi, Harness, ep, ev, sl, spec
 
@@ -286,7 +287,7 @@ def test_a_bad_key_fails_when_the_watcher_is_made():
         Harness(FakeApi(), storage_annotation="a/b/c")
 
 
-# ------------------------------------------------------------------------------------------ KubeApi
+# ------------------------------------------------------------------------------------------ KubeSlices
 
 
 async def test_get_pod_asks_for_metadata_only_with_the_credentials(tmp_path):
@@ -319,7 +320,7 @@ async def test_get_pod_asks_for_metadata_only_with_the_credentials(tmp_path):
             }
         )
     )
-    api = kubernetes_discovery.KubeApi.from_environment(str(kc))
+    api = await KubeSlices.connect(str(kc))
     try:
         body = await api.get_pod(NS, "a", timeout_s=2)
         assert body["metadata"]["annotations"] == {KEY: "pv-a"}

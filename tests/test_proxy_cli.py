@@ -4,6 +4,7 @@ a flag, bad values fail with one line naming the flag, and the real process serv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -12,7 +13,7 @@ import sys
 import aiohttp
 import pytest
 
-from router_runtime.config import RouterConfig, parse_args
+from router_runtime.config import FLAGS, RouterConfig, parse_args
 from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.routing.policies import PolicyConfig
 
@@ -24,6 +25,13 @@ def test_defaults_keep_the_existing_behaviour_and_add_the_request_plane():
     assert c == RouterConfig()
     assert c.policy == "kv_aware" and c.policy_config == PolicyConfig() and c.tokenizer == "bytes"
     assert c.max_body_bytes == 32 << 20 and c.health_interval_s == 5 and c.breaker_failures == 3
+
+
+def test_every_policy_tunable_has_a_flag():
+    """A PolicyConfig field without a Flag could only be set in code; each one is declared in FLAGS."""
+    declared = {flag.path for _title, flags in FLAGS for flag in flags}
+    tunables = {f"policy_config.{f.name}" for f in dataclasses.fields(PolicyConfig)}
+    assert tunables - declared == set()
 
 
 def test_flags_map_onto_the_config(tmp_path):

@@ -107,9 +107,9 @@ def token_kubeconfig(admin_kubeconfig: Path, path: Path, token: str, namespace: 
 IN_CLUSTER = """
 import asyncio, base64, json
 from router_runtime.discovery.endpointslices import EngineDiscoveryConfig
-from router_runtime.discovery.kubernetes import EndpointSliceWatcher, default_namespace
-from router_runtime.discovery.kubernetes import load_kube_configuration
-cfg = load_kube_configuration()
+from router_runtime.discovery.kubernetes import EndpointSliceWatcher
+from routerfleet_kube import default_namespace, load_configuration
+cfg = load_configuration()
 token = cfg.get_api_key_with_prefix("BearerToken").split()[-1]
 sub = json.loads(base64.urlsafe_b64decode(token.split(".")[1] + "==="))["sub"]
 print("api server", cfg.host, "as", sub, "namespace", default_namespace(), flush=True)

@@ -46,7 +46,6 @@ import json
 import logging
 import os
 import signal
-import ssl
 import sys
 import time
 import urllib.parse
@@ -56,8 +55,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from kubernetes import client as k8s_client
-from kubernetes import config as k8s_config
+
+from routerfleet_kube import STRATEGIC, ApiError, KubeClient
 
 from .netns import ADVERTISE_ADDRESS, BRIDGE, NODE_IP, POD_CIDR
 
@@ -67,6 +66,7 @@ POD_NET = ipaddress.ip_network(POD_CIDR)
 RESERVED = {ipaddress.ip_address(NODE_IP), ipaddress.ip_address(ADVERTISE_ADDRESS)}
 LEASE_DURATION = 40
 HEARTBEAT = 10.0
+WATCH_S = 300  # the pod watch's server-side timeout; resumed from its resourceVersion
 KUBELET_VERSION = "v1.36.3"
 
 
@@ -512,65 +512,6 @@ def node_status(node: str, now: str) -> dict:
     }
 
 
-# ------------------------------------------------------------------------------------------ API access
-
-
-class ApiError(RuntimeError):
-    def __init__(self, status: int, body: str):
-        super().__init__(f"{status}: {body[:300]}")
-        self.status = status
-
-
-class Api:
-    """Tiny async REST client over aiohttp using a kubeconfig's server and client certificate."""
-
-    def __init__(self, kubeconfig: str):
-        cfg = k8s_client.Configuration()
-        k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-        self.base = cfg.host
-        self.ssl = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
-        self.ssl.load_cert_chain(cfg.cert_file, cfg.key_file)
-        self.session: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> Api:
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self.ssl))
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        assert self.session is not None
-        await self.session.close()
-
-    async def call(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        *,
-        params: dict | None = None,
-        ctype: str = "application/json",
-    ) -> dict:
-        assert self.session is not None
-        data = None if body is None else json.dumps(body)
-        async with self.session.request(
-            method, self.base + path, data=data, params=params, headers={"Content-Type": ctype}
-        ) as r:
-            text = await r.text()
-            if r.status >= 400:
-                raise ApiError(r.status, text)
-            return json.loads(text) if text else {}
-
-    async def watch(self, path: str, params: dict):
-        assert self.session is not None
-        params = {**params, "watch": "1", "allowWatchBookmarks": "true"}
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
-        async with self.session.get(self.base + path, params=params, timeout=timeout) as r:
-            if r.status >= 400:
-                raise ApiError(r.status, await r.text())
-            async for line in r.content:
-                if line.strip():
-                    yield json.loads(line)
-
-
 # ------------------------------------------------------------------------------------------ pods
 
 
@@ -704,7 +645,7 @@ class PodWorker:
             await self._write_status()
             writer.cancel()
         try:
-            await self.agent.api.call(
+            await self.agent.api.request(
                 "DELETE",
                 f"/api/v1/namespaces/{self.ns}/pods/{self.name}",
                 {
@@ -763,7 +704,7 @@ class PodWorker:
         out: Objects = {}
         for kind, name in object_refs(self.pod):
             try:
-                obj = await self.agent.api.call("GET", f"/api/v1/namespaces/{self.ns}/{kind}/{name}")
+                obj = await self.agent.api.request("GET", f"/api/v1/namespaces/{self.ns}/{kind}/{name}")
                 out[kind, name] = object_data(kind, obj)
             except ApiError as e:
                 if e.status != 404:
@@ -785,7 +726,7 @@ class PodWorker:
         if audience:
             spec["audiences"] = [audience]
         t0 = time.time()
-        tr = await self.agent.api.call(
+        tr = await self.agent.api.request(
             "POST",
             f"/api/v1/namespaces/{self.ns}/serviceaccounts/{sa}/token",
             {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
@@ -992,11 +933,11 @@ class PodWorker:
             now=now_rfc3339(),
         )
         with contextlib.suppress(ApiError):
-            self.pod = await self.agent.api.call(
+            self.pod = await self.agent.api.request(
                 "PATCH",
                 f"/api/v1/namespaces/{self.ns}/pods/{self.name}/status",
                 {"metadata": {"uid": self.uid}, "status": status},
-                ctype="application/strategic-merge-patch+json",
+                ctype=STRATEGIC,
             )
 
 
@@ -1083,7 +1024,7 @@ async def probe_once(
 
 @dataclass
 class NodeAgent:
-    api: Api
+    api: KubeClient
     node: str
     workdir: Path
     host_ip: str = NODE_IP
@@ -1102,7 +1043,7 @@ class NodeAgent:
         """KUBERNETES_SERVICE_HOST/PORT: the API server at its advertise address on the node's bridge,
         as the pods reach it from their own netns (a SAN of its serving certificate), on the port this
         agent uses; in-cluster config works unchanged."""
-        port = urllib.parse.urlsplit(self.api.base).port or 443
+        port = urllib.parse.urlsplit(self.api.host).port or 443
         return {"KUBERNETES_SERVICE_HOST": ADVERTISE_ADDRESS, "KUBERNETES_SERVICE_PORT": str(port)}
 
     async def event(self, pod: dict, reason: str, message: str, type_: str = "Normal") -> None:
@@ -1126,7 +1067,7 @@ class NodeAgent:
             "count": 1,
         }
         try:
-            await self.api.call("POST", f"/api/v1/namespaces/{md['namespace']}/events", body)
+            await self.api.request("POST", f"/api/v1/namespaces/{md['namespace']}/events", body)
         except (ApiError, aiohttp.ClientError) as e:
             log.warning("event %s for %s/%s not written: %s", reason, md["namespace"], md["name"], e)
 
@@ -1141,15 +1082,15 @@ class NodeAgent:
 
     async def register(self) -> None:
         try:
-            await self.api.call("POST", "/api/v1/nodes", node_object(self.node))
+            await self.api.request("POST", "/api/v1/nodes", node_object(self.node))
         except ApiError as e:
             if e.status != 409:
                 raise
-        await self.api.call(
+        await self.api.request(
             "PATCH",
             f"/api/v1/nodes/{self.node}/status",
             node_status(self.node, now_rfc3339()),
-            ctype="application/strategic-merge-patch+json",
+            ctype=STRATEGIC,
         )
         log.info("node %s registered", self.node)
 
@@ -1160,7 +1101,7 @@ class NodeAgent:
         while True:
             try:
                 if lease is None:
-                    node = await self.api.call("GET", f"/api/v1/nodes/{self.node}")
+                    node = await self.api.request("GET", f"/api/v1/nodes/{self.node}")
                     body = {
                         "metadata": {
                             "name": self.node,
@@ -1180,21 +1121,21 @@ class NodeAgent:
                         },
                     }
                     try:
-                        lease = await self.api.call("POST", path, body)
+                        lease = await self.api.request("POST", path, body)
                     except ApiError as e:
                         if e.status != 409:
                             raise
-                        lease = await self.api.call("GET", f"{path}/{self.node}")
+                        lease = await self.api.request("GET", f"{path}/{self.node}")
                 lease["spec"]["renewTime"] = now_micro()
                 lease["spec"]["holderIdentity"] = self.node
-                lease = await self.api.call("PUT", f"{path}/{self.node}", lease)
+                lease = await self.api.request("PUT", f"{path}/{self.node}", lease)
                 ticks += 1
                 if ticks % 6 == 0:  # node status every minute; the Lease carries liveness
-                    await self.api.call(
+                    await self.api.request(
                         "PATCH",
                         f"/api/v1/nodes/{self.node}/status",
                         node_status(self.node, now_rfc3339()),
-                        ctype="application/strategic-merge-patch+json",
+                        ctype=STRATEGIC,
                     )
             except (ApiError, aiohttp.ClientError) as e:
                 log.warning("heartbeat failed: %s", e)
@@ -1235,12 +1176,14 @@ class NodeAgent:
         params = {"fieldSelector": f"spec.nodeName={self.node}"}
         while True:
             try:
-                lst = await self.api.call("GET", "/api/v1/pods", params=params)
+                lst = await self.api.request("GET", "/api/v1/pods", params=params)
                 for pod in lst["items"]:
                     self.on_pod("ADDED", pod)
                 rv = lst["metadata"]["resourceVersion"]
                 while True:
-                    async for ev in self.api.watch("/api/v1/pods", {**params, "resourceVersion": rv}):
+                    async for ev in self.api.watch(
+                        "/api/v1/pods", {**params, "resourceVersion": rv}, timeout_s=WATCH_S
+                    ):
                         obj = ev["object"]
                         if ev["type"] == "ERROR":
                             raise ApiError(obj.get("code", 500), obj.get("message", ""))
@@ -1257,7 +1200,7 @@ class NodeAgent:
 
 
 async def amain(a: argparse.Namespace) -> None:
-    async with Api(a.kubeconfig) as api:
+    async with await KubeClient.connect(a.kubeconfig, user_agent="routerfleet-node-agent") as api:
         agent = NodeAgent(api, a.node, Path(a.workdir).resolve())
         await agent.register()
         stop = asyncio.Event()

@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from .kube import MERGE, STRATEGIC, ApiError, Kube
+from routerfleet_kube import MERGE, STRATEGIC, ApiError, KubeClient
+
 from .metrics import METRICS, OperatorMetrics
 from .model import API_VERSION, FIELD_MANAGER, KIND, LABEL_FLEET, LABEL_REVISION, TOKEN_KEY, Phase
 from .render import (
@@ -53,7 +54,7 @@ def _token_of(secret: Mapping[str, Any] | None) -> str:
         return ""
 
 
-async def ensure_token(kube: Kube, fleet: Fleet) -> tuple[str, list[Event]]:
+async def ensure_token(kube: KubeClient, fleet: Fleet) -> tuple[str, list[Event]]:
     """The fleet token: the Secret's, or a new one when there is no Secret yet (created, never
     rotated). A Secret without a usable token is refilled, with a Warning (never silently)."""
     name = names(fleet).secret
@@ -79,7 +80,9 @@ async def ensure_token(kube: Kube, fleet: Fleet) -> tuple[str, list[Event]]:
 # ---- ControllerRevisions ------------------------------------------------------------------------------
 
 
-async def record_revision(kube: Kube, fleet: Fleet, template: Mapping[str, Any], keep: set[str]) -> None:
+async def record_revision(
+    kube: KubeClient, fleet: Fleet, template: Mapping[str, Any], keep: set[str]
+) -> None:
     """Store the deployed template as a ControllerRevision (once per revision) and prune the history
     to REVISION_HISTORY, never dropping the revisions in ``keep``."""
     stored = await kube.list("ControllerRevision", fleet.namespace, f"{LABEL_FLEET}={fleet.name}")
@@ -101,7 +104,7 @@ async def record_revision(kube: Kube, fleet: Fleet, template: Mapping[str, Any],
         await kube.delete("ControllerRevision", fleet.namespace, c["metadata"]["name"])
 
 
-async def stored_template(kube: Kube, fleet: Fleet, revision: str) -> dict[str, Any] | None:
+async def stored_template(kube: KubeClient, fleet: Fleet, revision: str) -> dict[str, Any] | None:
     cr = await kube.get("ControllerRevision", fleet.namespace, controller_revision_name(fleet, revision))
     return ((cr or {}).get("data") or {}).get("template")
 
@@ -155,7 +158,13 @@ def event_body(obj: Mapping[str, Any], ev: Event, now: datetime) -> dict[str, An
     }
 
 
-async def post_events(kube: Kube, obj: Mapping[str, Any], events: Sequence[Event], now: datetime) -> None:
+async def post_events(
+    kube: KubeClient, obj: Mapping[str, Any], events: Sequence[Event], now: datetime
+) -> None:
+    """Each event, awaited, under its key's name when it has one. Not ``kopf.event``: that one queues
+    events for a background poster under generated names, so a keyed event (posted once, before the
+    step it marks, even across an operator's death) could be posted twice or not yet, and it works only
+    inside kopf's runtime, where ``reconcile`` need not run."""
     for ev in events:
         (log.warning if ev.type == "Warning" else log.info)("%s: %s", ev.reason, ev.message)
         try:
@@ -169,7 +178,12 @@ async def post_events(kube: Kube, obj: Mapping[str, Any], events: Sequence[Event
 
 
 async def apply_owned(
-    kube: Kube, fleet: Fleet, obj: Mapping[str, Any], decision: Decision, token: str, operator: OperatorRef
+    kube: KubeClient,
+    fleet: Fleet,
+    obj: Mapping[str, Any],
+    decision: Decision,
+    token: str,
+    operator: OperatorRef,
 ) -> list[Event]:
     """Step 1: every owned object, the Deployment last, with the decided template and ``paused``."""
     assert decision.deploy_revision is not None
@@ -203,7 +217,7 @@ async def apply_owned(
 
 
 async def reconcile(
-    kube: Kube,
+    kube: KubeClient,
     namespace: str,
     name: str,
     *,
@@ -224,7 +238,7 @@ async def reconcile(
 
 
 async def _reconcile(
-    kube: Kube,
+    kube: KubeClient,
     namespace: str,
     name: str,
     operator: OperatorRef | None,
@@ -296,7 +310,7 @@ async def _reconcile(
     return next_delay(decision), ("ok" if fleet is not None else "invalid")
 
 
-async def release_foreign(kube: Kube, obj: Mapping[str, Any]) -> list[str]:
+async def release_foreign(kube: KubeClient, obj: Mapping[str, Any]) -> list[str]:
     """A deleted fleet's Role and RoleBinding in the engines' namespace, when that is another one: an
     ownerReference cannot cross namespaces, so the garbage collector never removes them. Idempotent
     (gone is fine); returns what it deleted, as namespace/kind/name."""

@@ -36,24 +36,19 @@ def _load(path: str, namespace: str | None) -> Fleet:
 def _run(a: argparse.Namespace) -> int:
     import kopf
 
-    from . import handlers
+    from .handlers import connect
 
-    handlers.CONFIG.operator = OperatorRef(namespace=a.operator_namespace)
     if a.metrics_port is not None:
         from prometheus_client import start_http_server
 
         start_http_server(a.metrics_port, addr=a.metrics_addr)  # the default registry: METRICS
     kopf.configure(verbose=a.verbose)
     if a.peering is not None:
-        from .kube import Kube
         from .peering import PeeringMissing, wait_for_peering
 
         async def wait() -> None:
-            kube = Kube()
-            try:
+            async with await connect() as kube:
                 await wait_for_peering(kube, a.peering, a.namespace)
-            finally:
-                await kube.close()
 
         try:
             asyncio.run(wait())
@@ -67,6 +62,7 @@ def _run(a: argparse.Namespace) -> int:
         peering_name=a.peering,
         priority=a.priority,
         liveness_endpoint=a.liveness,
+        memo=kopf.Memo(operator=OperatorRef(namespace=a.operator_namespace)),
     )
     return 0
 

@@ -13,6 +13,7 @@
   subresource) and ``pod_changed`` (any pod labelled ``routerfleet.io/fleet``: created, Running,
   Ready, deleted) kick the fleet's loop.
 
+Shared state lives in kopf's memo (the API client, each loop's wake-up), not in module globals.
 Nothing is kept in memory that matters: the rollout state machine is in the fleet's status, so a
 restarted operator resumes where it stopped. kopf's own bookkeeping is kept out of the user-visible
 status: progress and diff-base go to ``kopf.routerfleet.io/*`` annotations; handlers return None.
@@ -23,14 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
+from routerfleet_kube import KubeClient
+
 from .apply import reconcile, release_foreign
-from .kube import Kube
-from .model import GROUP, LABEL_FLEET, PLURAL, VERSION
+from .model import FIELD_MANAGER, GROUP, LABEL_FLEET, PLURAL, VERSION
 from .render import OperatorRef
 
 log = logging.getLogger(__name__)
@@ -40,23 +41,18 @@ ERROR_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 DEBOUNCE_S = 0.2  # a burst of pod events makes one reconcile
 
 
-@dataclass
-class Config:
-    operator: OperatorRef = field(default_factory=OperatorRef)
+async def connect() -> KubeClient:
+    """The operator's API client: its writes under its one field manager."""
+    return await KubeClient.connect(user_agent=FIELD_MANAGER, field_manager=FIELD_MANAGER)
 
 
-CONFIG = Config()
-_kicks: dict[tuple[str, str], asyncio.Event] = {}
-_kube: Kube | None = None
-
-
-def kick(namespace: str | None, name: str | None) -> None:
-    if namespace and name and (ev := _kicks.get((namespace, name))) is not None:
+def kick(memo: kopf.Memo, namespace: str | None, name: str | None) -> None:
+    if namespace and name and (ev := memo.kicks.get((namespace, name))) is not None:
         ev.set()
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=KOPF_PREFIX, key="last-handled-configuration"
@@ -65,55 +61,50 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING  # our own Events mark the rollout's steps
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    # The operator-wide memo (cli.py passes ``operator`` in it): kopf hands each object's handlers a
+    # shallow copy, so they all share this client and the loops' wake-ups, by (namespace, name).
+    memo.setdefault("operator", OperatorRef())
+    memo.kicks = {}
+    memo.kube = await connect()
 
 
 @kopf.on.cleanup()
-async def close(**_: Any) -> None:
-    global _kube
-    if _kube is not None:
-        await _kube.close()
-        _kube = None
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    if (kube := memo.get("kube")) is not None:
+        await kube.close()
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def fleet_changed(namespace: str, name: str, **_: Any) -> None:
-    kick(namespace, name)
+def fleet_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    kick(memo, namespace, name)
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_FLEET: kopf.PRESENT})
-def pod_changed(namespace: str, labels: dict[str, str], **_: Any) -> None:
-    kick(namespace, labels.get(LABEL_FLEET))
+def pod_changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, **_: Any) -> None:
+    kick(memo, namespace, labels.get(LABEL_FLEET))
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
-async def fleet_deleted(body: Any, logger: logging.Logger, **_: Any) -> None:
+async def fleet_deleted(body: Any, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """What the garbage collector cannot remove: RBAC in the engines' namespace when it is another one.
     kopf holds the fleet's deletion (its finalizer) until this succeeds, retrying on failure."""
-    global _kube
-    if _kube is None:
-        _kube = Kube()
-    for what in await release_foreign(_kube, body):
+    for what in await release_foreign(memo.kube, body):
         logger.info("deleted %s", what)
 
 
-async def _until(stopped: Any) -> None:
-    await stopped.wait()
-
-
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=5.0, cancellation_timeout=10.0)
-async def fleet_loop(stopped: Any, namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
-    global _kube
-    if _kube is None:
-        _kube = Kube()
-    kube = _kube
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
+async def fleet_loop(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """Reconcile, then sleep until a kick or the decided delay; forever. kopf cancels it when the fleet
+    is deleted, the operator stops or a peer takes over: a reconcile cut at any await is what a killed
+    operator leaves, which the next one resumes from status (its steps are ordered for that)."""
     key = (namespace, name)
-    wake = _kicks[key] = asyncio.Event()
+    wake = memo.kicks[key] = asyncio.Event()
     errors = 0
     try:
-        while not stopped:
+        while True:
             wake.clear()
             try:
-                delay = await reconcile(kube, namespace, name, operator=CONFIG.operator)
+                delay = await reconcile(memo.kube, namespace, name, operator=memo.operator)
                 errors = 0
             except Exception as exc:  # the loop must outlive any one failure: log it and back off
                 delay = ERROR_BACKOFF_S[min(errors, len(ERROR_BACKOFF_S) - 1)]
@@ -121,17 +112,10 @@ async def fleet_loop(stopped: Any, namespace: str, name: str, logger: logging.Lo
                 logger.warning("reconcile of %s/%s failed (retry in %.0fs): %r", namespace, name, delay, exc)
             if delay is None:
                 return  # deleted: kopf stops the daemon too
-            waiter = asyncio.ensure_future(wake.wait())
-            stopper = asyncio.ensure_future(_until(stopped))
-            try:
-                await asyncio.wait({waiter, stopper}, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for t in (waiter, stopper):
-                    t.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await t
-            if wake.is_set() and not stopped:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), delay)
+            if wake.is_set():
                 await asyncio.sleep(DEBOUNCE_S)
     finally:
-        if _kicks.get(key) is wake:
-            del _kicks[key]
+        if memo.kicks.get(key) is wake:
+            del memo.kicks[key]

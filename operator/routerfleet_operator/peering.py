@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
-from .kube import ApiError, Kube
+from routerfleet_kube import ApiError, KubeClient
 
 GROUP_PATH = "/apis/kopf.dev/v1"
 WAIT_S = 120.0
@@ -33,7 +33,7 @@ class PeeringMissing(RuntimeError):
 
 
 async def wait_for_peering(
-    kube: Kube,
+    kube: KubeClient,
     name: str,
     namespaces: Sequence[str],
     *,

@@ -7,8 +7,9 @@
     ...
     await watcher.stop()
 
-List-then-watch, all on the event loop (aiohttp against the API server; credentials come from the
-kubernetes client's own kubeconfig / in-cluster loaders, so exec plugins, token files and rotation work):
+List-then-watch, all on the event loop, through the project's Kubernetes client (``routerfleet_kube``:
+credentials from the kubernetes client's own kubeconfig / in-cluster loaders, so exec plugins, token
+files and rotation work):
 
 * list every page (``limit``/``continue``), then publish the mapped set: a set is only ever published
   from a complete list, never from part of one (a list that fails mid-way publishes nothing);
@@ -34,19 +35,18 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import random
-import ssl
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import replace
-from typing import Any, Protocol
-from urllib.parse import quote
+from typing import Protocol
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client import Counter as PromCounter
+
+from routerfleet_kube import ApiError, KubeClient, path
 
 from ..worker import WorkerSpec
 from .endpointslices import EngineDiscoveryConfig, map_slices
@@ -54,10 +54,9 @@ from .storage_annotation import Reading, Result, read_pod_storage, validate_anno
 
 log = logging.getLogger(__name__)
 
-GROUP_PATH = "/apis/discovery.k8s.io/v1"
+USER_AGENT = "routerfleet-router/discovery"
 # Only the metadata of a pod (its spec can be large); an API server without it sends the whole pod.
 POD_METADATA_ACCEPT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
-MAX_EVENT_BYTES = 64 << 20
 
 # errors_total reasons, pre-created at 0 so dashboards and alerts see them before the first error
 REASONS = (
@@ -77,33 +76,8 @@ REASONS = (
 )
 
 
-class ApiError(Exception):
-    """A failed API request or watch ERROR event, with the metric ``reason`` it counts under."""
-
-    def __init__(self, status: int, message: str, reason: str | None = None) -> None:
-        super().__init__(f"HTTP {status}: {message}" if status else message)
-        self.status = status
-        self.reason = reason or _reason_for(status)
-
-
-def _reason_for(status: int) -> str:
-    if status == 401:
-        return "unauthorized"
-    if status == 403:
-        return "forbidden"
-    if status == 404:
-        return "not_found"
-    if status == 410:
-        return "gone"
-    if status == 429:
-        return "throttled"
-    if status >= 500:
-        return "server_error"
-    return "http_error"
-
-
 class SliceApi(Protocol):
-    """What the watcher needs from the API server (``KubeApi``; tests pass an in-memory fake)."""
+    """What the watcher needs from the API server (``KubeSlices``; tests pass an in-memory fake)."""
 
     async def list_slices(
         self, namespace: str | None, label_selector: str, *, limit: int, continue_token: str | None
@@ -123,116 +97,18 @@ class SliceApi(Protocol):
 # --------------------------------------------------------------------------------------- API client
 
 
-def load_kube_configuration(kubeconfig: str | None = None, context: str | None = None):
-    """A ``kubernetes.client.Configuration``: the ``kubeconfig`` file if given, else $KUBECONFIG, else
-    the in-cluster service account, else ~/.kube/config (controller-runtime's order). Raises
-    ``kubernetes.config.ConfigException`` when none is usable."""
-    from kubernetes import client, config
+class KubeSlices:
+    """``SliceApi`` over the project's Kubernetes client."""
 
-    cfg = client.Configuration()
-    path = kubeconfig or os.environ.get("KUBECONFIG")
-    if path:
-        config.load_kube_config(
-            config_file=path, context=context, client_configuration=cfg, persist_config=False
-        )
-    elif os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config(client_configuration=cfg)
-    else:
-        config.load_kube_config(context=context, client_configuration=cfg, persist_config=False)
-    return cfg
-
-
-SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-
-
-def default_namespace(kubeconfig: str | None = None, context: str | None = None) -> str:
-    """The namespace to watch when none is given: $POD_NAMESPACE, else the service account's (in a pod),
-    else the kubeconfig context's (``context``, or the current one), else "default"."""
-    if ns := os.environ.get("POD_NAMESPACE", "").strip():
-        return ns
-    with contextlib.suppress(OSError), open(SA_NAMESPACE_FILE) as f:
-        if ns := f.read().strip():
-            return ns
-    with contextlib.suppress(Exception):  # no kubeconfig: fine, "default"
-        from kubernetes import config
-
-        contexts, active = config.list_kube_config_contexts(kubeconfig or os.environ.get("KUBECONFIG"))
-        chosen = next((c for c in contexts if c.get("name") == context), None) if context else active
-        if ns := ((chosen or {}).get("context") or {}).get("namespace"):
-            return ns
-    return "default"
-
-
-def _ssl_context(cfg) -> ssl.SSLContext | None:
-    if not cfg.host.startswith("https"):
-        return None
-    ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert or None)
-    if cfg.cert_file:
-        ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
-    if not cfg.verify_ssl:
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    return ctx
-
-
-class KubeApi:
-    """A minimal async client for EndpointSlices, on aiohttp, with kubernetes-client credentials."""
-
-    def __init__(self, cfg, *, connect_timeout: float = 10.0, request_timeout: float = 30.0) -> None:
-        self.cfg = cfg
-        self.host = cfg.host.rstrip("/")
-        self._ssl = _ssl_context(cfg)
-        self._server_hostname = getattr(cfg, "tls_server_name", None) or None
-        self._connect_timeout = connect_timeout
-        self._request_timeout = request_timeout
-        self._session: aiohttp.ClientSession | None = None
+    def __init__(self, client: KubeClient) -> None:
+        self.client = client
 
     @classmethod
-    def from_environment(cls, kubeconfig: str | None = None, context: str | None = None, **kw) -> KubeApi:
-        return cls(load_kube_configuration(kubeconfig, context), **kw)
+    async def connect(cls, kubeconfig: str | None = None, context: str | None = None) -> KubeSlices:
+        return cls(await KubeClient.connect(kubeconfig, context, user_agent=USER_AGENT))
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def _sess(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=self._ssl if self._ssl is not None else False),
-                headers={"Accept": "application/json", "User-Agent": "routerfleet-router/discovery"},
-            )
-        return self._session
-
-    async def _headers(self) -> dict[str, str]:
-        # the refresh hook may re-read a token file or run an exec plugin: keep it off the loop
-        # ("Bearer <token>", or "Basic ..." for a kubeconfig user/password)
-        token = await asyncio.to_thread(self.cfg.get_api_key_with_prefix, "BearerToken", "authorization")
-        return {"Authorization": token} if token else {}
-
-    def _path(self, namespace: str | None) -> str:
-        if namespace:
-            return f"{self.host}{GROUP_PATH}/namespaces/{quote(namespace, safe='')}/endpointslices"
-        return f"{self.host}{GROUP_PATH}/endpointslices"
-
-    def _kw(self) -> dict[str, Any]:
-        kw: dict[str, Any] = {}
-        if self._server_hostname:
-            kw["server_hostname"] = self._server_hostname
-        if getattr(self.cfg, "proxy", None):
-            kw["proxy"] = self.cfg.proxy
-        return kw
-
-    @staticmethod
-    async def _raise_for(r: aiohttp.ClientResponse) -> None:
-        if r.status == 200:
-            return
-        text = (await r.text(errors="replace"))[:1000]
-        try:
-            message = json.loads(text).get("message") or text
-        except (ValueError, AttributeError):
-            message = text
-        raise ApiError(r.status, message)
+        await self.client.close()
 
     async def list_slices(
         self, namespace: str | None, label_selector: str, *, limit: int, continue_token: str | None
@@ -240,80 +116,18 @@ class KubeApi:
         params = {"labelSelector": label_selector, "limit": str(limit)}
         if continue_token:
             params["continue"] = continue_token
-        timeout = aiohttp.ClientTimeout(total=self._request_timeout, sock_connect=self._connect_timeout)
-        headers = await self._headers()
-        return await self._get_object(
-            self._path(namespace), "list response", params=params, headers=headers, timeout=timeout
-        )
+        return await self.client.get_object(path("EndpointSlice", namespace), params=params)
 
     async def get_pod(self, namespace: str, name: str, *, timeout_s: float) -> dict:
-        path = f"{self.host}/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}"
-        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self._connect_timeout))
-        headers = {**await self._headers(), "Accept": POD_METADATA_ACCEPT}
-        return await self._get_object(path, "pod", headers=headers, timeout=timeout)
+        return await self.client.get_object(
+            path("Pod", namespace, name), accept=POD_METADATA_ACCEPT, timeout_s=timeout_s
+        )
 
-    async def _get_object(self, url: str, what: str, **kw: Any) -> dict:
-        """GET ``url``: its JSON object body, or ApiError (the API's status and message, or decode)."""
-        async with self._sess().get(url, **kw, **self._kw()) as r:
-            await self._raise_for(r)
-            try:
-                body = await r.json(content_type=None)
-            except ValueError as e:
-                raise ApiError(r.status, f"{what} is not JSON: {e}", "decode") from e
-        if not isinstance(body, dict):
-            raise ApiError(200, f"{what} is not a JSON object", "decode")
-        return body
-
-    async def watch_slices(
+    def watch_slices(
         self, namespace: str | None, label_selector: str, *, resource_version: str, timeout_s: int
     ) -> AsyncIterator[dict]:
-        params = {
-            "watch": "1",
-            "labelSelector": label_selector,
-            "resourceVersion": resource_version,
-            "allowWatchBookmarks": "true",
-            "timeoutSeconds": str(timeout_s),
-        }
-        # no total timeout; a read gap well past the server-side timeout means a dead connection
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=self._connect_timeout, sock_read=timeout_s + 30
-        )
-        async with self._sess().get(
-            self._path(namespace), params=params, headers=await self._headers(), timeout=timeout, **self._kw()
-        ) as r:
-            await self._raise_for(r)
-            async for ev in watch_events(r.content.iter_any()):
-                yield ev
-
-
-async def watch_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict]:
-    """A watch response body (one JSON event per line, in arbitrary chunks) as events. Lines may exceed
-    aiohttp's readline limit (a 1000-endpoint slice), so split here, up to ``MAX_EVENT_BYTES``."""
-    buf = bytearray()
-    async for chunk in chunks:
-        scan = len(buf)
-        buf += chunk
-        start = 0
-        while (nl := buf.find(b"\n", scan)) >= 0:
-            line = bytes(buf[start:nl])
-            start = scan = nl + 1
-            if line.strip():
-                yield _event(line)
-        del buf[:start]
-        if len(buf) > MAX_EVENT_BYTES:
-            raise ApiError(0, f"watch event longer than {MAX_EVENT_BYTES} bytes", "decode")
-    if buf.strip():
-        yield _event(bytes(buf))
-
-
-def _event(line: bytes) -> dict:
-    try:
-        ev = json.loads(line)
-    except ValueError as e:
-        raise ApiError(0, f"watch event is not JSON: {e}", "decode") from e
-    if not isinstance(ev, dict) or not isinstance(ev.get("object"), dict) or "type" not in ev:
-        raise ApiError(0, "watch event lacks type/object", "decode")
-    return ev
+        params = {"labelSelector": label_selector, "resourceVersion": resource_version}
+        return self.client.watch(path("EndpointSlice", namespace), params, timeout_s=timeout_s)
 
 
 # --------------------------------------------------------------------------------------- watcher
@@ -598,8 +412,7 @@ class EndpointSliceWatcher:
         if self._task is not None:
             raise RuntimeError("watcher already started")
         if self._api is None:
-            # file reads, maybe an exec plugin: off the loop
-            self._api = await asyncio.to_thread(KubeApi.from_environment, self._kubeconfig, self._context)
+            self._api = await KubeSlices.connect(self._kubeconfig, self._context)
         if self.storage_annotation:
             self.storage = PodStorageAnnotations(
                 self._api,

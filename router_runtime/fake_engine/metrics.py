@@ -56,7 +56,7 @@ class EngineCollector(Collector):
             blocks.add_metric([r, "host"], cache.resident(Tier.HOST))
             if cache.config.disk_capacity:
                 blocks.add_metric([r, "disk"], cache.resident(Tier.DISK))
-            if engine._publisher is not None:
+            if engine.publishing:
                 pstats = engine.publisher.stats(rank)
                 batches.add_metric([r], pstats.batches)
                 replays.add_metric([r], pstats.replays)

@@ -210,6 +210,11 @@ class FakeEngine:
         return self._publisher
 
     @property
+    def publishing(self) -> bool:
+        """Whether the KV publisher exists (start() has begun), so its stats can be read."""
+        return self._publisher is not None
+
+    @property
     def port(self) -> int:
         return self._port
 

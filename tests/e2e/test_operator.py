@@ -925,7 +925,7 @@ def test_helm_install_and_uninstall(cluster, namespace, crd):
 def test_the_operator_waits_for_its_peering_object(cluster, namespace, monkeypatch):
     """`run --peering` waits for the peering object kopf will use (created by Helm after the Deployment)
     and, past its bound, says which is missing instead of running as if alone."""
-    from routerfleet_operator.kube import Kube
+    from routerfleet_operator.handlers import connect
     from routerfleet_operator.peering import PeeringMissing, wait_for_peering
 
     monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
@@ -941,7 +941,7 @@ def test_the_operator_waits_for_its_peering_object(cluster, namespace, monkeypat
     }
 
     async def scenario() -> None:
-        kube = Kube()
+        kube = await connect()
         try:
             with pytest.raises(PeeringMissing, match=f"namespaces/{namespace}/kopfpeerings/late"):
                 await wait_for_peering(kube, "late", [namespace], timeout_s=1.0)

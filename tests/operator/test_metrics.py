@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from routerfleet_kube import ApiError
 from routerfleet_operator.apply import reconcile
-from routerfleet_operator.kube import ApiError
 from routerfleet_operator.metrics import OperatorMetrics
 from routerfleet_operator.model import OnSeedFailure
 
@@ -103,7 +103,7 @@ def test_verdict_gauges_drop_verdicts_no_longer_seen():
 
 
 class FakeKube:
-    """Just enough of kube.Kube for one reconcile of a fleet without pods."""
+    """Just enough of routerfleet_kube.KubeClient for one reconcile of a fleet without pods."""
 
     def __init__(self, obj: dict[str, Any] | None):
         self.objs: dict[tuple[str, str], dict] = {}
@@ -118,7 +118,7 @@ class FakeKube:
 
     async def list(self, kind: str, namespace: str, label_selector: str) -> list[dict]:
         if self.fail_list:
-            raise ApiError(500, {}, "list")
+            raise ApiError(500, "list")
         return [copy.deepcopy(o) for (k, _), o in self.objs.items() if k == kind]
 
     async def create(self, manifest: dict) -> dict:
@@ -133,7 +133,7 @@ class FakeKube:
 
     async def patch(self, kind: str, namespace: str, name: str, body: Any, *, ctype: str, sub=None) -> Any:
         if self.conflict:
-            raise ApiError(409, {}, "patch")
+            raise ApiError(409, "patch")
         return body
 
 
