@@ -23,6 +23,7 @@ from router_runtime.bootstrap.sweep import BootstrapConfig, Bootstrapper
 from router_runtime.bootstrap.vetting import HashingConfig
 from router_runtime.fake_engine.cache import PLAIN
 from router_runtime.fake_engine.server import FakeEngine, run_fake_engine
+from router_runtime.kv.adoption import CarrierState
 from router_runtime.kv.hashing import SCHEME
 from router_runtime.kv.plane import KVPlane
 from router_runtime.kv.subscription import ReplayTimeouts
@@ -55,9 +56,9 @@ def spec(e: FakeEngine) -> WorkerSpec:
 
 
 @contextlib.asynccontextmanager
-async def replica(name, engines, peers, *, block_size=BS, token=TOKEN, peer_token=TOKEN, **cfg):
+async def replica(name, engines, peers, *, block_size=BS, token=TOKEN, peer_token=TOKEN, grace_s=0.0, **cfg):
     registry = CollectorRegistry()
-    plane = KVPlane(block_size, registry, replay_timeouts=ReplayTimeouts(0.3, 2))
+    plane = KVPlane(block_size, registry, replay_timeouts=ReplayTimeouts(0.3, 2), disconnect_grace_s=grace_s)
     await plane.start()
     reg = PeerRegistry(self_name=name, self_ip="")
     if peers is not None:
@@ -413,6 +414,34 @@ async def test_a_gap_or_restart_while_holding_abandons_the_rank(event):
         # Nothing from before the doubt survives; only what came after it.
         before = prompts(1, 3)
         assert all(b.plane.index.match(p) == {} for p in before)
+
+
+async def test_a_breaker_that_closes_while_the_bootstrap_holds_turns_the_rank_cold():
+    """The engine's breaker opens and closes while the bootstrap still holds its rank. Re-adoption
+    cannot prove the rank beneath a graft still to come, and two owners must not share one hold: the
+    rank turns cold at once (the bootstrap abandons it), and the engine shows again, its stream going on."""
+    async with (
+        run_fake_engine(block_size=BS) as e1,
+        bad_peer("stall") as url,
+        replica("b", [e1], peers=[url], timeout_s=30, grace_s=600) as b,
+    ):
+        await connected(b)
+        load([e1], prompts(1, 3), seed=1)  # held
+        sub = b.plane.subscriptions()[0]
+        await eventually(lambda: sub.hold is not None and len(sub.hold) == 3, what="three batches held")
+        b.plane.engine_unreachable(e1.http_url)
+        b.plane.engine_reachable(e1.http_url)
+        await eventually(
+            lambda: b.boot.report()["ranks"][0]["outcome"] == "publisher_reset", what="abandoned"
+        )
+        await eventually(
+            lambda: b.plane.carrier_states() == {e1.http_url: CarrierState.OK}, what="shown again"
+        )
+        after = prompts(7, 1)
+        load([e1], after, seed=7)
+        await caught_up(b, [e1])
+        assert all(b.plane.index.match(p) == {} for p in prompts(1, 3))  # nothing from before the doubt
+        assert b.plane.index.match(after[0]) != {}
 
 
 async def test_a_peer_set_that_only_answers_errors_resolves_in_a_few_sweeps_not_at_the_timeout():

@@ -13,6 +13,7 @@ leaves exactly once, by one of::
 
     PROVING   (same incarnation)   _probe -> _rank_proved (continuous: every tier; else cold)
                                    _probe, cursor -1 -> _recheck_storage (same identity: kept)
+                                   held by its bootstrap (a health return) -> _rank_proved, cold
               --restart seen (live or probe)--> DECIDING   (_restarted_in_place)
     DECIDING  (a new process)      _decide_new_process -> _apply_decision (storage tiers or nothing)
     either                         hold overflow / stream reset -> _hold_lost -> _resume_cold
@@ -448,11 +449,19 @@ class Readoption:
         entered: bool = False,
     ) -> None:
         """Same incarnation: hold every rank (``entered``: ``back`` entered them with their holds) and
-        probe each for the proof of continuity."""
+        probe each for the proof of continuity. A rank its bootstrap still holds (a health return:
+        its subscription ran all along) cannot be proved beneath a graft still to come, and one hold
+        has one owner: it turns cold, and the bootstrap, its hold ended, abandons it."""
+        if not entered:  # every rank first: a rank decided at once must not settle the engine alone
+            for sub in subs.values():
+                self._enter(sub.carrier, gen, RankPhase.PROVING)
         for sub in subs.values():
             c = sub.carrier
             if not entered:
-                self._enter(c, gen, RankPhase.PROVING)
+                if sub.hold is not None and sub.hold.active:
+                    sub.clear(ClearReason.BOOTSTRAP_HELD)
+                    self._rank_proved(rec, c, gen, continuous=False, why=HoldEnd.PUBLISHER_RESET)
+                    continue
                 sub.attach(self._return_hold(rec, c, gen, spec, same_shape))
             self._spawn(spec.engine, self._probe(rec, sub, gen, spec, same_shape), gen)
 

@@ -167,7 +167,7 @@ class RankSubscription:
         was cleared (cold) and the rest dropped (applying them past the hole would be a guess)."""
         for b in batches:
             if not self.writer.submit_batch(self.carrier, b):
-                self._clear(ClearReason.OVERFLOW)
+                self.clear(ClearReason.OVERFLOW)
                 return False
         return True
 
@@ -237,7 +237,7 @@ class RankSubscription:
         if arrival is Arrival.RESTART:
             hold = self.hold
             if hold is None or not hold.active or not hold.take_over_restart():
-                self._clear(ClearReason.PUBLISHER_RESTART)
+                self.clear(ClearReason.PUBLISHER_RESTART)
             self.resume(StreamPosition(-1, seq))  # the new publisher's stream begins at 0
             arrival = classify(self.cursor, seq)
         if arrival is Arrival.GAP:
@@ -252,7 +252,7 @@ class RankSubscription:
                 return  # the live batch in hand is a dead process's
             arrival = classify(self.cursor, seq)
             if arrival is Arrival.GAP:  # the replay could not reach the live stream
-                self._clear(ClearReason.REPLAY_FAILED)
+                self.clear(ClearReason.REPLAY_FAILED)
                 arrival = Arrival.FIRST
         if arrival is not Arrival.DUPLICATE:
             self._accept(seq, payload)
@@ -281,12 +281,12 @@ class RankSubscription:
         except MalformedFrame as exc:
             # The batch is lost to us and may have removed blocks: forget this rank rather than guess.
             self.metrics.malformed.labels(str(exc.reason)).inc()
-            self._clear(ClearReason.MALFORMED_BATCH)
+            self.clear(ClearReason.MALFORMED_BATCH)
             return
         self._flush_decode_stats()
         if batch.data_parallel_rank is not None and batch.data_parallel_rank != self.carrier.rank:
             self.metrics.malformed.labels("rank_mismatch").inc()
-            self._clear(ClearReason.MALFORMED_BATCH)
+            self.clear(ClearReason.MALFORMED_BATCH)
             return
         index = self.writer.index
         self.fit.add(batch, index.block_size, index.full_attention_group)
@@ -303,9 +303,10 @@ class RankSubscription:
             if self.on_splice is not None:
                 self.on_splice(seq)  # may clear the rank (a gap) before this batch is applied
         if not self.writer.submit_batch(self.carrier, sb):
-            self._clear(ClearReason.OVERFLOW)
+            self.clear(ClearReason.OVERFLOW)
 
-    def _clear(self, reason: ClearReason) -> None:
+    def clear(self, reason: ClearReason) -> None:
+        """Drop the rank's blocks (it runs cold from here) and end any hold: its owner hears a reset."""
         self.writer.submit_clear(self.carrier, reason)
         if self.hold is not None:
             self.hold.end(HoldEnd.PUBLISHER_RESET)
@@ -342,11 +343,11 @@ class RankSubscription:
         if stale:
             # Whatever our cursor's batches were, the publisher now is another: cold, and followed
             # from what it answered (from its sequence 0 next, when it answered nothing).
-            self._clear(ClearReason.PUBLISHER_RESTART)
+            self.clear(ClearReason.PUBLISHER_RESTART)
             self.resume(StreamPosition((got[0][0] - 1) if got else -1))
         elif result.outcome is ReplayOutcome.UNCOVERED:
             # What happened between our cursor and the buffer's oldest batch is unknowable.
-            self._clear(ClearReason.UNCOVERED_GAP)
+            self.clear(ClearReason.UNCOVERED_GAP)
             self.cursor = got[0][0] - 1
             self.cursor_hash = None
         for seq, payload in got:

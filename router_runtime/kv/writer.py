@@ -35,6 +35,7 @@ class ClearReason(enum.StrEnum):
     OVERFLOW = "overflow"
     WORKER_REMOVED = "worker_removed"
     ADOPTION_FAILED = "adoption_failed"  # a re-adoption decision failed (a bug): the rank resumes cold
+    BOOTSTRAP_HELD = "bootstrap_held"  # its health returned while its bootstrap held it: unprovable
 
 
 @dataclass(slots=True)
