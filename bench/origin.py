@@ -45,7 +45,7 @@ async def one(batches: int, seed: int) -> dict:
             )
         assert e.publisher.last_seq(0) == batches - 1
         reg = CollectorRegistry()
-        plane = KVPlane(BS, reg)
+        plane = KVPlane(BS, reg, disconnect_grace_s=0.0)
         await plane.start()
         peers = PeerRegistry()
         peers.publish([])

@@ -152,7 +152,7 @@ def test_a_deadline_armed_at_construction_does_not_settle_before_the_first_engin
 
     now = [0.0]
     reg = CollectorRegistry()
-    plane = KVPlane(BS, reg)
+    plane = KVPlane(BS, reg, disconnect_grace_s=0.0)
     boot = Bootstrapper(
         plane,
         PeerRegistry(),

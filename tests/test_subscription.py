@@ -44,6 +44,7 @@ async def setup(dialect=Dialect.VLLM_033, dp=1, replay_buffer=10_000, replay_end
     )
     pub.start()
     registry = CollectorRegistry()
+    plane_kw.setdefault("disconnect_grace_s", 0.0)  # removed at once: these tests are about one stream
     plane = KVPlane(BS, registry, replay_timeouts=ReplayTimeouts(idle_s=0.3, total_s=2), **plane_kw)
     await plane.start()
     plane.set_workers(

@@ -217,7 +217,7 @@ async def run_discovery_checks(
 
     async with contextlib.AsyncExitStack() as stack:  # stops whatever started, pass or fail
         registry = CollectorRegistry()
-        plane = KVPlane(16, registry)
+        plane = KVPlane(16, registry, disconnect_grace_s=0.0)
         await plane.start()
         stack.push_async_callback(plane.stop)
         history: list[list[WorkerSpec]] = []

@@ -57,7 +57,7 @@ class KVPlane:
         replay_timeouts: ReplayTimeouts | None = None,
         queue_batches: int = 10_000,
         queue_bytes: int = 256 << 20,
-        disconnect_grace_s: float = 0.0,
+        disconnect_grace_s: float,  # no default here: RouterConfig's is the one; 0: no re-adoption
         adoption_cap: int = 3,
         adoption_window_s: float = 3600.0,
         storage_lookup: Callable[[WorkerSpec], Awaitable[StorageIdentity | None]] | None = None,
