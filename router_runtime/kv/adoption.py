@@ -78,6 +78,7 @@ class EngineRecord:
     generation: int = 0  # bumped on every transition: a stale decision never lands
     prior_spec: object | None = None  # while a return is undecided: the spec it is judged against
     new_process_gen: int = -1  # the generation in which its stream showed a new process (same incarnation)
+    unhealthy: bool = False  # its breaker is open: failed health, not passed since
     # The return being decided: its ranks' outcomes (counted once, when it settles), the identity the
     # new process proved (it becomes ``storage`` then: until the return settles, every decision of
     # it is judged against the identity the held blocks were kept under), and whether a new process's

@@ -5,6 +5,7 @@ module drives them over the plane's subscriptions.
 Engine states (``CarrierState``), one per engine::
 
     OK --leaves discovery / fails health--> DISCONNECTED --grace window passes--> REMOVED
+    OK --its breaker closes, a return having settled while it was open--> DISCONNECTED (proved again)
     DISCONNECTED --every rank of its return decided--> OK
 
 Rank phases (``RankPhase``), one per rank of a return being decided. ``_return`` (or a health
@@ -214,19 +215,25 @@ class Readoption:
             return
         rec = self._records.get(spec.engine)
         if (
-            rec is not None
-            and rec.state is CarrierState.DISCONNECTED
-            and not self._undecided_of(rec, rec.generation)
-        ):
-            return  # already hidden; but a return being decided is stopped (it resumes cold)
-        self.disconnect(spec, DisconnectCause.HEALTH)
+            rec is None
+            or rec.state is not CarrierState.DISCONNECTED
+            or self._undecided_of(rec, rec.generation)
+        ):  # unless already hidden: a return being decided is stopped (it resumes cold)
+            self.disconnect(spec, DisconnectCause.HEALTH)
+        self._records[spec.engine].unhealthy = True
 
     def reachable(self, spec: WorkerSpec) -> None:
         """Its health check passes again (the breaker closed). Hidden for health, its subscriptions ran
         all along, but a process can restart behind an open breaker without a batch to show it: its
-        ranks are held and proved by their probes, as a returning engine's are."""
+        ranks are held and proved by their probes, as a returning engine's are. So are an engine's
+        shown by a return that settled while its breaker was open (its spec changed meanwhile)."""
         rec = self._records.get(spec.engine)
-        if rec is None or rec.state is not CarrierState.DISCONNECTED:
+        if rec is None or not rec.unhealthy:
+            return
+        rec.unhealthy = False
+        if rec.state is CarrierState.OK:
+            self.disconnect(spec, DisconnectCause.HEALTH)
+        if rec.state is not CarrierState.DISCONNECTED:
             return
         carriers = spec.carriers()
         subs = {c.rank: sub for c in carriers if (sub := self.plane.subscription(c)) is not None}
