@@ -1180,16 +1180,18 @@ class NodeAgent:
                 for pod in lst["items"]:
                     self.on_pod("ADDED", pod)
                 rv = lst["metadata"]["resourceVersion"]
-                while True:
-                    async for ev in self.api.watch(
+                while True:  # each watch ends at its server-side timeout: resume from rv
+                    watch = self.api.watch(
                         "/api/v1/pods", {**params, "resourceVersion": rv}, timeout_s=WATCH_S
-                    ):
-                        obj = ev["object"]
-                        if ev["type"] == "ERROR":
-                            raise ApiError(obj.get("code", 500), obj.get("message", ""))
-                        rv = obj["metadata"]["resourceVersion"]
-                        if ev["type"] != "BOOKMARK":
-                            self.on_pod(ev["type"], obj)
+                    )
+                    async with contextlib.aclosing(watch):
+                        async for ev in watch:
+                            obj = ev["object"]
+                            if ev["type"] == "ERROR":
+                                raise ApiError(obj.get("code", 500), obj.get("message", ""))
+                            rv = obj["metadata"]["resourceVersion"]
+                            if ev["type"] != "BOOKMARK":
+                                self.on_pod(ev["type"], obj)
             except (TimeoutError, ApiError, aiohttp.ClientError) as e:
                 log.info("pod watch restarts after: %s", e)
                 await asyncio.sleep(0.5)
