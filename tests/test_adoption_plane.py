@@ -1131,28 +1131,16 @@ async def test_a_restart_after_a_replayed_history_is_not_taken_for_duplicates(tm
         assert tiers(plane, x) is None and not false_visible(plane, engine)
 
 
-async def test_a_process_restarted_behind_an_open_breaker_is_proved_before_it_shows(tmp_path):
+@pytest.mark.parametrize("moved", [False, True], ids=["same_spec", "spec_changed_while_open"])
+async def test_a_process_restarted_behind_an_open_breaker_is_proved_before_it_shows(tmp_path, moved):
+    """``moved``: its spec changes while its breaker is open, so that return is proved and shown before
+    the restart, the breaker still open; it is proved again all the same when the breaker closes (a
+    randomized interleaving found it shown without a proof)."""
     async with fake(tmp_path) as engine, plane_for() as plane:
         await warm(plane, engine, pod=True)
         plane.engine_unreachable("e")
-        engine.restart()  # publishes nothing: no batch shows the restart
-        plane.engine_reachable("e")
-        await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="proved")
-        await plane.writer.drain()
-        assert tiers(plane, DEV) is None and tiers(plane, DISK) == (0, 0, 2, 0)
-        assert not false_visible(plane, engine)
-
-
-async def test_a_return_shown_while_its_breaker_is_open_is_proved_again_when_it_closes(tmp_path):
-    """Its spec changes while its breaker is open: that return is proved and shown, the breaker still
-    open, and then its process restarts behind the breaker without a batch to show it. When the
-    breaker closes, its ranks are proved again before they show (a randomized interleaving found it)."""
-    async with fake(tmp_path) as engine, plane_for() as plane:
-        await warm(plane, engine, pod=True)
-        plane.engine_unreachable("e")
-        await back(
-            plane, dataclasses.replace(in_pod(engine), url=engine.http_url + "/")
-        )  # shown, breaker open
+        if moved:
+            await back(plane, dataclasses.replace(in_pod(engine), url=engine.http_url + "/"))
         engine.restart()  # publishes nothing: no batch shows the restart
         plane.engine_reachable("e")
         await eventually(lambda: plane.carrier_states() == {"e": CarrierState.OK}, what="proved")
