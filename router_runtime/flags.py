@@ -12,14 +12,8 @@ from typing import Any, ClassVar
 
 
 def _integer(text: str, lo: int | None) -> int:
-    what = (
-        "an integer"
-        if lo is None
-        else "a positive integer"
-        if lo == 1
-        else "a non-negative integer"
-        if lo == 0
-        else f"an integer >= {lo}"
+    what = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}.get(
+        lo, f"an integer >= {lo}"
     )
     try:
         v = int(text)

@@ -35,16 +35,13 @@ STRATEGIC = "application/strategic-merge-patch+json"
 MERGE = "application/merge-patch+json"
 MAX_EVENT_BYTES = 64 << 20
 
-# kind -> (API prefix, plural) for every kind the project reads or writes by name.
+# kind -> (API prefix, plural) for every kind the project addresses by kind (``path``).
 KINDS: dict[str, tuple[str, str]] = {
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
     "Secret": ("/api/v1", "secrets"),
-    "ConfigMap": ("/api/v1", "configmaps"),
     "Service": ("/api/v1", "services"),
     "Pod": ("/api/v1", "pods"),
     "Event": ("/api/v1", "events"),
-    "Node": ("/api/v1", "nodes"),
-    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
     "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
