@@ -20,11 +20,10 @@ that restarted or left meanwhile is never grafted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
 from ..kv.decode import MalformedFrame, decode
@@ -35,6 +34,7 @@ from ..kv.plane import KVPlane
 from ..kv.snapshot import Exporter, Grafter
 from ..kv.subscription import RankSubscription, ReplayOutcome, ReplayTimeouts, replay
 from ..kv.writer import ClearReason
+from ..tasks import end_tasks
 from ..worker import Carrier
 from .fetch import FetchFailed, SnapshotFetcher
 from .metrics import BootstrapMetrics
@@ -144,13 +144,10 @@ class Bootstrapper:
             self._task = asyncio.create_task(self._run(), name="kv-bootstrap")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._tasks) if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        await self.fetcher.close()
+        try:
+            await end_tasks([self._task, *self._tasks], "bootstrap")
+        finally:
+            await self.fetcher.close()
 
     # ---- the KV plane's hooks ------------------------------------------------------------------
 
@@ -184,7 +181,7 @@ class Bootstrapper:
         sub.attach(self._new_hold(c, boot.epoch))
         sub.on_splice = lambda seq, c=c, e=boot.epoch: self._spliced(c, e, seq)
         if self.config.origin and sub.endpoints.replay:
-            boot.origin = asyncio.create_task(self._origin(c, boot.epoch, sub.endpoints.replay))
+            boot.origin = self._spawn(self._origin(c, boot.epoch, sub.endpoints.replay), f"kv-origin-{c}")
         self._queue.add(c)
         self._wake.set()
         self._export_state(c)
@@ -196,6 +193,8 @@ class Bootstrapper:
         self._origin_misfits.pop(carrier, None)
         if boot is not None:
             boot.epoch += 1  # refuses any graft chunk still in flight for it
+            if boot.origin is not None:
+                boot.origin.cancel()  # its replay socket is for a rank that no longer matters
         self.metrics.forget(carrier)
 
     def _new_hold(self, c: Carrier, epoch: int) -> RankHold:
@@ -600,9 +599,14 @@ class Bootstrapper:
         boot.watermark = cursor
         sub.splice_watermark = cursor
         self._export_state(c)
-        task = asyncio.create_task(self._probe(c, boot.epoch))
+        self._spawn(self._probe(c, boot.epoch), f"kv-bootstrap-probe-{c}")
+
+    def _spawn(self, coro: Coroutine, name: str) -> asyncio.Task:
+        """A task of the bootstrap's, kept until it ends (``stop`` cancels and awaits what is left)."""
+        task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _spliced(self, c: Carrier, epoch: int, seq: int) -> None:
         """The first live batch above the watermark arrived (called before it is applied)."""
@@ -645,10 +649,11 @@ class Bootstrapper:
         a partial history: anything less leaves the rank to the peer sweep, or cold."""
         cfg = self.config
         result = await replay(
-            self.plane.ctx,
+            self.plane.sockets,
             endpoint,
             0,
             ReplayTimeouts(cfg.origin_idle_s, cfg.origin_timeout_s),
+            f"origin replay of rank {c}",
             max_bytes=cfg.origin_max_bytes,
         )
         self.metrics.origin_batches.inc(len(result.batches))

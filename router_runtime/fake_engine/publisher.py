@@ -15,7 +15,6 @@ keeps the wire order exactly the sequence order with no send queue in between. T
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import random
@@ -29,6 +28,7 @@ import zmq.asyncio
 
 from router_runtime.kv.encode import encode_batch, pub_frames, replay_end_frames, replay_reply_frames
 from router_runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Dialect, EventBatch
+from router_runtime.tasks import end_tasks
 
 log = logging.getLogger(__name__)
 
@@ -150,16 +150,13 @@ class KvPublisher:
         if self._closed:
             return
         self._closed = True
-        tasks = [s.task for s in self._ranks if s.task is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for stream in self._ranks:
-            stream.pub.close(0)
-            stream.router.close(0)
-        self._ctx.term()
+        try:
+            await end_tasks([s.task for s in self._ranks], "KV publisher")
+        finally:  # every socket closed first, so the term cannot block
+            for stream in self._ranks:
+                stream.pub.close(0)
+                stream.router.close(0)
+            self._ctx.term()
 
     def reset(self) -> None:
         """A new incarnation: sequences restart at 0 and replay buffers empty. Sockets stay bound, like

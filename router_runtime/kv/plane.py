@@ -10,15 +10,14 @@ default here), a worker that left is dropped at once and a changed spec is a dif
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from ..tasks import end_tasks, retire
 from ..worker import Carrier, WorkerSpec
 from .adoption import CarrierState, DisconnectCause, StorageIdentity
 from .fit import Misfit
@@ -26,6 +25,7 @@ from .hold import RankHold
 from .index import RadixIndex
 from .metrics import KVMetrics
 from .readoption import Readoption
+from .sockets import Sockets
 from .subscription import Endpoints, RankSubscription, ReplayTimeouts
 from .writer import IndexWriter
 
@@ -69,9 +69,10 @@ class KVPlane:
         self.metrics = KVMetrics(registry)
         self.writer = IndexWriter(self.index, self.metrics, max_batches=queue_batches, max_bytes=queue_bytes)
         self.replay_timeouts = replay_timeouts or ReplayTimeouts()
-        self.ctx = zmq.asyncio.Context()  # every subscription's and replay's sockets
+        self.sockets = Sockets()  # every subscription's, replay's and probe's
         self._workers: dict[str, WorkerSpec] = {}
         self._subs: dict[Carrier, tuple[RankSubscription, asyncio.Task]] = {}
+        self._ending: set[asyncio.Task] = set()  # subscriptions cancelled, still closing their sockets
         self._writer_task: asyncio.Task | None = None
         # The bootstrap listens here: a new rank starts holding; a removed one stops mattering.
         self.rank_listener: RankListener | None = None
@@ -93,17 +94,15 @@ class KVPlane:
         self._writer_task = asyncio.create_task(self.writer.run(), name="kv-index-writer")
 
     async def stop(self) -> None:
-        tasks = self.readoption.stop()
-        tasks += [t for _s, t in self._subs.values()]
-        if self._writer_task:
-            tasks.append(self._writer_task)
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        self._subs.clear()
-        self.ctx.term()
+        """Bounded, and never blocks the loop: every task of the plane is cancelled and awaited (each
+        closes its own sockets as it ends), then the ZMQ context is ended, closing whatever a task
+        that outlived the bound still holds (both named in a warning)."""
+        tasks = [*self.readoption.stop(), *(t for _s, t in self._subs.values()), *self._ending]
+        try:
+            await end_tasks([*tasks, self._writer_task], "KV plane")
+        finally:
+            self._subs.clear()
+            self.sockets.close()
 
     @property
     def workers(self) -> dict[str, WorkerSpec]:
@@ -145,7 +144,7 @@ class KVPlane:
                 spec.topic,
             )
             sub = RankSubscription(
-                self.ctx, carrier, endpoints, self.writer, self.metrics, timeouts=self.replay_timeouts
+                self.sockets, carrier, endpoints, self.writer, self.metrics, timeouts=self.replay_timeouts
             )
             if holds is not None:
                 if (hold := holds.get(rank)) is not None:
@@ -162,7 +161,7 @@ class KVPlane:
         """End the rank's subscription (if any) and tell the bootstrap it no longer matters."""
         entry = self._subs.pop(carrier, None)
         if entry:
-            entry[1].cancel()
+            retire(entry[1], self._ending)
         if self.rank_listener is not None:
             self.rank_listener.rank_removed(carrier)
 

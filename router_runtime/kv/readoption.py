@@ -41,6 +41,7 @@ import aiohttp
 import routerfleet_index
 from prometheus_client import CollectorRegistry
 
+from ..tasks import retire
 from ..worker import Carrier, WorkerSpec
 from .adoption import (
     ALL,
@@ -112,6 +113,7 @@ class Readoption:
         self._clock = clock
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._tasks: dict[str, set[asyncio.Task]] = {}  # per engine: lookups and pending decisions
+        self._ending: set[asyncio.Task] = set()  # cancelled, not yet ended (``retire``)
         self._undecided: dict[Carrier, _Pending] = {}  # the ranks of returns being decided
 
     @property
@@ -125,7 +127,7 @@ class Readoption:
         self._timers.clear()
         tasks = [t for ts in self._tasks.values() for t in ts]
         self._tasks.clear()
-        return tasks
+        return [*tasks, *self._ending]
 
     # ---- reads ---------------------------------------------------------------------------------
 
@@ -406,6 +408,7 @@ class Readoption:
 
     def _spawn(self, engine: str, coro: Awaitable, gen: int | None = None) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
+        task.set_name(f"kv-readoption-{engine}")
         tasks = self._tasks.setdefault(engine, set())
         tasks.add(task)
         task.add_done_callback(tasks.discard)
@@ -415,7 +418,7 @@ class Readoption:
 
     def _cancel_tasks(self, engine: str) -> None:
         for t in self._tasks.pop(engine, set()):
-            t.cancel()
+            retire(t, self._ending)
 
     def _task_done(self, engine: str, gen: int, task: asyncio.Task) -> None:
         """A probe or decision of generation ``gen`` that failed (a bug) must not leave the engine's
@@ -512,7 +515,13 @@ class Readoption:
             self._rank_proved(rec, c, gen, continuous=False)  # nothing can show our cursor
             return
         for _attempt in range(PROBE_ATTEMPTS):  # a busy engine answers its replay socket late
-            result = await replay(self.plane.ctx, sub.endpoints.replay, cursor, self.plane.replay_timeouts)
+            result = await replay(
+                self.plane.sockets,
+                sub.endpoints.replay,
+                cursor,
+                self.plane.replay_timeouts,
+                f"re-adoption probe of rank {c}",
+            )
             if not self._pending(c, gen):
                 return  # decided meanwhile (its stream restarted, reset or overflowed)
             if result.outcome is not ReplayOutcome.TIMEOUT:
@@ -679,7 +688,13 @@ class Readoption:
             return False
         resumes = sub.resumes
         held = (sub.cursor, sub.cursor_hash)  # what the live loop had taken before we asked
-        result = await replay(self.plane.ctx, sub.endpoints.replay, 0, self.plane.replay_timeouts)
+        result = await replay(
+            self.plane.sockets,
+            sub.endpoints.replay,
+            0,
+            self.plane.replay_timeouts,
+            f"re-adoption catch-up of rank {sub.carrier}",
+        )
         got = result.batches
         if got:
             if result.outcome is not ReplayOutcome.FILLED or got[0][0] != 0:

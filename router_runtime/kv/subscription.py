@@ -28,6 +28,7 @@ from .events import DecodeStats, SequencedBatch
 from .fit import FitTally
 from .hold import HoldEnd, RankHold
 from .metrics import KVMetrics
+from .sockets import Sockets
 from .writer import ClearReason, IndexWriter
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class ReplayResult:
 class RankSubscription:
     def __init__(
         self,
-        ctx: zmq.asyncio.Context,
+        sockets: Sockets,
         carrier: Carrier,
         endpoints: Endpoints,
         writer: IndexWriter,
@@ -101,7 +102,7 @@ class RankSubscription:
         timeouts: ReplayTimeouts | None = None,
         rcvhwm: int = 100_000,
     ) -> None:
-        self.ctx = ctx
+        self.sockets = sockets
         self.carrier = carrier
         self.endpoints = endpoints
         self.writer = writer
@@ -185,28 +186,32 @@ class RankSubscription:
     # ---- the live loop -------------------------------------------------------------------------
 
     async def run(self) -> None:
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
-        # ZMQ reconnects by itself; bound its backoff so a restarted engine is picked up quickly.
-        sub.setsockopt(zmq.RECONNECT_IVL, 100)
-        sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
-        sub.setsockopt(zmq.SUBSCRIBE, self.endpoints.topic)
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sub.connect(self.endpoints.pub)
-        watch = asyncio.create_task(self._watch(monitor))
+        name = f"rank {self.carrier}"
+        watch: asyncio.Task | None = None
         try:
-            while True:
-                frames = await sub.recv_multipart(copy=True)
-                await self.on_live(frames)
+            with (
+                self.sockets.open(zmq.SUB, f"live SUB of {name}") as sub,
+                self.sockets.monitor(
+                    sub, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED, f"live SUB monitor of {name}"
+                ) as monitor,
+            ):
+                sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+                # ZMQ reconnects by itself; bound its backoff so a restarted engine is picked up quickly.
+                sub.setsockopt(zmq.RECONNECT_IVL, 100)
+                sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+                sub.setsockopt(zmq.SUBSCRIBE, self.endpoints.topic)
+                sub.connect(self.endpoints.pub)
+                watch = asyncio.create_task(self._watch(monitor), name=f"kv-monitor-{self.carrier}")
+                while True:
+                    frames = await sub.recv_multipart(copy=True)
+                    await self.on_live(frames)
         finally:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
+            # Both sockets are closed by now, whatever interrupted the loop; the watch ends with them.
             self.connected = False
-            sub.disable_monitor()
-            monitor.close(0)
-            sub.close(0)
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         from zmq.utils.monitor import parse_monitor_message
@@ -332,7 +337,14 @@ class RankSubscription:
             self.metrics.replays.labels("unavailable").inc()
             return Fill.DONE
         resumes = self._resumes
-        result = await replay(self.ctx, self.endpoints.replay, start, self.timeouts, stop_at=live_seq)
+        result = await replay(
+            self.sockets,
+            self.endpoints.replay,
+            start,
+            self.timeouts,
+            f"gap replay of rank {self.carrier}",
+            stop_at=live_seq,
+        )
         if self._resumes != resumes:
             return Fill.RESET
         self.metrics.replays.labels(str(result.outcome)).inc()
@@ -357,24 +369,23 @@ class RankSubscription:
 
 
 async def replay(
-    ctx: zmq.asyncio.Context,
+    sockets: Sockets,
     endpoint: str,
     start: int,
     timeouts: ReplayTimeouts,
+    name: str,
     *,
     stop_at: int | None = None,
     max_bytes: int | None = None,
 ) -> ReplayResult:
     """Ask a replay ROUTER for every buffered batch from ``start``; collect until the end marker, or
     (once ``stop_at`` is reached) stop early. Past ``max_bytes`` of payload it stops as truncated.
-    Returns the contiguous run it got and how it ended."""
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(endpoint)
+    Returns the contiguous run it got and how it ended. ``name`` names its DEALER (``Sockets``)."""
     got: list[tuple[int, bytes]] = []
     size = 0
     outcome = ReplayOutcome.TIMEOUT
-    try:
+    with sockets.open(zmq.DEALER, name) as dealer:
+        dealer.connect(endpoint)
         await dealer.send_multipart([b"", start.to_bytes(8, "big")])
         deadline = time.monotonic() + timeouts.total_s
         while True:
@@ -404,8 +415,6 @@ async def replay(
             if stop_at is not None and seq >= stop_at:
                 outcome = ReplayOutcome.FILLED
                 break
-    finally:
-        dealer.close(0)
     if got and got[0][0] != start:
         outcome = ReplayOutcome.UNCOVERED
     elif not got and outcome is ReplayOutcome.FILLED:
