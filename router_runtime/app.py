@@ -57,6 +57,7 @@ from .sessions.bindings import BindingMetrics, ResponseBindings
 from .sessions.metrics import SessionMetrics
 from .sessions.redis_store import SharedClient
 from .sessions.snapshot import from_wire, to_wire
+from .tasks import end_tasks
 from .tokens.engine import EngineTokenizer
 from .tokens.tokenizer import ENGINE_TOKENIZER, AsyncTokenizer, Tokenizer, load_tokenizer
 from .worker import Carrier, WorkerSpec
@@ -341,26 +342,24 @@ class Router:
             self._fleet_tasks.append(asyncio.create_task(self.scraper.run(), name="engine-load"))
 
     async def stop(self) -> None:
-        for watcher in (self.engine_watcher, self.peer_watcher):
-            if watcher is not None:
-                await watcher.stop()
-        await self.bootstrap.stop()
-        for task in self._fleet_tasks:
-            task.cancel()
-        await asyncio.gather(*self._fleet_tasks, return_exceptions=True)
-        self._fleet_tasks.clear()
-        if self._checker_task is not None:
-            self._checker_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._checker_task
+        """Every part stops, each bounded (``tasks.end_tasks``); the KV plane last, and whatever else
+        fails or is cancelled, so its ZMQ context never outlives the router."""
+        try:
+            for watcher in (self.engine_watcher, self.peer_watcher):
+                if watcher is not None:
+                    await watcher.stop()
+            await self.bootstrap.stop()
+            await end_tasks([*self._fleet_tasks, self._checker_task], "router")
+            self._fleet_tasks.clear()
             self._checker_task = None
-        await self.proxy.close()
-        if self.shared_store is not None:
-            await self.shared_store.close()
-        if isinstance(self.proxy.tokenizer, EngineTokenizer):
-            await self.proxy.tokenizer.close()
-        await self.kv.stop()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+            await self.proxy.close()
+            if self.shared_store is not None:
+                await self.shared_store.close()
+            if isinstance(self.proxy.tokenizer, EngineTokenizer):
+                await self.proxy.tokenizer.close()
+        finally:
+            await self.kv.stop()
+            self.executor.shutdown(wait=False, cancel_futures=True)
 
     def set_workers(self, specs: Iterable[WorkerSpec]) -> None:
         """The complete current worker set (static flags, or discovery): KV subscriptions, targets and
@@ -524,18 +523,20 @@ async def run_router(
     ``policy`` and ``tokenizer`` override the config's (tests)."""
     log_redaction.install()  # before any server starts: no request bytes in any log line
     router = Router(config, policy=policy, tokenizer=tokenizer)
-    await router.start()
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
-    # request, so the engine stops working for nobody.
-    runner = GuardedRunner(router.build_app(), config.server, access_log=None, handler_cancellation=True)
+    # request, so the engine stops working for nobody. shutdown_timeout: what requests still in flight
+    # get at the stop before they are cut (cli.py drains first).
+    bounds = {"access_log": None, "shutdown_timeout": config.shutdown_timeout_s}
+    runner = GuardedRunner(router.build_app(), config.server, handler_cancellation=True, **bounds)
     internal = None
     if router.token is not None:
         internal = GuardedRunner(
             internal_app(router.token, router.bootstrap, router.producer, router.accept_load_report),
             config.server,
-            access_log=None,
+            **bounds,
         )
     try:
+        await router.start()
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
@@ -547,7 +548,7 @@ async def run_router(
             router.internal_url = f"http://{host}:{internal.addresses[0][1]}"
         yield router, f"http://{config.host}:{port}"
     finally:
-        if internal is not None:
-            await internal.cleanup()
-        await runner.cleanup()
-        await router.stop()
+        try:  # both servers wait for their requests in flight at once, each bounded by shutdown_timeout
+            await asyncio.gather(runner.cleanup(), *([internal.cleanup()] if internal is not None else []))
+        finally:
+            await router.stop()

@@ -60,8 +60,10 @@ class RouterConfig:
     # Ask engines for usage on streams whose client did not, and strip it again (proxy/audit.py).
     audit_stream_usage: bool = True
     # On SIGTERM: this long not Ready, closing each connection after its response, before the server
-    # stops listening (cli.py).
+    # stops listening (cli.py); then requests still in flight get this long before they are cut.
+    # Together with the stop's own bound they fit the pod's 30 s grace period with room to spare.
     shutdown_drain_s: float = 5.0
+    shutdown_timeout_s: float = 10.0
     # Client connections: the router's own HTTP server (proxy/serving.py).
     server: ServerLimits = field(default_factory=ServerLimits)
     # Engine health.
@@ -331,6 +333,13 @@ FLAGS: tuple[tuple[str | None, tuple[Flag, ...]], ...] = (
                 "on SIGTERM, stay up this long not Ready, closing connections after each response, so the"
                 " Service and clients move off before the server stops (keep it below the pod's termination"
                 " grace period)",
+            ),
+            Flag(
+                "--shutdown-timeout-ms",
+                "shutdown_timeout_s",
+                Ms(0),
+                "after the drain, how long requests still in flight get to finish before they are cut (drain"
+                " plus this plus a few seconds must fit the pod's termination grace period)",
             ),
             Flag(
                 "--audit-stream-usage",

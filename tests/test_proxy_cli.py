@@ -17,6 +17,7 @@ from router_runtime.config import FLAGS, RouterConfig, parse_args
 from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.routing.policies import PolicyConfig
 
+from .support import eventually
 from .test_tokens_hf import build_tokenizer_dir
 
 
@@ -198,6 +199,53 @@ async def test_sigterm_drains_before_the_server_stops():
             proc.send_signal(signal.SIGTERM)  # the second signal ends the drain
             _, stderr = await asyncio.wait_for(proc.communicate(), 20)
         assert proc.returncode == 0, stderr.decode()[-2000:]
+
+
+GRACE_MARGIN_S = 5.0  # what a loaded node may add between the kubelet's SIGTERM and the process's exit
+
+
+async def test_sigterm_under_load_exits_within_the_pods_grace_period():
+    """SIGTERM with streams in flight that would outlast any grace period (an engine decoding 5 tokens
+    a second, 2000 asked for each): the router, with the flags the operator renders (the defaults),
+    exits 0 before the grace period the operator gives its pods runs out, with a margin. It drains,
+    then gives what is still in flight --shutdown-timeout-ms and cuts it, then stops, each bounded;
+    aiohttp's own wait for requests in flight (a minute) ended in the kubelet's SIGKILL."""
+    from routerfleet_operator.render import render_pod_template
+    from routerfleet_operator.spec import Fleet
+
+    from .operator.helpers import fleet_obj
+
+    grace = render_pod_template(Fleet.parse(fleet_obj()))["spec"]["terminationGracePeriodSeconds"]
+    streaming = 0
+
+    async def stream(s: aiohttp.ClientSession, url: str) -> None:
+        nonlocal streaming
+        body = {"prompt": "a long answer", "max_tokens": 2000, "stream": True}
+        async with s.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            await r.content.readline()
+            streaming += 1
+            async for _line in r.content:  # until the router cuts it
+                pass
+
+    async with run_fake_engine(block_size=16, decode_tokens_per_s=5) as engine:
+        proc, url = await start_router(engine)
+        try:
+            async with aiohttp.ClientSession() as s:
+                await until_readyz(s, proc, url, 200)
+                streams = [asyncio.create_task(stream(s, url)) for _ in range(8)]
+                await eventually(lambda: streaming == 8, timeout=20, what="8 streams in flight")
+                proc.send_signal(signal.SIGTERM)
+                t0 = asyncio.get_running_loop().time()
+                _, stderr = await asyncio.wait_for(proc.communicate(), grace + 30)
+                took = asyncio.get_running_loop().time() - t0
+                await asyncio.gather(*streams, return_exceptions=True)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert proc.returncode == 0, stderr.decode()[-2000:]
+    assert took < grace - GRACE_MARGIN_S, f"exited {took:.1f}s after SIGTERM; the pod's grace is {grace}s"
 
 
 def test_client_connection_flags_reach_the_server_limits():

@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from ..tasks import end_tasks
 from .errors import error_json
 
 log = logging.getLogger(__name__)
@@ -138,13 +139,38 @@ class _GuardedServer(web.Server):
 
 
 class GuardedRunner(web.AppRunner):
-    """An AppRunner under ``ServerLimits``: keep-alive idle timeout, head timeout, connection cap."""
+    """An AppRunner under ``ServerLimits``: keep-alive idle timeout, head timeout, connection cap; and a
+    bounded stop: ``cleanup`` stops listening, gives the requests in flight ``shutdown_timeout``, then
+    cuts what is left. (aiohttp's own shutdown waits its timeout twice over for a streaming handler:
+    once for it to finish, then again after asking it to end, which a handler writing a stream does
+    not see.)"""
 
     def __init__(self, app: web.Application, limits: ServerLimits, **kwargs: Any) -> None:
         super().__init__(
             app, keepalive_timeout=limits.idle_timeout_s, lingering_time=limits.lingering_s, **kwargs
         )
         self.limits = limits
+        self.shutdown_timeout_s: float = kwargs.get("shutdown_timeout", 60.0)
+        self._inflight: set[asyncio.Task] = set()
+        app.middlewares.append(self._track)
+
+    @web.middleware
+    async def _track(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self._inflight.add(task)
+        try:
+            return await handler(request)
+        finally:
+            self._inflight.discard(task)
+
+    async def cleanup(self) -> None:
+        for site in list(self.sites):
+            await site.stop()
+        if self._inflight:
+            await asyncio.wait(set(self._inflight), timeout=self.shutdown_timeout_s)
+        await end_tasks(self._inflight, "HTTP server")  # cut what is still in flight
+        await super().cleanup()
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
