@@ -202,10 +202,16 @@ class E2ECluster:
 # ------------------------------------------------------------------------------------------ fixtures
 
 
+# An e2e test's time bound unless it sets its own: the first one also starts the cluster.
+E2E_TIMEOUT_S = 600
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.e2e)
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
 
 
 @pytest.hookimpl(hookwrapper=True)

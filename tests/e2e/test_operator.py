@@ -101,6 +101,9 @@ def crd(cluster):
     return client.CustomObjectsApi(cluster.api)
 
 
+OPERATOR_STOP_LIMIT_S = 25  # the pod's grace period (30 s) less a margin
+
+
 class OperatorProcess:
     """``routerfleet-operator run --namespace NS`` as a subprocess; ``kill()`` (SIGKILL: no clean
     shutdown) and ``start()`` again to test that a restart resumes from status."""
@@ -131,12 +134,15 @@ class OperatorProcess:
             self.proc.wait()
 
     def stop(self) -> None:
+        """SIGTERM, as the kubelet sends it: the operator must exit within its pod's grace period (30 s,
+        Kubernetes' default, which the chart keeps) less a margin, whatever it was doing."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(15)
+                self.proc.wait(OPERATOR_STOP_LIMIT_S)
             except subprocess.TimeoutExpired:
                 self.kill()
+                raise AssertionError(f"the operator ignored SIGTERM for {OPERATOR_STOP_LIMIT_S}s") from None
 
 
 @pytest.fixture
@@ -147,10 +153,12 @@ def operator(cluster, namespace, crd, tmp_path):
     try:
         yield op
     finally:
-        op.stop()
-        lines = [ln for ln in op.log_path.read_text(errors="replace").splitlines() if "[DEBUG" not in ln]
-        print(f"\n--- operator log without DEBUG (last 60 of {len(lines)} lines)")
-        print("\n".join(lines[-60:]))
+        try:
+            op.stop()
+        finally:
+            lines = [ln for ln in op.log_path.read_text(errors="replace").splitlines() if "[DEBUG" not in ln]
+            print(f"\n--- operator log without DEBUG (last 60 of {len(lines)} lines)")
+            print("\n".join(lines[-60:]))
 
 
 def deploy_engines(cluster, ns: str, engine_args: tuple[str, ...] = ()) -> None:

@@ -14,6 +14,7 @@ from e2e import fleet_traffic as T
 from e2e.soak import FAULTS, soak
 
 
+@pytest.mark.timeout(1200)  # the soak caps itself at 8 minutes, each fault's convergence on top
 def test_short_soak(cluster):
     _local_only(cluster)
     if getattr(cluster.provider, "cluster", None) is None:
