@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup test lint kube helm prometheus redis iptables manifests demo bench clean
+.PHONY: setup test lint kube helm prometheus redis iptables manifests demo bench bench-check clean
 
 setup: $(VENV)/.installed
 
@@ -74,7 +74,7 @@ manifests: setup helm
 #   .venv/bin/python -m pytest tests/e2e/test_node_agent.py::test_serviceaccount_token_and_rbac
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
-test: lint kube helm prometheus redis iptables
+test: lint kube helm prometheus redis iptables bench-check
 	@export ROUTERFLEET_KUBE_BIN=$$(bash e2e/kube/build.sh | tail -1) ROUTERFLEET_HELM_BIN=$$(bash e2e/helm/build.sh | tail -1); \
 	$(PYTEST) -m "not e2e"; rc=$$?; [ $$rc -eq 5 ] && rc=0; [ $$rc -eq 0 ] || exit $$rc; \
 	$(BIN)/python -m e2e.cluster pytest -q -p no:cacheprovider tests/e2e; \
@@ -89,21 +89,26 @@ test: lint kube helm prometheus redis iptables
 demo: setup
 	$(BIN)/python -m e2e.demo $(if $(CLUSTER),--provider $(CLUSTER))
 
-# The anchors (Dynamo's runtime, vllm-router, sglang-router) live in their own venv: ai-dynamo-runtime
-# pins a pydantic that kubernetes/kopf cannot use.
+# The anchors (Dynamo's runtime, vllm-router, sglang-router: the `bench` extra) live in a venv of their
+# own beside the project and its own dependencies, so a bench imports what the router does. `make test`
+# checks that every bench there at least imports and parses its arguments (bench-check).
 BENCH := .venv-bench/bin
+BENCHES := $(basename $(notdir $(shell grep -l "^if __name__ == .__main__.:" bench/*.py)))
 $(BENCH)/.installed: pyproject.toml $(VENV)/.native
 	$(PYTHON) -m venv .venv-bench
 	$(BENCH)/pip install -q --upgrade pip
-	$(BENCH)/pip install -q pyzmq msgpack xxhash aiohttp prometheus-client uvloop ai-dynamo-runtime vllm-router sglang-router
 	$(BENCH)/pip install -q --force-reinstall --no-deps native/target/wheels/routerfleet_index-0.1.0-*.whl
-	$(BENCH)/pip install -q --no-deps -e .
+	$(BENCH)/pip install -q -e '.[speed,bench]'
 	touch $@
 
 bench: $(BENCH)/.installed
 	$(BENCH)/python -m bench.ingest_match
 	$(BENCH)/python -m bench.routing_quality
 	$(BENCH)/python -m bench.overhead
+
+bench-check: $(BENCH)/.installed
+	@for b in $(BENCHES); do $(BENCH)/python -m bench.$$b --help >/dev/null || { echo "make: bench.$$b --help failed in .venv-bench" >&2; exit 1; }; done
+	@echo "bench-check: $(words $(BENCHES)) benches import and parse their arguments in .venv-bench"
 
 clean:
 	rm -rf $(VENV) .venv-bench .pytest_cache .ruff_cache .hypothesis
