@@ -31,6 +31,8 @@ from router_runtime.config import parse_args
 from router_runtime.fake_engine.cache import PLAIN
 from router_runtime.fake_engine.config import FakeEngineConfig
 from router_runtime.fake_engine.server import FakeEngine
+from router_runtime.kv.sockets import Sockets
+from router_runtime.tasks import end_tasks
 from router_runtime.worker import WorkerSpec
 
 from .support import eventually, loopback_app
@@ -195,3 +197,37 @@ async def test_a_router_stopped_at_any_point_stops_within_a_bound_and_leaves_not
         await trial(seed, *stalls)
     outlived = [r.getMessage() for r in caplog.records if "still" in r.getMessage()]
     assert outlived == [], "a socket or a task outlived its owner's stop"
+
+
+async def test_the_context_ends_at_once_naming_a_socket_its_owner_left_open(caplog):
+    """The bound behind the plane's stop: a socket still open (an owner's bug) cannot block the end of
+    the context, and the warning names it; its owner's close afterwards is harmless."""
+    sockets = Sockets()
+    zmq_before = zmq_threads()
+    with sockets.open(zmq.SUB, "live SUB of rank e#0") as sub:
+        sub.connect("tcp://127.0.0.1:9")
+        assert sockets.open_names() == ["live SUB of rank e#0"]
+        assert sockets.close() == ["live SUB of rank e#0"]
+    assert sockets.ctx.closed and zmq_threads() == zmq_before
+    assert "1 ZMQ sockets still open: live SUB of rank e#0" in caplog.text
+
+
+async def test_ending_tasks_is_bounded_and_names_a_task_that_ignores_its_cancellation(caplog):
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await release.wait()
+
+    async def failing() -> None:
+        raise RuntimeError("boom")
+
+    tasks = [asyncio.create_task(stubborn(), name="stubborn"), asyncio.create_task(failing(), name="failing")]
+    tasks.append(asyncio.create_task(asyncio.sleep(3600), name="sleeper"))
+    await asyncio.sleep(0)
+    assert await end_tasks(tasks, "test", bound_s=0.2) == ["stubborn"]
+    assert tasks[2].cancelled()
+    assert "task failing failed" in caplog.text and "still running after 0.2s: ['stubborn']" in caplog.text
+    release.set()
+    await tasks[0]

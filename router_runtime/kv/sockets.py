@@ -34,7 +34,7 @@ class Sockets:
             sock.setsockopt(zmq.LINGER, 0)
             yield sock
         finally:
-            del self._open[sock]
+            self._open.pop(sock, None)
             sock.close(0)
 
     @contextlib.contextmanager
@@ -45,7 +45,7 @@ class Sockets:
         try:
             yield mon
         finally:
-            del self._open[mon]
+            self._open.pop(mon, None)
             with contextlib.suppress(zmq.ZMQError):  # ``sock`` may have been closed first
                 sock.disable_monitor()
             mon.close(0)
@@ -56,6 +56,8 @@ class Sockets:
     def close(self) -> list[str]:
         """End the context without blocking; returns the names of the sockets still open (a bug in
         their owner), which are closed with it."""
+        if self.ctx.closed:
+            return []
         left = self.open_names()
         if left:
             log.warning("KV plane stopped with %d ZMQ sockets still open: %s", len(left), ", ".join(left))
