@@ -34,13 +34,16 @@ from .discovery.endpointslices import EngineDiscoveryConfig, port_ref
 from .discovery.kubernetes import EndpointSliceWatcher
 from .fleet.board import LoadBoard
 from .fleet.engine_metrics import EngineLoadScraper, ScrapeConfig
+from .fleet.flush import FlushResult, flush
 from .fleet.gossip import GossipConfig, LoadGossip, PeerReport, ReportOutcome
 from .fleet.metrics import FleetMetrics
+from .fleet.notices import KvNotice, NoticeKind, Notices
 from .fleet.view import Bounds, EngineSample
 from .kv.hashing import SCHEME, hash_set_digest
 from .kv.index import TIER_ORDER
 from .kv.plane import KVPlane
 from .kv.subscription import ReplayTimeouts
+from .kv.withhold import WithholdReason
 from .proxy import log_redaction
 from .proxy.endpoints import FORWARDED
 from .proxy.errors import openai_errors
@@ -92,6 +95,7 @@ class Router:
             adoption_cap=config.kv_adoption_cap,
             adoption_window_s=config.kv_adoption_window_s,
             stall_s=config.kv_stall_s,
+            withhold_s=config.kv_withhold_s,
         )
         self.policy = policy if policy is not None else make_policy(config.policy, config.policy_config)
         self.metrics = ProxyMetrics(self.registry)
@@ -153,6 +157,7 @@ class Router:
             limits=config.server,
             doubt_fn=self.doubtful,
             expect_fn=self.kv.expect_batch,
+            deny_fn=self.engine_denied if config.audit_withhold else None,
             audit_stream_usage=config.audit_stream_usage,
             bindings=self.bindings,
         )
@@ -271,6 +276,10 @@ class Router:
                 on_sent=lambda outcome: self.fleet_metrics.sends.labels(outcome).inc(),
             )
             self.load.on_change = self.gossip.changed.set
+        # KV notices (withheld ranks, flushes) go to the same peers (fleet/notices.py).
+        self.notices = (
+            Notices(self.token, lambda: [p.url for p in self.bootstrap.peers.peers]) if self.token else None
+        )
         self.scraper: EngineLoadScraper | None = None
         if config.engine_load_interval_s > 0:
             self.scraper = EngineLoadScraper(
@@ -290,6 +299,35 @@ class Router:
         """A sibling's report off the internal port (None: it failed vetting)."""
         outcome = ReportOutcome.REJECTED if report is None else self.fleet.accept(report)
         self.fleet_metrics.reports.labels(outcome).inc()
+
+    def accept_notice(self, notice: KvNotice) -> None:
+        """A sibling's KV notice off the internal port, vetted; ranks we do not follow are ignored."""
+        # When the sibling's denied prediction was made, less what the notice may have spent in transit
+        # (its engine's evidence reached both replicas at about the same time).
+        since = time.monotonic() - notice.age_ms / 1000 - NOTICE_TRANSIT_S
+        for c in notice.ranks:
+            if self.kv.subscription(c) is None:
+                continue
+            if notice.kind is NoticeKind.FLUSHED:
+                self.kv.withholds.flushed(c)
+            elif notice.kind is NoticeKind.WITHHOLD_FLUSH:
+                self.kv.withholds.withhold(c, WithholdReason.SIBLING_FLUSH)
+            else:
+                self.kv.withholds.withhold(c, WithholdReason.SIBLING_FALSE_HIT, since)
+
+    async def flush_cache(self, engines: list[str] | None) -> FlushResult:
+        """The fleet-wide flush (fleet/flush.py) of ``engines`` (ids; None: every engine). An engine this
+        replica does not know is a LookupError naming it."""
+        workers = self.kv.workers
+        if engines is None:
+            specs = list(workers.values())
+        else:
+            unknown = [e for e in engines if e not in workers]
+            if unknown:
+                raise LookupError(f"unknown engines: {', '.join(unknown[:8])}")
+            specs = [workers[e] for e in dict.fromkeys(engines)]
+        timeout_s = self.config.kv_withhold_s / 2  # the engines answer well inside the withhold's bound
+        return await flush(self.kv, specs, self.proxy.session, self.notices, timeout_s)
 
     def _peers_changed(self, specs: list[WorkerSpec]) -> None:
         registry = self.bootstrap.peers
@@ -352,6 +390,8 @@ class Router:
             await end_tasks([*self._fleet_tasks, self._checker_task], "router")
             self._fleet_tasks.clear()
             self._checker_task = None
+            if self.notices is not None:
+                await self.notices.close()
             await self.proxy.close()
             if self.shared_store is not None:
                 await self.shared_store.close()
@@ -376,6 +416,15 @@ class Router:
             self.policy.remove_target(t)
         self.metrics.forget_engines({s.engine for s in specs} | set(self.load.engines()))
         self.fleet.forget_engines({s.engine for s in specs})
+
+    def engine_denied(self, carrier: Carrier, since: float) -> None:
+        """The audit found the rank's engine without a prefix the index credited in no doubt, for a
+        request dispatched at ``since`` (monotonic): the rank routes cold here and on every sibling
+        until its engine's events show what it lost."""
+        self.kv.withholds.withhold(carrier, WithholdReason.FALSE_HIT, since)
+        if self.notices is not None:
+            age_ms = int(max(0.0, time.monotonic() - since) * 1000)
+            self.notices.tell(KvNotice(NoticeKind.WITHHOLD_FALSE_HIT, (carrier,), age_ms))
 
     def doubtful(self, carrier: Carrier) -> bool:
         """A prediction for this rank is made in a known-doubtful state (the prediction audit labels it):
@@ -515,6 +564,9 @@ class Router:
         return web.json_response(self.fleet.summary())
 
 
+NOTICE_TRANSIT_S = 0.05
+
+
 @contextlib.asynccontextmanager
 async def run_router(
     config: RouterConfig, *, policy: Policy | None = None, tokenizer: Tokenizer | None = None
@@ -531,7 +583,14 @@ async def run_router(
     internal = None
     if router.token is not None:
         internal = GuardedRunner(
-            internal_app(router.token, router.bootstrap, router.producer, router.accept_load_report),
+            internal_app(
+                router.token,
+                router.bootstrap,
+                router.producer,
+                router.accept_load_report,
+                notice=router.accept_notice,
+                flush=router.flush_cache,
+            ),
             config.server,
             **bounds,
         )

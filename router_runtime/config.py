@@ -38,6 +38,7 @@ class RouterConfig:
     kv_adoption_window_s: float = 3600.0
     # A rank whose engine stored blocks for a request and sent no batch for this long is doubtful.
     kv_stall_s: float = 2.0
+    kv_withhold_s: float = 10.0
     log_level: str = "info"
     # Routing.
     policy: str = "kv_aware"
@@ -59,6 +60,9 @@ class RouterConfig:
     allow_paths: tuple[str, ...] = ()
     # Ask engines for usage on streams whose client did not, and strip it again (proxy/audit.py).
     audit_stream_usage: bool = True
+    # An audited false hit withholds its rank fleet-wide (kv/withhold.py); off for engines whose
+    # cached-token figures are not to be trusted.
+    audit_withhold: bool = True
     # On SIGTERM: this long not Ready, closing each connection after its response, before the server
     # stops listening (cli.py); then requests still in flight get this long before they are cut.
     # Together with the stop's own bound they fit the pod's 30 s grace period with room to spare.
@@ -157,6 +161,14 @@ FLAGS: tuple[tuple[str | None, tuple[Flag, ...]], ...] = (
                 " for this long counts as stalled: its predictions are doubtful until a batch comes"
                 " (routerfleet_kv_stalled_ranks)",
                 zero="off",
+            ),
+            Flag(
+                "--kv-withhold-ms",
+                "kv_withhold_s",
+                Ms(1),
+                "a rank whose engine denied a credited prefix, or that a flush is resetting, routes cold"
+                " until its engine's events show what it lost (or the flush ends); after this long the"
+                " rank is cleared instead (routerfleet_kv_rank_withholds_total)",
             ),
             Flag(
                 "--kv-disconnect-grace-s",
@@ -340,6 +352,14 @@ FLAGS: tuple[tuple[str | None, tuple[Flag, ...]], ...] = (
                 Ms(0),
                 "after the drain, how long requests still in flight get to finish before they are cut (drain"
                 " plus this plus a few seconds must fit the pod's termination grace period)",
+            ),
+            Flag(
+                "--audit-withhold",
+                "audit_withhold",
+                Switch(),
+                "an engine that reports more than a block fewer cached tokens than a prediction made in no"
+                " doubt has its rank routed cold on every replica until its events show what it lost"
+                " (--kv-withhold-ms); off: such false hits are only counted",
             ),
             Flag(
                 "--audit-stream-usage",

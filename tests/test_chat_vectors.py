@@ -144,7 +144,9 @@ async def test_requests_route_to_the_engine_holding_their_engine_computed_prefix
     block matched; every refused one is counted as untokenized."""
     tok = _tokenizer("qwen3", family)
     vectors = [v for v in file if v["tokenizer"] == "qwen3"]
-    async with kv_fleet(with_tokenizer=tok) as (engines, router, url, s):
+    # The fake engine does not render chat with these tokenizers, so its cached-token figures are not
+    # about these IDs: the audit's false hits here are the harness's, and must not withhold the holder.
+    async with kv_fleet(with_tokenizer=tok, audit_withhold=False) as (engines, router, url, s):
         holder = engines[1]
         for v in vectors:
             if "token_ids" in v:

@@ -1,17 +1,22 @@
 """The internal port: ``GET /internal/kv_snapshot`` (the producer), ``GET /internal/bootstrap`` (the
-verdict the operator reads) and ``POST /internal/load`` (a sibling's load report, fleet/gossip.py).
-Separate from the public proxy port and authenticated with the fleet's bearer token: a request without
-it gets 401."""
+verdict the operator reads), ``POST /internal/load`` (a sibling's load report, fleet/gossip.py),
+``POST /internal/kv_notice`` (a sibling's KV notice, fleet/notices.py) and ``POST /internal/flush_cache``
+(a fleet-wide cache flush, fleet/flush.py). Separate from the public proxy port and authenticated with
+the fleet's bearer token: a request without it gets 401."""
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
 
+from ..fleet import notices
+from ..fleet.flush import FlushResult
 from ..fleet.gossip import MAX_BODY_BYTES, GossipRejected, PeerReport, vet_report
+from ..fleet.notices import KvNotice, NoticeRejected, vet_notice
 from .producer import SnapshotProducer
 from .sweep import Bootstrapper
 from .wire import CONTENT_TYPE, FORMAT, LEGACY_FORMAT
@@ -49,11 +54,26 @@ def _error(status: int, message: str, code: str) -> web.Response:
     )
 
 
+async def _bounded_body(request: web.Request, limit: int, what: str) -> bytes | web.Response:
+    """The request's body, or the 413 that says it is over ``limit`` bytes."""
+    too_large = _error(413, f"{what} is at most {limit} bytes", "too_large")
+    if (request.content_length or 0) > limit:
+        return too_large
+    try:
+        body = await request.read()  # aiohttp bounds it (client_max_size, 1 MiB)
+    except web.HTTPRequestEntityTooLarge:
+        return too_large
+    return too_large if len(body) > limit else body
+
+
 def internal_app(
     token: str,
     bootstrapper: Bootstrapper | None,
     producer: SnapshotProducer | None,
     load_report: Callable[[PeerReport | None], None] | None = None,
+    *,
+    notice: Callable[[KvNotice], None] | None = None,
+    flush: Callable[[list[str] | None], Awaitable[FlushResult]] | None = None,
 ) -> web.Application:
     expected = f"Bearer {token}".encode()
 
@@ -118,12 +138,9 @@ def internal_app(
     async def load(request: web.Request) -> web.Response:
         if load_report is None:
             return _error(404, "this router takes no load reports", "no_fleet_load")
-        if (request.content_length or 0) > MAX_BODY_BYTES:
-            return _error(413, f"a load report is at most {MAX_BODY_BYTES} bytes", "too_large")
-        try:
-            body = await request.read()  # aiohttp bounds it (client_max_size, 1 MiB); vetting at 256 KiB
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"a load report is at most {MAX_BODY_BYTES} bytes", "too_large")
+        body = await _bounded_body(request, MAX_BODY_BYTES, "a load report")
+        if isinstance(body, web.Response):
+            return body
         try:
             report = vet_report(body)
         except GossipRejected as exc:
@@ -132,8 +149,42 @@ def internal_app(
         load_report(report)
         return web.Response(status=204)
 
+    async def kv_notice(request: web.Request) -> web.Response:
+        if notice is None:
+            return _error(404, "this router keeps no KV index", "no_index")
+        body = await _bounded_body(request, notices.MAX_BODY_BYTES, "a KV notice")
+        if isinstance(body, web.Response):
+            return body
+        try:
+            notice(vet_notice(body))
+        except NoticeRejected as exc:
+            return _error(400, f"KV notice refused: {exc}", "invalid_kv_notice")
+        return web.Response(status=204)
+
+    async def flush_cache(request: web.Request) -> web.Response:
+        if flush is None:
+            return _error(404, "this router keeps no KV index", "no_index")
+        body = await _bounded_body(request, notices.MAX_BODY_BYTES, "a flush request")
+        if isinstance(body, web.Response):
+            return body
+        try:
+            doc = json.loads(body) if body.strip() else {}
+        except (ValueError, RecursionError):
+            doc = None
+        engines = doc.get("engines") if isinstance(doc, dict) else None
+        valid = engines is None or (isinstance(engines, list) and all(isinstance(e, str) for e in engines))
+        if not isinstance(doc, dict) or not valid:
+            return _error(400, 'the body must be {} or {"engines": [engine id, ...]}', "invalid_flush")
+        try:
+            result = await flush(engines)
+        except LookupError as exc:
+            return _error(400, str(exc.args[0]), "unknown_engine")
+        return web.json_response(result.json())
+
     app = web.Application(middlewares=[auth])
     app.router.add_get("/internal/kv_snapshot", kv_snapshot)
     app.router.add_get("/internal/bootstrap", bootstrap)
     app.router.add_post("/internal/load", load)
+    app.router.add_post("/internal/kv_notice", kv_notice)
+    app.router.add_post("/internal/flush_cache", flush_cache)
     return app

@@ -154,6 +154,11 @@ class _Admin:
         await self._body(request)  # validates JSON if one was sent
         return web.json_response({"incarnation": self.engine.restart()})
 
+    async def lose_cache(self, request: web.Request) -> web.Response:
+        await self._body(request)
+        self.engine.lose_cache()
+        return web.json_response({"lost": True})
+
     async def wipe_storage(self, request: web.Request) -> web.Response:
         await self._body(request)
         try:
@@ -220,6 +225,7 @@ def admin_routes(engine: FakeEngine) -> list[web.RouteDef]:
         "remove": admin.remove,
         "clear": admin.clear,
         "restart": admin.restart,
+        "lose_cache": admin.lose_cache,
         "publish_raw": admin.publish_raw,
         "skip_seq": admin.skip_seq,
         "mute": admin.mute,

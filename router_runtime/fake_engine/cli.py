@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also cache the full blocks of prompt+output when a request finishes (like a real engine)",
     )
+    p.add_argument(
+        "--lazy-clear",
+        action="store_true",
+        help="announce a prefix-cache reset only with the next step's events, as vLLM does",
+    )
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO")
     return p
 
@@ -124,6 +129,7 @@ def config_from_args(args: argparse.Namespace) -> FakeEngineConfig:
         max_model_len=args.max_model_len,
         model=args.model,
         cache_generated=args.cache_generated,
+        lazy_clear=args.lazy_clear,
     )
 
 

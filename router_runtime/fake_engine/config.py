@@ -46,6 +46,9 @@ class FakeEngineConfig:
     max_model_len: int = 131_072
     model: str = "routerfleet/fake-model"
     cache_generated: bool = False  # also cache full blocks of prompt+output when a request finishes
+    # A prefix-cache reset (/reset_prefix_cache, /flush_cache) announces its AllBlocksCleared only with
+    # the rank's next step's batch, as vLLM does: until then, consumers hear nothing of it.
+    lazy_clear: bool = False
     max_model_len: int = 1 << 20
 
     def validate(self) -> None:

@@ -123,6 +123,7 @@ class FakeEngine:
             disk_capacity=config.disk_capacity_blocks,
         )
         self.caches = [RankCache(cache_config) for _ in range(config.dp_size)]
+        self._unannounced: dict[int, list[KVEvent]] = {}  # a lazy reset's clear, per rank
         # The disk tier: found again in the storage directory, whatever process wrote it.
         self.storage = StorageDir(config.storage_dir) if config.storage_dir else None
         if self.storage is not None:
@@ -232,9 +233,27 @@ class FakeEngine:
     # ----------------------------------------------- scheduler steps (sync: one step = one batch)
 
     def emit(self, rank: int, events: Sequence[KVEvent], drop: Drop = Drop.NONE) -> int | None:
-        """Publish a step's events as one batch; a step without events publishes nothing, as in vLLM."""
+        """Publish a step's events as one batch; a step without events publishes nothing, as in vLLM.
+        A lazy reset's AllBlocksCleared goes first in the rank's next batch."""
         self.persist(rank)
+        if (cleared := self._unannounced.pop(rank, None)) is not None:
+            events = [*cleared, *events]
         return self.publisher.publish(rank, events, drop) if events else None
+
+    def reset_prefix_cache(self) -> None:
+        """vLLM's /reset_prefix_cache, SGLang's /flush_cache: every rank's cache is dropped now; the
+        AllBlocksCleared is published at once, or (``lazy_clear``) with the rank's next step."""
+        for rank, cache in enumerate(self.caches):
+            events = cache.clear()
+            if self.config.lazy_clear:
+                self._unannounced[rank] = events
+            else:
+                self.emit(rank, events)
+
+    def lose_cache(self) -> None:
+        """Every rank's cache gone without a word: a restart behind a proxy that hides it, a bug."""
+        for cache in self.caches:
+            cache.reset(keep_disk=self.storage is not None)
 
     def persist(self, rank: int | None = None) -> None:
         """Write the disk tier of ``rank`` (every rank when None) to the storage dir, if it changed."""
@@ -268,8 +287,8 @@ class FakeEngine:
         nothing (a real restart announces nothing either; consumers see the seq go back to 0). The
         disk tier survives (it is in the storage dir) and is not re-announced either."""
         self.persist()
-        for cache in self.caches:
-            cache.reset(keep_disk=self.storage is not None)
+        self.lose_cache()
+        self._unannounced.clear()
         self.publisher.reset()
         self.incarnation = self._new_incarnation()
         self.responses.clear()
@@ -327,6 +346,9 @@ class FakeEngine:
                 web.post("/v1/audio/transcriptions", self._transcription),
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
+                web.post("/reset_prefix_cache", self._reset_prefix_cache),  # vLLM's
+                web.post("/flush_cache", self._reset_prefix_cache),  # SGLang's
+                web.get("/flush_cache", self._reset_prefix_cache),
                 web.get("/metrics", self._metrics),
                 web.get("/server_info", self._server_info),
                 web.get("/get_server_info", self._server_info),  # older SGLang spelling
@@ -334,6 +356,10 @@ class FakeEngine:
             ]
         )
         return app
+
+    async def _reset_prefix_cache(self, _request: web.Request) -> web.Response:
+        self.reset_prefix_cache()
+        return web.Response(status=200)
 
     async def _health(self, _request: web.Request) -> web.Response:
         return web.Response(status=503 if time.monotonic() < self.unhealthy_until else 200)

@@ -95,6 +95,9 @@ class RadixIndex:
         self.full_attention_group = full_attention_group
         self._cid: dict[Carrier, int] = {}
         self._by_cid: list[Carrier | None] = []
+        # Carriers whose credit is withheld (kv/withhold.py): a read filter on ``match``, not index
+        # content, so it is set on the loop and holds from the very next match.
+        self.withheld: set[Carrier] = set()
 
     # ---- carriers -------------------------------------------------------------------------------
 
@@ -210,7 +213,10 @@ class RadixIndex:
 
     def _matches(self, rows: list[tuple[int, int, int, int, int, int]]) -> dict[Carrier, CarrierMatch]:
         by_cid = self._by_cid
-        return {by_cid[cid]: CarrierMatch(blocks, (d, h, k, e)) for cid, blocks, d, h, k, e in rows}
+        found = {by_cid[cid]: CarrierMatch(blocks, (d, h, k, e)) for cid, blocks, d, h, k, e in rows}
+        for carrier in self.withheld:
+            found.pop(carrier, None)
+        return found
 
     def iter_nodes(self) -> Iterator[tuple[int, int, dict[Carrier, Tier]]]:
         """(key, parent key, carriers with tiers) for every node, in no particular order; for tests and

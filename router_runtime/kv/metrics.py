@@ -42,6 +42,19 @@ class KVMetrics:
             ["engine", "rank", "reason"],
             registry=registry,
         )
+        self.withholds = Counter(
+            p + "rank_withholds",
+            "Ranks whose credit was withheld (routed cold, predictions doubtful), by reason",
+            ["reason"],
+            registry=registry,
+        )
+        self.withhold_ends = Counter(
+            p + "rank_withhold_ends",
+            "Withheld ranks given their credit back, by how",
+            ["how"],
+            registry=registry,
+        )
+        self.withheld = Gauge(p + "ranks_withheld", "Ranks whose credit is withheld now", registry=registry)
         self.nodes = Gauge(p + "index_nodes", "Nodes in the radix index", registry=registry)
         self.index_blocks = Gauge(
             p + "index_blocks",

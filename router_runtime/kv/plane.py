@@ -27,6 +27,7 @@ from .metrics import KVMetrics
 from .readoption import Readoption
 from .sockets import Sockets
 from .subscription import Endpoints, RankSubscription, ReplayTimeouts
+from .withhold import Withholds
 from .writer import IndexWriter
 
 log = logging.getLogger(__name__)
@@ -63,11 +64,14 @@ class KVPlane:
         storage_lookup: Callable[[WorkerSpec], Awaitable[StorageIdentity | None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         stall_s: float = 2.0,
+        withhold_s: float = 10.0,
     ) -> None:
         self.registry = registry
         self.index = RadixIndex(block_size)
         self.metrics = KVMetrics(registry)
         self.writer = IndexWriter(self.index, self.metrics, max_batches=queue_batches, max_bytes=queue_bytes)
+        # Ranks routed cold until the index is known to follow their engine again (withhold.py).
+        self.withholds = Withholds(self.index, self.writer, self.metrics, bound_s=withhold_s)
         self.replay_timeouts = replay_timeouts or ReplayTimeouts()
         self.sockets = Sockets()  # every subscription's, replay's and probe's
         self._workers: dict[str, WorkerSpec] = {}
@@ -97,6 +101,7 @@ class KVPlane:
         """Bounded, and never blocks the loop: every task of the plane is cancelled and awaited (each
         closes its own sockets as it ends), then the ZMQ context is ended, closing whatever a task
         that outlived the bound still holds (both named in a warning)."""
+        self.withholds.stop()
         tasks = [*self.readoption.stop(), *(t for _s, t in self._subs.values()), *self._ending]
         try:
             await end_tasks([*tasks, self._writer_task], "KV plane")
@@ -162,6 +167,7 @@ class KVPlane:
         entry = self._subs.pop(carrier, None)
         if entry:
             retire(entry[1], self._ending)
+        self.withholds.forget(carrier)
         if self.rank_listener is not None:
             self.rank_listener.rank_removed(carrier)
 
@@ -197,7 +203,7 @@ class KVPlane:
     def doubtful(self, carrier: Carrier) -> bool:
         """Whether what the index holds for this rank is in a state allowed to lag its engine: batches
         held (a bootstrap or a re-adoption deciding) or the engine not plainly connected. O(1)."""
-        if self.readoption.hidden(carrier.engine):
+        if self.readoption.hidden(carrier.engine) or carrier in self.withholds:
             return True
         entry = self._subs.get(carrier)
         if entry is None:

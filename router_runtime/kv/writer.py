@@ -36,6 +36,8 @@ class ClearReason(enum.StrEnum):
     WORKER_REMOVED = "worker_removed"
     ADOPTION_FAILED = "adoption_failed"  # a re-adoption decision failed (a bug): the rank resumes cold
     BOOTSTRAP_HELD = "bootstrap_held"  # its health returned while its bootstrap held it: unprovable
+    FLUSH = "flush"  # a flush through the router reset its engine (kv/withhold.py)
+    WITHHOLD_EXPIRED = "withhold_expired"  # its credit was withheld and nothing proved it in time
 
 
 @dataclass(slots=True)
@@ -65,6 +67,9 @@ class IndexWriter:
     ) -> None:
         self.index = index
         self.metrics = metrics
+        # Told of every batch applied, with what it did, and of every rank cleared or removed (None):
+        # kv/withhold.py ends a withhold on that evidence.
+        self.on_applied: Callable[[Carrier, ApplyStats | None], None] | None = None
         self.max_batches = max_batches
         self.max_bytes = max_bytes
         self.yield_every = yield_every
@@ -168,6 +173,8 @@ class IndexWriter:
             m.apply_seconds.observe(time.perf_counter() - t0)
             m.batches.inc()
             self._count(stats)
+            if self.on_applied is not None:
+                self.on_applied(item.carrier, stats)
             return
         self.applied.pop(item.carrier, None)
         self.note_eviction(item.carrier)
@@ -179,6 +186,8 @@ class IndexWriter:
             index.clear_carrier(item.carrier)
         m.ranks_cleared.labels(item.clear.value).inc()
         log.info("rank %s cleared: %s", item.carrier, item.clear.value)
+        if self.on_applied is not None:
+            self.on_applied(item.carrier, None)
 
     def _prune_evictions(self) -> None:
         """Forget the records of carriers long gone from the index (no session memory outlives them);

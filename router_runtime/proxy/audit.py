@@ -88,6 +88,17 @@ def judge(prediction: Prediction, cached_tokens: int | None) -> Audit:
     return Audit(AuditOutcome.EXACT)
 
 
+def denies(prediction: Prediction, audit: Audit) -> bool:
+    """Whether the engine, by its own figure, lacks a prefix the index credited it with in no doubt:
+    short by more than one block. One block is the engine's own rule (vLLM recomputes a prompt's last
+    token, so a fully cached block-aligned prompt reports a block fewer), not a divergence."""
+    return (
+        audit.outcome is AuditOutcome.FALSE_HIT
+        and not prediction.doubtful
+        and audit.false_hit_tokens > prediction.block_size
+    )
+
+
 class UsageScan:
     """Finds the engine's ``cached_tokens`` in a response streamed chunk by chunk (the last one wins:
     a stream may repeat usage per chunk, and its final figure is the request's)."""

@@ -47,7 +47,7 @@ from ..tokens.engine import EngineTokenizer
 from ..tokens.shapes import messages_chat, responses_chat
 from ..tokens.tokenizer import AsyncTokenizer, Reason, Untokenizable
 from ..worker import Carrier
-from .audit import Prediction, UsageScan, UsageStrip, judge, request_usage
+from .audit import Prediction, UsageScan, UsageStrip, denies, judge, request_usage
 from .errors import (
     ProxyError,
     bad_gateway,
@@ -140,6 +140,7 @@ class Proxy:
         limits: ServerLimits | None = None,
         doubt_fn: Callable[[Carrier], bool] | None = None,
         expect_fn: Callable[[Carrier, float], None] | None = None,
+        deny_fn: Callable[[Carrier, float], None] | None = None,
         audit_stream_usage: bool = True,
         bindings: ResponseBindings | None = None,
     ) -> None:
@@ -152,6 +153,8 @@ class Proxy:
         # Told when an audited response shows the engine stored new blocks (a batch is due on that
         # rank's stream; one that never comes makes the rank doubtful: KVPlane.expect_batch).
         self.expect_fn = expect_fn
+        # Told when an audit shows the engine without a prefix credited in no doubt (audit.denies).
+        self.deny_fn = deny_fn
         self.limits = limits or ServerLimits()
         self.tokenizer = tokenizer
         self.targets = targets
@@ -603,6 +606,8 @@ class Proxy:
                 self.metrics.audit(target.engine, self.policy.name, prediction, audit)
                 if cached is not None and self.expect_fn is not None and prediction.stores_blocks(cached):
                     self.expect_fn(target.carrier, start)  # loop.time() is time.monotonic()
+                if self.deny_fn is not None and denies(prediction, audit):
+                    self.deny_fn(target.carrier, start)
             ctx.outcome = "ok" if status < 400 else "upstream_status"
             return resp
         finally:
