@@ -390,6 +390,56 @@ async def test_a_hostile_peer_leaves_the_router_healthy_small_and_cold(tmp_path,
     assert worst_healthz < 0.5, worst_healthz
 
 
+@pytest.mark.parametrize("path", ["/internal/load", "/internal/kv_notice"])
+async def test_a_peer_answering_a_gzip_bomb_to_a_post_costs_the_router_nothing(tmp_path, path):
+    """What peer discovery points at needs no token to answer: a 1 MiB gzip body inflating to 1 GiB, in
+    answer to every load report (or KV notice) the router posts, is never read nor inflated (it drove a
+    router to 2.3 GB RSS and /healthz to 6.3 s on every heartbeat)."""
+    from aiohttp import web
+
+    from router_runtime.bootstrap.peers import Peer
+    from router_runtime.fleet.notices import KvNotice, NoticeKind
+    from router_runtime.worker import Carrier
+
+    from .support import loopback_app
+
+    body, headers = HOSTILE_PEERS["gzip bomb (1 GiB of zeros)"]
+    answered = 0
+
+    async def bomb(_req):
+        nonlocal answered
+        answered += 1
+        return web.Response(body=body, headers={"Content-Type": "application/json", **headers})
+
+    rss0 = _rss()
+    worst_healthz, rss_max = 0.0, rss0
+    async with (
+        loopback_app(web.post(path, bomb)) as peer,
+        router_over_engine(tmp_path, fleet_gossip_window_s=0.005, fleet_heartbeat_s=0.05) as (
+            engine,
+            router,
+            url,
+            s,
+        ),
+    ):
+        router.bootstrap.peers.publish([Peer(peer, peer)])
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while answered < 5:  # five answers, each 1 GiB inflated
+            assert loop.time() - start < 20, "the peer was never asked"
+            if path == "/internal/kv_notice":
+                router.notices.tell(KvNotice(NoticeKind.WITHHOLD_FALSE_HIT, (Carrier(engine.http_url, 0),)))
+            t0 = loop.time()
+            async with s.get(url + "/healthz") as r:
+                assert r.status == 200
+            worst_healthz = max(worst_healthz, loop.time() - t0)
+            rss_max = max(rss_max, _rss())
+            await asyncio.sleep(0.05)
+        await assert_healthy(router, url, s, engine)
+    assert rss_max - rss0 < 100 << 20, (rss_max - rss0) >> 20
+    assert worst_healthz < 0.5, worst_healthz  # as above: far below an inflation's cost
+
+
 # ---- no sequence of client requests opens a breaker -------------------------------------------------
 
 

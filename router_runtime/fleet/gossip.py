@@ -123,6 +123,16 @@ def vet_report(body: bytes) -> PeerReport:
     return PeerReport(_TOKEN, replica=replica, incarnation=incarnation, seq=seq, targets=tuple(targets))
 
 
+def peer_session(timeout_s: float) -> aiohttp.ClientSession:
+    """A session for posting to siblings, whose answers are read for their status alone: a body is never
+    read, nor inflated (a peer, or anything peer discovery points at, could answer a gzip bomb)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(keepalive_timeout=4.0),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+        auto_decompress=False,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class GossipConfig:
     window_s: float = 0.05  # after a change, wait this long for more before sending (0: gossip off)
@@ -154,10 +164,7 @@ class LoadGossip:
 
     async def run(self) -> None:
         cfg = self.config
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(keepalive_timeout=4.0),
-            timeout=aiohttp.ClientTimeout(total=cfg.timeout_s),
-        )
+        self._session = peer_session(cfg.timeout_s)
         try:
             while True:
                 with contextlib.suppress(TimeoutError):
@@ -193,7 +200,6 @@ class LoadGossip:
         assert self._session is not None
         try:
             async with self._session.post(url + "/internal/load", data=body, headers=self._auth) as r:
-                await r.read()
                 self.on_sent("ok" if r.status == 204 else f"http_{r.status // 100}xx")
         except TimeoutError:
             self.on_sent("timeout")

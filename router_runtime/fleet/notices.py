@@ -21,6 +21,7 @@ import aiohttp
 
 from ..tasks import end_tasks
 from ..worker import Carrier
+from .gossip import peer_session
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class Notices:
         if not urls:
             return {}
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            self._session = peer_session(self.timeout_s)
         body = encode_notice(notice)
         outcomes = await asyncio.gather(*(self._post(url, body) for url in urls))
         return dict(zip(urls, outcomes, strict=True))
@@ -122,7 +123,6 @@ class Notices:
         assert self._session is not None
         try:
             async with self._session.post(url + "/internal/kv_notice", data=body, headers=self._headers) as r:
-                await r.read()
                 return "ok" if r.status == 204 else f"http_{r.status}"
         except TimeoutError:
             return "timeout"
