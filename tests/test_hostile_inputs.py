@@ -77,6 +77,9 @@ CASES = [
     ("a 5,000-digit integer", b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", {}, 400, BAD),
     ("a 5,000-digit integer, gzipped", gzip.compress(b'{"prompt": [' + b"7" * 5000 + b"]}"), GZ, 400, BAD),
     ("a lone surrogate in a text prompt", b'{"prompt": "abc \\ud800 def", "max_tokens": 1}', {}, 400, BAD),
+    ("a lone surrogate in cache_salt", b'{"prompt": "a", "cache_salt": "s\\udfff"}', {}, 400, BAD),
+    ("a lone surrogate in lora_name", b'{"prompt": "a", "lora_name": "\\uDA00x"}', {}, 400, BAD),
+    ("a lone surrogate in a key", b'{"prompt": "a", "\\ud800": 1}', {}, 400, BAD),
     ("deep nesting", b"[" * 50_000 + b"]" * 50_000, {}, 400, BAD),
 ]
 
@@ -94,6 +97,22 @@ async def test_bad_bodies_get_a_clear_error_and_cost_nothing(tmp_path, name, bod
                     assert r.content_type == "application/json", text[:200]
                     assert json.loads(text)["error"]["code"] == code
         await assert_healthy(router, url, s, engine)
+
+
+async def test_a_lone_surrogate_anywhere_is_a_400_naming_the_field(tmp_path):
+    """Valid JSON, not text: it reached quote() and the native match as a 500."""
+    async with router_over_engine(tmp_path) as (_engine, _router, url, s):
+        for path, body, field in (
+            (
+                "/v1/responses",
+                b'{"input": "hi", "previous_response_id": "resp_\\ud800"}',
+                "previous_response_id",
+            ),
+            ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', "messages"),
+        ):
+            async with s.post(url + path, data=body, headers={"Content-Type": "application/json"}) as r:
+                error = (await r.json())["error"]
+                assert r.status == 400 and error["param"] == field and field in error["message"], error
 
 
 async def test_a_non_ascii_authorization_header_on_the_internal_port_is_a_401(tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from array import array
 from dataclasses import dataclass
 from typing import Any
@@ -55,11 +56,46 @@ _PROMPT_FIELDS = {
 MAX_RESPONSE_ID = 256
 
 
+# A lone surrogate can only come from a \uD800-\uDFFF escape (raw UTF-8 cannot encode one), so a body
+# without such an escape needs no walk.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def parse_json(raw: bytes) -> Any:
+    """The body, decoded. A string holding a lone surrogate (valid JSON, but text no encoder, tokenizer
+    or native call can take) is a 400 naming where it is."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, RecursionError):  # ValueError: also an integer beyond Python's 4,300 digits
         raise bad_request("request body is not valid JSON") from None
+    if _SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate(body)) is not None:
+        raise bad_request(
+            f"'{where}' holds a lone surrogate: not text", where.split("[", 1)[0].split(".", 1)[0]
+        )
+    return body
+
+
+def _lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path of the first string (key or value) in ``value`` that is not encodable text."""
+    stack = [(value, path)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return at or "(body)"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                key_at = f"{at}.{k}" if at else str(k)
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return at or "(body)"
+                stack.append((item, key_at))
+        elif isinstance(v, list):
+            stack.extend((item, f"{at}[{i}]") for i, item in enumerate(v))
+    return None
 
 
 def _ids(value: list, param: str) -> array:
