@@ -232,6 +232,26 @@ async def test_stored_values_are_vetted_and_urls_checked(redis_server):
         assert await client.redis.pttl(table.prefix + (b"d" * 32).hex()) > 50_000
     finally:
         await client.close()
+
+
+async def test_a_key_of_the_wrong_type_is_that_keys_bad_value_never_a_store_wide_back_off(redis_server):
+    """A list under one session's key (anything else writing the store) answers WRONGTYPE: that lookup
+    is a bad value, and every other key is still asked (it backed the whole store off for a second,
+    each time that key was used)."""
+    states: list[bool] = []
+    client = SharedClient(redis_server.url, on_state=states.append)
+    try:
+        table = client.table("sessions", 60)
+        value = Remembered("http://e", 0, "inc")
+        await table.put(b"g" * 32, value)
+        await client.redis.lpush(table.prefix + (b"w" * 32).hex(), "not ours")
+        for _ in range(3):
+            with pytest.raises(ValueError, match="not a string"):
+                await table.get(b"w" * 32)
+            assert await table.get(b"g" * 32) == value  # not StoreDown
+        assert states and all(states)
+    finally:
+        await client.close()
     with pytest.raises(ValueError, match="password"):
         store_url("redis://:secret@host:6379")
     with pytest.raises(ValueError, match="redis://"):

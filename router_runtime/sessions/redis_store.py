@@ -11,8 +11,9 @@ discovered itself, in the same incarnation.
 
 An outage must cost a request nothing: the callers bound every call by their deadline, and after a
 failure (an error, or a call abandoned at its deadline) the store answers ``StoreDown`` at once for
-``backoff_s`` instead of making each request wait out the deadline again. ``routerfleet_shared_store_up``
-shows which state it is in.
+``backoff_s`` instead of making each request wait out the deadline again. An error the store answered
+(a key of the wrong type) is that key's, like a malformed value: never a back-off for everyone.
+``routerfleet_shared_store_up`` shows which state it is in.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from urllib.parse import urlsplit
 
 import msgpack
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from .store import Remembered
 
@@ -99,6 +101,9 @@ class SharedClient:
             raise StoreDown("the shared store failed a moment ago")
         try:
             result = await op(self.redis)
+        except ResponseError:  # the store answered: the trouble is the command's or its key's
+            self._on_state(True)
+            raise
         except BaseException:  # an error, or abandoned at the caller's deadline (CancelledError)
             self._down_until = self._clock() + self.backoff_s
             self._on_state(False)
@@ -129,7 +134,11 @@ class RedisStore:
 
     async def get(self, digest: bytes) -> Remembered | None:
         key = self._key(digest)
-        return _vetted(await self.client.call(lambda r: r.get(key)))
+        try:
+            raw = await self.client.call(lambda r: r.get(key))
+        except ResponseError as exc:  # WRONGTYPE: something else wrote that key; a bad value, no outage
+            raise ValueError(f"a stored value is not a string ({str(exc)[:40]})") from None
+        return _vetted(raw)
 
     async def put(self, digest: bytes, value: Remembered) -> None:
         key = self._key(digest)
