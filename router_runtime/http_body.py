@@ -12,6 +12,11 @@ import aiohttp
 _JOIN_OFF_LOOP = 1 << 20
 
 
+# An answer read for its status (a health probe, a response probe): read this much so the connection can
+# be reused; past it, the connection is dropped instead.
+STATUS_ONLY = 64 << 10
+
+
 async def read_capped(stream: aiohttp.StreamReader, cap: int) -> bytes | None:
     """The whole body, or None past ``cap`` bytes."""
     chunks: list[bytes] = []

@@ -459,6 +459,44 @@ async def test_a_peer_answering_a_gzip_bomb_to_a_post_costs_the_router_nothing(t
     assert worst_healthz < 0.5, worst_healthz  # as above: far below an inflation's cost
 
 
+async def test_an_engine_answering_without_end_costs_the_router_a_bounded_read(tmp_path):
+    """An engine whose /v1/models, /health and stored-response answers never end (256 MiB each, made
+    as they are sent): the router reads a capped prefix of each (http_body.read_capped), so its memory
+    stays flat and /v1/models says no engine answered; it read all 256 MiB of each before."""
+    from aiohttp import web
+
+    from .support import loopback_app
+
+    sent = 0
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        nonlocal sent
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        chunk = b" " * (1 << 20)
+        for _ in range(256):
+            await resp.write(chunk)
+            sent += len(chunk)
+        return resp
+
+    routes = [web.get(p, endless) for p in ("/v1/models", "/health", "/v1/responses/{id}")]
+    async with loopback_app(*routes) as engine_url:
+        cfg = RouterConfig(
+            port=0, workers=(WorkerSpec(engine_url, engine_url),), block_size=BS, health_interval_s=0.2
+        )
+        rss0 = _rss()
+        async with run_router(cfg) as (_router, url), aiohttp.ClientSession() as s:
+            rss_max = rss0
+            for _ in range(3):
+                async with s.get(url + "/v1/models") as r:
+                    assert r.status == 502 and (await r.json())["error"]["code"] == "upstream_error"
+                async with s.get(url + "/v1/responses/resp_1") as r:  # probed, then relayed as a stream
+                    await r.content.read(1024)
+                rss_max = max(rss_max, _rss())
+            assert sent > 0
+    assert rss_max - rss0 < 100 << 20, (rss_max - rss0) >> 20
+
+
 # ---- no sequence of client requests opens a breaker -------------------------------------------------
 
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from ..http_body import STATUS_ONLY, read_capped
+
 log = logging.getLogger(__name__)
 
 
@@ -181,7 +183,7 @@ class HealthChecker:
     async def probe(self, engine: str, url: str) -> bool:
         try:
             async with self.session_fn().get(url + self.path, timeout=self.timeout) as r:
-                await r.read()
+                await read_capped(r.content, STATUS_ONLY)
                 ok = r.status < 500
         except (aiohttp.ClientError, TimeoutError, OSError):
             ok = False

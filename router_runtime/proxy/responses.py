@@ -16,6 +16,7 @@ from urllib.parse import quote
 
 import aiohttp
 
+from ..http_body import STATUS_ONLY, read_capped
 from ..routing.types import Target
 from ..sessions.bindings import ResponseBindings, Source, Verdict, resolve
 from ..sessions.store import Remembered
@@ -90,7 +91,7 @@ class ResponseRouter:
 
         async def ask(t: Target) -> Target | None:
             async with session.get(t.url + path, headers=probe_headers, timeout=timeout) as r:
-                await r.read()
+                await read_capped(r.content, STATUS_ONLY)
                 return t if r.status == 200 else None
 
         tasks = [asyncio.ensure_future(ask(t)) for t in per_engine.values()]

@@ -36,6 +36,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from ..http_body import read_capped
 from ..kv.index import RadixIndex
 from ..routing.simple import LeastLoadedPolicy
 from ..routing.types import Decision, Policy, RouteRequest, Target
@@ -79,6 +80,7 @@ from .targets import TargetBook
 
 log = logging.getLogger(__name__)
 
+MAX_MODELS_BYTES = 4 << 20  # an engine's /v1/models answer; past it, that engine did not answer
 # The kinds whose stream takes OpenAI's ``stream_options`` (the audit may ask for usage there); the
 # other APIs always report it.
 _USAGE_OPTION_KINDS = frozenset({Kind.COMPLETION, Kind.CHAT})
@@ -652,7 +654,10 @@ class Proxy:
         async with self.session.get(url + "/v1/models", headers=headers, timeout=self.models_timeout) as r:
             if r.status != 200:
                 raise ValueError(f"status {r.status}")
-            body = json.loads(await r.read())
+            raw = await read_capped(r.content, MAX_MODELS_BYTES)
+            if raw is None:
+                raise ValueError(f"an answer over {MAX_MODELS_BYTES} bytes")
+            body = json.loads(raw)
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list):
             raise ValueError("no data list")
