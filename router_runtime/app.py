@@ -160,6 +160,7 @@ class Router:
             deny_fn=self.engine_denied if config.audit_withhold else None,
             audit_stream_usage=config.audit_stream_usage,
             bindings=self.bindings,
+            tenant_header=config.tenant_header,
         )
         self.checker = HealthChecker(
             self.health,

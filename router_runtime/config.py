@@ -60,6 +60,9 @@ class RouterConfig:
     allow_paths: tuple[str, ...] = ()
     # Ask engines for usage on streams whose client did not, and strip it again (proxy/audit.py).
     audit_stream_usage: bool = True
+    # The request header naming a request's tenant (its value's digest scopes response ids and session
+    # keys; sessions/keys.py); None: no tenants.
+    tenant_header: str | None = None
     # An audited false hit withholds its rank fleet-wide (kv/withhold.py); off for engines whose
     # cached-token figures are not to be trusted.
     audit_withhold: bool = True
@@ -352,6 +355,15 @@ FLAGS: tuple[tuple[str | None, tuple[Flag, ...]], ...] = (
                 Ms(0),
                 "after the drain, how long requests still in flight get to finish before they are cut (drain"
                 " plus this plus a few seconds must fit the pod's termination grace period)",
+            ),
+            Flag(
+                "--tenant-header",
+                "tenant_header",
+                Text(),
+                metavar="NAME",
+                help="the request header that names its tenant (e.g. Authorization, OpenAI-Organization):"
+                " stored responses and session keys are scoped to it (another tenant's response id is not"
+                " found; responses are never probed for), its value kept only as a digest",
             ),
             Flag(
                 "--audit-withhold",

@@ -143,6 +143,42 @@ async def test_a_response_on_a_restarted_or_unreachable_engine_is_refused_not_re
         assert sample(router, "routerfleet_response_verdicts_total", verdict="found") == 2
 
 
+@pytest.mark.parametrize("tenants", [True, False])
+async def test_a_tenant_never_reaches_another_tenants_stored_response(tenants):
+    """With --tenant-header Authorization, a response is bound to its tenant's key: another API key
+    gets response_not_found for it (GET, DELETE, a follow-up), its owner everything. Without it, the
+    fake engine (which checks no key, as many engines behind a gateway do) serves anyone the id."""
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(run_fake_engine(block_size=BS)) for _ in range(2)]
+        cfg = RouterConfig(
+            port=0,
+            workers=static_workers(engines),
+            block_size=BS,
+            health_interval_s=0,
+            tenant_header="Authorization" if tenants else None,
+        )
+        _router, url = await stack.enter_async_context(run_router(cfg))
+        alice = openai.AsyncOpenAI(base_url=url + "/v1", api_key="alice-key", max_retries=0)
+        mallory = openai.AsyncOpenAI(base_url=url + "/v1", api_key="mallory-key", max_retries=0)
+        turn, engine = await create(alice, input=LONG)
+        steps = (
+            lambda c: c.responses.retrieve(turn.id),
+            lambda c: create(c, input="more", previous_response_id=turn.id),
+            lambda c: c.responses.delete(turn.id),
+        )
+        for step in steps:
+            if tenants:
+                with pytest.raises(openai.NotFoundError) as e:
+                    await step(mallory)
+                assert e.value.code == "response_not_found"
+            else:
+                await step(mallory)  # the leak the tenant header closes
+                return
+        assert (await alice.responses.retrieve(turn.id)).id == turn.id
+        _turn, got = await create(alice, input="more", previous_response_id=turn.id)
+        assert got == engine
+
+
 # ---- three replicas, no shared store ---------------------------------------------------------------
 
 

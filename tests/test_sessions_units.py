@@ -29,7 +29,7 @@ from router_runtime.routing.types import Reason, RouteRequest, Target
 from router_runtime.sessions.affinity import SessionAffinity, SessionCtx, engine_id
 from router_runtime.sessions.classify import SessionState, classify, promote
 from router_runtime.sessions.config import SessionConfig
-from router_runtime.sessions.keys import KeySource, digest, session_digest
+from router_runtime.sessions.keys import KeySource, digest, response_digest, session_digest, tenant_of
 from router_runtime.sessions.metrics import SessionMetrics
 from router_runtime.sessions.snapshot import from_wire, to_wire
 from router_runtime.sessions.store import Entry, LocalStore, Remembered
@@ -71,6 +71,15 @@ def test_digest_is_length_prefixed_sha256_per_source_and_model():
     assert d != digest(KeySource.PROMPT_CACHE_KEY, "m2", RAW)
     # Length prefixes: moving a boundary between fields changes the digest.
     assert digest("header", "ab", "c") != digest("header", "a", "bc")
+
+
+def test_a_tenant_scopes_every_key_and_no_tenant_keeps_the_digests_of_a_router_without_tenants():
+    alice, bob = tenant_of({"Authorization": "Bearer a"}, "Authorization"), tenant_of({}, "Authorization")
+    assert tenant_of({"Authorization": "Bearer a"}, None) == "" and alice != bob and "Bearer" not in alice
+    body = {"model": "m", "prompt_cache_key": "pck"}
+    assert session_digest(body, {}, None, tenant=alice) != session_digest(body, {}, None, tenant=bob)
+    assert session_digest(body, {}, None, tenant="") == digest("prompt_cache_key", "m", "pck")
+    assert response_digest("resp_1", alice) != response_digest("resp_1") == response_digest("resp_1", "")
 
 
 def test_only_explicit_keys_are_eligible_in_precedence_order():

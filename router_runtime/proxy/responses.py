@@ -58,13 +58,19 @@ class ResponseRouter:
         self._session = session
 
     async def target(
-        self, response_id: str, targets: Sequence[Target], headers: Mapping[str, str], param: str
+        self,
+        response_id: str,
+        targets: Sequence[Target],
+        headers: Mapping[str, str],
+        param: str,
+        tenant: str = "",
     ) -> Target:
-        """The target holding ``response_id`` among ``targets``; raises the ProxyError that says why
-        there is none."""
+        """The target holding ``response_id`` among ``targets`` (``tenant``'s: another tenant's id is not
+        found); raises the ProxyError that says why there is none. Tenants are never probed for: an
+        engine answering a probe would hand one tenant another's response unless it checks the key."""
         b = self.bindings
-        bound, source = await b.find(response_id)
-        if bound is None and b.config.probe_timeout_s > 0 and targets:
+        bound, source = await b.find(response_id, tenant)
+        if bound is None and b.config.probe_timeout_s > 0 and targets and not tenant:
             bound = await self._probe(response_id, targets, headers)
             if bound is not None:
                 source = Source.PROBE

@@ -44,6 +44,7 @@ from ..routing.types import Reason as DecisionReason
 from ..sessions.affinity import SessionAffinity, SessionCtx
 from ..sessions.bindings import ResponseBindings, ResponseIdScan, Verdict
 from ..sessions.classify import promote
+from ..sessions.keys import tenant_of
 from ..tokens.engine import EngineTokenizer
 from ..tokens.shapes import messages_chat, responses_chat
 from ..tokens.tokenizer import AsyncTokenizer, Reason, Untokenizable
@@ -145,6 +146,7 @@ class Proxy:
         deny_fn: Callable[[Carrier, float], None] | None = None,
         audit_stream_usage: bool = True,
         bindings: ResponseBindings | None = None,
+        tenant_header: str | None = None,
     ) -> None:
         self.policy = policy
         # Ask the engine for usage on streams whose client did not, so they are audited too (audit.py).
@@ -158,6 +160,8 @@ class Proxy:
         # Told when an audit shows the engine without a prefix credited in no doubt (audit.denies).
         self.deny_fn = deny_fn
         self.limits = limits or ServerLimits()
+        # The header naming a request's tenant (sessions/keys.py: tenant_of); None: no tenants.
+        self.tenant_header = tenant_header
         self.tokenizer = tokenizer
         self.targets = targets
         self.health = health
@@ -268,10 +272,12 @@ class Proxy:
         # A continued response runs where its stored context is: no choice to make (or the clear error).
         pinned = None
         if previous is not None and self.responses is not None:
-            pinned = await self.responses.target(previous, targets, request.headers, "previous_response_id")
+            pinned = await self.responses.target(
+                previous, targets, request.headers, "previous_response_id", self.tenant(request)
+            )
         sessions = self.sessions
         if pinned is None and sessions is not None and sessions.enabled:
-            ctx.session = await sessions.begin(request.headers, body)
+            ctx.session = await sessions.begin(request.headers, body, self.tenant(request))
         # A pinned request is not routed by the policy: nothing to tokenize.
         route = await self._route_request(parsed, len(raw)) if pinned is None else RouteRequest(tokens=None)
         index = self.index_fn()
@@ -319,7 +325,9 @@ class Proxy:
         response_id = request.match_info["response_id"]
         if self.responses is None:  # pragma: no cover - the app always has bindings
             raise response_error(Verdict.UNKNOWN, response_id, "response_id")
-        target = await self.responses.target(response_id, targets, request.headers, "response_id")
+        target = await self.responses.target(
+            response_id, targets, request.headers, "response_id", self.tenant(request)
+        )
 
         def decide(targets: Sequence[Target], _attempt: int) -> Decision:
             if target not in targets:
@@ -577,7 +585,7 @@ class Proxy:
                             scan.feed(chunk)
                         if bind is not None and (rid := bind.feed(chunk)) is not None:
                             assert self.responses is not None
-                            await self.responses.bindings.bind(rid, target)
+                            await self.responses.bindings.bind(rid, target, self.tenant(request))
                         writing = True
                         if chunk:
                             await resp.write(chunk)
@@ -617,6 +625,11 @@ class Proxy:
                 up.release()
             else:
                 up.close()
+
+    def tenant(self, request: web.Request) -> str:
+        """The request's tenant ("" without ``--tenant-header``): response ids and session keys are
+        scoped to it."""
+        return tenant_of(request.headers, self.tenant_header)
 
     @staticmethod
     def _cut(request: web.Request) -> None:

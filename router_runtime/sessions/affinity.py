@@ -97,9 +97,9 @@ class SessionAffinity:
 
     # ---- per request ---------------------------------------------------------------------------
 
-    async def begin(self, headers: Mapping[str, str], body: Any) -> SessionCtx:
+    async def begin(self, headers: Mapping[str, str], body: Any, tenant: str = "") -> SessionCtx:
         cfg = self.config
-        ctx = SessionCtx(session_digest(body, headers, cfg.key_header or None, cfg.user_ids))
+        ctx = SessionCtx(session_digest(body, headers, cfg.key_header or None, cfg.user_ids, tenant))
         hint = headers.get(cfg.hint_header)
         if hint is not None:
             if not cfg.trust_hints:

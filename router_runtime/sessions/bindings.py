@@ -173,10 +173,10 @@ class ResponseBindings:
         self.shared = shared
         self._warn = SampledWarnings(log, "using this replica's table only")
 
-    async def find(self, response_id: str) -> tuple[Remembered | None, Source]:
-        """The binding of ``response_id`` in the local table, else the shared store (a timeout or an
-        error there is a miss, warned about)."""
-        digest = response_digest(response_id)
+    async def find(self, response_id: str, tenant: str = "") -> tuple[Remembered | None, Source]:
+        """The binding of ``response_id`` (``tenant``'s) in the local table, else the shared store (a
+        timeout or an error there is a miss, warned about)."""
+        digest = response_digest(response_id, tenant)
         value = self.local.get_nowait(digest)
         if value is not None:
             return value, Source.LOCAL
@@ -197,14 +197,14 @@ class ResponseBindings:
                 return value, Source.STORE
         return None, Source.NONE
 
-    async def bind(self, response_id: str, target: Target) -> Remembered | None:
+    async def bind(self, response_id: str, target: Target, tenant: str = "") -> Remembered | None:
         """Bind ``response_id`` to ``target``: locally at once, then in the shared store (awaited up to
         the write deadline, so a follow-up sent as soon as the answer ends finds it on any replica).
         Returns the binding (None: an engine name too long to keep)."""
         value = Remembered(target.engine, target.rank, self.incarnations().get(target.engine, ""))
         if not value.fits():
             return None
-        digest = response_digest(response_id)
+        digest = response_digest(response_id, tenant)
         self.local.put_nowait(digest, value)
         self._gauge()
         if self.shared is None:
