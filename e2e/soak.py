@@ -92,6 +92,7 @@ OPERATOR_LABELS = "app.kubernetes.io/name=routerfleet-operator"
 DIALECTS = ("vllm-0.33", "sglang")  # one Deployment of two engines each, behind one Service
 ENGINES = 4
 ROUTERS = 3
+DEBUG_ARG = "--debug-prediction"  # the routers answer the prediction header to the fleet token
 DP = 2
 STORAGE_DIR = "/var/lib/routerfleet-kv"
 KV_PORT, REPLAY_PORT = 5557, 5657
@@ -276,7 +277,8 @@ class Soak:
             "metadata": {"name": FLEET},
             "spec": {
                 "replicas": ROUTERS,
-                "router": {"image": "routerfleet:dev"},
+                # The soak checks every prediction: its requests present the fleet token for it.
+                "router": {"image": "routerfleet:dev", "extraArgs": [DEBUG_ARG]},
                 "engines": {"serviceName": F.ENGINE, "kvPort": "kv", "replayPort": "replay", "dpSize": DP},
                 "bootstrap": {"timeout": "30s"},
             },
@@ -350,7 +352,7 @@ class Soak:
             async with session.post(
                 f"http://{ip}:{F.ROUTER_PORT}/v1/chat/completions",
                 json=F.chat_body(messages),
-                headers={DEBUG_PREDICTION_HEADER: "1"},
+                headers={DEBUG_PREDICTION_HEADER: self.token},
             ) as r:
                 out.status = r.status
                 out.engine = r.headers.get(ENGINE_HEADER, "")
@@ -615,7 +617,8 @@ class Soak:
 
     def start_rollout(self) -> None:
         self.rollouts += 1
-        patch = {"spec": {"router": {"extraArgs": [f"--first-byte-timeout-ms={120000 + self.rollouts}"]}}}
+        args = [DEBUG_ARG, f"--first-byte-timeout-ms={120000 + self.rollouts}"]
+        patch = {"spec": {"router": {"extraArgs": args}}}
         self.kube.crd.patch_namespaced_custom_object(T.GROUP, T.VERSION, self.ns, T.PLURAL, FLEET, patch)
 
     # ---- the run -------------------------------------------------------------------------------

@@ -85,6 +85,8 @@ class Router:
         # Unique per process even where ids repeat (pid 1 in every container, replicas in one test).
         self.incarnation = f"{os.getpid()}-{int(time.time() * 1000)}-{secrets.token_hex(4)}"
         self.draining = False  # set by drain() on SIGTERM
+        # The fleet token: the internal port's, the siblings', and the debug prediction's credential.
+        self.token = read_token(config.internal_token_file) if config.internal_token_file else None
         self.kv = KVPlane(
             config.block_size,
             self.registry,
@@ -161,6 +163,7 @@ class Router:
             audit_stream_usage=config.audit_stream_usage,
             bindings=self.bindings,
             tenant_header=config.tenant_header,
+            debug_token=self.token if config.debug_prediction else None,
         )
         self.checker = HealthChecker(
             self.health,
@@ -218,7 +221,6 @@ class Router:
         """The producer serves our index to siblings; the bootstrapper pulls theirs. Both need the
         internal port's token; both need an index, which only the KV-aware policy keeps."""
         self.hashing = HashingConfig(config.block_size, SCHEME)
-        self.token = read_token(config.internal_token_file) if config.internal_token_file else None
         keeps_index = bool(self.policy.needs_tokens)
         registry = PeerRegistry(self_name=os.environ.get("POD_NAME"), self_ip=os.environ.get("POD_IP"))
         if config.kv_peer_selector and not (registry.self_name or registry.self_ip):

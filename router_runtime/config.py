@@ -60,6 +60,8 @@ class RouterConfig:
     allow_paths: tuple[str, ...] = ()
     # Ask engines for usage on streams whose client did not, and strip it again (proxy/audit.py).
     audit_stream_usage: bool = True
+    # X-RouterFleet-Debug-Prediction is honoured (its value must be the fleet token), never by default.
+    debug_prediction: bool = False
     # The request header naming a request's tenant (its value's digest scopes response ids and session
     # keys; sessions/keys.py); None: no tenants.
     tenant_header: str | None = None
@@ -355,6 +357,15 @@ FLAGS: tuple[tuple[str | None, tuple[Flag, ...]], ...] = (
                 Ms(0),
                 "after the drain, how long requests still in flight get to finish before they are cut (drain"
                 " plus this plus a few seconds must fit the pod's termination grace period)",
+            ),
+            Flag(
+                "--debug-prediction",
+                "debug_prediction",
+                Switch(),
+                "answer a request whose X-RouterFleet-Debug-Prediction header is the fleet token with the"
+                " router's prediction (X-RouterFleet-Predicted-Cached-Tokens, -Predicted-Tiers,"
+                " -Prediction-Doubtful) on an answer the engine accepted; an operator's tool: whoever it is"
+                " open to can probe what is cached",
             ),
             Flag(
                 "--tenant-header",
@@ -802,6 +813,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         parser.error("argument --kv-peer-selector: needs --k8s-selector")
     if (c.kv_peers or c.kv_peer_selector) and not c.internal_token_file:
         parser.error("argument --kv-peer/--kv-peer-selector: needs --internal-token-file")
+    if c.debug_prediction and not c.internal_token_file:
+        parser.error("argument --debug-prediction: needs --internal-token-file (callers present that token)")
     if c.session_store_password_file and not c.session_store:
         parser.error("argument --session-store-password-file: needs --session-store")
     for flag, path in (

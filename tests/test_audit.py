@@ -146,14 +146,27 @@ def audited(router, outcome: str, doubtful: str = "false") -> float:
     )
 
 
-async def test_a_router_audits_its_predictions_against_the_engine():
+def debugging(tmp_path) -> dict:
+    """Config for a router that answers the debug prediction header to callers holding TOKEN."""
+    path = tmp_path / "token"
+    path.write_text(TOKEN)
+    return {"internal_port": 0, "internal_token_file": str(path), "debug_prediction": True}
+
+
+TOKEN = "fleet-s3cret"
+DEBUG = {"X-RouterFleet-Debug-Prediction": TOKEN}
+
+
+async def test_a_router_audits_its_predictions_against_the_engine(tmp_path):
     async with run_fake_engine(block_size=BS, decode_tokens_per_s=0) as e:
         worker = WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
-        cfg = RouterConfig(port=0, workers=(worker,), block_size=BS, health_interval_s=0)
+        cfg = RouterConfig(
+            port=0, workers=(worker,), block_size=BS, health_interval_s=0, **debugging(tmp_path)
+        )
         async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
             await eventually(lambda: router.ready()[0], what="ready")
             prompt = list(range(1, 41))  # 10 blocks
-            debug = {"X-RouterFleet-Debug-Prediction": "1"}
+            debug = DEBUG
             body = {"prompt": prompt, "max_tokens": 1}
             async with s.post(url + "/v1/completions", json=body, headers=debug) as r:
                 assert r.status == 200 and r.headers["X-RouterFleet-Predicted-Cached-Tokens"] == "0"
@@ -222,17 +235,24 @@ def test_a_prediction_knows_when_the_engine_must_have_stored_blocks():
     assert not Prediction(0, prompt_tokens=40).stores_blocks(0)  # no block size: no claim
 
 
-async def test_a_silent_stream_makes_the_rank_doubtful_until_a_batch_comes():
+async def test_a_silent_stream_makes_the_rank_doubtful_until_a_batch_comes(tmp_path):
     """The engine serves requests that store blocks but its PUB stays silent (a partition TCP would
     hide): once it owes a batch for longer than --kv-stall-ms, the rank's predictions are doubtful and
     routerfleet_kv_stalled_ranks says so; the batch that finally comes (the gap filled by replay) ends
     it."""
     async with run_fake_engine(block_size=BS, decode_tokens_per_s=0) as e:
         worker = WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
-        cfg = RouterConfig(port=0, workers=(worker,), block_size=BS, health_interval_s=0, kv_stall_s=0.3)
+        cfg = RouterConfig(
+            port=0,
+            workers=(worker,),
+            block_size=BS,
+            health_interval_s=0,
+            kv_stall_s=0.3,
+            **debugging(tmp_path),
+        )
         async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
             await eventually(lambda: router.ready()[0], what="ready")
-            debug = {"X-RouterFleet-Debug-Prediction": "1"}
+            debug = DEBUG
             stalled = lambda: router.registry.get_sample_value("routerfleet_kv_stalled_ranks")  # noqa: E731
 
             async def complete(first: int) -> str:
@@ -264,6 +284,36 @@ async def test_a_silent_stream_makes_the_rank_doubtful_until_a_batch_comes():
 async def e_admin(s, e, what: str, body: dict) -> None:
     async with s.post(f"{e.http_url}/admin/{what}", json=body) as r:
         assert r.status == 200, await r.text()
+
+
+async def test_the_prediction_is_answered_only_when_enabled_to_the_fleet_token_on_an_accepted_answer(
+    tmp_path,
+):
+    """The prediction is an exact cache oracle: a guess of another tenant's secret, one block at a
+    time, read 48 predicted tokens for a right guess and 32 for a wrong one. It is off by default; on,
+    only the fleet token asks, and an answer the engine rejected (its 400) never carries it."""
+    prompt = {"prompt": list(range(1, 41)), "max_tokens": 1}
+    async with run_fake_engine(block_size=BS, decode_tokens_per_s=0) as e:
+        worker = WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
+        for enabled in (False, True):
+            extra = debugging(tmp_path) if enabled else {}
+            cfg = RouterConfig(port=0, workers=(worker,), block_size=BS, health_interval_s=0, **extra)
+            async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
+                await eventually(lambda router=router: router.ready()[0], what="ready")
+                asked = {}
+                for who, value in (("anyone", "1"), ("a wrong token", "guess"), ("the fleet", TOKEN)):
+                    for body in (prompt, {**prompt, "max_tokens": -1}):  # the second, the engine refuses
+                        headers = {"X-RouterFleet-Debug-Prediction": value}
+                        async with s.post(url + "/v1/completions", json=body, headers=headers) as r:
+                            asked[who, r.status] = "X-RouterFleet-Predicted-Cached-Tokens" in r.headers
+                assert asked == {
+                    ("anyone", 200): False,
+                    ("anyone", 400): False,
+                    ("a wrong token", 200): False,
+                    ("a wrong token", 400): False,
+                    ("the fleet", 200): enabled,
+                    ("the fleet", 400): False,
+                }
 
 
 async def test_a_rank_whose_gap_is_being_replayed_is_doubtful():

@@ -25,6 +25,7 @@ from router_runtime.tokens.chat import Reason, Untokenizable
 from router_runtime.tokens.tokenizer import AsyncTokenizer, Family, load_tokenizer
 
 from .support import eventually
+from .test_audit import TOKEN, debugging
 from .test_proxy_routing import ENGINE_HEADER, cached_blocks, kv_fleet, sample
 
 DATA = Path(__file__).parent / "data" / "chat"
@@ -138,7 +139,7 @@ async def test_router_completion_ids_equal_the_engines(case):
 
 
 @pytest.mark.parametrize(("family", "file"), [(Family.VLLM, VLLM), (Family.SGLANG, SGLANG)], ids=str)
-async def test_requests_route_to_the_engine_holding_their_engine_computed_prefix(family, file):
+async def test_requests_route_to_the_engine_holding_their_engine_computed_prefix(family, file, tmp_path):
     """Three fake engines; the middle one holds each request's reference IDs (stored through its admin
     API, so its events reach the router's index). Every vector with IDs goes there with every full
     block matched; every refused one is counted as untokenized."""
@@ -146,7 +147,8 @@ async def test_requests_route_to_the_engine_holding_their_engine_computed_prefix
     vectors = [v for v in file if v["tokenizer"] == "qwen3"]
     # The fake engine does not render chat with these tokenizers, so its cached-token figures are not
     # about these IDs: the audit's false hits here are the harness's, and must not withhold the holder.
-    async with kv_fleet(with_tokenizer=tok, audit_withhold=False) as (engines, router, url, s):
+    debug = debugging(tmp_path)
+    async with kv_fleet(with_tokenizer=tok, audit_withhold=False, **debug) as (engines, router, url, s):
         holder = engines[1]
         for v in vectors:
             if "token_ids" in v:
@@ -165,12 +167,15 @@ async def test_requests_route_to_the_engine_holding_their_engine_computed_prefix
                     refused += 1  # routed cache-blind, and counted
                 except ProxyError:
                     pass  # answered 400 by the router itself
-            headers = {DEBUG_PREDICTION_HEADER: "1"}
+            headers = {DEBUG_PREDICTION_HEADER: TOKEN}
             async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
                 await r.read()
                 if "token_ids" not in v:
                     continue
                 assert r.headers[ENGINE_HEADER] == holder.http_url, v["case"]
+                if r.status >= 300:  # the fake engine refused it (it renders no chat template)
+                    assert PREDICTED_HEADER not in r.headers, v["case"]  # never on a refused answer
+                    continue
                 predicted = int(r.headers[PREDICTED_HEADER])
                 assert predicted == len(v["token_ids"]) // 4 * 4, v["case"]
         counted = sum(sample(router, "routerfleet_untokenized_requests_total", reason=x) for x in Reason)

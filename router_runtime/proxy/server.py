@@ -24,6 +24,7 @@ Never logged: prompts, token IDs, block hashes.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -147,6 +148,7 @@ class Proxy:
         audit_stream_usage: bool = True,
         bindings: ResponseBindings | None = None,
         tenant_header: str | None = None,
+        debug_token: str | None = None,
     ) -> None:
         self.policy = policy
         # Ask the engine for usage on streams whose client did not, so they are audited too (audit.py).
@@ -162,6 +164,9 @@ class Proxy:
         self.limits = limits or ServerLimits()
         # The header naming a request's tenant (sessions/keys.py: tenant_of); None: no tenants.
         self.tenant_header = tenant_header
+        # The credential X-RouterFleet-Debug-Prediction must carry (the fleet token); None: never
+        # answered, as by default (an exact cache oracle for whoever can ask).
+        self._debug_token = f"{debug_token}".encode() if debug_token else None
         self.tokenizer = tokenizer
         self.targets = targets
         self.health = health
@@ -551,7 +556,7 @@ class Proxy:
                 headers[sessions.config.engine_header] = sessions.engine_id(target)
                 if 200 <= status < 300 and ctx.session is not None:
                     sessions.remember(ctx.session, target)  # on the headers, before the body
-            if prediction is not None and request.headers.get(DEBUG_PREDICTION_HEADER, "") in ("1", "true"):
+            if prediction is not None and 200 <= status < 300 and self._debug_asked(request):
                 headers[PREDICTED_HEADER] = str(prediction.tokens)
                 headers[DOUBTFUL_HEADER] = "true" if prediction.doubtful else "false"
                 headers[PREDICTED_TIERS_HEADER] = prediction.tier_header()
@@ -625,6 +630,16 @@ class Proxy:
                 up.release()
             else:
                 up.close()
+
+    def _debug_asked(self, request: web.Request) -> bool:
+        """The caller asked for the prediction and presented the fleet token as the header's value."""
+        got = request.headers.get(DEBUG_PREDICTION_HEADER)
+        want = self._debug_token
+        return (
+            want is not None
+            and got is not None
+            and hmac.compare_digest(got.encode("utf-8", "surrogateescape"), want)
+        )
 
     def tenant(self, request: web.Request) -> str:
         """The request's tenant ("" without ``--tenant-header``): response ids and session keys are
