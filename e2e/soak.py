@@ -781,6 +781,8 @@ def report(run: Run) -> list[str]:
         f" {UNKNOWABLE_S:g}s (before the router's stall threshold, it cannot know);"
         f" missed-hit tokens {sum(o.missed_hit for o in ok)}"
     )
+    if not predicted:  # without predictions the audit above proves nothing
+        failures.append("no prediction came back: the routers did not answer the prediction header")
     if false_plain:
         bad = [o for o in ok if o.false_hit and not o.doubtful and not unknowable(o)]
         for o in bad[:10]:
