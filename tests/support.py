@@ -53,7 +53,11 @@ async def join_stream(publisher: KvPublisher, sub: RankSubscription, rank: int =
     deadline = time.monotonic() + 30
     while sub.cursor is None or sub.cursor < 0:
         if time.monotonic() > deadline:
-            raise AssertionError(f"subscription {sub.carrier} never received a batch")
+            raise AssertionError(  # what it did take, to tell a silent socket from a stuck loop
+                f"subscription {sub.carrier} never received a batch (connected {sub.connected},"
+                f" cursor {sub.cursor}, last live {sub.live_last}, filling {sub.filling},"
+                f" held {sub.hold is not None})"
+            )
         publisher.publish(rank, ())
         await asyncio.sleep(0.02)
 
