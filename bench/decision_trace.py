@@ -31,8 +31,8 @@ from router_runtime.fake_engine.cache import CacheConfig, RankCache
 from router_runtime.fake_engine.hashing import PLAIN
 from router_runtime.kv.events import Dialect, EventBatch
 from router_runtime.kv.index import RadixIndex
-from router_runtime.routing.policies import POLICY_NAMES, PolicyConfig, make_policy
-from router_runtime.routing.types import Decision, RouteRequest, Target
+from router_runtime.scheduling.presets import POLICY_NAMES, PolicyConfig, make_policy
+from router_runtime.scheduling.types import Decision, RouteRequest, Target
 
 WORKLOAD = Params(convs=160, groups=6, sys_tokens=(256, 512), user_tokens=(24, 96), active=16, seed=23)
 TARGETS = (
@@ -161,7 +161,9 @@ def first_difference(recorded: dict[str, list[dict]], make: Choose = make_policy
         for got, was in zip(steps, want, strict=False):
             if got != was:
                 keys = [k for k in got if got[k] != was.get(k)]
-                return f"{label} step {got['step']}: {', '.join(f'{k} {was.get(k)} -> {got[k]}' for k in keys)}"
+                return (
+                    f"{label} step {got['step']}: {', '.join(f'{k} {was.get(k)} -> {got[k]}' for k in keys)}"
+                )
         if len(steps) != len(want):
             return f"{label}: {len(steps)} steps, recorded {len(want)}"
     missing = set(recorded) - seen
@@ -177,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.decision_trace", description=__doc__.split("\n\n")[0])
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--record", metavar="PATH", help="write the trace of the code as it is")
-    mode.add_argument("--check", metavar="PATH", help="replay a recorded trace; exit 1 at the first difference")
+    mode.add_argument(
+        "--check", metavar="PATH", help="replay a recorded trace; exit 1 at the first difference"
+    )
     args = ap.parse_args(argv)
     if args.record:
         recorded = dict(traces())
@@ -185,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps(recorded, separators=(",", ":"), sort_keys=True).encode())
         n = sum(len(v) for v in recorded.values())
         reasons = sorted({s["reason"] for v in recorded.values() for s in v})
-        print(f"recorded {n} decisions of {len(recorded)} runs to {args.record} (reasons: {', '.join(reasons)})")
+        print(
+            f"recorded {n} decisions of {len(recorded)} runs to {args.record} (reasons: {', '.join(reasons)})"
+        )
         return 0
     diff = first_difference(load(args.check))
     print(diff or "every decision is the recorded one")

@@ -28,7 +28,7 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from router_runtime.routing.types import Target
+from router_runtime.scheduling.types import Target
 from router_runtime.sessions.affinity import SessionAffinity
 from router_runtime.sessions.bindings import BindingConfig, BindingMetrics, ResponseBindings
 from router_runtime.sessions.config import SessionConfig

@@ -53,8 +53,8 @@ from .proxy.metrics import ProxyMetrics
 from .proxy.server import Proxy, Timeouts
 from .proxy.serving import GuardedRunner
 from .proxy.targets import TargetBook
-from .routing.policies import make_policy
-from .routing.types import Policy
+from .scheduling.framework import Profile
+from .scheduling.presets import make_policy
 from .sessions.affinity import SessionAffinity
 from .sessions.bindings import BindingMetrics, ResponseBindings
 from .sessions.metrics import SessionMetrics
@@ -73,7 +73,7 @@ class Router:
         self,
         config: RouterConfig,
         *,
-        policy: Policy | None = None,
+        policy: Profile | None = None,
         tokenizer: Tokenizer | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -572,7 +572,7 @@ NOTICE_TRANSIT_S = 0.05
 
 @contextlib.asynccontextmanager
 async def run_router(
-    config: RouterConfig, *, policy: Policy | None = None, tokenizer: Tokenizer | None = None
+    config: RouterConfig, *, policy: Profile | None = None, tokenizer: Tokenizer | None = None
 ) -> AsyncIterator[tuple[Router, str]]:
     """Start a router in this event loop; yields it and its base URL. For tests, the demo and benches.
     ``policy`` and ``tokenizer`` override the config's (tests)."""

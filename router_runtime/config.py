@@ -13,7 +13,7 @@ from .discovery.storage_annotation import validate_annotation_key
 from .flags import PORT, Bytes, Count, Flag, Ms, Real, Seconds, Switch, Text
 from .proxy.endpoints import allowed_path
 from .proxy.serving import ServerLimits
-from .routing.policies import POLICY_NAMES, PolicyConfig
+from .scheduling.presets import POLICY_NAMES, PolicyConfig
 from .sessions.bindings import BindingConfig
 from .sessions.config import SessionConfig
 from .sessions.redis_store import store_url

@@ -18,4 +18,6 @@ def test_the_replay_notices_a_different_decision():
     recorded = decision_trace.load(str(RECORDED))
     step = recorded["kv_aware/default"][100]
     made, step["target"] = step["target"], "elsewhere"
-    assert decision_trace.first_difference(recorded) == f"kv_aware/default step 100: target elsewhere -> {made}"
+    assert (
+        decision_trace.first_difference(recorded) == f"kv_aware/default step 100: target elsewhere -> {made}"
+    )

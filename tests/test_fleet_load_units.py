@@ -21,7 +21,7 @@ from router_runtime.fleet.view import (
     unseen,
 )
 from router_runtime.proxy.load import LoadTracker
-from router_runtime.routing.types import Target
+from router_runtime.scheduling.types import Target
 
 A0, A1 = Target("a", "http://a", 0), Target("a", "http://a", 1)
 B = Target("b", "http://b")

@@ -15,7 +15,7 @@ import pytest
 
 from router_runtime.config import FLAGS, RouterConfig, parse_args
 from router_runtime.fake_engine.server import run_fake_engine
-from router_runtime.routing.policies import PolicyConfig
+from router_runtime.scheduling.presets import PolicyConfig
 
 from .support import eventually
 from .test_tokens_hf import build_tokenizer_dir

@@ -10,7 +10,6 @@ import dataclasses
 import json
 import socket
 import time
-from collections.abc import Mapping, Sequence
 
 import aiohttp
 import pytest
@@ -20,7 +19,8 @@ from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
 from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.proxy.health import BreakerState
-from router_runtime.routing.types import Decision, KeepsNoTargetState, Reason, RouteRequest, Target
+from router_runtime.scheduling.framework import Choice, Cycle, Profile, Scored
+from router_runtime.scheduling.types import Reason, Target
 from router_runtime.worker import WorkerSpec
 
 from .support import eventually
@@ -40,24 +40,28 @@ def closed_port_url() -> str:
     return f"http://127.0.0.1:{port}"
 
 
-class Prefer(KeepsNoTargetState):
-    """A stand-in policy: the first target of the preferred engines that is a candidate."""
+class PreferEngines:
+    """A stand-in picker: the first candidate of the preferred engines (else the first), recording the
+    candidates it was offered."""
 
     name = "prefer"
-    needs_tokens = False
-    needs_text = False
 
-    def __init__(self, *engines: str) -> None:
-        self.engines = list(engines)
+    def __init__(self, engines: tuple[str, ...]) -> None:
+        self.engines = engines
         self.seen: list[tuple[Target, ...]] = []
 
-    def choose(self, request: RouteRequest, targets: Sequence[Target], loads: Mapping, index) -> Decision:
+    def pick(self, cycle: Cycle, scored: Scored) -> Choice:
+        targets = cycle.targets
         self.seen.append(tuple(targets))
         for engine in self.engines:
-            for t in targets:
+            for i, t in enumerate(targets):
                 if t.engine == engine:
-                    return Decision(t, Reason.LEAST_LOADED)
-        return Decision(targets[0], Reason.LEAST_LOADED)
+                    return Choice(i, Reason.LEAST_LOADED)
+        return Choice(0, Reason.LEAST_LOADED)
+
+
+def preferring(*engines: str) -> Profile:
+    return Profile("prefer", picker=PreferEngines(engines))
 
 
 @contextlib.asynccontextmanager
@@ -238,7 +242,7 @@ async def test_503_without_engines_and_readiness():
 
 async def test_502_when_every_engine_refuses_after_one_retry_then_503_when_all_breakers_are_open():
     dead = [closed_port_url(), closed_port_url()]
-    async with routed([http_worker(u) for u in dead], policy=Prefer(), breaker_failures=1) as (
+    async with routed([http_worker(u) for u in dead], policy=preferring(), breaker_failures=1) as (
         router,
         url,
         s,
@@ -257,7 +261,7 @@ async def test_502_when_every_engine_refuses_after_one_retry_then_503_when_all_b
 
 async def test_a_refused_connection_retries_once_on_another_engine():
     dead = closed_port_url()
-    policy = Prefer(dead)
+    policy = preferring(dead)
     async with (
         run_fake_engine(block_size=4) as engine,
         routed([http_worker(dead), http_worker(engine.http_url)], policy=policy) as (router, url, s),
@@ -267,7 +271,8 @@ async def test_a_refused_connection_retries_once_on_another_engine():
         assert json.loads(raw)["choices"][0]["text"]
         assert sample(router, "routerfleet_retries_total", reason="connect") == 1
         # The retry asked the policy again, without the engine that failed.
-        assert [len(ts) for ts in policy.seen] == [2, 1] and policy.seen[1][0].engine == engine.http_url
+        seen = policy.picker.seen
+        assert [len(ts) for ts in seen] == [2, 1] and seen[1][0].engine == engine.http_url
         assert (
             sample(router, "routerfleet_routing_decisions_total", policy="prefer", reason="least_loaded") == 2
         )
@@ -503,7 +508,7 @@ async def test_hop_by_hop_headers_are_stripped_both_ways_and_the_rank_is_pinned(
 async def test_whole_engine_policies_do_not_pin_a_rank():
     async with (
         recording_upstream() as (upstream, seen),
-        routed([http_worker(upstream, dp=2)], policy=Prefer()) as (_router, url, s),
+        routed([http_worker(upstream, dp=2)], policy=preferring()) as (_router, url, s),
     ):
         status, _, _ = await post(s, url, {"prompt": "x"}, headers={"X-Data-Parallel-Rank": "1"})
         assert status == 200 and "X-Data-Parallel-Rank" not in seen[0]
@@ -520,7 +525,7 @@ async def test_the_breaker_takes_a_dead_engine_out_and_brings_it_back():
         try:
             async with routed(
                 [http_worker(a.http_url), http_worker(b_url)],
-                policy=Prefer(b_url),
+                policy=preferring(b_url),
                 health_interval_s=0.05,
                 breaker_failures=2,
                 breaker_cooldown_s=0.2,
@@ -568,7 +573,7 @@ async def test_5xx_answers_to_client_requests_never_open_the_breaker():
         async with (
             run_fake_engine(block_size=4) as good,
             routed(
-                [http_worker(bad), http_worker(good.http_url)], policy=Prefer(bad), breaker_failures=2
+                [http_worker(bad), http_worker(good.http_url)], policy=preferring(bad), breaker_failures=2
             ) as (router, url, s),
         ):
             for _ in range(6):
@@ -629,7 +634,9 @@ async def test_load_accounting_is_exact_under_concurrency_errors_and_cancels():
     dead = closed_port_url()
     async with (
         run_fake_engine(block_size=4, decode_tokens_per_s=200) as engine,
-        routed([http_worker(engine.http_url), http_worker(dead)], policy=Prefer(dead, engine.http_url)) as (
+        routed(
+            [http_worker(engine.http_url), http_worker(dead)], policy=preferring(dead, engine.http_url)
+        ) as (
             router,
             url,
             s,

@@ -16,7 +16,7 @@ from router_runtime.proxy.health import Breaker, BreakerConfig, BreakerState, He
 from router_runtime.proxy.load import LoadTracker
 from router_runtime.proxy.request import Kind, parse_json, parse_request
 from router_runtime.proxy.targets import TargetBook
-from router_runtime.routing.types import Target
+from router_runtime.scheduling.types import Target
 from router_runtime.worker import WorkerSpec
 
 # ---------------------------------------------------------------------------------------------- bodies

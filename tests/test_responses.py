@@ -19,7 +19,7 @@ from router_runtime.bootstrap.wire import Limits, WireSession, WireSnapshot, dec
 from router_runtime.config import RouterConfig
 from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.proxy.request import Kind, parse_request
-from router_runtime.routing.types import Target
+from router_runtime.scheduling.types import Target
 from router_runtime.sessions.bindings import (
     SCAN_HEAD_BYTES,
     BindingConfig,

@@ -13,12 +13,10 @@ from hypothesis import strategies as st
 
 from router_runtime.kv.events import BlockStored, EventBatch
 from router_runtime.kv.index import RadixIndex
-from router_runtime.routing.approx_prefix import ApproxPrefixPolicy
-from router_runtime.routing.kv_aware import KvAwarePolicy
-from router_runtime.routing.policies import POLICY_NAMES, PolicyConfig, make_policy
-from router_runtime.routing.simple import LeastLoadedPolicy, PowerOfTwoPolicy, RoundRobinPolicy
-from router_runtime.routing.text_tree import TextTree
-from router_runtime.routing.types import Reason, RouteRequest, Target
+from router_runtime.scheduling.framework import Profile
+from router_runtime.scheduling.presets import POLICY_NAMES, PolicyConfig, make_policy
+from router_runtime.scheduling.text_tree import TextTree
+from router_runtime.scheduling.types import Reason, RouteRequest, Target
 
 BS = 4
 A = Target("a", "http://a", 0)
@@ -43,8 +41,8 @@ def store(index: RadixIndex, target: Target, tokens: list[int], medium: str | No
     index.apply_batch(target.carrier, EventBatch(0.0, (ev,)))
 
 
-def kv(**kw) -> KvAwarePolicy:
-    return KvAwarePolicy(**kw)
+def kv(**kw) -> Profile:
+    return make_policy("kv_aware", PolicyConfig(**kw))
 
 
 def req(tokens, **kw) -> RouteRequest:
@@ -218,14 +216,14 @@ def text_req(text: str, **kw) -> RouteRequest:
 
 
 def test_approx_repeated_prompt_sticks_and_new_prompts_spread_to_the_smallest_tree():
-    pol = ApproxPrefixPolicy()
+    pol = make_policy("approx_prefix")
     t1, t2, t3 = "alpha " * 50, "bravo " * 40, "charlie " * 20
     d = pol.choose(text_req(t1), ABC, {}, None)
     assert (d.target, d.reason, d.matched_chars, d.total_chars) == (A, Reason.NO_MATCH, 0, len(t1))
     assert pol.choose(text_req(t2), ABC, {}, None).target == B  # A's tree is no longer the smallest
     assert pol.choose(text_req(t3), ABC, {}, None).target == C
     # C (160 chars) now holds the smallest tree, B (240) the next.
-    assert pol.tree.size(C) < pol.tree.size(B) < pol.tree.size(A)
+    assert pol.scorers[0].tree.size(C) < pol.scorers[0].tree.size(B) < pol.scorers[0].tree.size(A)
     assert pol.choose(text_req("delta " * 10), ABC, {}, None).target == C
     # Repeats go home, even to a somewhat busier target (the guard is not tripped).
     d = pol.choose(text_req(t1), ABC, {A: 5}, None)
@@ -235,7 +233,7 @@ def test_approx_repeated_prompt_sticks_and_new_prompts_spread_to_the_smallest_tr
 
 
 def test_approx_cache_threshold():
-    pol = ApproxPrefixPolicy(cache_threshold=0.3)
+    pol = make_policy("approx_prefix", PolicyConfig(cache_threshold=0.3))
     shared = "s" * 20
     pol.choose(text_req(shared + "x" * 80), [A, B], {}, None)  # -> A
     pol.choose(text_req("q" * 10), [A, B], {}, None)  # -> B (smallest)
@@ -246,7 +244,7 @@ def test_approx_cache_threshold():
 
 
 def test_approx_least_loaded_among_the_longest_holders():
-    pol = ApproxPrefixPolicy()
+    pol = make_policy("approx_prefix")
     t = "the same long system prompt " * 10
     pol.choose(text_req(t), [A], {}, None)
     pol.choose(text_req(t), [B], {}, None)
@@ -259,12 +257,12 @@ def test_approx_least_loaded_among_the_longest_holders():
 
 
 def test_approx_imbalanced_goes_least_loaded_and_still_inserts():
-    pol = ApproxPrefixPolicy()
+    pol = make_policy("approx_prefix")
     t = "a conversation that lives on A " * 5
     pol.choose(text_req(t), [A, B], {}, None)
     d = pol.choose(text_req(t + "turn 2"), [A, B], {A: 20, B: 1}, None)
     assert (d.target, d.reason, d.matched_chars) == (B, Reason.IMBALANCED, 0)
-    assert pol.tree.match(t + "turn 2").chars_for(B) == len(t) + 6
+    assert pol.scorers[0].tree.match(t + "turn 2").chars_for(B) == len(t) + 6
     # Balanced again: B alone holds the longest match, so it wins though busier.
     d = pol.choose(text_req(t + "turn 2"), [A, B], {A: 2, B: 3}, None)
     assert (d.target, d.reason) == (B, Reason.PREFIX)
@@ -274,42 +272,42 @@ def test_approx_imbalanced_goes_least_loaded_and_still_inserts():
 
 
 def test_approx_evicts_lru_down_to_max_tree_size():
-    pol = ApproxPrefixPolicy(max_tree_size=100)
+    pol = make_policy("approx_prefix", PolicyConfig(max_tree_size=100))
     t1, t2, t3 = "1" * 40, "2" * 40, "3" * 40
     for t in (t1, t2):
         pol.choose(text_req(t), [A], {}, None)
     pol.choose(text_req(t1), [A], {}, None)  # t1 is now fresher than t2
     pol.choose(text_req(t3), [A], {}, None)  # 120 > 100: t2 goes
-    assert pol.tree.size(A) == 80
-    m = pol.tree.match
+    assert pol.scorers[0].tree.size(A) == 80
+    m = pol.scorers[0].tree.match
     assert (m(t1).chars_for(A), m(t2).chars_for(A), m(t3).chars_for(A)) == (40, 0, 40)
-    pol.tree.check()
+    pol.scorers[0].tree.check()
     # A shared prefix is only evicted after the branches below it.
-    pol2 = ApproxPrefixPolicy(max_tree_size=60)
+    pol2 = make_policy("approx_prefix", PolicyConfig(max_tree_size=60))
     pol2.choose(text_req("p" * 30 + "a" * 10), [A], {}, None)
     pol2.choose(text_req("p" * 30 + "b" * 10), [A], {}, None)
     pol2.choose(text_req("z" * 15), [A], {}, None)  # 65 > 60: the oldest leaf ("a"*10) goes
-    assert pol2.tree.size(A) == 55
-    assert pol2.tree.match("p" * 30 + "a" * 10).chars_for(A) == 30
-    assert pol2.tree.match("p" * 30 + "b" * 10).chars_for(A) == 40
-    pol2.tree.check()
+    assert pol2.scorers[0].tree.size(A) == 55
+    assert pol2.scorers[0].tree.match("p" * 30 + "a" * 10).chars_for(A) == 30
+    assert pol2.scorers[0].tree.match("p" * 30 + "b" * 10).chars_for(A) == 40
+    pol2.scorers[0].tree.check()
 
 
 def test_approx_remove_target():
-    pol = ApproxPrefixPolicy()
+    pol = make_policy("approx_prefix")
     t = "hello world " * 20
     pol.choose(text_req(t), [A, B], {}, None)
     pol.choose(text_req("other"), [A, B], {}, None)
-    assert pol.tree.size(A) == len(t)
+    assert pol.scorers[0].tree.size(A) == len(t)
     assert pol.remove_target(A) == len(t)
-    assert pol.tree.size(A) == 0 and pol.tree.node_count() == 1
+    assert pol.scorers[0].tree.size(A) == 0 and pol.scorers[0].tree.node_count() == 1
     d = pol.choose(text_req(t), [A, B], {}, None)
     assert (d.reason, d.matched_chars) == (Reason.NO_MATCH, 0)
     assert pol.remove_target(C) == 0
 
 
 def test_approx_namespaces_do_not_share_text():
-    pol = ApproxPrefixPolicy()
+    pol = make_policy("approx_prefix")
     t = "shared words " * 10
     pol.choose(text_req(t, lora_name="x"), [A, B], {}, None)  # -> A
     d = pol.choose(text_req(t), [A, B], {}, None)  # plain: no match, B's tree is smaller
@@ -321,10 +319,10 @@ def test_approx_namespaces_do_not_share_text():
 
 
 def test_approx_without_text_is_least_loaded_and_inserts_nothing():
-    pol = ApproxPrefixPolicy()
+    pol = make_policy("approx_prefix")
     d = pol.choose(RouteRequest(tokens=[1, 2, 3]), [A, B], {A: 1}, None)
     assert (d.target, d.reason, d.total_chars) == (B, Reason.NO_MATCH, 0)
-    assert pol.tree.node_count() == 0
+    assert pol.scorers[0].tree.node_count() == 0
 
 
 def test_text_tree_long_prompts_use_few_nodes_and_are_fast():
@@ -401,7 +399,7 @@ def test_text_tree_invariants_under_eviction_and_removal(inserts, cap, removed):
 
 
 def test_round_robin_cycles_and_survives_a_shrinking_list():
-    pol = RoundRobinPolicy()
+    pol = make_policy("round_robin")
     assert [pol.choose(RouteRequest(), ABC, {A: 9}, None).target for _ in range(7)] == [A, B, C, A, B, C, A]
     assert pol.choose(RouteRequest(), [A, B], {}, None).target == B
     d = pol.choose(RouteRequest(), [A, B], {}, None)
@@ -409,7 +407,7 @@ def test_round_robin_cycles_and_survives_a_shrinking_list():
 
 
 def test_least_loaded_picks_the_minimum_and_rotates_ties():
-    pol = LeastLoadedPolicy()
+    pol = make_policy("least_loaded")
     d = pol.choose(RouteRequest(), ABC, {A: 3, B: 1, C: 2}, None)
     assert (d.target, d.reason) == (B, Reason.LEAST_LOADED)
     assert [pol.choose(RouteRequest(), ABC, {B: 1}, None).target for _ in range(4)] == [C, A, C, A]
@@ -419,15 +417,15 @@ def test_least_loaded_picks_the_minimum_and_rotates_ties():
 def test_power_of_two_prefers_the_lower_load_and_is_reproducible():
     loads = {A: 0, B: 10, C: 10, Target("d", "http://d", 0): 10}
     targets = list(loads)
-    pol = PowerOfTwoPolicy(random.Random(42))
+    pol = make_policy("power_of_two", PolicyConfig(seed=42))
     picks = [pol.choose(RouteRequest(), targets, loads, None).target for _ in range(400)]
     # A wins whenever it is drawn: P(A in a pair of 4) = 1/2; never-A pairs split over the other three.
     assert 160 < picks.count(A) < 240
-    two = PowerOfTwoPolicy(random.Random(1))
+    two = make_policy("power_of_two", PolicyConfig(seed=1))
     assert {two.choose(RouteRequest(), [A, B], {A: 5, B: 1}, None).target for _ in range(50)} == {B}
-    again = PowerOfTwoPolicy(random.Random(42))
+    again = make_policy("power_of_two", PolicyConfig(seed=42))
     assert [again.choose(RouteRequest(), targets, loads, None).target for _ in range(400)] == picks
-    d = PowerOfTwoPolicy(random.Random(0)).choose(RouteRequest(), [C], {}, None)
+    d = make_policy("power_of_two", PolicyConfig(seed=0)).choose(RouteRequest(), [C], {}, None)
     assert (d.target, d.reason) == (C, Reason.POWER_OF_TWO)
 
 
@@ -440,10 +438,10 @@ def test_factory_builds_every_policy_from_one_config():
         pol = make_policy(name, cfg)
         assert pol.name == name
         assert pol.needs_tokens == (name == "kv_aware")
-    assert make_policy("kv_aware", cfg).host_weight == 0.3
+    assert make_policy("kv_aware", cfg).scorers[0].host_weight == 0.3
     ap = make_policy("approx_prefix", cfg)
-    assert (ap.cache_threshold, ap.max_tree_size) == (0.5, 1000)
-    draws = [make_policy("power_of_two", cfg).rng.random() for _ in range(2)]
+    assert (ap.scorers[0].cache_threshold, ap.scorers[0].max_tree_size) == (0.5, 1000)
+    draws = [make_policy("power_of_two", cfg).picker.rng.random() for _ in range(2)]
     assert draws[0] == draws[1]
     with pytest.raises(ValueError, match="unknown routing policy 'cache_aware'"):
         make_policy("cache_aware", cfg)

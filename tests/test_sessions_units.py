@@ -22,10 +22,8 @@ from router_runtime.bootstrap.wire import (
 )
 from router_runtime.config import parse_args
 from router_runtime.kv.index import CarrierMatch
-from router_runtime.routing.approx_prefix import ApproxPrefixPolicy
-from router_runtime.routing.kv_aware import KvAwarePolicy
-from router_runtime.routing.simple import LeastLoadedPolicy, PowerOfTwoPolicy, RoundRobinPolicy
-from router_runtime.routing.types import Reason, RouteRequest, Target
+from router_runtime.scheduling.presets import PolicyConfig, make_policy
+from router_runtime.scheduling.types import Reason, RouteRequest, Target
 from router_runtime.sessions.affinity import SessionAffinity, SessionCtx, engine_id
 from router_runtime.sessions.classify import SessionState, classify, promote
 from router_runtime.sessions.config import SessionConfig
@@ -189,7 +187,9 @@ def test_promote_moves_the_remembered_target_first_for_this_request_only():
 
 
 def test_kv_aware_credits_the_remembered_target_and_keeps_its_guards():
-    pol = KvAwarePolicy(balance_abs_threshold=2, load_cost_tokens=0, spread_ties=False)
+    pol = make_policy(
+        "kv_aware", PolicyConfig(balance_abs_threshold=2, load_cost_tokens=0, spread_ties=False)
+    )
     req = RouteRequest(tokens=list(range(64)), prefer=B, prefer_vouched=True)
 
     class Empty:
@@ -208,13 +208,17 @@ def test_kv_aware_credits_the_remembered_target_and_keeps_its_guards():
     # No index at all: a tie on load goes to B.
     assert pol.choose(RouteRequest(prefer=B), [B, A], {}, None).target == B
     # The load price still applies.
-    priced = KvAwarePolicy(balance_abs_threshold=100, load_cost_tokens=4 * 100, spread_ties=False)
+    priced = make_policy(
+        "kv_aware", PolicyConfig(balance_abs_threshold=100, load_cost_tokens=4 * 100, spread_ties=False)
+    )
     assert priced.choose(req, [B, A], {B: 1}, Empty()).target == A
 
 
 def test_kv_aware_trusts_the_index_over_a_remembered_target_that_evicted():
     """The index shows A holding 12 of the 16 blocks and B 4 (B evicted the rest under pressure)."""
-    pol = KvAwarePolicy(balance_abs_threshold=100, load_cost_tokens=0, spread_ties=False)
+    pol = make_policy(
+        "kv_aware", PolicyConfig(balance_abs_threshold=100, load_cost_tokens=0, spread_ties=False)
+    )
     tokens = list(range(64))
 
     class Shows:
@@ -266,7 +270,7 @@ def test_vouched_only_when_no_eviction_since_the_memory_was_written():
 
 
 def test_approx_prefix_counts_the_remembered_target_as_a_holder():
-    pol = ApproxPrefixPolicy(balance_abs_threshold=2)
+    pol = make_policy("approx_prefix", PolicyConfig(balance_abs_threshold=2))
     text = "a long shared conversation so far " * 4
     pol.choose(RouteRequest(text="other " * 50), [A, B], {}, None)  # A's tree grows
     assert pol.choose(RouteRequest(text=text), [A, B], {}, None).target == B  # smallest tree
@@ -281,16 +285,14 @@ def test_approx_prefix_counts_the_remembered_target_as_a_holder():
 
 
 def test_cache_blind_policies_honour_a_preference():
-    rr = RoundRobinPolicy(balance_abs_threshold=2)
+    rr = make_policy("round_robin", PolicyConfig(balance_abs_threshold=2))
     assert [rr.choose(RouteRequest(prefer=C), [C, A, B], {}, None).target for _ in range(3)] == [C, C, C]
     assert rr.choose(RouteRequest(prefer=C), [C, A, B], {C: 5}, None).target == A
     assert rr.choose(RouteRequest(), [A, B, C], {}, None).target == A  # the cursor did not move
-    ll = LeastLoadedPolicy()
+    ll = make_policy("least_loaded")
     assert ll.choose(RouteRequest(prefer=B), [B, A], {}, None).target == B
     assert ll.choose(RouteRequest(prefer=B), [B, A], {B: 1}, None).target == A
-    import random
-
-    p2 = PowerOfTwoPolicy(random.Random(1))
+    p2 = make_policy("power_of_two", PolicyConfig(seed=1))
     assert {p2.choose(RouteRequest(prefer=C), [C, A, B], {}, None).target for _ in range(20)} == {C}
     assert {p2.choose(RouteRequest(prefer=C), [C, A, B], {C: 3}, None).target for _ in range(20)} <= {A, B}
 

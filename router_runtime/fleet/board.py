@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from ..proxy.load import LoadTracker
-from ..routing.types import Target
+from ..scheduling.types import Target
 from .gossip import PeerReport, ReportOutcome, encode_report
 from .view import Bounds, EngineSample, LoadKey, Remote, TargetReport, fleet_load, key, remote
 

@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..routing.types import Target
+from ..scheduling.types import Target
 
 LoadKey = tuple[str, int | None]  # (engine, rank): a target's identity across replicas
 

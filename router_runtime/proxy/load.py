@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from ..routing.types import Target
+from ..scheduling.types import Target
 
 
 class LoadTracker:

@@ -17,7 +17,7 @@ from urllib.parse import quote
 import aiohttp
 
 from ..http_body import STATUS_ONLY, read_capped
-from ..routing.types import Target
+from ..scheduling.types import Target
 from ..sessions.bindings import ResponseBindings, Source, Verdict, resolve
 from ..sessions.store import Remembered
 from .errors import ProxyError

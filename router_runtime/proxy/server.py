@@ -39,9 +39,10 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from ..http_body import read_capped
 from ..kv.index import RadixIndex
-from ..routing.simple import LeastLoadedPolicy
-from ..routing.types import Decision, Policy, RouteRequest, Target
-from ..routing.types import Reason as DecisionReason
+from ..scheduling.framework import Profile
+from ..scheduling.presets import make_policy
+from ..scheduling.types import Decision, RouteRequest, Target
+from ..scheduling.types import Reason as DecisionReason
 from ..sessions.affinity import SessionAffinity, SessionCtx
 from ..sessions.bindings import ResponseBindings, ResponseIdScan, Verdict
 from ..sessions.classify import promote
@@ -126,7 +127,7 @@ class Proxy:
     def __init__(
         self,
         *,
-        policy: Policy,
+        policy: Profile,
         tokenizer: AsyncTokenizer | EngineTokenizer,
         targets: TargetBook,
         health: HealthBoard,
@@ -185,7 +186,7 @@ class Proxy:
         self.needs_text = bool(policy.needs_text)  # a text-prefix policy: the rendered chat prompt
         self.sessions = sessions
         self._strip = sessions.strip if sessions is not None else frozenset()
-        self._by_load = LeastLoadedPolicy()  # what has no prefix to route on (endpoints.py)
+        self._by_load = make_policy("least_loaded")  # what has no prefix to route on (endpoints.py)
         self._session: aiohttp.ClientSession | None = None
         # Where a stored Responses API response lives (a request naming one must go there).
         self.responses = ResponseRouter(bindings, lambda: self.session) if bindings is not None else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..routing.types import Target
+from ..scheduling.types import Target
 from ..worker import WorkerSpec
 from .health import HealthBoard
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..routing.types import Target
+from ..scheduling.types import Target
 from ..worker import Carrier
 from .classify import Classified, SessionState, classify, selection
 from .config import SessionConfig

@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ..routing.types import Target
+from ..scheduling.types import Target
 from .keys import response_digest
 from .store import Entry, LocalStore, Remembered, SampledWarnings, SessionStore, settle_quietly
 

@@ -16,7 +16,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..routing.types import Target
+from ..scheduling.types import Target
 from ..worker import Carrier
 from .store import Remembered
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from router_runtime.bootstrap.state import Verdict as RouterVerdict
 from router_runtime.config import build_parser
-from router_runtime.routing.policies import POLICY_NAMES
+from router_runtime.scheduling.presets import POLICY_NAMES
 from routerfleet_operator.model import OWNED_FLAGS, Verdict, owned_flag_in
 from routerfleet_operator.spec import (
     POLICIES,

@@ -1,5 +1,13 @@
-"""Every routing tunable in one frozen config, and the factory from a policy name. Defaults and their
-reasoning are in docs/routing.md."""
+"""The ``--policy`` presets: each a profile of plugins (framework.py) built from one frozen config of
+every routing tunable. Defaults and their reasoning are in docs/routing.md. A new scorer is one file and
+one line in a preset here.
+
+    kv_aware       prefix_cache + load_cost -> lowest_cost (guard, ties spread by request hash)
+    approx_prefix  text_prefix              -> lowest_cost (guard, ties by target order)
+    round_robin                             -> round_robin (the guard for returning sessions)
+    least_loaded                            -> least_loaded
+    power_of_two                            -> power_of_two (seeded by ``seed``)
+"""
 
 from __future__ import annotations
 
@@ -7,10 +15,11 @@ import math
 import random
 from dataclasses import dataclass, fields
 
-from .approx_prefix import ApproxPrefixPolicy
-from .kv_aware import KvAwarePolicy
-from .simple import LeastLoadedPolicy, PowerOfTwoPolicy, RoundRobinPolicy
-from .types import Policy
+from .framework import Profile
+from .load_cost import LoadCost
+from .pickers import Guard, LeastLoaded, LowestCost, PowerOfTwo, RoundRobin, Ties
+from .prefix_cache import PrefixCache
+from .text_prefix import TextPrefix
 
 POLICY_NAMES = ("kv_aware", "approx_prefix", "round_robin", "least_loaded", "power_of_two")
 
@@ -59,31 +68,26 @@ class PolicyConfig:
             raise bad("max_tree_size", "must be positive")
 
 
-def make_policy(name: str, config: PolicyConfig | None = None) -> Policy:
+def make_policy(name: str, config: PolicyConfig | None = None) -> Profile:
     c = config if config is not None else PolicyConfig()
+    guard = Guard(c.balance_abs_threshold, c.balance_rel_threshold)
     if name == "kv_aware":
-        return KvAwarePolicy(
-            host_weight=c.host_weight,
-            disk_weight=c.disk_weight,
-            external_weight=c.external_weight,
-            load_cost_tokens=c.load_cost_tokens,
-            balance_abs_threshold=c.balance_abs_threshold,
-            balance_rel_threshold=c.balance_rel_threshold,
-            spread_ties=c.spread_ties,
+        prefix = PrefixCache(
+            host_weight=c.host_weight, disk_weight=c.disk_weight, external_weight=c.external_weight
+        )
+        return Profile(
+            name,
+            scorers=(prefix, LoadCost(c.load_cost_tokens)),
+            picker=LowestCost(guard, Ties.SPREAD if c.spread_ties else Ties.FIRST),
+            needs_tokens=True,
         )
     if name == "approx_prefix":
-        return ApproxPrefixPolicy(
-            cache_threshold=c.cache_threshold,
-            max_tree_size=c.max_tree_size,
-            balance_abs_threshold=c.balance_abs_threshold,
-            balance_rel_threshold=c.balance_rel_threshold,
-        )
+        text = TextPrefix(cache_threshold=c.cache_threshold, max_tree_size=c.max_tree_size)
+        return Profile(name, scorers=(text,), picker=LowestCost(guard), needs_text=True)
     if name == "round_robin":
-        return RoundRobinPolicy(
-            balance_abs_threshold=c.balance_abs_threshold, balance_rel_threshold=c.balance_rel_threshold
-        )
+        return Profile(name, picker=RoundRobin(guard))
     if name == "least_loaded":
-        return LeastLoadedPolicy()
+        return Profile(name, picker=LeastLoaded())
     if name == "power_of_two":
-        return PowerOfTwoPolicy(random.Random(c.seed))
+        return Profile(name, picker=PowerOfTwo(random.Random(c.seed)))
     raise ValueError(f"unknown routing policy {name!r} (expected one of {', '.join(POLICY_NAMES)})")

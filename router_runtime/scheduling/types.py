@@ -1,13 +1,12 @@
-"""Shapes shared by the policies and the proxy."""
+"""The shapes a decision is made of and reported in: a target, the request as the scheduler sees it, the
+decision and its reason."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-from ..kv.index import RadixIndex
 from ..worker import Carrier
 
 
@@ -63,33 +62,3 @@ class Decision:
     # matched / total characters for text-prefix routing
     matched_chars: int = 0
     total_chars: int = 0
-
-
-class Policy(Protocol):
-    name: str
-    needs_tokens: bool  # whether the proxy must tokenize text requests for this policy
-    needs_text: bool  # whether it matches a chat request's rendered prompt text (approx_prefix)
-
-    def remove_target(self, target: Target) -> int:
-        """Forget what the policy keeps about a target that left discovery (or restarted with an empty
-        cache); returns how much it held (policies that keep nothing per target: 0)."""
-        ...
-
-    def choose(
-        self,
-        request: RouteRequest,
-        targets: Sequence[Target],
-        loads: Mapping[Target, float],
-        index: RadixIndex | None,
-    ) -> Decision:
-        """Pick one of ``targets`` (never empty). ``loads`` is the fleet's in-flight count per target
-        (missing = 0). Must not mutate the index; may update the policy's own state (round-robin
-        cursor, text tree)."""
-        ...
-
-
-class KeepsNoTargetState:
-    """For a policy with nothing to forget when a target leaves (``Policy.remove_target``)."""
-
-    def remove_target(self, target: Target) -> int:
-        return 0

@@ -1,0 +1,210 @@
+"""The scheduler framework: a profile of one-method plugins makes each routing decision.
+
+    candidates -> filters (each keeps some) -> scorers (each a cost per candidate, in blocks, summed)
+               -> picker (one target and the reason) -> pre-request hooks (the decision is final)
+
+The shape is the Gateway API Inference Extension's endpoint picker (Filter, Scorer, Picker, PreRequest;
+per-request state in a ``Cycle``), with two things kept from ours: a decision carries its ``Reason``, and
+scores are one additive cost in blocks (a cached block credits -1 at device weight, one in-flight
+request costs ``load_cost_tokens / block_size``) rather than scores normalised to [0, 1]. A scorer also
+says which candidates hold the request's prefix (``Evidence``): the picker's reason comes from that.
+
+Everything here is a pure function of (request, candidates, loads, index) plus the plugins' own state
+(a round-robin cursor, a text tree), so profiles are unit-tested without I/O; the proxy (and the
+endpoint picker) are shells around ``Profile.choose``. The presets are in ``presets.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from ..kv.index import RadixIndex
+from .types import Decision, Reason, RouteRequest, Target
+
+
+@dataclass(frozen=True, slots=True)
+class Cycle:
+    """One decision's inputs, as every plugin sees them: the candidates left by the filters, their
+    loads (the fleet's in-flight requests, parallel to ``targets``), and where the returning session's
+    remembered target is among them (``prefer``; None: no session, or it is not a candidate)."""
+
+    request: RouteRequest
+    targets: Sequence[Target]
+    loads: Sequence[float]
+    index: RadixIndex | None
+    prefer: int | None
+
+    @classmethod
+    def of(
+        cls,
+        request: RouteRequest,
+        targets: Sequence[Target],
+        loads: Mapping[Target, float],
+        index: RadixIndex | None,
+    ) -> Cycle:
+        get = loads.get
+        prefer = request.prefer
+        p = next((i for i, t in enumerate(targets) if t == prefer), None) if prefer is not None else None
+        return cls(request, targets, [get(t, 0) for t in targets], index, p)
+
+
+class Evidence(enum.IntEnum):
+    """Why a candidate is believed to hold the request's prefix (the stronger of two scorers' wins)."""
+
+    NONE = 0
+    SESSION = 1  # only the returning session's memory puts it there
+    CACHED = 2  # the index (or the text tree) shows some of it there
+
+
+@dataclass(frozen=True, slots=True)
+class Measure:
+    """What a decision reports of the chosen target's prefix (the audit and metrics read it)."""
+
+    matched_blocks: int = 0
+    total_blocks: int = 0
+    tier_blocks: tuple[int, int, int, int] = (0, 0, 0, 0)  # device, host, disk, external
+    matched_chars: int = 0
+    total_chars: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Scores:
+    """One scorer's view of the candidates. ``costs``: per candidate, in blocks (negative: a credit),
+    None when it has nothing to say (all equal). ``evidence``: who holds the prefix (None: nobody).
+    ``measure``: what the decision reports if that target is chosen."""
+
+    costs: Sequence[float] | None = None
+    evidence: Sequence[Evidence] | None = None
+    measure: Callable[[Target], Measure] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """The scorers' views combined, as the picker sees them: costs summed (rounded, so that equal
+    mixes tie exactly despite float sums) and evidence merged; None where no scorer spoke."""
+
+    costs: Sequence[float] | None
+    evidence: Sequence[Evidence] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    index: int  # into Cycle.targets
+    reason: Reason
+
+
+class Filter(Protocol):
+    name: str
+
+    def filter(self, cycle: Cycle) -> Sequence[Target]:
+        """The candidates to keep, in their order (never empty: a filter that would keep none keeps all,
+        or raises the request's error)."""
+        ...
+
+
+class Scorer(Protocol):
+    name: str
+
+    def score(self, cycle: Cycle) -> Scores: ...
+
+
+class Picker(Protocol):
+    name: str
+
+    def pick(self, cycle: Cycle, scored: Scored) -> Choice: ...
+
+
+@runtime_checkable
+class PreRequest(Protocol):
+    """A plugin told the decision before the request is sent (a text tree records what went where)."""
+
+    def pre_request(self, cycle: Cycle, decision: Decision) -> None: ...
+
+
+@runtime_checkable
+class KeepsTargetState(Protocol):
+    """A plugin that keeps something per target, forgotten when the target leaves discovery or restarts
+    empty; returns how much it held."""
+
+    def remove_target(self, target: Target) -> int: ...
+
+
+_ROUND = 6  # decimal places of a summed cost: equal tier mixes tie exactly
+
+
+class Profile:
+    """A named list of plugins: the scheduler one ``--policy`` runs. ``needs_tokens``/``needs_text``:
+    whether the proxy must tokenize a text request, or render a chat request's prompt text, for it."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        picker: Picker,
+        filters: Sequence[Filter] = (),
+        scorers: Sequence[Scorer] = (),
+        needs_tokens: bool = False,
+        needs_text: bool = False,
+    ) -> None:
+        self.name = name
+        self.filters = tuple(filters)
+        self.scorers = tuple(scorers)
+        self.picker = picker
+        self.needs_tokens = needs_tokens
+        self.needs_text = needs_text
+        plugins = (*self.filters, *self.scorers, picker)
+        self._pre_request = tuple(p for p in plugins if isinstance(p, PreRequest))
+        self._stateful = tuple(p for p in plugins if isinstance(p, KeepsTargetState))
+
+    def choose(
+        self,
+        request: RouteRequest,
+        targets: Sequence[Target],
+        loads: Mapping[Target, float],
+        index: RadixIndex | None,
+    ) -> Decision:
+        """Pick one of ``targets`` (never empty). ``loads``: in-flight requests per target (missing =
+        0). Never mutates the index; plugins may update their own state."""
+        cycle = Cycle.of(request, targets, loads, index)
+        for f in self.filters:
+            kept = f.filter(cycle)
+            if len(kept) != len(cycle.targets):
+                cycle = Cycle.of(request, kept, loads, index)
+        views = [s.score(cycle) for s in self.scorers]
+        choice = self.picker.pick(cycle, _combined(views, len(cycle.targets)))
+        target = cycle.targets[choice.index]
+        m = next((v.measure(target) for v in views if v.measure is not None), None) or _NO_MEASURE
+        decision = Decision(
+            target,
+            choice.reason,
+            m.matched_blocks,
+            m.total_blocks,
+            m.tier_blocks,
+            m.matched_chars,
+            m.total_chars,
+        )
+        for hook in self._pre_request:
+            hook.pre_request(cycle, decision)
+        return decision
+
+    def remove_target(self, target: Target) -> int:
+        """Forget what the plugins keep about a target that left discovery (or restarted empty)."""
+        return sum(p.remove_target(target) for p in self._stateful)
+
+
+_NO_MEASURE = Measure()
+
+
+def _combined(views: Sequence[Scores], n: int) -> Scored:
+    columns = [v.costs for v in views if v.costs is not None]
+    costs = None
+    if len(columns) == 1:
+        costs = [round(c, _ROUND) for c in columns[0]]
+    elif columns:
+        costs = [round(sum(col[i] for col in columns), _ROUND) for i in range(n)]
+    said = [v.evidence for v in views if v.evidence is not None]
+    evidence = said[0] if len(said) == 1 else [max(e[i] for e in said) for i in range(n)] if said else None
+    return Scored(costs, evidence)
