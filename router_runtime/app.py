@@ -36,6 +36,7 @@ from .fleet.board import LoadBoard
 from .fleet.engine_metrics import EngineLoadScraper, ScrapeConfig
 from .fleet.flush import FlushResult, flush
 from .fleet.gossip import GossipConfig, LoadGossip, PeerReport, ReportOutcome
+from .fleet.inflight import LoadTracker
 from .fleet.metrics import FleetMetrics
 from .fleet.notices import KvNotice, NoticeKind, Notices
 from .fleet.view import Bounds, EngineSample
@@ -45,18 +46,20 @@ from .kv.plane import KVPlane
 from .kv.subscription import ReplayTimeouts
 from .kv.withhold import WithholdReason
 from .proxy import log_redaction
+from .proxy.audit import PredictionAudit
+from .proxy.debug import DebugPrediction
 from .proxy.endpoints import FORWARDED
 from .proxy.errors import openai_errors
-from .proxy.health import BreakerConfig, BreakerState, HealthBoard, HealthChecker
-from .proxy.load import LoadTracker
+from .proxy.health import AnswerProvesUp, BreakerConfig, BreakerState, HealthBoard, HealthChecker
 from .proxy.metrics import ProxyMetrics
 from .proxy.server import Proxy, Timeouts
 from .proxy.serving import GuardedRunner
 from .proxy.targets import TargetBook
 from .scheduling.framework import Profile
+from .scheduling.hooks import RequestHook
 from .scheduling.presets import make_policy
-from .sessions.affinity import SessionAffinity
-from .sessions.bindings import BindingMetrics, ResponseBindings
+from .sessions.affinity import RememberSession, SessionAffinity
+from .sessions.bindings import BindingMetrics, BindResponseId, ResponseBindings
 from .sessions.metrics import SessionMetrics
 from .sessions.redis_store import SharedClient
 from .sessions.snapshot import from_wire, to_wire
@@ -158,12 +161,10 @@ class Router:
             loads=self.fleet.view,
             limits=config.server,
             doubt_fn=self.doubtful,
-            expect_fn=self.kv.expect_batch,
-            deny_fn=self.engine_denied if config.audit_withhold else None,
             audit_stream_usage=config.audit_stream_usage,
             bindings=self.bindings,
             tenant_header=config.tenant_header,
-            debug_token=self.token if config.debug_prediction else None,
+            hooks=self._request_hooks(config),
         )
         self.checker = HealthChecker(
             self.health,
@@ -265,6 +266,17 @@ class Router:
         self.bootstrap.on_sessions = lambda entries: self.sessions.inherit(from_wire(entries))
         self.bootstrap.on_responses = lambda entries: self.bindings.inherit(from_wire(entries))
         self.bootstrap.blocker = self.blocker
+
+    def _request_hooks(self, config: RouterConfig) -> list[RequestHook]:
+        """What runs around each dispatch (scheduling/hooks.py), in order: the breakers, the session's
+        memory, the prediction's debug headers (only when enabled), the audit, response-id binding."""
+        hooks: list[RequestHook] = [AnswerProvesUp(self.health), RememberSession(self.sessions)]
+        if config.debug_prediction and self.token:
+            hooks.append(DebugPrediction(self.token))
+        deny = self.engine_denied if config.audit_withhold else None
+        hooks.append(PredictionAudit(self.metrics, self.policy.name, expect=self.kv.expect_batch, deny=deny))
+        hooks.append(BindResponseId(self.bindings))
+        return hooks
 
     def _setup_fleet_load(self, config: RouterConfig) -> None:
         """Siblings' reports (sent to the peers bootstrap discovers, so the fleet needs nothing more to

@@ -10,6 +10,7 @@ import pytest
 from router_runtime.fleet.board import LoadBoard
 from router_runtime.fleet.engine_metrics import MetricsUnreadable, parse_engine_load
 from router_runtime.fleet.gossip import GossipRejected, ReportOutcome, vet_report
+from router_runtime.fleet.inflight import LoadTracker
 from router_runtime.fleet.view import (
     Bounds,
     EngineSample,
@@ -20,7 +21,6 @@ from router_runtime.fleet.view import (
     remote,
     unseen,
 )
-from router_runtime.proxy.load import LoadTracker
 from router_runtime.scheduling.types import Target
 
 A0, A1 = Target("a", "http://a", 0), Target("a", "http://a", 1)

@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
+from router_runtime.fleet.inflight import LoadTracker
 from router_runtime.proxy.errors import ProxyError
 from router_runtime.proxy.headers import request_headers, response_headers
 from router_runtime.proxy.health import Breaker, BreakerConfig, BreakerState, HealthBoard
-from router_runtime.proxy.load import LoadTracker
 from router_runtime.proxy.request import Kind, parse_json, parse_request
 from router_runtime.proxy.targets import TargetBook
 from router_runtime.scheduling.types import Target

@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from ..proxy.load import LoadTracker
 from ..scheduling.types import Target
 from .gossip import PeerReport, ReportOutcome, encode_report
+from .inflight import LoadTracker
 from .view import Bounds, EngineSample, LoadKey, Remote, TargetReport, fleet_load, key, remote
 
 MAX_SENDERS = 1024  # sibling processes held at once (a fleet is far smaller; a restart adds one)

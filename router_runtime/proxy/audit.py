@@ -30,9 +30,16 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..kv.events import Tier
+from ..scheduling.hooks import Exchange, ResponseWatch
+from ..worker import Carrier
+
+if TYPE_CHECKING:
+    from .metrics import ProxyMetrics
 
 # vLLM's and SGLang's usage (and the Responses API's) say cached_tokens; Anthropic's Messages API says
 # cache_read_input_tokens.
@@ -178,3 +185,67 @@ class UsageStrip:
         if _NO_CHOICES.search(event) and _USAGE_OBJECT.search(event):
             return b""  # the usage-only chunk
         return event + end
+
+
+class PredictionAudit:
+    """The request hook: a 2xx answer to a request with a prediction is scanned for the engine's figure
+    as it streams past (and stripped of the usage the router asked for), then judged once the client has
+    it all. A response that shows new blocks stored tells ``expect`` (a batch is due on that rank's
+    stream); one that denies a prefix credited in no doubt tells ``deny`` (the rank is withheld)."""
+
+    name = "audit"
+
+    def __init__(
+        self,
+        metrics: ProxyMetrics,
+        policy: str,
+        *,
+        expect: Callable[[Carrier, float], None] | None = None,
+        deny: Callable[[Carrier, float], None] | None = None,
+    ) -> None:
+        self.metrics, self.policy, self.expect, self.deny = metrics, policy, expect, deny
+
+    def pre_request(self, exchange: Exchange) -> ResponseWatch | None:
+        return _Audited(self, exchange) if exchange.prediction is not None else None
+
+
+class _Audited(ResponseWatch):
+    def __init__(self, hook: PredictionAudit, exchange: Exchange) -> None:
+        self.hook, self.exchange = hook, exchange
+        self.scan: UsageScan | None = None  # None: not audited (not a 2xx)
+        self.strip: UsageStrip | None = None
+
+    def response_received(self, status: int, headers) -> None:
+        if not 200 <= status < 300:
+            return
+        mime = headers.get("Content-Type", "").partition(";")[0].strip().lower()
+        if self.exchange.usage_asked and mime == "text/event-stream":
+            self.strip = UsageStrip()
+            self.scan = self.strip.scan
+            self.rewrites_body = True
+        else:
+            self.scan = UsageScan()
+
+    async def response_streaming(self, chunk: bytes) -> bytes:
+        if self.strip is not None:
+            return self.strip.feed(chunk)
+        if self.scan is not None:
+            self.scan.feed(chunk)
+        return chunk
+
+    def response_ended(self) -> bytes:
+        return self.strip.flush() if self.strip is not None else b""
+
+    def response_complete(self) -> None:
+        if self.scan is None:
+            return
+        hook, x = self.hook, self.exchange
+        prediction = x.prediction
+        assert prediction is not None
+        cached = self.scan.cached_tokens
+        audit = judge(prediction, cached)
+        hook.metrics.audit(x.target.engine, hook.policy, prediction, audit)
+        if cached is not None and hook.expect is not None and prediction.stores_blocks(cached):
+            hook.expect(x.target.carrier, x.started)
+        if hook.deny is not None and denies(prediction, audit):
+            hook.deny(x.target.carrier, x.started)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from ..http_body import STATUS_ONLY, read_capped
+from ..scheduling.hooks import Exchange, ResponseWatch
 
 log = logging.getLogger(__name__)
 
@@ -207,3 +208,26 @@ class HealthChecker:
             except Exception:  # one bad round must not end the checker
                 log.exception("health check round failed")
             await asyncio.sleep(self.interval_s)
+
+
+class AnswerProvesUp:
+    """The request hook: an engine that answers below 500 is up. Its 5xx to one client's request proves
+    nothing about the engine (the request itself may be what fails), and counting it would let any
+    client open every breaker: only connect failures, timeouts and health checks count against it."""
+
+    name = "health"
+
+    def __init__(self, board: HealthBoard) -> None:
+        self.board = board
+
+    def pre_request(self, exchange: Exchange) -> ResponseWatch:
+        return _Answered(self.board, exchange.target.engine)
+
+
+class _Answered(ResponseWatch):
+    def __init__(self, board: HealthBoard, engine: str) -> None:
+        self.board, self.engine = board, engine
+
+    def response_received(self, status: int, headers) -> None:
+        if status < 500:
+            self.board.success(self.engine)

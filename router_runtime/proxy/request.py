@@ -12,24 +12,14 @@ engine to reject).
 
 from __future__ import annotations
 
-import enum
 import json
 import re
 from array import array
 from dataclasses import dataclass
 from typing import Any
 
+from ..scheduling.types import Kind
 from .errors import ProxyError, bad_request
-
-
-class Kind(enum.StrEnum):
-    COMPLETION = "completion"
-    CHAT = "chat"
-    RESPONSES = "responses"  # OpenAI's Responses API: rendered as chat (tokens/shapes.py)
-    MESSAGES = "messages"  # Anthropic's Messages API: rendered as chat
-    GENERATE = "generate"  # SGLang's native /generate: ``text`` or ``input_ids``, as a completion's prompt
-    TOKEN_GENERATE = "token_generate"  # vLLM's /inference/v1/generate: ``token_ids``
-
 
 # The kinds whose prompt is a completion's (text or token IDs); the others are rendered as chat.
 PROMPT_KINDS = frozenset({Kind.COMPLETION, Kind.GENERATE, Kind.TOKEN_GENERATE})

@@ -24,7 +24,6 @@ Never logged: prompts, token IDs, block hashes.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -37,21 +36,23 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from ..fleet.inflight import LoadTracker
 from ..http_body import read_capped
 from ..kv.index import RadixIndex
 from ..scheduling.framework import Profile
+from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch
 from ..scheduling.presets import make_policy
 from ..scheduling.types import Decision, RouteRequest, Target
 from ..scheduling.types import Reason as DecisionReason
 from ..sessions.affinity import SessionAffinity, SessionCtx
-from ..sessions.bindings import ResponseBindings, ResponseIdScan, Verdict
+from ..sessions.bindings import ResponseBindings, Verdict
 from ..sessions.classify import promote
 from ..sessions.keys import tenant_of
 from ..tokens.engine import EngineTokenizer
 from ..tokens.shapes import messages_chat, responses_chat
 from ..tokens.tokenizer import AsyncTokenizer, Reason, Untokenizable
 from ..worker import Carrier
-from .audit import Prediction, UsageScan, UsageStrip, denies, judge, request_usage
+from .audit import Prediction, request_usage
 from .errors import (
     ProxyError,
     bad_gateway,
@@ -63,18 +64,13 @@ from .errors import (
     unsupported_encoding,
 )
 from .headers import (
-    DEBUG_PREDICTION_HEADER,
     DECODED_ENCODINGS,
-    DOUBTFUL_HEADER,
     ENGINE_HEADER,
-    PREDICTED_HEADER,
-    PREDICTED_TIERS_HEADER,
     RANK_HEADER,
     request_headers,
     response_headers,
 )
 from .health import HealthBoard
-from .load import LoadTracker
 from .metrics import ProxyMetrics
 from .request import Kind, ParsedRequest, parse_json, parse_request
 from .responses import ResponseRouter, response_error
@@ -87,6 +83,8 @@ MAX_MODELS_BYTES = 4 << 20  # an engine's /v1/models answer; past it, that engin
 # The kinds whose stream takes OpenAI's ``stream_options`` (the audit may ask for usage there); the
 # other APIs always report it.
 _USAGE_OPTION_KINDS = frozenset({Kind.COMPLETION, Kind.CHAT})
+# A watch that leaves the body alone is not called per chunk.
+_PASS_THROUGH = ResponseWatch.response_streaming
 # The APIs rendered as a chat request, and how their body becomes one (tokens/shapes.py).
 _AS_CHAT = {Kind.RESPONSES: responses_chat, Kind.MESSAGES: messages_chat}
 
@@ -144,12 +142,10 @@ class Proxy:
         loads: Mapping[Target, float] | None = None,
         limits: ServerLimits | None = None,
         doubt_fn: Callable[[Carrier], bool] | None = None,
-        expect_fn: Callable[[Carrier, float], None] | None = None,
-        deny_fn: Callable[[Carrier, float], None] | None = None,
         audit_stream_usage: bool = True,
         bindings: ResponseBindings | None = None,
         tenant_header: str | None = None,
-        debug_token: str | None = None,
+        hooks: Sequence[RequestHook] = (),
     ) -> None:
         self.policy = policy
         # Ask the engine for usage on streams whose client did not, so they are audited too (audit.py).
@@ -157,17 +153,11 @@ class Proxy:
         # Whether a carrier's index entry is in a known-doubtful state (bootstrap holding or proving a
         # graft, an engine being re-adopted): its audited predictions are labelled so.
         self.doubt_fn = doubt_fn
-        # Told when an audited response shows the engine stored new blocks (a batch is due on that
-        # rank's stream; one that never comes makes the rank doubtful: KVPlane.expect_batch).
-        self.expect_fn = expect_fn
-        # Told when an audit shows the engine without a prefix credited in no doubt (audit.denies).
-        self.deny_fn = deny_fn
         self.limits = limits or ServerLimits()
         # The header naming a request's tenant (sessions/keys.py: tenant_of); None: no tenants.
         self.tenant_header = tenant_header
-        # The credential X-RouterFleet-Debug-Prediction must carry (the fleet token); None: never
-        # answered, as by default (an exact cache oracle for whoever can ask).
-        self._debug_token = f"{debug_token}".encode() if debug_token else None
+        # What runs around each dispatch besides the relay (scheduling/hooks.py), in order.
+        self.hooks = tuple(hooks)
         self.tokenizer = tokenizer
         self.targets = targets
         self.health = health
@@ -312,16 +302,24 @@ class Proxy:
                 sessions.selected(sctx, decision.target, self.policy.name)
             return decision
 
-        def relay(upstream: aiohttp.ClientResponse, decision: Decision, start: float, prediction):
-            bind = ResponseIdScan() if kind is Kind.RESPONSES and self.responses is not None else None
-            return self._relay(
-                request, upstream, decision.target, start, ctx, prediction, strip=asked is not None, bind=bind
+        tenant = self.tenant(request)
+
+        def exchange(decision: Decision, start: float) -> Exchange:
+            # The prediction states what the decision credits, as the index stood when it was made
+            # (before the engine's answer can change that).
+            prediction = self._prediction(route, decision, index)
+            return Exchange(
+                decision.target,
+                start,
+                request.headers,
+                tenant,
+                kind,
+                ctx.session,
+                prediction,
+                asked is not None,
             )
 
-        def predict(decision: Decision) -> Prediction | None:
-            return self._prediction(route, decision, index)
-
-        return await self._forward(request, ctx, targets, decide, sent, relay, n_tokens, predict)
+        return await self._forward(request, ctx, targets, decide, sent, exchange, n_tokens)
 
     async def _serve_bound(self, request: web.Request, ctx: _Ctx) -> web.StreamResponse:
         raw = await self._read_body(request)
@@ -340,10 +338,7 @@ class Proxy:
                 raise response_error(Verdict.UNAVAILABLE, response_id, "response_id")
             return Decision(target, DecisionReason.RESPONSE)
 
-        def relay(upstream: aiohttp.ClientResponse, decision: Decision, start: float, _prediction):
-            return self._relay(request, upstream, decision.target, start, ctx)
-
-        return await self._forward(request, ctx, targets, decide, raw, relay)
+        return await self._forward(request, ctx, targets, decide, raw, self._plain(request))
 
     async def _serve_by_load(self, request: web.Request, ctx: _Ctx) -> web.StreamResponse:
         raw = await self._read_body(request)
@@ -355,10 +350,12 @@ class Proxy:
         def decide(targets: Sequence[Target], _attempt: int) -> Decision:
             return self._by_load.choose(unrouted, targets, self.loads, None)
 
-        def relay(upstream: aiohttp.ClientResponse, decision: Decision, start: float, _prediction):
-            return self._relay(request, upstream, decision.target, start, ctx)
+        return await self._forward(request, ctx, targets, decide, raw, self._plain(request))
 
-        return await self._forward(request, ctx, targets, decide, raw, relay)
+    def _plain(self, request: web.Request) -> Callable[[Decision, float], Exchange]:
+        """The exchange of a request routed without parsing (by response id, or by load)."""
+        tenant = self.tenant(request)
+        return lambda decision, start: Exchange(decision.target, start, request.headers, tenant)
 
     async def _forward(
         self,
@@ -367,23 +364,22 @@ class Proxy:
         targets: Sequence[Target],
         decide: Callable[[Sequence[Target], int], Decision],
         body: bytes,
-        relay: Callable[..., Awaitable[web.StreamResponse]],
+        exchange: Callable[[Decision, float], Exchange],
         n_tokens: int = 0,
-        predict: Callable[[Decision], Prediction | None] | None = None,
     ) -> web.StreamResponse:
-        """Send ``body`` to the target ``decide`` picks and ``relay`` the answer, counting it in the
-        target's load meanwhile. A connect failure before any byte counts against the engine's
-        breaker and is retried once, without that engine. ``predict`` states what the decision
-        credits, as the index stood when it was made (before the engine's answer can change that)."""
+        """Send ``body`` to the target ``decide`` picks and relay the answer through the hooks that
+        watch its ``exchange``, counting it in the target's load meanwhile. A connect failure before any
+        byte counts against the engine's breaker and is retried once, without that engine."""
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
             decision = decide(targets, attempt)
-            prediction = predict(decision) if predict is not None else None
             target = decision.target
             ctx.engine = target.engine
             self._acquire(target, n_tokens)
             try:
                 start = loop.time()
+                x = exchange(decision, start)
+                watches = [w for hook in self.hooks if (w := hook.pre_request(x)) is not None]
                 try:
                     upstream = await self._open(request, target, body)
                 except _ConnectFailed as e:
@@ -396,7 +392,7 @@ class Proxy:
                     if e.reason == "connect_timeout":
                         raise gateway_timeout(e.message, "connect_timeout") from None
                     raise bad_gateway(e.message, "upstream_connect_failed") from None
-                return await relay(upstream, decision, start, prediction)
+                return await self._relay(request, upstream, x, watches, ctx)
             finally:
                 self._release(target, n_tokens)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -530,45 +526,27 @@ class Proxy:
         self,
         request: web.Request,
         up: aiohttp.ClientResponse,
-        target: Target,
-        start: float,
+        x: Exchange,
+        watches: Sequence[ResponseWatch],
         ctx: _Ctx,
-        prediction: Prediction | None = None,
-        strip: bool = False,
-        bind: ResponseIdScan | None = None,
     ) -> web.StreamResponse:
-        """Stream the engine's response to the client. ``strip``: the router asked for usage the client
-        did not (audit.py), and takes out of an event stream what that added. ``bind``: a stored
-        response's id is bound to this engine as it passes, before the client can see it."""
+        """Stream the engine's response to the client, through the hooks' ``watches``
+        (scheduling/hooks.py): its status and headers, each chunk before the client gets it, the end,
+        and completion."""
         loop = asyncio.get_running_loop()
+        start = x.started
         done = False
         try:
             status = up.status
             self.metrics.first_byte.observe(loop.time() - start)
-            # An engine's 5xx to one client's request proves nothing about the engine (the request
-            # itself may be what fails), and counting it would let any client open every breaker:
-            # only connect failures, timeouts and health checks count. Any other answer proves it up.
-            if status < 500:
-                self.health.success(target.engine)
             headers = response_headers(up.headers)
-            headers[ENGINE_HEADER] = target.engine
-            sessions = self.sessions
-            if sessions is not None and sessions.enabled:
-                headers[sessions.config.engine_header] = sessions.engine_id(target)
-                if 200 <= status < 300 and ctx.session is not None:
-                    sessions.remember(ctx.session, target)  # on the headers, before the body
-            if prediction is not None and 200 <= status < 300 and self._debug_asked(request):
-                headers[PREDICTED_HEADER] = str(prediction.tokens)
-                headers[DOUBTFUL_HEADER] = "true" if prediction.doubtful else "false"
-                headers[PREDICTED_TIERS_HEADER] = prediction.tier_header()
-            audited = prediction is not None and 200 <= status < 300
-            strip = strip and audited and up.content_type == "text/event-stream"
-            stripper = UsageStrip() if strip else None
-            scan = stripper.scan if stripper is not None else UsageScan() if audited else None
-            if not 200 <= status < 300:
-                bind = None
+            headers[ENGINE_HEADER] = x.target.engine
+            for w in watches:
+                w.response_received(status, headers)
+            rewrites = any(w.rewrites_body for w in watches)
+            streaming = [w for w in watches if type(w).response_streaming is not _PASS_THROUGH]
             resp = web.StreamResponse(status=status, reason=up.reason, headers=headers)
-            if up.content_length is not None and "Transfer-Encoding" not in up.headers and not strip:
+            if up.content_length is not None and "Transfer-Encoding" not in up.headers and not rewrites:
                 resp.content_length = up.content_length
             t = self.timeouts
             deadline = start + t.total_s
@@ -585,21 +563,17 @@ class Proxy:
                         if not chunk:
                             break
                         cm.reschedule(deadline)  # a slow client is not an idle engine
-                        if stripper is not None:
-                            chunk = stripper.feed(chunk)
-                        elif scan is not None:
-                            scan.feed(chunk)
-                        if bind is not None and (rid := bind.feed(chunk)) is not None:
-                            assert self.responses is not None
-                            await self.responses.bindings.bind(rid, target, self.tenant(request))
+                        for w in streaming:
+                            chunk = await w.response_streaming(chunk)
                         writing = True
                         if chunk:
                             await resp.write(chunk)
                         cm.reschedule(min(loop.time() + idle, deadline))
                 done = True  # the engine's response is complete: its connection can be reused
                 writing = True
-                if stripper is not None and (rest := stripper.flush()):
-                    await resp.write(rest)
+                for w in watches:
+                    if rest := w.response_ended():
+                        await resp.write(rest)
                 await resp.write_eof()
             except asyncio.CancelledError:  # the client went away (handler cancellation)
                 ctx.outcome = "cancelled"
@@ -616,14 +590,8 @@ class Proxy:
                     self._cut(request)
                 return resp
             self.metrics.total.observe(loop.time() - start)
-            if scan is not None and prediction is not None:
-                cached = scan.cached_tokens
-                audit = judge(prediction, cached)
-                self.metrics.audit(target.engine, self.policy.name, prediction, audit)
-                if cached is not None and self.expect_fn is not None and prediction.stores_blocks(cached):
-                    self.expect_fn(target.carrier, start)  # loop.time() is time.monotonic()
-                if self.deny_fn is not None and denies(prediction, audit):
-                    self.deny_fn(target.carrier, start)
+            for w in watches:
+                w.response_complete()
             ctx.outcome = "ok" if status < 400 else "upstream_status"
             return resp
         finally:
@@ -631,16 +599,6 @@ class Proxy:
                 up.release()
             else:
                 up.close()
-
-    def _debug_asked(self, request: web.Request) -> bool:
-        """The caller asked for the prediction and presented the fleet token as the header's value."""
-        got = request.headers.get(DEBUG_PREDICTION_HEADER)
-        want = self._debug_token
-        return (
-            want is not None
-            and got is not None
-            and hmac.compare_digest(got.encode("utf-8", "surrogateescape"), want)
-        )
 
     def tenant(self, request: web.Request) -> str:
         """The request's tenant ("" without ``--tenant-header``): response ids and session keys are

@@ -10,6 +10,17 @@ from dataclasses import dataclass
 from ..worker import Carrier
 
 
+class Kind(enum.StrEnum):
+    """The API a request came in on (the proxy's paths; an endpoint picker reads it from the path)."""
+
+    COMPLETION = "completion"
+    CHAT = "chat"
+    RESPONSES = "responses"  # OpenAI's Responses API: rendered as chat (tokens/shapes.py)
+    MESSAGES = "messages"  # Anthropic's Messages API: rendered as chat
+    GENERATE = "generate"  # SGLang's native /generate: ``text`` or ``input_ids``, as a completion's prompt
+    TOKEN_GENERATE = "token_generate"  # vLLM's /inference/v1/generate: ``token_ids``
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class Target:
     """Where a request can go: one engine, optionally pinned to one DP rank (sent to the engine as the

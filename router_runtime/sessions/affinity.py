@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ..scheduling.hooks import Exchange, ResponseWatch
 from ..scheduling.types import Target
 from ..worker import Carrier
 from .classify import Classified, SessionState, classify, selection
@@ -229,3 +230,27 @@ class SessionAffinity:
 
     def _gauge(self) -> None:
         self.metrics.entries.set(len(self.local))
+
+
+class RememberSession:
+    """The request hook: every answer names its engine (``engine_header``, the id a client hints with);
+    a 2xx answer's headers make the session remember that engine, before any body byte is relayed."""
+
+    name = "session"
+
+    def __init__(self, sessions: SessionAffinity) -> None:
+        self.sessions = sessions
+
+    def pre_request(self, exchange: Exchange) -> ResponseWatch | None:
+        return _Remember(self.sessions, exchange) if self.sessions.enabled else None
+
+
+class _Remember(ResponseWatch):
+    def __init__(self, sessions: SessionAffinity, exchange: Exchange) -> None:
+        self.sessions, self.exchange = sessions, exchange
+
+    def response_received(self, status: int, headers) -> None:
+        sessions, target, ctx = self.sessions, self.exchange.target, self.exchange.session
+        headers[sessions.config.engine_header] = sessions.engine_id(target)
+        if 200 <= status < 300 and ctx is not None:
+            sessions.remember(ctx, target)

@@ -26,7 +26,8 @@ from dataclasses import dataclass, fields
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ..scheduling.types import Target
+from ..scheduling.hooks import Exchange, ResponseWatch
+from ..scheduling.types import Kind, Target
 from .keys import response_digest
 from .store import Entry, LocalStore, Remembered, SampledWarnings, SessionStore, settle_quietly
 
@@ -236,3 +237,31 @@ class ResponseBindings:
 
     def _gauge(self) -> None:
         self.metrics.entries.set(len(self.local))
+
+
+class BindResponseId:
+    """The request hook: a Responses API answer's id is bound to the engine that made it as the id
+    passes, before the client can see it (a follow-up sent at once must find it, on any replica)."""
+
+    name = "response_binding"
+
+    def __init__(self, bindings: ResponseBindings) -> None:
+        self.bindings = bindings
+
+    def pre_request(self, exchange: Exchange) -> ResponseWatch | None:
+        return _Bind(self.bindings, exchange) if exchange.kind is Kind.RESPONSES else None
+
+
+class _Bind(ResponseWatch):
+    def __init__(self, bindings: ResponseBindings, exchange: Exchange) -> None:
+        self.bindings, self.exchange = bindings, exchange
+        self.scan: ResponseIdScan | None = ResponseIdScan()
+
+    def response_received(self, status: int, headers) -> None:
+        if not 200 <= status < 300:
+            self.scan = None  # an error stores nothing
+
+    async def response_streaming(self, chunk: bytes) -> bytes:
+        if self.scan is not None and (rid := self.scan.feed(chunk)) is not None:
+            await self.bindings.bind(rid, self.exchange.target, self.exchange.tenant)
+        return chunk

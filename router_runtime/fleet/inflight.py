@@ -1,8 +1,8 @@
-"""The router's own in-flight count per target: the load the policies see.
+"""This replica's own in-flight count per target: the part of the fleet load it measures itself.
 
 ``acquire`` when a request is dispatched to a target, ``release`` exactly once when its response is
 finished, whatever the ending (success, upstream error, timeout, client gone). A target with nothing
-in flight is absent (policies read missing as 0), so the mapping stays as small as the live load.
+in flight is absent (read as 0), so the mapping stays as small as the live load.
 The prompt tokens in flight per target and a change hook (``on_change``) are for the siblings' view
 (``fleet/``); the policies read the fleet's combined load, not this one alone.
 """
