@@ -52,6 +52,8 @@ from .proxy.endpoints import FORWARDED
 from .proxy.errors import openai_errors
 from .proxy.health import AnswerProvesUp, BreakerConfig, BreakerState, HealthBoard, HealthChecker
 from .proxy.metrics import ProxyMetrics
+from .proxy.responses import ResponseRouter
+from .proxy.scheduler import Scheduler
 from .proxy.server import Proxy, Timeouts
 from .proxy.serving import GuardedRunner
 from .proxy.targets import TargetBook
@@ -140,14 +142,25 @@ class Router:
         self.executor = ThreadPoolExecutor(
             max_workers=config.tokenizer_threads or min(4, os.cpu_count() or 1), thread_name_prefix="tokenize"
         )
+        self.tokenizer = self._tokenizer(tokenizer)
+        self.scheduler = Scheduler(
+            self.policy,
+            tokenizer=self.tokenizer,
+            metrics=self.metrics,
+            loads=self.fleet.view,
+            index_fn=lambda: self.kv.index,
+            sessions=self.sessions,
+            # Where a stored Responses API response lives (a request naming one must go there); its
+            # probes ride the proxy's connection pool.
+            responses=ResponseRouter(self.bindings, lambda: self.proxy.session),
+            doubt_fn=self.doubtful,
+        )
         self.proxy = Proxy(
-            policy=self.policy,
-            tokenizer=self._tokenizer(tokenizer),
+            scheduler=self.scheduler,
             targets=self.targets,
             health=self.health,
             load=self.load,
             metrics=self.metrics,
-            index_fn=lambda: self.kv.index,
             timeouts=Timeouts(
                 config.connect_timeout_s,
                 config.first_byte_timeout_s,
@@ -157,12 +170,9 @@ class Router:
             max_body_bytes=config.max_body_bytes,
             executor=self.executor,
             keepalive_s=config.upstream_keepalive_s,
-            sessions=self.sessions,
-            loads=self.fleet.view,
+            strip_headers=self.sessions.strip,
             limits=config.server,
-            doubt_fn=self.doubtful,
             audit_stream_usage=config.audit_stream_usage,
-            bindings=self.bindings,
             tenant_header=config.tenant_header,
             hooks=self._request_hooks(config),
         )
@@ -410,8 +420,8 @@ class Router:
             await self.proxy.close()
             if self.shared_store is not None:
                 await self.shared_store.close()
-            if isinstance(self.proxy.tokenizer, EngineTokenizer):
-                await self.proxy.tokenizer.close()
+            if isinstance(self.tokenizer, EngineTokenizer):
+                await self.tokenizer.close()
         finally:
             await self.kv.stop()
             self.executor.shutdown(wait=False, cancel_futures=True)

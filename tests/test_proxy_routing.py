@@ -256,7 +256,7 @@ async def test_large_bodies_are_parsed_and_tokenized_off_the_loop_and_still_rout
         s,
     ):
         pool = CountingExecutor()
-        router.proxy.executor = router.proxy.tokenizer.executor = pool
+        router.proxy.executor = router.tokenizer.executor = pool
         router.proxy.parse_inline_max_bytes = 1024
         text = "x" * 8000
         async with s.post(

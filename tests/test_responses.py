@@ -44,12 +44,19 @@ def sample(router, name, **labels) -> float:
     return router.registry.get_sample_value(name, labels) or 0.0
 
 
-def sdk(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+def sdk(url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
+    """A client to use as ``async with``: one left to the garbage collector closes its sockets first
+    and its connections later, and that late close unregisters whatever took the socket's number
+    meanwhile from the event loop (a ZMQ subscription went deaf so)."""
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0)
 
 
-async def create(client: openai.AsyncOpenAI, **kw):
-    """``responses.create`` (not streamed): the response and the engine that served it."""
+async def create(client: openai.AsyncOpenAI | str, **kw):
+    """``responses.create`` (not streamed) through ``client`` (a URL: a client of its own, closed after):
+    the response and the engine that served it."""
+    if isinstance(client, str):
+        async with sdk(client) as own:
+            return await create(own, **kw)
     raw = await client.responses.with_raw_response.create(model="m", max_output_tokens=4, **kw)
     return raw.parse(), raw.headers[ENGINE_HEADER]
 
@@ -58,8 +65,7 @@ async def create(client: openai.AsyncOpenAI, **kw):
 
 
 async def test_responses_route_kv_aware_and_follow_ups_stay_on_their_engine():
-    async with kv_fleet() as (engines, router, url, _s):
-        client = sdk(url)
+    async with kv_fleet() as (engines, router, url, _s), sdk(url) as client:
         first, engine = await create(client, input=LONG, instructions="Be brief.")
         assert first.id.startswith("resp_") and first.output_text
         # The same prompt again: the index knows where it is cached, and says so.
@@ -100,8 +106,7 @@ async def test_responses_route_kv_aware_and_follow_ups_stay_on_their_engine():
 
 
 async def test_a_response_no_engine_holds_gets_a_clear_404_and_the_pool_stays_sound():
-    async with kv_fleet() as (_engines, router, url, s):
-        client = sdk(url)
+    async with kv_fleet() as (_engines, router, url, s), sdk(url) as client:
         for _ in range(2):  # probed on every engine each time: the probe must leave no bytes behind
             with pytest.raises(openai.NotFoundError) as err:
                 await create(client, input="hi", previous_response_id="resp_0123456789abcdef")
@@ -119,8 +124,7 @@ async def test_a_response_no_engine_holds_gets_a_clear_404_and_the_pool_stays_so
 
 
 async def test_a_response_on_a_restarted_or_unreachable_engine_is_refused_not_rerouted():
-    async with kv_fleet() as (engines, router, url, _s):
-        client = sdk(url)
+    async with kv_fleet() as (engines, router, url, _s), sdk(url) as client:
         first, engine = await create(client, input=LONG)
         by_url = {e.http_url: e for e in engines}
         # The engine restarts (its stored responses are gone): a router that has not heard of it yet
@@ -158,8 +162,8 @@ async def test_a_tenant_never_reaches_another_tenants_stored_response(tenants):
             tenant_header="Authorization" if tenants else None,
         )
         _router, url = await stack.enter_async_context(run_router(cfg))
-        alice = openai.AsyncOpenAI(base_url=url + "/v1", api_key="alice-key", max_retries=0)
-        mallory = openai.AsyncOpenAI(base_url=url + "/v1", api_key="mallory-key", max_retries=0)
+        alice = await stack.enter_async_context(sdk(url, "alice-key"))
+        mallory = await stack.enter_async_context(sdk(url, "mallory-key"))
         turn, engine = await create(alice, input=LONG)
         steps = (
             lambda c: c.responses.retrieve(turn.id),
@@ -208,10 +212,10 @@ async def test_three_replicas_find_a_response_by_probing_and_a_new_replica_inher
             return router, url
 
         probing = [await start(cfg(2.0)) for _ in range(3)]
-        turn, engine = await create(sdk(probing[0][1]), input=LONG)
+        turn, engine = await create(probing[0][1], input=LONG)
         for k in range(1, 7):  # round robin over the replicas
             _router, url = probing[k % 3]
-            turn, got = await create(sdk(url), input=f"turn {k}", previous_response_id=turn.id)
+            turn, got = await create(url, input=f"turn {k}", previous_response_id=turn.id)
             assert got == engine
         # Each turn's id was made through another replica: every follow-up was found by a probe.
         probes = sum(sample(r, "routerfleet_response_lookups_total", source="probe") for r, _u in probing)
@@ -219,7 +223,7 @@ async def test_three_replicas_find_a_response_by_probing_and_a_new_replica_inher
         # Without the probe, a replica that never saw the response cannot route its follow-up...
         _blind, blind_url = await start(cfg(0))
         with pytest.raises(openai.NotFoundError):
-            await create(sdk(blind_url), input="lost", previous_response_id=turn.id)
+            await create(blind_url, input="lost", previous_response_id=turn.id)
         # ...unless it inherited the binding from a sibling when it booted.
         late, late_url = await start(cfg(0, [probing[0][0].internal_url]))
         await eventually(
@@ -227,7 +231,7 @@ async def test_three_replicas_find_a_response_by_probing_and_a_new_replica_inher
             timeout=15,
             what="bindings inherited",
         )
-        _r, got = await create(sdk(late_url), input="found", previous_response_id=turn.id)
+        _r, got = await create(late_url, input="found", previous_response_id=turn.id)
         assert got == engine
         assert sample(late, "routerfleet_response_lookups_total", source="local") == 1
 
@@ -236,8 +240,10 @@ async def test_three_replicas_find_a_response_by_probing_and_a_new_replica_inher
 
 
 async def test_anthropic_messages_route_kv_aware_streamed_and_not():
-    async with kv_fleet() as (_engines, router, url, _s):
-        client = anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0)
+    async with (
+        kv_fleet() as (_engines, router, url, _s),
+        anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0) as client,
+    ):
         system = [{"type": "text", "text": LONG}]
         messages = [{"role": "user", "content": "Summarize."}]
         raw = await client.messages.with_raw_response.create(
@@ -392,8 +398,11 @@ def test_bindings_round_trip_in_the_envelope_apart_from_sessions_and_are_vetted(
 
 
 async def test_the_fake_engine_keeps_responses_per_incarnation():
-    async with run_fake_engine(block_size=BS) as engine, aiohttp.ClientSession() as s:
-        client = openai.AsyncOpenAI(base_url=engine.http_url + "/v1", api_key="unused", max_retries=0)
+    async with (
+        run_fake_engine(block_size=BS) as engine,
+        aiohttp.ClientSession() as s,
+        openai.AsyncOpenAI(base_url=engine.http_url + "/v1", api_key="unused", max_retries=0) as client,
+    ):
         first = await client.responses.create(model="m", input="hi", max_output_tokens=2)
         follow = await client.responses.create(model="m", input="on", previous_response_id=first.id)
         assert follow.usage.input_tokens > first.usage.input_tokens  # the history is part of the prompt

@@ -5,9 +5,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import pytest
+
 from router_runtime.kv.events import BlockStored, EventBatch
 from router_runtime.kv.index import RadixIndex
-from router_runtime.scheduling.framework import Choice, Cycle, Evidence, Profile, Scored, Scores
+from router_runtime.scheduling.framework import (
+    Choice,
+    Cycle,
+    Evidence,
+    Profile,
+    Scored,
+    Scores,
+    Unschedulable,
+)
 from router_runtime.scheduling.pickers import Guard, LowestCost
 from router_runtime.scheduling.presets import make_policy
 from router_runtime.scheduling.types import Decision, Reason, RouteRequest, Target
@@ -57,6 +67,7 @@ def test_a_new_scorer_is_one_class_and_one_line_in_a_preset():
 
 class DropEngine:
     name = "drop"
+    decides = None
 
     def __init__(self, engine: str) -> None:
         self.engine = engine
@@ -136,3 +147,26 @@ def test_the_lowest_cost_picker_reasons():
     skewed = Cycle.of(RouteRequest(), [A, B, C], {A: 9, B: 0, C: 5}, None)
     got = pick(skewed, Scored([-9.0, 0.0, 0.0], [c, n, n]))
     assert (got.index, got.reason) == (1, Reason.IMBALANCED)
+
+
+def test_a_pin_decides_and_a_pin_nowhere_is_unschedulable():
+    for name in ("kv_aware", "round_robin", "least_loaded"):
+        profile = make_policy(name)
+        d = profile.choose(RouteRequest(pinned=B), [A, B, C], {B: 50}, None)
+        assert (d.target, d.reason) == (B, Reason.RESPONSE)
+        with pytest.raises(Unschedulable, match="pinned"):
+            profile.choose(RouteRequest(pinned=B), [A, C], {}, None)
+    # The pin took no turn: round robin starts where it was.
+    assert make_policy("round_robin").choose(RouteRequest(pinned=C), [A, B, C], {}, None).target == C
+    rr = make_policy("round_robin")
+    rr.choose(RouteRequest(pinned=C), [A, B, C], {}, None)
+    assert rr.choose(RouteRequest(), [A, B, C], {}, None).target == A
+
+
+def test_the_remembered_target_is_seen_first():
+    rec = Recorder()
+    profile = Profile("p", filters=make_policy("least_loaded").filters, picker=rec)
+    profile.choose(RouteRequest(prefer=C), [A, B, C], {}, None)
+    assert list(rec.cycles[0].targets) == [C, A, B] and rec.cycles[0].prefer == 0
+    profile.choose(RouteRequest(), [A, B, C], {}, None)
+    assert list(rec.cycles[1].targets) == [A, B, C] and rec.cycles[1].prefer is None

@@ -100,10 +100,12 @@ def sample(router, name, **labels) -> float:
 
 
 async def create(url: str, **kw):
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    raw = await asyncio.wait_for(
-        client.responses.with_raw_response.create(model="m", max_output_tokens=3, **kw), HANG_S
-    )
+    # Closed here: a client left to the garbage collector closes its connections late, unregistering
+    # whatever took their socket numbers meanwhile from the event loop.
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+        raw = await asyncio.wait_for(
+            client.responses.with_raw_response.create(model="m", max_output_tokens=3, **kw), HANG_S
+        )
     return raw.parse(), raw.headers[ENGINE_HEADER]
 
 

@@ -26,10 +26,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -38,21 +37,15 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from ..fleet.inflight import LoadTracker
 from ..http_body import read_capped
-from ..kv.index import RadixIndex
-from ..scheduling.framework import Profile
 from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch
 from ..scheduling.presets import make_policy
 from ..scheduling.types import Decision, RouteRequest, Target
 from ..scheduling.types import Reason as DecisionReason
-from ..sessions.affinity import SessionAffinity, SessionCtx
-from ..sessions.bindings import ResponseBindings, Verdict
-from ..sessions.classify import promote
+from ..sessions.affinity import SessionCtx
+from ..sessions.bindings import Verdict
 from ..sessions.keys import tenant_of
-from ..tokens.engine import EngineTokenizer
 from ..tokens.shapes import messages_chat, responses_chat
-from ..tokens.tokenizer import AsyncTokenizer, Reason, Untokenizable
-from ..worker import Carrier
-from .audit import Prediction, request_usage
+from .audit import request_usage
 from .errors import (
     ProxyError,
     bad_gateway,
@@ -72,8 +65,9 @@ from .headers import (
 )
 from .health import HealthBoard
 from .metrics import ProxyMetrics
-from .request import Kind, ParsedRequest, parse_json, parse_request
-from .responses import ResponseRouter, response_error
+from .request import Kind, parse_json
+from .responses import response_error
+from .scheduler import Inbound, Scheduler
 from .serving import ServerLimits
 from .targets import TargetBook
 
@@ -125,61 +119,44 @@ class Proxy:
     def __init__(
         self,
         *,
-        policy: Profile,
-        tokenizer: AsyncTokenizer | EngineTokenizer,
+        scheduler: Scheduler,
         targets: TargetBook,
         health: HealthBoard,
         load: LoadTracker,
         metrics: ProxyMetrics,
-        index_fn: Callable[[], RadixIndex | None],
         timeouts: Timeouts,
         max_body_bytes: int,
         executor: Executor | None = None,
         parse_inline_max_bytes: int = 256 << 10,
         keepalive_s: float = 4.0,
         models_timeout_s: float = 10.0,
-        sessions: SessionAffinity | None = None,
-        loads: Mapping[Target, float] | None = None,
+        strip_headers: frozenset[str] = frozenset(),
         limits: ServerLimits | None = None,
-        doubt_fn: Callable[[Carrier], bool] | None = None,
         audit_stream_usage: bool = True,
-        bindings: ResponseBindings | None = None,
         tenant_header: str | None = None,
         hooks: Sequence[RequestHook] = (),
     ) -> None:
-        self.policy = policy
+        self.scheduler = scheduler
         # Ask the engine for usage on streams whose client did not, so they are audited too (audit.py).
         self.audit_stream_usage = audit_stream_usage
-        # Whether a carrier's index entry is in a known-doubtful state (bootstrap holding or proving a
-        # graft, an engine being re-adopted): its audited predictions are labelled so.
-        self.doubt_fn = doubt_fn
         self.limits = limits or ServerLimits()
         # The header naming a request's tenant (sessions/keys.py: tenant_of); None: no tenants.
         self.tenant_header = tenant_header
         # What runs around each dispatch besides the relay (scheduling/hooks.py), in order.
         self.hooks = tuple(hooks)
-        self.tokenizer = tokenizer
         self.targets = targets
         self.health = health
         self.load = load
-        # What the policy balances on: the fleet's combined view (fleet/board.py), or our own counts.
-        self.loads: Mapping[Target, float] = loads if loads is not None else load.view
         self.metrics = metrics
-        self.index_fn = index_fn
         self.timeouts = timeouts
         self.max_body_bytes = max_body_bytes
         self.executor = executor
         self.parse_inline_max_bytes = parse_inline_max_bytes
         self.keepalive_s = keepalive_s
         self.models_timeout = aiohttp.ClientTimeout(total=models_timeout_s)
-        self.needs_tokens = bool(policy.needs_tokens)
-        self.needs_text = bool(policy.needs_text)  # a text-prefix policy: the rendered chat prompt
-        self.sessions = sessions
-        self._strip = sessions.strip if sessions is not None else frozenset()
+        self._strip = strip_headers  # request headers never forwarded (a session hint)
         self._by_load = make_policy("least_loaded")  # what has no prefix to route on (endpoints.py)
         self._session: aiohttp.ClientSession | None = None
-        # Where a stored Responses API response lives (a request naming one must go there).
-        self.responses = ResponseRouter(bindings, lambda: self.session) if bindings is not None else None
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -255,59 +232,28 @@ class Proxy:
                 ctx.status = 500
             raise
         finally:
-            self.metrics.request(policy or self.policy.name, ctx.outcome, ctx.status)
+            self.metrics.request(policy or self.scheduler.profile.name, ctx.outcome, ctx.status)
 
     async def _serve(self, request: web.Request, kind: Kind, ctx: _Ctx) -> web.StreamResponse:
         raw = await self._read_body(request)
         body = await self._parse(raw)
-        parsed = parse_request(body, kind)
         targets = self.targets.candidates()
         if not targets:
             raise no_engine("no engine can take the request (none discovered, or all unhealthy)")
-        previous = parsed.previous_response_id
-        # A continued response runs where its stored context is: no choice to make (or the clear error).
-        pinned = None
-        if previous is not None and self.responses is not None:
-            pinned = await self.responses.target(
-                previous, targets, request.headers, "previous_response_id", self.tenant(request)
-            )
-        sessions = self.sessions
-        if pinned is None and sessions is not None and sessions.enabled:
-            ctx.session = await sessions.begin(request.headers, body, self.tenant(request))
-        # A pinned request is not routed by the policy: nothing to tokenize.
-        route = await self._route_request(parsed, len(raw)) if pinned is None else RouteRequest(tokens=None)
-        index = self.index_fn()
+        tenant = self.tenant(request)
+        scheduled = await self.scheduler.prepare(
+            Inbound(kind, request.headers, body, len(raw), tenant), targets
+        )
+        ctx.session = scheduled.session
         asked = None
-        if self.audit_stream_usage and kind in _USAGE_OPTION_KINDS and self._predicts(route, index):
+        if self.audit_stream_usage and kind in _USAGE_OPTION_KINDS and scheduled.predicts:
             asked = request_usage(raw, body)
         sent = raw if asked is None else asked
-        n_tokens = len(route.tokens) if route.tokens is not None else 0
-
-        def decide(targets: Sequence[Target], attempt: int) -> Decision:
-            if pinned is not None:
-                if pinned not in targets:  # its engine failed to connect: nowhere else holds it
-                    raise response_error(Verdict.UNAVAILABLE, previous, "previous_response_id")
-                self.metrics.decision(self.policy.name, DecisionReason.RESPONSE)
-                return Decision(pinned, DecisionReason.RESPONSE)
-            sctx = ctx.session
-            if sctx is None:
-                return self._decide(route, targets, index)
-            # Classified once (the first decision); a retry keeps the state, and the preference while
-            # the remembered engine is still a candidate.
-            classified = sessions.classify(sctx, targets)
-            prefer = classified.preferred if classified.preferred in targets else None
-            routed = replace(route, prefer=prefer, prefer_vouched=classified.vouched)
-            decision = self._decide(routed, promote(targets, prefer), index)
-            if attempt == 0:
-                sessions.selected(sctx, decision.target, self.policy.name)
-            return decision
-
-        tenant = self.tenant(request)
+        tokens = scheduled.route.tokens
+        n_tokens = len(tokens) if tokens is not None else 0
 
         def exchange(decision: Decision, start: float) -> Exchange:
-            # The prediction states what the decision credits, as the index stood when it was made
-            # (before the engine's answer can change that).
-            prediction = self._prediction(route, decision, index)
+            prediction = scheduled.prediction(decision)
             return Exchange(
                 decision.target,
                 start,
@@ -319,7 +265,7 @@ class Proxy:
                 asked is not None,
             )
 
-        return await self._forward(request, ctx, targets, decide, sent, exchange, n_tokens)
+        return await self._forward(request, ctx, targets, scheduled.decide, sent, exchange, n_tokens)
 
     async def _serve_bound(self, request: web.Request, ctx: _Ctx) -> web.StreamResponse:
         raw = await self._read_body(request)
@@ -327,9 +273,10 @@ class Proxy:
         if not targets:
             raise no_engine("no engine can take the request (none discovered, or all unhealthy)")
         response_id = request.match_info["response_id"]
-        if self.responses is None:  # pragma: no cover - the app always has bindings
+        responses = self.scheduler.responses
+        if responses is None:  # pragma: no cover - the app always has bindings
             raise response_error(Verdict.UNKNOWN, response_id, "response_id")
-        target = await self.responses.target(
+        target = await responses.target(
             response_id, targets, request.headers, "response_id", self.tenant(request)
         )
 
@@ -348,7 +295,7 @@ class Proxy:
         unrouted = RouteRequest(tokens=None)
 
         def decide(targets: Sequence[Target], _attempt: int) -> Decision:
-            return self._by_load.choose(unrouted, targets, self.loads, None)
+            return self._by_load.choose(unrouted, targets, self.scheduler.loads, None)
 
         return await self._forward(request, ctx, targets, decide, raw, self._plain(request))
 
@@ -422,69 +369,6 @@ class Proxy:
         if self.executor is not None and len(raw) > self.parse_inline_max_bytes:
             return await asyncio.get_running_loop().run_in_executor(self.executor, parse_json, raw)
         return parse_json(raw)
-
-    async def _route_request(self, parsed: ParsedRequest, size: int) -> RouteRequest:
-        tokens: Sequence[int] | None = None
-        text = parsed.text
-        refused: Reason | None = None
-        # What the chat template renders: the chat body, or the one another API's request becomes.
-        chat = parsed.body if parsed.kind is Kind.CHAT else None
-        if parsed.kind in _AS_CHAT and (self.needs_tokens or self.needs_text):
-            try:
-                chat = _AS_CHAT[parsed.kind](parsed.body)
-            except Untokenizable as e:
-                refused = e.reason
-        if self.needs_tokens:
-            if parsed.tokens is not None:
-                tokens = parsed.tokens
-            elif parsed.text is not None:
-                try:
-                    tokens = await self.tokenizer.prompt(parsed.text, parsed.body, size)
-                except UnicodeEncodeError:  # a lone surrogate ("\ud800"): no engine can take it either
-                    raise bad_request("'prompt' is not valid Unicode text", "prompt") from None
-                except Untokenizable as e:  # a prompt the engine refuses, or no engine answer in time
-                    refused = e.reason
-            elif chat is not None:
-                try:
-                    tokens = await self.tokenizer.chat_ids(chat, size)
-                except Untokenizable as e:  # routed without tokens: never on a guessed sequence
-                    refused = e.reason
-        if self.needs_text and chat is not None:
-            try:
-                text = await self.tokenizer.chat_text(chat, size)
-            except Untokenizable as e:
-                refused = refused or e.reason
-        if refused is not None:  # once per request, whatever the policy needed
-            self.metrics.untokenized.labels(refused).inc()
-        return RouteRequest(
-            tokens=tokens, text=text, lora_name=parsed.lora_name, cache_salt=parsed.cache_salt
-        )
-
-    def _decide(self, route: RouteRequest, targets: Sequence[Target], index: RadixIndex | None) -> Decision:
-        m = self.metrics
-        t0 = time.perf_counter()
-        decision = self.policy.choose(route, targets, self.loads, index)
-        m.decision_seconds.observe(time.perf_counter() - t0)
-        m.decision(self.policy.name, decision.reason)
-        if decision.total_blocks:
-            m.matched_ratio.observe(decision.matched_blocks / decision.total_blocks)
-        elif decision.total_chars:
-            m.matched_ratio.observe(decision.matched_chars / decision.total_chars)
-        return decision
-
-    def _prediction(
-        self, route: RouteRequest, decision: Decision, index: RadixIndex | None
-    ) -> Prediction | None:
-        """What this decision credits the chosen target with (None: the policy does not predict)."""
-        if not self._predicts(route, index):
-            return None
-        doubtful = self.doubt_fn(decision.target.carrier) if self.doubt_fn is not None else False
-        bs = index.block_size
-        tiers = tuple(n * bs for n in decision.tier_blocks)
-        return Prediction(decision.matched_blocks * bs, doubtful, tiers, len(route.tokens), bs)
-
-    def _predicts(self, route: RouteRequest, index: RadixIndex | None) -> bool:
-        return route.tokens is not None and index is not None and self.needs_tokens
 
     def _acquire(self, target: Target, tokens: int) -> None:
         self.metrics.set_inflight(target.engine, self.load.acquire(target, tokens))

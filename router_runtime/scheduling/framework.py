@@ -98,11 +98,22 @@ class Choice:
 
 class Filter(Protocol):
     name: str
+    # A filter that narrows the candidates to one by rule (a pin) makes the decision, with this reason;
+    # None: it only narrows (or reorders).
+    decides: Reason | None
 
     def filter(self, cycle: Cycle) -> Sequence[Target]:
-        """The candidates to keep, in their order (never empty: a filter that would keep none keeps all,
-        or raises the request's error)."""
+        """The candidates to keep, in the order the rest should see them: ``cycle.targets`` itself when
+        unchanged; empty when none may take the request (``Unschedulable``)."""
         ...
+
+
+class Unschedulable(Exception):
+    """No candidate may take the request: ``filter`` (its name) left none."""
+
+    def __init__(self, filter_name: str) -> None:
+        super().__init__(f"the {filter_name} filter left no candidate")
+        self.filter = filter_name
 
 
 class Scorer(Protocol):
@@ -167,12 +178,18 @@ class Profile:
         index: RadixIndex | None,
     ) -> Decision:
         """Pick one of ``targets`` (never empty). ``loads``: in-flight requests per target (missing =
-        0). Never mutates the index; plugins may update their own state."""
+        0). Never mutates the index; plugins may update their own state. Raises ``Unschedulable`` when
+        a filter leaves no candidate."""
         cycle = Cycle.of(request, targets, loads, index)
         for f in self.filters:
             kept = f.filter(cycle)
-            if len(kept) != len(cycle.targets):
-                cycle = Cycle.of(request, kept, loads, index)
+            if kept is cycle.targets:
+                continue
+            if not kept:
+                raise Unschedulable(f.name)
+            if f.decides is not None and len(kept) == 1:
+                return Decision(kept[0], f.decides)
+            cycle = Cycle.of(request, kept, loads, index)
         views = [s.score(cycle) for s in self.scorers]
         choice = self.picker.pick(cycle, _combined(views, len(cycle.targets)))
         target = cycle.targets[choice.index]

@@ -2,6 +2,7 @@
 every routing tunable. Defaults and their reasoning are in docs/routing.md. A new scorer is one file and
 one line in a preset here.
 
+    every preset   pinned, preferred_first (filters.py), then:
     kv_aware       prefix_cache + load_cost -> lowest_cost (guard, ties spread by request hash)
     approx_prefix  text_prefix              -> lowest_cost (guard, ties by target order)
     round_robin                             -> round_robin (the guard for returning sessions)
@@ -15,6 +16,7 @@ import math
 import random
 from dataclasses import dataclass, fields
 
+from .filters import PinnedTarget, PreferredFirst
 from .framework import Profile
 from .load_cost import LoadCost
 from .pickers import Guard, LeastLoaded, LowestCost, PowerOfTwo, RoundRobin, Ties
@@ -71,23 +73,25 @@ class PolicyConfig:
 def make_policy(name: str, config: PolicyConfig | None = None) -> Profile:
     c = config if config is not None else PolicyConfig()
     guard = Guard(c.balance_abs_threshold, c.balance_rel_threshold)
+    filters = (PinnedTarget(), PreferredFirst())
     if name == "kv_aware":
         prefix = PrefixCache(
             host_weight=c.host_weight, disk_weight=c.disk_weight, external_weight=c.external_weight
         )
         return Profile(
             name,
+            filters=filters,
             scorers=(prefix, LoadCost(c.load_cost_tokens)),
             picker=LowestCost(guard, Ties.SPREAD if c.spread_ties else Ties.FIRST),
             needs_tokens=True,
         )
     if name == "approx_prefix":
         text = TextPrefix(cache_threshold=c.cache_threshold, max_tree_size=c.max_tree_size)
-        return Profile(name, scorers=(text,), picker=LowestCost(guard), needs_text=True)
+        return Profile(name, filters=filters, scorers=(text,), picker=LowestCost(guard), needs_text=True)
     if name == "round_robin":
-        return Profile(name, picker=RoundRobin(guard))
+        return Profile(name, filters=filters, picker=RoundRobin(guard))
     if name == "least_loaded":
-        return Profile(name, picker=LeastLoaded())
+        return Profile(name, filters=filters, picker=LeastLoaded())
     if name == "power_of_two":
-        return Profile(name, picker=PowerOfTwo(random.Random(c.seed)))
+        return Profile(name, filters=filters, picker=PowerOfTwo(random.Random(c.seed)))
     raise ValueError(f"unknown routing policy {name!r} (expected one of {', '.join(POLICY_NAMES)})")

@@ -48,6 +48,8 @@ class RouteRequest:
     # ``prefer`` kept everything since it served the session's last turn (no eviction seen there since):
     # kv_aware may credit it the request's whole prefix, beyond what the index shows.
     prefer_vouched: bool = False
+    # Where the request must go (the engine holding the stored response it continues): not a choice.
+    pinned: Target | None = None
 
 
 class Reason(enum.StrEnum):

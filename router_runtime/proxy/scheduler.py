@@ -1,0 +1,201 @@
+"""The scheduler's shell, behind every front door: a request (its API, headers and parsed body, nothing of
+the transport) becomes what the profile decides on, then decisions.
+
+    prepare:  pin (a stored response it continues: its engine, or the clear error)
+              -> session (an explicit key, a trusted hint, a store lookup; see sessions/)
+              -> tokens or text, as the profile needs them (never a guessed sequence)
+    decide:   the session classified once (its remembered target preferred while a candidate)
+              -> the profile's filters, scorers and picker (scheduling/), timed and counted
+
+The proxy calls it per request (and ``decide`` again, without a failed engine, on a retry); the
+gateway's endpoint picker calls it the same way. The I/O here is the tokenizer's, the session store's
+and the response probe's; the decision itself is the pure ``Profile.choose``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..kv.index import RadixIndex
+from ..scheduling.framework import Profile, Unschedulable
+from ..scheduling.types import Decision, Kind, RouteRequest, Target
+from ..sessions.affinity import SessionAffinity, SessionCtx
+from ..sessions.bindings import Verdict
+from ..tokens.engine import EngineTokenizer
+from ..tokens.shapes import messages_chat, responses_chat
+from ..tokens.tokenizer import AsyncTokenizer, Reason, Untokenizable
+from ..worker import Carrier
+from .audit import Prediction
+from .errors import bad_request
+from .metrics import ProxyMetrics
+from .request import ParsedRequest, parse_request
+from .responses import ResponseRouter, response_error
+
+# The APIs rendered as a chat request, and how their body becomes one (tokens/shapes.py).
+_AS_CHAT = {Kind.RESPONSES: responses_chat, Kind.MESSAGES: messages_chat}
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """A request as the scheduler takes it from any front door."""
+
+    kind: Kind
+    headers: Mapping[str, str]
+    body: Any  # the parsed JSON body
+    size: int  # its bytes: bounds what the tokenizer may spend on it
+    tenant: str = ""  # sessions/keys.py: tenant_of
+
+
+class Scheduled:
+    """One request's scheduling, across its attempts."""
+
+    __slots__ = ("_scheduler", "index", "parsed", "route", "session")
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        parsed: ParsedRequest,
+        route: RouteRequest,
+        session: SessionCtx | None,
+        index: RadixIndex | None,
+    ) -> None:
+        self._scheduler = scheduler
+        self.parsed = parsed
+        self.route = route
+        self.session = session
+        self.index = index  # as it stood when the request came: every attempt decides on it
+
+    @property
+    def predicts(self) -> bool:
+        """Whether a decision credits a cached prefix that the audit can check (KV profiles, tokens)."""
+        return (
+            self.route.tokens is not None and self.index is not None and self._scheduler.profile.needs_tokens
+        )
+
+    def decide(self, candidates: Sequence[Target], attempt: int) -> Decision:
+        """A decision among ``candidates``; ``attempt`` 1 is the retry without an engine that failed."""
+        s = self._scheduler
+        route, sctx = self.route, self.session
+        if sctx is not None:
+            # Classified once (the first decision); a retry keeps the state, and the preference while
+            # the remembered engine is still a candidate.
+            classified = s.sessions.classify(sctx, candidates)
+            prefer = classified.preferred if classified.preferred in candidates else None
+            route = replace(route, prefer=prefer, prefer_vouched=classified.vouched)
+        try:
+            decision = s.choose(route, candidates, self.index)
+        except Unschedulable:  # the pinned engine failed to connect: nowhere else holds the response
+            raise response_error(
+                Verdict.UNAVAILABLE, self.parsed.previous_response_id, "previous_response_id"
+            ) from None
+        if sctx is not None and attempt == 0:
+            s.sessions.selected(sctx, decision.target, s.profile.name)
+        return decision
+
+    def prediction(self, decision: Decision) -> Prediction | None:
+        """What ``decision`` credits its target with, as the index stood when it was made (None: nothing
+        the audit can check)."""
+        if not self.predicts:
+            return None
+        s, route, index = self._scheduler, self.route, self.index
+        doubtful = s.doubt_fn(decision.target.carrier) if s.doubt_fn is not None else False
+        bs = index.block_size
+        tiers = tuple(n * bs for n in decision.tier_blocks)
+        return Prediction(decision.matched_blocks * bs, doubtful, tiers, len(route.tokens), bs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        profile: Profile,
+        *,
+        tokenizer: AsyncTokenizer | EngineTokenizer,
+        metrics: ProxyMetrics,
+        loads: Mapping[Target, float],
+        index_fn: Callable[[], RadixIndex | None],
+        sessions: SessionAffinity | None = None,
+        responses: ResponseRouter | None = None,
+        doubt_fn: Callable[[Carrier], bool] | None = None,
+    ) -> None:
+        self.profile = profile
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.loads = loads  # the fleet's in-flight view (fleet/board.py)
+        self.index_fn = index_fn
+        self.sessions = sessions if sessions is not None and sessions.enabled else None
+        self.responses = responses
+        # Whether a carrier's index entry is in a known-doubtful state (bootstrap holding or proving a
+        # graft, an engine being re-adopted): its audited predictions are labelled so.
+        self.doubt_fn = doubt_fn
+
+    async def prepare(self, inbound: Inbound, candidates: Sequence[Target]) -> Scheduled:
+        """Everything a decision needs that takes I/O; raises the request's ProxyError (a bad body, an
+        unknown response)."""
+        parsed = parse_request(inbound.body, inbound.kind)
+        pinned = None
+        previous = parsed.previous_response_id
+        if previous is not None and self.responses is not None:
+            pinned = await self.responses.target(
+                previous, candidates, inbound.headers, "previous_response_id", inbound.tenant
+            )
+        if pinned is not None:  # not routed by the profile: nothing to tokenize, no session to keep
+            return Scheduled(self, parsed, RouteRequest(pinned=pinned), None, self.index_fn())
+        session = None
+        if self.sessions is not None:
+            session = await self.sessions.begin(inbound.headers, inbound.body, inbound.tenant)
+        route = await self._route_request(parsed, inbound.size)
+        return Scheduled(self, parsed, route, session, self.index_fn())
+
+    def choose(self, route: RouteRequest, candidates: Sequence[Target], index: RadixIndex | None) -> Decision:
+        """The profile's decision, timed and counted."""
+        m = self.metrics
+        t0 = time.perf_counter()
+        decision = self.profile.choose(route, candidates, self.loads, index)
+        m.decision_seconds.observe(time.perf_counter() - t0)
+        m.decision(self.profile.name, decision.reason)
+        if decision.total_blocks:
+            m.matched_ratio.observe(decision.matched_blocks / decision.total_blocks)
+        elif decision.total_chars:
+            m.matched_ratio.observe(decision.matched_chars / decision.total_chars)
+        return decision
+
+    async def _route_request(self, parsed: ParsedRequest, size: int) -> RouteRequest:
+        needs_tokens, needs_text = self.profile.needs_tokens, self.profile.needs_text
+        tokens: Sequence[int] | None = None
+        text = parsed.text
+        refused: Reason | None = None
+        # What the chat template renders: the chat body, or the one another API's request becomes.
+        chat = parsed.body if parsed.kind is Kind.CHAT else None
+        if parsed.kind in _AS_CHAT and (needs_tokens or needs_text):
+            try:
+                chat = _AS_CHAT[parsed.kind](parsed.body)
+            except Untokenizable as e:
+                refused = e.reason
+        if needs_tokens:
+            if parsed.tokens is not None:
+                tokens = parsed.tokens
+            elif parsed.text is not None:
+                try:
+                    tokens = await self.tokenizer.prompt(parsed.text, parsed.body, size)
+                except UnicodeEncodeError:  # a lone surrogate ("\ud800"): no engine can take it either
+                    raise bad_request("'prompt' is not valid Unicode text", "prompt") from None
+                except Untokenizable as e:  # a prompt the engine refuses, or no engine answer in time
+                    refused = e.reason
+            elif chat is not None:
+                try:
+                    tokens = await self.tokenizer.chat_ids(chat, size)
+                except Untokenizable as e:  # routed without tokens: never on a guessed sequence
+                    refused = e.reason
+        if needs_text and chat is not None:
+            try:
+                text = await self.tokenizer.chat_text(chat, size)
+            except Untokenizable as e:
+                refused = refused or e.reason
+        if refused is not None:  # once per request, whatever the profile needed
+            self.metrics.untokenized.labels(refused).inc()
+        return RouteRequest(
+            tokens=tokens, text=text, lora_name=parsed.lora_name, cache_salt=parsed.cache_salt
+        )
