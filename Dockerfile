@@ -46,7 +46,7 @@ RUN set -eu; \
         "$pip" install /src/native '/src[speed]'; \
     fi; \
     "$pip" check; \
-    /opt/routerfleet/bin/python -c 'import router_runtime.cli, router_runtime.fake_engine.cli'
+    /opt/routerfleet/bin/python -c 'import router_runtime.cli, routerfleet_fake_engine.cli'
 
 FROM ${BASE_IMAGE}
 LABEL org.opencontainers.image.title="routerfleet" \

@@ -8,7 +8,12 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOTS = (Path("router_runtime"), Path("routerfleet_kube"), Path("operator/routerfleet_operator"))
+ROOTS = (
+    Path("router_runtime"),
+    Path("routerfleet_fake_engine"),
+    Path("routerfleet_kube"),
+    Path("operator/routerfleet_operator"),
+)
 
 
 def plane(path: Path) -> str:

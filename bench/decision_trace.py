@@ -27,12 +27,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from bench.routing_quality import Params, build_workload
-from router_runtime.fake_engine.cache import CacheConfig, RankCache
-from router_runtime.fake_engine.hashing import PLAIN
 from router_runtime.kv.events import Dialect, EventBatch
 from router_runtime.kv.index import RadixIndex
 from router_runtime.scheduling.presets import POLICY_NAMES, PolicyConfig, make_policy
 from router_runtime.scheduling.types import Decision, RouteRequest, Target
+from routerfleet_fake_engine.cache import CacheConfig, RankCache
+from routerfleet_fake_engine.hashing import PLAIN
 
 WORKLOAD = Params(convs=160, groups=6, sys_tokens=(256, 512), user_tokens=(24, 96), active=16, seed=23)
 TARGETS = (

@@ -24,11 +24,11 @@ from router_runtime.bootstrap.metrics import BootstrapMetrics
 from router_runtime.bootstrap.peers import PeerRegistry
 from router_runtime.bootstrap.sweep import BootstrapConfig, Bootstrapper
 from router_runtime.bootstrap.vetting import HashingConfig
-from router_runtime.fake_engine.cache import PLAIN
-from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.kv.hashing import SCHEME
 from router_runtime.kv.plane import KVPlane
 from router_runtime.worker import WorkerSpec
+from routerfleet_fake_engine.cache import PLAIN
+from routerfleet_fake_engine.server import run_fake_engine
 
 BS = 16
 

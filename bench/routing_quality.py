@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench import harness as h
-from router_runtime.fake_engine.cache import CacheConfig, RankCache
-from router_runtime.fake_engine.openai_api import generate_tokens
 from router_runtime.kv.events import Dialect
+from routerfleet_fake_engine.cache import CacheConfig, RankCache
+from routerfleet_fake_engine.openai_api import generate_tokens
 
 # ---------------------------------------------------------------------------------------------------
 # Workload

@@ -110,7 +110,7 @@ class Engine:
             [
                 sys.executable,
                 "-m",
-                "router_runtime.fake_engine.cli",
+                "routerfleet_fake_engine.cli",
                 "--host",
                 "127.0.0.1",
                 "--port",

@@ -142,40 +142,7 @@ class Router:
         self.executor = ThreadPoolExecutor(
             max_workers=config.tokenizer_threads or min(4, os.cpu_count() or 1), thread_name_prefix="tokenize"
         )
-        self.tokenizer = self._tokenizer(tokenizer)
-        self.scheduler = Scheduler(
-            self.policy,
-            tokenizer=self.tokenizer,
-            metrics=self.metrics,
-            loads=self.fleet.view,
-            index_fn=lambda: self.kv.index,
-            sessions=self.sessions,
-            # Where a stored Responses API response lives (a request naming one must go there); its
-            # probes ride the proxy's connection pool.
-            responses=ResponseRouter(self.bindings, lambda: self.proxy.session),
-            doubt_fn=self.doubtful,
-        )
-        self.proxy = Proxy(
-            scheduler=self.scheduler,
-            targets=self.targets,
-            health=self.health,
-            load=self.load,
-            metrics=self.metrics,
-            timeouts=Timeouts(
-                config.connect_timeout_s,
-                config.first_byte_timeout_s,
-                config.total_timeout_s,
-                config.idle_timeout_s,
-            ),
-            max_body_bytes=config.max_body_bytes,
-            executor=self.executor,
-            keepalive_s=config.upstream_keepalive_s,
-            strip_headers=self.sessions.strip,
-            limits=config.server,
-            audit_stream_usage=config.audit_stream_usage,
-            tenant_header=config.tenant_header,
-            hooks=self._request_hooks(config),
-        )
+        self._setup_request_plane(config, tokenizer)
         self.checker = HealthChecker(
             self.health,
             lambda: self.proxy.session,
@@ -276,6 +243,43 @@ class Router:
         self.bootstrap.on_sessions = lambda entries: self.sessions.inherit(from_wire(entries))
         self.bootstrap.on_responses = lambda entries: self.bindings.inherit(from_wire(entries))
         self.bootstrap.blocker = self.blocker
+
+    def _setup_request_plane(self, config: RouterConfig, tokenizer: Tokenizer | None) -> None:
+        """The scheduler (its shell: pin, session, tokens) and the proxy that runs it, with its hooks."""
+        self.tokenizer = self._tokenizer(tokenizer)
+        self.scheduler = Scheduler(
+            self.policy,
+            tokenizer=self.tokenizer,
+            metrics=self.metrics,
+            loads=self.fleet.view,
+            index_fn=lambda: self.kv.index,
+            sessions=self.sessions,
+            # Where a stored Responses API response lives (a request naming one must go there); its
+            # probes ride the proxy's connection pool.
+            responses=ResponseRouter(self.bindings, lambda: self.proxy.session),
+            doubt_fn=self.doubtful,
+        )
+        self.proxy = Proxy(
+            scheduler=self.scheduler,
+            targets=self.targets,
+            health=self.health,
+            load=self.load,
+            metrics=self.metrics,
+            timeouts=Timeouts(
+                config.connect_timeout_s,
+                config.first_byte_timeout_s,
+                config.total_timeout_s,
+                config.idle_timeout_s,
+            ),
+            max_body_bytes=config.max_body_bytes,
+            executor=self.executor,
+            keepalive_s=config.upstream_keepalive_s,
+            strip_headers=self.sessions.strip,
+            limits=config.server,
+            audit_stream_usage=config.audit_stream_usage,
+            tenant_header=config.tenant_header,
+            hooks=self._request_hooks(config),
+        )
 
     def _request_hooks(self, config: RouterConfig) -> list[RequestHook]:
         """What runs around each dispatch (scheduling/hooks.py), in order: the breakers, the session's

@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 from aiohttp import web
 
-from router_runtime.fake_engine.publisher import KvPublisher
-from router_runtime.fake_engine.server import FakeEngine
 from router_runtime.kv.subscription import RankSubscription
 from router_runtime.worker import WorkerSpec
+from routerfleet_fake_engine.publisher import KvPublisher
+from routerfleet_fake_engine.server import FakeEngine
 
 
 async def eventually(predicate: Callable[[], object], timeout: float = 5.0, what: str = "condition"):

@@ -7,8 +7,6 @@ import json
 
 import pytest
 
-from router_runtime.fake_engine.cache import CacheConfig, RankCache
-from router_runtime.fake_engine.storage import MARKER, StorageDir
 from router_runtime.kv.adoption import (
     ALL,
     STORAGE_TIERS,
@@ -22,6 +20,8 @@ from router_runtime.kv.events import BlockRemoved, BlockStored, Dialect, EventBa
 from router_runtime.kv.index import RadixIndex
 from router_runtime.kv.snapshot import Exporter
 from router_runtime.worker import Carrier
+from routerfleet_fake_engine.cache import CacheConfig, RankCache
+from routerfleet_fake_engine.storage import MARKER, StorageDir
 
 from .columns import arrays
 
@@ -171,8 +171,8 @@ def test_storage_marker_is_bound_to_the_directory(tmp_path):
 
 def test_flags(capsys):
     from router_runtime.config import parse_args
-    from router_runtime.fake_engine.cli import build_parser, config_from_args
-    from router_runtime.fake_engine.config import ConfigError
+    from routerfleet_fake_engine.cli import build_parser, config_from_args
+    from routerfleet_fake_engine.config import ConfigError
 
     default = parse_args(["--worker", "http://e:8000"])
     assert (default.kv_disconnect_grace_s, default.kv_adoption_cap, default.kv_adoption_window_s) == (

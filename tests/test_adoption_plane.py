@@ -16,9 +16,6 @@ from prometheus_client import CollectorRegistry
 
 import router_runtime.kv.readoption as readoption_mod
 import router_runtime.kv.subscription as sub_mod
-from router_runtime.fake_engine import FakeEngine, FakeEngineConfig
-from router_runtime.fake_engine.publisher import Drop
-from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.kv.adoption import CarrierState, StorageIdentity
 from router_runtime.kv.events import Tier
 from router_runtime.kv.hold import HoldEnd
@@ -26,6 +23,9 @@ from router_runtime.kv.plane import KVPlane
 from router_runtime.kv.readoption import lookup_storage
 from router_runtime.kv.subscription import ReplayTimeouts
 from router_runtime.worker import Carrier, WorkerSpec
+from routerfleet_fake_engine import FakeEngine, FakeEngineConfig
+from routerfleet_fake_engine.publisher import Drop
+from routerfleet_fake_engine.server import run_fake_engine
 
 from .support import eventually, join_stream
 

@@ -15,7 +15,6 @@ import zmq.asyncio
 
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
-from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.proxy.audit import (
     Audit,
     AuditOutcome,
@@ -26,6 +25,7 @@ from router_runtime.proxy.audit import (
     request_usage,
 )
 from router_runtime.worker import WorkerSpec
+from routerfleet_fake_engine.server import run_fake_engine
 
 from .support import eventually
 

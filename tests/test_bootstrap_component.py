@@ -21,13 +21,13 @@ from router_runtime.bootstrap.producer import SnapshotProducer
 from router_runtime.bootstrap.state import Verdict
 from router_runtime.bootstrap.sweep import BootstrapConfig, Bootstrapper
 from router_runtime.bootstrap.vetting import HashingConfig
-from router_runtime.fake_engine.cache import PLAIN
-from router_runtime.fake_engine.server import FakeEngine, run_fake_engine
 from router_runtime.kv.adoption import CarrierState
 from router_runtime.kv.hashing import SCHEME
 from router_runtime.kv.plane import KVPlane
 from router_runtime.kv.subscription import ReplayTimeouts
 from router_runtime.worker import WorkerSpec
+from routerfleet_fake_engine.cache import PLAIN
+from routerfleet_fake_engine.server import FakeEngine, run_fake_engine
 
 from .support import eventually, snapshot_peer
 

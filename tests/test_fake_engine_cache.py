@@ -7,19 +7,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router_runtime.fake_engine.cache import CacheConfig, RankCache, host_medium
-from router_runtime.fake_engine.hashing import PLAIN, Namespace, block_hashes, to_signed_i64
-from router_runtime.fake_engine.openai_api import (
+from router_runtime.kv.decode import decode_batch
+from router_runtime.kv.encode import encode_batch
+from router_runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Dialect, EventBatch, Tier
+from router_runtime.tokens import decode, encode, render_chat, tokenize_chat
+from routerfleet_fake_engine.cache import CacheConfig, RankCache, host_medium
+from routerfleet_fake_engine.hashing import PLAIN, Namespace, block_hashes, to_signed_i64
+from routerfleet_fake_engine.openai_api import (
     RequestError,
     generate_tokens,
     parse_chat,
     parse_completion,
     parse_json_body,
 )
-from router_runtime.kv.decode import decode_batch
-from router_runtime.kv.encode import encode_batch
-from router_runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Dialect, EventBatch, Tier
-from router_runtime.tokens import decode, encode, render_chat, tokenize_chat
 
 VLLM = Dialect.VLLM_033
 BS = 4

@@ -8,9 +8,9 @@ import struct
 
 import pytest
 
-from router_runtime.fake_engine import pooling_api as P
-from router_runtime.fake_engine.openai_api import RequestError, detokenize_request
 from router_runtime.tokens import encode
+from routerfleet_fake_engine import pooling_api as P
+from routerfleet_fake_engine.openai_api import RequestError, detokenize_request
 
 
 def test_embeddings_one_vector_per_input_and_the_same_for_the_same_tokens():

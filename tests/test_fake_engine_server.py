@@ -22,12 +22,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router_runtime.fake_engine import FakeEngine, run_fake_engine
-from router_runtime.fake_engine.cache import RankCache
-from router_runtime.fake_engine.hashing import block_hashes
 from router_runtime.kv.decode import MalformedFrame, decode_batch, parse_pub_message, parse_replay_reply
 from router_runtime.kv.events import BlockRemoved, BlockStored, Dialect, EventBatch
 from router_runtime.tokens import encode, tokenize_chat
+from routerfleet_fake_engine import FakeEngine, run_fake_engine
+from routerfleet_fake_engine.cache import RankCache
+from routerfleet_fake_engine.hashing import block_hashes
 
 BS = 4
 FAST = {"block_size": BS, "prefill_us_per_token": 0.0, "decode_tokens_per_s": 0.0}
@@ -477,7 +477,7 @@ async def test_cached_tokens_are_exact_under_concurrency(http) -> None:
 
 
 def test_cli_starts_serves_and_stops_on_sigterm() -> None:
-    cmd = [sys.executable, "-m", "router_runtime.fake_engine.cli", "--host", "127.0.0.1", "--port", "0"]
+    cmd = [sys.executable, "-m", "routerfleet_fake_engine.cli", "--host", "127.0.0.1", "--port", "0"]
     cmd += ["--kv-port", "0", "--replay-port", "0", "--dp-size", "2", "--dialect", "sglang"]
     proc = subprocess.Popen(
         cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -504,7 +504,7 @@ async def _get_json(url: str) -> Any:
 
 
 def test_cli_bad_flag_is_one_line_exit_2() -> None:
-    cmd = [sys.executable, "-m", "router_runtime.fake_engine.cli", "--block-size", "0"]
+    cmd = [sys.executable, "-m", "routerfleet_fake_engine.cli", "--block-size", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 2
     assert "argument --block-size" in proc.stderr.strip().splitlines()[-1]

@@ -17,9 +17,9 @@ import pytest
 
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
-from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.proxy.health import BreakerState
 from router_runtime.worker import WorkerSpec
+from routerfleet_fake_engine.server import run_fake_engine
 
 from .support import snapshot_peer
 

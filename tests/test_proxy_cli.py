@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 
 from router_runtime.config import FLAGS, RouterConfig, parse_args
-from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.scheduling.presets import PolicyConfig
+from routerfleet_fake_engine.server import run_fake_engine
 
 from .support import eventually
 from .test_tokens_hf import build_tokenizer_dir

@@ -14,10 +14,10 @@ import openai
 import pytest
 
 from router_runtime.config import parse_args
-from router_runtime.fake_engine.pooling_api import DIM, vector
-from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.proxy.endpoints import FORWARDED, OWN, allowed_path
 from router_runtime.tokens import encode
+from routerfleet_fake_engine.pooling_api import DIM, vector
+from routerfleet_fake_engine.server import run_fake_engine
 
 from .test_proxy_http import ENGINE_HEADER, closed_port_url, http_worker, post, routed, sample
 

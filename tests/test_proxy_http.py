@@ -17,11 +17,11 @@ from aiohttp import web
 
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
-from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.proxy.health import BreakerState
 from router_runtime.scheduling.framework import Choice, Cycle, Profile, Scored
 from router_runtime.scheduling.types import Reason, Target
 from router_runtime.worker import WorkerSpec
+from routerfleet_fake_engine.server import run_fake_engine
 
 from .support import eventually
 

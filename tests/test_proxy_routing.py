@@ -12,11 +12,11 @@ import aiohttp
 
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
-from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.scheduling.presets import PolicyConfig
 from router_runtime.tokens.hf import HFTokenizer
 from router_runtime.tokens.tokenizer import BytesTokenizer
 from router_runtime.worker import Carrier, WorkerSpec
+from routerfleet_fake_engine.server import run_fake_engine
 
 from .support import eventually, join_all, static_workers
 from .test_tokens_hf import build_tokenizer_dir

@@ -17,7 +17,6 @@ from router_runtime.app import run_router
 from router_runtime.bootstrap.vetting import vet_sessions
 from router_runtime.bootstrap.wire import Limits, WireSession, WireSnapshot, decode, encode
 from router_runtime.config import RouterConfig
-from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.proxy.request import Kind, parse_request
 from router_runtime.scheduling.types import Target
 from router_runtime.sessions.bindings import (
@@ -31,6 +30,7 @@ from router_runtime.sessions.keys import digest, response_digest
 from router_runtime.sessions.store import Remembered
 from router_runtime.tokens.chat import Reason, Untokenizable
 from router_runtime.tokens.shapes import messages_chat, responses_chat
+from routerfleet_fake_engine.server import run_fake_engine
 
 from .support import eventually, join_all, static_workers
 from .test_proxy_routing import kv_fleet

@@ -11,8 +11,8 @@ import pytest
 
 from router_runtime.app import run_router
 from router_runtime.config import parse_args
-from router_runtime.fake_engine.cache import PLAIN
-from router_runtime.fake_engine.server import run_fake_engine
+from routerfleet_fake_engine.cache import PLAIN
+from routerfleet_fake_engine.server import run_fake_engine
 
 from .support import eventually
 from .test_bootstrap_component import BS, prompts

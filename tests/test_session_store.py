@@ -23,11 +23,11 @@ import pytest
 
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
-from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.sessions.bindings import BindingConfig
 from router_runtime.sessions.config import SessionConfig
 from router_runtime.sessions.redis_store import SharedClient, _vetted, store_url
 from router_runtime.sessions.store import Remembered
+from routerfleet_fake_engine.server import run_fake_engine
 
 from .support import join_stream, static_workers
 

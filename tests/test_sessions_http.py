@@ -21,10 +21,10 @@ from aiohttp import web
 
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
-from router_runtime.fake_engine.server import run_fake_engine
 from router_runtime.scheduling.presets import PolicyConfig
 from router_runtime.sessions.config import SessionConfig
 from router_runtime.worker import Carrier, WorkerSpec
+from routerfleet_fake_engine.server import run_fake_engine
 
 from .support import eventually, join_all, join_stream, static_workers
 

@@ -28,12 +28,12 @@ from aiohttp import web
 
 from router_runtime.app import run_router
 from router_runtime.config import parse_args
-from router_runtime.fake_engine.cache import PLAIN
-from router_runtime.fake_engine.config import FakeEngineConfig
-from router_runtime.fake_engine.server import FakeEngine
 from router_runtime.kv.sockets import Sockets
 from router_runtime.tasks import end_tasks
 from router_runtime.worker import WorkerSpec
+from routerfleet_fake_engine.cache import PLAIN
+from routerfleet_fake_engine.config import FakeEngineConfig
+from routerfleet_fake_engine.server import FakeEngine
 
 from .support import eventually, loopback_app
 

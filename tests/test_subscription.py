@@ -10,12 +10,12 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router_runtime.fake_engine.publisher import Drop, KvPublisher
 from router_runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Dialect
 from router_runtime.kv.hold import RankHold
 from router_runtime.kv.plane import KVPlane
 from router_runtime.kv.subscription import ReplayTimeouts
 from router_runtime.worker import Carrier, WorkerSpec
+from routerfleet_fake_engine.publisher import Drop, KvPublisher
 
 from .support import eventually, join_stream
 

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from router_runtime.fake_engine.hashing import Namespace
 from router_runtime.tokens import decode, encode, render_chat
+from routerfleet_fake_engine.hashing import Namespace
 
 DEFAULT_MAX_TOKENS = 16
 _MAX_TOKEN_ID = (1 << 32) - 1  # SGLang hashes tokens as u32, so anything larger cannot be cached

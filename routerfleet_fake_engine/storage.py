@@ -21,8 +21,8 @@ import os
 import secrets
 from pathlib import Path
 
-from router_runtime.fake_engine.cache import CachedBlock
-from router_runtime.fake_engine.hashing import Namespace
+from routerfleet_fake_engine.cache import CachedBlock
+from routerfleet_fake_engine.hashing import Namespace
 
 log = logging.getLogger(__name__)
 

@@ -17,17 +17,17 @@ from collections.abc import Sequence
 
 import zmq
 
-from router_runtime.fake_engine.config import (
+from router_runtime.flags import Count, Real
+from router_runtime.kv.events import Dialect
+from routerfleet_fake_engine.config import (
     DEFAULT_KV_PORT,
     DEFAULT_REPLAY_PORT,
     ConfigError,
     FakeEngineConfig,
 )
-from router_runtime.fake_engine.server import FakeEngine
-from router_runtime.flags import Count, Real
-from router_runtime.kv.events import Dialect
+from routerfleet_fake_engine.server import FakeEngine
 
-log = logging.getLogger("router_runtime.fake_engine")
+log = logging.getLogger("routerfleet_fake_engine")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,21 +32,23 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from router_runtime.fake_engine import pooling_api
-from router_runtime.fake_engine.admin import admin_routes
-from router_runtime.fake_engine.cache import Admission, CacheConfig, RankCache
-from router_runtime.fake_engine.config import FakeEngineConfig
-from router_runtime.fake_engine.generate_api import (
+from router_runtime.kv.events import KVEvent
+from router_runtime.tokens import decode
+from routerfleet_fake_engine import pooling_api
+from routerfleet_fake_engine.admin import admin_routes
+from routerfleet_fake_engine.cache import Admission, CacheConfig, RankCache
+from routerfleet_fake_engine.config import FakeEngineConfig
+from routerfleet_fake_engine.generate_api import (
     GenerateShape,
     TokenGenerateShape,
     parse_generate,
     parse_token_generate,
 )
-from router_runtime.fake_engine.hashing import Namespace
-from router_runtime.fake_engine.messages_api import MessagesShape, count_tokens, parse_messages
-from router_runtime.fake_engine.messages_api import error_json as messages_error
-from router_runtime.fake_engine.metrics import EngineCollector
-from router_runtime.fake_engine.openai_api import (
+from routerfleet_fake_engine.hashing import Namespace
+from routerfleet_fake_engine.messages_api import MessagesShape, count_tokens, parse_messages
+from routerfleet_fake_engine.messages_api import error_json as messages_error
+from routerfleet_fake_engine.metrics import EngineCollector
+from routerfleet_fake_engine.openai_api import (
     ChatShape,
     GenerationRequest,
     Kind,
@@ -61,17 +63,15 @@ from router_runtime.fake_engine.openai_api import (
     parse_json_body,
     tokenize_request,
 )
-from router_runtime.fake_engine.publisher import Drop, KvPublisher
-from router_runtime.fake_engine.responses_api import (
+from routerfleet_fake_engine.publisher import Drop, KvPublisher
+from routerfleet_fake_engine.responses_api import (
     ResponsesShape,
     ResponseStore,
     StoredResponse,
     not_found,
     parse_responses,
 )
-from router_runtime.fake_engine.storage import StorageDir
-from router_runtime.kv.events import KVEvent
-from router_runtime.tokens import decode
+from routerfleet_fake_engine.storage import StorageDir
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ Layout (functional core, imperative shell):
 - ``cli``: the ``routerfleet-fake-engine`` console script.
 """
 
-from router_runtime.fake_engine.config import FakeEngineConfig
-from router_runtime.fake_engine.server import FakeEngine, run_fake_engine
+from routerfleet_fake_engine.config import FakeEngineConfig
+from routerfleet_fake_engine.server import FakeEngine, run_fake_engine
 
 __all__ = ["FakeEngine", "FakeEngineConfig", "run_fake_engine"]

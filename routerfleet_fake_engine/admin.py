@@ -39,14 +39,14 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from router_runtime.fake_engine.hashing import Namespace
-from router_runtime.fake_engine.openai_api import RequestError, parse_json_body
-from router_runtime.fake_engine.publisher import Drop
 from router_runtime.kv.events import MEDIUM_TIERS, Tier
 from router_runtime.tokens import encode
+from routerfleet_fake_engine.hashing import Namespace
+from routerfleet_fake_engine.openai_api import RequestError, parse_json_body
+from routerfleet_fake_engine.publisher import Drop
 
 if TYPE_CHECKING:
-    from router_runtime.fake_engine.server import FakeEngine
+    from routerfleet_fake_engine.server import FakeEngine
 
 
 def _int(body: dict, key: str, default: int | None = None, minimum: int = 0) -> int:

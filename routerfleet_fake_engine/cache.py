@@ -30,13 +30,13 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from router_runtime.fake_engine.hashing import (
+from router_runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Dialect, KVEvent, Tier
+from routerfleet_fake_engine.hashing import (
     PLAIN,
     Namespace,
     block_hashes,
     vllm_event_extra_keys,
 )
-from router_runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Dialect, KVEvent, Tier
 
 DEVICE_MEDIUM = "GPU"
 

@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 from router_runtime.kv.events import Dialect, Tier
 
 if TYPE_CHECKING:
-    from router_runtime.fake_engine.server import FakeEngine
+    from routerfleet_fake_engine.server import FakeEngine
 
 _P = "routerfleet_fake_engine_"
 
