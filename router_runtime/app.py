@@ -40,6 +40,7 @@ from .fleet.inflight import LoadTracker
 from .fleet.metrics import FleetMetrics
 from .fleet.notices import KvNotice, NoticeKind, Notices
 from .fleet.view import Bounds, EngineSample
+from .gateway.picker import EndpointPicker, serve
 from .kv.hashing import SCHEME, hash_set_digest
 from .kv.index import TIER_ORDER
 from .kv.plane import KVPlane
@@ -84,6 +85,7 @@ class Router:
     ) -> None:
         self.config = config
         self.internal_url: str | None = None
+        self.epp_address: str | None = None  # host:port of the gateway's endpoint picker, when served
         self.registry = CollectorRegistry()
         # Who this replica is to its siblings (snapshot producer, load reports).
         self.replica_id = os.environ.get("POD_NAME") or f"router-{os.getpid()}"
@@ -623,8 +625,21 @@ async def run_router(
             config.server,
             **bounds,
         )
+    epp = None
     try:
         await router.start()
+        if config.epp_port is not None:
+            picker = EndpointPicker(
+                router.scheduler,
+                targets=router.targets,
+                load=router.load,
+                hooks=router.proxy.hooks,
+                max_body_bytes=config.max_body_bytes,
+                tenant_header=config.tenant_header,
+            )
+            epp_host = config.epp_host or config.host
+            epp, epp_port = await serve(picker, epp_host, config.epp_port)
+            router.epp_address = f"{epp_host}:{epp_port}"
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
@@ -636,7 +651,11 @@ async def run_router(
             router.internal_url = f"http://{host}:{internal.addresses[0][1]}"
         yield router, f"http://{config.host}:{port}"
     finally:
-        try:  # both servers wait for their requests in flight at once, each bounded by shutdown_timeout
-            await asyncio.gather(runner.cleanup(), *([internal.cleanup()] if internal is not None else []))
+        try:  # the servers wait for their requests in flight at once, each bounded by shutdown_timeout
+            await asyncio.gather(
+                runner.cleanup(),
+                *([internal.cleanup()] if internal is not None else []),
+                *([epp.stop(config.shutdown_timeout_s)] if epp is not None else []),
+            )
         finally:
             await router.stop()

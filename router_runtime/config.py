@@ -93,6 +93,9 @@ class RouterConfig:
     # A pod annotation key naming the engine's storage identity (KEY, and KEY-epoch); "": off.
     k8s_storage_annotation: str = ""
     # The internal port (snapshot producer, bootstrap verdict), on only with a token file.
+    # The gateway's endpoint picker (gateway/): None: not served.
+    epp_host: str | None = None  # default: --host
+    epp_port: int | None = None
     internal_host: str | None = None  # default: --host
     internal_port: int = 8081
     internal_token_file: str | None = None
@@ -613,6 +616,27 @@ FLAGS: tuple[tuple[str | None, tuple[Flag, ...]], ...] = (
                 default_text="off",
                 help="read each engine pod's storage identity from its annotations KEY (the id) and KEY-epoch"
                 " (default 0), e.g. routerfleet.io/storage-id; needs get on pods",
+            ),
+        ),
+    ),
+    (
+        "gateway endpoint picker",
+        (
+            Flag(
+                "--epp-host",
+                "epp_host",
+                Text(),
+                "address of the endpoint picker's gRPC port",
+                default_text="--host",
+            ),
+            Flag(
+                "--epp-port",
+                "epp_port",
+                Count(0, 65535),
+                "serve the Gateway API Inference Extension's endpoint picker (Envoy ext_proc, plaintext"
+                " gRPC) on this port, beside the proxy (docs/gateway.md)",
+                default_text="off",
+                zero="any free port",
             ),
         ),
     ),

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from ..scheduling.types import Kind
+
 # POST paths forwarded to one engine by load, as vLLM 0.33 and SGLang 0.5 spell them (several have a
 # /v1 twin in one engine or the other).
 FORWARDED = (
@@ -31,6 +33,17 @@ FORWARDED = (
     "/v1/audio/translations",
     "/v1/messages/count_tokens",  # Anthropic's: a count, nothing generated
 )
+
+# The POST paths whose prompt is routed on (the API each speaks), for a front door that sees paths
+# only (the gateway's endpoint picker); the proxy registers a handler per path.
+ROUTED = {
+    "/v1/completions": Kind.COMPLETION,
+    "/v1/chat/completions": Kind.CHAT,
+    "/v1/responses": Kind.RESPONSES,
+    "/v1/messages": Kind.MESSAGES,
+    "/generate": Kind.GENERATE,
+    "/inference/v1/generate": Kind.TOKEN_GENERATE,
+}
 
 # The router's own paths on the public port: an allow-list entry may not shadow one.
 OWN = (

