@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
@@ -82,3 +83,13 @@ async def snapshot_peer(answer: Callable[[web.Request], Awaitable[web.Response]]
     yields its base URL."""
     async with loopback_app(web.get("/internal/kv_snapshot", answer)) as url:
         yield url
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``; reaped either way."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

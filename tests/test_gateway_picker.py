@@ -26,7 +26,7 @@ from router_runtime.gateway.protocol import DESTINATION, endpoint, headers_of, p
 from router_runtime.proxy.headers import ENGINE_HEADER
 from router_runtime.scheduling.types import Target
 from routerfleet_fake_engine.server import run_fake_engine
-from tests.support import eventually, join_all, static_workers
+from tests.support import eventually, join_all, static_workers, stop_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -176,12 +176,7 @@ async def envoy(picker: str, tmp_path: Path) -> AsyncIterator[str]:
             await asyncio.sleep(0.05)
         yield f"http://127.0.0.1:{listen}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
 
 

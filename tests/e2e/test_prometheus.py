@@ -44,6 +44,7 @@ from test_operator import (
 )
 
 from e2e import fleet as F
+from tests.support import stop_process
 
 crd = test_operator.crd  # the fixture: the CRD applied
 
@@ -184,11 +185,7 @@ def prometheus(cfg: dict, workdir: Path):
             time.sleep(0.2)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         log.close()
 
 
