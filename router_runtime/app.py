@@ -636,6 +636,7 @@ async def run_router(
                 hooks=router.proxy.hooks,
                 max_body_bytes=config.max_body_bytes,
                 tenant_header=config.tenant_header,
+                ask_usage=config.audit_stream_usage,
             )
             epp_host = config.epp_host or config.host
             epp, epp_port = await serve(picker, epp_host, config.epp_port)

@@ -89,7 +89,7 @@ def envoy_config(listen: int, picker: str) -> dict:
                                                         "request_header_mode": "SEND",
                                                         "request_body_mode": "BUFFERED",
                                                         "response_header_mode": "SEND",
-                                                        "response_body_mode": "NONE",
+                                                        "response_body_mode": "STREAMED",
                                                         "request_trailer_mode": "SKIP",
                                                         "response_trailer_mode": "SKIP",
                                                     },
@@ -193,6 +193,20 @@ async def gateway(tmp_path: Path, n_engines: int = 2):
         yield engines, router, base
 
 
+def audited(router, outcome: str) -> float:
+    return sum(
+        sample(
+            router,
+            "routerfleet_audit_requests_total",
+            engine=e,
+            policy="kv_aware",
+            outcome=outcome,
+            doubtful="false",
+        )
+        for e in router.targets.urls
+    )
+
+
 def sample(router, name: str, **labels) -> float:
     return router.registry.get_sample_value(name, labels) or 0.0
 
@@ -214,6 +228,33 @@ async def test_envoy_sends_a_repeated_prompt_where_the_picker_knows_it_is_cached
         assert sample(router, "routerfleet_routing_decisions_total", policy="kv_aware", reason="prefix") >= 2
         # Each pick counts in the load until Envoy ends its stream (after the response headers).
         await eventually(lambda: router.load.total == 0, timeout=10, what="the picks released")
+
+
+async def test_responses_through_envoy_are_audited_stripped_of_asked_usage_and_bound(tmp_path):
+    async with gateway(tmp_path) as (_engines, router, base), aiohttp.ClientSession() as s:
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
+        for _ in range(2):
+            async with s.post(base + "/v1/completions", json=body) as r:
+                assert r.status == 200
+        # A stream whose client did not ask for usage: the picker asked, the audit read it, and the
+        # client never sees the usage-only chunk.
+        async with s.post(base + "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status == 200
+            events = [e for e in (await r.read()).split(b"\n\n") if e.startswith(b"data: {")]
+        assert events and all(json.loads(e[6:])["choices"] for e in events)
+        assert audited(router, "exact") == 3
+        # A stored response's id was bound as it passed: its follow-up and its GET find the engine.
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0) as client:
+            raw = await client.responses.with_raw_response.create(
+                model="m", input="hi there", max_output_tokens=2
+            )
+            first = raw.parse()
+            follow = await client.responses.with_raw_response.create(
+                model="m", input="and more", previous_response_id=first.id, max_output_tokens=2
+            )
+            assert follow.headers[ENGINE_HEADER] == raw.headers[ENGINE_HEADER]
+            assert (await client.responses.retrieve(first.id)).id == first.id
+        assert sample(router, "routerfleet_response_lookups_total", source="local") == 2
 
 
 async def test_the_sdks_stream_through_envoy_and_errors_keep_openais_shape(tmp_path):

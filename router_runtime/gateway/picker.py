@@ -20,19 +20,21 @@ from typing import Any
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
+from multidict import CIMultiDict
 
 from ..fleet.inflight import LoadTracker
+from ..proxy.audit import USAGE_OPTION_KINDS, request_usage
 from ..proxy.endpoints import FORWARDED, ROUTED
 from ..proxy.errors import ProxyError, bad_request, no_engine, not_found, too_large
 from ..proxy.headers import ENGINE_HEADER
 from ..proxy.request import parse_json
 from ..proxy.scheduler import Inbound, Scheduler
 from ..proxy.targets import TargetBook
-from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch
+from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch, chunk_watchers
 from ..scheduling.presets import make_policy
 from ..scheduling.types import Decision, RouteRequest, Target
 from ..sessions.keys import tenant_of
-from .protocol import headers_of, picked, proceed, refused, status_of, with_headers
+from .protocol import headers_of, picked, proceed, refused, rewritten, status_of, with_headers
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +44,15 @@ _RESPONSE_ITEM = "/v1/responses/"
 class _Stream:
     """One HTTP request's state across its ext_proc messages."""
 
-    __slots__ = ("body", "exchange", "headers", "size", "target", "watches")
+    __slots__ = ("body", "chunks", "headers", "size", "target", "watches")
 
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
         self.body: list[bytes] = []
         self.size = 0
         self.target: Target | None = None  # counted in the load until the stream ends
-        self.exchange: Exchange | None = None
         self.watches: Sequence[ResponseWatch] = ()
+        self.chunks: Sequence[ResponseWatch] = ()  # the watches that look at body chunks
 
 
 class EndpointPicker(epg.ExternalProcessorServicer):
@@ -63,6 +65,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         hooks: Sequence[RequestHook] = (),
         max_body_bytes: int = 32 << 20,
         tenant_header: str | None = None,
+        ask_usage: bool = True,
     ) -> None:
         self.scheduler = scheduler
         self.targets = targets
@@ -70,6 +73,8 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         self.hooks = tuple(hooks)
         self.max_body_bytes = max_body_bytes
         self.tenant_header = tenant_header
+        # Ask the engine for usage on streams whose client did not, so they are audited too (audit.py).
+        self.ask_usage = ask_usage
         self._by_load = make_policy("least_loaded")
 
     async def Process(
@@ -96,7 +101,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         if phase == "request_headers":
             stream.headers = headers_of(message.request_headers)
             if message.request_headers.end_of_stream:
-                return self._decided(stream, await self._pick(stream, None), phase)
+                return self._decided(stream, *await self._pick(stream, None), phase)
             return proceed(phase)
         if phase == "request_body":
             chunk = message.request_body.body
@@ -106,19 +111,32 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             stream.body.append(chunk)
             if not message.request_body.end_of_stream:
                 return proceed(phase)
-            return self._decided(stream, await self._pick(stream, b"".join(stream.body)), phase)
+            return self._decided(stream, *await self._pick(stream, b"".join(stream.body)), phase)
         if phase == "response_headers":
             headers = headers_of(message.response_headers)
-            seen = dict(headers)
+            seen = CIMultiDict(headers)  # the hooks read and write names in any case, as HTTP has them
             if stream.target is not None:  # as the proxy's answers say who served them
                 seen[ENGINE_HEADER] = stream.target.engine
             for w in stream.watches:
                 w.response_received(status_of(headers), seen)
             added = {k: v for k, v in seen.items() if headers.get(k.lower()) != v}
             return with_headers(proceed(phase), added)
+        if phase == "response_body":
+            part = message.response_body
+            chunk = part.body
+            for w in stream.chunks:
+                chunk = await w.response_streaming(chunk)
+            if part.end_of_stream:
+                chunk += b"".join(w.response_ended() for w in stream.watches)
+            answer = proceed(phase) if chunk == part.body else rewritten(phase, chunk)
+            if part.end_of_stream:
+                for w in stream.watches:
+                    w.response_complete()
+            return answer
         return proceed(phase)
 
-    async def _pick(self, stream: _Stream, raw: bytes | None) -> tuple[Decision, Exchange]:
+    async def _pick(self, stream: _Stream, raw: bytes | None) -> tuple[Decision, Exchange, bytes | None]:
+        """The decision, the exchange the hooks watch, and the body to send instead (None: as sent)."""
         headers = stream.headers
         candidates = self.targets.candidates()
         if not candidates:
@@ -132,7 +150,11 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             scheduled = await self.scheduler.prepare(
                 Inbound(kind, headers, body, len(raw), tenant), candidates
             )
+            asked = None
+            if self.ask_usage and kind in USAGE_OPTION_KINDS and scheduled.predicts:
+                asked = request_usage(raw, body)
             decision = scheduled.decide(candidates, 0)
+            prediction = scheduled.prediction(decision)
             x = Exchange(
                 decision.target,
                 start,
@@ -140,9 +162,10 @@ class EndpointPicker(epg.ExternalProcessorServicer):
                 tenant,
                 kind,
                 scheduled.session,
-                scheduled.prediction(decision),
+                prediction,
+                asked is not None,
             )
-            return decision, x
+            return decision, x, asked
         if path.startswith(_RESPONSE_ITEM) and self.scheduler.responses is not None:
             response_id = path[len(_RESPONSE_ITEM) :].split("/", 1)[0]
             target = await self.scheduler.responses.target(
@@ -153,17 +176,16 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             decision = self._by_load.choose(RouteRequest(), candidates, self.scheduler.loads, None)
         else:  # as the proxy answers a path it does not serve (administrative ones among them)
             raise not_found(headers.get(":method", "?"), path[:256])
-        return decision, Exchange(decision.target, start, headers, tenant, None)
+        return decision, Exchange(decision.target, start, headers, tenant, None), None
 
     def _decided(
-        self, stream: _Stream, picked_: tuple[Decision, Exchange], phase: str
+        self, stream: _Stream, decision: Decision, x: Exchange, body: bytes | None, phase: str
     ) -> ep.ProcessingResponse:
-        decision, x = picked_
         stream.target = decision.target
         self.load.acquire(decision.target)
-        stream.exchange = x
         stream.watches = [w for hook in self.hooks if (w := hook.pre_request(x)) is not None]
-        return picked(decision.target, phase=phase)
+        stream.chunks = chunk_watchers(stream.watches)
+        return picked(decision.target, phase=phase, body=body)
 
 
 def _parsed(raw: bytes) -> Any:

@@ -48,14 +48,19 @@ def header(name: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
-def picked(target: Target, *, phase: str) -> ep.ProcessingResponse:
+def picked(target: Target, *, phase: str, body: bytes | None = None) -> ep.ProcessingResponse:
     """The answer that sends the request to ``target``, in the ``phase`` the pick was made in
-    (``request_headers`` for a request without a body, else ``request_body``)."""
+    (``request_headers`` for a request without a body, else ``request_body``), with ``body`` instead
+    of the one sent (None: as sent)."""
     where = endpoint(target)
     mutation = [header(DESTINATION, where)]
     if target.rank is not None:
         mutation.append(header(RANK_HEADER, str(target.rank)))
+    if body is not None:  # Envoy refuses a buffered body whose Content-Length no longer says its size
+        mutation.append(header("content-length", str(len(body))))
     common = ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=mutation))
+    if body is not None:
+        common.body_mutation.body = body
     metadata = struct_pb2.Struct()
     metadata.update({LB_NAMESPACE: {DESTINATION: where}})
     if phase == "request_headers":
@@ -71,7 +76,17 @@ def proceed(phase: str) -> ep.ProcessingResponse:
         return ep.ProcessingResponse(request_headers=ep.HeadersResponse())
     if phase == "response_headers":
         return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+    if phase == "response_body":
+        return ep.ProcessingResponse(response_body=ep.BodyResponse())
     return ep.ProcessingResponse(request_body=ep.BodyResponse())
+
+
+def rewritten(phase: str, body: bytes) -> ep.ProcessingResponse:
+    """A streamed body chunk, replaced (the usage the router asked for, taken out again)."""
+    common = ep.CommonResponse(body_mutation=ep.BodyMutation(body=body))
+    if phase == "response_body":
+        return ep.ProcessingResponse(response_body=ep.BodyResponse(response=common))
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
 
 
 def refused(error: ProxyError) -> ep.ProcessingResponse:

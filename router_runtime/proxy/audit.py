@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from ..kv.events import Tier
 from ..scheduling.hooks import Exchange, ResponseWatch
+from ..scheduling.types import Kind
 from ..worker import Carrier
 
 if TYPE_CHECKING:
@@ -133,6 +134,11 @@ _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")  # an event's end: a blank line, in any of SSE's line ends
 _ASKED = b'"stream_options":{"include_usage":true},'
+
+
+# The APIs whose stream takes OpenAI's ``stream_options`` (the audit may ask for usage there); the
+# other APIs always report it.
+USAGE_OPTION_KINDS = frozenset({Kind.COMPLETION, Kind.CHAT})
 
 
 def request_usage(raw: bytes, body: object) -> bytes | None:

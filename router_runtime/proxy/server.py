@@ -37,15 +37,14 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from ..fleet.inflight import LoadTracker
 from ..http_body import read_capped
-from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch
+from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch, chunk_watchers
 from ..scheduling.presets import make_policy
 from ..scheduling.types import Decision, RouteRequest, Target
 from ..scheduling.types import Reason as DecisionReason
 from ..sessions.affinity import SessionCtx
 from ..sessions.bindings import Verdict
 from ..sessions.keys import tenant_of
-from ..tokens.shapes import messages_chat, responses_chat
-from .audit import request_usage
+from .audit import USAGE_OPTION_KINDS, request_usage
 from .errors import (
     ProxyError,
     bad_gateway,
@@ -74,13 +73,6 @@ from .targets import TargetBook
 log = logging.getLogger(__name__)
 
 MAX_MODELS_BYTES = 4 << 20  # an engine's /v1/models answer; past it, that engine did not answer
-# The kinds whose stream takes OpenAI's ``stream_options`` (the audit may ask for usage there); the
-# other APIs always report it.
-_USAGE_OPTION_KINDS = frozenset({Kind.COMPLETION, Kind.CHAT})
-# A watch that leaves the body alone is not called per chunk.
-_PASS_THROUGH = ResponseWatch.response_streaming
-# The APIs rendered as a chat request, and how their body becomes one (tokens/shapes.py).
-_AS_CHAT = {Kind.RESPONSES: responses_chat, Kind.MESSAGES: messages_chat}
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +238,7 @@ class Proxy:
         )
         ctx.session = scheduled.session
         asked = None
-        if self.audit_stream_usage and kind in _USAGE_OPTION_KINDS and scheduled.predicts:
+        if self.audit_stream_usage and kind in USAGE_OPTION_KINDS and scheduled.predicts:
             asked = request_usage(raw, body)
         sent = raw if asked is None else asked
         tokens = scheduled.route.tokens
@@ -428,7 +420,7 @@ class Proxy:
             for w in watches:
                 w.response_received(status, headers)
             rewrites = any(w.rewrites_body for w in watches)
-            streaming = [w for w in watches if type(w).response_streaming is not _PASS_THROUGH]
+            streaming = chunk_watchers(watches)
             resp = web.StreamResponse(status=status, reason=up.reason, headers=headers)
             if up.content_length is not None and "Transfer-Encoding" not in up.headers and not rewrites:
                 resp.content_length = up.content_length

@@ -17,7 +17,7 @@ response-id binding (sessions/bindings.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -66,3 +66,8 @@ class RequestHook(Protocol):
     def pre_request(self, exchange: Exchange) -> ResponseWatch | None:
         """This exchange's watch (None: the hook has nothing to do with it)."""
         ...
+
+
+def chunk_watchers(watches: Sequence[ResponseWatch]) -> list[ResponseWatch]:
+    """The watches that look at body chunks: one that leaves them alone is not called per chunk."""
+    return [w for w in watches if type(w).response_streaming is not ResponseWatch.response_streaming]
