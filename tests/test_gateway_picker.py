@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import string
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
-from router_runtime.gateway.protocol import DESTINATION, endpoint, headers_of, picked
+from router_runtime.gateway.protocol import DESTINATION, headers_of, picked
 from router_runtime.proxy.headers import ENGINE_HEADER
 from router_runtime.scheduling.types import Target
 from routerfleet_fake_engine.server import run_fake_engine
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.timeout(120)
 
 BS = 4
 ENVOY = Path(sys.executable).parent / "envoy"
+DATA = Path(__file__).parent / "data" / "gateway"
 
 
 def free_port() -> int:
@@ -40,126 +42,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def envoy_config(listen: int, picker: str) -> dict:
+def envoy_config(listen: int, picker: str) -> str:
     host, port = picker.rsplit(":", 1)
-    any_ = "@type"
-    return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "gateway",
-                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {
-                                    "name": "envoy.filters.network.http_connection_manager",
-                                    "typed_config": {
-                                        any_: "type.googleapis.com/envoy.extensions.filters.network"
-                                        ".http_connection_manager.v3.HttpConnectionManager",
-                                        "stat_prefix": "gateway",
-                                        "route_config": {
-                                            "virtual_hosts": [
-                                                {
-                                                    "name": "all",
-                                                    "domains": ["*"],
-                                                    "routes": [
-                                                        {
-                                                            "match": {"prefix": "/"},
-                                                            "route": {"cluster": "engines", "timeout": "60s"},
-                                                        }
-                                                    ],
-                                                }
-                                            ]
-                                        },
-                                        "http_filters": [
-                                            {
-                                                "name": "envoy.filters.http.ext_proc",
-                                                "typed_config": {
-                                                    any_: "type.googleapis.com/envoy.extensions.filters.http"
-                                                    ".ext_proc.v3.ExternalProcessor",
-                                                    "grpc_service": {
-                                                        "envoy_grpc": {"cluster_name": "picker"},
-                                                        "timeout": "10s",
-                                                    },
-                                                    "failure_mode_allow": False,
-                                                    "message_timeout": "10s",
-                                                    "processing_mode": {
-                                                        "request_header_mode": "SEND",
-                                                        "request_body_mode": "BUFFERED",
-                                                        "response_header_mode": "SEND",
-                                                        "response_body_mode": "STREAMED",
-                                                        "request_trailer_mode": "SKIP",
-                                                        "response_trailer_mode": "SKIP",
-                                                    },
-                                                },
-                                            },
-                                            {
-                                                "name": "envoy.filters.http.router",
-                                                "typed_config": {
-                                                    any_: "type.googleapis.com/envoy.extensions.filters.http"
-                                                    ".router.v3.Router"
-                                                },
-                                            },
-                                        ],
-                                    },
-                                }
-                            ]
-                        }
-                    ],
-                }
-            ],
-            "clusters": [
-                {
-                    "name": "engines",
-                    "type": "ORIGINAL_DST",
-                    "lb_policy": "CLUSTER_PROVIDED",
-                    "connect_timeout": "2s",
-                    "original_dst_lb_config": {
-                        "use_http_header": True,
-                        "http_header_name": "x-gateway-destination-endpoint",
-                    },
-                },
-                {
-                    "name": "picker",
-                    "type": "STATIC",
-                    "connect_timeout": "2s",
-                    "typed_extension_protocol_options": {
-                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                            any_: "type.googleapis.com/envoy.extensions.upstreams.http.v3"
-                            ".HttpProtocolOptions",
-                            "explicit_http_config": {"http2_protocol_options": {}},
-                        }
-                    },
-                    "load_assignment": {
-                        "cluster_name": "picker",
-                        "endpoints": [
-                            {
-                                "lb_endpoints": [
-                                    {
-                                        "endpoint": {
-                                            "address": {
-                                                "socket_address": {"address": host, "port_value": int(port)}
-                                            }
-                                        }
-                                    }
-                                ]
-                            }
-                        ],
-                    },
-                },
-            ],
-        },
-    }
+    template = string.Template((DATA / "envoy.yaml").read_text())
+    return template.substitute(listen_port=listen, picker_host=host, picker_port=port)
 
 
 @contextlib.asynccontextmanager
 async def envoy(picker: str, tmp_path: Path) -> AsyncIterator[str]:
     """Envoy in front of the picker; yields its listener's base URL."""
     listen = free_port()
-    config = tmp_path / "envoy.json"
-    config.write_text(json.dumps(envoy_config(listen, picker)))
+    config = tmp_path / "envoy.yaml"
+    config.write_text(envoy_config(listen, picker))
     log = (tmp_path / "envoy.log").open("wb")
     proc = subprocess.Popen(
         [str(ENVOY), "-c", str(config), "--disable-hot-restart", "--concurrency", "1", "-l", "warning"],
@@ -230,6 +124,26 @@ async def test_envoy_sends_a_repeated_prompt_where_the_picker_knows_it_is_cached
         await eventually(lambda: router.load.total == 0, timeout=10, what="the picks released")
 
 
+async def test_the_gateways_subset_hint_narrows_the_pick(tmp_path):
+    async with gateway(tmp_path) as (engines, _router, base), aiohttp.ClientSession() as s:
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
+        async with s.post(base + "/v1/completions", json=body) as r:
+            cached_on = r.headers[ENGINE_HEADER]
+        other = next(e.http_url for e in engines if e.http_url != cached_on)
+        only_other = {"x-test-subset": other.removeprefix("http://")}
+        for _ in range(2):  # the prefix is cached elsewhere, but the gateway allows only this engine
+            async with s.post(base + "/v1/completions", json=body, headers=only_other) as r:
+                assert r.status == 200 and r.headers[ENGINE_HEADER] == other
+        nowhere = {"x-test-subset": "10.255.0.1:8000,10.255.0.2:8000"}
+        async with s.post(base + "/v1/completions", json=body, headers=nowhere) as r:
+            assert r.status == 503
+            assert "subset" in (await r.json())["error"]["message"]
+        async with s.post(
+            base + "/v1/embeddings", json={"model": "m", "input": "x"}, headers=only_other
+        ) as r:
+            assert r.status == 200 and r.headers[ENGINE_HEADER] == other  # by load, in the subset too
+
+
 async def test_responses_through_envoy_are_audited_stripped_of_asked_usage_and_bound(tmp_path):
     async with gateway(tmp_path) as (_engines, router, base), aiohttp.ClientSession() as s:
         body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
@@ -278,8 +192,8 @@ async def test_the_sdks_stream_through_envoy_and_errors_keep_openais_shape(tmp_p
 
 
 def test_a_pick_names_the_engine_in_the_header_and_the_lb_metadata_and_pins_a_rank():
-    assert endpoint(Target("e", "http://10.0.0.5:8000")) == "10.0.0.5:8000"
-    assert endpoint(Target("e", "http://engine.local")) == "engine.local:80"
+    assert Target("e", "http://10.0.0.5:8000").endpoint == "10.0.0.5:8000"
+    assert Target("e", "http://engine.local").endpoint == "engine.local:80"
     answer = picked(Target("e", "http://10.0.0.5:8000", 1), phase="request_body")
     got = {
         h.header.key: h.header.raw_value.decode()

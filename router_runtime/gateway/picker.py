@@ -28,13 +28,14 @@ from ..proxy.endpoints import FORWARDED, ROUTED
 from ..proxy.errors import ProxyError, bad_request, no_engine, not_found, too_large
 from ..proxy.headers import ENGINE_HEADER
 from ..proxy.request import parse_json
-from ..proxy.scheduler import Inbound, Scheduler
+from ..proxy.scheduler import Inbound, Scheduler, unschedulable
 from ..proxy.targets import TargetBook
+from ..scheduling.framework import Unschedulable
 from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch, chunk_watchers
 from ..scheduling.presets import make_policy
 from ..scheduling.types import Decision, RouteRequest, Target
 from ..sessions.keys import tenant_of
-from .protocol import headers_of, picked, proceed, refused, rewritten, status_of, with_headers
+from .protocol import headers_of, picked, proceed, refused, rewritten, status_of, subset_of, with_headers
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,11 @@ _RESPONSE_ITEM = "/v1/responses/"
 class _Stream:
     """One HTTP request's state across its ext_proc messages."""
 
-    __slots__ = ("body", "chunks", "headers", "size", "target", "watches")
+    __slots__ = ("body", "chunks", "headers", "size", "subset", "target", "watches")
 
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
+        self.subset: frozenset[str] | None = None  # the gateway's subset hint (None: any endpoint)
         self.body: list[bytes] = []
         self.size = 0
         self.target: Target | None = None  # counted in the load until the stream ends
@@ -100,6 +102,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
     ) -> ep.ProcessingResponse:
         if phase == "request_headers":
             stream.headers = headers_of(message.request_headers)
+            stream.subset = subset_of(message.metadata_context)
             if message.request_headers.end_of_stream:
                 return self._decided(stream, *await self._pick(stream, None), phase)
             return proceed(phase)
@@ -148,7 +151,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         if kind is not None and raw is not None:
             body = _parsed(raw)
             scheduled = await self.scheduler.prepare(
-                Inbound(kind, headers, body, len(raw), tenant), candidates
+                Inbound(kind, headers, body, len(raw), tenant, stream.subset), candidates
             )
             asked = None
             if self.ask_usage and kind in USAGE_OPTION_KINDS and scheduled.predicts:
@@ -166,16 +169,20 @@ class EndpointPicker(epg.ExternalProcessorServicer):
                 asked is not None,
             )
             return decision, x, asked
+        # Not prompt-bearing: a stored response's own paths go to its engine, the rest by load.
         if path.startswith(_RESPONSE_ITEM) and self.scheduler.responses is not None:
             response_id = path[len(_RESPONSE_ITEM) :].split("/", 1)[0]
-            target = await self.scheduler.responses.target(
-                response_id, candidates, headers, "response_id", tenant
-            )
-            decision = self.scheduler.choose(RouteRequest(pinned=target), candidates, None)
+            responses = self.scheduler.responses
+            pinned = await responses.target(response_id, candidates, headers, "response_id", tenant)
+            route, profile = RouteRequest(pinned=pinned, subset=stream.subset), self.scheduler.profile
         elif path in FORWARDED or kind is not None:
-            decision = self._by_load.choose(RouteRequest(), candidates, self.scheduler.loads, None)
+            route, profile = RouteRequest(subset=stream.subset), self._by_load
         else:  # as the proxy answers a path it does not serve (administrative ones among them)
             raise not_found(headers.get(":method", "?"), path[:256])
+        try:
+            decision = profile.choose(route, candidates, self.scheduler.loads, None)
+        except Unschedulable as e:
+            raise unschedulable(e) from None
         return decision, Exchange(decision.target, start, headers, tenant, None), None
 
     def _decided(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from urllib.parse import urlsplit
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -24,6 +23,8 @@ from ..scheduling.types import Target
 
 DESTINATION = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
+SUBSET = "x-gateway-destination-endpoint-subset"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 
 
 def headers_of(message: ep.HttpHeaders) -> dict[str, str]:
@@ -35,10 +36,21 @@ def headers_of(message: ep.HttpHeaders) -> dict[str, str]:
     return out
 
 
-def endpoint(target: Target) -> str:
-    """``ip:port`` of a target's engine, as Envoy's original-destination cluster takes it."""
-    parts = urlsplit(target.url)
-    return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+def subset_of(metadata: base_pb2.Metadata) -> frozenset[str] | None:
+    """The endpoints the gateway allows (``ip:port``), from the filter metadata Envoy forwards
+    (``envoy.lb.subset_hint``): a list of strings, or one comma-separated string; None: no hint."""
+    hint = metadata.filter_metadata.get(SUBSET_NAMESPACE)
+    if hint is None or SUBSET not in hint.fields:
+        return None
+    value = hint.fields[SUBSET]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        items = [v.string_value for v in value.list_value.values if v.WhichOneof("kind") == "string_value"]
+    elif kind == "string_value":
+        items = value.string_value.split(",")
+    else:
+        items = []
+    return frozenset(i.strip() for i in items if i.strip())
 
 
 def header(name: str, value: str) -> base_pb2.HeaderValueOption:
@@ -52,7 +64,7 @@ def picked(target: Target, *, phase: str, body: bytes | None = None) -> ep.Proce
     """The answer that sends the request to ``target``, in the ``phase`` the pick was made in
     (``request_headers`` for a request without a body, else ``request_body``), with ``body`` instead
     of the one sent (None: as sent)."""
-    where = endpoint(target)
+    where = target.endpoint
     mutation = [header(DESTINATION, where)]
     if target.rank is not None:
         mutation.append(header(RANK_HEADER, str(target.rank)))

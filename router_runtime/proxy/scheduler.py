@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..kv.index import RadixIndex
+from ..scheduling.filters import PinnedTarget
 from ..scheduling.framework import Profile, Unschedulable
 from ..scheduling.types import Decision, Kind, RouteRequest, Target
 from ..sessions.affinity import SessionAffinity, SessionCtx
@@ -29,7 +30,7 @@ from ..tokens.shapes import messages_chat, responses_chat
 from ..tokens.tokenizer import AsyncTokenizer, Reason, Untokenizable
 from ..worker import Carrier
 from .audit import Prediction
-from .errors import bad_request
+from .errors import ProxyError, bad_request, no_engine
 from .metrics import ProxyMetrics
 from .request import ParsedRequest, parse_request
 from .responses import ResponseRouter, response_error
@@ -47,6 +48,7 @@ class Inbound:
     body: Any  # the parsed JSON body
     size: int  # its bytes: bounds what the tokenizer may spend on it
     tenant: str = ""  # sessions/keys.py: tenant_of
+    subset: frozenset[str] | None = None  # the endpoints a gateway allows (None: any)
 
 
 class Scheduled:
@@ -87,10 +89,11 @@ class Scheduled:
             route = replace(route, prefer=prefer, prefer_vouched=classified.vouched)
         try:
             decision = s.choose(route, candidates, self.index)
-        except Unschedulable:  # the pinned engine failed to connect: nowhere else holds the response
-            raise response_error(
-                Verdict.UNAVAILABLE, self.parsed.previous_response_id, "previous_response_id"
-            ) from None
+        except Unschedulable as e:
+            if e.filter == PinnedTarget.name:  # its engine failed to connect: nowhere else holds it
+                previous = self.parsed.previous_response_id
+                raise response_error(Verdict.UNAVAILABLE, previous, "previous_response_id") from None
+            raise unschedulable(e) from None
         if sctx is not None and attempt == 0:
             s.sessions.selected(sctx, decision.target, s.profile.name)
         return decision
@@ -142,15 +145,17 @@ class Scheduler:
                 previous, candidates, inbound.headers, "previous_response_id", inbound.tenant
             )
         if pinned is not None:  # not routed by the profile: nothing to tokenize, no session to keep
-            return Scheduled(self, parsed, RouteRequest(pinned=pinned), None, self.index_fn())
+            route = RouteRequest(pinned=pinned, subset=inbound.subset)
+            return Scheduled(self, parsed, route, None, self.index_fn())
         session = None
         if self.sessions is not None:
             session = await self.sessions.begin(inbound.headers, inbound.body, inbound.tenant)
-        route = await self._route_request(parsed, inbound.size)
+        route = await self._route_request(parsed, inbound.size, inbound.subset)
         return Scheduled(self, parsed, route, session, self.index_fn())
 
     def choose(self, route: RouteRequest, candidates: Sequence[Target], index: RadixIndex | None) -> Decision:
-        """The profile's decision, timed and counted."""
+        """The profile's decision, timed and counted; raises ``Unschedulable`` when a filter left no
+        candidate (``unschedulable`` says it to the client)."""
         m = self.metrics
         t0 = time.perf_counter()
         decision = self.profile.choose(route, candidates, self.loads, index)
@@ -162,7 +167,9 @@ class Scheduler:
             m.matched_ratio.observe(decision.matched_chars / decision.total_chars)
         return decision
 
-    async def _route_request(self, parsed: ParsedRequest, size: int) -> RouteRequest:
+    async def _route_request(
+        self, parsed: ParsedRequest, size: int, subset: frozenset[str] | None
+    ) -> RouteRequest:
         needs_tokens, needs_text = self.profile.needs_tokens, self.profile.needs_text
         tokens: Sequence[int] | None = None
         text = parsed.text
@@ -197,5 +204,10 @@ class Scheduler:
         if refused is not None:  # once per request, whatever the profile needed
             self.metrics.untokenized.labels(refused).inc()
         return RouteRequest(
-            tokens=tokens, text=text, lora_name=parsed.lora_name, cache_salt=parsed.cache_salt
+            tokens=tokens, text=text, lora_name=parsed.lora_name, cache_salt=parsed.cache_salt, subset=subset
         )
+
+
+def unschedulable(e: Unschedulable) -> ProxyError:
+    """A filter left no candidate: a gateway's subset named none of the engines that can take it."""
+    return no_engine(f"no engine can take the request (the {e.filter} filter left none)")

@@ -1,5 +1,7 @@
 """Filters every preset starts with: the request's constraints on where it may go, before any choice.
 
+- ``EndpointSubset``: a gateway may name the endpoints a request may go to (the Endpoint Picker
+  protocol's subset hint): the candidates outside it are dropped; none left is Unschedulable.
 - ``PinnedTarget``: a request that continues a stored response (``RouteRequest.pinned``) runs where that
   response's context is. That target alone, with the reason ``response`` (nothing was chosen); or none,
   when its engine is not a candidate (down, or failed to connect): the caller says so, nowhere else
@@ -14,6 +16,17 @@ from collections.abc import Sequence
 
 from .framework import Cycle
 from .types import Reason, Target
+
+
+class EndpointSubset:
+    name = "subset"
+    decides = None
+
+    def filter(self, cycle: Cycle) -> Sequence[Target]:
+        subset = cycle.request.subset
+        if subset is None:
+            return cycle.targets
+        return [t for t in cycle.targets if t.endpoint in subset]
 
 
 class PinnedTarget:

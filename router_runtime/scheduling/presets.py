@@ -2,7 +2,7 @@
 every routing tunable. Defaults and their reasoning are in docs/routing.md. A new scorer is one file and
 one line in a preset here.
 
-    every preset   pinned, preferred_first (filters.py), then:
+    every preset   subset, pinned, preferred_first (filters.py), then:
     kv_aware       prefix_cache + load_cost -> lowest_cost (guard, ties spread by request hash)
     approx_prefix  text_prefix              -> lowest_cost (guard, ties by target order)
     round_robin                             -> round_robin (the guard for returning sessions)
@@ -16,7 +16,7 @@ import math
 import random
 from dataclasses import dataclass, fields
 
-from .filters import PinnedTarget, PreferredFirst
+from .filters import EndpointSubset, PinnedTarget, PreferredFirst
 from .framework import Profile
 from .load_cost import LoadCost
 from .pickers import Guard, LeastLoaded, LowestCost, PowerOfTwo, RoundRobin, Ties
@@ -73,7 +73,7 @@ class PolicyConfig:
 def make_policy(name: str, config: PolicyConfig | None = None) -> Profile:
     c = config if config is not None else PolicyConfig()
     guard = Guard(c.balance_abs_threshold, c.balance_rel_threshold)
-    filters = (PinnedTarget(), PreferredFirst())
+    filters = (EndpointSubset(), PinnedTarget(), PreferredFirst())
     if name == "kv_aware":
         prefix = PrefixCache(
             host_weight=c.host_weight, disk_weight=c.disk_weight, external_weight=c.external_weight

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from ..worker import Carrier
 
@@ -35,6 +36,12 @@ class Target:
     def carrier(self) -> Carrier:
         return Carrier(self.engine, self.rank or 0)
 
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of the engine's URL, as a gateway names endpoints."""
+        parts = urlsplit(self.url)
+        return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
@@ -50,6 +57,8 @@ class RouteRequest:
     prefer_vouched: bool = False
     # Where the request must go (the engine holding the stored response it continues): not a choice.
     pinned: Target | None = None
+    # The endpoints (``Target.endpoint``) a gateway allows for this request; None: any.
+    subset: frozenset[str] | None = None
 
 
 class Reason(enum.StrEnum):
