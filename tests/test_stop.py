@@ -208,7 +208,10 @@ async def test_the_context_ends_at_once_naming_a_socket_its_owner_left_open(capl
         sub.connect("tcp://127.0.0.1:9")
         assert sockets.open_names() == ["live SUB of rank e#0"]
         assert sockets.close() == ["live SUB of rank e#0"]
-    assert sockets.ctx.closed and zmq_threads() == zmq_before
+    assert sockets.ctx.closed
+    # As in the trials: a context's threads are counted gone once the OS has reaped them (a fresh clone's
+    # CI once counted one still there right after the destroy).
+    await eventually(lambda: zmq_threads() == zmq_before, what=f"the context's threads ended ({zmq_before})")
     assert "1 ZMQ sockets still open: live SUB of rank e#0" in caplog.text
 
 
