@@ -571,10 +571,16 @@ class Router:
         for (engine, source), value in totals.items():
             g.load.labels(engine, source).set(value)
 
-    async def _readyz(self, _req: web.Request) -> web.Response:
+    def probed_ready(self) -> tuple[bool, str]:
+        """``ready()`` as a probe asks it (``/readyz``, the picker's gRPC health): once ready, a serving
+        replica never leaves the Service over bootstrap."""
         ok, why = self.ready()
         if ok:
-            self.bootstrap.latch_ready()  # a serving replica never leaves the Service over bootstrap
+            self.bootstrap.latch_ready()
+        return ok, why
+
+    async def _readyz(self, _req: web.Request) -> web.Response:
+        ok, why = self.probed_ready()
         return web.json_response({"ready": ok, "reason": why}, status=200 if ok else 503)
 
     async def _metrics(self, _req: web.Request) -> web.Response:
@@ -639,7 +645,7 @@ async def run_router(
                 ask_usage=config.audit_stream_usage,
             )
             epp_host = config.epp_host or config.host
-            epp, epp_port = await serve(picker, epp_host, config.epp_port)
+            epp, epp_port = await serve(picker, epp_host, config.epp_port, lambda: router.probed_ready()[0])
             router.epp_address = f"{epp_host}:{epp_port}"
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)

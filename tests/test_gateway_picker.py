@@ -16,10 +16,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import grpc
 import openai
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
@@ -212,3 +214,27 @@ def test_a_pick_names_the_engine_in_the_header_and_the_lb_metadata_and_pins_a_ra
         )
     )
     assert headers_of(sent) == {":path": "/v1/completions", "authorization": "Bearer x"}
+
+
+async def test_the_pickers_grpc_health_follows_readiness(tmp_path):
+    async with contextlib.AsyncExitStack() as stack:
+        engine = await stack.enter_async_context(run_fake_engine(block_size=BS))
+        cfg = RouterConfig(
+            port=0, workers=static_workers([engine]), block_size=BS, health_interval_s=0, epp_port=0
+        )
+        router, _url = await stack.enter_async_context(run_router(cfg))
+        channel = await stack.enter_async_context(grpc.aio.insecure_channel(router.epp_address))
+        check = health_pb2_grpc.HealthStub(channel).Check
+        answer = health_pb2.HealthCheckResponse
+
+        async def status(service: str) -> int:
+            return (await check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status
+
+        await eventually(lambda: router.ready()[0], timeout=10, what="the router ready")
+        assert await status("envoy.service.ext_proc.v3.ExternalProcessor") == answer.SERVING
+        assert await status("") == answer.SERVING
+        router.draining = True  # as on SIGTERM: out of the gateway's rotation with /readyz
+        assert await status("envoy.service.ext_proc.v3.ExternalProcessor") == answer.NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await status("some.other.Service")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND

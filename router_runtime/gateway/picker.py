@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
+from grpc_health.v1 import health_pb2_grpc
 from multidict import CIMultiDict
 
 from ..fleet.inflight import LoadTracker
@@ -35,6 +36,7 @@ from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch, chunk_watch
 from ..scheduling.presets import make_policy
 from ..scheduling.types import Decision, RouteRequest, Target
 from ..sessions.keys import tenant_of
+from .health import PickerHealth
 from .protocol import headers_of, picked, proceed, refused, rewritten, status_of, subset_of, with_headers
 
 log = logging.getLogger(__name__)
@@ -201,14 +203,18 @@ def _parsed(raw: bytes) -> Any:
     return parse_json(raw)
 
 
-async def serve(picker: EndpointPicker, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """The picker on a started gRPC server (plaintext) at ``host:port``; returns it and the port bound.
-    A message may carry a whole buffered body, so the size cap is the body cap plus room for headers."""
+async def serve(
+    picker: EndpointPicker, host: str, port: int, ready: Callable[[], bool]
+) -> tuple[grpc.aio.Server, int]:
+    """The picker, and its gRPC health (``ready``: as ``/readyz``), on a started gRPC server (plaintext)
+    at ``host:port``; returns it and the port bound. A message may carry a whole buffered body, so the
+    size cap is the body cap plus room for headers."""
     cap = picker.max_body_bytes + (1 << 20)
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", cap), ("grpc.max_send_message_length", cap)]
     )
     epg.add_ExternalProcessorServicer_to_server(picker, server)
+    health_pb2_grpc.add_HealthServicer_to_server(PickerHealth(ready), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     return server, bound
