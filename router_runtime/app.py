@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -86,6 +87,7 @@ class Router:
         self.config = config
         self.internal_url: str | None = None
         self.epp_address: str | None = None  # host:port of the gateway's endpoint picker, when served
+        self.epp_server: grpc.aio.Server | None = None
         self.registry = CollectorRegistry()
         # Who this replica is to its siblings (snapshot producer, load reports).
         self.replica_id = os.environ.get("POD_NAME") or f"router-{os.getpid()}"
@@ -643,10 +645,12 @@ async def run_router(
                 max_body_bytes=config.max_body_bytes,
                 tenant_header=config.tenant_header,
                 ask_usage=config.audit_stream_usage,
+                health=router.health,
             )
             epp_host = config.epp_host or config.host
             epp, epp_port = await serve(picker, epp_host, config.epp_port, lambda: router.probed_ready()[0])
             router.epp_address = f"{epp_host}:{epp_port}"
+            router.epp_server = epp
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()

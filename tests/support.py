@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -93,3 +94,15 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def free_port() -> int:
+    """A loopback port free a moment ago (nothing listens on it: connecting is refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def closed_port_url() -> str:
+    """An engine URL where nothing listens: connecting is refused."""
+    return f"http://127.0.0.1:{free_port()}"

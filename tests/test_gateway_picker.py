@@ -27,9 +27,11 @@ from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
 from router_runtime.gateway.protocol import DESTINATION, headers_of, picked
 from router_runtime.proxy.headers import ENGINE_HEADER
+from router_runtime.proxy.health import BreakerState
 from router_runtime.scheduling.types import Target
+from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
-from tests.support import eventually, join_all, static_workers, stop_process
+from tests.support import closed_port_url, eventually, free_port, join_all, static_workers, stop_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,24 +40,30 @@ ENVOY = Path(sys.executable).parent / "envoy"
 DATA = Path(__file__).parent / "data" / "gateway"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def envoy_config(listen: int, picker: str) -> str:
+def envoy_config(listen: int, picker: str, engines: list[str], fail_open: bool) -> str:
     host, port = picker.rsplit(":", 1)
+    endpoints = [
+        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": int(p)}}}}
+        for h, p in (e.removeprefix("http://").rsplit(":", 1) for e in engines)
+    ]
     template = string.Template((DATA / "envoy.yaml").read_text())
-    return template.substitute(listen_port=listen, picker_host=host, picker_port=port)
+    return template.substitute(
+        listen_port=listen,
+        picker_host=host,
+        picker_port=port,
+        engine_endpoints=json.dumps(endpoints),
+        fail_open="true" if fail_open else "false",
+    )
 
 
 @contextlib.asynccontextmanager
-async def envoy(picker: str, tmp_path: Path) -> AsyncIterator[str]:
-    """Envoy in front of the picker; yields its listener's base URL."""
+async def envoy(
+    picker: str, engines: list[str], tmp_path: Path, fail_open: bool = False
+) -> AsyncIterator[str]:
+    """Envoy in front of the picker and a pool of ``engines`` (base URLs); yields its listener's base URL."""
     listen = free_port()
     config = tmp_path / "envoy.yaml"
-    config.write_text(envoy_config(listen, picker))
+    config.write_text(envoy_config(listen, picker, engines, fail_open))
     log = (tmp_path / "envoy.log").open("wb")
     proc = subprocess.Popen(
         [str(ENVOY), "-c", str(config), "--disable-hot-restart", "--concurrency", "1", "-l", "warning"],
@@ -77,7 +85,7 @@ async def envoy(picker: str, tmp_path: Path) -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def gateway(tmp_path: Path, n_engines: int = 2):
+async def gateway(tmp_path: Path, n_engines: int = 2, fail_open: bool = False):
     async with contextlib.AsyncExitStack() as stack:
         engines = [await stack.enter_async_context(run_fake_engine(block_size=BS)) for _ in range(n_engines)]
         cfg = RouterConfig(
@@ -85,7 +93,8 @@ async def gateway(tmp_path: Path, n_engines: int = 2):
         )
         router, _url = await stack.enter_async_context(run_router(cfg))
         await join_all(router, engines)
-        base = await stack.enter_async_context(envoy(router.epp_address, tmp_path))
+        urls = [e.http_url for e in engines]
+        base = await stack.enter_async_context(envoy(router.epp_address, urls, tmp_path, fail_open))
         yield engines, router, base
 
 
@@ -238,3 +247,45 @@ async def test_the_pickers_grpc_health_follows_readiness(tmp_path):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await status("some.other.Service")
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_pick_that_refuses_connections_fails_over_and_the_engine_that_served_is_counted(tmp_path):
+    dead = closed_port_url()
+    async with contextlib.AsyncExitStack() as stack:
+        engine = await stack.enter_async_context(run_fake_engine(block_size=BS))
+        workers = (*static_workers([engine]), WorkerSpec(dead, dead))
+        cfg = RouterConfig(port=0, workers=workers, block_size=BS, health_interval_s=0, epp_port=0)
+        router, _url = await stack.enter_async_context(run_router(cfg))
+        await join_all(router, [engine])
+        base = await stack.enter_async_context(envoy(router.epp_address, [engine.http_url, dead], tmp_path))
+        s = await stack.enter_async_context(aiohttp.ClientSession())
+        for k in range(8):  # new prompts: spread over both engines until the dead one's breaker opens
+            body = {"model": "m", "prompt": [k + 1] * (6 * BS), "max_tokens": 2}
+            async with s.post(base + "/v1/completions", json=body) as r:
+                assert r.status == 200 and r.headers[ENGINE_HEADER] == engine.http_url
+        # Each refused pick counted against its engine, as the proxy's connect failures are: three open
+        # its breaker, and it is no candidate after that.
+        assert router.health.states()[dead] is BreakerState.OPEN
+        # The five picked where they were served were audited; the three that failed over were not (their
+        # prediction was made for the pick, not for the engine that served them).
+        assert audited(router, "exact") == 5 and audited(router, "false_hit") == 0
+        await eventually(lambda: router.load.total == 0, timeout=10, what="the picks released")
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+async def test_a_gateway_without_its_picker_fails_open_or_closed_as_configured(tmp_path, fail_open):
+    async with (
+        gateway(tmp_path, fail_open=fail_open) as (_engines, router, base),
+        aiohttp.ClientSession() as s,
+    ):
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
+        async with s.post(base + "/v1/completions", json=body) as r:
+            assert r.status == 200
+        await router.epp_server.stop(0)  # the picker is gone (a replica killed under the gateway)
+        statuses = []
+        for _ in range(4):
+            t0 = time.monotonic()
+            async with s.post(base + "/v1/completions", json=body) as r:
+                statuses.append(r.status)
+            assert time.monotonic() - t0 < 5  # never hung
+        assert statuses == ([200] * 4 if fail_open else [500] * 4)

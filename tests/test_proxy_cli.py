@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 import os
 import signal
-import socket
 import sys
 
 import aiohttp
@@ -17,7 +16,7 @@ from router_runtime.config import FLAGS, RouterConfig, parse_args
 from router_runtime.scheduling.presets import PolicyConfig
 from routerfleet_fake_engine.server import run_fake_engine
 
-from .support import eventually
+from .support import eventually, free_port
 from .test_tokens_hf import build_tokenizer_dir
 
 
@@ -118,12 +117,6 @@ def test_bad_flags_fail_with_one_line_naming_the_flag(argv, flag, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"routerfleet-router: error: argument {flag}"), err[-1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def start_router(engine, *flags: str) -> tuple[asyncio.subprocess.Process, str]:

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import socket
 import time
 
 import aiohttp
@@ -23,21 +22,13 @@ from router_runtime.scheduling.types import Reason, Target
 from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
 
-from .support import eventually
+from .support import closed_port_url, eventually
 
 ENGINE_HEADER = "X-RouterFleet-Engine"
 
 
 def http_worker(url: str, dp: int = 1) -> WorkerSpec:
     return WorkerSpec(url, url, dp_size=dp)
-
-
-def closed_port_url() -> str:
-    """A port nothing listens on: connecting is refused."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 class PreferEngines:

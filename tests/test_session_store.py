@@ -29,18 +29,12 @@ from router_runtime.sessions.redis_store import SharedClient, _vetted, store_url
 from router_runtime.sessions.store import Remembered
 from routerfleet_fake_engine.server import run_fake_engine
 
-from .support import join_stream, static_workers
+from .support import free_port, join_stream, static_workers
 
 BS = 4
 ENGINE_HEADER = "X-RouterFleet-Engine"
 LONG = "The quick brown fox jumps over the lazy dog. " * 4
 HANG_S = 10.0  # a request slower than this is hung, not slow (the store's deadline is 20 ms)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

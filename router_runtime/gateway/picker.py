@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -28,16 +29,28 @@ from ..proxy.audit import USAGE_OPTION_KINDS, request_usage
 from ..proxy.endpoints import FORWARDED, ROUTED
 from ..proxy.errors import ProxyError, bad_request, no_engine, not_found, too_large
 from ..proxy.headers import ENGINE_HEADER
+from ..proxy.health import HealthBoard
 from ..proxy.request import parse_json
 from ..proxy.scheduler import Inbound, Scheduler, unschedulable
 from ..proxy.targets import TargetBook
 from ..scheduling.framework import Unschedulable
 from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch, chunk_watchers
+from ..scheduling.pickers import fallbacks
 from ..scheduling.presets import make_policy
 from ..scheduling.types import Decision, RouteRequest, Target
 from ..sessions.keys import tenant_of
 from .health import PickerHealth
-from .protocol import headers_of, picked, proceed, refused, rewritten, status_of, subset_of, with_headers
+from .protocol import (
+    headers_of,
+    picked,
+    proceed,
+    refused,
+    rewritten,
+    served_by,
+    status_of,
+    subset_of,
+    with_headers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +60,7 @@ _RESPONSE_ITEM = "/v1/responses/"
 class _Stream:
     """One HTTP request's state across its ext_proc messages."""
 
-    __slots__ = ("body", "chunks", "headers", "size", "subset", "target", "watches")
+    __slots__ = ("body", "chunks", "exchange", "headers", "size", "subset", "target", "watches")
 
     def __init__(self) -> None:
         self.headers: dict[str, str] = {}
@@ -57,6 +70,7 @@ class _Stream:
         self.target: Target | None = None  # counted in the load until the stream ends
         self.watches: Sequence[ResponseWatch] = ()
         self.chunks: Sequence[ResponseWatch] = ()  # the watches that look at body chunks
+        self.exchange: Exchange | None = None
 
 
 class EndpointPicker(epg.ExternalProcessorServicer):
@@ -70,6 +84,8 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         max_body_bytes: int = 32 << 20,
         tenant_header: str | None = None,
         ask_usage: bool = True,
+        health: HealthBoard | None = None,
+        fallbacks: int = 2,
     ) -> None:
         self.scheduler = scheduler
         self.targets = targets
@@ -79,6 +95,8 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         self.tenant_header = tenant_header
         # Ask the engine for usage on streams whose client did not, so they are audited too (audit.py).
         self.ask_usage = ask_usage
+        self.health = health  # a pick the gateway could not reach counts against its breaker
+        self.fallbacks = fallbacks  # endpoints named after the pick, for the gateway's retries
         self._by_load = make_policy("least_loaded")
 
     async def Process(
@@ -119,6 +137,9 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             return self._decided(stream, *await self._pick(stream, b"".join(stream.body)), phase)
         if phase == "response_headers":
             headers = headers_of(message.response_headers)
+            served = served_by(message.attributes)
+            if stream.target is not None and served is not None and served != stream.target.endpoint:
+                self._failed_over(stream, served)
             seen = CIMultiDict(headers)  # the hooks read and write names in any case, as HTTP has them
             if stream.target is not None:  # as the proxy's answers say who served them
                 seen[ENGINE_HEADER] = stream.target.engine
@@ -192,9 +213,36 @@ class EndpointPicker(epg.ExternalProcessorServicer):
     ) -> ep.ProcessingResponse:
         stream.target = decision.target
         self.load.acquire(decision.target)
+        self._watch(stream, x)
+        # Another engine where the gateway may retry; not for a rank pinned on a data-parallel engine
+        # (the rank header names one engine's rank).
+        n = self.fallbacks if decision.target.rank is None else 0
+        allowed = [
+            t for t in self.targets.candidates() if stream.subset is None or t.endpoint in stream.subset
+        ]
+        others = fallbacks(decision.target, allowed, self.scheduler.loads, n) if n else ()
+        return picked(decision.target, phase=phase, body=body, fallbacks=others)
+
+    def _watch(self, stream: _Stream, x: Exchange) -> None:
+        stream.exchange = x
         stream.watches = [w for hook in self.hooks if (w := hook.pre_request(x)) is not None]
         stream.chunks = chunk_watchers(stream.watches)
-        return picked(decision.target, phase=phase, body=body)
+
+    def _failed_over(self, stream: _Stream, served: str) -> None:
+        """The gateway's retry went to a fallback: the pick could not be reached (its breaker counts it,
+        as the proxy's connect failure does), and what the hooks count is the engine that served, with
+        no prediction (none was made for it)."""
+        picked_, x = stream.target, stream.exchange
+        assert picked_ is not None and x is not None
+        target = next((t for t in self.targets.candidates() if t.endpoint == served), None)
+        if self.health is not None:
+            self.health.failure(picked_.engine)
+        if target is None:  # not one of ours any more: nothing to count against it
+            return
+        self.load.release(picked_)
+        self.load.acquire(target)
+        stream.target = target
+        self._watch(stream, replace(x, target=target, prediction=None, usage_asked=False))
 
 
 def _parsed(raw: bytes) -> Any:

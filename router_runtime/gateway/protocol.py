@@ -10,7 +10,7 @@ an immediate response in OpenAI's error shape, as the proxy's.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -60,11 +60,13 @@ def header(name: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
-def picked(target: Target, *, phase: str, body: bytes | None = None) -> ep.ProcessingResponse:
-    """The answer that sends the request to ``target``, in the ``phase`` the pick was made in
-    (``request_headers`` for a request without a body, else ``request_body``), with ``body`` instead
-    of the one sent (None: as sent)."""
-    where = target.endpoint
+def picked(
+    target: Target, *, phase: str, body: bytes | None = None, fallbacks: Sequence[Target] = ()
+) -> ep.ProcessingResponse:
+    """The answer that sends the request to ``target``, then to ``fallbacks`` in order on a gateway's
+    retry (``ip:port,ip:port``), in the ``phase`` the pick was made in (``request_headers`` for a request
+    without a body, else ``request_body``), with ``body`` instead of the one sent (None: as sent)."""
+    where = ",".join(t.endpoint for t in (target, *fallbacks))
     mutation = [header(DESTINATION, where)]
     if target.rank is not None:
         mutation.append(header(RANK_HEADER, str(target.rank)))
@@ -120,6 +122,14 @@ def with_headers(answer: ep.ProcessingResponse, added: Mapping[str, str]) -> ep.
             header(k, v) for k, v in added.items()
         )
     return answer
+
+
+def served_by(attributes: Mapping[str, struct_pb2.Struct]) -> str | None:
+    """The ``ip:port`` that answered (Envoy's ``upstream.address`` response attribute), after any retry."""
+    ours = attributes.get("envoy.filters.http.ext_proc")
+    if ours is None or "upstream.address" not in ours.fields:
+        return None
+    return ours.fields["upstream.address"].string_value or None
 
 
 def status_of(headers: Mapping[str, str]) -> int:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import enum
 import random
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
 
 from .framework import Choice, Cycle, Evidence, Scored
-from .types import Reason
+from .types import Reason, Target
 
 _h = xxhash.xxh3_64_intdigest
 _TIE_HASH_TOKENS = 256
@@ -180,3 +180,19 @@ class PowerOfTwo:
             i, j = self.rng.sample(range(n), 2)
         loads = cycle.loads
         return Choice(j if loads[j] < loads[i] else i, Reason.POWER_OF_TWO)
+
+
+def fallbacks(
+    chosen: Target, candidates: Sequence[Target], loads: Mapping[Target, float], n: int
+) -> list[Target]:
+    """Where a gateway may retry when ``chosen`` cannot be reached: up to ``n`` other endpoints (one target
+    each, never the chosen one's), the least loaded first, then in candidate order."""
+    seen = {chosen.endpoint}
+    out: list[Target] = []
+    for t in sorted(candidates, key=lambda t: loads.get(t, 0)):  # stable: candidate order breaks ties
+        if t.endpoint not in seen:
+            seen.add(t.endpoint)
+            out.append(t)
+            if len(out) == n:
+                break
+    return out
