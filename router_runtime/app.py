@@ -42,6 +42,7 @@ from .fleet.metrics import FleetMetrics
 from .fleet.notices import KvNotice, NoticeKind, Notices
 from .fleet.view import Bounds, EngineSample
 from .gateway.picker import EndpointPicker, serve
+from .gateway.tls import server_credentials
 from .kv.hashing import SCHEME, hash_set_digest
 from .kv.index import TIER_ORDER
 from .kv.plane import KVPlane
@@ -648,7 +649,14 @@ async def run_router(
                 health=router.health,
             )
             epp_host = config.epp_host or config.host
-            epp, epp_port = await serve(picker, epp_host, config.epp_port, lambda: router.probed_ready()[0])
+            tls = (
+                None
+                if config.epp_plaintext
+                else server_credentials(epp_host, config.epp_cert_file, config.epp_key_file)
+            )
+            epp, epp_port = await serve(
+                picker, epp_host, config.epp_port, lambda: router.probed_ready()[0], tls
+            )
             router.epp_address = f"{epp_host}:{epp_port}"
             router.epp_server = epp
         await runner.setup()

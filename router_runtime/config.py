@@ -96,6 +96,9 @@ class RouterConfig:
     # The gateway's endpoint picker (gateway/): None: not served.
     epp_host: str | None = None  # default: --host
     epp_port: int | None = None
+    epp_cert_file: str | None = None  # with epp_key_file; neither: a self-signed certificate
+    epp_key_file: str | None = None
+    epp_plaintext: bool = False
     internal_host: str | None = None  # default: --host
     internal_port: int = 8081
     internal_token_file: str | None = None
@@ -633,10 +636,25 @@ FLAGS: tuple[tuple[str | None, tuple[Flag, ...]], ...] = (
                 "--epp-port",
                 "epp_port",
                 Count(0, 65535),
-                "serve the Gateway API Inference Extension's endpoint picker (Envoy ext_proc, plaintext"
-                " gRPC) on this port, beside the proxy (docs/gateway.md)",
+                "serve the Gateway API Inference Extension's endpoint picker (Envoy ext_proc over gRPC,"
+                " TLS) on this port, beside the proxy (docs/gateway.md)",
                 default_text="off",
                 zero="any free port",
+            ),
+            Flag(
+                "--epp-cert-file",
+                "epp_cert_file",
+                Text(),
+                metavar="PATH",
+                default_text="a self-signed certificate made at start",
+                help="the picker port's TLS certificate (PEM), with --epp-key-file",
+            ),
+            Flag("--epp-key-file", "epp_key_file", Text(), metavar="PATH", help="its private key (PEM)"),
+            Flag(
+                "--epp-plaintext",
+                "epp_plaintext",
+                Switch(),
+                "serve the picker without TLS (a gateway on a trusted network, or a mesh that encrypts)",
             ),
         ),
     ),
@@ -839,6 +857,18 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         parser.error("argument --kv-peer/--kv-peer-selector: needs --internal-token-file")
     if c.debug_prediction and not c.internal_token_file:
         parser.error("argument --debug-prediction: needs --internal-token-file (callers present that token)")
+    if bool(c.epp_cert_file) != bool(c.epp_key_file):
+        parser.error("argument --epp-cert-file/--epp-key-file: give both, or neither (a self-signed one)")
+    if c.epp_plaintext and c.epp_cert_file:
+        parser.error("argument --epp-plaintext: not with --epp-cert-file (plaintext or TLS)")
+    for flag, path in (("--epp-cert-file", c.epp_cert_file), ("--epp-key-file", c.epp_key_file)):
+        if path:
+            try:
+                with open(path, "rb") as f:
+                    if b"-----BEGIN " not in f.read(1 << 20):
+                        raise ValueError(f"{path}: not PEM")
+            except (OSError, ValueError) as exc:
+                parser.error(f"argument {flag}: {exc}")
     if c.session_store_password_file and not c.session_store:
         parser.error("argument --session-store-password-file: needs --session-store")
     for flag, path in (

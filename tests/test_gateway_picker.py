@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
 from router_runtime.gateway.protocol import DESTINATION, headers_of, picked
+from router_runtime.gateway.tls import self_signed
 from router_runtime.proxy.headers import ENGINE_HEADER
 from router_runtime.proxy.health import BreakerState
 from router_runtime.scheduling.types import Target
@@ -225,14 +226,27 @@ def test_a_pick_names_the_engine_in_the_header_and_the_lb_metadata_and_pins_a_ra
     assert headers_of(sent) == {":path": "/v1/completions", "authorization": "Bearer x"}
 
 
-async def test_the_pickers_grpc_health_follows_readiness(tmp_path):
+@pytest.mark.parametrize("tls", ["mounted", "plaintext"])
+async def test_the_pickers_grpc_health_follows_readiness(tmp_path, tls):
+    """Over TLS with a mounted certificate (the client verifies it), or plaintext when asked. (The
+    gateway tests reach the picker over its default self-signed TLS, through Envoy.)"""
+    if tls == "mounted":
+        key, cert = self_signed("127.0.0.1")
+        (tmp_path / "tls.key").write_bytes(key)
+        (tmp_path / "tls.crt").write_bytes(cert)
+        flags = {"epp_cert_file": str(tmp_path / "tls.crt"), "epp_key_file": str(tmp_path / "tls.key")}
+    else:
+        flags = {"epp_plaintext": True}
     async with contextlib.AsyncExitStack() as stack:
         engine = await stack.enter_async_context(run_fake_engine(block_size=BS))
-        cfg = RouterConfig(
-            port=0, workers=static_workers([engine]), block_size=BS, health_interval_s=0, epp_port=0
-        )
+        workers = static_workers([engine])
+        cfg = RouterConfig(port=0, workers=workers, block_size=BS, health_interval_s=0, epp_port=0, **flags)
         router, _url = await stack.enter_async_context(run_router(cfg))
-        channel = await stack.enter_async_context(grpc.aio.insecure_channel(router.epp_address))
+        if tls == "mounted":
+            channel = grpc.aio.secure_channel(router.epp_address, grpc.ssl_channel_credentials(cert))
+        else:
+            channel = grpc.aio.insecure_channel(router.epp_address)
+        await stack.enter_async_context(channel)
         check = health_pb2_grpc.HealthStub(channel).Check
         answer = health_pb2.HealthCheckResponse
 

@@ -252,17 +252,26 @@ def _parsed(raw: bytes) -> Any:
 
 
 async def serve(
-    picker: EndpointPicker, host: str, port: int, ready: Callable[[], bool]
+    picker: EndpointPicker,
+    host: str,
+    port: int,
+    ready: Callable[[], bool],
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """The picker, and its gRPC health (``ready``: as ``/readyz``), on a started gRPC server (plaintext)
-    at ``host:port``; returns it and the port bound. A message may carry a whole buffered body, so the
-    size cap is the body cap plus room for headers."""
+    """The picker, and its gRPC health (``ready``: as ``/readyz``), on a started gRPC server at
+    ``host:port``, over TLS with ``credentials`` (None: plaintext); returns it and the port bound. A
+    message may carry a whole buffered body, so the size cap is the body cap plus room for headers."""
     cap = picker.max_body_bytes + (1 << 20)
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", cap), ("grpc.max_send_message_length", cap)]
     )
     epg.add_ExternalProcessorServicer_to_server(picker, server)
     health_pb2_grpc.add_HealthServicer_to_server(PickerHealth(ready), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = (
+        server.add_insecure_port(address)
+        if credentials is None
+        else server.add_secure_port(address, credentials)
+    )
     await server.start()
     return server, bound
