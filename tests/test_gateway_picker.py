@@ -86,9 +86,12 @@ async def envoy(
 
 
 @contextlib.asynccontextmanager
-async def gateway(tmp_path: Path, n_engines: int = 2, fail_open: bool = False):
+async def gateway(tmp_path: Path, n_engines: int = 2, fail_open: bool = False, **engine):
     async with contextlib.AsyncExitStack() as stack:
-        engines = [await stack.enter_async_context(run_fake_engine(block_size=BS)) for _ in range(n_engines)]
+        engines = [
+            await stack.enter_async_context(run_fake_engine(block_size=BS, **engine))
+            for _ in range(n_engines)
+        ]
         cfg = RouterConfig(
             port=0, workers=static_workers(engines), block_size=BS, health_interval_s=0, epp_port=0
         )
@@ -303,3 +306,15 @@ async def test_a_gateway_without_its_picker_fails_open_or_closed_as_configured(t
                 statuses.append(r.status)
             assert time.monotonic() - t0 < 5  # never hung
         assert statuses == ([200] * 4 if fail_open else [500] * 4)
+
+
+async def test_a_client_gone_mid_stream_ends_the_engines_work_and_the_picks_load(tmp_path):
+    async with gateway(tmp_path, decode_tokens_per_s=50) as (engines, router, base):
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 500, "stream": True}
+        async with aiohttp.ClientSession() as s, s.post(base + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            await r.content.readany()  # the first tokens, then the client goes away
+            served = next(e for e in engines if e.http_url == r.headers[ENGINE_HEADER])
+            assert served.load.running == 1
+        await eventually(lambda: served.load.running == 0, timeout=10, what="the engine stopped generating")
+        await eventually(lambda: router.load.total == 0, timeout=10, what="the pick released")
