@@ -8,9 +8,7 @@ import asyncio
 import contextlib
 import json
 import socket
-import string
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,6 +21,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from e2e.gateway import envoy_argv, envoy_config
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
 from router_runtime.gateway.protocol import DESTINATION, headers_of, picked
@@ -37,24 +36,6 @@ from tests.support import closed_port_url, eventually, free_port, join_all, stat
 pytestmark = pytest.mark.timeout(120)
 
 BS = 4
-ENVOY = Path(sys.executable).parent / "envoy"
-DATA = Path(__file__).parent / "data" / "gateway"
-
-
-def envoy_config(listen: int, picker: str, engines: list[str], fail_open: bool) -> str:
-    host, port = picker.rsplit(":", 1)
-    endpoints = [
-        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": int(p)}}}}
-        for h, p in (e.removeprefix("http://").rsplit(":", 1) for e in engines)
-    ]
-    template = string.Template((DATA / "envoy.yaml").read_text())
-    return template.substitute(
-        listen_port=listen,
-        picker_host=host,
-        picker_port=port,
-        engine_endpoints=json.dumps(endpoints),
-        fail_open="true" if fail_open else "false",
-    )
 
 
 @contextlib.asynccontextmanager
@@ -64,13 +45,9 @@ async def envoy(
     """Envoy in front of the picker and a pool of ``engines`` (base URLs); yields its listener's base URL."""
     listen = free_port()
     config = tmp_path / "envoy.yaml"
-    config.write_text(envoy_config(listen, picker, engines, fail_open))
+    config.write_text(envoy_config(listen, picker, engines, fail_open=fail_open))
     log = (tmp_path / "envoy.log").open("wb")
-    proc = subprocess.Popen(
-        [str(ENVOY), "-c", str(config), "--disable-hot-restart", "--concurrency", "1", "-l", "warning"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    proc = subprocess.Popen(envoy_argv(config), stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30
         while True:

