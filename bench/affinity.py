@@ -159,7 +159,7 @@ def run_row(name: str, schedule: list[Turn], p: Params, logdir: str) -> Result:
         res.probe = probe_event_plane(router, engines, kv=events)
         asyncio.run(replay(schedule, p, router.url, incarnations, res))
         res.session_metrics = session_metrics(router)
-        if not router.proc.alive():
+        if not router.alive():
             res.errors["router exited"] += 1
     finally:
         h.stop_all(([router] if router else []) + engines)

@@ -311,21 +311,39 @@ def start_engines(n: int, opts: EngineOpts, logdir: str, *, cpus: set[int] | Non
 
 def stop_all(items: Sequence[Engine | Router | Proc]) -> None:
     for item in items:
-        (item if isinstance(item, Proc) else item.proc).stop()
+        (item if isinstance(item, Proc | Router) else item.proc).stop()
 
 
 @dataclass
 class Router:
-    kind: str  # "ours", "vllm-router", "sglang-router"
+    kind: str  # "ours", "ours-epp", "vllm-router", "sglang-router"
     label: str
     proc: Proc
     port: int
     flags: list[str] = field(default_factory=list)  # the flags as run, for the report (ports elided)
     ready_path: str = "/readyz"
+    # A process the router-side path needs besides the router: Envoy in front of our endpoint picker
+    # (then ``port`` is Envoy's and the router's own port only answers its probes).
+    sidecar: Proc | None = None
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
+
+    @property
+    def procs(self) -> list[Proc]:
+        return [self.proc] if self.sidecar is None else [self.proc, self.sidecar]
+
+    def cpu_seconds(self) -> float:
+        """CPU of every router-side process: the router, and Envoy when it fronts the picker."""
+        return sum(p.cpu_seconds() for p in self.procs)
+
+    def alive(self) -> bool:
+        return all(p.alive() for p in self.procs)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.stop()
 
 
 def ours_argv(
@@ -401,6 +419,10 @@ def start_router(
     their /health, then one completion through them."""
     port, metrics_port = free_ports(2)
     name = label or (kind if kind != "ours" else f"ours-{policy}")
+    if kind == "ours-epp":
+        return start_picker(
+            engines, logdir, port, policy=policy, label=name, cpus=cpus, extra=extra, wait=wait
+        )
     if kind == "ours":
         argv = ours_argv(engines, port, policy, extra, events=events)
         env = None
@@ -423,24 +445,60 @@ def start_router(
     return router
 
 
+def start_picker(
+    engines: Sequence[Engine],
+    logdir: str,
+    port: int,
+    *,
+    policy: str,
+    label: str,
+    cpus: set[int] | None,
+    extra: Sequence[str],
+    wait: bool,
+) -> Router:
+    """Our router as a Gateway's endpoint picker (TLS, its default) with real Envoy in front, listening
+    on ``port``: the pool is ``engines`` (e2e/gateway/envoy.yaml)."""
+    from e2e.gateway import envoy_argv, envoy_config  # the Envoy binary is a test extra
+
+    own, epp = free_ports(2)
+    argv = ours_argv(engines, own, policy, [*extra, "--epp-port", str(epp)])
+    proc = Proc(label, argv, logdir, cpus=cpus)
+    config = os.path.join(logdir, f"{label}-envoy.yaml")
+    with open(config, "w") as f:
+        f.write(envoy_config(port, f"{HOST}:{epp}", [e.url for e in engines]))
+    sidecar = Proc(f"{label}-envoy", envoy_argv(config), logdir, cpus=cpus)
+    router = Router("ours-epp", label, proc, port, shown_flags(argv, engines), sidecar=sidecar)
+    if wait:
+        try:
+            wait_until(
+                lambda: http_get(f"http://{HOST}:{own}/readyz")[0] == 200, 60, f"{label} ready", [proc]
+            )
+        except BaseException:
+            router.stop()
+            raise
+        await_router(router)
+    return router
+
+
 def await_router(router: Router) -> None:
     """Wait until a started router is ready and serves one completion (stopped if it never does)."""
     try:
-        wait_until(
-            lambda: http_get(router.url + router.ready_path)[0] == 200,
-            60,
-            f"{router.label} ready",
-            [router.proc],
-        )
+        if router.sidecar is None:  # behind Envoy the probe is the router's own (start_picker)
+            wait_until(
+                lambda: http_get(router.url + router.ready_path)[0] == 200,
+                60,
+                f"{router.label} ready",
+                router.procs,
+            )
         body = {"model": MODEL, "prompt": "warm-up", "max_tokens": 1}
         wait_until(
             lambda: http_post(router.url + "/v1/completions", body)[0] == 200,
             30,
             f"{router.label} serving",
-            [router.proc],
+            router.procs,
         )
     except BaseException:
-        router.proc.stop()
+        router.stop()
         raise
 
 

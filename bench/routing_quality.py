@@ -370,6 +370,7 @@ ROWS = {
     # name: (label, router kind or None for the oracle, our policy, text prompts)
     "ours": ("ours kv_aware", "ours", "kv_aware", False),
     "ours-text": ("ours kv_aware (text)", "ours", "kv_aware", True),
+    "ours-epp": ("Envoy + ours kv_aware (picker)", "ours-epp", "kv_aware", False),
     "vllm": ("vllm-router kv_aware", "vllm-router", None, False),
     "sglang": ("sglang-router cache_aware", "sglang-router", None, True),
     "rr": ("round-robin (floor)", "ours", "round_robin", False),
@@ -400,7 +401,7 @@ def run_row(name: str, schedule: list[Turn], p: Params, logdir: str, fleet: Flee
             kv = policy == "kv_aware" or kind == "vllm-router"
             res.probe = "; ".join(sorted({probe_event_plane(r, engines, kv=kv) for r in routers}))
         oracle = Oracle(p) if kind is None else None
-        cpu0 = sum(r.proc.cpu_seconds() for r in routers)
+        cpu0 = sum(r.cpu_seconds() for r in routers)
         kill = None
         if fleet.kill_at is not None and len(routers) > 1:
             victim = routers[-1]
@@ -425,9 +426,9 @@ def run_row(name: str, schedule: list[Turn], p: Params, logdir: str, fleet: Flee
             )
         )
         if routers:
-            res.router_cpu_s = sum(r.proc.cpu_seconds() for r in routers) - cpu0
+            res.router_cpu_s = sum(r.cpu_seconds() for r in routers) - cpu0
         res.evicted = [h.evicted_blocks(e) for e in engines]
-        if any(not r.proc.alive() for r in routers):
+        if any(not r.alive() for r in routers):
             res.errors["router exited"] += 1
     finally:
         h.stop_all(routers + engines)
