@@ -95,6 +95,22 @@ async def _store_on_disk(session, engine: str, prompts: list[list[int]]) -> None
             assert r.status == 200, await r.text()
 
 
+async def _joined(session, engine_url: str, routers: list[str], engine: str) -> bool:
+    """One probe batch on each of the engine's ranks; whether every router has taken a batch from each.
+    ZMQ drops what a publisher sends before a new subscriber's subscription reaches it, and nothing
+    shows that gap until a later batch: until both routers have taken one, a store could go unseen."""
+    for rank in (0, 1):
+        body = {"rank": rank, "token_ids": [rank + 1] * BLOCK}
+        async with session.post(engine_url + "/admin/store", json=body) as r:
+            assert r.status == 200, await r.text()
+    for router in routers:
+        _, index = await get(session, router + "/debug/index")
+        cursors = [s["cursor"] for s in index["subscriptions"] if s["engine"] == engine]
+        if len(cursors) != 2 or any(c is None or c < 0 for c in cursors):
+            return False
+    return True
+
+
 async def _routes(session, router: str, prompts: list[list[int]]) -> list[str | None]:
     """Where the router sends each prompt (plus a partial block), without caching anything: the engine
     refuses ``n: 2`` after the router has chosen it."""
@@ -143,6 +159,9 @@ def test_container_restart_is_readopted_within_a_second(cluster, namespace):
 
     rng = random.Random(8)
     sets = {r: [_tokens(rng, PREFIX_BLOCKS * BLOCK) for _ in range(PREFIXES)] for r in (warm, cold)}
+    cluster.wait_for(
+        f"both routers follow {victim}'s streams", lambda: aio(_joined, victim_url, [warm, cold], victim), 30
+    )
     aio(_store_on_disk, victim_url, sets[warm] + sets[cold])
 
     def routed_to_victim(router, prompts):
