@@ -33,8 +33,9 @@ from ..proxy.health import HealthBoard
 from ..proxy.request import parse_json
 from ..proxy.scheduler import Inbound, Scheduler, unschedulable
 from ..proxy.targets import TargetBook
+from ..scheduling.filters import within
 from ..scheduling.framework import Unschedulable
-from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch, chunk_watchers
+from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch, chunk_watchers, watching
 from ..scheduling.pickers import fallbacks
 from ..scheduling.presets import make_policy
 from ..scheduling.types import Decision, RouteRequest, Target
@@ -143,8 +144,9 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             seen = CIMultiDict(headers)  # the hooks read and write names in any case, as HTTP has them
             if stream.target is not None:  # as the proxy's answers say who served them
                 seen[ENGINE_HEADER] = stream.target.engine
+            status = status_of(headers)
             for w in stream.watches:
-                w.response_received(status_of(headers), seen)
+                w.response_received(status, seen)
             added = {k: v for k, v in seen.items() if headers.get(k.lower()) != v}
             return with_headers(proceed(phase), added)
         if phase == "response_body":
@@ -216,16 +218,15 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         self._watch(stream, x)
         # Another engine where the gateway may retry; not for a rank pinned on a data-parallel engine
         # (the rank header names one engine's rank).
-        n = self.fallbacks if decision.target.rank is None else 0
-        allowed = [
-            t for t in self.targets.candidates() if stream.subset is None or t.endpoint in stream.subset
-        ]
-        others = fallbacks(decision.target, allowed, self.scheduler.loads, n) if n else ()
+        others: Sequence[Target] = ()
+        if self.fallbacks and decision.target.rank is None:
+            allowed = within(self.targets.candidates(), stream.subset)
+            others = fallbacks(decision.target, allowed, self.scheduler.loads, self.fallbacks)
         return picked(decision.target, phase=phase, body=body, fallbacks=others)
 
     def _watch(self, stream: _Stream, x: Exchange) -> None:
         stream.exchange = x
-        stream.watches = [w for hook in self.hooks if (w := hook.pre_request(x)) is not None]
+        stream.watches = watching(self.hooks, x)
         stream.chunks = chunk_watchers(stream.watches)
 
     def _failed_over(self, stream: _Stream, served: str) -> None:

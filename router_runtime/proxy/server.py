@@ -37,7 +37,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from ..fleet.inflight import LoadTracker
 from ..http_body import read_capped
-from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch, chunk_watchers
+from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch, chunk_watchers, watching
 from ..scheduling.presets import make_policy
 from ..scheduling.types import Decision, RouteRequest, Target
 from ..scheduling.types import Reason as DecisionReason
@@ -318,7 +318,7 @@ class Proxy:
             try:
                 start = loop.time()
                 x = exchange(decision, start)
-                watches = [w for hook in self.hooks if (w := hook.pre_request(x)) is not None]
+                watches = watching(self.hooks, x)
                 try:
                     upstream = await self._open(request, target, body)
                 except _ConnectFailed as e:

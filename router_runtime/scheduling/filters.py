@@ -18,15 +18,19 @@ from .framework import Cycle
 from .types import Reason, Target
 
 
+def within(targets: Sequence[Target], subset: frozenset[str] | None) -> Sequence[Target]:
+    """The targets whose endpoint the subset allows (``targets`` itself when there is none)."""
+    if subset is None:
+        return targets
+    return [t for t in targets if t.endpoint in subset]
+
+
 class EndpointSubset:
     name = "subset"
     decides = None
 
     def filter(self, cycle: Cycle) -> Sequence[Target]:
-        subset = cycle.request.subset
-        if subset is None:
-            return cycle.targets
-        return [t for t in cycle.targets if t.endpoint in subset]
+        return within(cycle.targets, cycle.request.subset)
 
 
 class PinnedTarget:

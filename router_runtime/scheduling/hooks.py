@@ -68,6 +68,11 @@ class RequestHook(Protocol):
         ...
 
 
+def watching(hooks: Sequence[RequestHook], exchange: Exchange) -> list[ResponseWatch]:
+    """The watches of the hooks that watch this exchange, in the hooks' order."""
+    return [w for hook in hooks if (w := hook.pre_request(exchange)) is not None]
+
+
 def chunk_watchers(watches: Sequence[ResponseWatch]) -> list[ResponseWatch]:
     """The watches that look at body chunks: one that leaves them alone is not called per chunk."""
     return [w for w in watches if type(w).response_streaming is not ResponseWatch.response_streaming]
