@@ -24,6 +24,7 @@ from router_runtime.bootstrap.metrics import BootstrapMetrics
 from router_runtime.bootstrap.peers import PeerRegistry
 from router_runtime.bootstrap.sweep import BootstrapConfig, Bootstrapper
 from router_runtime.bootstrap.vetting import HashingConfig
+from router_runtime.kv.config import KvConfig
 from router_runtime.kv.hashing import SCHEME
 from router_runtime.kv.plane import KVPlane
 from router_runtime.worker import WorkerSpec
@@ -45,7 +46,7 @@ async def one(batches: int, seed: int) -> dict:
             )
         assert e.publisher.last_seq(0) == batches - 1
         reg = CollectorRegistry()
-        plane = KVPlane(BS, reg, disconnect_grace_s=0.0)
+        plane = KVPlane(KvConfig(block_size=BS, disconnect_grace_s=0.0), reg)
         await plane.start()
         peers = PeerRegistry()
         peers.publish([])

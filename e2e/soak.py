@@ -77,7 +77,7 @@ from kubernetes.client.exceptions import ApiException
 from e2e import fleet as F
 from e2e import fleet_traffic as T
 from e2e.dump import dump_namespace
-from router_runtime.config import RouterConfig
+from router_runtime.kv.config import KvConfig
 from router_runtime.proxy.headers import (
     DEBUG_PREDICTION_HEADER,
     DOUBTFUL_HEADER,
@@ -113,7 +113,7 @@ WORKERS = 4
 AFTER_S = 10.0  # a fault's window extends this long past its convergence ("after" figures)
 # A silent stream is known to the router (its predictions doubtful) once the engine has owed it a batch
 # for its stall threshold (--kv-stall-ms); a false hit before that, on that engine, it cannot know of.
-UNKNOWABLE_S = RouterConfig().kv_stall_s + 1.0
+UNKNOWABLE_S = KvConfig().stall_s + 1.0
 # Router counters that show what a fault did to the KV plane.
 EVIDENCE = (
     "routerfleet_kv_gaps",

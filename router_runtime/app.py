@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -28,36 +29,35 @@ from .bootstrap.metrics import BootstrapMetrics
 from .bootstrap.peers import Peer, PeerRegistry, peers_of
 from .bootstrap.producer import SnapshotProducer
 from .bootstrap.state import Cause, CauseCode, RankState
-from .bootstrap.sweep import BootstrapConfig, Bootstrapper
+from .bootstrap.sweep import Bootstrapper
 from .bootstrap.vetting import HashingConfig
 from .config import RouterConfig
 from .discovery.endpointslices import EngineDiscoveryConfig, port_ref
 from .discovery.kubernetes import EndpointSliceWatcher
 from .fleet.board import LoadBoard
-from .fleet.engine_metrics import EngineLoadScraper, ScrapeConfig
+from .fleet.engine_metrics import EngineLoadScraper
 from .fleet.flush import FlushResult, flush
-from .fleet.gossip import GossipConfig, LoadGossip, PeerReport, ReportOutcome
+from .fleet.gossip import LoadGossip, PeerReport, ReportOutcome
 from .fleet.inflight import LoadTracker
 from .fleet.metrics import FleetMetrics
 from .fleet.notices import KvNotice, NoticeKind, Notices
-from .fleet.view import Bounds, EngineSample
+from .fleet.view import EngineSample
 from .gateway.picker import EndpointPicker, serve
 from .gateway.tls import server_credentials
 from .kv.hashing import SCHEME, hash_set_digest
 from .kv.index import TIER_ORDER
 from .kv.plane import KVPlane
-from .kv.subscription import ReplayTimeouts
 from .kv.withhold import WithholdReason
 from .proxy import log_redaction
 from .proxy.audit import PredictionAudit
 from .proxy.debug import DebugPrediction
 from .proxy.endpoints import FORWARDED
 from .proxy.errors import openai_errors
-from .proxy.health import AnswerProvesUp, BreakerConfig, BreakerState, HealthBoard, HealthChecker
+from .proxy.health import AnswerProvesUp, BreakerState, HealthBoard, HealthChecker
 from .proxy.metrics import ProxyMetrics
 from .proxy.responses import ResponseRouter
 from .proxy.scheduler import Scheduler
-from .proxy.server import Proxy, Timeouts
+from .proxy.server import Proxy
 from .proxy.serving import GuardedRunner
 from .proxy.targets import TargetBook
 from .scheduling.framework import Profile
@@ -96,27 +96,17 @@ class Router:
         self.incarnation = f"{os.getpid()}-{int(time.time() * 1000)}-{secrets.token_hex(4)}"
         self.draining = False  # set by drain() on SIGTERM
         # The fleet token: the internal port's, the siblings', and the debug prediction's credential.
-        self.token = read_token(config.internal_token_file) if config.internal_token_file else None
-        self.kv = KVPlane(
-            config.block_size,
-            self.registry,
-            replay_timeouts=ReplayTimeouts(config.replay_idle_timeout_s, config.replay_timeout_s),
-            queue_batches=config.queue_batches,
-            queue_bytes=config.queue_bytes,
-            disconnect_grace_s=config.kv_disconnect_grace_s,
-            adoption_cap=config.kv_adoption_cap,
-            adoption_window_s=config.kv_adoption_window_s,
-            stall_s=config.kv_stall_s,
-            withhold_s=config.kv_withhold_s,
+        self.token = read_token(config.internal.token_file) if config.internal.token_file else None
+        self.kv = KVPlane(config.kv, self.registry)
+        self.policy = (
+            policy if policy is not None else make_policy(config.scheduling.policy, config.scheduling.tuning)
         )
-        self.policy = policy if policy is not None else make_policy(config.policy, config.policy_config)
         self.metrics = ProxyMetrics(self.registry)
         self.health = HealthBoard(
-            BreakerConfig(config.breaker_failures, config.breaker_cooldown_s),
+            config.health.breaker,
             clock=clock,
             on_transition=self._breaker_moved,
         )
-        self.load = LoadTracker()
         # The fleet-shared store (Redis), when configured: sessions and response bindings, each table
         # backed by this replica's own (docs/sessions.md).
         self.shared_store = self._shared_store(config)
@@ -135,61 +125,52 @@ class Router:
         )
         # KV policies target (engine, rank); the others whole engines.
         self.targets = TargetBook(self.health, per_rank=bool(self.policy.needs_tokens))
-        self.fleet_metrics = FleetMetrics(self.registry)
-        self.fleet = LoadBoard(
-            self.load,
-            lambda: tuple(self.targets.all_targets()),
-            replica=self.replica_id,
-            incarnation=self.incarnation,
-            bounds=Bounds(config.fleet_peer_max_age_s, config.engine_load_max_age_s),
-            clock=clock,
-        )
+        self._setup_fleet_load(config, clock)
         self.executor = ThreadPoolExecutor(
-            max_workers=config.tokenizer_threads or min(4, os.cpu_count() or 1), thread_name_prefix="tokenize"
+            max_workers=config.tokens.threads or min(4, os.cpu_count() or 1), thread_name_prefix="tokenize"
         )
         self._setup_request_plane(config, tokenizer)
         self.checker = HealthChecker(
             self.health,
             lambda: self.proxy.session,
             lambda: self.targets.urls,
-            interval_s=config.health_interval_s,
-            timeout_s=config.health_timeout_s,
+            interval_s=config.health.interval_s,
+            timeout_s=config.health.timeout_s,
         )
         self._checker_task: asyncio.Task | None = None
         self._setup_bootstrap(config)
-        self._setup_fleet_load(config)
+        self._setup_discovery(config)
+
+    def _setup_discovery(self, config: RouterConfig) -> None:
+        """Kubernetes discovery (else ``config.workers``): the engines' EndpointSlices, and with a peer
+        selector the siblings'."""
         self.engine_watcher: EndpointSliceWatcher | None = None
         self.peer_watcher: EndpointSliceWatcher | None = None
-        if config.k8s_selector:
-            namespace = config.k8s_namespace or default_namespace(config.kubeconfig)
+        d = config.discovery
+        if d.selector:
+            namespace = d.namespace or default_namespace(d.kubeconfig)
             self.engine_watcher = EndpointSliceWatcher(
                 namespace,
-                config.k8s_selector,
+                d.selector,
                 self.set_workers,
-                config=EngineDiscoveryConfig(
-                    http_port=port_ref(config.k8s_http_port),
-                    kv_port=port_ref(config.k8s_kv_port) if config.k8s_kv_port else None,
-                    replay_port=port_ref(config.k8s_replay_port) if config.k8s_replay_port else None,
-                    dp_size=config.k8s_dp_size,
-                    topic=config.k8s_topic,
-                ),
-                kubeconfig=config.kubeconfig,
+                config=d.engines(),
+                kubeconfig=d.kubeconfig,
                 registry=self.registry,
-                watch_timeout_s=config.k8s_watch_timeout_s,
-                storage_annotation=config.k8s_storage_annotation or None,
+                watch_timeout_s=d.watch_timeout_s,
+                storage_annotation=d.storage_annotation or None,
             )
-            if config.kv_peer_selector:
+            if config.peers.selector:
                 # The routers' own peer Service: only ready siblings are listed, so a booting replica
                 # never seeds another booting one.
                 self.peer_watcher = EndpointSliceWatcher(
                     namespace,
-                    config.kv_peer_selector,
+                    config.peers.selector,
                     self._peers_changed,
-                    config=EngineDiscoveryConfig(http_port=port_ref(config.kv_peer_port)),
-                    kubeconfig=config.kubeconfig,
+                    config=EngineDiscoveryConfig(http_port=port_ref(config.peers.port)),
+                    kubeconfig=d.kubeconfig,
                     # its own registry: its discovery metrics would collide with the engines'
                     registry=CollectorRegistry(),
-                    watch_timeout_s=config.k8s_watch_timeout_s,
+                    watch_timeout_s=d.watch_timeout_s,
                 )
 
     def _breaker_moved(self, engine: str, state: BreakerState) -> None:
@@ -203,17 +184,17 @@ class Router:
     def _setup_bootstrap(self, config: RouterConfig) -> None:
         """The producer serves our index to siblings; the bootstrapper pulls theirs. Both need the
         internal port's token; both need an index, which only the KV-aware policy keeps."""
-        self.hashing = HashingConfig(config.block_size, SCHEME)
+        self.hashing = HashingConfig(config.kv.block_size, SCHEME)
         keeps_index = bool(self.policy.needs_tokens)
         registry = PeerRegistry(self_name=os.environ.get("POD_NAME"), self_ip=os.environ.get("POD_IP"))
-        if config.kv_peer_selector and not (registry.self_name or registry.self_ip):
+        peers = config.peers
+        if peers.selector and not (registry.self_name or registry.self_ip):
             log.warning("neither POD_NAME nor POD_IP is set: this replica may list itself as a peer")
-        if config.kv_peers:
-            registry.publish([Peer(u.rstrip("/"), u.rstrip("/")) for u in config.kv_peers])
-        if not (config.kv_peer_selector or config.kv_peers):
+        if peers.urls:
+            registry.publish([Peer(u.rstrip("/"), u.rstrip("/")) for u in peers.urls])
+        if not (peers.selector or peers.urls):
             registry.publish([])  # synced and alone: a rank the origin replay cannot rebuild runs cold
         # Origin needs nothing but the engines' replay sockets; peers also need the internal token.
-        enabled = bool(keeps_index and config.bootstrap)
         self.bootstrap_metrics = BootstrapMetrics(self.registry)
         self.bootstrap = Bootstrapper(
             self.kv,
@@ -221,12 +202,12 @@ class Router:
             SnapshotFetcher(self.token or ""),
             self.hashing,
             self.bootstrap_metrics,
-            BootstrapConfig(
-                enabled=enabled,
-                timeout_s=config.bootstrap_timeout_s,
-                seed_required=config.bootstrap_seed_required,
-                origin=config.bootstrap_origin,
-            ),
+            dataclasses.replace(config.bootstrap, enabled=keeps_index and config.bootstrap.enabled),
+            # A booting replica inherits its sibling's session table with the graft (vetted: entries
+            # naming engines or incarnations we do not know are dropped).
+            on_sessions=lambda entries: self.sessions.inherit(from_wire(entries)),
+            on_responses=lambda entries: self.bindings.inherit(from_wire(entries)),
+            blocker=self.blocker,
         )
         self.producer = (
             SnapshotProducer(
@@ -243,11 +224,6 @@ class Router:
             if self.token and keeps_index
             else None
         )
-        # A booting replica inherits its sibling's session table with the graft (vetted: entries naming
-        # engines or incarnations we do not know are dropped).
-        self.bootstrap.on_sessions = lambda entries: self.sessions.inherit(from_wire(entries))
-        self.bootstrap.on_responses = lambda entries: self.bindings.inherit(from_wire(entries))
-        self.bootstrap.blocker = self.blocker
 
     def _setup_request_plane(self, config: RouterConfig, tokenizer: Tokenizer | None) -> None:
         """The scheduler (its shell: pin, session, tokens) and the proxy that runs it, with its hooks."""
@@ -270,19 +246,10 @@ class Router:
             health=self.health,
             load=self.load,
             metrics=self.metrics,
-            timeouts=Timeouts(
-                config.connect_timeout_s,
-                config.first_byte_timeout_s,
-                config.total_timeout_s,
-                config.idle_timeout_s,
-            ),
-            max_body_bytes=config.max_body_bytes,
+            config=config.proxy,
             executor=self.executor,
-            keepalive_s=config.upstream_keepalive_s,
             strip_headers=self.sessions.strip,
             limits=config.server,
-            audit_stream_usage=config.audit_stream_usage,
-            tenant_header=config.tenant_header,
             hooks=self._request_hooks(config),
         )
 
@@ -290,37 +257,46 @@ class Router:
         """What runs around each dispatch (scheduling/hooks.py), in order: the breakers, the session's
         memory, the prediction's debug headers (only when enabled), the audit, response-id binding."""
         hooks: list[RequestHook] = [AnswerProvesUp(self.health), RememberSession(self.sessions)]
-        if config.debug_prediction and self.token:
+        if config.proxy.debug_prediction and self.token:
             hooks.append(DebugPrediction(self.token))
-        deny = self.engine_denied if config.audit_withhold else None
+        deny = self.engine_denied if config.proxy.audit_withhold else None
         hooks.append(PredictionAudit(self.metrics, self.policy.name, expect=self.kv.expect_batch, deny=deny))
         hooks.append(BindResponseId(self.bindings))
         return hooks
 
-    def _setup_fleet_load(self, config: RouterConfig) -> None:
-        """Siblings' reports (sent to the peers bootstrap discovers, so the fleet needs nothing more to
-        configure) and the engines' own metrics feed ``self.fleet``; see docs/fleet-load.md."""
+    def _setup_fleet_load(self, config: RouterConfig, clock: Callable[[], float]) -> None:
+        """This replica's in-flight load, siblings' reports (sent to the peers bootstrap discovers, so the
+        fleet needs nothing more to configure) and the engines' own metrics make ``self.fleet``; see
+        docs/fleet-load.md."""
+        peer_urls = lambda: [p.url for p in self.bootstrap.peers.peers]  # noqa: E731
+        self.fleet_metrics = FleetMetrics(self.registry)
         self.gossip: LoadGossip | None = None
-        if self.token and config.fleet_gossip_window_s > 0:
+        if self.token and config.fleet.gossip.window_s > 0:
             self.gossip = LoadGossip(
                 self.token,
-                lambda: [p.url for p in self.bootstrap.peers.peers],
-                self.fleet.report,
-                GossipConfig(config.fleet_gossip_window_s, config.fleet_heartbeat_s),
+                peer_urls,
+                lambda: self.fleet.report(),
+                config.fleet.gossip,
                 on_sent=lambda outcome: self.fleet_metrics.sends.labels(outcome).inc(),
             )
-            self.load.on_change = self.gossip.changed.set
-        # KV notices (withheld ranks, flushes) go to the same peers (fleet/notices.py).
-        self.notices = (
-            Notices(self.token, lambda: [p.url for p in self.bootstrap.peers.peers]) if self.token else None
+        self.load = LoadTracker(on_change=self.gossip.changed.set if self.gossip is not None else None)
+        self.fleet = LoadBoard(
+            self.load,
+            lambda: tuple(self.targets.all_targets()),
+            replica=self.replica_id,
+            incarnation=self.incarnation,
+            bounds=config.fleet.bounds,
+            clock=clock,
         )
+        # KV notices (withheld ranks, flushes) go to the same peers (fleet/notices.py).
+        self.notices = Notices(self.token, peer_urls) if self.token else None
         self.scraper: EngineLoadScraper | None = None
-        if config.engine_load_interval_s > 0:
+        if config.fleet.scrape.interval_s > 0:
             self.scraper = EngineLoadScraper(
                 lambda: self.targets.urls,
                 self.fleet.engine_read_started,
                 self._engine_read,
-                ScrapeConfig(config.engine_load_interval_s, config.engine_load_timeout_s),
+                config.fleet.scrape,
                 clock=self.fleet.clock,  # samples are aged on the board's clock
             )
         self._fleet_tasks: list[asyncio.Task] = []
@@ -360,7 +336,7 @@ class Router:
             if unknown:
                 raise LookupError(f"unknown engines: {', '.join(unknown[:8])}")
             specs = [workers[e] for e in dict.fromkeys(engines)]
-        timeout_s = self.config.kv_withhold_s / 2  # the engines answer well inside the withhold's bound
+        timeout_s = self.config.kv.withhold_s / 2  # the engines answer well inside the withhold's bound
         return await flush(self.kv, specs, self.proxy.session, self.notices, timeout_s)
 
     def _peers_changed(self, specs: list[WorkerSpec]) -> None:
@@ -370,18 +346,19 @@ class Router:
         self.bootstrap_metrics.peers_synced.set(1)
 
     def _tokenizer(self, given: Tokenizer | None) -> AsyncTokenizer | EngineTokenizer:
-        c = self.config
+        c = self.config.tokens
         if given is None and c.tokenizer == ENGINE_TOKENIZER:
             return EngineTokenizer(
                 lambda: [u for e, u in self.targets.urls.items() if self.health.available(e)],
                 c.chat_family,
-                timeout_s=c.engine_tokenize_timeout_s,
+                timeout_s=c.engine_timeout_s,
             )
         tok = given if given is not None else load_tokenizer(c.tokenizer, c.chat_family, c.chat_template)
-        return AsyncTokenizer(tok, self.executor, c.tokenize_inline_max_bytes)
+        return AsyncTokenizer(tok, self.executor, c.inline_max_bytes)
 
     def _shared_store(self, config: RouterConfig) -> SharedClient | None:
-        if config.session_store is None:
+        store = config.store
+        if store.url is None:
             return None
         up = Gauge(
             "routerfleet_shared_store_up",
@@ -389,12 +366,8 @@ class Router:
             " replica's own tables serve meanwhile)",
             registry=self.registry,
         )
-        password = (
-            read_token(config.session_store_password_file) if config.session_store_password_file else None
-        )
-        return SharedClient(
-            config.session_store, password=password, on_state=lambda ok: up.set(1 if ok else 0)
-        )
+        password = read_token(store.password_file) if store.password_file else None
+        return SharedClient(store.url, password=password, on_state=lambda ok: up.set(1 if ok else 0))
 
     async def start(self) -> None:
         await self.kv.start()
@@ -406,7 +379,7 @@ class Router:
             await self.engine_watcher.start()
         else:
             self.set_workers(list(self.config.workers))
-        if self.config.health_interval_s > 0:
+        if self.config.health.interval_s > 0:
             self._checker_task = asyncio.create_task(self.checker.run(), name="engine-health")
         if self.gossip is not None:
             self._fleet_tasks.append(asyncio.create_task(self.gossip.run(), name="fleet-gossip"))
@@ -524,7 +497,9 @@ class Router:
 
     def build_app(self) -> web.Application:
         # aiohttp refuses a body of client_max_size or more; the proxy answers 413 itself above the limit.
-        app = web.Application(client_max_size=self.config.max_body_bytes + 1, middlewares=[openai_errors])
+        app = web.Application(
+            client_max_size=self.config.proxy.max_body_bytes + 1, middlewares=[openai_errors]
+        )
         app.router.add_post("/v1/completions", self.proxy.completions)
         app.router.add_post("/v1/chat/completions", self.proxy.chat_completions)
         app.router.add_get("/v1/models", self.proxy.models)
@@ -539,7 +514,7 @@ class Router:
         app.router.add_post("/inference/v1/generate", self.proxy.token_generate)
         for path in FORWARDED:
             app.router.add_post(path, self.proxy.by_load)
-        for path in self.config.allow_paths:
+        for path in self.config.proxy.allow_paths:
             app.router.add_route("*", path, self.proxy.by_load)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
@@ -618,7 +593,7 @@ async def run_router(
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
     # request, so the engine stops working for nobody. shutdown_timeout: what requests still in flight
     # get at the stop before they are cut (cli.py drains first).
-    bounds = {"access_log": None, "shutdown_timeout": config.shutdown_timeout_s}
+    bounds = {"access_log": None, "shutdown_timeout": config.proxy.shutdown_timeout_s}
     runner = GuardedRunner(router.build_app(), config.server, handler_cancellation=True, **bounds)
     internal = None
     if router.token is not None:
@@ -637,26 +612,23 @@ async def run_router(
     epp = None
     try:
         await router.start()
-        if config.epp_port is not None:
+        gateway = config.gateway
+        if gateway.port is not None:
             picker = EndpointPicker(
                 router.scheduler,
+                config.proxy,
                 targets=router.targets,
                 load=router.load,
                 hooks=router.proxy.hooks,
-                max_body_bytes=config.max_body_bytes,
-                tenant_header=config.tenant_header,
-                ask_usage=config.audit_stream_usage,
                 health=router.health,
             )
-            epp_host = config.epp_host or config.host
+            epp_host = gateway.host or config.host
             tls = (
                 None
-                if config.epp_plaintext
-                else server_credentials(epp_host, config.epp_cert_file, config.epp_key_file)
+                if gateway.plaintext
+                else server_credentials(epp_host, gateway.cert_file, gateway.key_file)
             )
-            epp, epp_port = await serve(
-                picker, epp_host, config.epp_port, lambda: router.probed_ready()[0], tls
-            )
+            epp, epp_port = await serve(picker, epp_host, gateway.port, lambda: router.probed_ready()[0], tls)
             router.epp_address = f"{epp_host}:{epp_port}"
             router.epp_server = epp
         await runner.setup()
@@ -665,8 +637,8 @@ async def run_router(
         port = runner.addresses[0][1]
         if internal is not None:
             await internal.setup()
-            host = config.internal_host or config.host
-            await web.TCPSite(internal, host, config.internal_port).start()
+            host = config.internal.host or config.host
+            await web.TCPSite(internal, host, config.internal.port).start()
             router.internal_url = f"http://{host}:{internal.addresses[0][1]}"
         yield router, f"http://{config.host}:{port}"
     finally:
@@ -674,7 +646,7 @@ async def run_router(
             await asyncio.gather(
                 runner.cleanup(),
                 *([internal.cleanup()] if internal is not None else []),
-                *([epp.stop(config.shutdown_timeout_s)] if epp is not None else []),
+                *([epp.stop(config.proxy.shutdown_timeout_s)] if epp is not None else []),
             )
         finally:
             await router.stop()

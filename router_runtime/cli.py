@@ -22,8 +22,8 @@ async def _serve(config: RouterConfig) -> None:
         log.info(
             "router listening on %s: policy %s, tokenizer %s, %d static workers",
             url,
-            config.policy,
-            "bytes" if config.tokenizer == "bytes" else "hf",
+            config.scheduling.policy,
+            "bytes" if config.tokens.tokenizer == "bytes" else "hf",
             len(config.workers),
         )
         await stop.wait()
@@ -32,9 +32,9 @@ async def _serve(config: RouterConfig) -> None:
         # Then the server stops listening and waits for the requests in flight.
         stop.clear()
         router.drain()
-        log.info("draining for %.1fs", config.shutdown_drain_s)
+        log.info("draining for %.1fs", config.proxy.shutdown_drain_s)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), config.shutdown_drain_s)
+            await asyncio.wait_for(stop.wait(), config.proxy.shutdown_drain_s)
     log.info("router stopped")
 
 

@@ -139,7 +139,9 @@ class Text:
     choices: tuple | None = None
 
     def add(self, group: Any, flag: Flag, default: Any) -> None:
-        kw: dict[str, Any] = {"dest": flag.dest, "metavar": flag.metavar, "choices": self.choices}
+        # argparse would name the value after dest (a config path): name it after the flag instead
+        metavar = flag.metavar or (None if self.choices else flag.name.lstrip("-").replace("-", "_").upper())
+        kw: dict[str, Any] = {"dest": flag.dest, "metavar": metavar, "choices": self.choices}
         if self.parse is not None:
             kw["type"] = vetted(self.parse)
         if self.many:

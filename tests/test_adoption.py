@@ -175,13 +175,13 @@ def test_flags(capsys):
     from routerfleet_fake_engine.config import ConfigError
 
     default = parse_args(["--worker", "http://e:8000"])
-    assert (default.kv_disconnect_grace_s, default.kv_adoption_cap, default.kv_adoption_window_s) == (
+    assert (default.kv.disconnect_grace_s, default.kv.adoption_cap, default.kv.adoption_window_s) == (
         600,
         3,
         3600,
     )
     cfg = parse_args(["--worker", "http://e:8000", "--kv-disconnect-grace-s", "0", "--kv-adoption-cap", "1"])
-    assert (cfg.kv_disconnect_grace_s, cfg.kv_adoption_cap) == (0, 1)
+    assert (cfg.kv.disconnect_grace_s, cfg.kv.adoption_cap) == (0, 1)
     for flag, bad in (
         ("--kv-disconnect-grace-s", "-1"),
         ("--kv-adoption-cap", "-1"),

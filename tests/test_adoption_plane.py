@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 import router_runtime.kv.readoption as readoption_mod
 import router_runtime.kv.subscription as sub_mod
 from router_runtime.kv.adoption import CarrierState, StorageIdentity
+from router_runtime.kv.config import KvConfig
 from router_runtime.kv.events import Tier
 from router_runtime.kv.hold import HoldEnd
 from router_runtime.kv.plane import KVPlane
@@ -61,9 +62,11 @@ async def fake(tmp_path, name="s", **kw):
 
 
 @contextlib.asynccontextmanager
-async def plane_for(**kw):
-    kw.setdefault("disconnect_grace_s", 60)
-    plane = KVPlane(BS, CollectorRegistry(), replay_timeouts=ReplayTimeouts(idle_s=0.3, total_s=2), **kw)
+async def plane_for(storage_lookup=None, **kv):
+    """A plane whose KvConfig has ``kv`` set (a grace window of 60 s unless given)."""
+    kv = {"disconnect_grace_s": 60, **kv}
+    config = KvConfig(block_size=BS, replay=ReplayTimeouts(idle_s=0.3, total_s=2), **kv)
+    plane = KVPlane(config, CollectorRegistry(), storage_lookup=storage_lookup)
     await plane.start()
     try:
         yield plane

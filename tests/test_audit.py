@@ -14,7 +14,10 @@ import zmq
 import zmq.asyncio
 
 from router_runtime.app import run_router
+from router_runtime.bootstrap.config import InternalConfig
 from router_runtime.config import RouterConfig
+from router_runtime.kv.config import KvConfig
+from router_runtime.kv.subscription import ReplayTimeouts
 from router_runtime.proxy.audit import (
     Audit,
     AuditOutcome,
@@ -24,6 +27,8 @@ from router_runtime.proxy.audit import (
     judge,
     request_usage,
 )
+from router_runtime.proxy.config import ProxyConfig
+from router_runtime.proxy.health import HealthConfig
 from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
 
@@ -146,11 +151,15 @@ def audited(router, outcome: str, doubtful: str = "false") -> float:
     )
 
 
-def debugging(tmp_path) -> dict:
-    """Config for a router that answers the debug prediction header to callers holding TOKEN."""
+def debugging(tmp_path, **proxy) -> dict:
+    """Config sections for a router that answers the debug prediction header to callers holding TOKEN
+    (``proxy``: more of the request plane's section)."""
     path = tmp_path / "token"
     path.write_text(TOKEN)
-    return {"internal_port": 0, "internal_token_file": str(path), "debug_prediction": True}
+    return {
+        "internal": InternalConfig(port=0, token_file=str(path)),
+        "proxy": ProxyConfig(debug_prediction=True, **proxy),
+    }
 
 
 TOKEN = "fleet-s3cret"
@@ -161,7 +170,11 @@ async def test_a_router_audits_its_predictions_against_the_engine(tmp_path):
     async with run_fake_engine(block_size=BS, decode_tokens_per_s=0) as e:
         worker = WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
         cfg = RouterConfig(
-            port=0, workers=(worker,), block_size=BS, health_interval_s=0, **debugging(tmp_path)
+            port=0,
+            workers=(worker,),
+            **debugging(tmp_path),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
         )
         async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
             await eventually(lambda: router.ready()[0], what="ready")
@@ -212,7 +225,11 @@ async def test_a_router_audits_its_predictions_against_the_engine(tmp_path):
 
         # Without --audit-stream-usage, such a stream is counted unaudited, never as a miss.
         cfg = RouterConfig(
-            port=0, workers=(worker,), block_size=BS, health_interval_s=0, audit_stream_usage=False
+            port=0,
+            workers=(worker,),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            proxy=ProxyConfig(audit_stream_usage=False),
         )
         async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
             await eventually(lambda: router.ready()[0], what="ready")
@@ -245,10 +262,9 @@ async def test_a_silent_stream_makes_the_rank_doubtful_until_a_batch_comes(tmp_p
         cfg = RouterConfig(
             port=0,
             workers=(worker,),
-            block_size=BS,
-            health_interval_s=0,
-            kv_stall_s=0.3,
             **debugging(tmp_path),
+            kv=KvConfig(block_size=BS, stall_s=0.3),
+            health=HealthConfig(interval_s=0),
         )
         async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
             await eventually(lambda: router.ready()[0], what="ready")
@@ -297,7 +313,13 @@ async def test_the_prediction_is_answered_only_when_enabled_to_the_fleet_token_o
         worker = WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
         for enabled in (False, True):
             extra = debugging(tmp_path) if enabled else {}
-            cfg = RouterConfig(port=0, workers=(worker,), block_size=BS, health_interval_s=0, **extra)
+            cfg = RouterConfig(
+                port=0,
+                workers=(worker,),
+                **extra,
+                kv=KvConfig(block_size=BS),
+                health=HealthConfig(interval_s=0),
+            )
             async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
                 await eventually(lambda router=router: router.ready()[0], what="ready")
                 asked = {}
@@ -327,7 +349,10 @@ async def test_a_rank_whose_gap_is_being_replayed_is_doubtful():
         async with run_fake_engine(block_size=BS, decode_tokens_per_s=0) as e:
             worker = WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=f"tcp://127.0.0.1:{port}")
             cfg = RouterConfig(
-                port=0, workers=(worker,), block_size=BS, health_interval_s=0, replay_idle_timeout_s=1.0
+                port=0,
+                workers=(worker,),
+                kv=KvConfig(block_size=BS, replay=ReplayTimeouts(idle_s=1.0)),
+                health=HealthConfig(interval_s=0),
             )
             async with run_router(cfg) as (router, _), aiohttp.ClientSession() as s:
                 await eventually(lambda: router.ready()[0], what="ready")

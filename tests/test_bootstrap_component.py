@@ -22,6 +22,7 @@ from router_runtime.bootstrap.state import Verdict
 from router_runtime.bootstrap.sweep import BootstrapConfig, Bootstrapper
 from router_runtime.bootstrap.vetting import HashingConfig
 from router_runtime.kv.adoption import CarrierState
+from router_runtime.kv.config import KvConfig
 from router_runtime.kv.hashing import SCHEME
 from router_runtime.kv.plane import KVPlane
 from router_runtime.kv.subscription import ReplayTimeouts
@@ -58,7 +59,8 @@ def spec(e: FakeEngine) -> WorkerSpec:
 @contextlib.asynccontextmanager
 async def replica(name, engines, peers, *, block_size=BS, token=TOKEN, peer_token=TOKEN, grace_s=0.0, **cfg):
     registry = CollectorRegistry()
-    plane = KVPlane(block_size, registry, replay_timeouts=ReplayTimeouts(0.3, 2), disconnect_grace_s=grace_s)
+    config = KvConfig(block_size=block_size, replay=ReplayTimeouts(0.3, 2), disconnect_grace_s=grace_s)
+    plane = KVPlane(config, registry)
     await plane.start()
     reg = PeerRegistry(self_name=name, self_ip="")
     if peers is not None:

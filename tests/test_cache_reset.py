@@ -16,10 +16,13 @@ import asyncio
 import pytest
 
 from router_runtime.fleet.notices import KvNotice, NoticeKind, NoticeRejected, encode_notice, vet_notice
+from router_runtime.kv.config import KvConfig
 from router_runtime.proxy.audit import Audit, AuditOutcome, Prediction, denies
+from router_runtime.proxy.config import ProxyConfig
 from router_runtime.worker import Carrier
 
 from .support import eventually
+from .test_fleet_load_http import BS as FLEET_BS
 from .test_fleet_load_http import TOKEN, replicas, sample
 
 BS = 16
@@ -134,7 +137,9 @@ async def test_a_reset_behind_the_routers_back_costs_one_false_hit_per_rank(tmp_
     blocks, over the whole fleet. The announced reset proves itself with that request's batch; the
     silent loss is found by the audit, which withholds the rank here and on every sibling until, with
     no event to show what went, the bound clears it."""
-    async with replicas(tmp_path, 3, engine_kw={"lazy_clear": True}, kv_withhold_s=1.0) as (
+    async with replicas(
+        tmp_path, 3, engine_kw={"lazy_clear": True}, kv=KvConfig(block_size=FLEET_BS, withhold_s=1.0)
+    ) as (
         engines,
         routers,
         session,
@@ -176,7 +181,7 @@ async def test_a_reset_behind_the_routers_back_costs_one_false_hit_per_rank(tmp_
 async def test_without_the_withhold_every_lost_prefix_is_a_false_hit(tmp_path):
     """--no-audit-withhold (the router before withholds): a cache lost without a word costs a false hit
     per cached prompt, not per rank."""
-    async with replicas(tmp_path, 1, audit_withhold=False) as (engines, routers, session):
+    async with replicas(tmp_path, 1, proxy=ProxyConfig(audit_withhold=False)) as (engines, routers, session):
         await warm(session, routers, engines)
         for e in engines:
             async with session.post(e.http_url + "/admin/lose_cache") as r:

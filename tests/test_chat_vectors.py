@@ -147,8 +147,8 @@ async def test_requests_route_to_the_engine_holding_their_engine_computed_prefix
     vectors = [v for v in file if v["tokenizer"] == "qwen3"]
     # The fake engine does not render chat with these tokenizers, so its cached-token figures are not
     # about these IDs: the audit's false hits here are the harness's, and must not withhold the holder.
-    debug = debugging(tmp_path)
-    async with kv_fleet(with_tokenizer=tok, audit_withhold=False, **debug) as (engines, router, url, s):
+    debug = debugging(tmp_path, audit_withhold=False)
+    async with kv_fleet(with_tokenizer=tok, **debug) as (engines, router, url, s):
         holder = engines[1]
         for v in vectors:
             if "token_ids" in v:

@@ -122,11 +122,12 @@ def test_invalid_annotation_keys(key):
 
 
 def test_the_flag_maps_onto_the_config():
-    assert parse_args(["--k8s-selector", "app=e"]).k8s_storage_annotation == ""
+    assert parse_args(["--k8s-selector", "app=e"]).discovery.storage_annotation == ""
     c = parse_args(["--k8s-selector", "app=e", "--k8s-storage-annotation", KEY])
-    assert c.k8s_storage_annotation == KEY
+    assert c.discovery.storage_annotation == KEY
     assert (
-        parse_args(["--k8s-selector", "app=e", "--k8s-storage-annotation", ""]).k8s_storage_annotation == ""
+        parse_args(["--k8s-selector", "app=e", "--k8s-storage-annotation", ""]).discovery.storage_annotation
+        == ""
     )
 
 

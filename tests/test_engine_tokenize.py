@@ -14,6 +14,7 @@ from aiohttp import web
 
 from router_runtime.tokens import encode, render_chat
 from router_runtime.tokens.chat import Family, Reason, Untokenizable
+from router_runtime.tokens.config import TokenizerConfig
 from router_runtime.tokens.engine import EngineTokenizer, tokenize_body, vet_tokens
 
 from .support import eventually, loopback_app
@@ -38,7 +39,12 @@ async def faults(session, engines, **body) -> None:
 async def test_the_engines_tokens_route_requests_to_the_engine_holding_their_prefix():
     # A deadline no loaded CI machine misses (the first call opens the connection): this test is about
     # where the engine's tokens route; the deadline has its own tests, with injected delays.
-    async with kv_fleet(tokenizer="engine", engine_tokenize_timeout_s=5.0) as (engines, router, url, s):
+    async with kv_fleet(tokens=TokenizerConfig(tokenizer="engine", engine_timeout_s=5.0)) as (
+        engines,
+        router,
+        url,
+        s,
+    ):
         holder = engines[2]
         chat_ids = encode(render_chat(CHAT))  # what the engines' own chat path computes
         text = "an engine-tokenized completion prompt, long enough for several blocks"
@@ -66,7 +72,7 @@ async def eventually_indexed(router, engine, ids) -> None:
     [({"delay_ms": 3000}, Reason.ENGINE_TIMEOUT), ({"status": 500}, Reason.ENGINE_ERROR)],
 )
 async def test_a_slow_or_failing_tokenize_endpoint_never_holds_a_request(fault, reason):
-    async with kv_fleet(tokenizer="engine", engine_tokenize_timeout_s=0.1) as (
+    async with kv_fleet(tokens=TokenizerConfig(tokenizer="engine", engine_timeout_s=0.1)) as (
         engines,
         router,
         url,

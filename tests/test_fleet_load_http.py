@@ -13,8 +13,16 @@ import aiohttp
 from aiohttp import web
 
 from router_runtime.app import run_router
+from router_runtime.bootstrap.config import InternalConfig
 from router_runtime.bootstrap.peers import Peer
 from router_runtime.config import RouterConfig
+from router_runtime.fleet.config import FleetConfig
+from router_runtime.fleet.engine_metrics import ScrapeConfig
+from router_runtime.fleet.gossip import GossipConfig
+from router_runtime.fleet.view import Bounds
+from router_runtime.kv.config import KvConfig
+from router_runtime.proxy.health import HealthConfig
+from router_runtime.scheduling.config import SchedulingConfig
 from router_runtime.scheduling.presets import PolicyConfig
 from router_runtime.worker import Carrier, WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
@@ -34,10 +42,20 @@ def sample(router, name, **labels) -> float:
 
 @contextlib.asynccontextmanager
 async def replicas(
-    tmp_path, n_routers: int, *, engines: int = 2, engine_kw=None, gossip: bool = True, **config
+    tmp_path,
+    n_routers: int,
+    *,
+    engines: int = 2,
+    engine_kw=None,
+    gossip: bool = True,
+    scrape_s: float = 0.0,
+    heartbeat_s: float = 0.5,
+    bounds: Bounds | None = None,
+    **sections,
 ):
     """``engines`` fake engines and ``n_routers`` kv_aware replicas over them, each listing the others as
-    peers (as peer discovery would), every KV subscription joined."""
+    peers (as peer discovery would), every KV subscription joined; engines' metrics read every
+    ``scrape_s`` (0: not read); ``sections``: RouterConfig sections in place of these defaults."""
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
     async with contextlib.AsyncExitStack() as stack:
@@ -48,17 +66,18 @@ async def replicas(
         workers = tuple(
             WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0)) for e in es
         )
-        cfg = RouterConfig(
-            port=0,
-            internal_port=0,
-            internal_token_file=str(token),
-            workers=workers,
-            block_size=BS,
-            health_interval_s=0,
-            policy_config=GUARD,
-            fleet_gossip_window_s=0.005 if gossip else 0,
-            **config,
-        )
+        defaults = {
+            "internal": InternalConfig(port=0, token_file=str(token)),
+            "kv": KvConfig(block_size=BS),
+            "health": HealthConfig(interval_s=0),
+            "scheduling": SchedulingConfig(tuning=GUARD),
+            "fleet": FleetConfig(
+                GossipConfig(window_s=0.005 if gossip else 0, heartbeat_s=heartbeat_s),
+                ScrapeConfig(interval_s=scrape_s),
+                bounds or Bounds(),
+            ),
+        }
+        cfg = RouterConfig(port=0, workers=workers, **{**defaults, **sections})
         routers = [await stack.enter_async_context(run_router(cfg)) for _ in range(n_routers)]
         for i, (r, _) in enumerate(routers):
             r.bootstrap.peers.publish(
@@ -99,7 +118,7 @@ async def test_replicas_share_their_load_and_balance_a_skewed_workload(tmp_path)
     a Service spreads them. Each replica alone holds 2 of them, which never trips its guard; the
     fleet holds 6, so once the hot engine carries 3 more than the other the next ones go there."""
     slow = {"decode_tokens_per_s": 20}
-    async with replicas(tmp_path, 3, engine_kw=slow, engine_load_interval_s=0) as (es, routers, s):
+    async with replicas(tmp_path, 3, engine_kw=slow) as (es, routers, s):
         hot, other = es
         prefix = list(range(100, 164))
         await cache_prefix(s, hot, routers, prefix)
@@ -143,7 +162,7 @@ async def test_engine_queue_counts_requests_that_bypass_the_router(tmp_path):
     """One replica, no siblings: a client calling the hot engine directly fills its queue; the router
     reads the engine's own running/waiting gauges and balances on them."""
     slow = {"decode_tokens_per_s": 20}
-    async with replicas(tmp_path, 1, engine_kw=slow, gossip=False, engine_load_interval_s=0.02) as (
+    async with replicas(tmp_path, 1, engine_kw=slow, gossip=False, scrape_s=0.02) as (
         es,
         routers,
         s,
@@ -182,9 +201,7 @@ async def _routed(session, url, prompt) -> str:
 
 
 async def test_a_sibling_that_stops_reporting_ages_out(tmp_path):
-    async with replicas(
-        tmp_path, 1, engine_load_interval_s=0, fleet_peer_max_age_s=0.3, fleet_heartbeat_s=0.1
-    ) as (es, routers, s):
+    async with replicas(tmp_path, 1, bounds=Bounds(peer_max_age_s=0.3), heartbeat_s=0.1) as (es, routers, s):
         router, _ = routers[0]
         hot = es[0].http_url
         report = {
@@ -248,10 +265,9 @@ async def test_a_stalled_engine_metrics_endpoint_delays_no_request(tmp_path):
         cfg = RouterConfig(
             port=0,
             workers=(WorkerSpec(stalled, stalled),),
-            block_size=BS,
-            health_interval_s=0,
-            engine_load_interval_s=0.01,
-            engine_load_timeout_s=1.0,
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            fleet=FleetConfig(scrape=ScrapeConfig(interval_s=0.01, timeout_s=1.0)),
         )
         try:
             async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
@@ -268,7 +284,7 @@ async def test_a_stalled_engine_metrics_endpoint_delays_no_request(tmp_path):
 
 
 async def test_load_reports_need_the_fleet_token_and_a_valid_body(tmp_path):
-    async with replicas(tmp_path, 1, engine_load_interval_s=0) as (es, routers, s):
+    async with replicas(tmp_path, 1) as (es, routers, s):
         router, _ = routers[0]
         url = router.internal_url + "/internal/load"
         good = {"format": 1, "replica": "x", "incarnation": "1", "seq": 1, "targets": []}

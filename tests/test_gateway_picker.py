@@ -24,10 +24,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from e2e.gateway import envoy_argv, envoy_config
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
+from router_runtime.gateway.config import PickerConfig
 from router_runtime.gateway.protocol import DESTINATION, headers_of, picked
 from router_runtime.gateway.tls import self_signed
+from router_runtime.kv.config import KvConfig
 from router_runtime.proxy.headers import ENGINE_HEADER
-from router_runtime.proxy.health import BreakerState
+from router_runtime.proxy.health import BreakerState, HealthConfig
 from router_runtime.scheduling.types import Target
 from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
@@ -70,7 +72,11 @@ async def gateway(tmp_path: Path, n_engines: int = 2, fail_open: bool = False, *
             for _ in range(n_engines)
         ]
         cfg = RouterConfig(
-            port=0, workers=static_workers(engines), block_size=BS, health_interval_s=0, epp_port=0
+            port=0,
+            workers=static_workers(engines),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            gateway=PickerConfig(port=0),
         )
         router, _url = await stack.enter_async_context(run_router(cfg))
         await join_all(router, engines)
@@ -214,13 +220,21 @@ async def test_the_pickers_grpc_health_follows_readiness(tmp_path, tls):
         key, cert = self_signed("127.0.0.1")
         (tmp_path / "tls.key").write_bytes(key)
         (tmp_path / "tls.crt").write_bytes(cert)
-        flags = {"epp_cert_file": str(tmp_path / "tls.crt"), "epp_key_file": str(tmp_path / "tls.key")}
+        gateway = PickerConfig(
+            port=0, cert_file=str(tmp_path / "tls.crt"), key_file=str(tmp_path / "tls.key")
+        )
     else:
-        flags = {"epp_plaintext": True}
+        gateway = PickerConfig(port=0, plaintext=True)
     async with contextlib.AsyncExitStack() as stack:
         engine = await stack.enter_async_context(run_fake_engine(block_size=BS))
         workers = static_workers([engine])
-        cfg = RouterConfig(port=0, workers=workers, block_size=BS, health_interval_s=0, epp_port=0, **flags)
+        cfg = RouterConfig(
+            port=0,
+            workers=workers,
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            gateway=gateway,
+        )
         router, _url = await stack.enter_async_context(run_router(cfg))
         if tls == "mounted":
             channel = grpc.aio.secure_channel(router.epp_address, grpc.ssl_channel_credentials(cert))
@@ -248,7 +262,13 @@ async def test_a_pick_that_refuses_connections_fails_over_and_the_engine_that_se
     async with contextlib.AsyncExitStack() as stack:
         engine = await stack.enter_async_context(run_fake_engine(block_size=BS))
         workers = (*static_workers([engine]), WorkerSpec(dead, dead))
-        cfg = RouterConfig(port=0, workers=workers, block_size=BS, health_interval_s=0, epp_port=0)
+        cfg = RouterConfig(
+            port=0,
+            workers=workers,
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            gateway=PickerConfig(port=0),
+        )
         router, _url = await stack.enter_async_context(run_router(cfg))
         await join_all(router, [engine])
         base = await stack.enter_async_context(envoy(router.epp_address, [engine.http_url, dead], tmp_path))

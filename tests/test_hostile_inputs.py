@@ -16,12 +16,18 @@ import aiohttp
 import pytest
 
 from router_runtime.app import run_router
+from router_runtime.bootstrap.config import InternalConfig, PeerConfig
+from router_runtime.bootstrap.sweep import BootstrapConfig
 from router_runtime.config import RouterConfig
-from router_runtime.proxy.health import BreakerState
+from router_runtime.fleet.config import FleetConfig
+from router_runtime.fleet.gossip import GossipConfig
+from router_runtime.kv.config import KvConfig
+from router_runtime.proxy.health import BreakerState, HealthConfig
 from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
 
 from .support import snapshot_peer
+from .test_proxy_http import breakers
 
 BS = 4
 TOKEN = "hostile-s3cret"
@@ -29,20 +35,22 @@ PROMPT = {"prompt": "the quick brown fox", "max_tokens": 3}
 
 
 @contextlib.asynccontextmanager
-async def router_over_engine(tmp_path, *, kv: bool = False, **config):
-    """A router over one fake engine (``kv``: subscribed to its KV events too)."""
+async def router_over_engine(tmp_path, *, events: bool = False, **sections):
+    """A router over one fake engine (``events``: subscribed to its KV events too); ``sections``:
+    RouterConfig sections in place of these defaults."""
     token = tmp_path / "token"
     token.write_text(TOKEN)
     async with run_fake_engine(block_size=BS) as engine:
-        events = {"kv": engine.kv_endpoint(0), "replay": engine.replay_endpoint(0)} if kv else {}
+        streams = {"kv": engine.kv_endpoint(0), "replay": engine.replay_endpoint(0)} if events else {}
+        defaults = {
+            "internal": InternalConfig(port=0, token_file=str(token)),
+            "kv": KvConfig(block_size=BS),
+            "health": breakers(2),
+        }
         cfg = RouterConfig(
             port=0,
-            internal_port=0,
-            internal_token_file=str(token),
-            workers=(WorkerSpec(engine.http_url, engine.http_url, **events),),
-            block_size=BS,
-            health_interval_s=0,
-            **{"breaker_failures": 2, **config},
+            workers=(WorkerSpec(engine.http_url, engine.http_url, **streams),),
+            **{**defaults, **sections},
         )
         async with (
             run_router(cfg) as (router, url),
@@ -408,8 +416,8 @@ async def test_a_hostile_peer_leaves_the_router_healthy_small_and_cold(tmp_path,
     harm = Harm()
     async with snapshot_peer(hostile) as peer:
         # origin off: a young engine's replay would rebuild the rank without asking any peer
-        cfg = {"kv_peers": (peer,), "bootstrap_timeout_s": 30, "bootstrap_origin": False}
-        async with router_over_engine(tmp_path, kv=True, **cfg) as (engine, router, url, s):
+        cfg = {"peers": PeerConfig(urls=(peer,)), "bootstrap": BootstrapConfig(timeout_s=30, origin=False)}
+        async with router_over_engine(tmp_path, events=True, **cfg) as (engine, router, url, s):
             loop = asyncio.get_running_loop()
             start = loop.time()
             while served < 3 or not router.bootstrap.settled:  # several refused sweeps, then settled
@@ -447,7 +455,7 @@ async def test_a_peer_answering_a_gzip_bomb_to_a_post_costs_the_router_nothing(t
     harm = Harm()
     async with (
         loopback_app(web.post(path, bomb)) as peer,
-        router_over_engine(tmp_path, fleet_gossip_window_s=0.005, fleet_heartbeat_s=0.05) as (
+        router_over_engine(tmp_path, fleet=FleetConfig(GossipConfig(window_s=0.005, heartbeat_s=0.05))) as (
             engine,
             router,
             url,
@@ -490,7 +498,10 @@ async def test_an_engine_answering_without_end_costs_the_router_a_bounded_read(t
     routes = [web.get(p, endless) for p in ("/v1/models", "/health", "/v1/responses/{id}")]
     async with loopback_app(*routes) as engine_url:
         cfg = RouterConfig(
-            port=0, workers=(WorkerSpec(engine_url, engine_url),), block_size=BS, health_interval_s=0.2
+            port=0,
+            workers=(WorkerSpec(engine_url, engine_url),),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0.2),
         )
         harm = Harm()
         async with run_router(cfg) as (_router, url), aiohttp.ClientSession() as s:
@@ -543,7 +554,7 @@ async def test_no_sequence_of_client_requests_opens_a_breaker(tmp_path, seed):
     import random
 
     rng = random.Random(seed)
-    async with router_over_engine(tmp_path, breaker_failures=1) as (engine, router, url, s):
+    async with router_over_engine(tmp_path, health=breakers(1)) as (engine, router, url, s):
         host, port = url.removeprefix("http://").rsplit(":", 1)
         for i in range(40):
             await _one_hostile_request(rng, url, s, host, int(port))

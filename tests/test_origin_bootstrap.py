@@ -144,7 +144,7 @@ async def test_a_replay_that_does_not_fit_this_routers_block_size_is_a_config_mi
     async with run_fake_engine(block_size=BS, dialect=dialect) as e:
         for p in engine_prefixes(1, 10):
             e.admit(0, p, PLAIN)
-        config = dataclasses.replace(router_config([e]), block_size=BS * 2)
+        config = router_config([e], "--block-size", str(BS * 2))
         async with run_router(config) as (router, url):
             await eventually(lambda: router.bootstrap.settled, timeout=10, what="bootstrap settled")
             report = router.bootstrap.report()
@@ -169,7 +169,7 @@ async def test_a_replay_that_does_not_fit_this_routers_block_size_is_a_config_mi
 async def test_a_router_started_with_the_wrong_block_size_reports_it_once_stores_arrive():
     """No history to replay, no rollout: the live stream alone shows the mismatch (verdict, metric)."""
     async with run_fake_engine(block_size=BS) as e:
-        config = dataclasses.replace(router_config([e]), block_size=BS * 2)
+        config = router_config([e], "--block-size", str(BS * 2))
         async with run_router(config) as (router, url):
             await eventually(lambda: router.bootstrap.settled, timeout=10, what="bootstrap settled")
             assert router.bootstrap.verdict.value == "no_peers"  # no evidence yet: an empty cache

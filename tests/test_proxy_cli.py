@@ -13,6 +13,8 @@ import aiohttp
 import pytest
 
 from router_runtime.config import FLAGS, RouterConfig, parse_args
+from router_runtime.proxy.config import Timeouts
+from router_runtime.proxy.health import BreakerConfig, HealthConfig
 from router_runtime.scheduling.presets import PolicyConfig
 from routerfleet_fake_engine.server import run_fake_engine
 
@@ -23,15 +25,30 @@ from .test_tokens_hf import build_tokenizer_dir
 def test_defaults_keep_the_existing_behaviour_and_add_the_request_plane():
     c = parse_args([])
     assert c == RouterConfig()
-    assert c.policy == "kv_aware" and c.policy_config == PolicyConfig() and c.tokenizer == "bytes"
-    assert c.max_body_bytes == 32 << 20 and c.health_interval_s == 5 and c.breaker_failures == 3
+    assert c.scheduling.policy == "kv_aware" and c.scheduling.tuning == PolicyConfig()
+    assert c.tokens.tokenizer == "bytes" and c.proxy.max_body_bytes == 32 << 20
+    assert c.health.interval_s == 5 and c.health.breaker.failures == 3
 
 
 def test_every_policy_tunable_has_a_flag():
     """A PolicyConfig field without a Flag could only be set in code; each one is declared in FLAGS."""
     declared = {flag.path for _title, flags in FLAGS for flag in flags}
-    tunables = {f"policy_config.{f.name}" for f in dataclasses.fields(PolicyConfig)}
+    tunables = {f"scheduling.tuning.{f.name}" for f in dataclasses.fields(PolicyConfig)}
     assert tunables - declared == set()
+
+
+def test_every_flag_sets_a_field_of_its_section():
+    """Each flag's path names a RouterConfig field, or a field of one of its sections (nested configs in
+    turn); no two flags set the same field."""
+    paths = [flag.path for _title, flags in FLAGS for flag in flags]
+    assert len(paths) == len(set(paths))
+    for path in paths:
+        config: object = RouterConfig
+        *sections, name = path.split(".")
+        for section in sections:
+            assert dataclasses.is_dataclass(config), path
+            config = {f.name: f for f in dataclasses.fields(config)}[section].default_factory
+        assert name in {f.name for f in dataclasses.fields(config)}, path
 
 
 def test_flags_map_onto_the_config(tmp_path):
@@ -64,9 +81,9 @@ def test_flags_map_onto_the_config(tmp_path):
             "--breaker-cooldown-ms", "0",
         ]
     )  # fmt: skip
-    assert (c.port, c.block_size, c.workers[0].dp_size) == (9000, 32, 2)
-    assert c.policy == "power_of_two"
-    assert c.policy_config == PolicyConfig(
+    assert (c.port, c.kv.block_size, c.workers[0].dp_size) == (9000, 32, 2)
+    assert c.scheduling.policy == "power_of_two"
+    assert c.scheduling.tuning == PolicyConfig(
         balance_abs_threshold=8,
         balance_rel_threshold=2.5,
         host_weight=0.75,
@@ -76,19 +93,11 @@ def test_flags_map_onto_the_config(tmp_path):
         max_tree_size=1000,
         seed=7,
     )
-    assert c.tokenizer == str(tmp_path / "tok") and c.tokenizer_threads == 2
-    assert (c.connect_timeout_s, c.first_byte_timeout_s, c.total_timeout_s, c.idle_timeout_s) == (
-        0.25,
-        1.5,
-        60,
-        2,
-    )
-    assert (c.upstream_keepalive_s, c.max_body_bytes) == (1, 1024)
-    assert (c.health_interval_s, c.health_timeout_s, c.breaker_failures, c.breaker_cooldown_s) == (
-        0,
-        0.3,
-        5,
-        0,
+    assert c.tokens.tokenizer == str(tmp_path / "tok") and c.tokens.threads == 2
+    assert c.proxy.timeouts == Timeouts(connect_s=0.25, first_byte_s=1.5, total_s=60, idle_s=2)
+    assert (c.proxy.upstream_keepalive_s, c.proxy.max_body_bytes) == (1, 1024)
+    assert c.health == HealthConfig(
+        interval_s=0, timeout_s=0.3, breaker=BreakerConfig(failures=5, cooldown_s=0)
     )
 
 

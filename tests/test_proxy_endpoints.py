@@ -14,12 +14,13 @@ import openai
 import pytest
 
 from router_runtime.config import parse_args
+from router_runtime.proxy.config import ProxyConfig
 from router_runtime.proxy.endpoints import FORWARDED, OWN, allowed_path
 from router_runtime.tokens import encode
 from routerfleet_fake_engine.pooling_api import DIM, vector
 from routerfleet_fake_engine.server import run_fake_engine
 
-from .test_proxy_http import ENGINE_HEADER, closed_port_url, http_worker, post, routed, sample
+from .test_proxy_http import ENGINE_HEADER, breakers, closed_port_url, http_worker, post, routed, sample
 
 BODIES = {
     "/v1/embeddings": {"model": "m", "input": ["the quick brown fox", [1, 2, 3]]},
@@ -51,7 +52,7 @@ def test_allow_path_values_are_vetted():
     ]:
         with pytest.raises(ValueError, match=why):
             allowed_path(bad)
-    assert parse_args(["--allow-path", "/sleep", "--allow-path", "/sleep"]).allow_paths == ("/sleep",)
+    assert parse_args(["--allow-path", "/sleep", "--allow-path", "/sleep"]).proxy.allow_paths == ("/sleep",)
 
 
 def test_a_bad_allow_path_is_one_line_naming_the_flag(capsys):
@@ -141,7 +142,7 @@ async def test_a_transcription_form_arrives_whole():
 async def test_a_refused_connection_is_retried_on_another_engine():
     async with (
         run_fake_engine(block_size=4) as engine,
-        routed([http_worker(closed_port_url()), http_worker(engine.http_url)], breaker_failures=1) as ctx,
+        routed([http_worker(closed_port_url()), http_worker(engine.http_url)], health=breakers(1)) as ctx,
     ):
         r, url, s = ctx
         for _ in range(2):  # one of the two lands on the closed port first, which opens its breaker
@@ -151,7 +152,7 @@ async def test_a_refused_connection_is_retried_on_another_engine():
 
 
 async def test_no_engine_is_a_503_in_openai_shape():
-    async with routed([http_worker(closed_port_url())], breaker_failures=1) as (_, url, s):
+    async with routed([http_worker(closed_port_url())], health=breakers(1)) as (_, url, s):
         await post(s, url, BODIES["/v1/embeddings"], "/v1/embeddings")  # opens the only breaker
         status, _, body = await post(s, url, BODIES["/v1/embeddings"], "/v1/embeddings")
         assert status == 503 and json.loads(body)["error"]["code"] == "no_engine_available"
@@ -176,7 +177,11 @@ async def test_other_paths_are_refused_and_an_engines_admin_path_is_unreachable(
 async def test_an_allowed_path_goes_through_with_its_method():
     async with (
         run_fake_engine(block_size=4) as engine,
-        routed([http_worker(engine.http_url)], allow_paths=("/admin/state",)) as (_, url, s),
+        routed([http_worker(engine.http_url)], proxy=ProxyConfig(allow_paths=("/admin/state",))) as (
+            _,
+            url,
+            s,
+        ),
         s.get(url + "/admin/state") as r,
     ):
         assert r.status == 200 and r.headers[ENGINE_HEADER] == engine.http_url

@@ -16,7 +16,9 @@ from aiohttp import web
 
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
-from router_runtime.proxy.health import BreakerState
+from router_runtime.kv.config import KvConfig
+from router_runtime.proxy.config import ProxyConfig, Timeouts
+from router_runtime.proxy.health import BreakerConfig, BreakerState, HealthConfig
 from router_runtime.scheduling.framework import Choice, Cycle, Profile, Scored
 from router_runtime.scheduling.types import Reason, Target
 from router_runtime.worker import WorkerSpec
@@ -56,11 +58,19 @@ def preferring(*engines: str) -> Profile:
 
 
 @contextlib.asynccontextmanager
-async def routed(workers, policy=None, **config):
-    config.setdefault("health_interval_s", 0)
-    cfg = RouterConfig(port=0, workers=tuple(workers), block_size=4, **config)
+async def routed(workers, policy=None, **sections):
+    sections.setdefault("health", HealthConfig(interval_s=0))
+    cfg = RouterConfig(port=0, workers=tuple(workers), kv=KvConfig(block_size=4), **sections)
     async with run_router(cfg, policy=policy) as (router, url), aiohttp.ClientSession() as session:
         yield router, url, session
+
+
+def breakers(failures: int) -> HealthConfig:
+    return HealthConfig(interval_s=0, breaker=BreakerConfig(failures=failures))
+
+
+def timeouts(**bounds: float) -> ProxyConfig:
+    return ProxyConfig(timeouts=Timeouts(**bounds))
 
 
 def sample(router, name: str, **labels) -> float:
@@ -180,7 +190,7 @@ def assert_openai_error(status, body, want_status, param=None):
 async def test_bad_json_invalid_bodies_and_oversized_bodies():
     async with (
         run_fake_engine(block_size=4) as engine,
-        routed([http_worker(engine.http_url)], max_body_bytes=1000) as (router, url, s),
+        routed([http_worker(engine.http_url)], proxy=ProxyConfig(max_body_bytes=1000)) as (router, url, s),
     ):
         async with s.post(url + "/v1/completions", data=b'{"prompt": ') as r:
             assert_openai_error(r.status, await r.read(), 400)
@@ -233,7 +243,7 @@ async def test_503_without_engines_and_readiness():
 
 async def test_502_when_every_engine_refuses_after_one_retry_then_503_when_all_breakers_are_open():
     dead = [closed_port_url(), closed_port_url()]
-    async with routed([http_worker(u) for u in dead], policy=preferring(), breaker_failures=1) as (
+    async with routed([http_worker(u) for u in dead], policy=preferring(), health=breakers(1)) as (
         router,
         url,
         s,
@@ -325,7 +335,7 @@ async def test_an_engine_that_dies_mid_stream_truncates_the_client_response():
 async def test_504_when_the_first_byte_is_late():
     async with (
         run_fake_engine(block_size=4, prefill_us_per_token=1e6) as engine,
-        routed([http_worker(engine.http_url)], first_byte_timeout_s=0.2) as (router, url, s),
+        routed([http_worker(engine.http_url)], proxy=timeouts(first_byte_s=0.2)) as (router, url, s),
     ):
         t = time.monotonic()
         status, headers, raw = await post(s, url, {"prompt": "slow prompt", "max_tokens": 1})
@@ -343,7 +353,7 @@ async def test_504_when_the_first_byte_is_late():
 async def test_an_idle_stream_is_cut_not_completed():
     async with (
         run_fake_engine(block_size=4, decode_tokens_per_s=4) as engine,
-        routed([http_worker(engine.http_url)], idle_timeout_s=0.1) as (router, url, s),
+        routed([http_worker(engine.http_url)], proxy=timeouts(idle_s=0.1)) as (router, url, s),
     ):
         async with s.post(
             url + "/v1/completions", json={**COMPLETION, "stream": True, "max_tokens": 50}
@@ -517,9 +527,7 @@ async def test_the_breaker_takes_a_dead_engine_out_and_brings_it_back():
             async with routed(
                 [http_worker(a.http_url), http_worker(b_url)],
                 policy=preferring(b_url),
-                health_interval_s=0.05,
-                breaker_failures=2,
-                breaker_cooldown_s=0.2,
+                health=HealthConfig(interval_s=0.05, breaker=BreakerConfig(failures=2, cooldown_s=0.2)),
             ) as (router, url, s):
                 _, headers, _ = await post(s, url, COMPLETION)
                 assert headers[ENGINE_HEADER] == b_url
@@ -564,7 +572,7 @@ async def test_5xx_answers_to_client_requests_never_open_the_breaker():
         async with (
             run_fake_engine(block_size=4) as good,
             routed(
-                [http_worker(bad), http_worker(good.http_url)], policy=preferring(bad), breaker_failures=2
+                [http_worker(bad), http_worker(good.http_url)], policy=preferring(bad), health=breakers(2)
             ) as (router, url, s),
         ):
             for _ in range(6):
@@ -584,7 +592,7 @@ async def test_a_gzip_body_is_forwarded_decoded_and_cannot_open_a_breaker():
 
     async with (
         run_fake_engine(block_size=4) as e,
-        routed([http_worker(e.http_url)], breaker_failures=2) as (
+        routed([http_worker(e.http_url)], health=breakers(2)) as (
             router,
             url,
             s,

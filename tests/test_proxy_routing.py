@@ -12,7 +12,13 @@ import aiohttp
 
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
+from router_runtime.fleet.config import FleetConfig
+from router_runtime.fleet.engine_metrics import ScrapeConfig
+from router_runtime.kv.config import KvConfig
+from router_runtime.proxy.health import HealthConfig
+from router_runtime.scheduling.config import SchedulingConfig
 from router_runtime.scheduling.presets import PolicyConfig
+from router_runtime.tokens.config import TokenizerConfig
 from router_runtime.tokens.hf import HFTokenizer
 from router_runtime.tokens.tokenizer import BytesTokenizer
 from router_runtime.worker import Carrier, WorkerSpec
@@ -35,7 +41,9 @@ async def kv_fleet(n: int = 3, engine_kw=None, with_tokenizer=None, **config):
             for _ in range(n)
         ]
         workers = static_workers(engines)
-        cfg = RouterConfig(port=0, workers=workers, block_size=BS, health_interval_s=0, **config)
+        cfg = RouterConfig(
+            port=0, workers=workers, **config, kv=KvConfig(block_size=BS), health=HealthConfig(interval_s=0)
+        )
         router, url = await stack.enter_async_context(run_router(cfg, tokenizer=with_tokenizer))
         await join_all(router, engines)
         session = await stack.enter_async_context(aiohttp.ClientSession())
@@ -144,7 +152,9 @@ async def test_a_hugging_face_tokenizer_drives_matching(tmp_path):
 
 async def test_load_skew_trips_the_imbalance_guard():
     policy = PolicyConfig(balance_abs_threshold=2, balance_rel_threshold=1.5, load_cost_tokens=0)
-    async with kv_fleet(engine_kw={"decode_tokens_per_s": 20}, policy_config=policy) as (
+    async with kv_fleet(
+        engine_kw={"decode_tokens_per_s": 20}, scheduling=SchedulingConfig(tuning=policy)
+    ) as (
         engines,
         router,
         url,
@@ -215,7 +225,13 @@ async def test_only_policies_that_match_tokens_or_text_make_the_router_tokenize(
         session = await stack.enter_async_context(aiohttp.ClientSession())
         for policy in ("round_robin", "least_loaded", "power_of_two", "approx_prefix", "kv_aware"):
             tok = CountingTokenizer()
-            cfg = RouterConfig(port=0, workers=workers, block_size=BS, health_interval_s=0, policy=policy)
+            cfg = RouterConfig(
+                port=0,
+                workers=workers,
+                kv=KvConfig(block_size=BS),
+                health=HealthConfig(interval_s=0),
+                scheduling=SchedulingConfig(policy=policy),
+            )
             async with run_router(cfg, tokenizer=tok) as (router, url):
                 for _ in range(2):
                     for path, body in bodies:
@@ -249,7 +265,11 @@ class CountingExecutor(ThreadPoolExecutor):
 async def test_large_bodies_are_parsed_and_tokenized_off_the_loop_and_still_routed():
     # engine reads off: the direct request that seeds the cache would count as the engine's load
     # (a client bypassing the router) until the next read
-    async with kv_fleet(n=2, tokenize_inline_max_bytes=1024, engine_load_interval_s=0) as (
+    async with kv_fleet(
+        n=2,
+        tokens=TokenizerConfig(inline_max_bytes=1024),
+        fleet=FleetConfig(scrape=ScrapeConfig(interval_s=0)),
+    ) as (
         engines,
         router,
         url,

@@ -14,9 +14,15 @@ import openai
 import pytest
 
 from router_runtime.app import run_router
+from router_runtime.bootstrap.config import InternalConfig, PeerConfig
 from router_runtime.bootstrap.vetting import vet_sessions
 from router_runtime.bootstrap.wire import Limits, WireSession, WireSnapshot, decode, encode
 from router_runtime.config import RouterConfig
+from router_runtime.fleet.config import FleetConfig
+from router_runtime.fleet.engine_metrics import ScrapeConfig
+from router_runtime.kv.config import KvConfig
+from router_runtime.proxy.config import ProxyConfig
+from router_runtime.proxy.health import HealthConfig
 from router_runtime.proxy.request import Kind, parse_request
 from router_runtime.scheduling.types import Target
 from router_runtime.sessions.bindings import (
@@ -157,9 +163,9 @@ async def test_a_tenant_never_reaches_another_tenants_stored_response(tenants):
         cfg = RouterConfig(
             port=0,
             workers=static_workers(engines),
-            block_size=BS,
-            health_interval_s=0,
-            tenant_header="Authorization" if tenants else None,
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            proxy=ProxyConfig(tenant_header="Authorization" if tenants else None),
         )
         _router, url = await stack.enter_async_context(run_router(cfg))
         alice = await stack.enter_async_context(sdk(url, "alice-key"))
@@ -197,13 +203,12 @@ async def test_three_replicas_find_a_response_by_probing_and_a_new_replica_inher
             return RouterConfig(
                 port=0,
                 workers=workers,
-                block_size=BS,
-                health_interval_s=0,
-                internal_port=0,
-                internal_token_file=str(token),
-                kv_peers=tuple(peers),
-                engine_load_interval_s=0,
                 responses=BindingConfig(probe_timeout_s=probe_s),
+                kv=KvConfig(block_size=BS),
+                health=HealthConfig(interval_s=0),
+                internal=InternalConfig(port=0, token_file=str(token)),
+                peers=PeerConfig(urls=tuple(peers)),
+                fleet=FleetConfig(scrape=ScrapeConfig(interval_s=0)),
             )
 
         async def start(config):

@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 
 from router_runtime.app import run_router
+from router_runtime.bootstrap.config import PeerConfig
 from router_runtime.config import parse_args
 from routerfleet_fake_engine.cache import PLAIN
 from routerfleet_fake_engine.server import run_fake_engine
@@ -43,7 +44,8 @@ def args(e, token_file, *extra):
             *extra,
         ]
     )
-    return dataclasses.replace(config, port=0, internal_port=0)  # ephemeral ports (the CLI wants real ones)
+    # ephemeral ports (the CLI wants real ones)
+    return dataclasses.replace(config, port=0, internal=dataclasses.replace(config.internal, port=0))
 
 
 async def test_a_second_router_is_seeded_through_the_internal_port(token_file):
@@ -110,7 +112,8 @@ async def test_engines_without_kv_events_do_not_hold_readiness(token_file):
         config = parse_args(
             ["--block-size", str(BS), "--worker", f"url={e.http_url}", "--health-interval-ms", "0"]
         )
-        config = dataclasses.replace(config, port=0, internal_port=0, kv_peers=("http://127.0.0.1:1",))
+        peers = PeerConfig(urls=("http://127.0.0.1:1",))
+        config = dataclasses.replace(config, port=0, peers=peers)
         async with run_router(config) as (b, b_url):
             async with http.get(b_url + "/readyz") as r:
                 assert r.status == 200, await r.text()
@@ -148,11 +151,12 @@ def test_a_deadline_armed_at_construction_does_not_settle_before_the_first_engin
     from router_runtime.bootstrap.peers import PeerRegistry
     from router_runtime.bootstrap.sweep import BootstrapConfig, Bootstrapper
     from router_runtime.bootstrap.vetting import HashingConfig
+    from router_runtime.kv.config import KvConfig
     from router_runtime.kv.plane import KVPlane
 
     now = [0.0]
     reg = CollectorRegistry()
-    plane = KVPlane(BS, reg, disconnect_grace_s=0.0)
+    plane = KVPlane(KvConfig(block_size=BS, disconnect_grace_s=0.0), reg)
     boot = Bootstrapper(
         plane,
         PeerRegistry(),

@@ -80,8 +80,8 @@ def test_a_real_engine_sample_agrees_with_the_engine_and_the_fleet(name, tmp_pat
     token.write_text("t0ken\n")
     rendered = [str(token) if a == f"{TOKEN_DIR}/token" else a for a in router_args(fleet)]
     config = parse_args(rendered)
-    assert config.tokenizer == "engine" and config.block_size == fleet.spec.router.block_size
-    assert str(config.chat_family) == RELEASE[name].split("-")[0]
+    assert config.tokens.tokenizer == "engine" and config.kv.block_size == fleet.spec.router.block_size
+    assert str(config.tokens.chat_family) == RELEASE[name].split("-")[0]
 
 
 def test_the_recorded_engine_facts_name_what_the_samples_rely_on():

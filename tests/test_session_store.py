@@ -23,8 +23,12 @@ import pytest
 
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
+from router_runtime.fleet.config import FleetConfig
+from router_runtime.fleet.engine_metrics import ScrapeConfig
+from router_runtime.kv.config import KvConfig
+from router_runtime.proxy.health import HealthConfig
 from router_runtime.sessions.bindings import BindingConfig
-from router_runtime.sessions.config import SessionConfig
+from router_runtime.sessions.config import SessionConfig, StoreConfig
 from router_runtime.sessions.redis_store import SharedClient, _vetted, store_url
 from router_runtime.sessions.store import Remembered
 from routerfleet_fake_engine.server import run_fake_engine
@@ -119,12 +123,12 @@ async def fleet(store_url_: str, n_engines: int = 3, bindings: BindingConfig | N
             cfg = RouterConfig(
                 port=0,
                 workers=workers,
-                block_size=BS,
-                health_interval_s=0,
-                engine_load_interval_s=0,
                 sessions=SessionConfig(enabled=True),
                 responses=bindings,
-                session_store=store_url_,
+                kv=KvConfig(block_size=BS),
+                health=HealthConfig(interval_s=0),
+                fleet=FleetConfig(scrape=ScrapeConfig(interval_s=0)),
+                store=StoreConfig(url=store_url_),
             )
             router, url = await stack_.enter_async_context(run_router(cfg))
             for sub in router.kv.subscriptions() if join else ():

@@ -20,7 +20,14 @@ import aiohttp
 from aiohttp import web
 
 from router_runtime.app import run_router
+from router_runtime.bootstrap.config import InternalConfig, PeerConfig
+from router_runtime.bootstrap.sweep import BootstrapConfig
 from router_runtime.config import RouterConfig
+from router_runtime.fleet.config import FleetConfig
+from router_runtime.fleet.engine_metrics import ScrapeConfig
+from router_runtime.kv.config import KvConfig
+from router_runtime.proxy.health import HealthConfig
+from router_runtime.scheduling.config import SchedulingConfig
 from router_runtime.scheduling.presets import PolicyConfig
 from router_runtime.sessions.config import SessionConfig
 from router_runtime.worker import Carrier, WorkerSpec
@@ -77,15 +84,17 @@ async def thrash(policy: str, affinity: bool):
         cfg = RouterConfig(
             port=0,
             workers=workers,
-            block_size=BS,
-            health_interval_s=0,
-            bootstrap=False,
-            policy=policy,
-            policy_config=PolicyConfig(balance_abs_threshold=1, load_cost_tokens=0, spread_ties=False),
             sessions=SessionConfig(enabled=affinity),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            bootstrap=BootstrapConfig(enabled=False),
+            scheduling=SchedulingConfig(
+                policy=policy,
+                tuning=PolicyConfig(balance_abs_threshold=1, load_cost_tokens=0, spread_ties=False),
+            ),
             # The holders are cut by the client; the engine notices at its next write, and a read of
             # its gauges in between would (rightly) count them: this scenario is about the router's own.
-            engine_load_interval_s=0,
+            fleet=FleetConfig(scrape=ScrapeConfig(interval_s=0)),
         )
         router, url = await stack.enter_async_context(run_router(cfg))
         s = await stack.enter_async_context(aiohttp.ClientSession())
@@ -177,15 +186,14 @@ async def test_three_replicas_keep_the_engine_with_the_echoed_header_and_a_new_o
             return RouterConfig(
                 port=0,
                 workers=workers,
-                block_size=BS,
-                health_interval_s=0,
-                internal_port=0,
-                internal_token_file=str(token),
-                kv_peers=tuple(peers),
                 sessions=SessionConfig(enabled=True, trust_hints=True),
+                kv=KvConfig(block_size=BS),
+                health=HealthConfig(interval_s=0),
+                internal=InternalConfig(port=0, token_file=str(token)),
+                peers=PeerConfig(urls=tuple(peers)),
                 # No gossip between these replicas: a read of an engine serving a sibling's turn would
                 # (rightly) count that turn for a moment; this scenario is about the echoed hint.
-                engine_load_interval_s=0,
+                fleet=FleetConfig(scrape=ScrapeConfig(interval_s=0)),
             )
 
         replicas = []
@@ -273,9 +281,9 @@ async def test_only_2xx_writes_and_transport_errors_never_do():
         cfg = RouterConfig(
             port=0,
             workers=(WorkerSpec(echo, echo),),
-            policy="round_robin",
-            health_interval_s=0,
             sessions=SessionConfig(enabled=True),
+            scheduling=SchedulingConfig(policy="round_robin"),
+            health=HealthConfig(interval_s=0),
         )
         router, url = await stack.enter_async_context(run_router(cfg))
         s = await stack.enter_async_context(aiohttp.ClientSession())
@@ -296,9 +304,9 @@ async def test_only_2xx_writes_and_transport_errors_never_do():
         RouterConfig(
             port=0,
             workers=(WorkerSpec(dead, dead),),
-            policy="round_robin",
-            health_interval_s=0,
             sessions=SessionConfig(enabled=True),
+            scheduling=SchedulingConfig(policy="round_robin"),
+            health=HealthConfig(interval_s=0),
         )
     ) as (router, url):
         async with (
@@ -319,9 +327,9 @@ async def test_hint_headers_are_stripped_trusted_or_not_and_session_headers_pass
             cfg = RouterConfig(
                 port=0,
                 workers=(WorkerSpec(echo, echo),),
-                policy="round_robin",
-                health_interval_s=0,
                 sessions=sessions,
+                scheduling=SchedulingConfig(policy="round_robin"),
+                health=HealthConfig(interval_s=0),
             )
             async with (
                 run_router(cfg) as (_router, url),

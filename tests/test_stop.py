@@ -109,7 +109,10 @@ async def trial(seed: int, mute_replay: str, peer: str, token_file: str) -> None
         flags += ["--worker", f"url={w.url},kv={w.kv},replay={w.replay},dp={w.dp_size}"]
     if rng.random() < 0.5:  # a sibling whose snapshot never comes: the bootstrap waits on it
         flags += ["--internal-token-file", token_file, "--kv-peer", peer]
-    config = dataclasses.replace(parse_args(flags), port=0, internal_port=0)  # ephemeral ports
+    config = parse_args(flags)
+    config = dataclasses.replace(
+        config, port=0, internal=dataclasses.replace(config.internal, port=0)
+    )  # ephemeral
     try:
         async with run_router(config) as (router, _url):
             await live(rng, router, fleet)

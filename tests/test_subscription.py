@@ -10,6 +10,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
+from router_runtime.kv.config import KvConfig
 from router_runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Dialect
 from router_runtime.kv.hold import RankHold
 from router_runtime.kv.plane import KVPlane
@@ -45,7 +46,8 @@ async def setup(dialect=Dialect.VLLM_033, dp=1, replay_buffer=10_000, replay_end
     pub.start()
     registry = CollectorRegistry()
     plane_kw.setdefault("disconnect_grace_s", 0.0)  # removed at once: these tests are about one stream
-    plane = KVPlane(BS, registry, replay_timeouts=ReplayTimeouts(idle_s=0.3, total_s=2), **plane_kw)
+    config = KvConfig(block_size=BS, replay=ReplayTimeouts(idle_s=0.3, total_s=2), **plane_kw)
+    plane = KVPlane(config, registry)
     await plane.start()
     plane.set_workers(
         [

@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry
 from router_runtime.discovery.endpointslices import EngineDiscoveryConfig
 from router_runtime.discovery.kubernetes import EndpointSliceWatcher
 from router_runtime.discovery.server_info import server_info_spec
+from router_runtime.kv.config import KvConfig
 from router_runtime.kv.plane import KVPlane
 from router_runtime.worker import WorkerSpec
 
@@ -217,7 +218,7 @@ async def run_discovery_checks(
 
     async with contextlib.AsyncExitStack() as stack:  # stops whatever started, pass or fail
         registry = CollectorRegistry()
-        plane = KVPlane(16, registry, disconnect_grace_s=0.0)
+        plane = KVPlane(KvConfig(block_size=16, disconnect_grace_s=0.0), registry)
         await plane.start()
         stack.push_async_callback(plane.stop)
         history: list[list[WorkerSpec]] = []

@@ -104,6 +104,9 @@ class Bootstrapper:
         *,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        on_sessions: Callable[[list[WireSession]], object] | None = None,
+        on_responses: Callable[[list[WireSession]], object] | None = None,
+        blocker: Callable[[], Cause | None] | None = None,
     ) -> None:
         self.plane = plane
         self.peers = peers
@@ -125,13 +128,13 @@ class Bootstrapper:
         self._settled = False
         self._ready_latched = False
         self.settled_at: float | None = None
-        # Handed the vetted session-affinity entries of the snapshot that was grafted (set by the app).
-        self.on_sessions: Callable[[list[WireSession]], object] | None = None
+        # Handed the vetted session-affinity entries of the snapshot that was grafted.
+        self.on_sessions = on_sessions
         # And its response bindings (which engine holds a stored response), vetted the same way.
-        self.on_responses: Callable[[list[WireSession]], object] | None = None
+        self.on_responses = on_responses
         self._sessions_inherited = False
-        # Set by the app: what keeps the replica from routing at all (no engines, discovery unsynced).
-        self.blocker: Callable[[], Cause | None] | None = None
+        # What keeps the replica from routing at all (no engines, discovery unsynced).
+        self.blocker = blocker
         self._origin_misfits: dict[Carrier, Misfit] = {}  # found in an engine's replay, before any batch
         self._peer_cause: Cause | None = None  # the last refusal or failure of a sweep
         if self.config.enabled:

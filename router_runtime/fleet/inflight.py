@@ -18,13 +18,13 @@ from ..scheduling.types import Target
 class LoadTracker:
     __slots__ = ("_by_engine", "_counts", "_started", "_tokens", "_total", "on_change", "view")
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[], None] | None = None) -> None:
         self._counts: dict[Target, int] = {}
         self._tokens: dict[Target, int] = {}
         self._started: dict[Target, int] = {}  # requests ever acquired per target (never shrinks)
         self._by_engine: dict[str, int] = {}
         self._total = 0
-        self.on_change: Callable[[], None] | None = None
+        self.on_change = on_change  # each acquire and release (the gossip's wake-up)
         # A live read-only view, built once: what policies get as ``loads``.
         self.view: Mapping[Target, int] = MappingProxyType(self._counts)
 

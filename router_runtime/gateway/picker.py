@@ -26,6 +26,7 @@ from multidict import CIMultiDict
 
 from ..fleet.inflight import LoadTracker
 from ..proxy.audit import USAGE_OPTION_KINDS, request_usage
+from ..proxy.config import ProxyConfig
 from ..proxy.endpoints import FORWARDED, ROUTED
 from ..proxy.errors import ProxyError, bad_request, no_engine, not_found, too_large
 from ..proxy.headers import ENGINE_HEADER
@@ -78,13 +79,11 @@ class EndpointPicker(epg.ExternalProcessorServicer):
     def __init__(
         self,
         scheduler: Scheduler,
+        config: ProxyConfig,
         *,
         targets: TargetBook,
         load: LoadTracker,
         hooks: Sequence[RequestHook] = (),
-        max_body_bytes: int = 32 << 20,
-        tenant_header: str | None = None,
-        ask_usage: bool = True,
         health: HealthBoard | None = None,
         fallbacks: int = 2,
     ) -> None:
@@ -92,10 +91,8 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         self.targets = targets
         self.load = load
         self.hooks = tuple(hooks)
-        self.max_body_bytes = max_body_bytes
-        self.tenant_header = tenant_header
-        # Ask the engine for usage on streams whose client did not, so they are audited too (audit.py).
-        self.ask_usage = ask_usage
+        # The request plane's own section: the body limit, the tenant header, the usage ask (audit.py).
+        self.config = config
         self.health = health  # a pick the gateway could not reach counts against its breaker
         self.fallbacks = fallbacks  # endpoints named after the pick, for the gateway's retries
         self._by_load = make_policy("least_loaded")
@@ -130,8 +127,8 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         if phase == "request_body":
             chunk = message.request_body.body
             stream.size += len(chunk)
-            if stream.size > self.max_body_bytes:
-                raise too_large(self.max_body_bytes)
+            if stream.size > self.config.max_body_bytes:
+                raise too_large(self.config.max_body_bytes)
             stream.body.append(chunk)
             if not message.request_body.end_of_stream:
                 return proceed(phase)
@@ -170,7 +167,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         if not candidates:
             raise no_engine("no engine can take the request (none discovered, or all unhealthy)")
         path = headers.get(":path", "/").split("?", 1)[0]
-        tenant = tenant_of(headers, self.tenant_header)
+        tenant = tenant_of(headers, self.config.tenant_header)
         start = asyncio.get_running_loop().time()
         kind = ROUTED.get(path)
         if kind is not None and raw is not None:
@@ -179,7 +176,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
                 Inbound(kind, headers, body, len(raw), tenant, stream.subset), candidates
             )
             asked = None
-            if self.ask_usage and kind in USAGE_OPTION_KINDS and scheduled.predicts:
+            if self.config.audit_stream_usage and kind in USAGE_OPTION_KINDS and scheduled.predicts:
                 asked = request_usage(raw, body)
             decision = scheduled.decide(candidates, 0)
             prediction = scheduled.prediction(decision)
@@ -262,7 +259,7 @@ async def serve(
     """The picker, and its gRPC health (``ready``: as ``/readyz``), on a started gRPC server at
     ``host:port``, over TLS with ``credentials`` (None: plaintext); returns it and the port bound. A
     message may carry a whole buffered body, so the size cap is the body cap plus room for headers."""
-    cap = picker.max_body_bytes + (1 << 20)
+    cap = picker.config.max_body_bytes + (1 << 20)
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", cap), ("grpc.max_send_message_length", cap)]
     )

@@ -4,8 +4,8 @@ current worker set. Discovery (static or Kubernetes) hands it the worker set; it
 With a disconnect grace window (``disconnect_grace_s`` > 0), an engine that leaves discovery, changes
 spec or fails health is not erased: its carriers become DISCONNECTED (invisible to every reader) and,
 if it returns within the window, go through the adoption decision (``readoption.py`` holds that
-lifecycle and its state machines; this class only reconciles subscriptions). Without one (the
-default here), a worker that left is dropped at once and a changed spec is a different engine."""
+lifecycle and its state machines; this class only reconciles subscriptions). Without one, a worker
+that left is dropped at once and a changed spec is a different engine."""
 
 from __future__ import annotations
 
@@ -20,13 +20,14 @@ from prometheus_client import CollectorRegistry
 from ..tasks import end_tasks, retire
 from ..worker import Carrier, WorkerSpec
 from .adoption import CarrierState, DisconnectCause, StorageIdentity
+from .config import KvConfig
 from .fit import Misfit
 from .hold import RankHold
 from .index import RadixIndex
 from .metrics import KVMetrics
 from .readoption import Readoption
 from .sockets import Sockets
-from .subscription import Endpoints, RankSubscription, ReplayTimeouts
+from .subscription import Endpoints, RankSubscription
 from .withhold import Withholds
 from .writer import IndexWriter
 
@@ -52,27 +53,22 @@ def rank_endpoint(base: str, rank: int) -> str:
 class KVPlane:
     def __init__(
         self,
-        block_size: int,
+        config: KvConfig,
         registry: CollectorRegistry,
         *,
-        replay_timeouts: ReplayTimeouts | None = None,
-        queue_batches: int = 10_000,
-        queue_bytes: int = 256 << 20,
-        disconnect_grace_s: float,  # no default here: RouterConfig's is the one; 0: no re-adoption
-        adoption_cap: int = 3,
-        adoption_window_s: float = 3600.0,
         storage_lookup: Callable[[WorkerSpec], Awaitable[StorageIdentity | None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        stall_s: float = 2.0,
-        withhold_s: float = 10.0,
     ) -> None:
+        self.config = config
         self.registry = registry
-        self.index = RadixIndex(block_size)
+        self.index = RadixIndex(config.block_size)
         self.metrics = KVMetrics(registry)
-        self.writer = IndexWriter(self.index, self.metrics, max_batches=queue_batches, max_bytes=queue_bytes)
+        self.writer = IndexWriter(
+            self.index, self.metrics, max_batches=config.queue_batches, max_bytes=config.queue_bytes
+        )
         # Ranks routed cold until the index is known to follow their engine again (withhold.py).
-        self.withholds = Withholds(self.index, self.writer, self.metrics, bound_s=withhold_s)
-        self.replay_timeouts = replay_timeouts or ReplayTimeouts()
+        self.withholds = Withholds(self.index, self.writer, self.metrics, bound_s=config.withhold_s)
+        self.replay_timeouts = config.replay
         self.sockets = Sockets()  # every subscription's, replay's and probe's
         self._workers: dict[str, WorkerSpec] = {}
         self._subs: dict[Carrier, tuple[RankSubscription, asyncio.Task]] = {}
@@ -84,14 +80,14 @@ class KVPlane:
         self.readoption = Readoption(
             self,
             registry,
-            grace_s=disconnect_grace_s,
-            cap=adoption_cap,
-            window_s=adoption_window_s,
+            grace_s=config.disconnect_grace_s,
+            cap=config.adoption_cap,
+            window_s=config.adoption_window_s,
             storage_lookup=storage_lookup,
             clock=clock,
         )
         # A rank whose engine has owed a batch this long is stalled (doubtful); 0: never.
-        self.stall_s = stall_s
+        self.stall_s = config.stall_s
         self.metrics.stalled.set_function(self._stalled_ranks)
 
     async def start(self) -> None:

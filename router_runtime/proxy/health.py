@@ -24,10 +24,11 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
+from ..flags import Count, Flag, Ms
 from ..http_body import STATUS_ONLY, read_capped
 from ..scheduling.hooks import Exchange, ResponseWatch
 
@@ -50,6 +51,39 @@ class BreakerConfig:
             raise ValueError("failures must be at least 1")
         if self.cooldown_s < 0:
             raise ValueError("cooldown_s must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    """Engine health (``RouterConfig.health``): active checks, and the breaker request outcomes drive."""
+
+    interval_s: float = 5.0  # 0: no active checks (request outcomes still drive the breakers)
+    timeout_s: float = 2.0
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+
+
+FLAGS = (
+    Flag(
+        "--health-interval-ms",
+        "health.interval_s",
+        Ms(0),
+        "GET /health on every engine this often",
+        zero="no active checks",
+    ),
+    Flag("--health-timeout-ms", "health.timeout_s", Ms(1), "one health check"),
+    Flag(
+        "--breaker-failures",
+        "health.breaker.failures",
+        Count(1),
+        "consecutive failures (connect errors, 5xx) that take an engine out",
+    ),
+    Flag(
+        "--breaker-cooldown-ms",
+        "health.breaker.cooldown_s",
+        Ms(0),
+        "time an engine stays out before it is tried again",
+    ),
+)
 
 
 class Breaker:

@@ -28,7 +28,6 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -45,6 +44,7 @@ from ..sessions.affinity import SessionCtx
 from ..sessions.bindings import Verdict
 from ..sessions.keys import tenant_of
 from .audit import USAGE_OPTION_KINDS, request_usage
+from .config import ProxyConfig
 from .errors import (
     ProxyError,
     bad_gateway,
@@ -75,19 +75,6 @@ log = logging.getLogger(__name__)
 MAX_MODELS_BYTES = 4 << 20  # an engine's /v1/models answer; past it, that engine did not answer
 
 
-@dataclass(frozen=True, slots=True)
-class Timeouts:
-    connect_s: float = 5.0  # TCP connect to an engine
-    first_byte_s: float = 600.0  # dispatch to the engine's response headers
-    total_s: float = 3600.0  # dispatch to the end of the response
-    idle_s: float = 300.0  # between two chunks of a response body
-
-    def __post_init__(self) -> None:
-        for name in ("connect_s", "first_byte_s", "total_s", "idle_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive")
-
-
 class _ConnectFailed(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -116,35 +103,27 @@ class Proxy:
         health: HealthBoard,
         load: LoadTracker,
         metrics: ProxyMetrics,
-        timeouts: Timeouts,
-        max_body_bytes: int,
+        config: ProxyConfig,
         executor: Executor | None = None,
         parse_inline_max_bytes: int = 256 << 10,
-        keepalive_s: float = 4.0,
         models_timeout_s: float = 10.0,
         strip_headers: frozenset[str] = frozenset(),
         limits: ServerLimits | None = None,
-        audit_stream_usage: bool = True,
-        tenant_header: str | None = None,
         hooks: Sequence[RequestHook] = (),
     ) -> None:
         self.scheduler = scheduler
-        # Ask the engine for usage on streams whose client did not, so they are audited too (audit.py).
-        self.audit_stream_usage = audit_stream_usage
+        self.config = config
         self.limits = limits or ServerLimits()
-        # The header naming a request's tenant (sessions/keys.py: tenant_of); None: no tenants.
-        self.tenant_header = tenant_header
         # What runs around each dispatch besides the relay (scheduling/hooks.py), in order.
         self.hooks = tuple(hooks)
         self.targets = targets
         self.health = health
         self.load = load
         self.metrics = metrics
-        self.timeouts = timeouts
-        self.max_body_bytes = max_body_bytes
+        self.timeouts = config.timeouts
+        self.max_body_bytes = config.max_body_bytes
         self.executor = executor
         self.parse_inline_max_bytes = parse_inline_max_bytes
-        self.keepalive_s = keepalive_s
         self.models_timeout = aiohttp.ClientTimeout(total=models_timeout_s)
         self._strip = strip_headers  # request headers never forwarded (a session hint)
         self._by_load = make_policy("least_loaded")  # what has no prefix to route on (endpoints.py)
@@ -157,7 +136,7 @@ class Proxy:
         # policy sees the router's in-flight load); idle connections are dropped before uvicorn's 5 s
         # keep-alive would drop them under us. No cookies, no decompression, no added headers: the
         # bytes pass through.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.config.upstream_keepalive_s)
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s),
@@ -238,7 +217,7 @@ class Proxy:
         )
         ctx.session = scheduled.session
         asked = None
-        if self.audit_stream_usage and kind in USAGE_OPTION_KINDS and scheduled.predicts:
+        if self.config.audit_stream_usage and kind in USAGE_OPTION_KINDS and scheduled.predicts:
             asked = request_usage(raw, body)
         sent = raw if asked is None else asked
         tokens = scheduled.route.tokens
@@ -479,7 +458,7 @@ class Proxy:
     def tenant(self, request: web.Request) -> str:
         """The request's tenant ("" without ``--tenant-header``): response ids and session keys are
         scoped to it."""
-        return tenant_of(request.headers, self.tenant_header)
+        return tenant_of(request.headers, self.config.tenant_header)
 
     @staticmethod
     def _cut(request: web.Request) -> None:

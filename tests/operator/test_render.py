@@ -66,19 +66,18 @@ def test_the_router_listens_on_all_addresses_unless_extra_args_say_otherwise(tmp
 def test_router_flags_parse_with_the_router(tmp_path):
     f = fleet({"engines": {"dpSize": 2, "replayPort": 5658, "topic": "kv@"}, "bootstrap": {"timeout": "90s"}})
     c = router_config(f, tmp_path)
-    assert c.host == "0.0.0.0" and c.port == 8080 and c.internal_port == 8081
-    assert c.k8s_selector == "kubernetes.io/service-name=vllm" and c.k8s_namespace == "ns"
-    assert (c.k8s_http_port, c.k8s_kv_port, c.k8s_replay_port, c.k8s_dp_size, c.k8s_topic) == (
-        "http", "kv", "5658", 2, "kv@",
-    )  # fmt: skip
+    assert c.host == "0.0.0.0" and c.port == 8080 and c.internal.port == 8081
+    d = c.discovery
+    assert d.selector == "kubernetes.io/service-name=vllm" and d.namespace == "ns"
+    assert (d.http_port, d.kv_port, d.replay_port, d.dp_size, d.topic) == ("http", "kv", "5658", 2, "kv@")
     assert (
-        c.kv_peer_selector
+        c.peers.selector
         == f"kubernetes.io/service-name={names(f).peer_service}"
         == "kubernetes.io/service-name=rf-peers"
     )
-    assert c.kv_peer_port == "internal"
-    assert c.bootstrap and c.bootstrap_timeout_s == 90 and not c.bootstrap_seed_required
-    assert c.policy == "kv_aware" and c.block_size == 16 and c.tokenizer == "bytes"
+    assert c.peers.port == "internal"
+    assert c.bootstrap.enabled and c.bootstrap.timeout_s == 90 and not c.bootstrap.seed_required
+    assert c.scheduling.policy == "kv_aware" and c.kv.block_size == 16 and c.tokens.tokenizer == "bytes"
 
 
 def test_router_flags_without_bootstrap_and_with_extra_args(tmp_path):
@@ -93,15 +92,16 @@ def test_router_flags_without_bootstrap_and_with_extra_args(tmp_path):
         }
     )
     c = router_config(f, tmp_path)
-    assert not c.bootstrap and c.internal_token_file  # verdict "disabled"
-    assert c.kv_peer_selector == f"kubernetes.io/service-name={names(f).peer_service}"  # load is shared
-    assert c.k8s_selector == "app=vllm" and c.k8s_kv_port is None
-    assert c.connect_timeout_s == 1 and c.breaker_failures == 5 and c.policy == "round_robin"
+    assert not c.bootstrap.enabled and c.internal.token_file  # verdict "disabled"
+    assert c.peers.selector == f"kubernetes.io/service-name={names(f).peer_service}"  # load is shared
+    assert c.discovery.selector == "app=vllm" and c.discovery.kv_port is None
+    assert c.proxy.timeouts.connect_s == 1 and c.health.breaker.failures == 5
+    assert c.scheduling.policy == "round_robin"
 
 
 def test_seed_required_renders_its_flag(tmp_path):
     f = fleet({"bootstrap": {"seedRequired": True, "timeout": "5m"}})
-    assert router_config(f, tmp_path).bootstrap_seed_required
+    assert router_config(f, tmp_path).bootstrap.seed_required
 
 
 def test_deployment_is_surge_only_and_gated():
@@ -317,7 +317,7 @@ def test_the_shared_session_store_and_its_password_from_a_secret(tmp_path):
     assert mount in spec["containers"][0]["volumeMounts"]
     args = spec["containers"][0]["args"]
     assert args[args.index("--session-store-password-file") + 1] == f"{SESSION_STORE_DIR}/password"
-    assert router_config(f, tmp_path).session_store == "redis://redis:6379/0"  # the router's parser agrees
+    assert router_config(f, tmp_path).store.url == "redis://redis:6379/0"  # the router's parser agrees
     plain = render_pod_template(fleet({"router": {"sessionStore": {"url": "unix:///run/redis.sock"}}}))[
         "spec"
     ]
@@ -330,7 +330,7 @@ def test_tokenizer_from_the_engines(tmp_path):
     f = fleet({"router": {"tokenizer": {"source": "Engine"}}})
     spec = render_pod_template(f)["spec"]
     assert not any(v["name"] == "tokenizer" for v in spec.get("volumes") or [])
-    assert router_config(f, tmp_path).tokenizer == "engine"
+    assert router_config(f, tmp_path).tokens.tokenizer == "engine"
 
 
 def test_scheduling_and_pod_metadata_pass_through():

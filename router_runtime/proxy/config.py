@@ -1,0 +1,156 @@
+"""The request plane's configuration sections and their flags: forwarding (``RouterConfig.proxy``) and
+the router's own HTTP server (``RouterConfig.server``, a ``ServerLimits``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..flags import Bytes, Count, Flag, Ms, Switch, Text
+from .endpoints import allowed_path
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect_s: float = 5.0  # TCP connect to an engine
+    first_byte_s: float = 600.0  # dispatch to the engine's response headers
+    total_s: float = 3600.0  # dispatch to the end of the response
+    idle_s: float = 300.0  # between two chunks of a response body
+
+    def __post_init__(self) -> None:
+        for name in ("connect_s", "first_byte_s", "total_s", "idle_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    max_body_bytes: int = 32 << 20
+    upstream_keepalive_s: float = 4.0
+    # Engine paths beyond the served ones (endpoints.py) an operator lets through, by load.
+    allow_paths: tuple[str, ...] = ()
+    # Ask engines for usage on streams whose client did not, and strip it again (audit.py).
+    audit_stream_usage: bool = True
+    # An audited false hit withholds its rank fleet-wide (kv/withhold.py); off for engines whose
+    # cached-token figures are not to be trusted.
+    audit_withhold: bool = True
+    # X-RouterFleet-Debug-Prediction is honoured (its value must be the fleet token), never by default.
+    debug_prediction: bool = False
+    # The request header naming a request's tenant (its value's digest scopes response ids and session
+    # keys; sessions/keys.py); None: no tenants.
+    tenant_header: str | None = None
+    # On SIGTERM: this long not Ready, closing each connection after its response, before the server
+    # stops listening (cli.py); then requests still in flight get this long before they are cut.
+    # Together with the stop's own bound they fit the pod's 30 s grace period with room to spare.
+    shutdown_drain_s: float = 5.0
+    shutdown_timeout_s: float = 10.0
+
+
+FLAGS = (
+    Flag("--connect-timeout-ms", "proxy.timeouts.connect_s", Ms(1), "TCP connect to an engine"),
+    Flag(
+        "--first-byte-timeout-ms",
+        "proxy.timeouts.first_byte_s",
+        Ms(1),
+        "dispatch to the engine's response headers",
+    ),
+    Flag("--total-timeout-ms", "proxy.timeouts.total_s", Ms(1), "dispatch to the end of the response"),
+    Flag("--idle-timeout-ms", "proxy.timeouts.idle_s", Ms(1), "silence between two chunks of a response"),
+    Flag(
+        "--upstream-keepalive-ms",
+        "proxy.upstream_keepalive_s",
+        Ms(1),
+        "idle engine connections are closed after this",
+    ),
+    Flag("--max-body-bytes", "proxy.max_body_bytes", Bytes(1), "request body limit; larger: 413"),
+    Flag(
+        "--allow-path",
+        "proxy.allow_paths",
+        Text(allowed_path, many=True, unique=True),
+        metavar="PATH",
+        help="forward this engine path too (any method, to an engine by load); repeatable. Every path"
+        " the router does not serve is refused with a 404, engines' administrative ones included",
+    ),
+    Flag(
+        "--shutdown-drain-ms",
+        "proxy.shutdown_drain_s",
+        Ms(0),
+        "on SIGTERM, stay up this long not Ready, closing connections after each response, so the"
+        " Service and clients move off before the server stops (keep it below the pod's termination"
+        " grace period)",
+    ),
+    Flag(
+        "--shutdown-timeout-ms",
+        "proxy.shutdown_timeout_s",
+        Ms(0),
+        "after the drain, how long requests still in flight get to finish before they are cut (drain"
+        " plus this plus a few seconds must fit the pod's termination grace period)",
+    ),
+    Flag(
+        "--debug-prediction",
+        "proxy.debug_prediction",
+        Switch(),
+        "answer a request whose X-RouterFleet-Debug-Prediction header is the fleet token with the"
+        " router's prediction (X-RouterFleet-Predicted-Cached-Tokens, -Predicted-Tiers,"
+        " -Prediction-Doubtful) on an answer the engine accepted; an operator's tool: whoever it is"
+        " open to can probe what is cached",
+    ),
+    Flag(
+        "--tenant-header",
+        "proxy.tenant_header",
+        Text(),
+        metavar="NAME",
+        help="the request header that names its tenant (e.g. Authorization, OpenAI-Organization):"
+        " stored responses and session keys are scoped to it (another tenant's response id is not"
+        " found; responses are never probed for), its value kept only as a digest",
+    ),
+    Flag(
+        "--audit-withhold",
+        "proxy.audit_withhold",
+        Switch(),
+        "an engine that reports more than a block fewer cached tokens than a prediction made in no"
+        " doubt has its rank routed cold on every replica until its events show what it lost"
+        " (--kv-withhold-ms); off: such false hits are only counted",
+    ),
+    Flag(
+        "--audit-stream-usage",
+        "proxy.audit_stream_usage",
+        Switch(),
+        "ask the engine for usage on streams whose client did not (stream_options.include_usage), so"
+        " the prediction audit covers them; the client's stream is unchanged",
+    ),
+)
+
+SERVER_FLAGS = (
+    Flag(
+        "--client-header-timeout-ms",
+        "server.header_timeout_s",
+        Ms(1),
+        "a request head, from its first byte; then the connection closes",
+    ),
+    Flag(
+        "--client-idle-timeout-ms",
+        "server.idle_timeout_s",
+        Ms(1),
+        "an idle keep-alive connection is closed after this",
+    ),
+    Flag(
+        "--client-body-base-timeout-ms",
+        "server.body_base_s",
+        Ms(1),
+        "a request body may take this plus its size at the min rate",
+    ),
+    Flag(
+        "--client-body-min-rate",
+        "server.body_min_bytes_per_s",
+        Count(1),
+        metavar="BYTES_PER_S",
+        help="slowest body upload accepted, past the base timeout; slower: 408",
+    ),
+    Flag(
+        "--max-connections",
+        "server.max_connections",
+        Count(1),
+        "open client connections; past it a new one gets 503 and is closed",
+    ),
+)

@@ -1,0 +1,83 @@
+"""The scheduler's configuration section (``RouterConfig.scheduling``) and its flags: which preset
+profile routes, and the presets' tunables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..flags import Count, Flag, Real, Switch, Text
+from .presets import POLICY_NAMES, PolicyConfig
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingConfig:
+    policy: str = "kv_aware"
+    tuning: PolicyConfig = field(default_factory=PolicyConfig)
+
+
+# each tunable's help names the policies it tunes
+FLAGS = (
+    Flag("--policy", "scheduling.policy", Text(choices=POLICY_NAMES), "routing policy"),
+    Flag(
+        "--balance-abs-threshold",
+        "scheduling.tuning.balance_abs_threshold",
+        Count(0),
+        "imbalance guard: least loaded when the in-flight spread max - min exceeds this and"
+        " max > min * --balance-rel-threshold",
+    ),
+    Flag(
+        "--balance-rel-threshold",
+        "scheduling.tuning.balance_rel_threshold",
+        Real(1.0),
+        "imbalance guard: see --balance-abs-threshold",
+    ),
+    Flag(
+        "--host-weight",
+        "scheduling.tuning.host_weight",
+        Real(0.0, hi=1.0),
+        "kv_aware: credit of a block held in host memory (device = 1)",
+    ),
+    Flag(
+        "--disk-weight",
+        "scheduling.tuning.disk_weight",
+        Real(0.0, hi=1.0),
+        "kv_aware: credit of a block held on disk",
+    ),
+    Flag(
+        "--external-weight",
+        "scheduling.tuning.external_weight",
+        Real(0.0, hi=1.0),
+        "kv_aware: credit of a block held in an external store",
+    ),
+    Flag(
+        "--load-cost-tokens",
+        "scheduling.tuning.load_cost_tokens",
+        Real(0.0),
+        "kv_aware: one in-flight request costs as much as prefilling this many tokens",
+    ),
+    Flag(
+        "--spread-ties",
+        "scheduling.tuning.spread_ties",
+        Switch(),
+        "kv_aware: break ties by a hash of the request (else target order)",
+    ),
+    Flag(
+        "--cache-threshold",
+        "scheduling.tuning.cache_threshold",
+        Real(0.0, hi=1.0),
+        "approx_prefix: route by prefix above this matched fraction of the text",
+    ),
+    Flag(
+        "--max-tree-size",
+        "scheduling.tuning.max_tree_size",
+        Count(1),
+        "approx_prefix: characters per target's text tree before LRU eviction",
+    ),
+    Flag(
+        "--seed",
+        "scheduling.tuning.seed",
+        Count(None),
+        "power_of_two: random seed",
+        default_text="OS entropy",
+    ),
+)
