@@ -18,6 +18,7 @@ import grpc
 import openai
 import pytest
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -25,7 +26,14 @@ from e2e.gateway import envoy_argv, envoy_config
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
 from router_runtime.gateway.config import PickerConfig
-from router_runtime.gateway.protocol import DESTINATION, headers_of, picked
+from router_runtime.gateway.protocol import (
+    DESTINATION,
+    STREAMED_CHUNK,
+    duplex_of,
+    headers_of,
+    picked,
+    streamed,
+)
 from router_runtime.gateway.tls import self_signed
 from router_runtime.kv.config import KvConfig
 from router_runtime.proxy.headers import ENGINE_HEADER
@@ -42,12 +50,13 @@ BS = 4
 
 @contextlib.asynccontextmanager
 async def envoy(
-    picker: str, engines: list[str], tmp_path: Path, fail_open: bool = False
+    picker: str, engines: list[str], tmp_path: Path, fail_open: bool = False, duplex: bool = False
 ) -> AsyncIterator[str]:
-    """Envoy in front of the picker and a pool of ``engines`` (base URLs); yields its listener's base URL."""
+    """Envoy in front of the picker and a pool of ``engines`` (base URLs); yields its listener's base URL.
+    ``duplex``: bodies FULL_DUPLEX_STREAMED both ways (else BUFFERED in, STREAMED out)."""
     listen = free_port()
     config = tmp_path / "envoy.yaml"
-    config.write_text(envoy_config(listen, picker, engines, fail_open=fail_open))
+    config.write_text(envoy_config(listen, picker, engines, fail_open=fail_open, duplex=duplex))
     log = (tmp_path / "envoy.log").open("wb")
     proc = subprocess.Popen(envoy_argv(config), stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -65,7 +74,9 @@ async def envoy(
 
 
 @contextlib.asynccontextmanager
-async def gateway(tmp_path: Path, n_engines: int = 2, fail_open: bool = False, **engine):
+async def gateway(
+    tmp_path: Path, n_engines: int = 2, fail_open: bool = False, duplex: bool = False, **engine
+):
     async with contextlib.AsyncExitStack() as stack:
         engines = [
             await stack.enter_async_context(run_fake_engine(block_size=BS, **engine))
@@ -81,7 +92,7 @@ async def gateway(tmp_path: Path, n_engines: int = 2, fail_open: bool = False, *
         router, _url = await stack.enter_async_context(run_router(cfg))
         await join_all(router, engines)
         urls = [e.http_url for e in engines]
-        base = await stack.enter_async_context(envoy(router.epp_address, urls, tmp_path, fail_open))
+        base = await stack.enter_async_context(envoy(router.epp_address, urls, tmp_path, fail_open, duplex))
         yield engines, router, base
 
 
@@ -106,8 +117,12 @@ def sample(router, name: str, **labels) -> float:
 PROMPT = list(range(100, 100 + 12 * BS))
 
 
-async def test_envoy_sends_a_repeated_prompt_where_the_picker_knows_it_is_cached(tmp_path):
-    async with gateway(tmp_path) as (_engines, router, base), aiohttp.ClientSession() as s:
+BODY_MODES = pytest.mark.parametrize("duplex", [False, True], ids=["buffered", "full_duplex"])
+
+
+@BODY_MODES
+async def test_envoy_sends_a_repeated_prompt_where_the_picker_knows_it_is_cached(tmp_path, duplex):
+    async with gateway(tmp_path, duplex=duplex) as (_engines, router, base), aiohttp.ClientSession() as s:
         body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
         served = []
         for _ in range(3):
@@ -122,8 +137,9 @@ async def test_envoy_sends_a_repeated_prompt_where_the_picker_knows_it_is_cached
         await eventually(lambda: router.load.total == 0, timeout=10, what="the picks released")
 
 
-async def test_the_gateways_subset_hint_narrows_the_pick(tmp_path):
-    async with gateway(tmp_path) as (engines, _router, base), aiohttp.ClientSession() as s:
+@BODY_MODES
+async def test_the_gateways_subset_hint_narrows_the_pick(tmp_path, duplex):
+    async with gateway(tmp_path, duplex=duplex) as (engines, _router, base), aiohttp.ClientSession() as s:
         body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
         async with s.post(base + "/v1/completions", json=body) as r:
             cached_on = r.headers[ENGINE_HEADER]
@@ -142,12 +158,15 @@ async def test_the_gateways_subset_hint_narrows_the_pick(tmp_path):
             assert r.status == 200 and r.headers[ENGINE_HEADER] == other  # by load, in the subset too
 
 
-async def test_responses_through_envoy_are_audited_stripped_of_asked_usage_and_bound(tmp_path):
-    async with gateway(tmp_path) as (_engines, router, base), aiohttp.ClientSession() as s:
+@BODY_MODES
+async def test_responses_through_envoy_are_audited_stripped_of_asked_usage_and_bound(tmp_path, duplex):
+    async with gateway(tmp_path, duplex=duplex) as (_engines, router, base), aiohttp.ClientSession() as s:
         body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
         for _ in range(2):
             async with s.post(base + "/v1/completions", json=body) as r:
                 assert r.status == 200
+            # the next prediction knows the engine's blocks (else it is a miss, not exact)
+            await eventually(lambda: router.kv.index.node_count() >= len(PROMPT) // BS, what="indexed")
         # A stream whose client did not ask for usage: the picker asked, the audit read it, and the
         # client never sees the usage-only chunk.
         async with s.post(base + "/v1/completions", json={**body, "stream": True}) as r:
@@ -169,8 +188,9 @@ async def test_responses_through_envoy_are_audited_stripped_of_asked_usage_and_b
         assert sample(router, "routerfleet_response_lookups_total", source="local") == 2
 
 
-async def test_the_sdks_stream_through_envoy_and_errors_keep_openais_shape(tmp_path):
-    async with gateway(tmp_path) as (_engines, _router, base), aiohttp.ClientSession() as s:
+@BODY_MODES
+async def test_the_sdks_stream_through_envoy_and_errors_keep_openais_shape(tmp_path, duplex):
+    async with gateway(tmp_path, duplex=duplex) as (_engines, _router, base), aiohttp.ClientSession() as s:
         async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0) as client:
             stream = await client.chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "hello there"}], max_tokens=3, stream=True
@@ -184,6 +204,23 @@ async def test_the_sdks_stream_through_envoy_and_errors_keep_openais_shape(tmp_p
             assert (await r.json())["error"]["type"] == "invalid_request_error"
         async with s.post(base + "/reset_prefix_cache", data=b"{}") as r:  # never passed through
             assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+
+
+async def test_a_body_larger_than_one_streamed_answer_reaches_the_engine_whole_in_full_duplex(tmp_path):
+    """FULL_DUPLEX_STREAMED: the picker passes the body on in answers of at most 62,000 bytes each;
+    the engine gets all of it (its prompt count says so), and a large streamed response comes back whole."""
+    async with gateway(tmp_path, duplex=True) as (_engines, _router, base), aiohttp.ClientSession() as s:
+        prompt = list(range(1, 40_001))  # ~230 KB of JSON: four answers
+        body = {"model": "m", "prompt": prompt, "max_tokens": 400, "stream": True}
+        async with s.post(base + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            events = [e for e in (await r.read()).split(b"\n\n") if e.startswith(b"data: {")]
+        text = "".join(
+            json.loads(e[6:])["choices"][0]["text"] for e in events if json.loads(e[6:])["choices"]
+        )
+        assert len(text) == 400
+        async with s.post(base + "/v1/completions", json={**body, "stream": False}) as r:
+            assert (await r.json())["usage"]["prompt_tokens"] == len(prompt)
 
 
 # ---- the protocol's shapes, without I/O ------------------------------------------------------------
@@ -210,6 +247,22 @@ def test_a_pick_names_the_engine_in_the_header_and_the_lb_metadata_and_pins_a_ra
         )
     )
     assert headers_of(sent) == {":path": "/v1/completions", "authorization": "Bearer x"}
+
+
+def test_full_duplex_is_read_off_the_first_message_and_a_body_goes_on_in_bounded_answers():
+    first = ep.ProcessingRequest(
+        protocol_config=ep.ProtocolConfiguration(
+            request_body_mode=ProcessingMode.FULL_DUPLEX_STREAMED, response_body_mode=ProcessingMode.STREAMED
+        )
+    )
+    assert duplex_of(first) == (True, False)
+    assert duplex_of(ep.ProcessingRequest()) == (False, False)  # an Envoy that sends no configuration
+    answers = streamed("request_body", b"x" * (2 * STREAMED_CHUNK + 5), end=True)
+    parts = [a.request_body.response.body_mutation.streamed_response for a in answers]
+    assert [len(p.body) for p in parts] == [STREAMED_CHUNK, STREAMED_CHUNK, 5]
+    assert [p.end_of_stream for p in parts] == [False, False, True]
+    (empty,) = streamed("response_body", b"", end=False)
+    assert empty.response_body.response.body_mutation.HasField("streamed_response")
 
 
 @pytest.mark.parametrize("tls", ["mounted", "plaintext"])
@@ -305,8 +358,9 @@ async def test_a_gateway_without_its_picker_fails_open_or_closed_as_configured(t
         assert statuses == ([200] * 4 if fail_open else [500] * 4)
 
 
-async def test_a_client_gone_mid_stream_ends_the_engines_work_and_the_picks_load(tmp_path):
-    async with gateway(tmp_path, decode_tokens_per_s=50) as (engines, router, base):
+@BODY_MODES
+async def test_a_client_gone_mid_stream_ends_the_engines_work_and_the_picks_load(tmp_path, duplex):
+    async with gateway(tmp_path, duplex=duplex, decode_tokens_per_s=50) as (engines, router, base):
         body = {"model": "m", "prompt": PROMPT, "max_tokens": 500, "stream": True}
         async with aiohttp.ClientSession() as s, s.post(base + "/v1/completions", json=body) as r:
             assert r.status == 200

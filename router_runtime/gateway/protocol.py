@@ -1,10 +1,13 @@
 """The Endpoint Picker protocol's shapes, as pure functions over Envoy's ext_proc messages.
 
 What the picker reads: the request's pseudo-headers and headers (``request_headers``), then its whole
-body (``request_body``, Envoy's BUFFERED mode). What it sets: ``x-gateway-destination-endpoint`` (the
-chosen engine as ``ip:port``) as a request header and, the same value, under the ``envoy.lb`` dynamic
-metadata namespace; ``X-Data-Parallel-Rank`` when the decision pins a rank. A request it refuses gets
-an immediate response in OpenAI's error shape, as the proxy's.
+body (``request_body``: Envoy's BUFFERED mode, or FULL_DUPLEX_STREAMED chunks it gathers). What it sets:
+``x-gateway-destination-endpoint`` (the chosen engine as ``ip:port``) as a request header and, the same
+value, under the ``envoy.lb`` dynamic metadata namespace; ``X-Data-Parallel-Rank`` when the decision
+pins a rank. A request it refuses gets an immediate response in OpenAI's error shape, as the proxy's.
+
+In FULL_DUPLEX_STREAMED mode Envoy forwards no body of its own: every body chunk goes on as the
+picker's streamed answer (``streamed``), and the answers keep HTTP's order, headers, body, trailers.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 from collections.abc import Mapping, Sequence
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
@@ -25,6 +29,24 @@ DESTINATION = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
 SUBSET = "x-gateway-destination-endpoint-subset"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+# At most this much body per streamed answer, as the reference picker splits a body.
+STREAMED_CHUNK = 62_000
+_PHASE_ANSWERS = {
+    "request_headers": ep.HeadersResponse,
+    "response_headers": ep.HeadersResponse,
+    "request_body": ep.BodyResponse,
+    "response_body": ep.BodyResponse,
+    "request_trailers": ep.TrailersResponse,
+    "response_trailers": ep.TrailersResponse,
+}
+
+
+def duplex_of(message: ep.ProcessingRequest) -> tuple[bool, bool]:
+    """Whether the request's and the response's bodies come FULL_DUPLEX_STREAMED, from the protocol
+    configuration Envoy sends with a stream's first message (absent: an older Envoy, not duplex)."""
+    config = message.protocol_config
+    duplex = ProcessingMode.FULL_DUPLEX_STREAMED
+    return config.request_body_mode == duplex, config.response_body_mode == duplex
 
 
 def headers_of(message: ep.HttpHeaders) -> dict[str, str]:
@@ -64,8 +86,9 @@ def picked(
     target: Target, *, phase: str, body: bytes | None = None, fallbacks: Sequence[Target] = ()
 ) -> ep.ProcessingResponse:
     """The answer that sends the request to ``target``, then to ``fallbacks`` in order on a gateway's
-    retry (``ip:port,ip:port``), in the ``phase`` the pick was made in (``request_headers`` for a request
-    without a body, else ``request_body``), with ``body`` instead of the one sent (None: as sent)."""
+    retry (``ip:port,ip:port``), to the ``phase`` the pick is answered in (``request_headers`` for a
+    request without a body, and for every FULL_DUPLEX_STREAMED one; else the BUFFERED ``request_body``,
+    with ``body`` instead of the one sent, None: as sent)."""
     where = ",".join(t.endpoint for t in (target, *fallbacks))
     mutation = [header(DESTINATION, where)]
     if target.rank is not None:
@@ -85,14 +108,30 @@ def picked(
 
 
 def proceed(phase: str) -> ep.ProcessingResponse:
-    """Go on unchanged (the headers of a request whose body decides)."""
-    if phase == "request_headers":
-        return ep.ProcessingResponse(request_headers=ep.HeadersResponse())
-    if phase == "response_headers":
-        return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
-    if phase == "response_body":
-        return ep.ProcessingResponse(response_body=ep.BodyResponse())
-    return ep.ProcessingResponse(request_body=ep.BodyResponse())
+    """Go on unchanged (the headers of a request whose body decides; a chunk nothing rewrites)."""
+    return ep.ProcessingResponse(**{phase: _PHASE_ANSWERS[phase]()})
+
+
+def streamed(phase: str, body: bytes, *, end: bool) -> list[ep.ProcessingResponse]:
+    """FULL_DUPLEX_STREAMED: ``body`` goes on as the picker's answers to a ``phase`` body, in chunks of
+    at most STREAMED_CHUNK bytes; ``end``: it is the last of the body."""
+    pieces = [body[i : i + STREAMED_CHUNK] for i in range(0, len(body), STREAMED_CHUNK)] or [b""]
+    return [
+        ep.ProcessingResponse(
+            **{
+                phase: ep.BodyResponse(
+                    response=ep.CommonResponse(
+                        body_mutation=ep.BodyMutation(
+                            streamed_response=ep.StreamedBodyResponse(
+                                body=piece, end_of_stream=end and i == len(pieces) - 1
+                            )
+                        )
+                    )
+                )
+            }
+        )
+        for i, piece in enumerate(pieces)
+    ]
 
 
 def rewritten(phase: str, body: bytes) -> ep.ProcessingResponse:
