@@ -42,6 +42,7 @@ from .fleet.inflight import LoadTracker
 from .fleet.metrics import FleetMetrics
 from .fleet.notices import KvNotice, NoticeKind, Notices
 from .fleet.view import EngineSample
+from .gateway.objectives import Objectives
 from .gateway.picker import EndpointPicker, serve
 from .gateway.tls import server_credentials
 from .kv.hashing import SCHEME, hash_set_digest
@@ -60,6 +61,7 @@ from .proxy.scheduler import Scheduler
 from .proxy.server import Proxy
 from .proxy.serving import GuardedRunner
 from .proxy.targets import TargetBook
+from .scheduling.admission import Admission
 from .scheduling.framework import Profile
 from .scheduling.hooks import RequestHook
 from .scheduling.presets import make_policy
@@ -129,6 +131,17 @@ class Router:
         self.executor = ThreadPoolExecutor(
             max_workers=config.tokens.threads or min(4, os.cpu_count() or 1), thread_name_prefix="tokenize"
         )
+        # The pool's InferenceObjectives (their priorities make requests sheddable), when a pool is named.
+        self.objectives: Objectives | None = None
+        if config.gateway.pool:
+            d = config.discovery
+            self.objectives = Objectives(
+                d.namespace or default_namespace(d.kubeconfig),
+                config.gateway.pool,
+                self.registry,
+                kubeconfig=d.kubeconfig,
+                watch_timeout_s=d.watch_timeout_s,
+            )
         self._setup_request_plane(config, tokenizer)
         self.checker = HealthChecker(
             self.health,
@@ -239,6 +252,7 @@ class Router:
             # probes ride the proxy's connection pool.
             responses=ResponseRouter(self.bindings, lambda: self.proxy.session),
             doubt_fn=self.doubtful,
+            admission=self._admission(config),
         )
         self.proxy = Proxy(
             scheduler=self.scheduler,
@@ -252,6 +266,14 @@ class Router:
             limits=config.server,
             hooks=self._request_hooks(config),
         )
+
+    def _admission(self, config: RouterConfig) -> Admission | None:
+        """Sheddable requests turned away while no engine has room (scheduling/admission.py): only
+        with the pool's objectives to say which are sheddable."""
+        if self.objectives is None:
+            return None
+        limits = config.gateway.saturation
+        return Admission(self.objectives.priority, lambda targets: self.fleet.saturated(targets, limits))
 
     def _request_hooks(self, config: RouterConfig) -> list[RequestHook]:
         """What runs around each dispatch (scheduling/hooks.py), in order: the breakers, the session's
@@ -375,6 +397,8 @@ class Router:
         self.bootstrap.start()
         if self.peer_watcher is not None:  # before the engines: a first rank consults the peer set
             await self.peer_watcher.start()
+        if self.objectives is not None:
+            await self.objectives.start()
         if self.engine_watcher is not None:
             await self.engine_watcher.start()
         else:
@@ -390,7 +414,7 @@ class Router:
         """Every part stops, each bounded (``tasks.end_tasks``); the KV plane last, and whatever else
         fails or is cancelled, so its ZMQ context never outlives the router."""
         try:
-            for watcher in (self.engine_watcher, self.peer_watcher):
+            for watcher in (self.engine_watcher, self.peer_watcher, self.objectives):
                 if watcher is not None:
                     await watcher.stop()
             await self.bootstrap.stop()

@@ -214,6 +214,13 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
                         raise ValueError(f"{path}: not PEM")
             except (OSError, ValueError) as exc:
                 parser.error(f"argument {flag}: {exc}")
+    if c.gateway.pool and c.gateway.port is None:
+        parser.error("argument --epp-pool: needs --epp-port (the pool's picker)")
+    if c.gateway.pool and c.fleet.scrape.interval_s <= 0:
+        parser.error(
+            "argument --epp-pool: needs --engine-load-interval-ms above 0 (the engines' reads say when"
+            " they have no room)"
+        )
     if c.store.password_file and not c.store.url:
         parser.error("argument --session-store-password-file: needs --session-store")
     for flag, path in (

@@ -50,6 +50,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "Deployment": ("/apis/apps/v1", "deployments"),
     "ControllerRevision": ("/apis/apps/v1", "controllerrevisions"),
     "RouterFleet": ("/apis/routerfleet.io/v1alpha1", "routerfleets"),
+    "InferenceObjective": ("/apis/inference.networking.x-k8s.io/v1alpha2", "inferenceobjectives"),
 }
 
 

@@ -24,7 +24,8 @@ from router_runtime.discovery.endpointslices import (
     port_ref,
     workers_from_slices,
 )
-from router_runtime.discovery.kubernetes import Backoff, EndpointSliceWatcher
+from router_runtime.discovery.kubernetes import EndpointSliceWatcher
+from router_runtime.discovery.reflector import Backoff
 from router_runtime.discovery.server_info import parse_server_info
 from router_runtime.worker import WorkerSpec
 from routerfleet_kube import ApiError

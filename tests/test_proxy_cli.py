@@ -118,6 +118,9 @@ def test_flags_map_onto_the_config(tmp_path):
         (["--breaker-failures", "0"], "--breaker-failures"),
         (["--breaker-cooldown-ms", "soon"], "--breaker-cooldown-ms"),
         (["--worker", "url=http://a", "--worker", "url=http://a"], "--worker"),
+        (["--epp-pool", "pool"], "--epp-pool"),  # no picker
+        (["--epp-port", "0", "--epp-pool", "pool", "--engine-load-interval-ms", "0"], "--epp-pool"),
+        (["--epp-saturation-kv-usage", "1.5"], "--epp-saturation-kv-usage"),
     ],
 )
 def test_bad_flags_fail_with_one_line_naming_the_flag(argv, flag, capsys):

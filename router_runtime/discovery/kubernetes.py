@@ -7,22 +7,11 @@
     ...
     await watcher.stop()
 
-List-then-watch, all on the event loop, through the project's Kubernetes client (``routerfleet_kube``:
+List-then-watch (``reflector.py``: a set is only ever published from a complete list; 410 relists at
+once; other failures unsync, are counted by reason and relist after a backoff; the set last published
+stays in force while unsynced), through the project's Kubernetes client (``routerfleet_kube``:
 credentials from the kubernetes client's own kubeconfig / in-cluster loaders, so exec plugins, token
-files and rotation work):
-
-* list every page (``limit``/``continue``), then publish the mapped set: a set is only ever published
-  from a complete list, never from part of one (a list that fails mid-way publishes nothing);
-* watch from the list's resourceVersion (with bookmarks); every event updates the local cache of slices
-  and the set is recomputed from the cache and published if it changed; a watch that ends normally (the
-  server-side timeout) is resumed from the last resourceVersion;
-* 410 Gone (on the watch, or a continue token that expired) relists at once; any other failure (HTTP
-  error, connection, timeout, undecodable body) marks the watcher unsynced, is counted by reason, and
-  relists after a bounded, jittered exponential backoff.
-
-``synced`` is False until the first complete list and again after any failure, until a relist succeeds.
-The set last published stays in force while unsynced (emptying it would turn an API-server or RBAC
-problem into an outage); ``synced``, ``last_error`` and the metrics make the condition visible.
+files and rotation work).
 
 With ``storage_annotation`` set, each new pod UID's pod is fetched once (GET, never list/watch) and the
 storage identity its annotation declares (``storage_annotation.py``) goes into its WorkerSpec before
@@ -32,10 +21,7 @@ the set is published; a fetch that fails or is slow leaves that incarnation with
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -50,6 +36,7 @@ from routerfleet_kube import ApiError, KubeClient, path
 
 from ..worker import WorkerSpec
 from .endpointslices import EngineDiscoveryConfig, map_slices
+from .reflector import REASONS, Reflector
 from .storage_annotation import Reading, Result, read_pod_storage, validate_annotation_key
 
 log = logging.getLogger(__name__)
@@ -57,23 +44,6 @@ log = logging.getLogger(__name__)
 USER_AGENT = "routerfleet-router/discovery"
 # Only the metadata of a pod (its spec can be large); an API server without it sends the whole pod.
 POD_METADATA_ACCEPT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
-
-# errors_total reasons, pre-created at 0 so dashboards and alerts see them before the first error
-REASONS = (
-    "forbidden",  # 403: RBAC does not allow list/watch of endpointslices
-    "unauthorized",  # 401: bad or expired credentials
-    "gone",  # 410: resourceVersion or continue token too old (relisted at once; routine)
-    "not_found",  # 404: e.g. the discovery.k8s.io/v1 API is not served
-    "throttled",  # 429
-    "server_error",  # 5xx
-    "http_error",  # any other HTTP status
-    "watch_error",  # an ERROR event on the watch stream other than 410
-    "connection",  # could not connect, or the connection broke
-    "timeout",  # connect or read timeout
-    "decode",  # a response or event that is not the JSON we expect
-    "callback",  # on_change raised
-    "internal",  # anything else (a bug): logged with its traceback
-)
 
 
 class SliceApi(Protocol):
@@ -162,29 +132,6 @@ class DiscoveryMetrics:
         )
         for result in Result:
             self.storage_annotation.labels(result.value)
-
-
-class _Gone(Exception):
-    pass
-
-
-class Backoff:
-    """Exponential with jitter, bounded by ``maximum``; back to ``initial`` after a quiet period."""
-
-    def __init__(self, initial: float, maximum: float, *, reset_after: float | None = None) -> None:
-        self.initial, self.maximum = initial, maximum
-        self.reset_after = reset_after if reset_after is not None else 2 * maximum
-        self._current = initial
-        self._last = -float("inf")
-
-    def next(self) -> float:
-        now = time.monotonic()
-        if now - self._last > self.reset_after:
-            self._current = self.initial
-        self._last = now
-        delay = self._current
-        self._current = min(self.maximum, self._current * 2)
-        return delay * random.uniform(0.5, 1.0)
 
 
 class PodStorageAnnotations:
@@ -316,7 +263,7 @@ def _pod_uids(slices: Iterable[dict]) -> set[str]:
     }
 
 
-class EndpointSliceWatcher:
+class EndpointSliceWatcher(Reflector):
     """Publishes the complete worker set of the EndpointSlices matching ``label_selector`` in
     ``namespace`` (None: all namespaces) to ``on_change``, on the event loop, each time it changes.
 
@@ -326,6 +273,8 @@ class EndpointSliceWatcher:
     ``storage_annotation``: a pod annotation key (``--k8s-storage-annotation``) whose storage identity
     goes into each engine's WorkerSpec (``PodStorageAnnotations``); a publication waits for new pods'
     reads at most ``storage_timeout_s``."""
+
+    metrics: DiscoveryMetrics
 
     def __init__(
         self,
@@ -347,70 +296,34 @@ class EndpointSliceWatcher:
     ) -> None:
         if storage_annotation:
             validate_annotation_key(storage_annotation)  # before start(): a bad key fails at once
+        super().__init__(
+            DiscoveryMetrics(registry if registry is not None else CollectorRegistry()),
+            watch_timeout_s=watch_timeout_s,
+            page_limit=page_limit,
+            backoff_initial_s=backoff_initial_s,
+            backoff_max_s=backoff_max_s,
+        )
         self.namespace = namespace or None
         self.label_selector = label_selector
         self.on_change = on_change
         self.config = config or EngineDiscoveryConfig()
         self._api = api
         self._kubeconfig, self._context = kubeconfig, context
-        self.metrics = DiscoveryMetrics(registry if registry is not None else CollectorRegistry())
-        self.watch_timeout_s = watch_timeout_s
-        self.page_limit = page_limit
-        self._backoff = Backoff(backoff_initial_s, backoff_max_s)
-        self._slices: dict[tuple[str, str], dict] = {}
         self._published: list[WorkerSpec] | None = None
-        self._synced = False
-        self._synced_event = asyncio.Event()
-        self.last_error: str | None = None
-        self.errors: Counter[str] = Counter()
-        self._task: asyncio.Task | None = None
         self._warned: set[str] = set()
         self.storage_annotation = storage_annotation or None
         self._storage_timeout_s = storage_timeout_s
         self.storage: PodStorageAnnotations | None = None  # once started, with storage_annotation
-
-    # ---- state ------------------------------------------------------------------------------
-
-    @property
-    def synced(self) -> bool:
-        return self._synced
 
     @property
     def workers(self) -> list[WorkerSpec] | None:
         """The set last published (a copy); None until the first one ("not synced yet")."""
         return list(self._published) if self._published is not None else None
 
-    async def wait_synced(self, timeout: float | None = None) -> bool:
-        """Wait until synced (True) or ``timeout`` passes (False)."""
-        try:
-            await asyncio.wait_for(self._synced_event.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
-
-    def _set_synced(self, value: bool) -> None:
-        self._synced = value
-        self.metrics.synced.set(1 if value else 0)
-        if value:
-            self._synced_event.set()
-        else:
-            self._synced_event.clear()
-
-    def _count(self, reason: str) -> None:
-        self.errors[reason] += 1
-        self.metrics.errors.labels(reason).inc()
-
-    def _fail(self, reason: str, message: str) -> None:
-        self._count(reason)
-        self.last_error = f"{reason}: {message}"
-        self._set_synced(False)
-
     # ---- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Start watching. Loads credentials first (raises if there are none); never waits for sync."""
-        if self._task is not None:
-            raise RuntimeError("watcher already started")
         if self._api is None:
             self._api = await KubeSlices.connect(self._kubeconfig, self._context)
         if self.storage_annotation:
@@ -420,122 +333,33 @@ class EndpointSliceWatcher:
                 self.metrics.storage_annotation,
                 timeout_s=self._storage_timeout_s,
             )
-        self._task = asyncio.create_task(self.run(), name=f"discovery-{self.namespace}-{self.label_selector}")
+        self.start_loop(f"discovery-{self.namespace}-{self.label_selector}")
 
     async def stop(self) -> None:
         """Cancel the watch and close the API client's connections."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self.stop_loop()
         if self._api is not None:
             await self._api.close()
-        self._set_synced(False)
 
-    async def run(self) -> None:
-        """The list/watch loop; runs until cancelled."""
+    # ---- the reflector's parts ------------------------------------------------------------------
+
+    def what(self) -> str:
+        return f"discovery of endpointslices {self.label_selector!r} in {self.namespace or 'all namespaces'}"
+
+    async def list_page(self, *, limit: int, continue_token: str | None) -> dict:
         assert self._api is not None
-        last_gone = -float("inf")
-        while True:
-            try:
-                rv = await self._relist()
-                while True:
-                    t0 = time.monotonic()
-                    rv, events = await self._watch(rv)
-                    if not events and time.monotonic() - t0 < 1.0:  # closed at once: do not spin
-                        await asyncio.sleep(self._backoff.next())
-            except asyncio.CancelledError:
-                raise
-            except _Gone as e:
-                self._count("gone")
-                now, prev = time.monotonic(), last_gone
-                last_gone = now
-                if now - prev > 1.0:  # routine: relist at once, and stay synced meanwhile
-                    log.info("discovery of %s: %s; relisting", self._what(), e)
-                    continue
-                self.last_error = f"gone: {e}"
-            except ApiError as e:
-                self._fail(e.reason, str(e))
-            except TimeoutError as e:
-                self._fail("timeout", repr(e))
-            except (aiohttp.ClientError, OSError) as e:
-                self._fail("connection", repr(e))
-            except Exception as e:
-                log.exception("discovery of %s: unexpected error", self._what())
-                self._fail("internal", repr(e))
-            delay = self._backoff.next()
-            log.warning("discovery of %s: %s; retrying in %.1fs", self._what(), self.last_error, delay)
-            await asyncio.sleep(delay)
-
-    def _what(self) -> str:
-        return f"endpointslices {self.label_selector!r} in {self.namespace or 'all namespaces'}"
-
-    # ---- list / watch ---------------------------------------------------------------------------
-
-    async def _relist(self) -> str:
-        items: dict[tuple[str, str], dict] = {}
-        token: str | None = None
-        rv = ""
-        while True:
-            try:
-                page = await self._api.list_slices(
-                    self.namespace, self.label_selector, limit=self.page_limit, continue_token=token
-                )
-            except ApiError as e:
-                if e.status == 410:  # continue token expired mid-list: start over, publish nothing
-                    raise _Gone(f"list continue token expired ({e})") from e
-                raise
-            meta = page.get("metadata") or {}
-            for item in page.get("items") or []:
-                items[_key(item)] = item
-            rv = meta.get("resourceVersion") or rv
-            token = meta.get("continue") or None
-            if token is None:
-                break
-        if not rv:
-            raise ApiError(200, "list response has no resourceVersion", "decode")
-        self._slices = items  # only now: a failed or partial list never touches the cache
-        self.metrics.lists.inc()
-        self.last_error = None
-        self._set_synced(True)
-        await self._publish()
-        return rv
-
-    async def _watch(self, rv: str) -> tuple[str, int]:
-        """Apply one watch's events; returns the last resourceVersion and the number of events."""
-        timeout = max(1, round(self.watch_timeout_s * random.uniform(1.0, 1.5)))
-        n = 0
-        stream = self._api.watch_slices(
-            self.namespace, self.label_selector, resource_version=rv, timeout_s=timeout
+        return await self._api.list_slices(
+            self.namespace, self.label_selector, limit=limit, continue_token=continue_token
         )
-        try:
-            async with contextlib.aclosing(stream):
-                async for ev in stream:
-                    n += 1
-                    kind, obj = ev["type"], ev["object"]
-                    if kind == "ERROR":
-                        code = int(obj.get("code") or 0)
-                        if code == 410:
-                            raise _Gone(f"watch expired: {obj.get('message', '')}")
-                        raise ApiError(code, obj.get("message") or json.dumps(obj)[:500], "watch_error")
-                    if kind in ("ADDED", "MODIFIED"):
-                        self._slices[_key(obj)] = obj
-                    elif kind == "DELETED":
-                        self._slices.pop(_key(obj), None)
-                    elif kind != "BOOKMARK":
-                        raise ApiError(0, f"unknown watch event type {kind!r}", "decode")
-                    rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
-                    if kind != "BOOKMARK":
-                        await self._publish()
-        except ApiError as e:
-            if e.status == 410:
-                raise _Gone(f"watch refused: {e}") from e
-            raise
-        return rv, n  # the server ended the watch (its timeout): resume from rv
 
-    async def _publish(self) -> None:
-        mapping = map_slices(self._slices.values(), self.config)
+    def watch(self, *, resource_version: str, timeout_s: int) -> AsyncIterator[dict]:
+        assert self._api is not None
+        return self._api.watch_slices(
+            self.namespace, self.label_selector, resource_version=resource_version, timeout_s=timeout_s
+        )
+
+    async def publish(self) -> None:
+        mapping = map_slices(self.objects.values(), self.config)
         self.metrics.endpoints.clear()
         for state, n in mapping.states.items():
             self.metrics.endpoints.labels(state).set(n)
@@ -544,30 +368,22 @@ class EndpointSliceWatcher:
                 log.warning(
                     "discovery: %d endpoint(s) of %s unusable: slice lists no port named %r",
                     n,
-                    self._what(),
+                    self.what(),
                     state.partition(":")[2],
                 )
         workers = mapping.workers
         if self.storage is not None:
             workers = await self.storage.apply(workers)
-            self.storage.retain(_pod_uids(self._slices.values()))
+            self.storage.retain(_pod_uids(self.objects.values()))
         if workers == self._published:
             return
         try:
             self.on_change(list(workers))
         except Exception as e:
             log.exception("discovery: on_change failed")
-            self._count("callback")
+            self.count("callback")
             self.last_error = f"callback: {e!r}"
             return  # not recorded as published: the next change (or relist) tries again
         self._published = workers
         self.metrics.workers.set(len(workers))
         log.info("discovery: %d worker(s): %s", len(workers), ", ".join(w.engine for w in workers))
-
-
-def _key(obj: dict) -> tuple[str, str]:
-    meta = obj.get("metadata") or {}
-    name = meta.get("name")
-    if not name:
-        raise ApiError(0, "EndpointSlice without metadata.name", "decode")
-    return meta.get("namespace") or "", name

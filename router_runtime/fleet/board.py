@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from ..scheduling.types import Target
 from .gossip import PeerReport, ReportOutcome, encode_report
 from .inflight import LoadTracker
+from .saturation import SaturationLimits, saturated
 from .view import Bounds, EngineSample, LoadKey, Remote, TargetReport, fleet_load, key, remote
 
 MAX_SENDERS = 1024  # sibling processes held at once (a fleet is far smaller; a restart adds one)
@@ -135,6 +136,11 @@ class LoadBoard:
             r = self._remote = remote(peers, self._samples, by_engine, now, self.bounds)
             self._drop_aged(now)
         return r
+
+    def saturated(self, targets: Sequence[Target], limits: SaturationLimits) -> bool:
+        """Whether none of ``targets`` has room by its engine's latest read (saturation.py)."""
+        samples = {engine: sample for engine, (sample, _) in self._samples.items()}
+        return saturated(targets, samples, self.clock(), self.bounds.engine_max_age_s, limits)
 
     def _drop_aged(self, now: float) -> None:
         """Forget the senders whose latest report aged out: a departed sibling costs nothing more."""

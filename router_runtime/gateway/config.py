@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..flags import Count, Flag, Switch, Text
+from ..flags import Count, Flag, Real, Switch, Text
+from ..fleet.saturation import SaturationLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,6 +15,10 @@ class PickerConfig:
     cert_file: str | None = None  # with key_file; neither: a self-signed certificate
     key_file: str | None = None
     plaintext: bool = False
+    # The InferencePool served: its InferenceObjectives' priorities are followed (objectives.py), and a
+    # sheddable request is turned away while no engine has room. None: every request is admitted.
+    pool: str | None = None
+    saturation: SaturationLimits = field(default_factory=SaturationLimits)
 
 
 FLAGS = (
@@ -47,5 +52,27 @@ FLAGS = (
         "gateway.plaintext",
         Switch(),
         "serve the picker without TLS (a gateway on a trusted network, or a mesh that encrypts)",
+    ),
+    Flag(
+        "--epp-pool",
+        "gateway.pool",
+        Text(),
+        metavar="NAME",
+        help="the InferencePool this router picks for: the priorities of its InferenceObjectives (in the"
+        " router's namespace) are followed from the API server (list and watch), and a request whose"
+        " x-gateway-inference-objective names one below 0 is answered 429 while no engine has room"
+        " (needs --engine-load-interval-ms above 0)",
+    ),
+    Flag(
+        "--epp-saturation-queue-depth",
+        "gateway.saturation.queue_depth",
+        Count(0),
+        "an engine rank with more requests waiting than this has no room",
+    ),
+    Flag(
+        "--epp-saturation-kv-usage",
+        "gateway.saturation.kv_usage",
+        Real(0.0, hi=1.0),
+        "an engine rank using more of its KV cache than this has no room",
     ),
 )

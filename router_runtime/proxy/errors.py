@@ -78,6 +78,18 @@ def no_engine(why: str) -> ProxyError:
     return ProxyError(503, why, type_="service_unavailable", code="no_engine_available", outcome="no_engine")
 
 
+def shed(objective: str) -> ProxyError:
+    """A sheddable request turned away while the pool is saturated (scheduling/admission.py)."""
+    return ProxyError(
+        429,
+        f"every engine is saturated and this request's objective {objective[:128]!r} is sheddable"
+        " (priority below 0); retry later",
+        type_="rate_limit_error",
+        code="shed",
+        outcome="shed",
+    )
+
+
 def bad_gateway(message: str, code: str) -> ProxyError:
     return ProxyError(502, message, type_="upstream_error", code=code, outcome="upstream_error")
 

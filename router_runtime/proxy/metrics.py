@@ -34,6 +34,12 @@ class ProxyMetrics:
             registry=registry,
             buckets=_DECISION_BUCKETS,
         )
+        self.shed = Counter(
+            p + "shed_requests",
+            "Requests turned away (429) because their objective is sheddable and every engine was"
+            " saturated (scheduling/admission.py)",
+            registry=registry,
+        )
         self.untokenized = Counter(
             p + "untokenized_requests",
             "Requests routed without tokens: the router cannot tokenize them as the engine would",

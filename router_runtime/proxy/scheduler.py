@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..kv.index import RadixIndex
+from ..scheduling.admission import OBJECTIVE_HEADER, Admission
 from ..scheduling.filters import PinnedTarget
 from ..scheduling.framework import Profile, Unschedulable
 from ..scheduling.types import Decision, Kind, RouteRequest, Target
@@ -30,7 +31,7 @@ from ..tokens.shapes import messages_chat, responses_chat
 from ..tokens.tokenizer import AsyncTokenizer, Reason, Untokenizable
 from ..worker import Carrier
 from .audit import Prediction
-from .errors import ProxyError, bad_request, no_engine
+from .errors import ProxyError, bad_request, no_engine, shed
 from .metrics import ProxyMetrics
 from .request import ParsedRequest, parse_request
 from .responses import ResponseRouter, response_error
@@ -122,6 +123,7 @@ class Scheduler:
         sessions: SessionAffinity | None = None,
         responses: ResponseRouter | None = None,
         doubt_fn: Callable[[Carrier], bool] | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.profile = profile
         self.tokenizer = tokenizer
@@ -133,10 +135,14 @@ class Scheduler:
         # Whether a carrier's index entry is in a known-doubtful state (bootstrap holding or proving a
         # graft, an engine being re-adopted): its audited predictions are labelled so.
         self.doubt_fn = doubt_fn
+        self.admission = admission  # None: every request is admitted
 
     async def prepare(self, inbound: Inbound, candidates: Sequence[Target]) -> Scheduled:
         """Everything a decision needs that takes I/O; raises the request's ProxyError (a bad body, an
-        unknown response)."""
+        unknown response, a sheddable request while the pool is saturated)."""
+        if self.admission is not None and self.admission.sheds(inbound.headers, candidates):
+            self.metrics.shed.inc()
+            raise shed(inbound.headers[OBJECTIVE_HEADER])
         parsed = parse_request(inbound.body, inbound.kind)
         pinned = None
         previous = parsed.previous_response_id
