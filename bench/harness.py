@@ -322,8 +322,9 @@ class Router:
     port: int
     flags: list[str] = field(default_factory=list)  # the flags as run, for the report (ports elided)
     ready_path: str = "/readyz"
-    # A process the router-side path needs besides the router: Envoy in front of our endpoint picker
-    # (then ``port`` is Envoy's and the router's own port only answers its probes).
+    # Behind a gateway (our endpoint picker): ``port`` is Envoy's, and the router's own port only answers
+    # its probes; ``sidecar`` is Envoy's process (on one of a picker fleet's routers).
+    own_port: int | None = None
     sidecar: Proc | None = None
 
     @property
@@ -420,9 +421,7 @@ def start_router(
     port, metrics_port = free_ports(2)
     name = label or (kind if kind != "ours" else f"ours-{policy}")
     if kind == "ours-epp":
-        return start_picker(
-            engines, logdir, port, policy=policy, label=name, cpus=cpus, extra=extra, wait=wait
-        )
+        return start_pickers(engines, logdir, [extra], policy=policy, label=name, cpus=cpus, wait=wait)[0]
     if kind == "ours":
         argv = ours_argv(engines, port, policy, extra, events=events)
         env = None
@@ -445,51 +444,53 @@ def start_router(
     return router
 
 
-def start_picker(
+def start_pickers(
     engines: Sequence[Engine],
     logdir: str,
-    port: int,
+    extras: Sequence[Sequence[str]],
     *,
     policy: str,
     label: str,
     cpus: set[int] | None,
-    extra: Sequence[str],
-    wait: bool,
-) -> Router:
-    """Our router as a Gateway's endpoint picker (TLS, its default) with real Envoy in front, listening
-    on ``port``: the pool is ``engines`` (e2e/gateway/envoy.yaml)."""
+    wait: bool = True,
+) -> list[Router]:
+    """Our routers as a Gateway's endpoint picker (TLS, its default), one per ``extras`` (its own extra
+    flags), with one real Envoy in front of them all (e2e/gateway/envoy.yaml): each request's ext_proc
+    stream goes to one replica. Every Router's ``port`` is Envoy's; the first carries Envoy's process."""
     from e2e.gateway import envoy_argv, envoy_config  # the Envoy binary is a test extra
 
-    own, epp = free_ports(2)
-    argv = ours_argv(engines, own, policy, [*extra, "--epp-port", str(epp)])
-    proc = Proc(label, argv, logdir, cpus=cpus)
-    config = os.path.join(logdir, f"{label}-envoy.yaml")
-    with open(config, "w") as f:
-        f.write(envoy_config(port, f"{HOST}:{epp}", [e.url for e in engines]))
-    sidecar = Proc(f"{label}-envoy", envoy_argv(config), logdir, cpus=cpus)
-    router = Router("ours-epp", label, proc, port, shown_flags(argv, engines), sidecar=sidecar)
-    if wait:
-        try:
-            wait_until(
-                lambda: http_get(f"http://{HOST}:{own}/readyz")[0] == 200, 60, f"{label} ready", [proc]
-            )
-        except BaseException:
-            router.stop()
-            raise
-        await_router(router)
-    return router
+    port = free_ports(1)[0]
+    ports = free_ports(2 * len(extras))
+    routers: list[Router] = []
+    try:
+        for i, extra in enumerate(extras):
+            own, epp = ports[2 * i], ports[2 * i + 1]
+            name = label if len(extras) == 1 else f"{label}-{i}"
+            argv = ours_argv(engines, own, policy, [*extra, "--epp-port", str(epp)])
+            proc = Proc(name, argv, logdir, cpus=cpus)
+            routers.append(Router("ours-epp", name, proc, port, shown_flags(argv, engines), own_port=own))
+        config = os.path.join(logdir, f"{label}-envoy.yaml")
+        pickers = [f"{HOST}:{ports[2 * i + 1]}" for i in range(len(extras))]
+        with open(config, "w") as f:
+            f.write(envoy_config(port, pickers, [e.url for e in engines]))
+        routers[0].sidecar = Proc(f"{label}-envoy", envoy_argv(config), logdir, cpus=cpus)
+        if wait:
+            for r in routers:
+                await_router(r)
+    except BaseException:
+        stop_all(routers)
+        raise
+    return routers
 
 
 def await_router(router: Router) -> None:
-    """Wait until a started router is ready and serves one completion (stopped if it never does)."""
+    """Wait until a started router is ready and serves one completion (stopped if it never does); behind
+    Envoy the readiness probe is the router's own port, the completion goes through Envoy."""
     try:
-        if router.sidecar is None:  # behind Envoy the probe is the router's own (start_picker)
-            wait_until(
-                lambda: http_get(router.url + router.ready_path)[0] == 200,
-                60,
-                f"{router.label} ready",
-                router.procs,
-            )
+        ready = (
+            f"http://{HOST}:{router.own_port}/readyz" if router.own_port else router.url + router.ready_path
+        )
+        wait_until(lambda: http_get(ready)[0] == 200, 60, f"{router.label} ready", router.procs)
         body = {"model": MODEL, "prompt": "warm-up", "max_tokens": 1}
         wait_until(
             lambda: http_post(router.url + "/v1/completions", body)[0] == 200,
@@ -507,6 +508,7 @@ def start_fleet(
     engines: Sequence[Engine],
     logdir: str,
     *,
+    kind: str = "ours",
     policy: str = "kv_aware",
     label: str = "ours",
     cpus: set[int] | None = None,
@@ -514,26 +516,33 @@ def start_fleet(
 ) -> list[Router]:
     """``n`` of our routers in front of the same engines, as the operator deploys them: one fleet token,
     each replica's internal port listed as a static peer of the others (what EndpointSlices give a
-    replica in a cluster). One replica is started as ``start_router`` starts it."""
+    replica in a cluster). ``kind`` "ours-epp": each is an endpoint picker, behind one Envoy. One replica
+    is started as ``start_router`` starts it."""
     if n == 1:
-        return [start_router("ours", engines, logdir, policy=policy, label=label, cpus=cpus, extra=extra)]
+        return [start_router(kind, engines, logdir, policy=policy, label=label, cpus=cpus, extra=extra)]
     token = Path(logdir) / "fleet-token"
     token.write_text("bench-fleet-token\n")
     internal = free_ports(n)
+    extras = []
+    for i in range(n):
+        peers = [a for j, p in enumerate(internal) if j != i for a in ("--kv-peer", f"http://{HOST}:{p}")]
+        extras.append(
+            ["--internal-token-file", str(token), "--internal-port", str(internal[i]), *peers, *extra]
+        )
+    if kind == "ours-epp":  # launched together: each one's bootstrap asks the others
+        return start_pickers(engines, logdir, extras, policy=policy, label=label, cpus=cpus)
     routers: list[Router] = []
     try:
         for i in range(n):
-            peers = [a for j, p in enumerate(internal) if j != i for a in ("--kv-peer", f"http://{HOST}:{p}")]
-            own = ["--internal-token-file", str(token), "--internal-port", str(internal[i]), *peers]
             routers.append(
                 start_router(
-                    "ours",
+                    kind,
                     engines,
                     logdir,
                     policy=policy,
                     label=f"{label}-{i}",
                     cpus=cpus,
-                    extra=[*own, *extra],
+                    extra=extras[i],
                     wait=False,
                 )
             )

@@ -385,9 +385,15 @@ def run_row(name: str, schedule: list[Turn], p: Params, logdir: str, fleet: Flee
     routers: list[h.Router] = []
     try:
         incarnations = h.engine_incarnations(engines)
-        if kind == "ours":
+        if kind in ("ours", "ours-epp"):
             routers = h.start_fleet(
-                fleet.replicas, engines, logdir, policy=policy or "kv_aware", label=name, extra=fleet.flags
+                fleet.replicas,
+                engines,
+                logdir,
+                kind=kind,
+                policy=policy or "kv_aware",
+                label=name,
+                extra=fleet.flags,
             )
         elif kind == "vllm-router":
             # Its replicas share nothing but the engines' event streams: each its own ports.
@@ -437,7 +443,7 @@ def run_row(name: str, schedule: list[Turn], p: Params, logdir: str, fleet: Flee
 
 # Router kinds that run ``--replicas`` instances (sglang-router keeps its approximate tree per process
 # and has no event stream, so several of it measure nothing new).
-FLEET_KINDS = ("ours", "vllm-router")
+FLEET_KINDS = ("ours", "ours-epp", "vllm-router")
 
 
 @dataclass(frozen=True)

