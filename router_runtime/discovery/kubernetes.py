@@ -36,7 +36,7 @@ from routerfleet_kube import ApiError, KubeClient, path
 
 from ..worker import WorkerSpec
 from .endpointslices import EngineDiscoveryConfig, map_slices
-from .reflector import REASONS, Reflector
+from .reflector import Reflector, ReflectorMetrics
 from .storage_annotation import Reading, Result, read_pod_storage, validate_annotation_key
 
 log = logging.getLogger(__name__)
@@ -103,26 +103,22 @@ class KubeSlices:
 # --------------------------------------------------------------------------------------- watcher
 
 
-class DiscoveryMetrics:
+class DiscoveryMetrics(ReflectorMetrics):
     def __init__(self, registry: CollectorRegistry) -> None:
         p = "routerfleet_discovery_"
-        self.synced = Gauge(
-            p + "synced", "1 when the worker set mirrors a complete, current list", registry=registry
+        super().__init__(
+            registry,
+            p,
+            synced="1 when the worker set mirrors a complete, current list",
+            errors="Discovery list/watch failures, by reason",
+            lists="Complete lists of the watched EndpointSlices",
         )
-        self.errors = PromCounter(
-            p + "errors", "Discovery list/watch failures, by reason", ["reason"], registry=registry
-        )
-        for reason in REASONS:
-            self.errors.labels(reason)
         self.workers = Gauge(p + "workers", "Workers in the set last published", registry=registry)
         self.endpoints = Gauge(
             p + "endpoints",
             "Endpoints in the watched slices, by state (see endpointslices.py)",
             ["state"],
             registry=registry,
-        )
-        self.lists = PromCounter(
-            p + "lists", "Complete lists of the watched EndpointSlices", registry=registry
         )
         self.storage_annotation = PromCounter(
             p + "storage_annotation",

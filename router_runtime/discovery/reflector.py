@@ -24,10 +24,9 @@ import random
 import time
 from collections import Counter as Tally
 from collections.abc import AsyncIterator
-from typing import Protocol
 
 import aiohttp
-from prometheus_client import Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from routerfleet_kube import ApiError
 
@@ -51,12 +50,18 @@ REASONS = (
 )
 
 
-class ReflectorMetrics(Protocol):
-    """The three series every reflector keeps (under its own names)."""
+class ReflectorMetrics:
+    """The three series every reflector keeps, under its own ``prefix``: ``synced``, ``errors`` (by
+    reason, each pre-created at 0) and ``lists``; a subclass adds what it publishes."""
 
-    synced: Gauge
-    errors: Counter  # by reason (REASONS)
-    lists: Counter
+    def __init__(
+        self, registry: CollectorRegistry, prefix: str, *, synced: str, errors: str, lists: str
+    ) -> None:
+        self.synced = Gauge(prefix + "synced", synced, registry=registry)
+        self.errors = Counter(prefix + "errors", errors, ["reason"], registry=registry)
+        for reason in REASONS:
+            self.errors.labels(reason)
+        self.lists = Counter(prefix + "lists", lists, registry=registry)
 
 
 class Gone(Exception):

@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Gauge
 
 from routerfleet_kube import KubeClient, path
 
-from ..discovery.reflector import REASONS, Reflector
+from ..discovery.reflector import Reflector, ReflectorMetrics
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +45,16 @@ def priorities(objects: Iterable[dict], pool: str) -> dict[str, int]:
     return out
 
 
-class ObjectiveMetrics:
+class ObjectiveMetrics(ReflectorMetrics):
     def __init__(self, registry: CollectorRegistry) -> None:
         p = "routerfleet_objectives_"
-        self.synced = Gauge(
-            p + "synced", "1 when the objectives table mirrors a complete, current list", registry=registry
+        super().__init__(
+            registry,
+            p,
+            synced="1 when the objectives table mirrors a complete, current list",
+            errors="InferenceObjective list/watch failures, by reason",
+            lists="Complete lists of the InferenceObjectives",
         )
-        self.errors = Counter(
-            p + "errors", "InferenceObjective list/watch failures, by reason", ["reason"], registry=registry
-        )
-        for reason in REASONS:
-            self.errors.labels(reason)
-        self.lists = Counter(p + "lists", "Complete lists of the InferenceObjectives", registry=registry)
         self.sheddable = Gauge(
             p + "sheddable", "The pool's objectives whose priority is below 0", registry=registry
         )
