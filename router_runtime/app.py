@@ -21,8 +21,6 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from routerfleet_kube import default_namespace
-
 from .bootstrap.fetch import SnapshotFetcher
 from .bootstrap.http import internal_app, read_token
 from .bootstrap.metrics import BootstrapMetrics
@@ -136,7 +134,7 @@ class Router:
         if config.gateway.pool:
             d = config.discovery
             self.objectives = Objectives(
-                d.namespace or default_namespace(d.kubeconfig),
+                d.watched_namespace(),
                 config.gateway.pool,
                 self.registry,
                 kubeconfig=d.kubeconfig,
@@ -161,7 +159,7 @@ class Router:
         self.peer_watcher: EndpointSliceWatcher | None = None
         d = config.discovery
         if d.selector:
-            namespace = d.namespace or default_namespace(d.kubeconfig)
+            namespace = d.watched_namespace()
             self.engine_watcher = EndpointSliceWatcher(
                 namespace,
                 d.selector,

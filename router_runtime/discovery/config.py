@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from routerfleet_kube import default_namespace
+
 from ..flags import Count, Flag, Text
 from .endpointslices import EngineDiscoveryConfig, port_ref
 from .storage_annotation import validate_annotation_key
@@ -22,6 +24,11 @@ class DiscoveryConfig:
     watch_timeout_s: float = 300.0
     # A pod annotation key naming the engine's storage identity (KEY, and KEY-epoch); "": off.
     storage_annotation: str = ""
+
+    def watched_namespace(self) -> str:
+        """Where the router watches (its engines' slices, its peers', its pool's objectives): the
+        configured namespace, else the pod's own (or the kubeconfig context's)."""
+        return self.namespace or default_namespace(self.kubeconfig)
 
     def engines(self) -> EngineDiscoveryConfig:
         """How an engine pod's slice ports map to a WorkerSpec."""

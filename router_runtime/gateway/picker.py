@@ -127,12 +127,10 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
         stream = _Stream()
-        first = True
         try:
             async for message in request_iterator:
-                if first:
+                if message.HasField("protocol_config"):  # with the stream's first message
                     stream.duplex_in, stream.duplex_out = duplex_of(message)
-                    first = False
                 phase = message.WhichOneof("request")
                 try:
                     answers = await self._step(stream, phase, message)
