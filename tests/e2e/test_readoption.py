@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import random
 import secrets
@@ -95,12 +96,17 @@ async def _store_on_disk(session, engine: str, prompts: list[list[int]]) -> None
             assert r.status == 200, await r.text()
 
 
+_PROBES = itertools.count(40_000)  # a fresh block per probe: a resident block's store publishes nothing
+
+
 async def _joined(session, engine_url: str, routers: list[str], engine: str) -> bool:
     """One probe batch on each of the engine's ranks; whether every router has taken a batch from each.
     ZMQ drops what a publisher sends before a new subscriber's subscription reaches it, and nothing
-    shows that gap until a later batch: until both routers have taken one, a store could go unseen."""
+    shows that gap until a later batch: until both routers have taken one, a store could go unseen.
+    Each probe stores a new block: storing one already resident publishes no batch at all (as in
+    vLLM), so a repeated probe whose first batch was dropped would never be seen."""
     for rank in (0, 1):
-        body = {"rank": rank, "token_ids": [rank + 1] * BLOCK}
+        body = {"rank": rank, "token_ids": [next(_PROBES)] * BLOCK}
         async with session.post(engine_url + "/admin/store", json=body) as r:
             assert r.status == 200, await r.text()
     for router in routers:
