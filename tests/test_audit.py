@@ -178,7 +178,7 @@ async def test_a_router_audits_its_predictions_against_the_engine(tmp_path):
         )
         async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
             await eventually(lambda: router.ready()[0], what="ready")
-            prompt = list(range(1, 41))  # 10 blocks
+            prompt = list(range(1, 42))  # 10 blocks and a token: all 10 reusable (scheduling/reuse.py)
             debug = DEBUG
             body = {"prompt": prompt, "max_tokens": 1}
             async with s.post(url + "/v1/completions", json=body, headers=debug) as r:

@@ -129,7 +129,8 @@ async def test_completion_text_non_stream_and_cached_tokens_grow(engine: FakeEng
     _, longer = await post(http, url, {"prompt": prompt + "yyyyyy", "max_tokens": 1})
     assert longer["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
     _, again = await post(http, url, {"prompt": prompt + "yyyyyy", "max_tokens": 1})
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+    # all 16 tokens cached, but the last is computed (as in vLLM): its block is no hit
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 12
 
 
 async def test_completion_token_list_forms_share_cache(engine: FakeEngine, http) -> None:
@@ -139,7 +140,7 @@ async def test_completion_token_list_forms_share_cache(engine: FakeEngine, http)
     _, r2 = await post(http, url, {"prompt": [ids], "max_tokens": 2})
     _, r3 = await post(http, url, {"prompt": ["ab"], "max_tokens": 2})
     assert r1["usage"]["prompt_tokens"] == 8 and r1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == 4  # the last token's block: computed
     assert r3["usage"]["prompt_tokens"] == 2
 
 
@@ -156,7 +157,8 @@ async def test_completion_stream_chunks_and_usage(engine: FakeEngine, http) -> N
     # include_usage adds OpenAI's usage-only chunk after the finishing one
     asked = {**body, "stream_options": {"include_usage": True}}
     chunks = await sse(http, url, asked)
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 12
+    # 12 tokens cached, the last block (the last token's) computed
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
     assert chunks[-1]["usage"]["completion_tokens"] == 4 and not any("usage" in c for c in chunks[:-1])
     # zero tokens: still one finishing chunk, then the usage
     chunks = await sse(http, url, {**asked, "max_tokens": 0})
@@ -244,7 +246,7 @@ async def test_info_endpoints(http) -> None:
         async with http.get(engine.http_url + "/metrics") as r:
             metrics = await r.text()
     assert 'routerfleet_fake_engine_requests_total{endpoint="completion",rank="1"} 2.0' in metrics
-    assert 'routerfleet_fake_engine_cached_tokens_total{rank="1"} 8.0' in metrics
+    assert 'routerfleet_fake_engine_cached_tokens_total{rank="1"} 4.0' in metrics  # the last block computed
     assert 'routerfleet_fake_engine_prompt_tokens_total{rank="1"} 16.0' in metrics
     assert 'routerfleet_fake_engine_blocks_resident{rank="1",tier="device"} 2.0' in metrics
     assert 'routerfleet_fake_engine_blocks_resident{rank="0",tier="device"} 0.0' in metrics

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from router_runtime.kv.events import BlockStored, EventBatch
 from router_runtime.kv.index import RadixIndex
+from router_runtime.proxy.request import Kind, parse_request
 from router_runtime.scheduling.framework import Profile
 from router_runtime.scheduling.presets import POLICY_NAMES, PolicyConfig, make_policy
 from router_runtime.scheduling.text_tree import TextTree
@@ -28,8 +29,10 @@ NO_GUARD = {"balance_abs_threshold": 10**9}
 _hashes = itertools.count(1)
 
 
-def prompt(n_blocks: int, base: int = 100, tail: int = 0) -> list[int]:
-    """A prompt of ``n_blocks`` full blocks (token values base, base+1, ...) plus ``tail`` extra tokens."""
+def prompt(n_blocks: int, base: int = 100, tail: int = 1) -> list[int]:
+    """A prompt of ``n_blocks`` full blocks (token values base, base+1, ...) plus ``tail`` extra tokens:
+    by default one, so that all ``n_blocks`` are reusable (an engine never reuses a prompt's last
+    token: a block-aligned prompt's last block is not a hit; scheduling/reuse.py)."""
     return list(range(base, base + n_blocks * BS + tail))
 
 
@@ -60,6 +63,39 @@ def test_longest_prefix_wins():
     for order in (ABC, [C, B, A], [A, C, B]):
         d = kv().choose(req(p), order, {}, index)
         assert (d.target, d.reason, d.matched_blocks, d.total_blocks) == (B, Reason.PREFIX, 5, 6)
+
+
+def test_a_prediction_credits_only_what_the_engine_reuses():
+    """The engines' rules (scheduling/reuse.py): a prompt's last token is computed, so a block-aligned
+    prompt held whole is credited a block fewer; a request for prompt logprobs reads no cache (vLLM), or
+    up to its logprob start (SGLang)."""
+    index = RadixIndex(BS)
+    p = prompt(4, tail=0)
+    store(index, A, p)
+    d = kv().choose(req(p), [B, A], {}, index)
+    assert (d.target, d.matched_blocks, d.total_blocks) == (A, 3, 3)
+    d = kv().choose(req([*p, 1]), [B, A], {}, index)
+    assert (d.target, d.matched_blocks, d.total_blocks) == (A, 4, 4)
+    d = kv().choose(req([*p, 1], logprobs_from=0), [B, A], {}, index)
+    assert (d.reason, d.matched_blocks, d.total_blocks) == (Reason.NO_MATCH, 0, 0)
+    d = kv().choose(req([*p, 1], logprobs_from=2 * BS + 1), [B, A], {}, index)
+    assert (d.target, d.matched_blocks, d.total_blocks) == (A, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "start"),
+    [
+        (Kind.COMPLETION, {"prompt": "x"}, None),
+        (Kind.COMPLETION, {"prompt": "x", "prompt_logprobs": 0}, 0),
+        (Kind.CHAT, {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 5}, 0),
+        (Kind.TOKEN_GENERATE, {"token_ids": [1], "sampling_params": {"prompt_logprobs": 1}}, 0),
+        (Kind.GENERATE, {"text": "x", "return_logprob": True}, None),  # SGLang's default start: the last
+        (Kind.GENERATE, {"text": "x", "return_logprob": True, "logprob_start_len": 7}, 7),
+        (Kind.GENERATE, {"text": "x", "return_logprob": False, "logprob_start_len": 7}, None),
+    ],
+)
+def test_the_request_says_where_its_prompt_logprobs_start(kind, body, start):
+    assert parse_request(body, kind).logprobs_from == start
 
 
 def test_device_prefix_beats_an_equal_host_prefix():
@@ -477,7 +513,7 @@ def test_kv_aware_choose_is_fast_on_a_warm_index():
         index.apply_batch(t.carrier, EventBatch(0.0, (ev,)))
     pol = kv()
     loads = {t: i % 5 for i, t in enumerate(targets)}
-    request = req(p)
+    request = req([*p, 0])  # a partial block after: all 256 blocks reusable
     pol.choose(request, targets, loads, index)
     start = time.perf_counter()
     for _ in range(200):

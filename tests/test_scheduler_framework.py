@@ -46,7 +46,7 @@ def test_a_new_scorer_is_one_class_and_one_line_in_a_preset():
     index = RadixIndex(BS)
     tokens = list(range(100, 100 + 4 * BS))
     index.apply_batch(A.carrier, EventBatch(0.0, (BlockStored((1, 2, 3, 4), None, tuple(tokens), BS),)))
-    request = RouteRequest(tokens=tokens)
+    request = RouteRequest(tokens=[*tokens, 7])  # a partial block after: all 4 blocks reusable
     kv = make_policy("kv_aware")
     assert kv.choose(request, [A, B], {}, index).target == A  # A holds all 4 blocks
 

@@ -35,6 +35,7 @@ class ParsedRequest:
     lora_name: str | None = None
     cache_salt: str | None = None
     previous_response_id: str | None = None  # Responses: the stored response it continues
+    logprobs_from: int | None = None  # the first prompt position whose logprob is asked for
 
 
 # Where each prompt kind carries its prompt (the first present is read).
@@ -141,6 +142,18 @@ def _opt_str(body: dict, key: str) -> str | None:
     return v or None
 
 
+def _logprobs_from(body: dict, kind: Kind) -> int | None:
+    """The first prompt position whose logprob the request asks for (None: none); the engine computes
+    those positions rather than reuse their cached KV (scheduling/reuse.py). vLLM: ``prompt_logprobs``
+    (in ``sampling_params`` for its token-in generate), any value asks from the start; SGLang's
+    ``/generate``: ``return_logprob`` from ``logprob_start_len`` (its default, -1, asks for none)."""
+    if kind is Kind.GENERATE:
+        start = body.get("logprob_start_len")
+        return start if body.get("return_logprob") is True and type(start) is int and start >= 0 else None
+    params = body.get("sampling_params") if kind is Kind.TOKEN_GENERATE else body
+    return 0 if isinstance(params, dict) and params.get("prompt_logprobs") is not None else None
+
+
 def parse_request(body: Any, kind: Kind) -> ParsedRequest:
     """A decoded JSON body -> what routing needs. Raises ProxyError (400)."""
     if not isinstance(body, dict):
@@ -162,7 +175,14 @@ def parse_request(body: Any, kind: Kind) -> ParsedRequest:
         if kind is Kind.GENERATE:
             lora_name = _opt_str(body, "lora_path")
         return ParsedRequest(
-            kind, stream, text=text, tokens=tokens, body=body, lora_name=lora_name, cache_salt=cache_salt
+            kind,
+            stream,
+            text=text,
+            tokens=tokens,
+            body=body,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            logprobs_from=_logprobs_from(body, kind),
         )
     if kind is Kind.RESPONSES:
         previous = _opt_str(body, "previous_response_id")
@@ -177,7 +197,14 @@ def parse_request(body: Any, kind: Kind) -> ParsedRequest:
     extra = body.get("chat_template_kwargs")
     if extra is not None and not isinstance(extra, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    return ParsedRequest(kind, stream, body=body, lora_name=lora_name, cache_salt=cache_salt)
+    return ParsedRequest(
+        kind,
+        stream,
+        body=body,
+        lora_name=lora_name,
+        cache_salt=cache_salt,
+        logprobs_from=_logprobs_from(body, kind),
+    )
 
 
 __all__ = ["Kind", "ParsedRequest", "ProxyError", "parse_json", "parse_request"]

@@ -210,7 +210,12 @@ class Scheduler:
         if refused is not None:  # once per request, whatever the profile needed
             self.metrics.untokenized.labels(refused).inc()
         return RouteRequest(
-            tokens=tokens, text=text, lora_name=parsed.lora_name, cache_salt=parsed.cache_salt, subset=subset
+            tokens=tokens,
+            text=text,
+            lora_name=parsed.lora_name,
+            cache_salt=parsed.cache_salt,
+            logprobs_from=parsed.logprobs_from,
+            subset=subset,
         )
 
 

@@ -1,5 +1,6 @@
 """The KV-aware scorer: what the radix index says each (engine, rank) candidate holds of the request's
-prefix, weighted by tier, as a credit in blocks (docs/routing.md has the rationale and a worked example):
+prefix that the engine would reuse (reuse.py: never the last token), weighted by tier, as a credit in
+blocks (docs/routing.md has the rationale and a worked example):
 
     credit(t) = device + host_weight * host + disk_weight * disk + external_weight * external   [blocks]
 
@@ -14,6 +15,7 @@ evicted, the index is the better witness of what is left.
 from __future__ import annotations
 
 from .framework import Cycle, Evidence, Measure, Scores
+from .reuse import reusable_tokens
 from .types import Target
 
 
@@ -30,10 +32,13 @@ class PrefixCache:
         tokens = request.tokens
         if index is None or not tokens:
             return Scores()
-        total = len(tokens) // index.block_size
+        # Only what the engine will reuse counts (its own rules: never the last token); ``total`` is in
+        # full blocks of that, so a match is a prediction of the engine's cached tokens.
+        usable = reusable_tokens(len(tokens), request.logprobs_from)
+        total = usable // index.block_size
         if not total:
             return Scores(measure=lambda _t: Measure())
-        matches = index.match(tokens, lora_name=request.lora_name, cache_salt=request.cache_salt)
+        matches = index.match(tokens[:usable], lora_name=request.lora_name, cache_salt=request.cache_salt)
 
         def measure(t: Target) -> Measure:
             m = matches.get(t.carrier)

@@ -49,6 +49,9 @@ class RouteRequest:
     text: str | None = None  # the prompt text (chat: the rendered template) for text-prefix policies
     lora_name: str | None = None
     cache_salt: str | None = None
+    # The first prompt position whose logprob the request asks for (None: none): the engine computes it,
+    # so reuses no cached KV from there on (reuse.py).
+    logprobs_from: int | None = None
     # A returning session's remembered target (one of the targets, moved to their front): the policy
     # prefers it unless its load guard says otherwise (docs/sessions.md, "The promotion rule").
     prefer: Target | None = None
