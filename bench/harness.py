@@ -326,6 +326,7 @@ class Router:
     # its probes; ``sidecar`` is Envoy's process (on one of a picker fleet's routers).
     own_port: int | None = None
     sidecar: Proc | None = None
+    model: str = MODEL  # the engines' model name, for the warm-up completion
 
     @property
     def url(self) -> str:
@@ -348,24 +349,44 @@ class Router:
 
 
 def ours_argv(
-    engines: Sequence[Engine], port: int, policy: str, extra: Sequence[str] = (), *, events: bool = True
+    engines: Sequence[Engine],
+    port: int,
+    policy: str,
+    extra: Sequence[str] = (),
+    *,
+    events: bool = True,
+    block_size: int = 16,
 ) -> list[str]:
     """``events`` False: the workers are given without their KV event endpoints (the index stays empty)."""
     argv = [str(BIN / "routerfleet-router"), "--host", HOST, "--port", str(port)]
-    argv += ["--policy", policy, "--block-size", "16", "--tokenizer", "bytes", "--log-level", "warning"]
+    argv += [
+        "--policy",
+        policy,
+        "--block-size",
+        str(block_size),
+        "--tokenizer",
+        "bytes",
+        "--log-level",
+        "warning",
+    ]
     for e in engines:
         argv += ["--worker", f"url={e.url},kv={e.kv},replay={e.replay}" if events else f"url={e.url}"]
     return argv + list(extra)
 
 
 def vllm_router_argv(
-    engines: Sequence[Engine], port: int, metrics_port: int, block_size: int, extra: Sequence[str] = ()
+    engines: Sequence[Engine],
+    port: int,
+    metrics_port: int,
+    block_size: int,
+    extra: Sequence[str] = (),
+    model: str = MODEL,
 ) -> list[str]:
     argv = [str(BIN / "vllm-router"), "--host", HOST, "--port", str(port), "--policy", "kv_aware"]
     argv += ["--worker-urls", *(e.url for e in engines)]
     for e in engines:
         argv += ["--kv-event-source", f"{e.url}={e.kv}", "--kv-event-replay-source", f"{e.url}={e.replay}"]
-    argv += ["--kv-event-block-size", str(block_size), "--kv-event-model", MODEL]
+    argv += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
     argv += ["--prometheus-host", HOST, "--prometheus-port", str(metrics_port), "--log-level", "warning"]
     return argv + list(extra)
 
@@ -414,21 +435,22 @@ def start_router(
     extra: Sequence[str] = (),
     events: bool = True,
     wait: bool = True,
+    block_size: int = 16,
+    model: str = MODEL,
 ) -> Router:
     """Start one router in front of ``engines`` and wait until it answers. For ours that is /readyz
     (an engine known and healthy and, for kv_aware, its subscriptions connected); for the anchors
-    their /health, then one completion through them."""
+    their /health, then one completion through them. ``block_size`` and ``model``: the engines'."""
     port, metrics_port = free_ports(2)
     name = label or (kind if kind != "ours" else f"ours-{policy}")
     if kind == "ours-epp":
         return start_pickers(engines, logdir, [extra], policy=policy, label=name, cpus=cpus, wait=wait)[0]
     if kind == "ours":
-        argv = ours_argv(engines, port, policy, extra, events=events)
+        argv = ours_argv(engines, port, policy, extra, events=events, block_size=block_size)
         env = None
         ready_path = "/readyz"
     elif kind == "vllm-router":
-        block = 16
-        argv = vllm_router_argv(engines, port, metrics_port, block, extra)
+        argv = vllm_router_argv(engines, port, metrics_port, block_size, extra, model)
         env = ANCHOR_ENV
         ready_path = "/health"
     elif kind == "sglang-router":
@@ -438,7 +460,7 @@ def start_router(
     else:
         raise ValueError(kind)
     proc = Proc(name, argv, logdir, cpus=cpus, env=env)
-    router = Router(kind, name, proc, port, shown_flags(argv, engines), ready_path)
+    router = Router(kind, name, proc, port, shown_flags(argv, engines), ready_path, model=model)
     if wait:
         await_router(router)
     return router
@@ -491,7 +513,7 @@ def await_router(router: Router) -> None:
             f"http://{HOST}:{router.own_port}/readyz" if router.own_port else router.url + router.ready_path
         )
         wait_until(lambda: http_get(ready)[0] == 200, 60, f"{router.label} ready", router.procs)
-        body = {"model": MODEL, "prompt": "warm-up", "max_tokens": 1}
+        body = {"model": router.model, "prompt": "warm-up", "max_tokens": 1}
         wait_until(
             lambda: http_post(router.url + "/v1/completions", body)[0] == 200,
             30,
@@ -513,13 +535,18 @@ def start_fleet(
     label: str = "ours",
     cpus: set[int] | None = None,
     extra: Sequence[str] = (),
+    block_size: int = 16,
+    model: str = MODEL,
 ) -> list[Router]:
     """``n`` of our routers in front of the same engines, as the operator deploys them: one fleet token,
     each replica's internal port listed as a static peer of the others (what EndpointSlices give a
-    replica in a cluster). ``kind`` "ours-epp": each is an endpoint picker, behind one Envoy. One replica
-    is started as ``start_router`` starts it."""
+    replica in a cluster). ``kind`` "ours-epp": each is an endpoint picker, behind one Envoy (fake
+    engines only). One replica is started as ``start_router`` starts it."""
+    engine = {"block_size": block_size, "model": model}
     if n == 1:
-        return [start_router(kind, engines, logdir, policy=policy, label=label, cpus=cpus, extra=extra)]
+        return [
+            start_router(kind, engines, logdir, policy=policy, label=label, cpus=cpus, extra=extra, **engine)
+        ]
     token = Path(logdir) / "fleet-token"
     token.write_text("bench-fleet-token\n")
     internal = free_ports(n)
@@ -544,6 +571,7 @@ def start_fleet(
                     cpus=cpus,
                     extra=extras[i],
                     wait=False,
+                    **engine,
                 )
             )
         for r in routers:  # all launched first: each one's bootstrap asks the others

@@ -441,6 +441,9 @@ def run_row(name: str, schedule: list[Turn], p: Params, logdir: str, fleet: Flee
     return res
 
 
+# The rows of ``--engines vllm`` (bench/routing_vllm.py's ROWS).
+VLLM_ROWS = ("ours", "ours-x3", "vllm", "rr")
+
 # Router kinds that run ``--replicas`` instances (sglang-router keeps its approximate tree per process
 # and has no event stream, so several of it measure nothing new).
 FLEET_KINDS = ("ours", "ours-epp", "vllm-router")
@@ -609,9 +612,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"{QUICK.convs} conversations, one run (< 1 min)")
     ap.add_argument("--runs", type=int, help="runs per row; medians are reported (default 3, quick 1)")
     ap.add_argument(
+        "--engines",
+        choices=("fake", "vllm"),
+        default="fake",
+        help="fake engines (default), or two real vLLM engines, its CPU build (bench/routing_vllm.py: its"
+        " own workload and rows; --quick, --runs and --rows apply)",
+    )
+    ap.add_argument(
         "--rows",
-        default="ours,vllm,sglang,rr,oracle",
-        help=f"comma-separated rows, in order, from {','.join(ROWS)} (default %(default)s)",
+        help=f"comma-separated rows, in order, from {','.join(ROWS)} (default ours,vllm,sglang,rr,oracle;"
+        f" with --engines vllm from {','.join(VLLM_ROWS)}, default all)",
     )
     ap.add_argument("--convs", type=int, help=f"conversations (default {Params.convs}, quick {QUICK.convs})")
     ap.add_argument(
@@ -665,6 +675,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", help="also write the raw per-run figures to this file")
     args = ap.parse_args(argv)
+    if args.engines == "vllm":
+        from bench import routing_vllm
+
+        rows = args.rows.split(",") if args.rows else list(VLLM_ROWS)
+        if unknown := [r for r in rows if r not in VLLM_ROWS]:
+            ap.error(f"argument --rows: unknown with --engines vllm: {','.join(unknown)}")
+        return routing_vllm.main(args.quick, args.runs, rows)
+    args.rows = args.rows or "ours,vllm,sglang,rr,oracle"
     if args.replicas < 1:
         ap.error("argument --replicas: must be >= 1")
     if args.kill_at is not None and not (0 < args.kill_at < 1 and args.replicas > 1):

@@ -30,6 +30,77 @@ MODEL = "tiny"  # the served model name
 MAX_MODEL_LEN = 4096
 START_TIMEOUT_S = 600  # a cold start compiles the model (~70 s alone on 2 cores, more side by side)
 
+# The engines' environment: a small KV cache, no thread pinning and one OpenMP thread (two engines share
+# 2 cores), no hub, and the dev-mode and Responses-store endpoints the tests use.
+ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache
+    "VLLM_ENABLE_RESPONSES_API_STORE": "1",  # previous_response_id
+}
+
+
+def server_argv(home: Path, host: str, port: int, kv_port: int, replay_port: int) -> list[str]:
+    """vLLM's OpenAI server for the tiny model, with what RouterFleet needs (the module docstring)."""
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{kv_port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+        "topic": "kv-events",
+    }
+    return [
+        str(home / "venv/bin/python"), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(home / "model"), "--served-model-name", MODEL,
+        "--host", host, "--port", str(port),
+        "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "bfloat16",
+        "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--kv-events-config", json.dumps(events),
+    ]  # fmt: skip
+
+
+def engine_manifests(home: Path, replicas: int = 2, name: str = "vllm") -> list[dict]:
+    """A Deployment of vLLM engines and its Service, shaped like manifests/samples/engines/vllm.yaml, for
+    the local cluster: its node agent runs a container's command, not its image, so the command is this
+    install's Python. Each pod has its own network namespace: the wildcard binds stay inside it."""
+    labels = {"app.kubernetes.io/name": name}
+    ports = [
+        {"name": "http", "containerPort": 8000},
+        {"name": "kv", "containerPort": 5557},
+        {"name": "kv-replay", "containerPort": 5657},
+    ]
+    container = {
+        "name": "vllm",
+        "image": "vllm-cpu:local",  # never pulled: the node agent runs the command
+        "command": server_argv(home, "0.0.0.0", 8000, 5557, 5657),
+        "env": [{"name": k, "value": v} for k, v in ENV.items()],
+        "ports": ports,
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2},
+    }
+    template = {"metadata": {"labels": labels}, "spec": {"containers": [container]}}
+    return [
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": name, "labels": labels},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": labels}, "template": template},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": name, "labels": labels},
+            "spec": {
+                "selector": labels,
+                "ports": [
+                    {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]} for p in ports
+                ],
+            },
+        },
+    ]
+
 
 def install() -> Path:
     """The install's directory (``venv/``, ``model/``), installing on first use (progress on stderr)."""
@@ -71,37 +142,11 @@ class VllmEngine:
         """The router's ``--worker`` value for this engine."""
         return f"url={self.url},kv={self.kv},replay={self.replay}"
 
-    def argv(self, home: Path) -> list[str]:
-        events = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{self.kv_port}",
-            "replay_endpoint": f"tcp://*:{self.replay_port}",
-            "topic": "kv-events",
-        }
-        return [
-            str(home / "venv/bin/python"), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(home / "model"), "--served-model-name", MODEL,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "bfloat16",
-            "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--kv-events-config", json.dumps(events),
-        ]  # fmt: skip
-
     def start(self, home: Path) -> None:
-        env = {
-            **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "OMP_NUM_THREADS": "1",
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache
-            "VLLM_ENABLE_RESPONSES_API_STORE": "1",  # previous_response_id
-            "VLLM_NO_USAGE_STATS": "1",
-        }
+        argv = server_argv(home, "127.0.0.1", self.port, self.kv_port, self.replay_port)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                self.argv(home), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENV}, start_new_session=True
             )
 
     def ready(self) -> bool:

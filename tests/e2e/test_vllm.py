@@ -14,6 +14,7 @@ previous request stored (a missed hit from a late event would be a flaky test, n
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -21,6 +22,7 @@ import random
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,18 +30,22 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import test_operator
+from test_operator import FLEET, GROUP, PLURAL, VERSION, _local_only, wait_fleet_ready
 
 from e2e.cluster import in_private_netns
-from e2e.fleet import get, metrics
-from e2e.vllm import BLOCK_SIZE, MODEL, VllmEngine, install, start_engines, wait_ready
+from e2e.fleet import ROUTER_PORT, apply, get, metrics, pod_url
+from e2e.vllm import BLOCK_SIZE, MODEL, VllmEngine, engine_manifests, install, start_engines, wait_ready
 from router_runtime.tokens.tokenizer import Family, load_tokenizer
 from tests.test_chat_vectors import VLLM as CHAT_VECTORS
 from tests.test_chat_vectors import router_ids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+crd = test_operator.crd  # the fixtures: the CRD applied, and the operator as a subprocess
+operator = test_operator.operator
 
 TOKEN = secrets.token_hex(16)  # the fleet token: the prediction header is answered to it alone
-DEBUG = {"X-RouterFleet-Debug-Prediction": TOKEN}
+DEBUG_HEADER = "X-RouterFleet-Debug-Prediction"
 PREDICTED = "X-RouterFleet-Predicted-Cached-Tokens"
 QUIET_S = 0.3  # a router's streams unchanged this long: the last request's events are in
 GROUPS = 4  # system prompts shared by the conversations
@@ -67,7 +73,8 @@ def engines(home, tmp_path_factory) -> Iterator[list[VllmEngine]]:
 class Router:
     url: str
     internal: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None = None  # None: a router pod (the operator's)
+    token: str = TOKEN  # the fleet token, which the prediction header must carry
 
 
 def _port() -> int:
@@ -157,6 +164,18 @@ class Outcome:
     engine: str
     predicted: int | None
     cached: int | None
+    prompt: int = 0
+    doubtful: bool = False
+
+    @property
+    def false_hit(self) -> bool:
+        """Predicted beyond what vLLM had cached, in no doubt: the one thing a router must never do."""
+        return (
+            self.predicted is not None
+            and self.cached is not None
+            and self.predicted > self.cached
+            and not self.doubtful
+        )
 
 
 def _cached(usage: dict | None) -> int | None:
@@ -173,9 +192,10 @@ async def _send(
     s: aiohttp.ClientSession, router: Router, path: str, body: dict, what: str
 ) -> tuple[Outcome, dict]:
     """One request with the prediction header asked for; (its outcome, the final body or last chunk)."""
-    async with s.post(router.url + path, json=body, headers=DEBUG) as r:
+    async with s.post(router.url + path, json=body, headers={DEBUG_HEADER: router.token}) as r:
         assert r.status == 200, (what, r.status, await r.text())
         predicted = r.headers.get(PREDICTED)
+        doubtful = r.headers.get("X-RouterFleet-Prediction-Doubtful") == "true"
         engine = r.headers.get("X-RouterFleet-Engine", "")
         if not body.get("stream"):
             answer = await r.json()
@@ -191,7 +211,11 @@ async def _send(
                 for c in chunk.get("choices") or ():
                     text.append((c.get("delta") or {}).get("content") or c.get("text") or "")
             answer = {"text": "".join(text)}
-    return Outcome(what, engine, None if predicted is None else int(predicted), _cached(usage)), answer
+    prompt = (usage or {}).get("prompt_tokens") or 0
+    outcome = Outcome(
+        what, engine, None if predicted is None else int(predicted), _cached(usage), prompt, doubtful
+    )
+    return outcome, answer
 
 
 def _system(group: int) -> str:
@@ -483,3 +507,125 @@ def test_a_killed_engine_is_never_a_false_hit_and_comes_back(home, engines, tmp_
         assert not _mismatches([*gone, *back]), _mismatches([*gone, *back])
         assert any(o.engine == victim.url for o in back), "the restarted engine never took a request"
         assert _run(_false_hit_tokens, rs) == 0
+
+
+# ------------------------------------------------------------------------------------------ the cluster
+
+ENGINE_PODS = "app.kubernetes.io/name=vllm"
+
+
+class Chats:
+    """Chats through the fleet's Ready router pods from a thread, each outcome tagged with the phase
+    the test is in; a request to a router going away is counted, not raised."""
+
+    def __init__(self, cluster, ns: str) -> None:
+        self.cluster, self.ns = cluster, ns
+        secret = cluster.core.read_namespaced_secret(f"{FLEET}-internal-token", ns)
+        self.token = base64.b64decode(secret.data["token"]).decode()
+        self.phase, self.outcomes, self.failed = "before", [], 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def routers(self) -> list[Router]:
+        pods = self.cluster.core.list_namespaced_pod(
+            self.ns, label_selector=f"routerfleet.io/fleet={FLEET}"
+        ).items
+        ready = [p for p in pods if self.cluster.pod_ready(p) and p.metadata.deletion_timestamp is None]
+        return [Router(pod_url(p, ROUTER_PORT), "", token=self.token) for p in ready]
+
+    def _run(self) -> None:
+        seed = 100
+        while not self.stop.is_set():
+            seed += 1
+            phase = self.phase
+            try:
+                out = _run(_chats, self.routers(), 4, 3, seed)
+                self.outcomes += [(phase, o) for o in out]
+            except (TimeoutError, AssertionError, aiohttp.ClientError, OSError):
+                self.failed += 1
+
+    def hit_rate(self, phase: str) -> float:
+        """The engines' cached share of the prompt tokens of the requests of ``phase`` (from vLLM's usage);
+        conversations within a phase reuse its system prompts, so a warm fleet hits from the start."""
+        mine = [o for p, o in self.outcomes if p == phase and o.cached is not None]
+        return sum(o.cached for o in mine) / max(1, sum(o.prompt for o in mine))
+
+    def __enter__(self) -> Chats:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(300)
+
+
+def test_an_operator_managed_fleet_over_vllm_pods(cluster, namespace, crd, operator, home):
+    """vLLM engines as pods of the local cluster (the node agent runs the install's server), a
+    RouterFleet over them (block size 32, tokens from the engines' /tokenize), under chats: a rollout
+    with bootstrap (every new replica seeded exact before it serves), then one without (cold), hit
+    rate before, during and after each (printed); no request predicted beyond vLLM's figure in no
+    doubt, anywhere in the fleet."""
+    _local_only(cluster)
+    ns = namespace
+    apply(cluster.api, ns, engine_manifests(home))
+    cluster.wait_pods_ready(ns, ENGINE_PODS, 2, timeout=600)
+    fleet = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "RouterFleet",
+        "metadata": {"name": FLEET, "namespace": ns},
+        "spec": {
+            "replicas": 2,
+            "router": {
+                "image": getattr(cluster.provider, "image", "routerfleet:dev"),
+                "blockSize": BLOCK_SIZE,
+                "tokenizer": {"source": "Engine"},
+                "extraArgs": ["--chat-family=vllm", "--debug-prediction"],
+            },
+            "engines": {
+                "serviceName": "vllm",
+                "httpPort": "http",
+                "kvPort": "kv",
+                "replayPort": "kv-replay",
+                "dpSize": 1,
+                "topic": "kv-events",
+            },
+            "bootstrap": {"timeout": "30s"},
+        },
+    }
+    crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, fleet)
+    wait_fleet_ready(cluster, crd, ns, "the fleet Ready over vLLM pods", timeout=300)
+
+    def roll(phase: str, spec: dict, generation: int) -> list[dict]:
+        chats.phase = phase
+        crd.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, FLEET, {"spec": spec})
+
+        def rolled():
+            o = crd.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, FLEET)
+            r = next((c for c in o.get("status", {}).get("conditions", []) if c["type"] == "Ready"), {})
+            return o if r.get("status") == "True" and r.get("observedGeneration") == generation else None
+
+        obj = cluster.wait_for(f"the {phase} rollout done", rolled, 300)
+        return obj["status"]["members"]
+
+    with Chats(cluster, ns) as chats:
+        time.sleep(30)
+        env = [{"name": "ROUTERFLEET_E2E_ROLL", "value": "1"}]
+        warm = roll("rollout, bootstrap on", {"router": {"env": env}}, 2)
+        chats.phase = "after, bootstrap on"
+        time.sleep(30)
+        env = [{"name": "ROUTERFLEET_E2E_ROLL", "value": "2"}]
+        cold = roll("rollout, bootstrap off", {"router": {"env": env}, "bootstrap": {"enabled": False}}, 3)
+        chats.phase = "after, bootstrap off"
+        time.sleep(30)
+    phases = dict.fromkeys(p for p, _ in chats.outcomes)
+    rates = {p: round(chats.hit_rate(p), 3) for p in phases}
+    print(f"\n[vllm fleet] hit rate by phase: {rates}; failed chat rounds {chats.failed}")
+    verdicts = {"on": [m["verdict"] for m in warm], "off": [m["verdict"] for m in cold]}
+    print(f"[vllm fleet] verdicts by bootstrap: {verdicts}")
+    # seeded exact: from a sibling (warm) or, while the engines' replay buffers reach back to their first
+    # event, rebuilt from vLLM's own replay (from_origin)
+    assert all(m["verdict"] in ("warm", "from_origin") for m in warm), warm
+    assert all(m["verdict"] != "warm" for m in cold), cold
+    assert all(chats.hit_rate(p) > 0 for p in phases), rates
+    false_hits = [o for _, o in chats.outcomes if o.false_hit]
+    assert not false_hits and len(chats.outcomes) > 50, (false_hits, len(chats.outcomes))
