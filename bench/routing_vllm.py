@@ -148,10 +148,10 @@ async def _replay(
                     sent += 1
                     body = {"model": vllm.MODEL, "messages": messages, "max_tokens": 2, "temperature": 0}
                     async with s.post(url + "/v1/chat/completions", json=body) as r:
+                        if r.status != 200:
+                            res.errors += 1
+                            continue
                         answer = await r.json()
-                    if r.status != 200:
-                        res.errors += 1
-                        continue
                     usage = answer["usage"]
                     res.prompt_tokens += usage["prompt_tokens"]
                     res.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0

@@ -246,10 +246,12 @@ def _same_events(a: bytes, b: bytes) -> bool:
 
 
 def test_a_prediction_knows_when_the_engine_must_have_stored_blocks():
-    p = Prediction(16, prompt_tokens=40, block_size=16)  # 2 full blocks in the prompt
+    p = Prediction(16, reusable_tokens=39, block_size=16)  # a 40-token prompt: 2 full blocks reusable
     assert p.stores_blocks(16) and p.stores_blocks(0)
     assert not p.stores_blocks(32)  # both full blocks were cached: nothing new to store
-    assert not Prediction(0, prompt_tokens=40).stores_blocks(0)  # no block size: no claim
+    assert not Prediction(0, reusable_tokens=39).stores_blocks(0)  # no block size: no claim
+    # a block-aligned 32-token prompt served 16 cached: its last block recomputed by rule, maybe held
+    assert not Prediction(32, reusable_tokens=31, block_size=16).stores_blocks(16)
 
 
 async def test_a_silent_stream_makes_the_rank_doubtful_until_a_batch_comes(tmp_path):

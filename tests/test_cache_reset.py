@@ -31,7 +31,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def test_a_denial_is_a_false_hit_beyond_the_engines_last_block_rule_made_in_no_doubt():
-    p = Prediction(96, prompt_tokens=96, block_size=BS)
+    p = Prediction(96, reusable_tokens=96, block_size=BS)
     assert denies(p, Audit(AuditOutcome.FALSE_HIT, false_hit_tokens=96))
     assert not denies(p, Audit(AuditOutcome.FALSE_HIT, false_hit_tokens=BS))  # vLLM's last-token rule
     assert not denies(Prediction(96, doubtful=True, block_size=BS), Audit(AuditOutcome.FALSE_HIT, 96))

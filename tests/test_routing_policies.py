@@ -92,6 +92,20 @@ def test_a_prediction_credits_only_what_the_engine_reuses():
         (Kind.GENERATE, {"text": "x", "return_logprob": True}, None),  # SGLang's default start: the last
         (Kind.GENERATE, {"text": "x", "return_logprob": True, "logprob_start_len": 7}, 7),
         (Kind.GENERATE, {"text": "x", "return_logprob": False, "logprob_start_len": 7}, None),
+        (Kind.COMPLETION, {"prompt": "x", "echo": True}, None),  # echo without logprobs: none
+        (Kind.COMPLETION, {"prompt": "x", "echo": True, "logprobs": 0}, 0),
+        (Kind.CHAT, {"messages": [{"role": "user", "content": "x"}], "echo": True}, 0),  # top_logprobs 0
+        (
+            Kind.CHAT,
+            {"messages": [{"role": "user", "content": "x"}], "echo": True, "top_logprobs": None},
+            None,
+        ),
+        (Kind.TOKEN_GENERATE, {"token_ids": [1], "sampling_params": {"prompt_logprob_token_ids": [3]}}, 0),
+        (
+            Kind.TOKEN_GENERATE,
+            {"token_ids": [1], "sampling_params": {"prompt_logprobs": 1, "skip_reading_prefix_cache": False}},
+            None,
+        ),
     ],
 )
 def test_the_request_says_where_its_prompt_logprobs_start(kind, body, start):

@@ -14,6 +14,7 @@ What a vLLM deployment needs for RouterFleet, and what these engines run with (d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -108,15 +109,19 @@ def install() -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports that were free a moment ago (bound together, then released)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 @dataclass
 class VllmEngine:
-    """One vLLM server process; its HTTP API and KV event endpoints on 127.0.0.1."""
+    """One vLLM server process: its HTTP API on 127.0.0.1, its KV event sockets on every interface
+    (reached at 127.0.0.1)."""
 
     name: str
     port: int
@@ -182,10 +187,8 @@ def start_engines(n: int, logdir: Path, home: Path | None = None) -> list[VllmEn
     """``n`` engines started side by side, each answering /health (or RuntimeError with its log's tail).
     Progress on stderr: a cold start takes minutes."""
     home = home or install()
-    engines = [
-        VllmEngine(f"vllm-{i}", _free_port(), _free_port(), _free_port(), logdir / f"vllm-{i}.log")
-        for i in range(n)
-    ]
+    ports = _free_ports(3 * n)
+    engines = [VllmEngine(f"vllm-{i}", *ports[3 * i : 3 * i + 3], logdir / f"vllm-{i}.log") for i in range(n)]
     try:
         for e in engines:
             e.start(home)

@@ -64,7 +64,7 @@ class Prediction:
     tokens: int
     doubtful: bool = False
     tiers: tuple[int, int, int, int] = (0, 0, 0, 0)  # of ``tokens``: device, host, disk, external
-    prompt_tokens: int = 0
+    reusable_tokens: int = 0  # of the prompt, what the engine may serve from its cache (reuse.py)
     block_size: int = 0
 
     def tier_header(self) -> str:
@@ -72,9 +72,11 @@ class Prediction:
 
     def stores_blocks(self, cached_tokens: int) -> bool:
         """Whether the engine, having had ``cached_tokens`` of the prompt cached, computed at least one
-        full block more of it: a block it stores and announces on its KV stream."""
+        full block it would have reused had it held it: a block it did not hold, which it stores and
+        announces on its KV stream. (A block it recomputed by rule, the last token's, it may have held:
+        no claim.)"""
         bs = self.block_size
-        return bs > 0 and self.prompt_tokens // bs > cached_tokens // bs
+        return bs > 0 and self.reusable_tokens // bs > cached_tokens // bs
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +100,9 @@ def judge(prediction: Prediction, cached_tokens: int | None) -> Audit:
 
 def denies(prediction: Prediction, audit: Audit) -> bool:
     """Whether the engine, by its own figure, lacks a prefix the index credited it with in no doubt:
-    short by more than one block. One block is the engine's own rule (vLLM recomputes a prompt's last
-    token, so a fully cached block-aligned prompt reports a block fewer), not a divergence."""
+    short by more than one block. The prediction models the engines' reuse rules (reuse.py); one block
+    of tolerance keeps an engine whose reuse differs from them by a block (vLLM with speculative
+    decoding's EAGLE drops one more) from being withheld as if it had lost its cache."""
     return (
         audit.outcome is AuditOutcome.FALSE_HIT
         and not prediction.doubtful

@@ -144,14 +144,30 @@ def _opt_str(body: dict, key: str) -> str | None:
 
 def _logprobs_from(body: dict, kind: Kind) -> int | None:
     """The first prompt position whose logprob the request asks for (None: none); the engine computes
-    those positions rather than reuse their cached KV (scheduling/reuse.py). vLLM: ``prompt_logprobs``
-    (in ``sampling_params`` for its token-in generate), any value asks from the start; SGLang's
-    ``/generate``: ``return_logprob`` from ``logprob_start_len`` (its default, -1, asks for none)."""
+    those positions rather than reuse their cached KV (scheduling/reuse.py). Any of vLLM's asks from the
+    start: ``prompt_logprobs``; ``echo`` with a completion's ``logprobs`` or a chat's ``top_logprobs``
+    (0 unless null), which vLLM turns into prompt logprobs; in a token-in generate's ``sampling_params``,
+    ``prompt_logprobs`` or ``prompt_logprob_token_ids``, unless ``skip_reading_prefix_cache`` says
+    otherwise. SGLang's ``/generate``: ``return_logprob`` from ``logprob_start_len`` (its default, -1,
+    asks for none); its completions' ``echo`` with ``logprobs`` asks from the start, as vLLM's."""
     if kind is Kind.GENERATE:
         start = body.get("logprob_start_len")
         return start if body.get("return_logprob") is True and type(start) is int and start >= 0 else None
-    params = body.get("sampling_params") if kind is Kind.TOKEN_GENERATE else body
-    return 0 if isinstance(params, dict) and params.get("prompt_logprobs") is not None else None
+    if kind is Kind.TOKEN_GENERATE:
+        params = body.get("sampling_params")
+        if not isinstance(params, dict):
+            return None
+        skip = params.get("skip_reading_prefix_cache")
+        if skip is not None:
+            return 0 if skip is True else None
+        asks = params.get("prompt_logprobs") is not None or params.get("prompt_logprob_token_ids") is not None
+        return 0 if asks else None
+    if body.get("prompt_logprobs") is not None:
+        return 0
+    if body.get("echo") is True:
+        echoed = body.get("logprobs") if kind is Kind.COMPLETION else body.get("top_logprobs", 0)
+        return 0 if echoed is not None and kind in (Kind.COMPLETION, Kind.CHAT) else None
+    return None
 
 
 def parse_request(body: Any, kind: Kind) -> ParsedRequest:

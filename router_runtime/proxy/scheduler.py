@@ -23,6 +23,7 @@ from ..kv.index import RadixIndex
 from ..scheduling.admission import OBJECTIVE_HEADER, Admission
 from ..scheduling.filters import PinnedTarget
 from ..scheduling.framework import Profile, Unschedulable
+from ..scheduling.reuse import reusable_tokens
 from ..scheduling.types import Decision, Kind, RouteRequest, Target
 from ..sessions.affinity import SessionAffinity, SessionCtx
 from ..sessions.bindings import Verdict
@@ -108,7 +109,8 @@ class Scheduled:
         doubtful = s.doubt_fn(decision.target.carrier) if s.doubt_fn is not None else False
         bs = index.block_size
         tiers = tuple(n * bs for n in decision.tier_blocks)
-        return Prediction(decision.matched_blocks * bs, doubtful, tiers, len(route.tokens), bs)
+        reusable = reusable_tokens(len(route.tokens), route.logprobs_from)
+        return Prediction(decision.matched_blocks * bs, doubtful, tiers, reusable, bs)
 
 
 class Scheduler:

@@ -6,10 +6,10 @@ blocks (docs/routing.md has the rationale and a worked example):
 
 A candidate the index does not know (new, cold, or another rank) gets nothing: never invent. A returning
 session's remembered target that is vouched for (``prefer_vouched``: the index saw it evict nothing since
-it served the conversation's previous turn) is credited the request's whole prefix (its full blocks, at
-device weight) when the index credits it less, because the index may not have seen that turn yet (events
-off or lagging); its evidence is then the session's alone if the index credited it nothing. Once it has
-evicted, the index is the better witness of what is left.
+it served the conversation's previous turn) is credited the request's whole reusable prefix (its full
+blocks, at device weight) when the index credits it less, because the index may not have seen that turn
+yet (events off or lagging); its evidence is then the session's alone if the index credited it nothing.
+Once it has evicted, the index is the better witness of what is left.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from e2e.cluster import in_private_netns
 from e2e.fleet import ROUTER_PORT, apply, get, metrics, pod_url
 from e2e.vllm import BLOCK_SIZE, MODEL, VllmEngine, engine_manifests, install, start_engines, wait_ready
 from router_runtime.tokens.tokenizer import Family, load_tokenizer
+from tests.support import free_port
 from tests.test_chat_vectors import VLLM as CHAT_VECTORS
 from tests.test_chat_vectors import router_ids
 
@@ -77,14 +78,6 @@ class Router:
     token: str = TOKEN  # the fleet token, which the prediction header must carry
 
 
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def routers(
     home: Path, engines: list[VllmEngine], tmp: Path, n: int = 1, *extra: str
@@ -94,7 +87,7 @@ def routers(
     tmp.mkdir(parents=True, exist_ok=True)
     token = tmp / "token"
     token.write_text(TOKEN)
-    ports = [(_port(), _port()) for _ in range(n)]
+    ports = [(free_port(), free_port()) for _ in range(n)]
     out: list[Router] = []
     try:
         for i, (port, internal) in enumerate(ports):
@@ -249,7 +242,7 @@ async def _chats(s, rs: list[Router], conversations: int, turns: int, seed: int)
 async def _completions(s, rs: list[Router], seed: int) -> list[Outcome]:
     """Completions by token IDs and by text, each sent twice: block-aligned prompts (the second time
     wholly cached, which vLLM reuses but for the last token's block), unaligned ones, and prompts asking
-    for prompt logprobs (which vLLM reads no cache for)."""
+    for prompt logprobs, directly or by echo (which vLLM reads no cache for)."""
     rng, out = random.Random(seed), []
     prompts: list[tuple[str, object, dict]] = [
         (f"ids x{n}", [rng.randrange(100, 100_000) for _ in range(n)], {})
@@ -261,6 +254,13 @@ async def _completions(s, rs: list[Router], seed: int) -> list[Outcome]:
             "prompt_logprobs",
             [rng.randrange(100, 100_000) for _ in range(2 * BLOCK_SIZE + 3)],
             {"prompt_logprobs": 1},
+        )
+    )
+    prompts.append(
+        (
+            "echo logprobs",
+            [rng.randrange(100, 100_000) for _ in range(BLOCK_SIZE + 2)],
+            {"echo": True, "logprobs": 1},
         )
     )
     for i, (what, prompt, extra) in enumerate(prompts):
@@ -338,7 +338,7 @@ def test_a_late_joiner_predicts_from_vllms_replay(home, engines, tmp_path):
     # The first send of each prompt, now through a router that served none of them: warm from the replay
     # (but the prompt asking for prompt logprobs, which vLLM serves cold whatever it holds).
     firsts = again[0::2]
-    assert all(o.predicted > 0 for o in firsts if o.what != "completion prompt_logprobs #0"), firsts
+    assert all(o.predicted > 0 for o in firsts if "logprobs" not in o.what), firsts
 
 
 def test_a_cache_reset_clears_the_routers_view(home, engines, tmp_path):
@@ -538,11 +538,12 @@ class Chats:
         while not self.stop.is_set():
             seed += 1
             phase = self.phase
-            try:
-                out = _run(_chats, self.routers(), 4, 3, seed)
+            try:  # small rounds: a round's requests are counted in the phase it began in
+                out = _run(_chats, self.routers(), 2, 3, seed)
                 self.outcomes += [(phase, o) for o in out]
-            except (TimeoutError, AssertionError, aiohttp.ClientError, OSError):
+            except Exception:  # a router going away mid-round, an API hiccup: counted, and on
                 self.failed += 1
+                time.sleep(0.5)
 
     def hit_rate(self, phase: str) -> float:
         """The engines' cached share of the prompt tokens of the requests of ``phase`` (from vLLM's usage);
