@@ -92,9 +92,10 @@ test: lint kube helm prometheus redis iptables vllm bench-check
 # tests), the operator from manifests/operator, a RouterFleet from manifests/samples/demo.yaml under a
 # chat workload: rollouts with and without peer bootstrap, a failed seed, an engine restart; all torn
 # down on exit. When no cluster can start it says why and runs the cluster-less demo
-# (python -m e2e.demo --local). CLUSTER=kind asks for kind instead.
-demo: setup
-	$(BIN)/python -m e2e.demo $(if $(CLUSTER),--provider $(CLUSTER))
+# (python -m e2e.demo --local). CLUSTER=kind asks for kind instead; ENGINES=vllm runs it over real vLLM
+# engines (make vllm installs them; on the cluster only).
+demo: setup $(if $(filter vllm,$(ENGINES)),vllm)
+	$(BIN)/python -m e2e.demo $(if $(CLUSTER),--provider $(CLUSTER)) $(if $(ENGINES),--engines $(ENGINES))
 
 # The anchors (Dynamo's runtime, vllm-router, sglang-router: the `bench` extra) live in a venv of their
 # own beside the project and its own dependencies, so a bench imports what the router does. `make test`

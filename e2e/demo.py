@@ -6,8 +6,11 @@ process node agent, and then, with the manifests a user applies, printing each k
 
 1. installs the operator: the CRDs, then `kubectl apply -k manifests/operator` (two replicas, kopf
    peering);
-2. deploys manifests/base's fake engines (2 engines x 2 DP ranks, a disk tier each);
-3. applies manifests/samples/demo.yaml (a 3-replica RouterFleet), waits with `kubectl wait
+2. deploys manifests/base's fake engines (2 engines x 2 DP ranks, a disk tier each), or with
+   ``--engines vllm`` (`make demo ENGINES=vllm`) two real vLLM engines as pods: its CPU build serving
+   e2e/vllm's tiny model (installed by `make vllm`; a cold start compiles it: a minute or two);
+3. applies manifests/samples/demo.yaml (a 3-replica RouterFleet; for vLLM with the router and engines
+   sections of manifests/samples/engines/vllm.yaml, block size 32), waits with `kubectl wait
    --for=condition=Ready`, prints `kubectl get rf` and each replica's verdict from the status;
 4. runs multi-turn chats round-robin over the Ready router pods (as the fleet's Service would) and
    prints the hit rate (usage.prompt_tokens_details.cached_tokens) and TTFT;
@@ -18,7 +21,8 @@ process node agent, and then, with the manifests a user applies, printing each k
 6. the same rollout with peer bootstrap disabled, side by side with the first;
 7. kills one engine's container (SIGKILL, as an OOM kill would): it restarts in its pod with its disk
    tier (an emptyDir) intact, and the demo prints how soon after its return the routers re-adopt that
-   tier and send the prefixes kept there back to it (local provider only: it signals the process);
+   tier and send the prefixes kept there back to it (local provider and fake engines only: it signals
+   the process, and vLLM's CPU build here has no disk tier);
 8. stops the cluster, which removes everything (also on Ctrl-C or a failure).
 
 When no cluster can start (not root, no Go to build it, ...) it says why and runs the local demo.
@@ -31,6 +35,7 @@ Exits non-zero if the two views disagree once the workload has settled.
     python -m e2e.demo               # cluster, else local
     python -m e2e.demo --cluster     # cluster or fail
     python -m e2e.demo --local
+    python -m e2e.demo --engines vllm    # real vLLM engines (the cluster only)
     python -m e2e.cluster run --node-agent node-1 -- python -m e2e.demo --cluster   # (see below)
 
 The last form runs the demo on a cluster that `e2e.cluster run` started (its netns; as non-root it
@@ -51,6 +56,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -302,6 +308,7 @@ SAMPLE = F.ROOT / "manifests" / "samples" / "demo.yaml"  # the RouterFleet the d
 FLEET = "demo"
 OPERATOR_NS = "routerfleet-system"  # manifests/operator's namespace
 OPERATOR_LABELS = "app.kubernetes.io/name=routerfleet-operator"
+VLLM_PODS = "app.kubernetes.io/name=vllm"  # e2e/vllm's engine_manifests
 # Engines keep this many batches per rank for replay: a long-running engine's buffer no longer reaches
 # sequence 0, so a new replica cannot rebuild from the engines (from_origin) and inherits a sibling's
 # index instead, the path this demo shows. (The manifests keep the engine's default, 10000.)
@@ -362,9 +369,20 @@ async def wait_until(what: str, fn, timeout: float, interval: float = 0.2):
 class Demo:
     """The demo's cluster: its clients, the namespace it works in, and the traffic it drives."""
 
-    def __init__(self, kube: T.Kube, provider, ns: str) -> None:
-        self.kube, self.provider, self.ns = kube, provider, ns
+    def __init__(self, kube: T.Kube, provider, ns: str, engines: str = "fake") -> None:
+        self.kube, self.provider, self.ns, self.engines = kube, provider, ns, engines
         self.core = kube.core
+
+    @property
+    def vllm(self) -> bool:
+        return self.engines == "vllm"
+
+    @property
+    def block(self) -> int:
+        """The engines' block size, and the fleet's."""
+        from e2e import vllm
+
+        return vllm.BLOCK_SIZE if self.vllm else BLOCK
 
     def kubectl(self, *args: str, output: bool = False) -> str:
         """Run kubectl, shown as typed (``output``: its output too)."""
@@ -440,10 +458,11 @@ async def rollout(demo: Demo, traffic: T.Traffic, patch: dict, what: str) -> dic
     traffic.trigger = time.monotonic()
     demo.patch(json.dumps(patch))
     say(f"rolling out ({what}); traffic keeps flowing, round-robin over the Ready routers")
-    deadline = time.monotonic() + 120
+    limit = 300 if demo.vllm else 120  # a new router rebuilding from vLLM's replay asks it for every batch
+    deadline = time.monotonic() + limit
     while traffic.done is None:
         if time.monotonic() > deadline:
-            raise DemoError(f"the rollout ({what}) did not complete in 120 s")
+            raise DemoError(f"the rollout ({what}) did not complete in {limit} s")
         await asyncio.sleep(2)
         print(f"{'':11}{traffic_line(traffic, traffic.trigger)}", flush=True)
     took = traffic.done - traffic.trigger
@@ -500,6 +519,14 @@ async def install_operator(demo: Demo) -> None:
 
 
 async def deploy_engines(demo: Demo) -> list:
+    await asyncio.to_thread(demo.core.create_namespace, {"metadata": {"name": demo.ns}})
+    await wait_until(
+        f"default ServiceAccount in {demo.ns}",
+        lambda: demo.core.read_namespaced_service_account("default", demo.ns),
+        30,
+    )
+    if demo.vllm:
+        return await deploy_vllm(demo)
     docs = F.load_manifests()
     engine = F.find(docs, "Deployment", F.ENGINE)
     pod = engine["spec"]["template"]["spec"]
@@ -508,12 +535,6 @@ async def deploy_engines(demo: Demo) -> list:
     c["args"].append("--disk-capacity-blocks=4096")
     c.setdefault("volumeMounts", []).append({"name": "kv-storage", "mountPath": STORAGE_DIR})
     pod.setdefault("volumes", []).append({"name": "kv-storage", "emptyDir": {}})
-    await asyncio.to_thread(demo.core.create_namespace, {"metadata": {"name": demo.ns}})
-    await wait_until(
-        f"default ServiceAccount in {demo.ns}",
-        lambda: demo.core.read_namespaced_service_account("default", demo.ns),
-        30,
-    )
     await asyncio.to_thread(F.apply, demo.kube.api, demo.ns, [engine, F.find(docs, "Service", F.ENGINE)])
     say(f"2. engines: manifests/base's fake engines in {demo.ns} (2 engines x 2 DP ranks, a disk tier each)")
     engines = await demo.ready_pods(demo.ns, F.ENGINE_LABELS, 2)
@@ -522,13 +543,52 @@ async def deploy_engines(demo: Demo) -> list:
     return engines
 
 
+async def deploy_vllm(demo: Demo) -> list:
+    from e2e import vllm
+
+    say(f"2. engines: 2 real vLLM engines in {demo.ns} (its CPU build, e2e/vllm's tiny Qwen3 model, block")
+    say(f"   size {vllm.BLOCK_SIZE}); vLLM compiles the model as it starts: a minute or two on 2 cores ...")
+    await asyncio.to_thread(F.apply, demo.kube.api, demo.ns, vllm.engine_manifests(vllm.install()))
+    t = time.monotonic()
+    engines = await demo.ready_pods(demo.ns, VLLM_PODS, 2, timeout=vllm.START_TIMEOUT_S)
+    for p in engines:
+        say(f"  engine {p.metadata.name} at {p.status.pod_ip} (Ready after {time.monotonic() - t:.0f}s)")
+    return engines
+
+
+def apply_fleet(demo: Demo) -> None:
+    """manifests/samples/demo.yaml, applied as a user would; for vLLM with the router and engines sections
+    manifests/samples/engines/vllm.yaml has (engine tokens, vLLM chats, its block size), shown first."""
+    if not demo.vllm:
+        say("3. a RouterFleet: manifests/samples/demo.yaml (3 routers, peer bootstrap on)")
+        shell(f"kubectl -n {demo.ns} apply -f manifests/samples/demo.yaml")
+        demo.kube.run_kubectl("-n", demo.ns, "apply", "-f", str(SAMPLE))
+        return
+    import yaml
+
+    from e2e import vllm
+
+    fleet = yaml.safe_load(SAMPLE.read_text())
+    fleet["spec"].update(vllm.fleet_spec(fleet["spec"]["router"]["image"]))
+    text = yaml.safe_dump(fleet, sort_keys=False)
+    say("3. a RouterFleet: manifests/samples/demo.yaml with vLLM's router and engines sections")
+    say("   (3 routers, peer bootstrap on):")
+    indent(text)
+    shell(f"kubectl -n {demo.ns} apply -f demo-vllm.yaml")
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(text)
+        f.flush()
+        demo.kube.run_kubectl("-n", demo.ns, "apply", "-f", f.name)
+
+
 async def failed_seed(demo: Demo, traffic: T.Traffic) -> bool:
     """A block-size change the engines do not share: the new replica's seed fails, the rollout pauses
     saying why, the old replicas keep serving; the revert is Ready again at once."""
-    say("5. a failed seed: the routers' block size changed to 32 (the engines use 16)")
+    block = demo.block
+    say(f"5. a failed seed: the routers' block size changed to {2 * block} (the engines use {block})")
     obj = await asyncio.to_thread(demo.fleet)
     rev = obj["status"]["currentRevision"]
-    demo.patch('{"spec":{"router":{"blockSize":32}}}')
+    demo.patch(json.dumps({"spec": {"router": {"blockSize": 2 * demo.block}}}))
     t = time.monotonic()
 
     def paused():
@@ -553,7 +613,7 @@ async def failed_seed(demo: Demo, traffic: T.Traffic) -> bool:
     serving = {p for p, _ip, r in traffic.ready if r == rev}
     say(f"  {len(serving)} routers of the old revision still Ready and routing; reverting the spec ...")
     t = time.monotonic()
-    demo.patch('{"spec":{"router":{"blockSize":16}}}')
+    demo.patch(json.dumps({"spec": {"router": {"blockSize": demo.block}}}))
 
     def reverted():
         o = demo.fleet()
@@ -573,9 +633,7 @@ async def cluster_demo(demo: Demo) -> int:
 
     await install_operator(demo)
     engines = await deploy_engines(demo)
-    say("3. a RouterFleet: manifests/samples/demo.yaml (3 routers, peer bootstrap on)")
-    shell(f"kubectl -n {demo.ns} apply -f manifests/samples/demo.yaml")
-    demo.kube.run_kubectl("-n", demo.ns, "apply", "-f", str(SAMPLE))
+    apply_fleet(demo)
     demo.kubectl("-n", demo.ns, "wait", "--for=condition=Ready", f"rf/{FLEET}", "--timeout=150s")
     demo.kubectl("-n", demo.ns, "get", "rf", output=True)
     members_table(await asyncio.to_thread(demo.fleet))
@@ -601,26 +659,37 @@ async def cluster_demo(demo: Demo) -> int:
             p90 = 1000 * F.percentile([r.ttft for r in steady], 90)
             say(f"  {n} requests: hit rate {h:.1%}, TTFT p50 {p50:.1f} ms, p90 {p90:.1f} ms")
             # A flag that changes nothing the demo measures (a routing tunable would): only the rollout.
-            warm = {"router": {"extraArgs": ["--first-byte-timeout-ms=120000"]}}
+            # (A merge patch replaces a list: the fleet's own arguments go in again.)
+            args = (await asyncio.to_thread(demo.fleet))["spec"]["router"].get("extraArgs", [])
+            warm = {"router": {"extraArgs": [*args, "--first-byte-timeout-ms=120000"]}}
             on = await rollout(demo, traffic, {"spec": warm}, "bootstrap on")
             ok &= await failed_seed(demo, traffic)
             say("6. the same rollout with peer bootstrap disabled (the new routers start cold)")
             cold = {
                 "bootstrap": {"enabled": False},
-                "router": {"extraArgs": ["--first-byte-timeout-ms=150000"]},
+                "router": {"extraArgs": [*args, "--first-byte-timeout-ms=150000"]},
             }
             off = await rollout(demo, traffic, {"spec": cold}, "bootstrap off")
             rollout_table([on, off])
+            seeded = (
+                "rebuilt its index\nexactly from the engines' own replay (from_origin)"
+                if on["verdicts"] == ["from_origin"]
+                else "grafted\na warm sibling's index beneath its live stream"
+            )
             indent(
                 "bootstrap off: a new router indexes only what the engines store after it joins; a block"
                 "\nchained under a prefix it never saw is skipped (see its index blocks), so the shared"
-                "\nprefixes look uncached to it and it scatters them. bootstrap on: each new router grafted"
-                "\na warm sibling's index beneath its live stream before it went Ready.\n"
+                f"\nprefixes look uncached to it and it scatters them. bootstrap on: each new router {seeded}"
+                " before it went Ready.\n"
             )
             ok &= on["after"][0] > off["after"][0]
         finally:
             traffic.stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
+        if demo.vllm:
+            say("7. (an engine's disk tier re-adopted after a kill: fake engines only; the vLLM CPU build")
+            say("   here has none. tests/e2e/test_vllm.py kills and restarts a vLLM engine: no false hit)")
+            return 0 if ok else 1
         say("7. an engine's container killed (SIGKILL, as an OOM kill would), its disk tier intact")
         routers = [f"http://{ip}:{F.ROUTER_PORT}" for _p, ip, _r in traffic.ready]
         ok &= await engine_restart(demo, session, routers, engines[0])
@@ -744,13 +813,13 @@ def start_cluster(provider_name: str):
     return provider, kubeconfig
 
 
-def run_cluster(provider_name: str, keep_ns: bool) -> int:
+def run_cluster(provider_name: str, keep_ns: bool, engines: str) -> int:
     provider, kubeconfig = start_cluster(provider_name)
     ns = f"routerfleet-demo-{uuid.uuid4().hex[:5]}"
     demo = None
     try:
         say(f"cluster up ({provider.describe()})")
-        demo = Demo(T.Kube(kubeconfig), provider, ns)
+        demo = Demo(T.Kube(kubeconfig), provider, ns, engines)
         asyncio.run(node_ready(demo))
         return asyncio.run(cluster_demo(demo))
     except (DemoError, RuntimeError) as e:  # RuntimeError: a kubectl that failed
@@ -787,22 +856,34 @@ def main() -> None:
         choices=("local", "kind"),
         help="cluster provider (make demo CLUSTER=...; default local)",
     )
+    ap.add_argument(
+        "--engines",
+        default="fake",
+        choices=("fake", "vllm"),
+        help="the cluster's engines: fake, or real vLLM (make demo ENGINES=vllm; the cluster only)",
+    )
     ap.add_argument("--keep-namespace", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seconds", type=float, default=15.0, help="local mode: workload duration (default 15)")
     ap.add_argument("--no-clear", action="store_true", help="local mode: append frames, do not redraw")
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, _sigterm)
     clear = not a.no_clear and sys.stdout.isatty()
+    if a.local and a.engines == "vllm":
+        ap.error("argument --engines: vllm runs on the cluster only (the local demo drives fake engines)")
     if a.local:
         sys.exit(asyncio.run(local_main_async(a.seconds, clear)))
+    if a.engines == "vllm":
+        from e2e import vllm
+
+        vllm.install()  # before the cluster's private network namespace: a first install downloads
     try:
-        sys.exit(run_cluster(a.provider, a.keep_namespace))
+        sys.exit(run_cluster(a.provider, a.keep_namespace, a.engines))
     except KeyboardInterrupt:
         print("\n[demo] interrupted; cleaned up", flush=True)
         sys.exit(130)
     except NoCluster as e:
         print(f"\n[demo] no cluster: {e}", flush=True)
-        if a.cluster:
+        if a.cluster or a.engines == "vllm":
             sys.exit(2)
         print("[demo] running the local demo instead (python -m e2e.demo --local)\n", flush=True)
         sys.exit(asyncio.run(local_main_async(a.seconds, clear)))

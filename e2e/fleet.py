@@ -244,6 +244,9 @@ class StreamedChat:
     usage: dict = field(default_factory=dict)
     done: bool = False  # it ended with [DONE] (else it was cut)
     first_content: float | None = None  # time.monotonic() of the first content chunk
+    # An OpenAI-style error event in the stream: the engine failed after its 200 (vLLM does when its
+    # engine core stops under a request), then [DONE].
+    error: dict | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -265,6 +268,8 @@ async def read_chat_stream(r: aiohttp.ClientResponse) -> StreamedChat:
             out.done = True
             break
         chunk = json.loads(data)
+        if isinstance(chunk.get("error"), dict):
+            out.error = chunk["error"]
         for choice in chunk.get("choices") or []:
             if piece := (choice.get("delta") or {}).get("content"):
                 if out.first_content is None:
@@ -285,6 +290,8 @@ async def chat_turn(
         if r.status != 200:
             raise AssertionError(f"chat via {router}: {r.status} {(await r.text())[:300]}")
         chat = await read_chat_stream(r)
+    if chat.error is not None:
+        raise AssertionError(f"chat via {router}: an error in the stream: {chat.error}")
     first = chat.first_content if chat.first_content is not None else time.monotonic()
     return first - t0, chat.text, chat.prompt_tokens, chat.cached_tokens
 

@@ -1,10 +1,12 @@
 """`python -m e2e.soak`: a seeded chaos soak of an operator-managed fleet on the local cluster.
 
 The operator (manifests/operator) runs a 3-replica RouterFleet over 4 fake engines (2 DP ranks each,
-two speaking vLLM's wire dialect and two SGLang's, a disk tier each). Multi-turn chats flow the whole
-time, round-robin over the Ready router pods as the fleet's Service would send them, every request
-asking for the router's prediction (``X-RouterFleet-Debug-Prediction``) and for usage. Meanwhile a
-seeded schedule injects faults, one at a time, each followed by a wait for the fleet to converge:
+two speaking vLLM's wire dialect and two SGLang's, a disk tier each), or with ``--engines vllm`` over 2
+real vLLM engines (its CPU build serving e2e/vllm's tiny model, one rank each, as pods). Multi-turn
+chats flow the whole time, round-robin over the Ready router pods as the fleet's Service would send
+them, every request asking for the router's prediction (``X-RouterFleet-Debug-Prediction``) and for
+usage. Meanwhile a seeded schedule injects faults, one at a time, each followed by a wait for the fleet
+to converge:
 
     engine_pod_deleted   an engine pod deleted (its Deployment makes a new one, new IP, cold cache)
     engine_killed        an engine's process SIGKILLed; it restarts in its pod, disk tier intact
@@ -12,17 +14,19 @@ seeded schedule injects faults, one at a time, each followed by a wait for the f
     rollout              a spec change (extraArgs) rolled out mid-traffic
     operator_killed      a rollout started, then every operator pod deleted at once
     kv_stream_dropped    an engine's KV event traffic dropped (iptables, in the engine pod's netns), then
-                         restored: a stall, then gaps the routers fill by replay
+                         restored: a stall, then gaps the routers fill by replay (on vLLM, whose
+                         held batches TCP delivers late: the routers must see the stall, then its end)
     replay_unanswered    the same, with the engine's replay socket dropped too: the gap cannot be
                          filled, so the rank must go cold, visibly
     apiserver_restart    the API server stopped and started again
     readiness_flap       an engine's /health fails long enough for its EndpointSlice to say not ready
+                         (fake engines only, as is replay_unanswered: each needs an engine-side switch)
     peer_killed_seeding  a router pod deleted, and a sibling's process SIGKILLed as the replacement
                          boots and seeds (at this tree size a transfer takes milliseconds, so the kill
                          lands before, during or after it: the verdict is printed)
 
-Converged means: the RouterFleet Ready for its generation on one revision, 3 router pods and 4 engine
-pods Ready, and every router's index holding each engine rank as live (`/debug/index`). A fault that
+Converged means: the RouterFleet Ready for its generation on one revision, 3 router pods and every
+engine pod Ready, and every router's index holding each engine rank as live (`/debug/index`). A fault that
 does not converge within ``--converge-timeout`` is a deadlock: the soak records it and stops. The
 timeline gives each fault's own time (a drop held, the API server stopped and started), then how long
 the fleet took to converge after it, and what it waited for meanwhile.
@@ -46,6 +50,7 @@ At the end it prints a timeline and the figures, and exits non-zero unless:
     python -m e2e.soak                          # 20 minutes, seed 1
     python -m e2e.soak --minutes 3 --seed 7     # a short one
     python -m e2e.soak --faults rollout,engine_killed --minutes 5
+    python -m e2e.soak --engines vllm --minutes 10      # real vLLM (installs it first: make vllm)
 
 It needs root (the cluster lives in a private network namespace) and the local provider (it signals
 processes and sets iptables rules in an engine pod's namespace). The short soak of ``make test`` is
@@ -89,11 +94,9 @@ FLEET = "soak"
 ROUTER_PODS = f"routerfleet.io/fleet={FLEET}"  # the fleet's router pods, every revision
 OPERATOR_NS = "routerfleet-system"  # manifests/operator's namespace
 OPERATOR_LABELS = "app.kubernetes.io/name=routerfleet-operator"
-DIALECTS = ("vllm-0.33", "sglang")  # one Deployment of two engines each, behind one Service
-ENGINES = 4
+DIALECTS = ("vllm-0.33", "sglang")  # fake engines: one Deployment of two engines each, behind one Service
 ROUTERS = 3
 DEBUG_ARG = "--debug-prediction"  # the routers answer the prediction header to the fleet token
-DP = 2
 STORAGE_DIR = "/var/lib/routerfleet-kv"
 KV_PORT, REPLAY_PORT = 5557, 5657
 FAULTS = (
@@ -109,6 +112,29 @@ FAULTS = (
     "peer_killed_seeding",
 )
 ENGINE_FAULTS = {"engine_pod_deleted", "engine_killed"}
+
+
+@dataclass(frozen=True)
+class Engines:
+    """What the fleet runs over."""
+
+    kind: str  # --engines
+    count: int  # engine pods
+    dp: int  # ranks per engine
+    selector: str  # their pods' labels
+    converge_s: float  # a fault's default convergence bound (a vLLM pod takes minutes to start)
+    not_here: dict[str, str]  # fault classes that do not apply, and why
+
+
+FAKE = Engines("fake", 4, 2, F.ENGINE_LABELS, 150.0, {})
+VLLM = Engines(
+    "vllm", 2, 1, "app.kubernetes.io/name=vllm", 480.0,
+    {
+        "replay_unanswered": "a certain gap needs a sequence number skipped, which only the fake engine does",
+        "readiness_flap": "vLLM has no switch that fails its /health alone",
+    },
+)  # fmt: skip
+ENGINE_KINDS = {e.kind: e for e in (FAKE, VLLM)}
 WORKERS = 4
 AFTER_S = 10.0  # a fault's window extends this long past its convergence ("after" figures)
 # A silent stream is known to the router (its predictions doubtful) once the engine has owed it a batch
@@ -120,6 +146,7 @@ EVIDENCE = (
     "routerfleet_kv_replays",
     "routerfleet_kv_ranks_cleared",
 )
+STALLED = "routerfleet_kv_stalled_ranks"  # engine ranks owing a batch past the stall threshold
 
 
 def say(msg: str) -> None:
@@ -144,14 +171,15 @@ class Outcome:
     cached: int = 0
     predicted: int | None = None
     doubtful: bool = False
+    audited: bool = False  # the engine's usage came back: its cached tokens can be held to the prediction
 
     @property
     def false_hit(self) -> int:
-        return max(0, (self.predicted or 0) - self.cached) if self.kind == "ok" else 0
+        return max(0, (self.predicted or 0) - self.cached) if self.kind == "ok" and self.audited else 0
 
     @property
     def missed_hit(self) -> int:
-        return max(0, self.cached - (self.predicted or 0)) if self.kind == "ok" else 0
+        return max(0, self.cached - (self.predicted or 0)) if self.kind == "ok" and self.audited else 0
 
 
 @dataclass
@@ -201,8 +229,10 @@ class Run:
 
 
 class Soak:
-    def __init__(self, kube: T.Kube, cluster, ns: str, seed: int, converge_timeout: float) -> None:
-        self.kube, self.cluster, self.ns = kube, cluster, ns
+    def __init__(
+        self, kube: T.Kube, cluster, ns: str, seed: int, converge_timeout: float, engines: Engines = FAKE
+    ) -> None:
+        self.kube, self.cluster, self.ns, self.engines = kube, cluster, ns, engines
         self.core = kube.core
         self.rng = random.Random(seed)
         self.converge_timeout = converge_timeout
@@ -215,6 +245,7 @@ class Soak:
             self.convs.put_nowait(self.texts.conv())
         self.stop = asyncio.Event()
         self.token = ""
+        self.router_args: list[str] = []  # the fleet's extraArgs; a rollout adds one that changes nothing
         self.rollouts = 0
         self.seeding: list[str] = []  # replicas booted under peer_killed_seeding (their verdicts reported)
 
@@ -245,6 +276,37 @@ class Soak:
             lambda: self.core.read_namespaced_service_account("default", self.ns),
             30,
         )
+        spec = self.deploy_vllm() if self.engines is VLLM else self.deploy_fake()
+        self.router_args = [*spec["router"].get("extraArgs", []), DEBUG_ARG]
+        # The soak checks every prediction: its requests present the fleet token for it.
+        spec["router"]["extraArgs"] = self.router_args
+        fleet = {
+            "apiVersion": f"{T.GROUP}/{T.VERSION}",
+            "kind": "RouterFleet",
+            "metadata": {"name": FLEET},
+            "spec": {"replicas": ROUTERS, **spec, "bootstrap": {"timeout": "30s"}},
+        }
+        self.kube.crd.create_namespaced_custom_object(T.GROUP, T.VERSION, self.ns, T.PLURAL, fleet)
+        self.kube.run_kubectl("-n", self.ns, "wait", "--for=condition=Ready", f"rf/{FLEET}", "--timeout=180s")
+        sec = self.core.read_namespaced_secret(f"{FLEET}-internal-token", self.ns)
+        self.token = base64.b64decode(sec.data["token"]).decode()
+
+    def deploy_vllm(self) -> dict:
+        """e2e/vllm's engines as pods, Ready (a cold start compiles the model: minutes); the fleet's
+        router and engines sections."""
+        from e2e import vllm
+
+        F.apply(self.kube.api, self.ns, vllm.engine_manifests(vllm.install(), self.engines.count))
+        self.kube.wait(
+            f"{self.engines.count} vLLM pods Ready",
+            lambda: self._ready_count(self.ns, self.engines.selector) == self.engines.count,
+            vllm.START_TIMEOUT_S,
+        )
+        return vllm.fleet_spec("routerfleet:dev")
+
+    def deploy_fake(self) -> dict:
+        """manifests/base's fake engine, two Deployments (one per dialect) behind its Service; the
+        fleet's router and engines sections."""
         docs = F.load_manifests()
         base = F.find(docs, "Deployment", F.ENGINE)
         objs = []
@@ -258,7 +320,7 @@ class Soak:
                 **labels,
                 "app.kubernetes.io/part-of": "routerfleet",
             }
-            d["spec"]["replicas"] = ENGINES // len(DIALECTS)
+            d["spec"]["replicas"] = self.engines.count // len(DIALECTS)
             pod = d["spec"]["template"]["spec"]
             c = pod["containers"][0]
             c["args"] = [a for a in c["args"] if not a.startswith("--dialect=")]
@@ -271,22 +333,12 @@ class Soak:
             objs.append(d)
         objs.append(F.find(docs, "Service", F.ENGINE))
         F.apply(self.kube.api, self.ns, objs)
-        fleet = {
-            "apiVersion": f"{T.GROUP}/{T.VERSION}",
-            "kind": "RouterFleet",
-            "metadata": {"name": FLEET},
-            "spec": {
-                "replicas": ROUTERS,
-                # The soak checks every prediction: its requests present the fleet token for it.
-                "router": {"image": "routerfleet:dev", "extraArgs": [DEBUG_ARG]},
-                "engines": {"serviceName": F.ENGINE, "kvPort": "kv", "replayPort": "replay", "dpSize": DP},
-                "bootstrap": {"timeout": "30s"},
+        return {
+            "router": {"image": "routerfleet:dev"},
+            "engines": {
+                "serviceName": F.ENGINE, "kvPort": "kv", "replayPort": "replay", "dpSize": self.engines.dp,
             },
-        }
-        self.kube.crd.create_namespaced_custom_object(T.GROUP, T.VERSION, self.ns, T.PLURAL, fleet)
-        self.kube.run_kubectl("-n", self.ns, "wait", "--for=condition=Ready", f"rf/{FLEET}", "--timeout=180s")
-        sec = self.core.read_namespaced_secret(f"{FLEET}-internal-token", self.ns)
-        self.token = base64.b64decode(sec.data["token"]).decode()
+        }  # fmt: skip
 
     def _ready_count(self, ns: str, selector: str) -> int:
         return sum(
@@ -294,7 +346,7 @@ class Soak:
         )
 
     def engine_pods(self) -> list:
-        return live(self.kube.pods(self.ns, F.ENGINE_LABELS))
+        return live(self.kube.pods(self.ns, self.engines.selector))
 
     def router_pods(self) -> list:
         """The fleet's router pods that are not terminating. A rollout's old pods drain for seconds
@@ -368,8 +420,12 @@ class Soak:
                         out.kind, out.cause = "cut", f"{r.status} not an OpenAI error: {raw[:80]!r}"
                     return out, ""
                 chat = await F.read_chat_stream(r)
-                if chat.done:
+                if chat.error is not None:  # after its 200: an OpenAI-style error all the same
+                    err = chat.error
+                    out.kind, out.cause = "error", f"in the stream: {err.get('code') or err.get('type')}"
+                elif chat.done:
                     out.kind, out.prompt, out.cached = "ok", chat.prompt_tokens, chat.cached_tokens
+                    out.audited = bool(chat.usage)
                 else:
                     out.cause = "stream ended before [DONE]"
                 text = chat.text
@@ -414,9 +470,10 @@ class Soak:
             return "the RouterFleet Ready on one revision"
         if len(routers) != ROUTERS or not all(T.pod_ready(p) for p in routers):
             return f"{ROUTERS} router pods Ready"
-        if len(engines) != ENGINES or not all(T.pod_ready(p) for p in engines):
-            return f"{ENGINES} engine pods Ready"
-        want = {(F.engine_id(p), r) for p in engines for r in range(DP)}
+        n = self.engines.count
+        if len(engines) != n or not all(T.pod_ready(p) for p in engines):
+            return f"{n} engine pods Ready"
+        want = {(F.engine_id(p), r) for p in engines for r in range(self.engines.dp)}
         for p in routers:
             try:
                 _, index = await F.get(session, f"http://{p.status.pod_ip}:{F.ROUTER_PORT}/debug/index")
@@ -464,11 +521,20 @@ class Soak:
         if kind == "engine_pod_deleted":
             await asyncio.to_thread(self.core.delete_namespaced_pod, victim.metadata.name, self.ns)
         elif kind == "engine_killed":
-            pid = container_pid(victim)
+            pid, restarts = container_pid(victim), restart_count(victim)
             if pid is None:
                 fault.note = "no process"
             else:
                 os.kill(pid, signal.SIGKILL)
+                # Its own time runs until the container is back (then the fleet converges on it): else
+                # the fleet would look converged before anyone noticed the kill.
+                name = victim.metadata.name
+
+                def restarted():
+                    return restart_count(self.core.read_namespaced_pod(name, self.ns)) > restarts
+
+                await asyncio.to_thread(self.kube.wait, f"{name} restarted", restarted, 60, 0.1)
+                fault.note = f"its container restarted {time.monotonic() - fault.t0:.1f}s after the kill"
         elif kind == "router_pod_deleted":
             pod = self.rng.choice(await asyncio.to_thread(self.router_pods))
             fault.target = pod.metadata.name
@@ -488,35 +554,40 @@ class Soak:
             ip, pid = victim.status.pod_ip, container_pid(victim)
             if pid is None:
                 raise RuntimeError(f"{victim.metadata.name} has no process to cut off")
-            pub = [KV_PORT + r for r in range(DP)]
-            replay = [REPLAY_PORT + r for r in range(DP)] if kind == "replay_unanswered" else []
+            pub = [KV_PORT + r for r in range(self.engines.dp)]
+            replay = [REPLAY_PORT + r for r in range(self.engines.dp)] if kind == "replay_unanswered" else []
             hold = self.rng.uniform(4.0, 10.0)
             engine = f"http://{ip}:{F.ENGINE_PORT}"
             # Every router must be following rank 0 (a cursor) first: a router that has heard nothing
             # from a rank yet cannot tell a lost first batch from one sent before it subscribed.
-            tokens = [self.rng.randrange(1000, 30000) for _ in range(2 * F.BLOCK)]
-            await self.admin(session, engine, "store", {"rank": 0, "token_ids": tokens})
+            await self.store(session, engine)
             await self.wait_following(session, victim)
             base = await self.counters(session)
+            stalled = 0
             with blocked(pid, replay):
                 with blocked(pid, pub):
                     fault.silent = (F.engine_id(victim), time.monotonic())
-                    # Requests go on meanwhile: the engine stores blocks nobody hears of yet. A seq
-                    # that only replay carries makes the gap certain (TCP alone would catch up).
-                    await asyncio.sleep(hold)
-                    await self.admin(session, engine, "skip_seq", {"rank": 0, "n": 1})
-                # The next batch shows the gap, once TCP's backed-off retransmission gets it through:
-                # replay fills it, or (its socket silent) the rank goes cold at the replay deadline.
-                tokens = [self.rng.randrange(1000, 30000) for _ in range(2 * F.BLOCK)]
-                await self.admin(session, engine, "store", {"rank": 0, "token_ids": tokens})
-                outcome = 'replays_total{outcome="timeout"}' if kind == "replay_unanswered" else "gaps"
-                seen = await self.wait_counter(session, outcome, base[outcome] + len(self.ready), 60)
-            fault.note = f"{ip}'s PUB dropped for {hold:.1f}s" + (", its replay too" if replay else "")
-            if seen is None:
-                fault.problem = f"the routers did not count the gap ({outcome}) within 60s: "
-                fault.problem += await self.stream_state(session, victim)
-            else:
-                fault.note += f"; the routers counted the gap ({outcome}) {seen:.1f}s after the PUB came back"
+                    # Requests go on meanwhile: the engine stores blocks nobody hears of yet.
+                    if self.engines is VLLM:
+                        stalled = await self.max_stalled(session, hold)
+                    else:  # a seq only replay carries makes the gap certain (TCP alone would catch up)
+                        await asyncio.sleep(hold)
+                        await self.admin(session, engine, "skip_seq", {"rank": 0, "n": 1})
+                fault.note = f"{ip}'s PUB dropped for {hold:.1f}s" + (", its replay too" if replay else "")
+                if self.engines is VLLM:
+                    await self.check_stall(session, fault, stalled)
+                else:
+                    # The next batch shows the gap, once TCP's backed-off retransmission gets it
+                    # through: replay fills it, or (its socket silent) the rank goes cold at the
+                    # replay deadline.
+                    await self.store(session, engine)
+                    outcome = 'replays_total{outcome="timeout"}' if kind == "replay_unanswered" else "gaps"
+                    seen = await self.wait_counter(session, outcome, base[outcome] + len(self.ready), 60)
+                    if seen is None:
+                        fault.problem = f"the routers did not count the gap ({outcome}) within 60s: "
+                        fault.problem += await self.stream_state(session, victim)
+                    else:
+                        fault.note += f"; the routers counted the gap ({outcome}) {seen:.1f}s after"
         elif kind == "peer_killed_seeding":
             every = await asyncio.to_thread(self.kube.pods, self.ns, ROUTER_PODS)
             routers = live(every)
@@ -611,13 +682,59 @@ class Soak:
                 out.append(pod + " " + ",".join(f"r{x['rank']}:{x['cursor']}/{x['connected']}" for x in subs))
         return "; ".join(out)
 
+    async def store(self, session, engine: str) -> None:
+        """``engine`` stores new blocks on rank 0 (its stream publishes them): a fake engine is told to,
+        vLLM computes a fresh prompt."""
+        tokens = [self.rng.randrange(1000, 30000) for _ in range(2 * F.BLOCK + 1)]
+        if self.engines is not VLLM:
+            return await self.admin(session, engine, "store", {"rank": 0, "token_ids": tokens})
+        async with session.post(f"{engine}/v1/completions", json={"prompt": tokens, "max_tokens": 1}) as r:
+            r.raise_for_status()
+
+    async def stalled_ranks(self, session) -> int:
+        """``routerfleet_kv_stalled_ranks`` summed over the Ready routers."""
+        total = 0
+        for _pod, ip in list(self.ready):
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                total += int((await F.metrics(session, f"http://{ip}:{F.ROUTER_PORT}")).get(STALLED, 0))
+        return total
+
+    async def max_stalled(self, session, seconds: float) -> int:
+        """The most stalled ranks the routers counted at once, sampled for ``seconds``."""
+        top, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            top = max(top, await self.stalled_ranks(session))
+            await asyncio.sleep(0.25)
+        return top
+
+    async def check_stall(self, session, fault: Fault, stalled: int) -> None:
+        """A vLLM stream dropped: it has no gap to show (TCP delivers the held batches late), so the
+        routers must have seen it stall while it owed them batches for requests they routed there, and
+        must see it catch up once it flows again."""
+        eid, since = fault.silent
+        owed = [
+            o for o in self.run.outcomes
+            if o.engine == eid and o.kind == "ok" and since <= o.t0 and o.t1 + UNKNOWABLE_S < time.monotonic()
+        ]  # fmt: skip
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 60 and await self.stalled_ranks(session):
+            await asyncio.sleep(0.25)
+        caught_up = time.monotonic() - t0
+        fault.note += f"; {len(owed)} requests served there meanwhile, up to {stalled} stalled ranks seen"
+        if len(owed) >= 2 and not stalled:
+            fault.problem = "no router saw the silent stream stall though requests were served there"
+        elif caught_up >= 60:
+            fault.problem = "the routers still count a stalled rank 60s after the stream came back"
+        else:
+            fault.note += f", clear {caught_up:.1f}s after it came back"
+
     async def admin(self, session, engine: str, what: str, body: dict) -> None:
         async with session.post(f"{engine}/admin/{what}", json=body) as r:
             r.raise_for_status()
 
     def start_rollout(self) -> None:
         self.rollouts += 1
-        args = [DEBUG_ARG, f"--first-byte-timeout-ms={120000 + self.rollouts}"]
+        args = [*self.router_args, f"--first-byte-timeout-ms={120000 + self.rollouts}"]
         patch = {"spec": {"router": {"extraArgs": args}}}
         self.kube.crd.patch_namespaced_custom_object(T.GROUP, T.VERSION, self.ns, T.PLURAL, FLEET, patch)
 
@@ -669,6 +786,11 @@ class Soak:
 def live(pods: list) -> list:
     """``pods`` without the terminating ones, by name."""
     return sorted((p for p in pods if not p.metadata.deletion_timestamp), key=lambda p: p.metadata.name)
+
+
+def restart_count(pod) -> int:
+    cs = (pod.status.container_statuses or [None])[0]
+    return getattr(cs, "restart_count", 0) or 0
 
 
 def container_pid(pod) -> int | None:
@@ -774,9 +896,11 @@ def report(run: Run) -> list[str]:
     false_plain = sum(o.false_hit for o in ok if not o.doubtful) - blind
     false_doubt = sum(o.false_hit for o in ok if o.doubtful)
     predicted = sum(o.predicted or 0 for o in ok)
+    unaudited = sum(not o.audited for o in ok)
     print(
-        f"\n## the audit: {len(ok)} audited; predicted {predicted} cached tokens; false-hit tokens"
-        f" {false_plain} outside doubtful predictions, {false_doubt} inside"
+        f"\n## the audit: {len(ok) - unaudited} audited ({unaudited} answered without usage); predicted"
+        f" {predicted} cached tokens; false-hit tokens {false_plain} outside doubtful predictions,"
+        f" {false_doubt} inside"
         f" ({sum(o.doubtful for o in ok)} doubtful requests), {blind} in a silent stream's first"
         f" {UNKNOWABLE_S:g}s (before the router's stall threshold, it cannot know);"
         f" missed-hit tokens {sum(o.missed_hit for o in ok)}"
@@ -838,21 +962,23 @@ def report(run: Run) -> list[str]:
 
 
 def soak(kube: T.Kube, provider, ns: str, *, seed: int, faults: list[str], rounds: int, minutes: float,
-         converge_timeout: float = 150.0, settle_s: float = 20.0) -> list[str]:  # fmt: skip
+         converge_timeout: float | None = None, settle_s: float = 20.0, engines: Engines = FAKE,
+         ) -> list[str]:  # fmt: skip
     """Set up in ``ns`` (the operator cluster-wide) on the local ``provider``'s cluster, run, report;
     the failures (empty: passed). A failed run leaves a dump of both namespaces in a file it names."""
+    for f in faults:
+        if f in engines.not_here:
+            raise ValueError(f"fault {f!r} does not apply to {engines.kind} engines: {engines.not_here[f]}")
     if "kv_stream_dropped" in faults and shutil.which("iptables") is None:
         raise RuntimeError(
             "iptables not found: the kv_stream_dropped fault drops packets with it (make iptables)"
         )
-    s = Soak(kube, provider.cluster, ns, seed, converge_timeout)
+    s = Soak(kube, provider.cluster, ns, seed, converge_timeout or engines.converge_s, engines)
     say("installing the operator (manifests/operator) ...")
     s.install_operator()
     try:
-        say(
-            f"deploying {ENGINES} engines ({', '.join(DIALECTS)}) and a {ROUTERS}-replica RouterFleet"
-            f" in {ns} ..."
-        )
+        what = ", ".join(DIALECTS) if engines is FAKE else "real vLLM, CPU"
+        say(f"deploying {engines.count} engines ({what}) and a {ROUTERS}-replica RouterFleet in {ns} ...")
         s.deploy()
         schedule = plan(seed, faults, rounds)
         say(f"seed {seed}: {len(schedule)} faults, at most {minutes:g} minutes: {', '.join(schedule)}")
@@ -882,19 +1008,38 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=20.0, help="stop injecting after this long (default 20)")
     ap.add_argument("--seed", type=int, default=1, help="the schedule's and the traffic's seed (default 1)")
     ap.add_argument(
-        "--faults", default=",".join(FAULTS), help=f"classes to draw from (default all: {','.join(FAULTS)})"
+        "--engines",
+        default="fake",
+        choices=sorted(ENGINE_KINDS),
+        help="what the fleet runs over (default fake)",
+    )
+    ap.add_argument(
+        "--faults", help=f"classes to draw from (default all that apply to the engines: {','.join(FAULTS)})"
     )
     ap.add_argument(
         "--rounds", type=int, default=0, help="faults per class (default: enough to fill the time)"
     )
     ap.add_argument(
-        "--converge-timeout", type=float, default=150.0, help="seconds a fault may take to converge"
+        "--converge-timeout",
+        type=float,
+        help="seconds a fault may take to converge (default 150; 480 for vllm: its pods start in minutes)",
     )
     a = ap.parse_args()
-    faults = [f.strip() for f in a.faults.split(",") if f.strip()]
+    engines = ENGINE_KINDS[a.engines]
+    if a.faults is None:
+        faults = [f for f in FAULTS if f not in engines.not_here]
+    else:
+        faults = [f.strip() for f in a.faults.split(",") if f.strip()]
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
         ap.error(f"argument --faults: unknown class {unknown[0]!r} (choose from {', '.join(FAULTS)})")
+    if elsewhere := [f for f in faults if f in engines.not_here]:
+        ap.error(f"argument --faults: {elsewhere[0]!r} does not apply to {engines.kind} engines:"
+                 f" {engines.not_here[elsewhere[0]]}")  # fmt: skip
+    if engines is VLLM:
+        from e2e import vllm
+
+        vllm.install()  # before the cluster's private network namespace: it may download
     rounds = a.rounds or max(1, int(a.minutes * 60 / 40 / len(faults)) + 1)  # ~40 s per fault
     from e2e.demo import NoCluster, start_cluster
 
@@ -907,7 +1052,7 @@ def main() -> None:
         ns = f"routerfleet-soak-{uuid.uuid4().hex[:5]}"
         failures = soak(
             T.Kube(kubeconfig), provider, ns, seed=a.seed, faults=faults, rounds=rounds,
-            minutes=a.minutes, converge_timeout=a.converge_timeout,
+            minutes=a.minutes, converge_timeout=a.converge_timeout, engines=engines,
         )  # fmt: skip
     finally:
         say("tearing down the cluster ...")

@@ -829,6 +829,10 @@ class PodWorker:
                 code = 128 - code if code < 0 else code  # killed by signal N: 128+N
             finally:
                 prober.cancel()
+                # A container ends with its main process: the runtime kills what else ran in it (its
+                # cgroup), as here its process group. Else a server's children (vLLM's engine core, holding
+                # the KV event ports) outlive it, and the restarted container cannot bind them.
+                _killpg(proc, signal.SIGKILL)
             rt.running, rt.ready, rt.started = False, False, False
             rt.exit_code, rt.finished_at = code, now_rfc3339()
             log.info("pod %s/%s container %s exited %s", self.ns, self.name, spec["name"], code)

@@ -103,6 +103,27 @@ def engine_manifests(home: Path, replicas: int = 2, name: str = "vllm") -> list[
     ]
 
 
+def fleet_spec(image: str, name: str = "vllm") -> dict:
+    """A RouterFleet spec's ``router`` and ``engines`` sections for ``engine_manifests``' engines: the
+    engines' block size, tokens from their own ``/tokenize``, vLLM's chat rendering."""
+    return {
+        "router": {
+            "image": image,
+            "blockSize": BLOCK_SIZE,
+            "tokenizer": {"source": "Engine"},
+            "extraArgs": ["--chat-family=vllm"],
+        },
+        "engines": {
+            "serviceName": name,
+            "httpPort": "http",
+            "kvPort": "kv",
+            "replayPort": "kv-replay",
+            "dpSize": 1,
+            "topic": "kv-events",
+        },
+    }
+
+
 def install() -> Path:
     """The install's directory (``venv/``, ``model/``), installing on first use (progress on stderr)."""
     out = subprocess.run(["bash", str(HERE / "install.sh")], stdout=subprocess.PIPE, text=True, check=True)

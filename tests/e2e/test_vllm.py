@@ -35,7 +35,16 @@ from test_operator import FLEET, GROUP, PLURAL, VERSION, _local_only, wait_fleet
 
 from e2e.cluster import in_private_netns
 from e2e.fleet import ROUTER_PORT, apply, get, metrics, pod_url
-from e2e.vllm import BLOCK_SIZE, MODEL, VllmEngine, engine_manifests, install, start_engines, wait_ready
+from e2e.vllm import (
+    BLOCK_SIZE,
+    MODEL,
+    VllmEngine,
+    engine_manifests,
+    fleet_spec,
+    install,
+    start_engines,
+    wait_ready,
+)
 from router_runtime.tokens.tokenizer import Family, load_tokenizer
 from tests.support import free_port
 from tests.test_chat_vectors import VLLM as CHAT_VECTORS
@@ -576,23 +585,11 @@ def test_an_operator_managed_fleet_over_vllm_pods(cluster, namespace, crd, opera
         "metadata": {"name": FLEET, "namespace": ns},
         "spec": {
             "replicas": 2,
-            "router": {
-                "image": getattr(cluster.provider, "image", "routerfleet:dev"),
-                "blockSize": BLOCK_SIZE,
-                "tokenizer": {"source": "Engine"},
-                "extraArgs": ["--chat-family=vllm", "--debug-prediction"],
-            },
-            "engines": {
-                "serviceName": "vllm",
-                "httpPort": "http",
-                "kvPort": "kv",
-                "replayPort": "kv-replay",
-                "dpSize": 1,
-                "topic": "kv-events",
-            },
+            **fleet_spec(getattr(cluster.provider, "image", "routerfleet:dev")),
             "bootstrap": {"timeout": "30s"},
         },
     }
+    fleet["spec"]["router"]["extraArgs"].append("--debug-prediction")
     crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, fleet)
     wait_fleet_ready(cluster, crd, ns, "the fleet Ready over vLLM pods", timeout=300)
 
