@@ -643,6 +643,7 @@ async def run_router(
                 load=router.load,
                 hooks=router.proxy.hooks,
                 health=router.health,
+                bodies=router.proxy.bodies,
             )
             epp_host = gateway.host or config.host
             tls = (

@@ -369,3 +369,67 @@ async def test_a_client_gone_mid_stream_ends_the_engines_work_and_the_picks_load
             assert served.load.running == 1
         await eventually(lambda: served.load.running == 0, timeout=10, what="the engine stopped generating")
         await eventually(lambda: router.load.total == 0, timeout=10, what="the pick released")
+
+
+async def test_the_picker_holds_bodies_in_the_routers_one_budget(tmp_path):
+    """Both front doors hold their bodies in one budget (proxy/bodies.py): a picker stream whose body has
+    not ended keeps its share, so another's body waits, then is answered a 503 it can retry; once the
+    first stream goes, the next is picked."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
+
+    from router_runtime.proxy.config import ProxyConfig
+
+    def headers() -> ep.ProcessingRequest:
+        h = [(":method", b"POST"), (":path", b"/v1/completions"), ("content-type", b"application/json")]
+        return ep.ProcessingRequest(
+            request_headers=ep.HttpHeaders(
+                headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in h])
+            )
+        )
+
+    def body(data: bytes, end: bool) -> ep.ProcessingRequest:
+        return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=end))
+
+    mib = 1 << 20
+    async with run_fake_engine(block_size=BS) as engine:
+        cfg = RouterConfig(
+            port=0,
+            workers=static_workers([engine]),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            gateway=PickerConfig(port=0, plaintext=True),
+            proxy=ProxyConfig(max_body_bytes=mib, body_budget_bytes=mib),
+        )
+        async with (
+            run_router(cfg) as (router, _url),
+            grpc.aio.insecure_channel(router.epp_address) as channel,
+        ):
+            stub = epg.ExternalProcessorStub(channel)
+            hog_in: asyncio.Queue = asyncio.Queue()
+
+            async def hog_messages():
+                while (m := await hog_in.get()) is not None:
+                    yield m
+
+            hog = stub.Process(hog_messages())
+            await hog_in.put(headers())
+            await hog.read()
+            await hog_in.put(body(b'{"prompt": "' + b"a" * (mib - 12), end=False))
+            await hog.read()
+            assert router.proxy.bodies.held == mib
+
+            whole = json.dumps({"prompt": "hello", "max_tokens": 1}).encode()
+            t0 = time.monotonic()
+            answers = [a async for a in stub.Process(iter([headers(), body(whole, end=True)]))]
+            took = time.monotonic() - t0
+            refusal = answers[-1].immediate_response
+            assert refusal.status.code == 503, answers
+            assert json.loads(refusal.body)["error"]["code"] == "body_budget_exhausted"
+            assert 0.9 < took < 3, took
+
+            await hog_in.put(None)
+            hog.cancel()
+            await eventually(lambda: router.proxy.bodies.held == 0, what="the hog's share given back")
+            answers = [a async for a in stub.Process(iter([headers(), body(whole, end=True)]))]
+            assert answers[-1].HasField("request_body"), answers[-1]  # picked
+            assert router.proxy.bodies.held == 0

@@ -560,3 +560,123 @@ async def test_no_sequence_of_client_requests_opens_a_breaker(tmp_path, seed):
             await _one_hostile_request(rng, url, s, host, int(port))
             assert router.health.state(engine.http_url) is BreakerState.CLOSED, i
         await assert_healthy(router, url, s, engine)
+
+
+# ---- memory in flight: the router-wide body budget (proxy/body_budget.py) ---------------------------
+
+BUDGET_MIB = 64
+
+
+def proxy_config(**kw):
+    from router_runtime.proxy.config import ProxyConfig
+
+    return ProxyConfig(**kw)
+
+
+async def slow_body(host: str, port: int, length: int) -> asyncio.StreamWriter:
+    """A client that declares ``length`` bytes and sends only the first few (it keeps its share)."""
+    _reader, writer = await asyncio.open_connection(host, port)
+    writer.write(
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f'Content-Length: {length}\r\n\r\n{{"prompt": "'.encode()
+    )
+    await writer.drain()
+    return writer
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+async def test_past_the_body_budget_a_request_waits_then_gets_503_with_retry_after(tmp_path, framing):
+    """Two slow clients each hold 32 MiB of a 64 MiB budget: a third request, however small, waits 1 s
+    for a share and gets a 503 it can retry (no budget: nothing capped what all bodies held together);
+    the health check is answered meanwhile, and once the slow clients go the router serves again."""
+    cfg = proxy_config(max_body_bytes=32 << 20, body_budget_bytes=BUDGET_MIB << 20)
+    async with router_over_engine(tmp_path, proxy=cfg) as (engine, router, url, s):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        hogs = [await slow_body(host, int(port), 32 << 20) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        assert router.proxy.bodies.held == BUDGET_MIB << 20
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        if framing == "chunked":
+
+            async def chunks():
+                yield PLAIN
+
+            sent = s.post(
+                url + "/v1/completions", data=chunks(), headers={"Content-Type": "application/json"}
+            )
+        else:
+            sent = s.post(url + "/v1/completions", json=PROMPT)
+        async with sent as r:
+            body = await r.json()
+            took = loop.time() - t0
+            assert r.status == 503, body
+            assert r.headers["Retry-After"] == "1"
+            assert body["error"]["code"] == "body_budget_exhausted", body
+        assert 0.9 < took < 3, took
+        harm = Harm()
+        await harm.look(s, url)
+        assert harm.worst_healthz < 0.5
+        for w in hogs:
+            w.close()
+        await asyncio.sleep(0.2)
+        assert router.proxy.bodies.held == 0
+        await assert_healthy(router, url, s, engine)
+        text = await (await s.get(url + "/metrics")).text()
+        assert 'outcome="overloaded",policy="kv_aware",status="503"' in text
+
+
+def _empty_arrays(n: int) -> bytes:
+    return b'{"prompt": "a", "x": [' + b"[]," * (n - 1) + b"[]]}"
+
+
+# Posts a file's bytes N times at once, from its own process: a client sharing the router's event loop
+# (or its GIL) would count its own sending as the router's stall.
+_POSTER = """
+import http.client, json, sys, threading
+host, port, path, n = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+body = open(path, "rb").read()
+out = [None] * n
+def post(i):
+    c = http.client.HTTPConnection(host, port, timeout=120)
+    c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    out[i] = [r.status, json.loads(r.read())]
+threads = [threading.Thread(target=post, args=(i,)) for i in range(n)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(json.dumps(out))
+"""
+
+
+async def test_a_body_whose_parse_would_exceed_the_budget_is_refused_before_it_parses(tmp_path):
+    """32 MiB of ten million empty arrays: parsed, +725 MB and /healthz stalled 2.3 s (four at once:
+    3.2 GB, 7 s). Now its parse's upper bound (~700 MB) exceeds the whole default budget: four at once
+    get a 413 naming the budget, and the router holds no more than their bytes."""
+    import sys
+
+    path = tmp_path / "body.json"
+    path.write_bytes(_empty_arrays(11_000_000))
+    assert path.stat().st_size > 32_000_000
+    harm = Harm()
+    async with router_over_engine(tmp_path) as (engine, router, url, s):
+        assert router.proxy.bodies.cap == 256 << 20  # the default
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        poster = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _POSTER, host, port, str(path), "4", stdout=asyncio.subprocess.PIPE
+        )
+        out = asyncio.create_task(poster.communicate())
+        while not out.done():
+            await harm.look(s, url)
+            await asyncio.sleep(0.02)
+        answers = json.loads((await out)[0])
+        for status, answer in answers:
+            assert status == 413, answer
+            assert answer["error"]["code"] == "request_too_large", answer
+            assert "body budget" in answer["error"]["message"], answer
+        await assert_healthy(router, url, s, engine)
+    grew = (harm.rss_max - harm.rss0) >> 20
+    print(f"\n[body budget] four 32 MiB bodies: RSS +{grew} MiB, worst /healthz {harm.worst_healthz:.3f}s")
+    assert harm.worst_healthz < 0.5, harm.worst_healthz
+    # four bodies' bytes as read (aiohttp's buffer, then the bytes), never their parse
+    assert harm.rss_max - harm.rss0 < 8 * (32 << 20), (harm.rss_max - harm.rss0) >> 20

@@ -131,6 +131,15 @@ def test_bad_flags_fail_with_one_line_naming_the_flag(argv, flag, capsys):
     assert err[-1].startswith(f"routerfleet-router: error: argument {flag}"), err[-1]
 
 
+def test_a_body_budget_below_one_body_fails_with_one_line_naming_both_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--body-budget-bytes", "1000"])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("routerfleet-router: error: proxy: --body-budget-bytes must be 0"), last
+    assert "--max-body-bytes" in last
+
+
 async def start_router(engine, *flags: str) -> tuple[asyncio.subprocess.Process, str]:
     """``routerfleet-router`` in front of ``engine``, as a process; (the process, its URL)."""
     port = free_port()

@@ -276,8 +276,8 @@ async def test_large_bodies_are_parsed_and_tokenized_off_the_loop_and_still_rout
         s,
     ):
         pool = CountingExecutor()
-        router.proxy.executor = router.tokenizer.executor = pool
-        router.proxy.parse_inline_max_bytes = 1024
+        router.proxy.bodies.executor = router.tokenizer.executor = pool
+        router.proxy.bodies.inline_max_bytes = 1024
         text = "x" * 8000
         async with s.post(
             engines[0].http_url + "/v1/completions", json={"prompt": text, "max_tokens": 1}

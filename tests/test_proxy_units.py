@@ -254,3 +254,63 @@ def test_target_book_per_rank_and_health_filtering():
     whole.set_workers(specs)
     assert whole.candidates() == (a, Target("b", "http://b"))
     assert whole.all_targets() == {a, Target("b", "http://b")}
+
+
+# ---- the body budget (proxy/bodies.py) ----------------------------------------------------------------
+
+
+async def test_a_share_that_does_not_fit_waits_for_one_given_back():
+    import asyncio
+
+    from router_runtime.proxy.bodies import Bodies
+
+    budget = Bodies(100, wait_s=2.0)
+    async with budget.share() as a:
+        await a.grow_to(60)
+        await a.grow_to(40)  # a share never shrinks until it is given back
+        assert (a.size, budget.held) == (60, 60)
+
+        async def second():
+            async with budget.share() as b:
+                await b.grow_to(50)
+                return budget.held
+
+        waiting = asyncio.create_task(second())
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+    assert await waiting == 50  # admitted once the first was given back
+    assert budget.held == 0
+
+
+async def test_a_share_refused_past_the_wait_is_a_503_and_one_beyond_the_cap_a_413():
+    from router_runtime.proxy.bodies import Bodies, parse_cost
+
+    budget = Bodies(100, wait_s=0.05)
+    async with budget.share() as a:
+        await a.grow_to(90)
+        async with budget.share() as b:
+            with pytest.raises(ProxyError) as e:
+                await b.grow_to(20)
+            assert (e.value.status, e.value.code, e.value.headers) == (
+                503,
+                "body_budget_exhausted",
+                {"Retry-After": "1"},
+            )
+            with pytest.raises(ProxyError) as e:
+                await b.grow_to(101)
+            assert (e.value.status, e.value.code) == (413, "request_too_large")
+    assert (budget.held, budget.refused) == (0, 1)
+    none = Bodies(0)
+    async with none.share() as c:
+        await c.grow_to(1 << 40)  # no budget: nothing held, nothing refused
+    assert none.held == 0
+    # a value per comma, bracket and brace, plus the bytes: an upper bound on what json.loads holds
+    assert parse_cost(b"[[],[]]") == 7 + 64 * (1 + 3 + 1)
+
+
+def test_a_budget_smaller_than_one_body_is_refused_naming_both_flags():
+    from router_runtime.proxy.config import ProxyConfig
+
+    with pytest.raises(ValueError, match=r"--body-budget-bytes must be 0 .* --max-body-bytes"):
+        ProxyConfig(max_body_bytes=32 << 20, body_budget_bytes=16 << 20)
+    assert ProxyConfig(body_budget_bytes=0).body_budget_bytes == 0

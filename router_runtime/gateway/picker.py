@@ -29,12 +29,12 @@ from multidict import CIMultiDict
 
 from ..fleet.inflight import LoadTracker
 from ..proxy.audit import USAGE_OPTION_KINDS, request_usage
+from ..proxy.bodies import Bodies, Share
 from ..proxy.config import ProxyConfig
 from ..proxy.endpoints import FORWARDED, ROUTED
 from ..proxy.errors import ProxyError, bad_request, no_engine, not_found, too_large
 from ..proxy.headers import ENGINE_HEADER
 from ..proxy.health import HealthBoard
-from ..proxy.request import parse_json
 from ..proxy.scheduler import Inbound, Scheduler, unschedulable
 from ..proxy.targets import TargetBook
 from ..scheduling.filters import within
@@ -76,13 +76,14 @@ class _Stream:
         "headers",
         "held",
         "held_size",
+        "share",
         "size",
         "subset",
         "target",
         "watches",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, share: Share) -> None:
         # Whether the request's and the response's bodies come FULL_DUPLEX_STREAMED (Envoy says so
         # with the stream's first message).
         self.duplex_in = self.duplex_out = False
@@ -95,6 +96,7 @@ class _Stream:
         self.subset: frozenset[str] | None = None  # the gateway's subset hint (None: any endpoint)
         self.body: list[bytes] = []
         self.size = 0
+        self.share = share  # of the router's body budget, until the request is picked
         self.target: Target | None = None  # counted in the load until the stream ends
         self.watches: Sequence[ResponseWatch] = ()
         self.chunks: Sequence[ResponseWatch] = ()  # the watches that look at body chunks
@@ -112,8 +114,11 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         hooks: Sequence[RequestHook] = (),
         health: HealthBoard | None = None,
         fallbacks: int = 2,
+        bodies: Bodies | None = None,
     ) -> None:
         self.scheduler = scheduler
+        # The bodies being read and parsed: the proxy's, so both front doors hold one budget.
+        self.bodies = bodies or Bodies(config.body_budget_bytes)
         self.targets = targets
         self.load = load
         self.hooks = tuple(hooks)
@@ -126,7 +131,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
     async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
-        stream = _Stream()
+        stream = _Stream(self.bodies.share())
         try:
             async for message in request_iterator:
                 if message.HasField("protocol_config"):  # with the stream's first message
@@ -141,6 +146,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
                 if answers and answers[-1].HasField("immediate_response"):
                     return
         finally:
+            stream.share.release()
             if stream.target is not None:
                 self.load.release(stream.target)
 
@@ -161,6 +167,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             stream.size += len(part.body)
             if stream.size > self.config.max_body_bytes:
                 raise too_large(self.config.max_body_bytes)
+            await stream.share.grow_to(stream.size)
             stream.body.append(part.body)
             if not part.end_of_stream:
                 return [] if stream.duplex_in else [proceed(phase)]
@@ -193,7 +200,10 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         """The request's body is whole: pick, and answer (duplex: the deferred headers answer, then the
         body as sent or rewritten, then the trailers' answer when they ended it)."""
         raw = b"".join(stream.body)
-        decision, x, asked = await self._pick(stream, raw)
+        try:
+            decision, x, asked = await self._pick(stream, raw)
+        finally:
+            stream.share.release()  # parsed: what the request still holds is its bytes alone
         if not stream.duplex_in:
             return [self._decided(stream, decision, x, asked, phase)]
         answers = [self._decided(stream, decision, x, None, "request_headers")]
@@ -254,7 +264,9 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         start = asyncio.get_running_loop().time()
         kind = ROUTED.get(path)
         if kind is not None and raw is not None:
-            body = _parsed(raw)
+            if not raw:
+                raise bad_request("the request has no body")
+            body = await self.bodies.parse(stream.share, raw)
             scheduled = await self.scheduler.prepare(
                 Inbound(kind, headers, body, len(raw), tenant, stream.subset), candidates
             )
@@ -324,12 +336,6 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         self.load.acquire(target)
         stream.target = target
         self._watch(stream, replace(x, target=target, prediction=None, usage_asked=False))
-
-
-def _parsed(raw: bytes) -> Any:
-    if not raw:
-        raise bad_request("the request has no body")
-    return parse_json(raw)
 
 
 async def serve(

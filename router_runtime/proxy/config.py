@@ -26,6 +26,8 @@ class Timeouts:
 class ProxyConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_body_bytes: int = 32 << 20
+    # What all bodies being read and parsed may hold at once (bodies.py); 0: no budget.
+    body_budget_bytes: int = 256 << 20
     upstream_keepalive_s: float = 4.0
     # Engine paths beyond the served ones (endpoints.py) an operator lets through, by load.
     allow_paths: tuple[str, ...] = ()
@@ -45,6 +47,10 @@ class ProxyConfig:
     shutdown_drain_s: float = 5.0
     shutdown_timeout_s: float = 10.0
 
+    def __post_init__(self) -> None:
+        if 0 < self.body_budget_bytes < self.max_body_bytes:
+            raise ValueError("--body-budget-bytes must be 0 (none) or at least --max-body-bytes")
+
 
 FLAGS = (
     Flag("--connect-timeout-ms", "proxy.timeouts.connect_s", Ms(1), "TCP connect to an engine"),
@@ -63,6 +69,14 @@ FLAGS = (
         "idle engine connections are closed after this",
     ),
     Flag("--max-body-bytes", "proxy.max_body_bytes", Bytes(1), "request body limit; larger: 413"),
+    Flag(
+        "--body-budget-bytes",
+        "proxy.body_budget_bytes",
+        Bytes(0),
+        "what all request bodies being read and parsed may hold at once, their parse's upper bound"
+        " included (a pathological body holds up to ~31 bytes per byte while it parses); past it a"
+        " request waits up to 1 s, then gets a 503 with Retry-After; 0: no budget",
+    ),
     Flag(
         "--allow-path",
         "proxy.allow_paths",

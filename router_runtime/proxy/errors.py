@@ -21,9 +21,11 @@ class ProxyError(Exception):
         code: str | None = None,
         outcome: str = "invalid",
         close: bool = False,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.close = close  # the connection cannot carry another request (a body left half-read)
+        self.headers = headers or {}  # sent with the error (Retry-After)
         self.status = status
         self.message = message
         self.type = type_
@@ -39,7 +41,7 @@ class ProxyError(Exception):
             status=self.status,
             body=json.dumps(self.to_json()).encode(),
             content_type="application/json",
-            headers=headers,
+            headers={**self.headers, **(headers or {})},
         )
         if self.close:
             resp.force_close()

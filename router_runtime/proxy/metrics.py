@@ -55,6 +55,12 @@ class ProxyMetrics:
         self.inflight = Gauge(
             p + "inflight", "Requests the router has in flight, per engine", ["engine"], registry=registry
         )
+        self.body_budget_held = Gauge(
+            p + "body_budget_held_bytes",
+            "Bytes the request bodies being read and parsed hold of the body budget (--body-budget-bytes;"
+            " a request that found it full waited, then got a 503: outcome overloaded)",
+            registry=registry,
+        )
         self.upstream_seconds = Histogram(
             p + "upstream_seconds",
             "Engine response time: to the response headers (first_byte) and to its end (total)",

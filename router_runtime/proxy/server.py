@@ -44,6 +44,7 @@ from ..sessions.affinity import SessionCtx
 from ..sessions.bindings import Verdict
 from ..sessions.keys import tenant_of
 from .audit import USAGE_OPTION_KINDS, request_usage
+from .bodies import Bodies, Share
 from .config import ProxyConfig
 from .errors import (
     ProxyError,
@@ -64,7 +65,7 @@ from .headers import (
 )
 from .health import HealthBoard
 from .metrics import ProxyMetrics
-from .request import Kind, parse_json
+from .request import Kind
 from .responses import response_error
 from .scheduler import Inbound, Scheduler
 from .serving import ServerLimits
@@ -122,8 +123,10 @@ class Proxy:
         self.metrics = metrics
         self.timeouts = config.timeouts
         self.max_body_bytes = config.max_body_bytes
-        self.executor = executor
-        self.parse_inline_max_bytes = parse_inline_max_bytes
+        self.bodies = Bodies(
+            config.body_budget_bytes, executor=executor, inline_max_bytes=parse_inline_max_bytes
+        )
+        metrics.body_budget_held.set_function(lambda: self.bodies.held)
         self.models_timeout = aiohttp.ClientTimeout(total=models_timeout_s)
         self._strip = strip_headers  # request headers never forwarded (a session hint)
         self._by_load = make_policy("least_loaded")  # what has no prefix to route on (endpoints.py)
@@ -206,8 +209,9 @@ class Proxy:
             self.metrics.request(policy or self.scheduler.profile.name, ctx.outcome, ctx.status)
 
     async def _serve(self, request: web.Request, kind: Kind, ctx: _Ctx) -> web.StreamResponse:
-        raw = await self._read_body(request)
-        body = await self._parse(raw)
+        async with self.bodies.share() as share:
+            raw = await self._read_body(request, share)
+            body = await self.bodies.parse(share, raw)
         targets = self.targets.candidates()
         if not targets:
             raise no_engine("no engine can take the request (none discovered, or all unhealthy)")
@@ -239,7 +243,8 @@ class Proxy:
         return await self._forward(request, ctx, targets, scheduled.decide, sent, exchange, n_tokens)
 
     async def _serve_bound(self, request: web.Request, ctx: _Ctx) -> web.StreamResponse:
-        raw = await self._read_body(request)
+        async with self.bodies.share() as share:
+            raw = await self._read_body(request, share)
         targets = self.targets.candidates()
         if not targets:
             raise no_engine("no engine can take the request (none discovered, or all unhealthy)")
@@ -259,7 +264,8 @@ class Proxy:
         return await self._forward(request, ctx, targets, decide, raw, self._plain(request))
 
     async def _serve_by_load(self, request: web.Request, ctx: _Ctx) -> web.StreamResponse:
-        raw = await self._read_body(request)
+        async with self.bodies.share() as share:
+            raw = await self._read_body(request, share)
         targets = self.targets.candidates()
         if not targets:
             raise no_engine("no engine can take the request (none discovered, or all unhealthy)")
@@ -317,29 +323,36 @@ class Proxy:
 
     # ---- request side --------------------------------------------------------------------------
 
-    async def _read_body(self, request: web.Request) -> bytes:
+    async def _read_body(self, request: web.Request, share: Share) -> bytes:
+        """The body, whole (aiohttp inflates gzip and deflate), held in ``share`` as it arrives: all of a
+        plain body's Content-Length at once, else chunk by chunk."""
         length = request.content_length
         if length is not None and length > self.max_body_bytes:
             raise too_large(self.max_body_bytes)
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding not in DECODED_ENCODINGS:
             raise unsupported_encoding(encoding, DECODED_ENCODINGS)
-        budget = self.limits.body_timeout_s(length, self.max_body_bytes)
+        known = length is not None and encoding == "identity"
+        if known:
+            await share.grow_to(length)
+        timeout = self.limits.body_timeout_s(length, self.max_body_bytes)
         try:
-            # aiohttp inflates gzip and deflate, capped at the same size as a plain body
-            async with asyncio.timeout(budget):
-                return await request.read()
+            async with asyncio.timeout(timeout):
+                if known or not self.bodies.cap:
+                    return await request.read()  # capped at --max-body-bytes, inflated or not
+                body = bytearray()
+                async for chunk in request.content.iter_chunked(1 << 16):
+                    body += chunk
+                    if len(body) > self.max_body_bytes:
+                        raise too_large(self.max_body_bytes)
+                    await share.grow_to(len(body))
+                return bytes(body)
         except TimeoutError:  # a body slower than the floor rate, or shorter than its Content-Length
-            raise slow_body(budget) from None
+            raise slow_body(timeout) from None
         except web.HTTPRequestEntityTooLarge:
             raise too_large(self.max_body_bytes) from None
         except RequestPayloadError:  # a body that does not decode as its Content-Encoding says
             raise bad_request(f"the request body is not valid {encoding}") from None
-
-    async def _parse(self, raw: bytes) -> Any:
-        if self.executor is not None and len(raw) > self.parse_inline_max_bytes:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, parse_json, raw)
-        return parse_json(raw)
 
     def _acquire(self, target: Target, tokens: int) -> None:
         self.metrics.set_inflight(target.engine, self.load.acquire(target, tokens))
