@@ -9,8 +9,8 @@ process node agent, and then, with the manifests a user applies, printing each k
 2. deploys manifests/base's fake engines (2 engines x 2 DP ranks, a disk tier each), or with
    ``--engines vllm`` (`make demo ENGINES=vllm`) two real vLLM engines as pods: its CPU build serving
    e2e/vllm's tiny model (installed by `make vllm`; a cold start compiles it: a minute or two);
-3. applies manifests/samples/demo.yaml (a 3-replica RouterFleet; for vLLM with the router and engines
-   sections of manifests/samples/engines/vllm.yaml, block size 32), waits with `kubectl wait
+3. applies manifests/samples/demo.yaml (a 3-replica RouterFleet; for vLLM with e2e/vllm's router and
+   engines sections: block size 32, tokens from the engines), waits with `kubectl wait
    --for=condition=Ready`, prints `kubectl get rf` and each replica's verdict from the status;
 4. runs multi-turn chats round-robin over the Ready router pods (as the fleet's Service would) and
    prints the hit rate (usage.prompt_tokens_details.cached_tokens) and TTFT;
@@ -557,8 +557,8 @@ async def deploy_vllm(demo: Demo) -> list:
 
 
 def apply_fleet(demo: Demo) -> None:
-    """manifests/samples/demo.yaml, applied as a user would; for vLLM with the router and engines sections
-    manifests/samples/engines/vllm.yaml has (engine tokens, vLLM chats, its block size), shown first."""
+    """manifests/samples/demo.yaml, applied as a user would; for vLLM with e2e/vllm's router and engines
+    sections (``fleet_spec``: its block size, tokens from the engines, vLLM's chats), shown first."""
     if not demo.vllm:
         say("3. a RouterFleet: manifests/samples/demo.yaml (3 routers, peer bootstrap on)")
         shell(f"kubectl -n {demo.ns} apply -f manifests/samples/demo.yaml")

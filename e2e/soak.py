@@ -907,6 +907,8 @@ def report(run: Run) -> list[str]:
     )
     if not predicted:  # without predictions the audit above proves nothing
         failures.append("no prediction came back: the routers did not answer the prediction header")
+    if unaudited > max(5, len(ok) // 100):  # nor without the engines' figures to hold them to
+        failures.append(f"{unaudited} of {len(ok)} answers came without usage: the audit is blind")
     if false_plain:
         bad = [o for o in ok if o.false_hit and not o.doubtful and not unknowable(o)]
         for o in bad[:10]:

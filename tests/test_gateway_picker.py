@@ -425,6 +425,8 @@ async def test_the_picker_holds_bodies_in_the_routers_one_budget(tmp_path):
             refusal = answers[-1].immediate_response
             assert refusal.status.code == 503, answers
             assert json.loads(refusal.body)["error"]["code"] == "body_budget_exhausted"
+            sent = {h.header.key: h.header.raw_value for h in refusal.headers.set_headers}
+            assert sent["Retry-After"] == b"1", sent
             assert 0.9 < took < 3, took
 
             await hog_in.put(None)

@@ -26,7 +26,7 @@ from router_runtime.proxy.health import BreakerState, HealthConfig
 from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
 
-from .support import snapshot_peer
+from .support import eventually, snapshot_peer
 from .test_proxy_http import breakers
 
 BS = 4
@@ -562,7 +562,7 @@ async def test_no_sequence_of_client_requests_opens_a_breaker(tmp_path, seed):
         await assert_healthy(router, url, s, engine)
 
 
-# ---- memory in flight: the router-wide body budget (proxy/body_budget.py) ---------------------------
+# ---- memory in flight: the router-wide body budget (proxy/bodies.py) --------------------------------
 
 BUDGET_MIB = 64
 
@@ -573,12 +573,13 @@ def proxy_config(**kw):
     return ProxyConfig(**kw)
 
 
-async def slow_body(host: str, port: int, length: int) -> asyncio.StreamWriter:
-    """A client that declares ``length`` bytes and sends only the first few (it keeps its share)."""
+async def slow_body(host: str, port: int, length: int, sent: int) -> asyncio.StreamWriter:
+    """A client that declares ``length`` bytes and sends the first ``sent`` (at least 12), then waits."""
     _reader, writer = await asyncio.open_connection(host, port)
     writer.write(
         f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         f'Content-Length: {length}\r\n\r\n{{"prompt": "'.encode()
+        + b"a" * (sent - 12)
     )
     await writer.drain()
     return writer
@@ -586,15 +587,20 @@ async def slow_body(host: str, port: int, length: int) -> asyncio.StreamWriter:
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
 async def test_past_the_body_budget_a_request_waits_then_gets_503_with_retry_after(tmp_path, framing):
-    """Two slow clients each hold 32 MiB of a 64 MiB budget: a third request, however small, waits 1 s
-    for a share and gets a 503 it can retry (no budget: nothing capped what all bodies held together);
-    the health check is answered meanwhile, and once the slow clients go the router serves again."""
+    """Two slow clients have each sent all but 20 bytes of 32 MiB, filling a 64 MiB budget between them: a
+    third request, however small, waits 1 s for a share and gets a 503 it can retry (no budget: nothing
+    capped what all bodies held together); the health check is answered meanwhile, and once the slow
+    clients go the router serves again. A client that sends its headers alone holds nothing."""
     cfg = proxy_config(max_body_bytes=32 << 20, body_budget_bytes=BUDGET_MIB << 20)
     async with router_over_engine(tmp_path, proxy=cfg) as (engine, router, url, s):
         host, port = url.removeprefix("http://").rsplit(":", 1)
-        hogs = [await slow_body(host, int(port), 32 << 20) for _ in range(2)]
+        idle = await slow_body(host, int(port), 32 << 20, 12)
         await asyncio.sleep(0.2)
-        assert router.proxy.bodies.held == BUDGET_MIB << 20
+        assert router.proxy.bodies.held == 12  # what it sent, not what it promised
+        hogs = [idle] + [await slow_body(host, int(port), 32 << 20, (32 << 20) - 20) for _ in range(2)]
+        held = 12 + 2 * ((32 << 20) - 20)  # 28 bytes short of the budget: no request fits
+        await eventually(lambda: router.proxy.bodies.held == held, what="the hogs' bytes held")
+        assert len(PLAIN) > 28
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         if framing == "chunked":

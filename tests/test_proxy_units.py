@@ -3,6 +3,7 @@ breaker and the candidate targets. No I/O."""
 
 from __future__ import annotations
 
+import json
 from array import array
 
 import pytest
@@ -305,7 +306,7 @@ async def test_a_share_refused_past_the_wait_is_a_503_and_one_beyond_the_cap_a_4
         await c.grow_to(1 << 40)  # no budget: nothing held, nothing refused
     assert none.held == 0
     # a value per comma, bracket and brace, plus the bytes: an upper bound on what json.loads holds
-    assert parse_cost(b"[[],[]]") == 7 + 64 * (1 + 3 + 1)
+    assert parse_cost(b"[[],[]]") == 3 * 7 + 64 * (1 + 3 + 1) + 4096  # ASCII: its bytes, text, strings
 
 
 def test_a_budget_smaller_than_one_body_is_refused_naming_both_flags():
@@ -314,3 +315,68 @@ def test_a_budget_smaller_than_one_body_is_refused_naming_both_flags():
     with pytest.raises(ValueError, match=r"--body-budget-bytes must be 0 .* --max-body-bytes"):
         ProxyConfig(max_body_bytes=32 << 20, body_budget_bytes=16 << 20)
     assert ProxyConfig(body_budget_bytes=0).body_budget_bytes == 0
+
+
+PARSE_SHAPES = {
+    "an ASCII prompt": json.dumps({"prompt": "a" * 200_000}).encode(),
+    "a prompt with an emoji": json.dumps(
+        {"prompt": "a" * 200_000 + "\U0001f600"}, ensure_ascii=False
+    ).encode(),
+    "an ASCII body escaping an emoji": json.dumps({"prompt": "a" * 200_000 + "\U0001f600"}).encode(),
+    "a CJK prompt": json.dumps({"prompt": "\u4e2d" * 70_000}, ensure_ascii=False).encode(),
+    "short emoji strings": json.dumps(["\U0001f600"] * 40_000, ensure_ascii=False).encode(),
+    "empty arrays": b"[" + b",".join([b"[]"] * 60_000) + b"]",
+    "nested empty arrays": b"[" + b",".join([b"[[]]"] * 40_000) + b"]",
+    "empty objects": b"[" + b",".join([b"{}"] * 60_000) + b"]",
+    "token IDs": json.dumps({"prompt": list(range(10_000, 70_000))}).encode(),
+    "floats": json.dumps([1.5] * 60_000).encode(),
+}
+
+
+@pytest.mark.parametrize("shape", PARSE_SHAPES)
+def test_the_parse_cost_bounds_what_parsing_holds(shape):
+    """``parse_cost`` is what a body holds in the budget while it parses: measured, it is never less."""
+    import gc
+    import tracemalloc
+
+    from router_runtime.proxy.bodies import parse_cost
+
+    raw = PARSE_SHAPES[shape]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        parsed = parse_json(raw)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    del parsed
+    assert len(raw) + peak <= parse_cost(raw), (shape, len(raw), peak, parse_cost(raw))
+
+
+async def test_a_parse_its_request_left_running_keeps_its_share_until_it_ends():
+    """A client gone while its body parses on a thread: the thread still holds the memory, so the share
+    is given back when the parse ends, not when the request does."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from router_runtime.proxy.bodies import Bodies
+
+    raw = b"[" + b",".join([b"[]"] * 3_000_000) + b"]"  # a parse of several tenths of a second
+    with ThreadPoolExecutor(1) as pool:
+        budget = Bodies(1 << 30, executor=pool, inline_max_bytes=0)
+
+        async def request():
+            async with budget.share() as share:
+                await budget.parse(share, raw)
+
+        task = asyncio.create_task(request())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert budget.held > 0  # the parse runs on
+        for _ in range(200):
+            if budget.held == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert budget.held == 0

@@ -29,6 +29,9 @@ HERE = Path(__file__).resolve().parent
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32 only
 MODEL = "tiny"  # the served model name
 MAX_MODEL_LEN = 4096
+TOPIC = "kv-events"  # the engines' KV event topic, and the fleet's
+# The pods' named ports (engine_manifests) the fleet's engines section names (fleet_spec).
+PORTS = {"http": 8000, "kv": 5557, "kv-replay": 5657}
 START_TIMEOUT_S = 600  # a cold start compiles the model (~70 s alone on 2 cores, more side by side)
 
 # The engines' environment: a small KV cache, no thread pinning and one OpenMP thread (two engines share
@@ -51,7 +54,7 @@ def server_argv(home: Path, host: str, port: int, kv_port: int, replay_port: int
         "publisher": "zmq",
         "endpoint": f"tcp://*:{kv_port}",
         "replay_endpoint": f"tcp://*:{replay_port}",
-        "topic": "kv-events",
+        "topic": TOPIC,
     }
     return [
         str(home / "venv/bin/python"), "-m", "vllm.entrypoints.openai.api_server",
@@ -68,15 +71,11 @@ def engine_manifests(home: Path, replicas: int = 2, name: str = "vllm") -> list[
     the local cluster: its node agent runs a container's command, not its image, so the command is this
     install's Python. Each pod has its own network namespace: the wildcard binds stay inside it."""
     labels = {"app.kubernetes.io/name": name}
-    ports = [
-        {"name": "http", "containerPort": 8000},
-        {"name": "kv", "containerPort": 5557},
-        {"name": "kv-replay", "containerPort": 5657},
-    ]
+    ports = [{"name": name, "containerPort": port} for name, port in PORTS.items()]
     container = {
         "name": "vllm",
         "image": "vllm-cpu:local",  # never pulled: the node agent runs the command
-        "command": server_argv(home, "0.0.0.0", 8000, 5557, 5657),
+        "command": server_argv(home, "0.0.0.0", *PORTS.values()),
         "env": [{"name": k, "value": v} for k, v in ENV.items()],
         "ports": ports,
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2},
@@ -119,7 +118,7 @@ def fleet_spec(image: str, name: str = "vllm") -> dict:
             "kvPort": "kv",
             "replayPort": "kv-replay",
             "dpSize": 1,
-            "topic": "kv-events",
+            "topic": TOPIC,
         },
     }
 

@@ -147,7 +147,10 @@ def refused(error: ProxyError) -> ep.ProcessingResponse:
     return ep.ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=error.status),
-            headers=ep.HeaderMutation(set_headers=[header("content-type", "application/json")]),
+            headers=ep.HeaderMutation(
+                set_headers=[header("content-type", "application/json")]
+                + [header(k, v) for k, v in error.headers.items()]  # Retry-After
+            ),
             body=json.dumps(error.to_json()).encode(),
             details=error.outcome,
         )

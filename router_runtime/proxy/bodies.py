@@ -12,7 +12,8 @@ doors (the proxy, the endpoint picker) hold their shares of one budget.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Executor
+import contextlib
+from concurrent.futures import Executor, Future
 from typing import Any
 
 from .errors import ProxyError
@@ -21,13 +22,19 @@ from .request import parse_json
 # Bytes of Python objects per JSON value, at most: measured with tracemalloc on bodies of 200,000 of
 # one value each, 64 for two-character strings, 52 for [[]], 38 for {}, 34 for [], 10 for small ints.
 PER_VALUE = 64
+PER_BODY = 4096  # and the parser's own, whatever the body (~2 KiB measured)
 WAIT_S = 1.0  # a share that does not fit waits this long for others before its 503
 
 
 def parse_cost(raw: bytes) -> int:
-    """An upper bound on what parsing ``raw`` holds: its bytes, and PER_VALUE per value (a body has at
-    most one value more than its commas, brackets and braces)."""
-    return len(raw) + PER_VALUE * (raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1)
+    """An upper bound on what parsing ``raw`` holds (tests/test_proxy_units.py measures it): its bytes;
+    the text they decode to and the strings parsed from it, 2 bytes per byte when pure ASCII without
+    escapes, 8 otherwise (one character outside the BMP makes a string 4 bytes a character);
+    PER_VALUE per value (a body has at most one value more than its commas, brackets and braces); and
+    PER_BODY."""
+    text = 2 if raw.isascii() and b"\\u" not in raw else 8
+    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
+    return (1 + text) * len(raw) + PER_VALUE * values + PER_BODY
 
 
 def over_budget(wait_s: float) -> ProxyError:
@@ -79,9 +86,14 @@ class Bodies:
         """``raw`` parsed (``parse_json``'s 400s), ``share`` holding its parse's upper bound first."""
         if self.cap:
             await share.grow_to(parse_cost(raw))
-        if self.executor is not None and len(raw) > self.inline_max_bytes:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, parse_json, raw)
-        return parse_json(raw)
+        if self.executor is None or len(raw) <= self.inline_max_bytes:
+            return parse_json(raw)
+        running = self.executor.submit(parse_json, raw)
+        try:
+            return await asyncio.wrap_future(running)
+        except asyncio.CancelledError:  # the client went; the thread parses on, holding its memory
+            share.held_by(running)
+            raise
 
     def _give_back(self, n: int) -> None:
         self.held -= n
@@ -94,6 +106,7 @@ class Share:
 
     def __init__(self, bodies: Bodies) -> None:
         self.bodies, self.size = bodies, 0
+        self._parsing: Future | None = None  # a parse its request left running on a thread
 
     async def __aenter__(self) -> Share:
         return self
@@ -101,7 +114,24 @@ class Share:
     async def __aexit__(self, *exc: object) -> None:
         self.release()
 
+    def held_by(self, parsing: Future) -> None:
+        """``parsing`` holds this share's memory until it ends, whenever the request ends: the share is
+        given back then."""
+        self._parsing = parsing
+        loop = asyncio.get_running_loop()
+
+        def ended(_: Future) -> None:  # on the parsing thread
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing to give back to
+                loop.call_soon_threadsafe(self._give_back)
+
+        parsing.add_done_callback(ended)
+
     def release(self) -> None:
+        """Given back, now or (a parse left running) when that parse ends; again: nothing."""
+        if self._parsing is None or self._parsing.done():
+            self._give_back()
+
+    def _give_back(self) -> None:
         if self.size:
             self.bodies._give_back(self.size)
             self.size = 0

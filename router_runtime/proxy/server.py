@@ -324,21 +324,18 @@ class Proxy:
     # ---- request side --------------------------------------------------------------------------
 
     async def _read_body(self, request: web.Request, share: Share) -> bytes:
-        """The body, whole (aiohttp inflates gzip and deflate), held in ``share`` as it arrives: all of a
-        plain body's Content-Length at once, else chunk by chunk."""
+        """The body, whole (aiohttp inflates gzip and deflate), held in ``share`` as its bytes arrive (not
+        as its Content-Length promises: a client that sends headers alone holds nothing)."""
         length = request.content_length
         if length is not None and length > self.max_body_bytes:
             raise too_large(self.max_body_bytes)
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding not in DECODED_ENCODINGS:
             raise unsupported_encoding(encoding, DECODED_ENCODINGS)
-        known = length is not None and encoding == "identity"
-        if known:
-            await share.grow_to(length)
         timeout = self.limits.body_timeout_s(length, self.max_body_bytes)
         try:
             async with asyncio.timeout(timeout):
-                if known or not self.bodies.cap:
+                if not self.bodies.cap:
                     return await request.read()  # capped at --max-body-bytes, inflated or not
                 body = bytearray()
                 async for chunk in request.content.iter_chunked(1 << 16):
