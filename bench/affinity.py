@@ -131,7 +131,7 @@ def session_metrics(router: h.Router) -> str:
     """Ours only: routerfleet_session_selections_total, as state/selection=count."""
     if router.kind != "ours":
         return ""
-    st, raw = h.http_get(router.url + "/metrics")
+    st, raw = h.http_get(f"http://{h.HOST}:{router.metrics_port}/metrics")
     if st != 200:
         return ""
     out = []

@@ -327,6 +327,7 @@ class Router:
     own_port: int | None = None
     sidecar: Proc | None = None
     model: str = MODEL  # the engines' model name, for the warm-up completion
+    metrics_port: int | None = None  # ours: /metrics and /debug/*; the anchors: their Prometheus port
 
     @property
     def url(self) -> str:
@@ -351,6 +352,7 @@ class Router:
 def ours_argv(
     engines: Sequence[Engine],
     port: int,
+    metrics_port: int,
     policy: str,
     extra: Sequence[str] = (),
     *,
@@ -359,6 +361,7 @@ def ours_argv(
 ) -> list[str]:
     """``events`` False: the workers are given without their KV event endpoints (the index stays empty)."""
     argv = [str(BIN / "routerfleet-router"), "--host", HOST, "--port", str(port)]
+    argv += ["--metrics-port", str(metrics_port)]
     argv += [
         "--policy",
         policy,
@@ -405,7 +408,7 @@ def shown_flags(argv: Sequence[str], engines: Sequence[Engine]) -> list[str]:
     """The flags of a command line with engine addresses and ports replaced by placeholders."""
     out: list[str] = []
     subs = {}
-    drop = {"--host", "--port", "--prometheus-host", "--prometheus-port"}
+    drop = {"--host", "--port", "--metrics-port", "--prometheus-host", "--prometheus-port"}
     for i, e in enumerate(engines):
         subs[e.url] = f"http://E{i}"
         subs[e.kv] = f"tcp://E{i}:kv"
@@ -446,7 +449,7 @@ def start_router(
     if kind == "ours-epp":
         return start_pickers(engines, logdir, [extra], policy=policy, label=name, cpus=cpus, wait=wait)[0]
     if kind == "ours":
-        argv = ours_argv(engines, port, policy, extra, events=events, block_size=block_size)
+        argv = ours_argv(engines, port, metrics_port, policy, extra, events=events, block_size=block_size)
         env = None
         ready_path = "/readyz"
     elif kind == "vllm-router":
@@ -460,7 +463,9 @@ def start_router(
     else:
         raise ValueError(kind)
     proc = Proc(name, argv, logdir, cpus=cpus, env=env)
-    router = Router(kind, name, proc, port, shown_flags(argv, engines), ready_path, model=model)
+    router = Router(
+        kind, name, proc, port, shown_flags(argv, engines), ready_path, model=model, metrics_port=metrics_port
+    )
     if wait:
         await_router(router)
     return router
@@ -482,17 +487,18 @@ def start_pickers(
     from e2e.gateway import envoy_argv, envoy_config  # the Envoy binary is a test extra
 
     port = free_ports(1)[0]
-    ports = free_ports(2 * len(extras))
+    ports = free_ports(3 * len(extras))
     routers: list[Router] = []
     try:
         for i, extra in enumerate(extras):
-            own, epp = ports[2 * i], ports[2 * i + 1]
+            own, epp, metrics = ports[3 * i : 3 * i + 3]
             name = label if len(extras) == 1 else f"{label}-{i}"
-            argv = ours_argv(engines, own, policy, [*extra, "--epp-port", str(epp)])
+            argv = ours_argv(engines, own, metrics, policy, [*extra, "--epp-port", str(epp)])
             proc = Proc(name, argv, logdir, cpus=cpus)
-            routers.append(Router("ours-epp", name, proc, port, shown_flags(argv, engines), own_port=own))
+            flags = shown_flags(argv, engines)
+            routers.append(Router("ours-epp", name, proc, port, flags, own_port=own, metrics_port=metrics))
         config = os.path.join(logdir, f"{label}-envoy.yaml")
-        pickers = [f"{HOST}:{ports[2 * i + 1]}" for i in range(len(extras))]
+        pickers = [f"{HOST}:{ports[3 * i + 1]}" for i in range(len(extras))]
         with open(config, "w") as f:
             f.write(envoy_config(port, pickers, [e.url for e in engines]))
         routers[0].sidecar = Proc(f"{label}-envoy", envoy_argv(config), logdir, cpus=cpus)

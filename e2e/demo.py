@@ -159,9 +159,10 @@ async def wait_http(session: aiohttp.ClientSession, url: str, timeout: float = 2
     raise SystemExit(f"demo: {url} did not come up (see the logs)")
 
 
-async def views(session: aiohttp.ClientSession, engines: list[Engine], router_url: str) -> list[tuple]:
-    """Rows of (engine, rank, tier, engine blocks, engine digest, index blocks, index digest)."""
-    async with session.get(router_url + "/debug/index") as r:
+async def views(session: aiohttp.ClientSession, engines: list[Engine], metrics_url: str) -> list[tuple]:
+    """Rows of (engine, rank, tier, engine blocks, engine digest, index blocks, index digest); the
+    router's index from its metrics port."""
+    async with session.get(metrics_url + "/debug/index") as r:
         index = await r.json()
     held = {(c["engine"], c["rank"]): c["tiers"] for c in index["carriers"]}
     rows = []
@@ -197,8 +198,8 @@ COUNTERS = {
 }
 
 
-async def counters(session: aiohttp.ClientSession, router_url: str) -> str:
-    async with session.get(router_url + "/metrics") as r:
+async def counters(session: aiohttp.ClientSession, metrics_url: str) -> str:
+    async with session.get(metrics_url + "/metrics") as r:
         text = await r.text()
     values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     return "   ".join(f"{label}: {float(values.get(name, 0)):.0f}" for name, label in COUNTERS.items())
@@ -250,7 +251,7 @@ async def local_main_async(seconds: float, clear: bool) -> int:
         for e in engines:
             e.start(logdir)
             procs.append(e.proc)
-        router_port = free_port_base(1)
+        router_port = free_port_base(2)  # the public port, then the metrics port
         router_log = open(os.path.join(logdir, "router.log"), "w")  # noqa: SIM115
         procs.append(
             subprocess.Popen(
@@ -260,6 +261,8 @@ async def local_main_async(seconds: float, clear: bool) -> int:
                     "router_runtime.cli",
                     "--port",
                     str(router_port),
+                    "--metrics-port",
+                    str(router_port + 1),
                     "--block-size",
                     str(BLOCK),
                     *[a for e in engines for a in ("--worker", e.worker_flag())],
@@ -269,6 +272,7 @@ async def local_main_async(seconds: float, clear: bool) -> int:
             )
         )
         router_url = f"http://127.0.0.1:{router_port}"
+        metrics_url = f"http://127.0.0.1:{router_port + 1}"
         async with aiohttp.ClientSession() as session:
             for url in [e.url + "/health" for e in engines] + [router_url + "/healthz"]:
                 await wait_http(session, url)
@@ -277,13 +281,13 @@ async def local_main_async(seconds: float, clear: bool) -> int:
             await asyncio.sleep(1.0)
 
             async def show(phase: str) -> None:
-                rows = await views(session, engines, router_url)
-                print(render(rows, phase, clear, await counters(session, router_url)), flush=True)
+                rows = await views(session, engines, metrics_url)
+                print(render(rows, phase, clear, await counters(session, metrics_url)), flush=True)
 
             await workload(session, engines, seconds, show)
             await asyncio.sleep(1.0)  # let the last batches land
-            rows = await views(session, engines, router_url)
-            print(render(rows, "settled", clear, await counters(session, router_url)))
+            rows = await views(session, engines, metrics_url)
+            print(render(rows, "settled", clear, await counters(session, metrics_url)))
             agree = all((r[3], r[4]) == (r[5], r[6]) for r in rows)
             print(
                 "\nthe router's index agrees with every engine"
@@ -746,7 +750,7 @@ async def engine_restart(demo: Demo, session, routers: list[str], victim) -> boo
 
     async def readopted(router: str):
         while True:
-            _, index = await F.get(session, router + "/debug/index")
+            _, index = await F.get(session, F.metrics_url(router) + "/debug/index")
             mine = [c for c in index["carriers"] if c["engine"] == eid]
             if mine and all(c.get("state", "ok") == "ok" for c in mine):
                 return time.monotonic() - t_back, sum(c["tiers"]["disk"]["blocks"] for c in mine)

@@ -38,7 +38,10 @@ ROUTER_SA = "routerfleet-router"
 ROUTER_ROLE = "routerfleet-router"
 ENGINE_LABELS = "app.kubernetes.io/name=fake-engine"
 ROUTER_LABELS = "app.kubernetes.io/name=routerfleet-router"
-ROUTER_PORT, INTERNAL_PORT, ENGINE_PORT = 8080, 8081, 8000
+ROUTER_PORT, INTERNAL_PORT, METRICS_PORT, ENGINE_PORT = 8080, 8081, 9090, 8000
+# The routers the tests deploy name the engine that served each answer (X-RouterFleet-Engine): the
+# tests read where requests went. Off by default: it tells clients internal addresses.
+ENGINE_HEADER_ARG = "--engine-header"
 BLOCK = 16
 TIERS = ("device", "host", "disk", "external")
 
@@ -50,13 +53,16 @@ def load_manifests(
     path: Path = MANIFESTS, *, image: str | None = None, token: str | None = None
 ) -> list[dict]:
     """The objects of the kustomization at ``path``, in its resources' order. ``image`` replaces every
-    container's image; ``token`` the fleet token's placeholder."""
+    container's image; ``token`` the fleet token's placeholder. The router names the engine that served
+    (ENGINE_HEADER_ARG)."""
     kust = yaml.safe_load((path / "kustomization.yaml").read_text())
     docs = [d for f in kust["resources"] for d in yaml.safe_load_all((path / f).read_text()) if d]
     for d in docs:
         if image and d["kind"] == "Deployment":
             for c in d["spec"]["template"]["spec"]["containers"]:
                 c["image"] = image
+        if d["kind"] == "Deployment" and d["metadata"]["name"] == ROUTER:
+            d["spec"]["template"]["spec"]["containers"][0]["args"].append(ENGINE_HEADER_ARG)
         if token and d["kind"] == "Secret" and d["metadata"]["name"] == TOKEN_SECRET:
             d["stringData"] = {"token": token}
     return docs
@@ -107,6 +113,13 @@ def pod_url(pod, port: int) -> str:
     return f"http://{pod.status.pod_ip}:{port}"
 
 
+def metrics_url(router: str) -> str:
+    """The metrics port (/metrics, /debug/*) of the in-cluster router whose public URL is ``router``."""
+    base, port = router.rsplit(":", 1)
+    assert int(port) == ROUTER_PORT, f"{router} is not a router pod's public URL"
+    return f"{base}:{METRICS_PORT}"
+
+
 def engine_id(pod) -> str:
     """The router's name for an engine discovered from EndpointSlices: <namespace>/<pod name>."""
     return f"{pod.metadata.namespace}/{pod.metadata.name}"
@@ -150,7 +163,7 @@ async def load_idle(session: aiohttp.ClientSession, routers: list[str], timeout:
     their load, so a probe through one right after probes through another would rightly see them."""
     deadline = time.monotonic() + timeout
     while True:
-        views = [(await get(session, r + "/debug/load"))[1] for r in routers]
+        views = [(await get(session, metrics_url(r) + "/debug/load"))[1] for r in routers]
         if all(t["load"] == 0 for v in views for t in v["targets"]):
             return
         if time.monotonic() > deadline:
@@ -159,7 +172,7 @@ async def load_idle(session: aiohttp.ClientSession, routers: list[str], timeout:
 
 
 async def metrics(session: aiohttp.ClientSession, router: str) -> dict[str, float]:
-    async with session.get(router + "/metrics") as r:
+    async with session.get(metrics_url(router) + "/metrics") as r:
         return parse_metrics(await r.text())
 
 
@@ -176,7 +189,7 @@ async def index_view(session: aiohttp.ClientSession, router: str) -> dict[tuple[
     """{(engine, rank, tier): (blocks, digest)} of what a router's /debug/index routes on: carriers of
     engines that left are kept hidden for re-adoption during the grace window and are skipped (so is
     the node count, which includes their nodes)."""
-    _, index = await get(session, router + "/debug/index")
+    _, index = await get(session, metrics_url(router) + "/debug/index")
     view: dict[tuple[str, int, str], tuple] = {}
     for c in index["carriers"]:
         if c.get("state", "ok") != "ok":

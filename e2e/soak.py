@@ -277,8 +277,10 @@ class Soak:
             30,
         )
         spec = self.deploy_vllm() if self.engines is VLLM else self.deploy_fake()
-        self.router_args = [*spec["router"].get("extraArgs", []), DEBUG_ARG]
-        # The soak checks every prediction: its requests present the fleet token for it.
+        args = spec["router"].get("extraArgs", [])
+        self.router_args = [*args, DEBUG_ARG, *{F.ENGINE_HEADER_ARG} - set(args)]
+        # The soak checks every prediction (its requests present the fleet token for it) against the
+        # engine that served it.
         spec["router"]["extraArgs"] = self.router_args
         fleet = {
             "apiVersion": f"{T.GROUP}/{T.VERSION}",
@@ -476,7 +478,7 @@ class Soak:
         want = {(F.engine_id(p), r) for p in engines for r in range(self.engines.dp)}
         for p in routers:
             try:
-                _, index = await F.get(session, f"http://{p.status.pod_ip}:{F.ROUTER_PORT}/debug/index")
+                _, index = await F.get(session, f"http://{p.status.pod_ip}:{F.METRICS_PORT}/debug/index")
             except (aiohttp.ClientError, TimeoutError, OSError):
                 return f"{p.metadata.name}'s /debug/index"
             live = {(s["engine"], s["rank"]) for s in index.get("subscriptions", []) if s.get("connected")}
@@ -662,7 +664,7 @@ class Soak:
             cursors = []
             for _pod, ip in list(self.ready):
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, KeyError):
-                    _, index = await F.get(session, f"http://{ip}:{F.ROUTER_PORT}/debug/index")
+                    _, index = await F.get(session, f"http://{ip}:{F.METRICS_PORT}/debug/index")
                     subs = index["subscriptions"]
                     cursors += [x["cursor"] for x in subs if x["engine"] == eid and x["rank"] == 0]
             if len(cursors) == len(self.ready) and None not in cursors:
@@ -677,7 +679,7 @@ class Soak:
             out.append("engine last_seq " + ",".join(str(r["last_seq"]) for r in st["ranks"]))
         for pod, ip in list(self.ready):
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, KeyError):
-                _, index = await F.get(session, f"http://{ip}:{F.ROUTER_PORT}/debug/index")
+                _, index = await F.get(session, f"http://{ip}:{F.METRICS_PORT}/debug/index")
                 subs = [x for x in index["subscriptions"] if x["engine"] == eid]
                 out.append(pod + " " + ",".join(f"r{x['rank']}:{x['cursor']}/{x['connected']}" for x in subs))
         return "; ".join(out)

@@ -1,7 +1,8 @@
 """The router process: the KV plane, the routing policy and the request plane behind one HTTP surface.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (the proxy, see
-``proxy/server.py``), ``/healthz``, ``/readyz``, ``/metrics``, ``/debug/index``.
+The public port: the inference API (the proxy, see ``proxy/server.py``), ``/healthz`` and ``/readyz``.
+The metrics port: ``/metrics``, ``/debug/index``, ``/debug/load``. The internal port (siblings and the
+operator, with the fleet token): ``bootstrap/http.py``. The endpoint picker (gRPC): ``gateway/``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from .proxy import log_redaction
 from .proxy.audit import PredictionAudit
 from .proxy.debug import DebugPrediction
 from .proxy.endpoints import FORWARDED
-from .proxy.errors import openai_errors
+from .proxy.errors import ProxyError, openai_errors
 from .proxy.health import AnswerProvesUp, BreakerState, HealthBoard, HealthChecker
 from .proxy.metrics import ProxyMetrics
 from .proxy.responses import ResponseRouter
@@ -76,6 +77,9 @@ from .worker import Carrier, WorkerSpec
 log = logging.getLogger(__name__)
 
 
+METRICS_PAGES = ("/metrics", "/debug/index", "/debug/load")  # the metrics port's pages
+
+
 class Router:
     def __init__(
         self,
@@ -87,6 +91,7 @@ class Router:
     ) -> None:
         self.config = config
         self.internal_url: str | None = None
+        self.metrics_url: str | None = None  # the metrics port's base URL, once it listens
         self.epp_address: str | None = None  # host:port of the gateway's endpoint picker, when served
         self.epp_server: grpc.aio.Server | None = None
         self.registry = CollectorRegistry()
@@ -540,11 +545,27 @@ class Router:
             app.router.add_route("*", path, self.proxy.by_load)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/debug/index", self._index)
-        app.router.add_get("/debug/load", self._load)
+        if self.config.metrics.public:
+            self._add_metrics_routes(app)
+        else:  # say where they went, to whoever scraped them here before
+            for path in METRICS_PAGES:
+                app.router.add_get(path, self._elsewhere)
         app.on_response_prepare.append(self._close_if_draining)
         return app
+
+    def build_metrics_app(self) -> web.Application:
+        """The metrics port's app: what Prometheus and operators read, never a client (docs/security.md)."""
+        app = web.Application(middlewares=[openai_errors])
+        self._add_metrics_routes(app)
+        return app
+
+    def _add_metrics_routes(self, app: web.Application) -> None:
+        for path, handler in zip(METRICS_PAGES, (self._metrics, self._index, self._load), strict=True):
+            app.router.add_get(path, handler)
+
+    async def _elsewhere(self, request: web.Request) -> web.Response:
+        where = "on the metrics port (--metrics-port), not the public one"
+        return ProxyError(404, f"{request.path} is served {where}", code="not_found").response()
 
     async def _close_if_draining(self, _request: web.Request, response: web.StreamResponse) -> None:
         # A keep-alive connection closed by the server while a client sends on it loses that request
@@ -617,6 +638,7 @@ async def run_router(
     # get at the stop before they are cut (cli.py drains first).
     bounds = {"access_log": None, "shutdown_timeout": config.proxy.shutdown_timeout_s}
     runner = GuardedRunner(router.build_app(), config.server, handler_cancellation=True, **bounds)
+    metrics = GuardedRunner(router.build_metrics_app(), config.server, **bounds)
     internal = None
     if router.token is not None:
         internal = GuardedRunner(
@@ -658,6 +680,10 @@ async def run_router(
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
         port = runner.addresses[0][1]
+        await metrics.setup()
+        metrics_host = config.metrics.host or config.host
+        await web.TCPSite(metrics, metrics_host, config.metrics.port).start()
+        router.metrics_url = f"http://{metrics_host}:{metrics.addresses[0][1]}"
         if internal is not None:
             await internal.setup()
             host = config.internal.host or config.host
@@ -668,6 +694,7 @@ async def run_router(
         try:  # the servers wait for their requests in flight at once, each bounded by shutdown_timeout
             await asyncio.gather(
                 runner.cleanup(),
+                metrics.cleanup(),
                 *([internal.cleanup()] if internal is not None else []),
                 *([epp.stop(config.proxy.shutdown_timeout_s)] if epp is not None else []),
             )

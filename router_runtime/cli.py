@@ -20,8 +20,9 @@ async def _serve(config: RouterConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     async with run_router(config) as (router, url):
         log.info(
-            "router listening on %s: policy %s, tokenizer %s, %d static workers",
+            "router listening on %s (metrics on %s): policy %s, tokenizer %s, %d static workers",
             url,
+            router.metrics_url,
             config.scheduling.policy,
             "bytes" if config.tokens.tokenizer == "bytes" else "hf",
             len(config.workers),

@@ -18,7 +18,7 @@ from .bootstrap.sweep import BootstrapConfig
 from .discovery import config as discovery_config
 from .discovery.config import DiscoveryConfig
 from .discovery.static import parse_worker
-from .flags import PORT, Flag, Text
+from .flags import PORT, Flag, Switch, Text
 from .fleet import config as fleet_config
 from .fleet.config import FleetConfig
 from .gateway import config as gateway_config
@@ -42,12 +42,23 @@ from .worker import WorkerSpec
 
 
 @dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """The metrics port: ``/metrics``, ``/debug/index`` and ``/debug/load``, for Prometheus and
+    operators, never on the public port unless ``public`` (docs/security.md)."""
+
+    host: str | None = None  # None: the router's --host
+    port: int = 9090
+    public: bool = False  # also on the public port, as before the metrics port existed
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     # The engines, when listed statically (else discovery finds them).
     workers: tuple[WorkerSpec, ...] = field(default_factory=tuple)
     log_level: str = "info"
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     kv: KvConfig = field(default_factory=KvConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     tokens: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -90,6 +101,17 @@ FLAGS: tuple[tuple[str | None, tuple[Flag, ...]], ...] = (
         (
             Flag("--host", "host", Text(), "address to listen on"),
             Flag("--port", "port", PORT, "public HTTP port"),
+            Flag(
+                "--metrics-host", "metrics.host", Text(), "address of the metrics port", default_text="--host"
+            ),
+            Flag("--metrics-port", "metrics.port", PORT, "metrics port: /metrics, /debug/index, /debug/load"),
+            Flag(
+                "--public-metrics",
+                "metrics.public",
+                Switch(negatable=False),
+                "serve /metrics and /debug/* on the public port too (they show engine URLs, replica names"
+                " and block counts to whoever reaches it)",
+            ),
             _WORKER,
             *kv_config.FLAGS,
             Flag(

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 from aiohttp import web
 
+from router_runtime.config import MetricsConfig
 from router_runtime.kv.subscription import RankSubscription
 from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.publisher import KvPublisher
@@ -106,3 +107,7 @@ def free_port() -> int:
 def closed_port_url() -> str:
     """An engine URL where nothing listens: connecting is refused."""
     return f"http://127.0.0.1:{free_port()}"
+
+
+# A test router's metrics port: any free one (the default, 9090, is one router's per host).
+LOCAL_METRICS = MetricsConfig(port=0)

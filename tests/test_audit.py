@@ -29,8 +29,11 @@ from router_runtime.proxy.audit import (
 )
 from router_runtime.proxy.config import ProxyConfig
 from router_runtime.proxy.health import HealthConfig
+from router_runtime.proxy.salting import tenant_salt
+from router_runtime.sessions.keys import tenant_of
 from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
+from tests.support import LOCAL_METRICS
 
 from .support import eventually
 
@@ -171,6 +174,7 @@ async def test_a_router_audits_its_predictions_against_the_engine(tmp_path):
         worker = WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
         cfg = RouterConfig(
             port=0,
+            metrics=LOCAL_METRICS,
             workers=(worker,),
             **debugging(tmp_path),
             kv=KvConfig(block_size=BS),
@@ -226,6 +230,7 @@ async def test_a_router_audits_its_predictions_against_the_engine(tmp_path):
         # Without --audit-stream-usage, such a stream is counted unaudited, never as a miss.
         cfg = RouterConfig(
             port=0,
+            metrics=LOCAL_METRICS,
             workers=(worker,),
             kv=KvConfig(block_size=BS),
             health=HealthConfig(interval_s=0),
@@ -263,6 +268,7 @@ async def test_a_silent_stream_makes_the_rank_doubtful_until_a_batch_comes(tmp_p
         worker = WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
         cfg = RouterConfig(
             port=0,
+            metrics=LOCAL_METRICS,
             workers=(worker,),
             **debugging(tmp_path),
             kv=KvConfig(block_size=BS, stall_s=0.3),
@@ -317,6 +323,7 @@ async def test_the_prediction_is_answered_only_when_enabled_to_the_fleet_token_o
             extra = debugging(tmp_path) if enabled else {}
             cfg = RouterConfig(
                 port=0,
+                metrics=LOCAL_METRICS,
                 workers=(worker,),
                 **extra,
                 kv=KvConfig(block_size=BS),
@@ -340,6 +347,52 @@ async def test_the_prediction_is_answered_only_when_enabled_to_the_fleet_token_o
                 }
 
 
+@pytest.mark.parametrize("enforced", [True, False], ids=["tenant_cache_salt", "off"])
+async def test_a_tenant_derived_cache_salt_keeps_each_tenants_cache_its_own(tmp_path, enforced):
+    """With --tenant-cache-salt, the engine itself (its cached-token figure) never serves one tenant
+    the blocks another cached: not for the same prompt, not for a client that sends the other tenant's
+    salt as its own; the router predicts under the salt the engine sees, so the audit stays exact.
+    Off, a second tenant's first request reads the first tenant's cache (the leak the flag closes)."""
+    prompt = {"prompt": list(range(1, 42)), "max_tokens": 1}  # 10 reusable blocks: 40 tokens
+    async with run_fake_engine(block_size=BS, decode_tokens_per_s=0) as e:
+        worker = WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
+        tenancy = {"tenant_header": "Authorization", "tenant_cache_salt": enforced}
+        cfg = RouterConfig(
+            port=0,
+            metrics=LOCAL_METRICS,
+            workers=(worker,),
+            **debugging(tmp_path, **tenancy),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+        )
+        async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
+            await eventually(lambda: router.ready()[0], what="ready")
+
+            async def ask(key: str, **extra) -> tuple[int, int]:
+                """(predicted, the engine's cached tokens) of ``prompt`` sent with API key ``key``."""
+                headers = {**DEBUG, "Authorization": f"Bearer {key}"}
+                async with s.post(url + "/v1/completions", json={**prompt, **extra}, headers=headers) as r:
+                    assert r.status == 200, await r.text()
+                    cached = (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    predicted = int(r.headers["X-RouterFleet-Predicted-Cached-Tokens"])
+                await eventually(lambda: router.kv.index.node_count() > 0, what="the blocks indexed")
+                await asyncio.sleep(0.1)  # the store's events: the next prediction knows them
+                return predicted, cached
+
+            assert await ask("alice") == (0, 0)
+            assert await ask("alice") == (40, 40)
+            if not enforced:
+                assert await ask("bob") == (40, 40)  # bob reads what alice cached
+                return
+            assert await ask("bob") == (0, 0)
+            assert await ask("bob") == (40, 40)  # his own, now
+            alices = tenant_salt(tenant_of({"Authorization": "Bearer alice"}, "Authorization"), None)
+            assert await ask("mallory", cache_salt=alices) == (0, 0)  # a named salt is namespaced
+            assert await ask("alice", cache_salt="per-user") == (0, 0)  # a client's salt parts within
+            assert await ask("alice", cache_salt="per-user") == (40, 40)
+        assert audited(router, "false_hit") == 0 and audited(router, "exact") == 7
+
+
 async def test_a_rank_whose_gap_is_being_replayed_is_doubtful():
     """A gap is seen and the replay socket does not answer (a ROUTER that never replies): until the
     replay gives up and the rank goes cold, what the index holds for it lacks batches, and a
@@ -352,6 +405,7 @@ async def test_a_rank_whose_gap_is_being_replayed_is_doubtful():
             worker = WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=f"tcp://127.0.0.1:{port}")
             cfg = RouterConfig(
                 port=0,
+                metrics=LOCAL_METRICS,
                 workers=(worker,),
                 kv=KvConfig(block_size=BS, replay=ReplayTimeouts(idle_s=1.0)),
                 health=HealthConfig(interval_s=0),

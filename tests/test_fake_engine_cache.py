@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from router_runtime.kv.decode import decode_batch
 from router_runtime.kv.encode import encode_batch
 from router_runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Dialect, EventBatch, Tier
+from router_runtime.kv.index import RadixIndex
 from router_runtime.tokens import decode, encode, render_chat, tokenize_chat
+from router_runtime.worker import Carrier
 from routerfleet_fake_engine.cache import CacheConfig, RankCache, host_medium
 from routerfleet_fake_engine.hashing import PLAIN, Namespace, block_hashes, to_signed_i64
 from routerfleet_fake_engine.openai_api import (
@@ -218,6 +220,23 @@ def test_salted_and_lora_events_carry_dialect_fields() -> None:
     c.admit(tokens)
     assert c.lookup(tokens, Namespace(cache_salt="x")).cached_tokens == 0
     assert c.admit(tokens, Namespace(cache_salt="x")).events  # stored separately
+
+
+@pytest.mark.parametrize("dialect", [VLLM, Dialect.SGLANG], ids=str)
+def test_the_index_matches_a_namespaced_request_to_the_blocks_its_engine_published(dialect) -> None:
+    """vLLM sends a LoRA name and a salt as per-block extra keys, SGLang as fields: either way the index
+    keys the blocks as a request of that namespace looks them up, and no other namespace matches."""
+    index = RadixIndex(BS)
+    carrier = Carrier("http://e", 0)
+    c = cache(dialect)
+    tokens = toks(0, 3)
+    spaces = [PLAIN, Namespace(cache_salt="a"), Namespace(lora_name="l"), Namespace("l", "a")]
+    ns = spaces[-1]
+    index.apply_batch(carrier, EventBatch(0.0, c.admit(tokens[: 2 * BS], ns).events))
+    index.apply_batch(carrier, EventBatch(0.0, c.admit(tokens, ns).events))  # a continuation
+    for other in spaces:
+        m = index.match(tokens, lora_name=other.lora_name, cache_salt=other.cache_salt).get(carrier)
+        assert (m.blocks if m else 0) == (3 if other == ns else 0), other
 
 
 def test_admin_store_host_remove_clear() -> None:

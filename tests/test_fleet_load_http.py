@@ -21,11 +21,13 @@ from router_runtime.fleet.engine_metrics import ScrapeConfig
 from router_runtime.fleet.gossip import GossipConfig
 from router_runtime.fleet.view import Bounds
 from router_runtime.kv.config import KvConfig
+from router_runtime.proxy.config import ProxyConfig
 from router_runtime.proxy.health import HealthConfig
 from router_runtime.scheduling.config import SchedulingConfig
 from router_runtime.scheduling.presets import PolicyConfig
 from router_runtime.worker import Carrier, WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
+from tests.support import LOCAL_METRICS
 
 from .support import eventually, join_stream
 
@@ -70,6 +72,7 @@ async def replicas(
             "internal": InternalConfig(port=0, token_file=str(token)),
             "kv": KvConfig(block_size=BS),
             "health": HealthConfig(interval_s=0),
+            "proxy": ProxyConfig(engine_header=True),
             "scheduling": SchedulingConfig(tuning=GUARD),
             "fleet": FleetConfig(
                 GossipConfig(window_s=0.005 if gossip else 0, heartbeat_s=heartbeat_s),
@@ -77,7 +80,7 @@ async def replicas(
                 bounds or Bounds(),
             ),
         }
-        cfg = RouterConfig(port=0, workers=workers, **{**defaults, **sections})
+        cfg = RouterConfig(port=0, metrics=LOCAL_METRICS, workers=workers, **{**defaults, **sections})
         routers = [await stack.enter_async_context(run_router(cfg)) for _ in range(n_routers)]
         for i, (r, _) in enumerate(routers):
             r.bootstrap.peers.publish(
@@ -264,6 +267,8 @@ async def test_a_stalled_engine_metrics_endpoint_delays_no_request(tmp_path):
         stalled = f"http://127.0.0.1:{runner.addresses[0][1]}"
         cfg = RouterConfig(
             port=0,
+            metrics=LOCAL_METRICS,
+            proxy=ProxyConfig(engine_header=True),
             workers=(WorkerSpec(stalled, stalled),),
             kv=KvConfig(block_size=BS),
             health=HealthConfig(interval_s=0),

@@ -36,12 +36,21 @@ from router_runtime.gateway.protocol import (
 )
 from router_runtime.gateway.tls import self_signed
 from router_runtime.kv.config import KvConfig
+from router_runtime.proxy.config import ProxyConfig
 from router_runtime.proxy.headers import ENGINE_HEADER
 from router_runtime.proxy.health import BreakerState, HealthConfig
 from router_runtime.scheduling.types import Target
 from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
-from tests.support import closed_port_url, eventually, free_port, join_all, static_workers, stop_process
+from tests.support import (
+    LOCAL_METRICS,
+    closed_port_url,
+    eventually,
+    free_port,
+    join_all,
+    static_workers,
+    stop_process,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -84,6 +93,8 @@ async def gateway(
         ]
         cfg = RouterConfig(
             port=0,
+            metrics=LOCAL_METRICS,
+            proxy=ProxyConfig(engine_header=True),
             workers=static_workers(engines),
             kv=KvConfig(block_size=BS),
             health=HealthConfig(interval_s=0),
@@ -283,6 +294,8 @@ async def test_the_pickers_grpc_health_follows_readiness(tmp_path, tls):
         workers = static_workers([engine])
         cfg = RouterConfig(
             port=0,
+            metrics=LOCAL_METRICS,
+            proxy=ProxyConfig(engine_header=True),
             workers=workers,
             kv=KvConfig(block_size=BS),
             health=HealthConfig(interval_s=0),
@@ -317,6 +330,8 @@ async def test_a_pick_that_refuses_connections_fails_over_and_the_engine_that_se
         workers = (*static_workers([engine]), WorkerSpec(dead, dead))
         cfg = RouterConfig(
             port=0,
+            metrics=LOCAL_METRICS,
+            proxy=ProxyConfig(engine_header=True),
             workers=workers,
             kv=KvConfig(block_size=BS),
             health=HealthConfig(interval_s=0),
@@ -394,6 +409,7 @@ async def test_the_picker_holds_bodies_in_the_routers_one_budget(tmp_path):
     async with run_fake_engine(block_size=BS) as engine:
         cfg = RouterConfig(
             port=0,
+            metrics=LOCAL_METRICS,
             workers=static_workers([engine]),
             kv=KvConfig(block_size=BS),
             health=HealthConfig(interval_s=0),

@@ -25,6 +25,7 @@ from router_runtime.kv.config import KvConfig
 from router_runtime.proxy.health import BreakerState, HealthConfig
 from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
+from tests.support import LOCAL_METRICS
 
 from .support import eventually, snapshot_peer
 from .test_proxy_http import breakers
@@ -49,6 +50,7 @@ async def router_over_engine(tmp_path, *, events: bool = False, **sections):
         }
         cfg = RouterConfig(
             port=0,
+            metrics=LOCAL_METRICS,
             workers=(WorkerSpec(engine.http_url, engine.http_url, **streams),),
             **{**defaults, **sections},
         )
@@ -121,6 +123,21 @@ async def test_a_lone_surrogate_anywhere_is_a_400_naming_the_field(tmp_path):
             async with s.post(url + path, data=body, headers={"Content-Type": "application/json"}) as r:
                 error = (await r.json())["error"]
                 assert r.status == 400 and error["param"] == field and field in error["message"], error
+
+
+async def test_a_client_on_the_public_port_learns_no_engine_address_nor_any_debug_page(tmp_path):
+    """By default no answer names its engine (X-RouterFleet-Engine: engine URLs), and /metrics,
+    /debug/index and /debug/load (engine URLs, replica names, block counts) are on the metrics port."""
+    async with router_over_engine(tmp_path) as (engine, router, url, s):
+        for body in (PROMPT, {**PROMPT, "max_tokens": -1}):  # accepted, and refused by the engine
+            async with s.post(url + "/v1/completions", json=body) as r:
+                assert "X-RouterFleet-Engine" not in r.headers and engine.http_url not in await r.text()
+        for page in ("/metrics", "/debug/index", "/debug/load"):
+            async with s.get(url + page) as r:
+                text = await r.text()
+                assert r.status == 404 and "metrics port" in text and engine.http_url not in text, page
+            async with s.get(router.metrics_url + page) as r:
+                assert r.status == 200 and (page != "/debug/load" or engine.http_url in await r.text()), page
 
 
 async def test_a_non_ascii_authorization_header_on_the_internal_port_is_a_401(tmp_path):
@@ -499,6 +516,7 @@ async def test_an_engine_answering_without_end_costs_the_router_a_bounded_read(t
     async with loopback_app(*routes) as engine_url:
         cfg = RouterConfig(
             port=0,
+            metrics=LOCAL_METRICS,
             workers=(WorkerSpec(engine_url, engine_url),),
             kv=KvConfig(block_size=BS),
             health=HealthConfig(interval_s=0.2),
@@ -628,7 +646,7 @@ async def test_past_the_body_budget_a_request_waits_then_gets_503_with_retry_aft
         await asyncio.sleep(0.2)
         assert router.proxy.bodies.held == 0
         await assert_healthy(router, url, s, engine)
-        text = await (await s.get(url + "/metrics")).text()
+        text = await (await s.get(router.metrics_url + "/metrics")).text()
         assert 'outcome="overloaded",policy="kv_aware",status="503"' in text
 
 

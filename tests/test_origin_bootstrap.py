@@ -18,6 +18,7 @@ from router_runtime.kv.decode import normalize_hash
 from router_runtime.kv.events import Tier
 from routerfleet_fake_engine.cache import PLAIN
 from routerfleet_fake_engine.server import run_fake_engine
+from tests.support import LOCAL_METRICS
 
 from .support import eventually
 from .test_bootstrap_component import replica
@@ -39,11 +40,12 @@ def router_config(engines, *extra):
             str(BS),
             "--health-interval-ms",
             "0",
+            "--engine-header",
             *[a for w in workers for a in ("--worker", w)],
             *extra,
         ]
     )
-    return dataclasses.replace(config, port=0)
+    return dataclasses.replace(config, port=0, metrics=LOCAL_METRICS)
 
 
 def index_matches_engine(router, e) -> bool:
@@ -158,7 +160,7 @@ async def test_a_replay_that_does_not_fit_this_routers_block_size_is_a_config_mi
             async with aiohttp.ClientSession() as http:
                 async with http.get(url + "/readyz") as r:
                     body = await r.json()
-                async with http.get(url + "/metrics") as m:
+                async with http.get(router.metrics_url + "/metrics") as m:
                     text = await m.text()
             # Nothing to inherit can fix it, and no seed is required here: ready, and says it is blind.
             assert r.status == 200 and "cache-blind" in body["reason"], body
@@ -170,7 +172,7 @@ async def test_a_router_started_with_the_wrong_block_size_reports_it_once_stores
     """No history to replay, no rollout: the live stream alone shows the mismatch (verdict, metric)."""
     async with run_fake_engine(block_size=BS) as e:
         config = router_config([e], "--block-size", str(BS * 2))
-        async with run_router(config) as (router, url):
+        async with run_router(config) as (router, _url):
             await eventually(lambda: router.bootstrap.settled, timeout=10, what="bootstrap settled")
             assert router.bootstrap.verdict.value == "no_peers"  # no evidence yet: an empty cache
             await eventually(lambda: router.kv.live(), what="subscribed")
@@ -178,7 +180,7 @@ async def test_a_router_started_with_the_wrong_block_size_reports_it_once_stores
             for p in engine_prefixes(2, 5):
                 e.admit(0, p, PLAIN)
             await eventually(lambda: router.bootstrap.verdict.value == "config_mismatch", what="the verdict")
-            async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+            async with aiohttp.ClientSession() as http, http.get(router.metrics_url + "/metrics") as r:
                 text = await r.text()
             labels = f'engine="{e.http_url}",rank="0",reason="block_size_mismatch"'
             sample = f"routerfleet_kv_config_mismatch{{{labels}}}"

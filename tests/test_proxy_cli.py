@@ -140,16 +140,18 @@ def test_a_body_budget_below_one_body_fails_with_one_line_naming_both_flags(caps
     assert "--max-body-bytes" in last
 
 
-async def start_router(engine, *flags: str) -> tuple[asyncio.subprocess.Process, str]:
-    """``routerfleet-router`` in front of ``engine``, as a process; (the process, its URL)."""
-    port = free_port()
+async def start_router(engine, *flags: str) -> tuple[asyncio.subprocess.Process, str, str]:
+    """``routerfleet-router`` in front of ``engine``, as a process; (the process, its URL, its metrics
+    port's URL)."""
+    port, metrics = free_port(), free_port()
     worker = f"url={engine.http_url},kv={engine.kv_endpoint(0)},replay={engine.replay_endpoint(0)}"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router_runtime.cli", "--port", str(port), "--worker", worker, *flags,
+        sys.executable, "-m", "router_runtime.cli", "--port", str(port), "--metrics-port", str(metrics),
+        "--worker", worker, *flags,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
-    return proc, f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics}"
 
 
 async def until_readyz(s: aiohttp.ClientSession, proc, url: str, want: int) -> None:
@@ -172,14 +174,24 @@ async def until_readyz(s: aiohttp.ClientSession, proc, url: str, want: int) -> N
 
 async def test_the_router_process_serves_requests():
     async with run_fake_engine(block_size=16) as engine:
-        proc, url = await start_router(engine, "--health-interval-ms", "100", "--shutdown-drain-ms", "0")
+        proc, url, metrics = await start_router(
+            engine, "--health-interval-ms", "100", "--shutdown-drain-ms", "0"
+        )
         try:
             async with aiohttp.ClientSession() as s:
                 await until_readyz(s, proc, url, 200)
                 async with s.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3}) as r:
-                    assert r.status == 200 and r.headers["X-RouterFleet-Engine"] == engine.http_url
+                    # a client learns nothing of the engines' addresses
+                    assert r.status == 200 and "X-RouterFleet-Engine" not in r.headers
                     assert len((await r.json())["choices"][0]["text"]) == 3
-                async with s.get(url + "/metrics") as r:
+                for page in ("/metrics", "/debug/index", "/debug/load"):  # on the metrics port alone
+                    async with s.get(url + page) as r:
+                        assert r.status == 404 and (await r.json())["error"]["code"] == "not_found", page
+                    async with s.get(metrics + page) as r:
+                        assert r.status == 200, page
+                        text = await r.text()
+                assert engine.http_url in text  # /debug/load names the engines
+                async with s.get(metrics + "/metrics") as r:
                     text = await r.text()
                     assert (
                         'routerfleet_requests_total{outcome="ok",policy="kv_aware",status="200"} 1.0' in text
@@ -197,7 +209,7 @@ async def test_sigterm_drains_before_the_server_stops():
     are still served, each with Connection: close (no idle keep-alive connection for the final close to
     catch a client's next request on); then it exits 0."""
     async with run_fake_engine(block_size=16) as engine:
-        proc, url = await start_router(engine, "--shutdown-drain-ms", "30000")
+        proc, url, _metrics = await start_router(engine, "--shutdown-drain-ms", "30000")
         try:
             async with aiohttp.ClientSession() as s:
                 await until_readyz(s, proc, url, 200)
@@ -243,7 +255,7 @@ async def test_sigterm_under_load_exits_within_the_pods_grace_period():
                 pass
 
     async with run_fake_engine(block_size=16, decode_tokens_per_s=5) as engine:
-        proc, url = await start_router(engine)
+        proc, url, _metrics = await start_router(engine)
         try:
             async with aiohttp.ClientSession() as s:
                 await until_readyz(s, proc, url, 200)

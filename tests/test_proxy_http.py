@@ -23,6 +23,7 @@ from router_runtime.scheduling.framework import Choice, Cycle, Profile, Scored
 from router_runtime.scheduling.types import Reason, Target
 from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
+from tests.support import LOCAL_METRICS
 
 from .support import closed_port_url, eventually
 
@@ -60,7 +61,11 @@ def preferring(*engines: str) -> Profile:
 @contextlib.asynccontextmanager
 async def routed(workers, policy=None, **sections):
     sections.setdefault("health", HealthConfig(interval_s=0))
-    cfg = RouterConfig(port=0, workers=tuple(workers), kv=KvConfig(block_size=4), **sections)
+    # Named: the tests read where each request went in X-RouterFleet-Engine.
+    sections["proxy"] = dataclasses.replace(sections.get("proxy", ProxyConfig()), engine_header=True)
+    cfg = RouterConfig(
+        port=0, metrics=LOCAL_METRICS, workers=tuple(workers), kv=KvConfig(block_size=4), **sections
+    )
     async with run_router(cfg, policy=policy) as (router, url), aiohttp.ClientSession() as session:
         yield router, url, session
 
@@ -547,7 +552,7 @@ async def test_the_breaker_takes_a_dead_engine_out_and_brings_it_back():
                 assert status == 200 and headers[ENGINE_HEADER] == b_url
                 assert sample(router, "routerfleet_breaker_transitions_total", state="open") >= 1
                 assert sample(router, "routerfleet_breaker_transitions_total", state="closed") >= 1
-                async with s.get(url + "/metrics") as r:
+                async with s.get(router.metrics_url + "/metrics") as r:
                     assert 'routerfleet_engines{state="closed"} 2.0' in await r.text()
         finally:
             await b_engine.__aexit__(None, None, None)

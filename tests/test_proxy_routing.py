@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
@@ -15,6 +16,7 @@ from router_runtime.config import RouterConfig
 from router_runtime.fleet.config import FleetConfig
 from router_runtime.fleet.engine_metrics import ScrapeConfig
 from router_runtime.kv.config import KvConfig
+from router_runtime.proxy.config import ProxyConfig
 from router_runtime.proxy.health import HealthConfig
 from router_runtime.scheduling.config import SchedulingConfig
 from router_runtime.scheduling.presets import PolicyConfig
@@ -23,6 +25,7 @@ from router_runtime.tokens.hf import HFTokenizer
 from router_runtime.tokens.tokenizer import BytesTokenizer
 from router_runtime.worker import Carrier, WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
+from tests.support import LOCAL_METRICS
 
 from .support import eventually, join_all, static_workers
 from .test_tokens_hf import build_tokenizer_dir
@@ -41,8 +44,15 @@ async def kv_fleet(n: int = 3, engine_kw=None, with_tokenizer=None, **config):
             for _ in range(n)
         ]
         workers = static_workers(engines)
+        # Named: the tests read where each request went in X-RouterFleet-Engine.
+        config["proxy"] = dataclasses.replace(config.get("proxy", ProxyConfig()), engine_header=True)
         cfg = RouterConfig(
-            port=0, workers=workers, **config, kv=KvConfig(block_size=BS), health=HealthConfig(interval_s=0)
+            port=0,
+            metrics=LOCAL_METRICS,
+            workers=workers,
+            **config,
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
         )
         router, url = await stack.enter_async_context(run_router(cfg, tokenizer=with_tokenizer))
         await join_all(router, engines)
@@ -227,10 +237,12 @@ async def test_only_policies_that_match_tokens_or_text_make_the_router_tokenize(
             tok = CountingTokenizer()
             cfg = RouterConfig(
                 port=0,
+                metrics=LOCAL_METRICS,
                 workers=workers,
                 kv=KvConfig(block_size=BS),
                 health=HealthConfig(interval_s=0),
                 scheduling=SchedulingConfig(policy=policy),
+                proxy=ProxyConfig(engine_header=True),
             )
             async with run_router(cfg, tokenizer=tok) as (router, url):
                 for _ in range(2):

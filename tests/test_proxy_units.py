@@ -16,6 +16,7 @@ from router_runtime.proxy.errors import ProxyError
 from router_runtime.proxy.headers import request_headers, response_headers
 from router_runtime.proxy.health import Breaker, BreakerConfig, BreakerState, HealthBoard
 from router_runtime.proxy.request import Kind, parse_json, parse_request
+from router_runtime.proxy.salting import salted, tenant_salt
 from router_runtime.proxy.targets import TargetBook
 from router_runtime.scheduling.types import Target
 from router_runtime.worker import WorkerSpec
@@ -380,3 +381,45 @@ async def test_a_parse_its_request_left_running_keeps_its_share_until_it_ends():
                 break
             await asyncio.sleep(0.05)
         assert budget.held == 0
+
+
+# ---- tenant cache salts (proxy/salting.py) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "hi", "max_tokens": 2}',
+        b'  {"messages": [{"role": "user", "content": "\xc3\xa9"}]}',
+        b'{"prompt": "hi", "cache_salt": "mine"}',
+        b'{"prompt": "hi", "cache_salt": null}',  # a later null must not undo an inserted salt
+        '{"prompt": "hi"}'.encode("utf-16"),
+    ],
+)
+def test_a_salted_body_carries_its_tenants_salt_and_everything_else_unchanged(raw):
+    body = json.loads(raw)
+    sent, salted_body = salted(raw, body, "tenant-a")
+    decoded = json.loads(sent)
+    assert (
+        decoded["cache_salt"] == salted_body["cache_salt"] == tenant_salt("tenant-a", body.get("cache_salt"))
+    )
+    assert {k: v for k, v in decoded.items() if k != "cache_salt"} == {
+        k: v for k, v in body.items() if k != "cache_salt"
+    }
+    if "cache_salt" not in body and raw.startswith(b"{"):
+        assert sent.endswith(raw[1:])  # inserted: the client's bytes follow as they were
+
+
+def test_salts_part_tenants_and_the_clients_own_salts_within_one():
+    salts = {tenant_salt(t, own) for t in ("", "a", "b") for own in (None, "x", "y")}
+    assert len(salts) == 9
+    # A client cannot name another tenant's salt: its own salt is namespaced, never used as it is.
+    assert tenant_salt("a", tenant_salt("b", None)) != tenant_salt("b", None)
+    # vLLM's rules for a salt (entrypoints' validate_cache_salt): at most 128 characters, none of @ / \ NUL.
+    assert all(len(s) <= 128 and not set(s) & set("@/\\\x00") for s in salts)
+
+
+@pytest.mark.parametrize("body", [["not", "an", "object"], {"prompt": "hi", "cache_salt": 7}])
+def test_a_body_the_parser_refuses_is_left_for_its_400(body):
+    raw = json.dumps(body).encode()
+    assert salted(raw, body, "a") == (raw, body)

@@ -37,6 +37,7 @@ from router_runtime.sessions.store import Remembered
 from router_runtime.tokens.chat import Reason, Untokenizable
 from router_runtime.tokens.shapes import messages_chat, responses_chat
 from routerfleet_fake_engine.server import run_fake_engine
+from tests.support import LOCAL_METRICS
 
 from .support import eventually, join_all, static_workers
 from .test_proxy_routing import kv_fleet
@@ -162,10 +163,11 @@ async def test_a_tenant_never_reaches_another_tenants_stored_response(tenants):
         engines = [await stack.enter_async_context(run_fake_engine(block_size=BS)) for _ in range(2)]
         cfg = RouterConfig(
             port=0,
+            metrics=LOCAL_METRICS,
             workers=static_workers(engines),
             kv=KvConfig(block_size=BS),
             health=HealthConfig(interval_s=0),
-            proxy=ProxyConfig(tenant_header="Authorization" if tenants else None),
+            proxy=ProxyConfig(tenant_header="Authorization" if tenants else None, engine_header=True),
         )
         _router, url = await stack.enter_async_context(run_router(cfg))
         alice = await stack.enter_async_context(sdk(url, "alice-key"))
@@ -202,6 +204,8 @@ async def test_three_replicas_find_a_response_by_probing_and_a_new_replica_inher
         def cfg(probe_s: float, peers=()):
             return RouterConfig(
                 port=0,
+                metrics=LOCAL_METRICS,
+                proxy=ProxyConfig(engine_header=True),
                 workers=workers,
                 responses=BindingConfig(probe_timeout_s=probe_s),
                 kv=KvConfig(block_size=BS),

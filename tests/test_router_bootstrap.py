@@ -14,6 +14,7 @@ from router_runtime.bootstrap.config import PeerConfig
 from router_runtime.config import parse_args
 from routerfleet_fake_engine.cache import PLAIN
 from routerfleet_fake_engine.server import run_fake_engine
+from tests.support import LOCAL_METRICS
 
 from .support import eventually
 from .test_bootstrap_component import BS, prompts
@@ -45,7 +46,9 @@ def args(e, token_file, *extra):
         ]
     )
     # ephemeral ports (the CLI wants real ones)
-    return dataclasses.replace(config, port=0, internal=dataclasses.replace(config.internal, port=0))
+    return dataclasses.replace(
+        config, port=0, metrics=LOCAL_METRICS, internal=dataclasses.replace(config.internal, port=0)
+    )
 
 
 async def test_a_second_router_is_seeded_through_the_internal_port(token_file):
@@ -113,7 +116,7 @@ async def test_engines_without_kv_events_do_not_hold_readiness(token_file):
             ["--block-size", str(BS), "--worker", f"url={e.http_url}", "--health-interval-ms", "0"]
         )
         peers = PeerConfig(urls=("http://127.0.0.1:1",))
-        config = dataclasses.replace(config, port=0, peers=peers)
+        config = dataclasses.replace(config, port=0, metrics=LOCAL_METRICS, peers=peers)
         async with run_router(config) as (b, b_url):
             async with http.get(b_url + "/readyz") as r:
                 assert r.status == 200, await r.text()

@@ -26,12 +26,14 @@ from router_runtime.config import RouterConfig
 from router_runtime.fleet.config import FleetConfig
 from router_runtime.fleet.engine_metrics import ScrapeConfig
 from router_runtime.kv.config import KvConfig
+from router_runtime.proxy.config import ProxyConfig
 from router_runtime.proxy.health import HealthConfig
 from router_runtime.sessions.bindings import BindingConfig
 from router_runtime.sessions.config import SessionConfig, StoreConfig
 from router_runtime.sessions.redis_store import SharedClient, _vetted, store_url
 from router_runtime.sessions.store import Remembered
 from routerfleet_fake_engine.server import run_fake_engine
+from tests.support import LOCAL_METRICS
 
 from .support import free_port, join_stream, static_workers
 
@@ -122,6 +124,8 @@ async def fleet(store_url_: str, n_engines: int = 3, bindings: BindingConfig | N
             mid-stream replays first: what it routes by binding or session does not need that)."""
             cfg = RouterConfig(
                 port=0,
+                metrics=LOCAL_METRICS,
+                proxy=ProxyConfig(engine_header=True),
                 workers=workers,
                 sessions=SessionConfig(enabled=True),
                 responses=bindings,

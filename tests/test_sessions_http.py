@@ -26,12 +26,14 @@ from router_runtime.config import RouterConfig
 from router_runtime.fleet.config import FleetConfig
 from router_runtime.fleet.engine_metrics import ScrapeConfig
 from router_runtime.kv.config import KvConfig
+from router_runtime.proxy.config import ProxyConfig
 from router_runtime.proxy.health import HealthConfig
 from router_runtime.scheduling.config import SchedulingConfig
 from router_runtime.scheduling.presets import PolicyConfig
 from router_runtime.sessions.config import SessionConfig
 from router_runtime.worker import Carrier, WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
+from tests.support import LOCAL_METRICS
 
 from .support import eventually, join_all, join_stream, static_workers
 
@@ -83,6 +85,8 @@ async def thrash(policy: str, affinity: bool):
             workers = (WorkerSpec(a.http_url, a.http_url), WorkerSpec(b.http_url, b.http_url))
         cfg = RouterConfig(
             port=0,
+            metrics=LOCAL_METRICS,
+            proxy=ProxyConfig(engine_header=True),
             workers=workers,
             sessions=SessionConfig(enabled=affinity),
             kv=KvConfig(block_size=BS),
@@ -185,6 +189,8 @@ async def test_three_replicas_keep_the_engine_with_the_echoed_header_and_a_new_o
             # buffers and fetches only the session table from its sibling.
             return RouterConfig(
                 port=0,
+                metrics=LOCAL_METRICS,
+                proxy=ProxyConfig(engine_header=True),
                 workers=workers,
                 sessions=SessionConfig(enabled=True, trust_hints=True),
                 kv=KvConfig(block_size=BS),
@@ -280,6 +286,8 @@ async def test_only_2xx_writes_and_transport_errors_never_do():
         echo = await stack.enter_async_context(echo_engine())
         cfg = RouterConfig(
             port=0,
+            metrics=LOCAL_METRICS,
+            proxy=ProxyConfig(engine_header=True),
             workers=(WorkerSpec(echo, echo),),
             sessions=SessionConfig(enabled=True),
             scheduling=SchedulingConfig(policy="round_robin"),
@@ -303,6 +311,8 @@ async def test_only_2xx_writes_and_transport_errors_never_do():
     async with run_router(
         RouterConfig(
             port=0,
+            metrics=LOCAL_METRICS,
+            proxy=ProxyConfig(engine_header=True),
             workers=(WorkerSpec(dead, dead),),
             sessions=SessionConfig(enabled=True),
             scheduling=SchedulingConfig(policy="round_robin"),
@@ -326,6 +336,8 @@ async def test_hint_headers_are_stripped_trusted_or_not_and_session_headers_pass
         ):
             cfg = RouterConfig(
                 port=0,
+                metrics=LOCAL_METRICS,
+                proxy=ProxyConfig(engine_header=True),
                 workers=(WorkerSpec(echo, echo),),
                 sessions=sessions,
                 scheduling=SchedulingConfig(policy="round_robin"),

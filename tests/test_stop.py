@@ -34,6 +34,7 @@ from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.cache import PLAIN
 from routerfleet_fake_engine.config import FakeEngineConfig
 from routerfleet_fake_engine.server import FakeEngine
+from tests.support import LOCAL_METRICS
 
 from .support import eventually, loopback_app
 
@@ -111,7 +112,7 @@ async def trial(seed: int, mute_replay: str, peer: str, token_file: str) -> None
         flags += ["--internal-token-file", token_file, "--kv-peer", peer]
     config = parse_args(flags)
     config = dataclasses.replace(
-        config, port=0, internal=dataclasses.replace(config.internal, port=0)
+        config, port=0, metrics=LOCAL_METRICS, internal=dataclasses.replace(config.internal, port=0)
     )  # ephemeral
     try:
         async with run_router(config) as (router, _url):

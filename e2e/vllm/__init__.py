@@ -110,7 +110,7 @@ def fleet_spec(image: str, name: str = "vllm") -> dict:
             "image": image,
             "blockSize": BLOCK_SIZE,
             "tokenizer": {"source": "Engine"},
-            "extraArgs": ["--chat-family=vllm"],
+            "extraArgs": ["--chat-family=vllm", "--engine-header"],  # the demo and tests read who served
         },
         "engines": {
             "serviceName": name,

@@ -25,7 +25,7 @@ use hashbrown::{HashMap, HashTable};
 
 use crate::arena::{Arena, Holder, NO_SLOT};
 use crate::events::{medium_tier, store_skip, Event, Removed, Skip, Stored, ALL_TIERS, DEVICE};
-use crate::keys::{namespace_root, KeyChain, Tokens};
+use crate::keys::{namespace_root, vllm_namespace, KeyChain, Tokens};
 
 /// A carrier's id inside one index: small, reused after the carrier is removed.
 pub type Cid = u16;
@@ -341,12 +341,17 @@ impl Index {
             return;
         }
         let bits = ev.medium.as_deref().map_or(Some(DEVICE), medium_tier).unwrap_or(DEVICE);
+        // vLLM's LoRA name and salt ride in its extra keys: read as the namespace, as SGLang sends it.
+        let lora = ev.lora_name.as_deref();
+        let (salt, extra) = match ev.extra_keys.as_deref() {
+            Some(x) if ev.cache_salt.is_none() => match vllm_namespace(x, lora, ev.parent_block_hash.is_none()) {
+                Some(salt) => (salt, None),
+                None => (None, Some(x)),
+            },
+            x => (ev.cache_salt.clone(), x),
+        };
         let (mut parent, mut parent_slot, seed) = match ev.parent_block_hash {
-            None => (
-                None,
-                None,
-                namespace_root(ev.lora_name.as_deref(), ev.cache_salt.as_deref()),
-            ),
+            None => (None, None, namespace_root(lora, salt.as_deref())),
             // A parent this carrier no longer holds is as unknown as one it never announced (every
             // entry of the engine-hash table is a block the carrier holds).
             Some(ph) => match self.state(cid).and_then(|s| s.by_ehash.get(&self.arena, cid, ph)) {
@@ -360,7 +365,7 @@ impl Index {
                 }
             },
         };
-        let keys = KeyChain::new(&ev.tokens, self.block_size as usize, seed, ev.extra_keys.as_deref());
+        let keys = KeyChain::new(&ev.tokens, self.block_size as usize, seed, extra);
         for (&h, key) in ev.block_hashes.iter().zip(keys) {
             let (new, slot) = self.hold(cid, key, parent, parent_slot, bits, h);
             stats.stored += new as u64;

@@ -41,6 +41,64 @@ pub fn namespace_root(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 
     xxh3_64_with_seed(&packed, plain_root())
 }
 
+/// Reads vLLM's namespace out of a store's per-block extra keys, so its blocks key as SGLang's (and as a
+/// request's `namespace_root(lora_name, cache_salt)`): vLLM publishes, untagged, the LoRA name on every
+/// block and the cache salt on a request's first block. `Some(salt)` (salt `None`: none) when every
+/// block's extras are exactly that (`first` says the event starts at the root, where the salt goes);
+/// `None` when they hold anything else (multimodal ids, prompt embeds): those stay hashed into their
+/// blocks, which no request key reproduces, so such blocks route cold.
+pub fn vllm_namespace(extra: &[Vec<u8>], lora_name: Option<&str>, first: bool) -> Option<Option<String>> {
+    let mut lora = Vec::new();
+    if let Some(name) = lora_name {
+        pack_str_or_nil(&mut lora, Some(name));
+    }
+    let mut salt = None;
+    for (i, entry) in extra.iter().enumerate() {
+        let plain = entry.is_empty() || entry.as_slice() == [0x90];
+        if lora_name.is_none() && plain {
+            continue;
+        }
+        let (n, rest) = array_of(entry)?;
+        let rest = if lora_name.is_some() {
+            rest.strip_prefix(lora.as_slice())?
+        } else {
+            rest
+        };
+        let named = usize::from(lora_name.is_some());
+        if n == named && rest.is_empty() {
+            continue;
+        }
+        if !(first && i == 0 && n == named + 1) {
+            return None;
+        }
+        salt = Some(whole_str(rest)?);
+    }
+    Some(salt)
+}
+
+/// A fixarray's length and its items' bytes (the canonical form writes fixarrays up to 15 items).
+fn array_of(entry: &[u8]) -> Option<(usize, &[u8])> {
+    let (&head, rest) = entry.split_first()?;
+    (head & 0xf0 == 0x90).then_some(((head & 0x0f) as usize, rest))
+}
+
+/// The string `bytes` holds, when they are one msgpack str and nothing else.
+fn whole_str(bytes: &[u8]) -> Option<String> {
+    let (&head, rest) = bytes.split_first()?;
+    let (len, body) = match head {
+        0xa0..=0xbf => ((head & 0x1f) as usize, rest),
+        0xd9 => (*rest.first()? as usize, rest.get(1..)?),
+        0xda => (
+            u16::from_be_bytes([*rest.first()?, *rest.get(1)?]) as usize,
+            rest.get(2..)?,
+        ),
+        _ => return None,
+    };
+    (body.len() == len)
+        .then(|| String::from_utf8(body.to_vec()).ok())
+        .flatten()
+}
+
 /// Token IDs as the key scheme reads them: u32 when they all fit, else i64 for the whole sequence.
 #[derive(Clone)]
 pub enum Tokens {
@@ -171,6 +229,36 @@ mod tests {
             block_keys(&narrow, 2, plain_root(), None)[0],
             block_keys(&wide, 2, plain_root(), None)[0]
         );
+    }
+
+    fn packed(items: &[&str]) -> Vec<u8> {
+        let mut out = vec![0x90 | items.len() as u8];
+        items.iter().for_each(|s| pack_str_or_nil(&mut out, Some(s)));
+        out
+    }
+
+    #[test]
+    fn vllms_namespace_is_read_from_its_extra_keys() {
+        let long = "s".repeat(40); // a str8 header
+        for lora in [None, Some("adapter")] {
+            let with = |extra: &[&str]| packed(&lora.into_iter().chain(extra.iter().copied()).collect::<Vec<_>>());
+            let none: Vec<u8> = if lora.is_some() { with(&[]) } else { Vec::new() };
+            // a salted request's first event: the salt on block 0, the LoRA name on every block
+            let extra = vec![with(&[long.as_str()]), none.clone(), none.clone()];
+            assert_eq!(vllm_namespace(&extra, lora, true), Some(Some(long.clone())));
+            // its continuation (a parent): no block may carry a salt
+            assert_eq!(vllm_namespace(&extra, lora, false), None);
+            assert_eq!(vllm_namespace(&[none.clone(), none.clone()], lora, false), Some(None));
+            // anything else (a multimodal pair, a second string) keeps its extras
+            assert_eq!(vllm_namespace(&[with(&["a", "b"])], lora, true), None);
+            let mut mm = with(&[]);
+            mm[0] += 1;
+            mm.extend_from_slice(&[0x92, 0xa2, b'i', b'd', 0x00]);
+            assert_eq!(vllm_namespace(&[mm], lora, true), None);
+        }
+        assert_eq!(vllm_namespace(&[vec![0x90]], None, true), Some(None)); // an empty tuple: nothing
+        assert_eq!(vllm_namespace(&[packed(&["other"])], Some("adapter"), true), None);
+        // another LoRA
     }
 
     #[test]

@@ -29,11 +29,13 @@ SEEDED = "routerfleet.io/seeded"
 ANNOTATION_RETRY = "routerfleet.io/retry"  # retry a paused or rolled-back rollout
 ANNOTATION_RESTARTED_AT = "routerfleet.io/restartedAt"  # a rolling, seed-gated restart
 
-# The router's ports inside the pod (fixed: the operator owns --port and --internal-port).
+# The router's ports inside the pod (fixed: the operator owns --port, --metrics-port and --internal-port).
 HTTP_PORT = 8080
 INTERNAL_PORT = 8081
+METRICS_PORT = 9090  # /metrics and /debug/*, never on the public port
 HTTP_PORT_NAME = "http"
 INTERNAL_PORT_NAME = "internal"
+METRICS_PORT_NAME = "metrics"
 
 TOKEN_KEY = "token"
 TOKEN_VOLUME = "internal-token"
@@ -108,6 +110,8 @@ class PauseReason(enum.StrEnum):
 # expand to one of them). The CRD's CEL rule carries the same list (a test compares them).
 OWNED_FLAGS = (
     "--port",
+    "--metrics-host",
+    "--metrics-port",
     "--worker",
     "--block-size",
     "--log-level",

@@ -39,6 +39,8 @@ from .model import (
     LABEL_MANAGED_BY,
     LABEL_NAME,
     LABEL_REVISION,
+    METRICS_PORT,
+    METRICS_PORT_NAME,
     ROUTER_APP,
     SEEDED,
     SESSION_STORE_DIR,
@@ -167,6 +169,7 @@ def router_args(fleet: Fleet) -> list[str]:
     args = [
         "--host", "0.0.0.0",
         "--port", str(HTTP_PORT),
+        "--metrics-port", str(METRICS_PORT),
         "--log-level", s.router.log_level,
         "--policy", s.router.policy,
         "--block-size", str(s.router.block_size),
@@ -260,6 +263,7 @@ def _container(fleet: Fleet) -> dict[str, Any]:
         "ports": [
             {"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"},
             {"name": INTERNAL_PORT_NAME, "containerPort": INTERNAL_PORT, "protocol": "TCP"},
+            {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
         ],
         # POD_NAME/POD_IP let a replica leave itself out of its peer set.
         "env": [
@@ -518,7 +522,9 @@ def render_peer_service(fleet: Fleet) -> dict[str, Any]:
 
 
 def render_network_policy(fleet: Fleet, operator: OperatorRef | None = None) -> dict[str, Any]:
-    """The internal port only from the fleet's own pods and the operator; the public port from anyone."""
+    """The internal port only from the fleet's own pods and the operator; the public and metrics ports
+    from anyone (Prometheus may run anywhere; the metrics port is in no Service: narrow it with a policy of
+    your own, docs/security.md)."""
     op = operator or OperatorRef()
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -540,7 +546,12 @@ def render_network_policy(fleet: Fleet, operator: OperatorRef | None = None) -> 
                         },
                     ],
                 },
-                {"ports": [{"port": HTTP_PORT_NAME, "protocol": "TCP"}]},
+                {
+                    "ports": [
+                        {"port": HTTP_PORT_NAME, "protocol": "TCP"},
+                        {"port": METRICS_PORT_NAME, "protocol": "TCP"},
+                    ]
+                },
             ],
         },
     }

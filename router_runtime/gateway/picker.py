@@ -35,6 +35,7 @@ from ..proxy.endpoints import FORWARDED, ROUTED
 from ..proxy.errors import ProxyError, bad_request, no_engine, not_found, too_large
 from ..proxy.headers import ENGINE_HEADER
 from ..proxy.health import HealthBoard
+from ..proxy.salting import salted
 from ..proxy.scheduler import Inbound, Scheduler, unschedulable
 from ..proxy.targets import TargetBook
 from ..scheduling.filters import within
@@ -201,13 +202,13 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         body as sent or rewritten, then the trailers' answer when they ended it)."""
         raw = b"".join(stream.body)
         try:
-            decision, x, asked = await self._pick(stream, raw)
+            decision, x, sent = await self._pick(stream, raw)
         finally:
             stream.share.release()  # parsed: what the request still holds is its bytes alone
         if not stream.duplex_in:
-            return [self._decided(stream, decision, x, asked, phase)]
+            return [self._decided(stream, decision, x, sent, phase)]
         answers = [self._decided(stream, decision, x, None, "request_headers")]
-        answers += streamed("request_body", raw if asked is None else asked, end=not trailers)
+        answers += streamed("request_body", raw if sent is None else sent, end=not trailers)
         if trailers:
             answers.append(proceed("request_trailers"))
         return answers
@@ -233,7 +234,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         if stream.target is not None and served is not None and served != stream.target.endpoint:
             self._failed_over(stream, served)
         seen = CIMultiDict(headers)  # the hooks read and write names in any case, as HTTP has them
-        if stream.target is not None:  # as the proxy's answers say who served them
+        if stream.target is not None and self.config.engine_header:  # as the proxy's answers say
             seen[ENGINE_HEADER] = stream.target.engine
         status = status_of(headers)
         for w in stream.watches:
@@ -267,6 +268,9 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             if not raw:
                 raise bad_request("the request has no body")
             body = await self.bodies.parse(stream.share, raw)
+            salt = self.config.tenant_cache_salt
+            if salt:
+                raw, body = salted(raw, body, tenant)
             scheduled = await self.scheduler.prepare(
                 Inbound(kind, headers, body, len(raw), tenant, stream.subset), candidates
             )
@@ -285,7 +289,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
                 prediction,
                 asked is not None,
             )
-            return decision, x, asked
+            return decision, x, asked if asked is not None else (raw if salt else None)
         # Not prompt-bearing: a stored response's own paths go to its engine, the rest by load.
         if path.startswith(_RESPONSE_ITEM) and self.scheduler.responses is not None:
             response_id = path[len(_RESPONSE_ITEM) :].split("/", 1)[0]

@@ -38,9 +38,14 @@ class ProxyConfig:
     audit_withhold: bool = True
     # X-RouterFleet-Debug-Prediction is honoured (its value must be the fleet token), never by default.
     debug_prediction: bool = False
+    # X-RouterFleet-Engine (the serving engine's URL) on every proxied answer: an operator's tool, off.
+    engine_header: bool = False
     # The request header naming a request's tenant (its value's digest scopes response ids and session
     # keys; sessions/keys.py); None: no tenants.
     tenant_header: str | None = None
+    # Every prompt-bearing request's cache_salt derived from its tenant (salting.py), so engines never
+    # share KV across tenants.
+    tenant_cache_salt: bool = False
     # On SIGTERM: this long not Ready, closing each connection after its response, before the server
     # stops listening (cli.py); then requests still in flight get this long before they are cut.
     # Together with the stop's own bound they fit the pod's 30 s grace period with room to spare.
@@ -50,6 +55,8 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if 0 < self.body_budget_bytes < self.max_body_bytes:
             raise ValueError("--body-budget-bytes must be 0 (none) or at least --max-body-bytes")
+        if self.tenant_cache_salt and not self.tenant_header:
+            raise ValueError("--tenant-cache-salt needs --tenant-header (whose tenant is it?)")
 
 
 FLAGS = (
@@ -117,6 +124,21 @@ FLAGS = (
         help="the request header that names its tenant (e.g. Authorization, OpenAI-Organization):"
         " stored responses and session keys are scoped to it (another tenant's response id is not"
         " found; responses are never probed for), its value kept only as a digest",
+    ),
+    Flag(
+        "--tenant-cache-salt",
+        "proxy.tenant_cache_salt",
+        Switch(negatable=False),
+        "set every prompt-bearing request's cache_salt from its tenant (and its own salt, if any), so"
+        " engines never share cached blocks across tenants; costs the hits tenants would share"
+        " (docs/security.md)",
+    ),
+    Flag(
+        "--engine-header",
+        "proxy.engine_header",
+        Switch(),
+        "name the serving engine's URL in X-RouterFleet-Engine on every proxied answer (an operator's"
+        " tool: it tells clients internal addresses)",
     ),
     Flag(
         "--audit-withhold",

@@ -7,7 +7,8 @@ One request::
     -> candidates (503 if none) -> classify the session once (returning: its engine first, preferred)
     -> policy.choose -> acquire load -> POST to the engine
        connect failure before any byte: release, breaker failure, retry ONCE without that engine
-    -> relay status, headers (hop-by-hop stripped, X-RouterFleet-Engine added) and body chunk by chunk;
+    -> relay status, headers (hop-by-hop stripped; X-RouterFleet-Engine added with --engine-header)
+       and body chunk by chunk;
        a 2xx status remembers the engine for the session before the body is relayed
     -> release load (always exactly once: success, error, timeout or client gone)
 
@@ -67,6 +68,7 @@ from .health import HealthBoard
 from .metrics import ProxyMetrics
 from .request import Kind
 from .responses import response_error
+from .salting import salted
 from .scheduler import Inbound, Scheduler
 from .serving import ServerLimits
 from .targets import TargetBook
@@ -199,7 +201,8 @@ class Proxy:
             return await serve(ctx)
         except ProxyError as e:
             ctx.status, ctx.outcome = e.status, e.outcome
-            return e.response({ENGINE_HEADER: ctx.engine} if ctx.engine else None)
+            named = ctx.engine and self.config.engine_header
+            return e.response({ENGINE_HEADER: ctx.engine} if named else None)
         except Exception:  # a bug: aiohttp answers 500 (or cuts a started response) and logs it
             ctx.outcome = "error"
             if ctx.status == 499:
@@ -216,6 +219,8 @@ class Proxy:
         if not targets:
             raise no_engine("no engine can take the request (none discovered, or all unhealthy)")
         tenant = self.tenant(request)
+        if self.config.tenant_cache_salt:
+            raw, body = salted(raw, body, tenant)
         scheduled = await self.scheduler.prepare(
             Inbound(kind, request.headers, body, len(raw), tenant), targets
         )
@@ -405,7 +410,8 @@ class Proxy:
             status = up.status
             self.metrics.first_byte.observe(loop.time() - start)
             headers = response_headers(up.headers)
-            headers[ENGINE_HEADER] = x.target.engine
+            if self.config.engine_header:
+                headers[ENGINE_HEADER] = x.target.engine
             for w in watches:
                 w.response_received(status, headers)
             rewrites = any(w.rewrites_body for w in watches)

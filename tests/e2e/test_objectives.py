@@ -29,7 +29,7 @@ from router_runtime.gateway.config import PickerConfig
 from router_runtime.kv.config import KvConfig
 from router_runtime.proxy.health import HealthConfig
 from routerfleet_fake_engine.server import run_fake_engine
-from tests.support import eventually, join_all, static_workers
+from tests.support import LOCAL_METRICS, eventually, join_all, static_workers
 from tests.test_gateway_picker import envoy
 
 pytestmark = pytest.mark.timeout(300)
@@ -88,6 +88,7 @@ async def test_a_sheddable_objective_is_answered_429_while_the_pool_is_saturated
         )
         cfg = RouterConfig(
             port=0,
+            metrics=LOCAL_METRICS,
             workers=static_workers([engine]),
             kv=KvConfig(block_size=BS),
             health=HealthConfig(interval_s=0),

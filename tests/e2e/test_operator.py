@@ -36,6 +36,7 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.fleet import (
     ENGINE,
+    ENGINE_HEADER_ARG,
     ENGINE_LABELS,
     ROUTER_PORT,
     aio,
@@ -50,6 +51,7 @@ from e2e.fleet import (
     index_view,
     load_manifests,
     metrics,
+    metrics_url,
     parse_metrics,
     pod_url,
 )
@@ -175,7 +177,10 @@ def fleet_manifest(cluster, ns: str, replicas: int = 3) -> dict:
         "metadata": {"name": FLEET, "namespace": ns},
         "spec": {
             "replicas": replicas,
-            "router": {"image": getattr(cluster.provider, "image", "routerfleet:dev")},
+            "router": {
+                "image": getattr(cluster.provider, "image", "routerfleet:dev"),
+                "extraArgs": [ENGINE_HEADER_ARG],
+            },
             "engines": {
                 "serviceName": ENGINE,
                 "kvPort": "kv",
@@ -217,7 +222,7 @@ async def views_while_held(session: aiohttp.ClientSession, urls: list[str], n: i
             streams.append(r)
         deadline = time.monotonic() + 15
         while True:
-            views = [(await get(session, u + "/debug/load"))[1] for u in urls]
+            views = [(await get(session, metrics_url(u) + "/debug/load"))[1] for u in urls]
             if all(sum(t["load"] for t in v["targets"]) == n for v in views) or time.monotonic() > deadline:
                 return views
             await asyncio.sleep(0.1)

@@ -45,7 +45,7 @@ from test_operator import (
     wait_fleet_ready,
 )
 
-from e2e.fleet import ENGINE_LABELS, ROUTER_PORT, completion, pod_url
+from e2e.fleet import ENGINE_LABELS, ROUTER_PORT, completion, metrics_url, pod_url
 from routerfleet_operator.model import Verdict
 from routerfleet_operator.render import render_all, render_controller_revision, render_pod_template
 from routerfleet_operator.rollout import BootstrapReport, PodView, decide
@@ -277,7 +277,7 @@ def completion_through(pod) -> None:
 
 
 async def metrics_text(session, url: str) -> str | None:
-    async with session.get(url + "/metrics") as r:
+    async with session.get(metrics_url(url) + "/metrics") as r:
         return await r.text() if r.status == 200 else None
 
 

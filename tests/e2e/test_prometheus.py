@@ -236,7 +236,7 @@ def test_every_dashboard_query_returns_series(cluster, namespace, crd, tmp_path)
     cluster.wait_pods_ready(ns, ENGINE_LABELS, 2)
     m = fleet_manifest(cluster, ns, 2)
     # as manifests/samples/full.yaml annotates its routers for a Prometheus without the Operator
-    m["spec"]["router"]["podAnnotations"] = {"prometheus.io/scrape": "true", "prometheus.io/port": "8080"}
+    m["spec"]["router"]["podAnnotations"] = {"prometheus.io/scrape": "true", "prometheus.io/port": "9090"}
     crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, m)
     obj = wait_fleet_ready(cluster, crd, ns, "fleet Ready")
     with (

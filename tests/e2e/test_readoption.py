@@ -49,6 +49,7 @@ from e2e.fleet import (
     get,
     load_manifests,
     metrics,
+    metrics_url,
     pod_url,
 )
 
@@ -110,7 +111,7 @@ async def _joined(session, engine_url: str, routers: list[str], engine: str) -> 
         async with session.post(engine_url + "/admin/store", json=body) as r:
             assert r.status == 200, await r.text()
     for router in routers:
-        _, index = await get(session, router + "/debug/index")
+        _, index = await get(session, metrics_url(router) + "/debug/index")
         cursors = [s["cursor"] for s in index["subscriptions"] if s["engine"] == engine]
         if len(cursors) != 2 or any(c is None or c < 0 for c in cursors):
             return False
@@ -142,7 +143,7 @@ async def _hits(session, router: str, prompts: list[list[int]]) -> tuple[int, li
 
 async def _victim_state(session, router: str, victim: str) -> tuple[str, int]:
     """(state, disk blocks visible) of the victim's carriers in a router's /debug/index."""
-    _, index = await get(session, router + "/debug/index")
+    _, index = await get(session, metrics_url(router) + "/debug/index")
     mine = [c for c in index["carriers"] if c["engine"] == victim]
     if not mine:
         return "absent", 0

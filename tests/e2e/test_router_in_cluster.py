@@ -54,6 +54,7 @@ from e2e.fleet import (
     load_idle,
     load_manifests,
     metrics,
+    metrics_url,
     pod_url,
 )
 
@@ -99,7 +100,7 @@ async def _discovered(session, router: str) -> tuple[dict, dict, set, set]:
     """(metrics, /readyz body, engines with a connected subscription, engines in the index)."""
     m = await metrics(session, router)
     _, ready = await get(session, router + "/readyz")
-    _, index = await get(session, router + "/debug/index")
+    _, index = await get(session, metrics_url(router) + "/debug/index")
     connected = {s["engine"] for s in index["subscriptions"] if s["connected"]}
     # Engines that left are kept (hidden) for re-adoption during the grace window: count visible ones.
     visible = {c["engine"] for c in index["carriers"] if c.get("state", "ok") == "ok"}

@@ -34,7 +34,7 @@ import test_operator
 from test_operator import FLEET, GROUP, PLURAL, VERSION, _local_only, wait_fleet_ready
 
 from e2e.cluster import in_private_netns
-from e2e.fleet import ROUTER_PORT, apply, get, metrics, pod_url
+from e2e.fleet import ROUTER_PORT, apply, get, metrics_url, parse_metrics, pod_url
 from e2e.vllm import (
     BLOCK_SIZE,
     MODEL,
@@ -83,6 +83,7 @@ def engines(home, tmp_path_factory) -> Iterator[list[VllmEngine]]:
 class Router:
     url: str
     internal: str
+    metrics: str  # the metrics port: /metrics, /debug/*
     proc: subprocess.Popen | None = None  # None: a router pod (the operator's)
     token: str = TOKEN  # the fleet token, which the prediction header must carry
 
@@ -96,17 +97,18 @@ def routers(
     tmp.mkdir(parents=True, exist_ok=True)
     token = tmp / "token"
     token.write_text(TOKEN)
-    ports = [(free_port(), free_port()) for _ in range(n)]
+    ports = [(free_port(), free_port(), free_port()) for _ in range(n)]
     out: list[Router] = []
     try:
-        for i, (port, internal) in enumerate(ports):
+        for i, (port, internal, metrics) in enumerate(ports):
             argv = [
                 sys.executable, "-m", "router_runtime.cli", "--host", "127.0.0.1", "--port", str(port),
                 "--internal-port", str(internal), "--internal-token-file", str(token),
+                "--metrics-port", str(metrics), "--engine-header",
                 "--block-size", str(BLOCK_SIZE), "--tokenizer", str(home / "model"), "--chat-family", "vllm",
                 "--debug-prediction", "--log-level", "info",
                 *(a for e in engines for a in ("--worker", e.worker)),
-                *(a for j, (_, peer) in enumerate(ports) if j != i for a in ("--kv-peer", f"http://127.0.0.1:{peer}")),
+                *(a for j, (_, peer, _) in enumerate(ports) if j != i for a in ("--kv-peer", f"http://127.0.0.1:{peer}")),
                 *extra,
             ]  # fmt: skip
             log = open(tmp / f"router-{i}.log", "ab")  # noqa: SIM115 (closed with the process)
@@ -114,7 +116,8 @@ def routers(
                 argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
             )
             log.close()
-            out.append(Router(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{internal}", proc))
+            local = "http://127.0.0.1"
+            out.append(Router(f"{local}:{port}", f"{local}:{internal}", f"{local}:{metrics}", proc))
         asyncio.run(_until_ready(out))
         yield out
     finally:
@@ -146,7 +149,7 @@ async def _quiet(s: aiohttp.ClientSession, rs: list[Router], timeout: float = 10
     async def cursors():
         out = []
         for r in rs:
-            _, index = await get(s, r.url + "/debug/index")
+            _, index = await get(s, r.metrics + "/debug/index")
             out.append(sorted((x["engine"], x["rank"], x["cursor"]) for x in index["subscriptions"]))
         return out
 
@@ -294,7 +297,8 @@ async def _completions(s, rs: list[Router], seed: int) -> list[Outcome]:
 async def _false_hit_tokens(s, rs: list[Router]) -> float:
     total = 0.0
     for r in rs:
-        m = await metrics(s, r.url)
+        async with s.get(r.metrics + "/metrics") as resp:
+            m = parse_metrics(await resp.text())
         total += sum(v for k, v in m.items() if k.startswith("routerfleet_audit_false_hit_tokens_total"))
     return total
 
@@ -546,7 +550,8 @@ class Chats:
             self.ns, label_selector=f"routerfleet.io/fleet={FLEET}"
         ).items
         ready = [p for p in pods if self.cluster.pod_ready(p) and p.metadata.deletion_timestamp is None]
-        return [Router(pod_url(p, ROUTER_PORT), "", token=self.token) for p in ready]
+        urls = [pod_url(p, ROUTER_PORT) for p in ready]
+        return [Router(u, "", metrics_url(u), token=self.token) for u in urls]
 
     def _run(self) -> None:
         seed = 100

@@ -229,7 +229,9 @@ def test_services_and_network_policy():
             "podSelector": {"matchLabels": {"app": "op"}},
         },
     ]
-    assert public_rule == {"ports": [{"port": "http", "protocol": "TCP"}]}
+    assert public_rule == {
+        "ports": [{"port": "http", "protocol": "TCP"}, {"port": "metrics", "protocol": "TCP"}]
+    }
 
 
 def test_pdb():
