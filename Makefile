@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup test lint kube helm prometheus redis iptables vllm manifests demo bench bench-check clean
+.PHONY: setup test lint kube helm prometheus redis iptables vllm gateway-extension manifests demo bench bench-check clean
 
 setup: $(VENV)/.installed
 
@@ -59,6 +59,12 @@ helm:
 vllm:
 	@nice -n 10 bash e2e/vllm/install.sh >/dev/null
 
+# The Gateway API Inference Extension's module (e2e/gateway/extension: its CRDs for the objectives
+# test), from the Go module proxy into Go's module cache: before the e2e run's network namespace, as
+# vllm. A no-op once cached.
+gateway-extension: setup
+	@$(BIN)/python -c "from e2e.gateway.extension import module_dir; module_dir()"
+
 # Tools from Debian's packages (e2e/debian/install.sh): Prometheus for the dashboard test
 # (tests/e2e/test_prometheus.py), redis-server for the shared session store's tests
 # (tests/test_session_store.py), iptables for the soak's partition fault (e2e/soak.py). No-ops once
@@ -81,7 +87,7 @@ manifests: setup helm
 #   .venv/bin/python -m pytest tests/e2e/test_node_agent.py::test_serviceaccount_token_and_rbac
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
-test: lint kube helm prometheus redis iptables vllm bench-check
+test: lint kube helm prometheus redis iptables vllm gateway-extension bench-check
 	@export ROUTERFLEET_KUBE_BIN=$$(bash e2e/kube/build.sh | tail -1) ROUTERFLEET_HELM_BIN=$$(bash e2e/helm/build.sh | tail -1); \
 	$(PYTEST) -m "not e2e"; rc=$$?; [ $$rc -eq 5 ] && rc=0; [ $$rc -eq 0 ] || exit $$rc; \
 	$(BIN)/python -m e2e.cluster pytest -q -p no:cacheprovider tests/e2e; \

@@ -75,6 +75,9 @@ class Params:
     decode_tokens_per_s: float = 2000.0
     engine_slots: int = 4  # --max-concurrency per engine
     seed: int = 11
+    # Conversation c is tenant c % tenants's (its API key in Authorization); 1: no header. The groups'
+    # system prompts are shared across tenants: what --tenant-cache-salt gives up.
+    tenants: int = 1
 
     def engine_opts(self) -> h.EngineOpts:
         """The fake engines this workload runs on (finished requests' output cached, as real engines do)."""
@@ -285,7 +288,8 @@ async def replay(
                 client = clients[engine_urls[engine]]
             else:
                 client = clients[live[(turn.conv if sticky else pos) % len(live)]]
-            raw = client.request_bytes("/v1/completions", body(turn, p, text))
+            key = f"Authorization: Bearer tenant-{turn.conv % p.tenants}\r\n" if p.tenants > 1 else ""
+            raw = client.request_bytes("/v1/completions", body(turn, p, text), key)
             try:
                 t0, reply = await client.send(raw, keep_body=True)
             except (h.HttpError, OSError) as e:
@@ -646,6 +650,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seed", type=int, help=f"workload seed (default {Params.seed})")
     ap.add_argument(
+        "--tenants",
+        type=int,
+        help="spread the conversations over this many tenants (API keys); with --router-flags"
+        " '--tenant-header Authorization --tenant-cache-salt' ours shares no block across them (the"
+        " oracle still shares: it is the ceiling without isolation)",
+    )
+    ap.add_argument(
         "--max-wait", type=float, help="before each row, wait up to this many seconds for an idle machine"
     )
     ap.add_argument(
@@ -697,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         "capacity_blocks": args.capacity_blocks,
         "concurrency": args.concurrency,
         "seed": args.seed,
+        "tenants": args.tenants,
         "turns": (args.turns, args.turns) if args.turns else None,
         "group_skew": args.group_skew,
         "active": args.active,

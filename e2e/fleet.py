@@ -171,8 +171,9 @@ async def load_idle(session: aiohttp.ClientSession, routers: list[str], timeout:
         await asyncio.sleep(0.05)
 
 
-async def metrics(session: aiohttp.ClientSession, router: str) -> dict[str, float]:
-    async with session.get(metrics_url(router) + "/metrics") as r:
+async def metrics(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
+    """``base``/metrics, parsed (a router's: ``metrics_url(router)``; the operator's: its port)."""
+    async with session.get(base + "/metrics") as r:
         return parse_metrics(await r.text())
 
 

@@ -507,7 +507,7 @@ class Soak:
         total: Counter = Counter()
         for _pod, ip in list(self.ready):
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-                for k, v in (await F.metrics(session, f"http://{ip}:{F.ROUTER_PORT}")).items():
+                for k, v in (await F.metrics(session, f"http://{ip}:{F.METRICS_PORT}")).items():
                     if k.startswith(EVIDENCE) and "_created" not in k:
                         total[k.removeprefix("routerfleet_kv_").removesuffix("_total")] += v
         return total
@@ -698,7 +698,7 @@ class Soak:
         total = 0
         for _pod, ip in list(self.ready):
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-                total += int((await F.metrics(session, f"http://{ip}:{F.ROUTER_PORT}")).get(STALLED, 0))
+                total += int((await F.metrics(session, f"http://{ip}:{F.METRICS_PORT}")).get(STALLED, 0))
         return total
 
     async def max_stalled(self, session, seconds: float) -> int:

@@ -5,6 +5,7 @@ without telling anyone counted as false-hit tokens, streams audited from the usa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 
@@ -165,83 +166,83 @@ def debugging(tmp_path, **proxy) -> dict:
     }
 
 
-TOKEN = "fleet-s3cret"
-DEBUG = {"X-RouterFleet-Debug-Prediction": TOKEN}
-
-
-async def test_a_router_audits_its_predictions_against_the_engine(tmp_path):
+@contextlib.asynccontextmanager
+async def debugged(tmp_path, kv: KvConfig | None = None, **proxy):
+    """A ready router over one fake engine whose events it follows, answering the debug prediction
+    header to TOKEN (``proxy``: more of its request plane): (engine, router, url, session)."""
     async with run_fake_engine(block_size=BS, decode_tokens_per_s=0) as e:
         worker = WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
         cfg = RouterConfig(
             port=0,
             metrics=LOCAL_METRICS,
             workers=(worker,),
-            **debugging(tmp_path),
-            kv=KvConfig(block_size=BS),
+            **debugging(tmp_path, **proxy),
+            kv=kv or KvConfig(block_size=BS),
             health=HealthConfig(interval_s=0),
         )
         async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
             await eventually(lambda: router.ready()[0], what="ready")
-            prompt = list(range(1, 42))  # 10 blocks and a token: all 10 reusable (scheduling/reuse.py)
-            debug = DEBUG
-            body = {"prompt": prompt, "max_tokens": 1}
-            async with s.post(url + "/v1/completions", json=body, headers=debug) as r:
-                assert r.status == 200 and r.headers["X-RouterFleet-Predicted-Cached-Tokens"] == "0"
-            await eventually(lambda: router.kv.index.node_count() >= 10, what="the blocks indexed")
-            async with s.post(url + "/v1/completions", json=body, headers=debug) as r:
-                usage = (await r.json())["usage"]
-                assert r.headers["X-RouterFleet-Predicted-Cached-Tokens"] == "40"
-                assert r.headers["X-RouterFleet-Prediction-Doubtful"] == "false"
-                assert r.headers["X-RouterFleet-Predicted-Tiers"] == "device=40,host=0,disk=0,external=0"
-            assert usage["prompt_tokens_details"]["cached_tokens"] == 40
-            assert audited(router, "exact") == 2 and audited(router, "false_hit") == 0
+            yield e, router, url, s
 
-            # The engine loses its cache and the event never arrives: the index is wrong, and the
-            # audit is what says so.
-            async with s.post(e.http_url + "/admin/clear", json={"rank": 0, "drop": "all"}) as r:
-                assert r.status == 200
-            async with s.post(url + "/v1/completions", json=body) as r:
-                assert r.status == 200 and "X-RouterFleet-Predicted-Cached-Tokens" not in r.headers
-            assert audited(router, "false_hit") == 1
-            false_hit = router.registry.get_sample_value(
-                "routerfleet_audit_false_hit_tokens_total",
-                {"engine": e.http_url, "policy": "kv_aware", "doubtful": "false"},
-            )
-            assert false_hit == 40
-            # That request's own blocks came with a sequence past the lost one: a gap, replayed. A
-            # prediction made while it is being filled is doubtful, so wait for it to settle.
-            carrier = router.kv.subscriptions()[0].carrier
-            await eventually(lambda: router.registry.get_sample_value("routerfleet_kv_gaps_total") == 1)
-            await eventually(lambda: not router.doubtful(carrier), what="the gap settled")
 
-            # Streams are audited whether or not the client asked for usage: the router asks, and a
-            # client that did not gets the stream it would have had from the engine itself (the same
-            # events but the id and timestamp), usage-only chunk and all taken out again.
-            for options, usage_chunk in (({}, False), ({"stream_options": {"include_usage": True}}, True)):
-                before = audited(router, "exact")
-                stream = {"prompt": list(range(100, 140)), "max_tokens": 2, "stream": True, **options}
-                async with s.post(url + "/v1/completions", json=stream) as r:
-                    via_router = await r.read()
-                assert audited(router, "exact") == before + 1, options
-                async with s.post(e.http_url + "/v1/completions", json=stream) as r:
-                    direct = await r.read()
-                assert _same_events(via_router, direct) and (b'"choices":[]' in via_router) is usage_chunk
+TOKEN = "fleet-s3cret"
+DEBUG = {"X-RouterFleet-Debug-Prediction": TOKEN}
 
-        # Without --audit-stream-usage, such a stream is counted unaudited, never as a miss.
-        cfg = RouterConfig(
-            port=0,
-            metrics=LOCAL_METRICS,
-            workers=(worker,),
-            kv=KvConfig(block_size=BS),
-            health=HealthConfig(interval_s=0),
-            proxy=ProxyConfig(audit_stream_usage=False),
+
+async def test_a_router_audits_its_predictions_against_the_engine(tmp_path):
+    async with debugged(tmp_path) as (e, router, url, s):
+        prompt = list(range(1, 42))  # 10 blocks and a token: all 10 reusable (scheduling/reuse.py)
+        debug = DEBUG
+        body = {"prompt": prompt, "max_tokens": 1}
+        async with s.post(url + "/v1/completions", json=body, headers=debug) as r:
+            assert r.status == 200 and r.headers["X-RouterFleet-Predicted-Cached-Tokens"] == "0"
+        await eventually(lambda: router.kv.index.node_count() >= 10, what="the blocks indexed")
+        async with s.post(url + "/v1/completions", json=body, headers=debug) as r:
+            usage = (await r.json())["usage"]
+            assert r.headers["X-RouterFleet-Predicted-Cached-Tokens"] == "40"
+            assert r.headers["X-RouterFleet-Prediction-Doubtful"] == "false"
+            assert r.headers["X-RouterFleet-Predicted-Tiers"] == "device=40,host=0,disk=0,external=0"
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 40
+        assert audited(router, "exact") == 2 and audited(router, "false_hit") == 0
+
+        # The engine loses its cache and the event never arrives: the index is wrong, and the
+        # audit is what says so.
+        async with s.post(e.http_url + "/admin/clear", json={"rank": 0, "drop": "all"}) as r:
+            assert r.status == 200
+        async with s.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200 and "X-RouterFleet-Predicted-Cached-Tokens" not in r.headers
+        assert audited(router, "false_hit") == 1
+        false_hit = router.registry.get_sample_value(
+            "routerfleet_audit_false_hit_tokens_total",
+            {"engine": e.http_url, "policy": "kv_aware", "doubtful": "false"},
         )
-        async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
-            await eventually(lambda: router.ready()[0], what="ready")
-            stream = {"prompt": list(range(200, 240)), "max_tokens": 2, "stream": True}
+        assert false_hit == 40
+        # That request's own blocks came with a sequence past the lost one: a gap, replayed. A
+        # prediction made while it is being filled is doubtful, so wait for it to settle.
+        carrier = router.kv.subscriptions()[0].carrier
+        await eventually(lambda: router.registry.get_sample_value("routerfleet_kv_gaps_total") == 1)
+        await eventually(lambda: not router.doubtful(carrier), what="the gap settled")
+
+        # Streams are audited whether or not the client asked for usage: the router asks, and a
+        # client that did not gets the stream it would have had from the engine itself (the same
+        # events but the id and timestamp), usage-only chunk and all taken out again.
+        for options, usage_chunk in (({}, False), ({"stream_options": {"include_usage": True}}, True)):
+            before = audited(router, "exact")
+            stream = {"prompt": list(range(100, 140)), "max_tokens": 2, "stream": True, **options}
             async with s.post(url + "/v1/completions", json=stream) as r:
-                assert b"usage" not in await r.read()
-            assert audited(router, "unaudited") == 1 and audited(router, "exact") == 0
+                via_router = await r.read()
+            assert audited(router, "exact") == before + 1, options
+            async with s.post(e.http_url + "/v1/completions", json=stream) as r:
+                direct = await r.read()
+            assert _same_events(via_router, direct) and (b'"choices":[]' in via_router) is usage_chunk
+
+
+async def test_without_audit_stream_usage_a_stream_without_usage_is_unaudited_never_a_miss(tmp_path):
+    async with debugged(tmp_path, audit_stream_usage=False) as (_e, router, url, s):
+        stream = {"prompt": list(range(200, 240)), "max_tokens": 2, "stream": True}
+        async with s.post(url + "/v1/completions", json=stream) as r:
+            assert b"usage" not in await r.read()
+        assert audited(router, "unaudited") == 1 and audited(router, "exact") == 0
 
 
 def _same_events(a: bytes, b: bytes) -> bool:
@@ -264,45 +265,34 @@ async def test_a_silent_stream_makes_the_rank_doubtful_until_a_batch_comes(tmp_p
     hide): once it owes a batch for longer than --kv-stall-ms, the rank's predictions are doubtful and
     routerfleet_kv_stalled_ranks says so; the batch that finally comes (the gap filled by replay) ends
     it."""
-    async with run_fake_engine(block_size=BS, decode_tokens_per_s=0) as e:
-        worker = WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
-        cfg = RouterConfig(
-            port=0,
-            metrics=LOCAL_METRICS,
-            workers=(worker,),
-            **debugging(tmp_path),
-            kv=KvConfig(block_size=BS, stall_s=0.3),
-            health=HealthConfig(interval_s=0),
+    async with debugged(tmp_path, kv=KvConfig(block_size=BS, stall_s=0.3)) as (e, router, url, s):
+        debug = DEBUG
+        stalled = lambda: router.registry.get_sample_value("routerfleet_kv_stalled_ranks")  # noqa: E731
+
+        async def complete(first: int) -> str:
+            body = {"prompt": list(range(first, first + 40)), "max_tokens": 1}
+            async with s.post(url + "/v1/completions", json=body, headers=debug) as r:
+                assert r.status == 200
+                return r.headers["X-RouterFleet-Prediction-Doubtful"]
+
+        assert await complete(1) == "false"  # heard: its batch arrives
+        await eventually(lambda: router.kv.index.node_count() >= 10, what="the blocks indexed")
+        await asyncio.sleep(0.5)
+        assert stalled() == 0 and await complete(1) == "false"  # all cached: nothing owed
+
+        await e_admin(s, e, "mute", {"rank": 0})
+        assert await complete(100) == "false"  # stores 10 blocks nobody hears of
+        await eventually(lambda: stalled() == 1, what="the rank stalled")
+        assert await complete(300) == "true"
+
+        await e_admin(s, e, "mute", {"rank": 0, "on": False})
+        await e_admin(s, e, "store", {"rank": 0, "token_ids": list(range(400, 440))})
+        filled = {"outcome": "filled"}
+        await eventually(
+            lambda: router.registry.get_sample_value("routerfleet_kv_replays_total", filled) == 1,
+            what="the gap filled by replay",
         )
-        async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
-            await eventually(lambda: router.ready()[0], what="ready")
-            debug = DEBUG
-            stalled = lambda: router.registry.get_sample_value("routerfleet_kv_stalled_ranks")  # noqa: E731
-
-            async def complete(first: int) -> str:
-                body = {"prompt": list(range(first, first + 40)), "max_tokens": 1}
-                async with s.post(url + "/v1/completions", json=body, headers=debug) as r:
-                    assert r.status == 200
-                    return r.headers["X-RouterFleet-Prediction-Doubtful"]
-
-            assert await complete(1) == "false"  # heard: its batch arrives
-            await eventually(lambda: router.kv.index.node_count() >= 10, what="the blocks indexed")
-            await asyncio.sleep(0.5)
-            assert stalled() == 0 and await complete(1) == "false"  # all cached: nothing owed
-
-            await e_admin(s, e, "mute", {"rank": 0})
-            assert await complete(100) == "false"  # stores 10 blocks nobody hears of
-            await eventually(lambda: stalled() == 1, what="the rank stalled")
-            assert await complete(300) == "true"
-
-            await e_admin(s, e, "mute", {"rank": 0, "on": False})
-            await e_admin(s, e, "store", {"rank": 0, "token_ids": list(range(400, 440))})
-            filled = {"outcome": "filled"}
-            await eventually(
-                lambda: router.registry.get_sample_value("routerfleet_kv_replays_total", filled) == 1,
-                what="the gap filled by replay",
-            )
-            assert stalled() == 0 and await complete(500) == "false"
+        assert stalled() == 0 and await complete(500) == "false"
 
 
 async def e_admin(s, e, what: str, body: dict) -> None:
@@ -354,42 +344,31 @@ async def test_a_tenant_derived_cache_salt_keeps_each_tenants_cache_its_own(tmp_
     salt as its own; the router predicts under the salt the engine sees, so the audit stays exact.
     Off, a second tenant's first request reads the first tenant's cache (the leak the flag closes)."""
     prompt = {"prompt": list(range(1, 42)), "max_tokens": 1}  # 10 reusable blocks: 40 tokens
-    async with run_fake_engine(block_size=BS, decode_tokens_per_s=0) as e:
-        worker = WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0))
-        tenancy = {"tenant_header": "Authorization", "tenant_cache_salt": enforced}
-        cfg = RouterConfig(
-            port=0,
-            metrics=LOCAL_METRICS,
-            workers=(worker,),
-            **debugging(tmp_path, **tenancy),
-            kv=KvConfig(block_size=BS),
-            health=HealthConfig(interval_s=0),
-        )
-        async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
-            await eventually(lambda: router.ready()[0], what="ready")
+    tenancy = {"tenant_header": "Authorization", "tenant_cache_salt": enforced}
+    async with debugged(tmp_path, **tenancy) as (_e, router, url, s):
 
-            async def ask(key: str, **extra) -> tuple[int, int]:
-                """(predicted, the engine's cached tokens) of ``prompt`` sent with API key ``key``."""
-                headers = {**DEBUG, "Authorization": f"Bearer {key}"}
-                async with s.post(url + "/v1/completions", json={**prompt, **extra}, headers=headers) as r:
-                    assert r.status == 200, await r.text()
-                    cached = (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
-                    predicted = int(r.headers["X-RouterFleet-Predicted-Cached-Tokens"])
-                await eventually(lambda: router.kv.index.node_count() > 0, what="the blocks indexed")
-                await asyncio.sleep(0.1)  # the store's events: the next prediction knows them
-                return predicted, cached
+        async def ask(key: str, **extra) -> tuple[int, int]:
+            """(predicted, the engine's cached tokens) of ``prompt`` sent with API key ``key``."""
+            headers = {**DEBUG, "Authorization": f"Bearer {key}"}
+            async with s.post(url + "/v1/completions", json={**prompt, **extra}, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                cached = (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+                predicted = int(r.headers["X-RouterFleet-Predicted-Cached-Tokens"])
+            await eventually(lambda: router.kv.index.node_count() > 0, what="the blocks indexed")
+            await asyncio.sleep(0.1)  # the store's events: the next prediction knows them
+            return predicted, cached
 
-            assert await ask("alice") == (0, 0)
-            assert await ask("alice") == (40, 40)
-            if not enforced:
-                assert await ask("bob") == (40, 40)  # bob reads what alice cached
-                return
-            assert await ask("bob") == (0, 0)
-            assert await ask("bob") == (40, 40)  # his own, now
-            alices = tenant_salt(tenant_of({"Authorization": "Bearer alice"}, "Authorization"), None)
-            assert await ask("mallory", cache_salt=alices) == (0, 0)  # a named salt is namespaced
-            assert await ask("alice", cache_salt="per-user") == (0, 0)  # a client's salt parts within
-            assert await ask("alice", cache_salt="per-user") == (40, 40)
+        assert await ask("alice") == (0, 0)
+        assert await ask("alice") == (40, 40)
+        if not enforced:
+            assert await ask("bob") == (40, 40)  # bob reads what alice cached
+            return
+        assert await ask("bob") == (0, 0)
+        assert await ask("bob") == (40, 40)  # his own, now
+        alices = tenant_salt(tenant_of({"Authorization": "Bearer alice"}, "Authorization"), None)
+        assert await ask("mallory", cache_salt=alices) == (0, 0)  # a named salt is namespaced
+        assert await ask("alice", cache_salt="per-user") == (0, 0)  # a client's salt parts within
+        assert await ask("alice", cache_salt="per-user") == (40, 40)
         assert audited(router, "false_hit") == 0 and audited(router, "exact") == 7
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
 import subprocess
@@ -84,8 +85,15 @@ async def envoy(
 
 @contextlib.asynccontextmanager
 async def gateway(
-    tmp_path: Path, n_engines: int = 2, fail_open: bool = False, duplex: bool = False, **engine
+    tmp_path: Path,
+    n_engines: int = 2,
+    fail_open: bool = False,
+    duplex: bool = False,
+    proxy: ProxyConfig | None = None,
+    **engine,
 ):
+    """Engines, a router serving the picker (``proxy``: its request plane; it names the engines that
+    served), and Envoy in front: (engines, router, Envoy's base URL)."""
     async with contextlib.AsyncExitStack() as stack:
         engines = [
             await stack.enter_async_context(run_fake_engine(block_size=BS, **engine))
@@ -94,7 +102,7 @@ async def gateway(
         cfg = RouterConfig(
             port=0,
             metrics=LOCAL_METRICS,
-            proxy=ProxyConfig(engine_header=True),
+            proxy=dataclasses.replace(proxy or ProxyConfig(), engine_header=True),
             workers=static_workers(engines),
             kv=KvConfig(block_size=BS),
             health=HealthConfig(interval_s=0),
@@ -146,6 +154,26 @@ async def test_envoy_sends_a_repeated_prompt_where_the_picker_knows_it_is_cached
         assert sample(router, "routerfleet_routing_decisions_total", policy="kv_aware", reason="prefix") >= 2
         # Each pick counts in the load until Envoy ends its stream (after the response headers).
         await eventually(lambda: router.load.total == 0, timeout=10, what="the picks released")
+
+
+@BODY_MODES
+async def test_through_envoy_each_tenants_requests_carry_its_own_cache_salt(tmp_path, duplex):
+    """--tenant-cache-salt behind a gateway: the picker sends the salted body on, so a second tenant's
+    copy of a prompt reads nothing the first cached (the engine's own figure), its own second copy all."""
+    tenancy = ProxyConfig(tenant_header="Authorization", tenant_cache_salt=True)
+    async with (
+        gateway(tmp_path, n_engines=1, duplex=duplex, proxy=tenancy) as (_engines, router, base),
+        aiohttp.ClientSession() as s,
+    ):
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
+        cached = []
+        for key in ("alice", "alice", "bob", "bob"):
+            headers = {"Authorization": f"Bearer {key}"}
+            async with s.post(base + "/v1/completions", json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                cached.append((await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"])
+            await eventually(lambda: router.kv.index.node_count() > 0, what="indexed")
+        assert cached == [0, 12 * BS - BS, 0, 12 * BS - BS]  # all but the last block, as vLLM reuses
 
 
 @BODY_MODES

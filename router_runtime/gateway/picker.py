@@ -93,7 +93,8 @@ class _Stream:
         # answered before its end arrived. None: chunks go on as they come.
         self.held: list[bytes] | None = None
         self.held_size = 0
-        self.headers: dict[str, str] = {}
+        # Case-insensitive, as the proxy's: the tenant, session and hint headers are named in any case.
+        self.headers: CIMultiDict[str] = CIMultiDict()
         self.subset: frozenset[str] | None = None  # the gateway's subset hint (None: any endpoint)
         self.body: list[bytes] = []
         self.size = 0
@@ -157,7 +158,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         """The answers to one message, in order: one each, except in FULL_DUPLEX_STREAMED mode, where
         the request's headers are answered once its body is whole, then its body goes on as answers."""
         if phase == "request_headers":
-            stream.headers = headers_of(message.request_headers)
+            stream.headers = CIMultiDict(headers_of(message.request_headers))
             stream.subset = subset_of(message.metadata_context)
             if message.request_headers.end_of_stream:
                 decision, x, _ = await self._pick(stream, None)

@@ -75,7 +75,6 @@ class Bodies:
         self.cap, self.wait_s = cap, wait_s
         self.executor, self.inline_max_bytes = executor, inline_max_bytes
         self.held = 0
-        self.refused = 0  # shares that waited in vain (503s)
         self._freed = asyncio.Event()  # set, and replaced, whenever a share is given back
 
     def share(self) -> Share:
@@ -151,7 +150,6 @@ class Share:
                     while b.held + need > b.cap:
                         await b._freed.wait()
             except TimeoutError:
-                b.refused += 1
                 raise over_budget(b.wait_s) from None
         b.held += need
         self.size = n

@@ -340,9 +340,7 @@ class Proxy:
         timeout = self.limits.body_timeout_s(length, self.max_body_bytes)
         try:
             async with asyncio.timeout(timeout):
-                if not self.bodies.cap:
-                    return await request.read()  # capped at --max-body-bytes, inflated or not
-                body = bytearray()
+                body = bytearray()  # inflated as it arrives, and capped so
                 async for chunk in request.content.iter_chunked(1 << 16):
                     body += chunk
                     if len(body) > self.max_body_bytes:

@@ -98,7 +98,7 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 async def _discovered(session, router: str) -> tuple[dict, dict, set, set]:
     """(metrics, /readyz body, engines with a connected subscription, engines in the index)."""
-    m = await metrics(session, router)
+    m = await metrics(session, metrics_url(router))
     _, ready = await get(session, router + "/readyz")
     _, index = await get(session, metrics_url(router) + "/debug/index")
     connected = {s["engine"] for s in index["subscriptions"] if s["connected"]}

@@ -194,10 +194,11 @@ def _cached(usage: dict | None) -> int | None:
 
 
 async def _send(
-    s: aiohttp.ClientSession, router: Router, path: str, body: dict, what: str
+    s: aiohttp.ClientSession, router: Router, path: str, body: dict, what: str, headers: dict | None = None
 ) -> tuple[Outcome, dict]:
     """One request with the prediction header asked for; (its outcome, the final body or last chunk)."""
-    async with s.post(router.url + path, json=body, headers={DEBUG_HEADER: router.token}) as r:
+    headers = {DEBUG_HEADER: router.token, **(headers or {})}
+    async with s.post(router.url + path, json=body, headers=headers) as r:
         assert r.status == 200, (what, r.status, await r.text())
         predicted = r.headers.get(PREDICTED)
         doubtful = r.headers.get("X-RouterFleet-Prediction-Doubtful") == "true"
@@ -337,6 +338,33 @@ def test_every_prediction_equals_vllms_cached_tokens(home, engines, tmp_path):
             assert sum(o.cached for o in outcomes) > 0, "nothing was cached: the test would prove nothing"
             assert len({o.engine for o in outcomes}) == len(engines), "one engine took every request"
             assert _run(_false_hit_tokens, rs) == 0
+
+
+def test_tenant_cache_salts_part_vllms_cache_and_the_prediction_follows(home, engines, tmp_path):
+    """--tenant-cache-salt on real vLLM: a second tenant's copy of a prompt is computed anew (vLLM's own
+    figure), a client's own salt parts its requests within its tenant, and every prediction, hits
+    included, is vLLM's figure: the router reads vLLM's salt out of its events' extra keys."""
+    tenancy = ("--tenant-header", "Authorization", "--tenant-cache-salt")
+    prompt = [random.Random(7).randrange(100, 100_000) for _ in range(3 * BLOCK_SIZE + 5)]
+
+    async def traffic(s, rs: list[Router]) -> list[Outcome]:
+        out = []
+        for key, own in (("alice", None), ("bob", None), ("alice", "per-user")):
+            for rep in range(2):
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+                if own:
+                    body["cache_salt"] = own
+                auth = {"Authorization": f"Bearer {key}"}
+                what = f"{key}/{own} #{rep}"
+                out.append((await _send(s, rs[0], "/v1/completions", body, what, auth))[0])
+                await _quiet(s, rs)
+        return out
+
+    with routers(home, engines, tmp_path, 1, *tenancy) as rs:
+        outcomes = _run(traffic, rs)
+    assert not _mismatches(outcomes), _mismatches(outcomes)
+    cached = [o.cached for o in outcomes]
+    assert cached[0::2] == [0, 0, 0] and all(c >= 3 * BLOCK_SIZE for c in cached[1::2]), outcomes
 
 
 def test_a_late_joiner_predicts_from_vllms_replay(home, engines, tmp_path):
