@@ -409,7 +409,10 @@ def run_row(name: str, schedule: list[Turn], p: Params, logdir: str, fleet: Flee
         if routers:
             res.flags = routers[0].flags
             kv = policy == "kv_aware" or kind == "vllm-router"
-            res.probe = "; ".join(sorted({probe_event_plane(r, engines, kv=kv) for r in routers}))
+            if "--tenant-cache-salt" in fleet.flags:  # the probe's blocks are stored unsalted: no hit
+                res.probe = "events not probed (tenant salts)"
+            else:
+                res.probe = "; ".join(sorted({probe_event_plane(r, engines, kv=kv) for r in routers}))
         oracle = Oracle(p) if kind is None else None
         cpu0 = sum(r.cpu_seconds() for r in routers)
         kill = None
