@@ -316,7 +316,7 @@ def test_first_deploy(cluster, namespace, crd, operator):
     urls = [pod_url(p, ROUTER_PORT) for p in pods]
     cluster.wait_for(
         "every replica hears its two siblings",
-        lambda: all(aio(metrics, u).get("routerfleet_fleet_peers_reporting") == 2 for u in urls),
+        lambda: all(aio(metrics, metrics_url(u)).get("routerfleet_fleet_peers_reporting") == 2 for u in urls),
         30,
     )
     views = aio(views_while_held, urls, 6)
@@ -591,7 +591,7 @@ def measure_fleet(cluster, crd, ns: str, n: int, chats) -> tuple[float, list[flo
     engine_urls = {engine_id(p): pod_url(p, 8000) for p in engines}
 
     def settled() -> bool:
-        pages = [aio(metrics, u) for u in routers]
+        pages = [aio(metrics, metrics_url(u)) for u in routers]
         return all(
             m.get('routerfleet_engines{state="closed"}') == 2
             and m.get("routerfleet_fleet_peers_reporting", 0) == n - 1
@@ -708,7 +708,7 @@ def test_responses_follow_ups_stay_on_their_engine_through_a_shared_store(
 
         follow(urls[1:] + urls[:1], 6)
         from_store = 'routerfleet_response_lookups_total{source="store"}'
-        stored = sum(aio(metrics, u).get(from_store, 0) for u in urls)
+        stored = sum(aio(metrics, metrics_url(u)).get(from_store, 0) for u in urls)
         assert stored >= 4, stored  # the turns another replica served were found in the store
         # The replica that served the last turn is deleted.
         last = urls[(state["k"] - 1) % 3]
@@ -731,7 +731,7 @@ def test_responses_follow_ups_stay_on_their_engine_through_a_shared_store(
         redis.kill()
         redis.wait()
         follow(routers(), 3)
-        up = [aio(metrics, u).get("routerfleet_shared_store_up") for u in routers()]
+        up = [aio(metrics, metrics_url(u)).get("routerfleet_shared_store_up") for u in routers()]
         assert 0 in up, up
     finally:
         if redis.poll() is None:

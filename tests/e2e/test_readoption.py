@@ -180,7 +180,7 @@ def test_container_restart_is_readopted_within_a_second(cluster, namespace):
 
     for r in (warm, cold):
         cluster.wait_for(f"{r} routes every disk prefix to {victim}", routed_to_victim(r, sets[r]), 30)
-    m_before = aio(metrics, warm)
+    m_before = aio(metrics, metrics_url(warm))
 
     # Kill the engine's container process; the node agent restarts it in the same pod.
     status = core.read_namespaced_pod(victim_pod.metadata.name, ns).status.container_statuses[0]
@@ -246,7 +246,7 @@ def test_container_restart_is_readopted_within_a_second(cluster, namespace):
     cold_share = cold_where.count(victim) / PREFIXES
     warm_hits, _ = aio(_hits, warm, sets[warm])
     cold_hits, cold_hit_where = aio(_hits, cold, sets[cold])
-    m_after = aio(metrics, warm)
+    m_after = aio(metrics, metrics_url(warm))
 
     def delta(name: str) -> float:
         return m_after.get(name, 0) - m_before.get(name, 0)

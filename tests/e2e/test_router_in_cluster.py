@@ -307,7 +307,7 @@ def test_router_without_rbac_rule(cluster, namespace):
     router = pod_url(pod, ROUTER_PORT)
 
     def not_synced():
-        m = aio(metrics, router)
+        m = aio(metrics, metrics_url(router))
         status, ready = aio(get, router + "/readyz")
         ok = (
             m.get("routerfleet_discovery_synced") == 0
