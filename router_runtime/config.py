@@ -212,6 +212,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     engines = [w.engine for w in c.workers]
     if len(set(engines)) != len(engines):
         parser.error("argument --worker: the same url is listed twice")
+    if c.metrics.port in (c.port, c.internal.port, c.gateway.port):
+        parser.error("argument --metrics-port: the same as another of the router's ports")
     if c.discovery.selector and c.workers:
         parser.error("argument --k8s-selector: not with --worker (one way to find engines)")
     if c.discovery.storage_annotation and not c.discovery.selector:

@@ -224,19 +224,21 @@ def test_salted_and_lora_events_carry_dialect_fields() -> None:
 
 @pytest.mark.parametrize("dialect", [VLLM, Dialect.SGLANG], ids=str)
 def test_the_index_matches_a_namespaced_request_to_the_blocks_its_engine_published(dialect) -> None:
-    """vLLM sends a LoRA name and a salt as per-block extra keys, SGLang as fields: either way the index
-    keys the blocks as a request of that namespace looks them up, and no other namespace matches."""
-    index = RadixIndex(BS)
-    carrier = Carrier("http://e", 0)
-    c = cache(dialect)
-    tokens = toks(0, 3)
+    """vLLM sends a cache salt as a per-block extra key, SGLang as a field: either way the index keys the
+    blocks as a request with that salt looks them up, and no other namespace matches. A vLLM adapter's
+    blocks stay cold: vLLM picks the adapter by ``model``, not by the ``lora_name`` the router reads."""
     spaces = [PLAIN, Namespace(cache_salt="a"), Namespace(lora_name="l"), Namespace("l", "a")]
-    ns = spaces[-1]
-    index.apply_batch(carrier, EventBatch(0.0, c.admit(tokens[: 2 * BS], ns).events))
-    index.apply_batch(carrier, EventBatch(0.0, c.admit(tokens, ns).events))  # a continuation
-    for other in spaces:
-        m = index.match(tokens, lora_name=other.lora_name, cache_salt=other.cache_salt).get(carrier)
-        assert (m.blocks if m else 0) == (3 if other == ns else 0), other
+    for ns in spaces[1:]:
+        index = RadixIndex(BS)
+        carrier = Carrier("http://e", 0)
+        c = cache(dialect)
+        tokens = toks(0, 3)
+        index.apply_batch(carrier, EventBatch(0.0, c.admit(tokens[: 2 * BS], ns).events))
+        index.apply_batch(carrier, EventBatch(0.0, c.admit(tokens, ns).events))  # a continuation
+        held = 0 if dialect is VLLM and ns.lora_name else 3
+        for other in spaces:
+            m = index.match(tokens, lora_name=other.lora_name, cache_salt=other.cache_salt).get(carrier)
+            assert (m.blocks if m else 0) == (held if other == ns else 0), (ns, other)
 
 
 def test_admin_store_host_remove_clear() -> None:

@@ -121,6 +121,7 @@ def test_flags_map_onto_the_config(tmp_path):
         (["--epp-pool", "pool"], "--epp-pool"),  # no picker
         (["--epp-port", "0", "--epp-pool", "pool", "--engine-load-interval-ms", "0"], "--epp-pool"),
         (["--epp-saturation-kv-usage", "1.5"], "--epp-saturation-kv-usage"),
+        (["--port", "9090"], "--metrics-port"),  # the metrics port's default
     ],
 )
 def test_bad_flags_fail_with_one_line_naming_the_flag(argv, flag, capsys):
@@ -138,6 +139,15 @@ def test_a_body_budget_below_one_body_fails_with_one_line_naming_both_flags(caps
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("routerfleet-router: error: proxy: --body-budget-bytes must be 0"), last
     assert "--max-body-bytes" in last
+
+
+def test_a_tenant_cache_salt_without_a_tenant_header_fails_with_one_line(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--tenant-cache-salt"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "routerfleet-router: error: proxy: --tenant-cache-salt needs --tenant-header" + (
+        " (whose tenant is it?)"
+    )
 
 
 async def start_router(engine, *flags: str) -> tuple[asyncio.subprocess.Process, str, str]:

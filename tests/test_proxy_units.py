@@ -419,6 +419,13 @@ def test_salts_part_tenants_and_the_clients_own_salts_within_one():
     assert all(len(s) <= 128 and not set(s) & set("@/\\\x00") for s in salts)
 
 
+def test_a_utf16_body_with_a_raw_lone_surrogate_is_a_400_not_a_salting_crash():
+    raw = '{"prompt": "hi", "junk": "\ud800"}'.encode("utf-16-le", "surrogatepass")
+    with pytest.raises(ProxyError) as e:
+        parse_json(raw)  # before salting ever sees it (its UTF-8 encode would raise)
+    assert e.value.status == 400 and "junk" in str(e.value.to_json())
+
+
 @pytest.mark.parametrize("body", [["not", "an", "object"], {"prompt": "hi", "cache_salt": 7}])
 def test_a_body_the_parser_refuses_is_left_for_its_400(body):
     raw = json.dumps(body).encode()

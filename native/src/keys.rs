@@ -41,34 +41,25 @@ pub fn namespace_root(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 
     xxh3_64_with_seed(&packed, plain_root())
 }
 
-/// Reads vLLM's namespace out of a store's per-block extra keys, so its blocks key as SGLang's (and as a
-/// request's `namespace_root(lora_name, cache_salt)`): vLLM publishes, untagged, the LoRA name on every
-/// block and the cache salt on a request's first block. `Some(salt)` (salt `None`: none) when every
-/// block's extras are exactly that (`first` says the event starts at the root, where the salt goes);
-/// `None` when they hold anything else (multimodal ids, prompt embeds): those stay hashed into their
-/// blocks, which no request key reproduces, so such blocks route cold.
+/// Reads vLLM's cache salt out of a store's per-block extra keys, so its blocks key as SGLang's (and as
+/// a request's `namespace_root(None, cache_salt)`): vLLM publishes, untagged, the cache salt on a
+/// request's first block. `Some(salt)` (salt `None`: none) when every block's extras are exactly that
+/// (`first` says the event starts at the root, where the salt goes); `None` when they hold anything
+/// else (multimodal ids, prompt embeds) or the blocks are an adapter's: those stay hashed into their
+/// blocks, which no request key reproduces, so they route cold. (vLLM picks an adapter by a request's
+/// `model`, not by the `lora_name` field the router reads: keyed by name, a client could name an
+/// adapter and be predicted its blocks.)
 pub fn vllm_namespace(extra: &[Vec<u8>], lora_name: Option<&str>, first: bool) -> Option<Option<String>> {
-    let mut lora = Vec::new();
-    if let Some(name) = lora_name {
-        pack_str_or_nil(&mut lora, Some(name));
+    if lora_name.is_some() {
+        return None;
     }
     let mut salt = None;
     for (i, entry) in extra.iter().enumerate() {
-        let plain = entry.is_empty() || entry.as_slice() == [0x90];
-        if lora_name.is_none() && plain {
-            continue;
+        if entry.is_empty() || entry.as_slice() == [0x90] {
+            continue; // none, or an empty tuple
         }
         let (n, rest) = array_of(entry)?;
-        let rest = if lora_name.is_some() {
-            rest.strip_prefix(lora.as_slice())?
-        } else {
-            rest
-        };
-        let named = usize::from(lora_name.is_some());
-        if n == named && rest.is_empty() {
-            continue;
-        }
-        if !(first && i == 0 && n == named + 1) {
+        if !(first && i == 0 && n == 1) {
             return None;
         }
         salt = Some(whole_str(rest)?);
@@ -238,27 +229,26 @@ mod tests {
     }
 
     #[test]
-    fn vllms_namespace_is_read_from_its_extra_keys() {
+    fn vllms_salt_is_read_from_its_extra_keys() {
         let long = "s".repeat(40); // a str8 header
-        for lora in [None, Some("adapter")] {
-            let with = |extra: &[&str]| packed(&lora.into_iter().chain(extra.iter().copied()).collect::<Vec<_>>());
-            let none: Vec<u8> = if lora.is_some() { with(&[]) } else { Vec::new() };
-            // a salted request's first event: the salt on block 0, the LoRA name on every block
-            let extra = vec![with(&[long.as_str()]), none.clone(), none.clone()];
-            assert_eq!(vllm_namespace(&extra, lora, true), Some(Some(long.clone())));
-            // its continuation (a parent): no block may carry a salt
-            assert_eq!(vllm_namespace(&extra, lora, false), None);
-            assert_eq!(vllm_namespace(&[none.clone(), none.clone()], lora, false), Some(None));
-            // anything else (a multimodal pair, a second string) keeps its extras
-            assert_eq!(vllm_namespace(&[with(&["a", "b"])], lora, true), None);
-            let mut mm = with(&[]);
-            mm[0] += 1;
-            mm.extend_from_slice(&[0x92, 0xa2, b'i', b'd', 0x00]);
-            assert_eq!(vllm_namespace(&[mm], lora, true), None);
-        }
-        assert_eq!(vllm_namespace(&[vec![0x90]], None, true), Some(None)); // an empty tuple: nothing
-        assert_eq!(vllm_namespace(&[packed(&["other"])], Some("adapter"), true), None);
-        // another LoRA
+                                   // a salted request's first event: the salt on block 0, nothing on the others
+        let extra = vec![packed(&[long.as_str()]), Vec::new(), vec![0x90]];
+        assert_eq!(vllm_namespace(&extra, None, true), Some(Some(long.clone())));
+        // a continuation (a parent): no block may carry a salt
+        assert_eq!(vllm_namespace(&extra, None, false), None);
+        assert_eq!(vllm_namespace(&[Vec::new(), vec![0x90]], None, false), Some(None));
+        // anything else (two strings, a multimodal pair) keeps its extras
+        assert_eq!(vllm_namespace(&[packed(&["a", "b"])], None, true), None);
+        assert_eq!(
+            vllm_namespace(&[vec![0x91, 0x92, 0xa2, b'i', b'd', 0x00]], None, true),
+            None
+        );
+        // an adapter's blocks stay cold: vLLM picks adapters by `model`, which the router does not read
+        assert_eq!(
+            vllm_namespace(&[packed(&["adapter", "salt"])], Some("adapter"), true),
+            None
+        );
+        assert_eq!(vllm_namespace(&[Vec::new()], Some("adapter"), true), None);
     }
 
     #[test]

@@ -48,6 +48,7 @@ from ..sessions.keys import tenant_of
 from .health import PickerHealth
 from .protocol import (
     duplex_of,
+    header_pairs,
     headers_of,
     picked,
     proceed,
@@ -158,7 +159,8 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         """The answers to one message, in order: one each, except in FULL_DUPLEX_STREAMED mode, where
         the request's headers are answered once its body is whole, then its body goes on as answers."""
         if phase == "request_headers":
-            stream.headers = CIMultiDict(headers_of(message.request_headers))
+            # a repeated header's first value, as the proxy reads it (the tenant is the same at both doors)
+            stream.headers = CIMultiDict(header_pairs(message.request_headers))
             stream.subset = subset_of(message.metadata_context)
             if message.request_headers.end_of_stream:
                 decision, x, _ = await self._pick(stream, None)

@@ -49,13 +49,18 @@ def duplex_of(message: ep.ProcessingRequest) -> tuple[bool, bool]:
     return config.request_body_mode == duplex, config.response_body_mode == duplex
 
 
+def header_pairs(message: ep.HttpHeaders) -> list[tuple[str, str]]:
+    """Envoy's header map as (lower-case name, value) pairs, in order, a repeated header once per value.
+    Envoy sends values as ``raw_value`` bytes or ``value``."""
+    return [
+        (h.key.lower(), h.raw_value.decode("utf-8", "surrogateescape") if h.raw_value else h.value)
+        for h in message.headers.headers
+    ]
+
+
 def headers_of(message: ep.HttpHeaders) -> dict[str, str]:
-    """Envoy's header map as a dict (lower-case names, as HTTP/2 spells them; a repeated header keeps
-    its last value). Envoy sends values as ``raw_value`` bytes or ``value``."""
-    out: dict[str, str] = {}
-    for h in message.headers.headers:
-        out[h.key.lower()] = h.raw_value.decode("utf-8", "surrogateescape") if h.raw_value else h.value
-    return out
+    """Envoy's header map as a dict (a repeated header keeps its last value)."""
+    return dict(header_pairs(message))
 
 
 def subset_of(metadata: base_pb2.Metadata) -> frozenset[str] | None:

@@ -47,8 +47,9 @@ _PROMPT_FIELDS = {
 MAX_RESPONSE_ID = 256
 
 
-# A lone surrogate can only come from a \uD800-\uDFFF escape (raw UTF-8 cannot encode one), so a body
-# without such an escape needs no walk.
+# A lone surrogate can only come from a \uD800-\uDFFF escape (raw UTF-8 cannot encode one), so a UTF-8
+# body without such an escape needs no walk; a UTF-16/32 one (json reads those too, NULs in its first
+# bytes) can carry one raw.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
@@ -59,7 +60,8 @@ def parse_json(raw: bytes) -> Any:
         body = json.loads(raw)
     except (ValueError, RecursionError):  # ValueError: also an integer beyond Python's 4,300 digits
         raise bad_request("request body is not valid JSON") from None
-    if _SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate(body)) is not None:
+    walk = b"\x00" in raw[:4] or _SURROGATE_ESCAPE.search(raw)
+    if walk and (where := _lone_surrogate(body)) is not None:
         raise bad_request(
             f"'{where}' holds a lone surrogate: not text", where.split("[", 1)[0].split(".", 1)[0]
         )
