@@ -341,7 +341,7 @@ impl Index {
             return;
         }
         let bits = ev.medium.as_deref().map_or(Some(DEVICE), medium_tier).unwrap_or(DEVICE);
-        // vLLM's LoRA name and salt ride in its extra keys: read as the namespace, as SGLang sends it.
+        // vLLM's salt rides in its extra keys: read as the namespace, as SGLang sends it (keys.rs).
         let lora = ev.lora_name.as_deref();
         let (salt, extra) = match ev.extra_keys.as_deref() {
             Some(x) if ev.cache_salt.is_none() => match vllm_namespace(x, lora, ev.parent_block_hash.is_none()) {
