@@ -4,16 +4,18 @@ Cluster mode (the default; root, because the cluster lives in a private network 
 builds the control plane on first use (e2e/kube, ~7 min on 2 cores, cached), starts it with the
 process node agent, and then, with the manifests a user applies, printing each kubectl command:
 
-1. installs the operator: the CRDs, then `kubectl apply -k manifests/operator` (two replicas, kopf
-   peering);
+1. installs the operator: the CRDs (the Gateway API Inference Extension's too), then `kubectl apply -k
+   manifests/operator` (two replicas, kopf peering);
 2. deploys manifests/base's fake engines (2 engines x 2 DP ranks, a disk tier each), or with
    ``--engines vllm`` (`make demo ENGINES=vllm`) two real vLLM engines as pods: its CPU build serving
    e2e/vllm's tiny model (installed by `make vllm`; a cold start compiles it: a minute or two);
 3. applies manifests/samples/demo.yaml (a 3-replica RouterFleet; for vLLM with e2e/vllm's router and
    engines sections: block size 32, tokens from the engines), waits with `kubectl wait
-   --for=condition=Ready`, prints `kubectl get rf` and each replica's verdict from the status;
-4. runs multi-turn chats round-robin over the Ready router pods (as the fleet's Service would) and
-   prints the hit rate (usage.prompt_tokens_details.cached_tokens) and TTFT;
+   --for=condition=Ready`, prints `kubectl get rf` and each replica's verdict from the status, and the
+   InferencePool the operator rendered (the fleet is its endpoint picker, spec.gateway);
+4. runs multi-turn chats through the standalone gateway, round-robin over the Envoys beside the Ready
+   routers (as the fleet's gateway Service would; each asks its router's picker), and prints the hit
+   rate (usage.prompt_tokens_details.cached_tokens) and TTFT;
    then, the traffic still flowing: a rollout triggered by a spec change (`extraArgs`), live, with its
    hit rate before, during and after;
 5. a failed seed: a block-size change the engines do not share; the rollout pauses (condition
@@ -69,6 +71,7 @@ from e2e import fleet_traffic as T
 from e2e.dump import dump_namespace
 from router_runtime.kv.decode import normalize_hash
 from router_runtime.kv.hashing import hash_set_digest
+from routerfleet_operator.model import GATEWAY_PORT
 
 # ================================================================================================ local
 
@@ -461,7 +464,7 @@ async def rollout(demo: Demo, traffic: T.Traffic, patch: dict, what: str) -> dic
     traffic.replicas, traffic.done = {}, None
     traffic.trigger = time.monotonic()
     demo.patch(json.dumps(patch))
-    say(f"rolling out ({what}); traffic keeps flowing, round-robin over the Ready routers")
+    say(f"rolling out ({what}); traffic keeps flowing, round-robin over the Ready routers' Envoys")
     limit = 300 if demo.vllm else 120  # a new router rebuilding from vLLM's replay asks it for every batch
     deadline = time.monotonic() + limit
     while traffic.done is None:
@@ -511,10 +514,14 @@ def rollout_table(results: list[dict]) -> None:
 
 async def install_operator(demo: Demo) -> None:
     say("1. the operator, as a user installs it (the CRDs, then manifests/operator)")
-    crds = [str(F.ROOT / "crds"), str(F.ROOT / "manifests" / "operator" / "crds")]
-    shell("kubectl apply --server-side -f crds/ -f manifests/operator/crds/")
-    demo.kube.run_kubectl("apply", "--server-side", "-f", crds[0], "-f", crds[1])
-    established = ("crd/routerfleets.routerfleet.io", "crd/clusterkopfpeerings.kopf.dev")
+    crds = ["crds/", "manifests/operator/crds/", "manifests/gateway/crds/"]
+    shell("kubectl apply --server-side " + " ".join(f"-f {c}" for c in crds))
+    demo.kube.run_kubectl("apply", "--server-side", *(a for c in crds for a in ("-f", str(F.ROOT / c))))
+    established = (
+        "crd/routerfleets.routerfleet.io",
+        "crd/clusterkopfpeerings.kopf.dev",
+        "crd/inferencepools.inference.networking.k8s.io",
+    )
     demo.kube.run_kubectl("wait", "--for=condition=Established", *established)
     shell("kubectl apply --server-side -k manifests/operator")
     demo.kube.run_kubectl("apply", "--server-side", "-k", str(F.ROOT / "manifests" / "operator"))
@@ -585,6 +592,27 @@ def apply_fleet(demo: Demo) -> None:
         demo.kube.run_kubectl("-n", demo.ns, "apply", "-f", f.name)
 
 
+async def show_pool(demo: Demo) -> None:
+    """The InferencePool the operator rendered for the fleet (spec.gateway), and what GatewayReady says."""
+    pool = await asyncio.to_thread(
+        demo.kube.crd.get_namespaced_custom_object,
+        "inference.networking.k8s.io",
+        "v1",
+        demo.ns,
+        "inferencepools",
+        FLEET,
+    )
+    spec = pool["spec"]
+    ref = spec["endpointPickerRef"]
+    ports = ", ".join(str(p["number"]) for p in spec["targetPorts"])
+    engines = spec["selector"]["matchLabels"]
+    say(f"  InferencePool {FLEET} (spec.gateway): engine pods {engines}, port {ports};")
+    say(f"  its endpoint picker: Service {ref['name']}:{ref['port']['number']}, the routers' picker port")
+    c = demo.condition(await asyncio.to_thread(demo.fleet), "GatewayReady")
+    say(f"  GatewayReady={c.get('status')} {c.get('reason')}: no Gateway implementation in this cluster,")
+    say(f"  so the standalone gateway serves: an Envoy beside each router, Service {FLEET}-gateway")
+
+
 async def failed_seed(demo: Demo, traffic: T.Traffic) -> bool:
     """A block-size change the engines do not share: the new replica's seed fails, the rollout pauses
     saying why, the old replicas keep serving; the revert is Ready again at once."""
@@ -645,9 +673,10 @@ async def cluster_demo(demo: Demo) -> int:
         f"{'':11}(the first replicas boot together: nothing to inherit yet, so abandoned/no_peers/fleet_cold;"
         f"\n{'':11} each holds a readiness gate until its bootstrap settles)"
     )
+    await show_pool(demo)
     sec = await asyncio.to_thread(demo.core.read_namespaced_secret, f"{FLEET}-internal-token", demo.ns)
     token = base64.b64decode(sec.data["token"]).decode()
-    traffic = T.Traffic(demo.kube, demo.ns, FLEET, token, seed=7)
+    traffic = T.Traffic(demo.kube, demo.ns, FLEET, token, seed=7, port=GATEWAY_PORT)
     ok = True
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         await traffic.refresh(session)
@@ -655,7 +684,8 @@ async def cluster_demo(demo: Demo) -> int:
         tasks += [asyncio.create_task(traffic.worker(session)) for _ in range(T.WORKERS)]
         try:
             chats = f"{T.CONVERSATIONS} conversations, {T.WORKERS} in flight"
-            say(f"4. multi-turn chats ({chats}) for {STEADY_S:.0f} s")
+            through = f"through the Envoys (port {GATEWAY_PORT})"
+            say(f"4. multi-turn chats ({chats}) for {STEADY_S:.0f} s, {through}")
             t = time.monotonic()
             await asyncio.sleep(STEADY_S)
             steady = [r for r in traffic.reqs if r.t >= t]

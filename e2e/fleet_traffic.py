@@ -177,12 +177,13 @@ class Replica:
 
 
 class Traffic:
-    """Chats round-robin over a fleet's Ready router pods (what its Service would do), CONVERSATIONS
-    live, WORKERS requests in flight; and, once ``trigger`` is set, a watch of the replicas of the new
-    revision: when each was seen, settled (with its verdict), seeded and Ready."""
+    """Chats round-robin over a fleet's Ready router pods at ``port`` (what its Service would do),
+    CONVERSATIONS live, WORKERS requests in flight; and, once ``trigger`` is set, a watch of the replicas
+    of the new revision: when each was seen, settled (with its verdict), seeded and Ready."""
 
-    def __init__(self, kube: Kube, ns: str, fleet: str, token: str, seed: int):
+    def __init__(self, kube: Kube, ns: str, fleet: str, token: str, seed: int, port: int = F.ROUTER_PORT):
         self.kube, self.ns, self.fleet, self.token = kube, ns, fleet, token
+        self.port = port  # the routers' own proxy, or the standalone gateway's Envoy beside each
         self.sel = f"routerfleet.io/fleet={fleet}"
         self.ready: list[tuple[str, str, str]] = []  # (pod, ip, revision) of Ready router pods
         self.reqs: list[Req] = []
@@ -271,7 +272,7 @@ class Traffic:
                     self.rr += 1
                     try:
                         ttft, answer, prompt, cached = await F.chat_turn(
-                            session, f"http://{ip}:{F.ROUTER_PORT}", conv.messages
+                            session, f"http://{ip}:{self.port}", conv.messages
                         )
                     except (TimeoutError, aiohttp.ClientError, AssertionError, OSError):
                         self.errors += 1

@@ -665,6 +665,7 @@ async def run_router(
                 load=router.load,
                 hooks=router.proxy.hooks,
                 health=router.health,
+                fallbacks=gateway.fallbacks,
                 bodies=router.proxy.bodies,
             )
             epp_host = gateway.host or config.host

@@ -39,6 +39,7 @@ MAX_EVENT_BYTES = 64 << 20
 KINDS: dict[str, tuple[str, str]] = {
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
     "Secret": ("/api/v1", "secrets"),
+    "ConfigMap": ("/api/v1", "configmaps"),
     "Service": ("/api/v1", "services"),
     "Pod": ("/api/v1", "pods"),
     "Event": ("/api/v1", "events"),
@@ -51,6 +52,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "ControllerRevision": ("/apis/apps/v1", "controllerrevisions"),
     "RouterFleet": ("/apis/routerfleet.io/v1alpha1", "routerfleets"),
     "InferenceObjective": ("/apis/inference.networking.x-k8s.io/v1alpha2", "inferenceobjectives"),
+    "InferencePool": ("/apis/inference.networking.k8s.io/v1", "inferencepools"),
 }
 
 

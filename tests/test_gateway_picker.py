@@ -65,8 +65,16 @@ async def envoy(
     """Envoy in front of the picker and a pool of ``engines`` (base URLs); yields its listener's base URL.
     ``duplex``: bodies FULL_DUPLEX_STREAMED both ways (else BUFFERED in, STREAMED out)."""
     listen = free_port()
+    text = envoy_config(listen, picker, engines, fail_open=fail_open, duplex=duplex)
+    async with run_envoy(text, listen, tmp_path) as base:
+        yield base
+
+
+@contextlib.asynccontextmanager
+async def run_envoy(text: str, listen: int, tmp_path: Path) -> AsyncIterator[str]:
+    """The real Envoy with configuration ``text``, once it listens on loopback ``listen``."""
     config = tmp_path / "envoy.yaml"
-    config.write_text(envoy_config(listen, picker, engines, fail_open=fail_open, duplex=duplex))
+    config.write_text(text)
     log = (tmp_path / "envoy.log").open("wb")
     proc = subprocess.Popen(envoy_argv(config), stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -363,7 +371,7 @@ async def test_a_pick_that_refuses_connections_fails_over_and_the_engine_that_se
             workers=workers,
             kv=KvConfig(block_size=BS),
             health=HealthConfig(interval_s=0),
-            gateway=PickerConfig(port=0),
+            gateway=PickerConfig(port=0, fallbacks=2),
         )
         router, _url = await stack.enter_async_context(run_router(cfg))
         await join_all(router, [engine])
@@ -479,3 +487,75 @@ async def test_the_picker_holds_bodies_in_the_routers_one_budget(tmp_path):
             answers = [a async for a in stub.Process(iter([headers(), body(whole, end=True)]))]
             assert answers[-1].HasField("request_body"), answers[-1]  # picked
             assert router.proxy.bodies.held == 0
+
+
+# ---- the operator's standalone gateway (its rendered Envoy configuration) ------------------------------
+
+
+def standalone_config(picker_port: int, listen: int, *, tls: bool = True) -> str:
+    """The Envoy configuration the operator renders for spec.gateway.standalone, its ports moved from
+    the pod's (listener 8088, picker 9002, admin 9901) to this test's loopback ones."""
+    from routerfleet_operator.spec import Fleet
+    from routerfleet_operator.standalone import envoy_config as rendered
+
+    fleet = Fleet.parse(
+        {
+            "metadata": {"name": "rf"},
+            "spec": {
+                "router": {"image": "x"},
+                "engines": {"serviceName": "e", "kvPort": "kv"},
+                "gateway": {"enabled": True, "tls": tls, "standalone": {"enabled": True}},
+            },
+        }
+    )
+    config = rendered(fleet)
+    config["admin"]["address"]["socket_address"]["port_value"] = 0
+    listener = config["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"].update(address="127.0.0.1", port_value=listen)
+    picker = config["static_resources"]["clusters"][1]
+    picker["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
+        "port_value"
+    ] = picker_port
+    return json.dumps(config)
+
+
+async def test_the_standalone_gateways_envoy_sends_each_request_where_the_picker_says(tmp_path):
+    """The operator's standalone Envoy (an ORIGINAL_DST cluster on the picker's header, the picker over
+    TLS) with the picker's defaults: one endpoint per pick, as such a cluster reads it (a list is a 503
+    there). A prompt repeated lands where it is cached, whatever destination the client names itself; a
+    body over Envoy's default 1 MiB buffer goes through; the engine that served is audited."""
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(run_fake_engine(block_size=BS)) for _ in range(2)]
+        cfg = RouterConfig(
+            port=0,
+            metrics=LOCAL_METRICS,
+            proxy=ProxyConfig(engine_header=True),
+            workers=static_workers(engines),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            gateway=PickerConfig(port=0),
+        )
+        router, _url = await stack.enter_async_context(run_router(cfg))
+        await join_all(router, engines)
+        listen = free_port()
+        picker_port = int(router.epp_address.rsplit(":", 1)[1])
+        base = await stack.enter_async_context(
+            run_envoy(standalone_config(picker_port, listen), listen, tmp_path)
+        )
+        s = await stack.enter_async_context(aiohttp.ClientSession())
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
+        served = []
+        for k in range(3):
+            other = [e for e in engines if e.http_url not in served[:1]][-1].http_url.removeprefix("http://")
+            # a client naming an engine itself is not heard: the picker's pick goes
+            headers = {DESTINATION: other} if k else {}
+            async with s.post(base + "/v1/completions", json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                served.append(r.headers[ENGINE_HEADER])
+                usage = (await r.json())["usage"]
+        assert served == [served[0]] * 3
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 8 * BS
+        assert audited(router, "exact") == 3
+        big = {"model": "m", "prompt": [7] * 600_000, "max_tokens": 1}  # 1.8 MB of JSON
+        async with s.post(base + "/v1/completions", json=big) as r:
+            assert r.status == 200, (await r.text())[:500]

@@ -20,6 +20,7 @@ from typing import Any
 
 from routerfleet_kube import MERGE, STRATEGIC, ApiError, KubeClient
 
+from .gateway import PoolProblem, PoolView, engine_services, resolve_target
 from .metrics import METRICS, OperatorMetrics
 from .model import API_VERSION, FIELD_MANAGER, KIND, LABEL_FLEET, LABEL_REVISION, TOKEN_KEY, Phase
 from .render import (
@@ -29,6 +30,7 @@ from .render import (
     new_token,
     render_all,
     render_controller_revision,
+    render_inference_pool,
     render_pod_template,
     render_secret,
     seeded_condition,
@@ -107,6 +109,38 @@ async def record_revision(
 async def stored_template(kube: KubeClient, fleet: Fleet, revision: str) -> dict[str, Any] | None:
     cr = await kube.get("ControllerRevision", fleet.namespace, controller_revision_name(fleet, revision))
     return ((cr or {}).get("data") or {}).get("template")
+
+
+# ---- the InferencePool (spec.gateway) ------------------------------------------------------------------
+
+
+async def sync_pool(kube: KubeClient, fleet: Fleet) -> PoolView | None:
+    """Apply the fleet's InferencePool, its target resolved from the engines' Service and
+    EndpointSlices, and return what its status says (None without spec.gateway)."""
+    if not fleet.spec.gateway.enabled:
+        return None  # a pool of an earlier spec is pruned with the other optional objects
+    e = fleet.spec.engines
+    slices = await kube.list("EndpointSlice", fleet.engines_namespace, e.label_selector())
+    services = {
+        o: await kube.get("Service", fleet.engines_namespace, o) for o in engine_services(fleet, slices)
+    }
+    try:
+        pool = await kube.apply(render_inference_pool(fleet, resolve_target(fleet, slices, services)))
+    except PoolProblem as problem:
+        return PoolView(problem=problem)
+    except ApiError as err:
+        if err.status == 404:
+            problem = PoolProblem(
+                "CRDNotInstalled",
+                "the InferencePool CRD (inference.networking.k8s.io/v1) is not installed: install the "
+                "Gateway API Inference Extension's CRDs, or the chart's with gatewayApi.installCRDs=true",
+            )
+        elif err.status in (400, 403, 422):
+            problem = PoolProblem("PoolRefused", f"the API server refused it: {err}")
+        else:
+            raise
+        return PoolView(problem=problem)
+    return PoolView.of(pool)
 
 
 # ---- status -------------------------------------------------------------------------------------------
@@ -211,9 +245,31 @@ async def apply_owned(
         if m["kind"] == "Deployment" and template is None:
             continue
         await kube.apply(m)
-    if not any(m["kind"] == "PodDisruptionBudget" for m in manifests):
-        await kube.delete("PodDisruptionBudget", fleet.namespace, names(fleet).pdb)
+    if int(obj["metadata"].get("generation") or 0) != status.get("observedGeneration"):
+        await prune_optional(kube, fleet, manifests)
     return events
+
+
+async def prune_optional(kube: KubeClient, fleet: Fleet, manifests: Sequence[Mapping[str, Any]]) -> None:
+    """Delete the objects a spec may turn off (the PodDisruptionBudget, the gateway's) that it no longer
+    renders. Only a new spec can turn one off, so this runs for a generation not yet in status (the
+    status is written after it: a prune that failed runs again)."""
+    n = names(fleet)
+    rendered = {(m["kind"], m["metadata"]["name"]) for m in manifests}
+    for kind, name in (
+        ("PodDisruptionBudget", n.pdb),
+        ("Service", n.picker_service),
+        ("Service", n.gateway_service),
+        ("ConfigMap", n.envoy_config),
+    ):
+        if (kind, name) not in rendered:
+            await kube.delete(kind, fleet.namespace, name)
+    if not fleet.spec.gateway.enabled:
+        try:
+            await kube.delete("InferencePool", fleet.namespace, n.pool)
+        except ApiError as e:
+            if e.status != 403:  # the CRD is installed; the operator may not touch pools: nothing to prune
+                raise
 
 
 async def reconcile(
@@ -266,7 +322,8 @@ async def _reconcile(
     pods = [p for p in pods if _owned_by_fleet(p, name)]
     reports = await fetch_reports(pods, token) if token else {}
     views = [PodView.from_pod(p, reports.get(p["metadata"]["name"])) for p in pods]
-    decision = decide(obj, views, now)
+    pool = await sync_pool(kube, fleet) if fleet is not None else None
+    decision = decide(obj, views, now, pool)
 
     # 1. the owned objects and the Deployment (an invalid spec changes nothing)
     if fleet is not None and decision.deploy_revision is not None:

@@ -10,8 +10,9 @@
   RoleBinding in the engines' namespace when that is another one (an ownerReference cannot cross
   namespaces, so the garbage collector never would).
 - ``fleet_changed`` (any watch event of a RouterFleet: spec, annotations such as the retry, the scale
-  subresource) and ``pod_changed`` (any pod labelled ``routerfleet.io/fleet``: created, Running,
-  Ready, deleted) kick the fleet's loop.
+  subresource), ``pod_changed`` (any pod labelled ``routerfleet.io/fleet``: created, Running,
+  Ready, deleted) and ``pool_changed`` (a fleet's InferencePool, as a Gateway reports on it) kick the
+  fleet's loop.
 
 Shared state lives in kopf's memo (the API client, each loop's wake-up), not in module globals.
 Nothing is kept in memory that matters: the rollout state machine is in the fleet's status, so a
@@ -81,6 +82,13 @@ def fleet_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_FLEET: kopf.PRESENT})
 def pod_changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, **_: Any) -> None:
+    kick(memo, namespace, labels.get(LABEL_FLEET))
+
+
+@kopf.on.event("inference.networking.k8s.io", "v1", "inferencepools", labels={LABEL_FLEET: kopf.PRESENT})
+def pool_changed(namespace: str, labels: dict[str, str], memo: kopf.Memo, **_: Any) -> None:
+    """A fleet's InferencePool (spec.gateway) changed, its status.parents as a Gateway reports them: the
+    GatewayReady condition follows. kopf watches the resource only while its CRD is installed."""
     kick(memo, namespace, labels.get(LABEL_FLEET))
 
 

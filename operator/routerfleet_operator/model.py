@@ -29,23 +29,35 @@ SEEDED = "routerfleet.io/seeded"
 ANNOTATION_RETRY = "routerfleet.io/retry"  # retry a paused or rolled-back rollout
 ANNOTATION_RESTARTED_AT = "routerfleet.io/restartedAt"  # a rolling, seed-gated restart
 
-# The router's ports inside the pod (fixed: the operator owns --port, --metrics-port and --internal-port).
+# The router's ports inside the pod (fixed: the operator owns --port, --metrics-port, --internal-port
+# and --epp-port).
 HTTP_PORT = 8080
 INTERNAL_PORT = 8081
 METRICS_PORT = 9090  # /metrics and /debug/*, never on the public port
+EPP_PORT = 9002  # the endpoint picker (Envoy ext_proc over gRPC), with spec.gateway only
+GATEWAY_PORT = 8088  # the standalone gateway's Envoy, beside the router (spec.gateway.standalone)
 HTTP_PORT_NAME = "http"
 INTERNAL_PORT_NAME = "internal"
 METRICS_PORT_NAME = "metrics"
+EPP_PORT_NAME = "epp"
+GATEWAY_PORT_NAME = "gateway"
+
+# The Gateway API Inference Extension's InferencePool (spec.gateway renders one).
+POOL_API_VERSION = "inference.networking.k8s.io/v1"
+POOL_KIND = "InferencePool"
 
 TOKEN_KEY = "token"
 TOKEN_VOLUME = "internal-token"
 TOKENIZER_VOLUME = "tokenizer"
 SESSION_STORE_VOLUME = "session-store"
-RESERVED_VOLUMES = (TOKEN_VOLUME, TOKENIZER_VOLUME, SESSION_STORE_VOLUME)
+ENVOY_VOLUME = "envoy-config"
+RESERVED_VOLUMES = (TOKEN_VOLUME, TOKENIZER_VOLUME, SESSION_STORE_VOLUME, ENVOY_VOLUME)
 TOKEN_DIR = "/var/run/routerfleet/internal-token"
 TOKENIZER_DIR = "/etc/routerfleet/tokenizer"
 SESSION_STORE_DIR = "/var/run/routerfleet/session-store"  # the store's password, from its Secret
 SESSION_STORE_KEY = "password"
+ENVOY_DIR = "/etc/routerfleet/envoy"  # the standalone gateway's configuration, from its ConfigMap
+ENVOY_KEY = "envoy.yaml"
 
 # The router's /internal/bootstrap document.
 BOOTSTRAP_API_VERSION = "routerfleet.io/bootstrap/v1"
@@ -136,6 +148,11 @@ OWNED_FLAGS = (
     "--kv-bootstrap-seed-required",
     "--session-store",
     "--session-store-password-file",
+    "--epp-host",
+    "--epp-port",
+    "--epp-plaintext",
+    "--no-epp-plaintext",
+    "--epp-pool",
     "--help",
 )
 RESERVED_ENV = ("POD_NAME", "POD_NAMESPACE", "POD_IP")

@@ -26,7 +26,14 @@ from typing import Any
 from .model import (
     ANNOTATION_RESTARTED_AT,
     API_VERSION,
+    ENVOY_DIR,
+    ENVOY_KEY,
+    ENVOY_VOLUME,
+    EPP_PORT,
+    EPP_PORT_NAME,
     FIELD_MANAGER,
+    GATEWAY_PORT,
+    GATEWAY_PORT_NAME,
     GROUP,
     HTTP_PORT,
     HTTP_PORT_NAME,
@@ -41,6 +48,8 @@ from .model import (
     LABEL_REVISION,
     METRICS_PORT,
     METRICS_PORT_NAME,
+    POOL_API_VERSION,
+    POOL_KIND,
     ROUTER_APP,
     SEEDED,
     SESSION_STORE_DIR,
@@ -54,8 +63,11 @@ from .model import (
     Verdict,
 )
 from .spec import Fleet
+from .standalone import envoy_command, envoy_config
 
 LABEL_FLEET_NAMESPACE = f"{GROUP}/fleet-namespace"  # on the cross-namespace Role/RoleBinding
+# On the pod template: the standalone gateway's configuration hash, so a change to it rolls the pods.
+ANNOTATION_ENVOY_CONFIG = f"{GROUP}/envoy-config"
 
 # Probe budgets. The startup probe asks /readyz: it passes only once bootstrap has settled (and the
 # seed-required hold, if any, has opened), so its budget is the bootstrap hold plus a margin for
@@ -87,6 +99,10 @@ class Names:
     pdb: str
     secret: str
     network_policy: str
+    picker_service: str  # spec.gateway: the routers' picker port, the pool's endpointPickerRef
+    pool: str  # spec.gateway: the InferencePool
+    gateway_service: str  # spec.gateway.standalone: the Envoys beside the routers
+    envoy_config: str  # spec.gateway.standalone: their ConfigMap
 
 
 def names(fleet: Fleet) -> Names:
@@ -104,6 +120,10 @@ def names(fleet: Fleet) -> Names:
         pdb=n,
         secret=f"{n}-internal-token",
         network_policy=f"{n}-internal",
+        picker_service=f"{n}-epp",
+        pool=fleet.pool_name,
+        gateway_service=f"{n}-gateway",
+        envoy_config=f"{n}-envoy",
     )
 
 
@@ -206,6 +226,12 @@ def router_args(fleet: Fleet) -> list[str]:
             args.append("--kv-bootstrap-seed-required")
     else:
         args.append("--no-kv-bootstrap")
+    g = s.gateway
+    if g.enabled:
+        # The pool's picker: the pool's InferenceObjectives make requests sheddable (docs/gateway.md).
+        args += ["--epp-port", str(EPP_PORT), "--epp-pool", fleet.pool_name]
+        if not g.tls:
+            args.append("--epp-plaintext")
     return args + list(s.router.extra_args)
 
 
@@ -264,6 +290,7 @@ def _container(fleet: Fleet) -> dict[str, Any]:
             {"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"},
             {"name": INTERNAL_PORT_NAME, "containerPort": INTERNAL_PORT, "protocol": "TCP"},
             {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"},
+            *_picker_ports(fleet, "containerPort", EPP_PORT),
         ],
         # POD_NAME/POD_IP let a replica leave itself out of its peer set.
         "env": [
@@ -281,6 +308,46 @@ def _container(fleet: Fleet) -> dict[str, Any]:
     if r.resources:
         c["resources"] = dict(r.resources)
     return c
+
+
+def _picker_ports(fleet: Fleet, key: str, number: int) -> list[dict[str, Any]]:
+    """The picker port, in a container's or a Service's port list, when the fleet serves a gateway."""
+    if not fleet.spec.gateway.enabled:
+        return []
+    return [{"name": EPP_PORT_NAME, key: number, "protocol": "TCP"}]
+
+
+def envoy_config_text(fleet: Fleet) -> str:
+    """The standalone gateway's envoy.yaml (JSON, which is YAML), as its ConfigMap holds it."""
+    return json.dumps(envoy_config(fleet), indent=1, sort_keys=True) + "\n"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _envoy_containers(fleet: Fleet) -> list[dict[str, Any]]:
+    """The standalone gateway's Envoy (none without spec.gateway.standalone). It is Ready when it
+    listens; the pod is Ready only when the router is too (and seeded), so the gateway Service sends only
+    to a seeded replica's Envoy."""
+    st = fleet.spec.gateway.standalone
+    if not st.enabled:
+        return []
+    return [
+        {
+            "name": "envoy",
+            "image": st.image,
+            "command": envoy_command(),
+            "ports": [{"name": GATEWAY_PORT_NAME, "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+            "volumeMounts": [{"name": ENVOY_VOLUME, "mountPath": ENVOY_DIR, "readOnly": True}],
+            "readinessProbe": {
+                "tcpSocket": {"port": GATEWAY_PORT_NAME},
+                "periodSeconds": READINESS_PERIOD_S,
+                "timeoutSeconds": 3,
+            },
+            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        }
+    ]
 
 
 def _pod_template_unhashed(fleet: Fleet) -> dict[str, Any]:
@@ -303,13 +370,16 @@ def _pod_template_unhashed(fleet: Fleet) -> dict[str, Any]:
         volumes.append(
             {"name": SESSION_STORE_VOLUME, "secret": {"secretName": store.password_secret, "items": items}}
         )
+    if fleet.spec.gateway.standalone.enabled:
+        volumes.append({"name": ENVOY_VOLUME, "configMap": {"name": n.envoy_config}})
+        annotations[ANNOTATION_ENVOY_CONFIG] = _digest(envoy_config_text(fleet))
     volumes += [dict(v) for v in r.volumes]
     spec: dict[str, Any] = {
         "serviceAccountName": n.service_account,
         "readinessGates": [{"conditionType": SEEDED}],
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 30,
-        "containers": [_container(fleet)],
+        "containers": [_container(fleet), *_envoy_containers(fleet)],
         "volumes": volumes,
     }
     sched = r.scheduling
@@ -429,19 +499,29 @@ def render_role(fleet: Fleet) -> dict[str, Any]:
     """Read access to EndpointSlices in the engines' namespace (engines and peers), and ``get`` on pods
     there, nothing more. The pods rule serves only ``--k8s-storage-annotation`` (set through
     ``spec.router.extraArgs``): one GET per new engine pod, never list/watch. It is unconditional so
-    enabling that flag needs no RBAC change."""
+    enabling that flag needs no RBAC change. A gateway's picker also follows its pool's
+    InferenceObjectives (list and watch)."""
+    rules: list[dict[str, Any]] = [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        },
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
+    ]
+    if fleet.spec.gateway.enabled:
+        rules.append(
+            {
+                "apiGroups": ["inference.networking.x-k8s.io"],
+                "resources": ["inferenceobjectives"],
+                "verbs": ["get", "list", "watch"],
+            }
+        )
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": _engines_meta(fleet, names(fleet).role),
-        "rules": [
-            {
-                "apiGroups": ["discovery.k8s.io"],
-                "resources": ["endpointslices"],
-                "verbs": ["get", "list", "watch"],
-            },
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
-        ],
+        "rules": rules,
     }
 
 
@@ -498,6 +578,91 @@ def render_service(fleet: Fleet) -> dict[str, Any]:
     }
 
 
+def render_picker_service(fleet: Fleet) -> dict[str, Any] | None:
+    """The Service the InferencePool's endpointPickerRef names (None without spec.gateway). Only Ready
+    pods are in it, so a new replica picks for the gateway only once it is seeded, as it serves."""
+    if not fleet.spec.gateway.enabled:
+        return None
+    port = _picker_ports(fleet, "port", fleet.spec.gateway.picker_port)[0]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(fleet, names(fleet).picker_service),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(fleet),
+            "ports": [{**port, "targetPort": EPP_PORT_NAME}],
+        },
+    }
+
+
+def render_gateway_service(fleet: Fleet) -> dict[str, Any] | None:
+    """The standalone gateway's Service: the Envoys beside the Ready (seeded) routers."""
+    st = fleet.spec.gateway.standalone
+    if not st.enabled:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(fleet, names(fleet).gateway_service),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(fleet),
+            "ports": [
+                {
+                    "name": GATEWAY_PORT_NAME,
+                    "port": st.port,
+                    "targetPort": GATEWAY_PORT_NAME,
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+
+
+def render_envoy_config_map(fleet: Fleet) -> dict[str, Any] | None:
+    """The standalone gateway's Envoy configuration (standalone.py)."""
+    if not fleet.spec.gateway.standalone.enabled:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(fleet, names(fleet).envoy_config),
+        "data": {ENVOY_KEY: envoy_config_text(fleet)},
+    }
+
+
+@dataclass(frozen=True)
+class PoolTarget:
+    """What an InferencePool selects: the engine pods' labels and the ports a gateway sends to
+    (``gateway.resolve_target`` reads them off the engines' Service and EndpointSlices)."""
+
+    selector: Mapping[str, str]
+    ports: tuple[int, ...]
+
+
+def render_inference_pool(fleet: Fleet, target: PoolTarget) -> dict[str, Any]:
+    """The InferencePool whose endpoint picker is the fleet (its picker Service), over the engines."""
+    g = fleet.spec.gateway
+    n = names(fleet)
+    return {
+        "apiVersion": POOL_API_VERSION,
+        "kind": POOL_KIND,
+        "metadata": _meta(fleet, n.pool),
+        "spec": {
+            "selector": {"matchLabels": dict(target.selector)},
+            "targetPorts": [{"number": p} for p in target.ports],
+            "endpointPickerRef": {
+                "group": "",
+                "kind": "Service",
+                "name": n.picker_service,
+                "port": {"number": g.picker_port},
+                "failureMode": g.failure_mode,
+            },
+        },
+    }
+
+
 def render_peer_service(fleet: Fleet) -> dict[str, Any]:
     """The headless peer Service whose EndpointSlices the routers watch (--kv-peer-selector). Only
     Ready replicas are listed as ready, so a booting replica never seeds from another booting one."""
@@ -522,9 +687,9 @@ def render_peer_service(fleet: Fleet) -> dict[str, Any]:
 
 
 def render_network_policy(fleet: Fleet, operator: OperatorRef | None = None) -> dict[str, Any]:
-    """The internal port only from the fleet's own pods and the operator; the public and metrics ports
-    from anyone (Prometheus may run anywhere; the metrics port is in no Service: narrow it with a policy of
-    your own, docs/security.md)."""
+    """The internal port only from the fleet's own pods and the operator; the public, metrics and picker
+    ports from anyone (Prometheus and a gateway's data plane may run anywhere; the metrics port is in no
+    Service: narrow them with a policy of your own, docs/security.md)."""
     op = operator or OperatorRef()
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -550,6 +715,12 @@ def render_network_policy(fleet: Fleet, operator: OperatorRef | None = None) -> 
                     "ports": [
                         {"port": HTTP_PORT_NAME, "protocol": "TCP"},
                         {"port": METRICS_PORT_NAME, "protocol": "TCP"},
+                        *({"port": p["name"], "protocol": "TCP"} for p in _picker_ports(fleet, "port", 0)),
+                        *(
+                            [{"port": GATEWAY_PORT_NAME, "protocol": "TCP"}]
+                            if fleet.spec.gateway.standalone.enabled
+                            else []
+                        ),
                     ]
                 },
             ],
@@ -595,6 +766,9 @@ def render_all(
         render_secret(fleet, token),
         render_service(fleet),
         render_peer_service(fleet),
+        render_picker_service(fleet),
+        render_gateway_service(fleet),
+        render_envoy_config_map(fleet),
         render_network_policy(fleet, operator),
         render_pdb(fleet),
         render_deployment(fleet, template=template, paused=paused),

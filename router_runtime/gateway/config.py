@@ -15,6 +15,10 @@ class PickerConfig:
     cert_file: str | None = None  # with key_file; neither: a self-signed certificate
     key_file: str | None = None
     plaintext: bool = False
+    # Endpoints named after the pick, for a gateway that retries down the list (an override-host
+    # cluster). 0, the reference picker's one endpoint: a gateway that reads the header as one address
+    # (an ORIGINAL_DST cluster, as the extension's own test gateway runs) answers 503 to a list.
+    fallbacks: int = 0
     # The InferencePool served: its InferenceObjectives' priorities are followed (objectives.py), and a
     # sheddable request is turned away while no engine has room. None: every request is admitted.
     pool: str | None = None
@@ -52,6 +56,13 @@ FLAGS = (
         "gateway.plaintext",
         Switch(),
         "serve the picker without TLS (a gateway on a trusted network, or a mesh that encrypts)",
+    ),
+    Flag(
+        "--epp-fallbacks",
+        "gateway.fallbacks",
+        Count(0, 8),
+        "name this many fallback endpoints after the pick (ip:port,ip:port,...), for a gateway that"
+        " retries down the list; a gateway that reads one address (ORIGINAL_DST) needs 0",
     ),
     Flag(
         "--epp-pool",

@@ -116,7 +116,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         load: LoadTracker,
         hooks: Sequence[RequestHook] = (),
         health: HealthBoard | None = None,
-        fallbacks: int = 2,
+        fallbacks: int = 0,
         bodies: Bodies | None = None,
     ) -> None:
         self.scheduler = scheduler

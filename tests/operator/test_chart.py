@@ -120,8 +120,33 @@ def test_watched_namespaces_get_a_peering_each_and_the_operator_watches_only_the
                 for c in find(o, "CustomResourceDefinition")
             ),
         ),
+        (
+            (),
+            lambda o: (
+                not any("inference" in c["metadata"]["name"] for c in find(o, "CustomResourceDefinition"))
+            ),
+        ),
+        (
+            ("gatewayApi.installCRDs=true",),
+            lambda o: (
+                {c["metadata"]["name"] for c in find(o, "CustomResourceDefinition")}
+                >= {
+                    "inferencepools.inference.networking.k8s.io",
+                    "inferenceobjectives.inference.networking.x-k8s.io",
+                }
+            ),
+        ),
     ],
-    ids=["image", "resources", "service-monitor", "no-service", "no-crds", "crds-not-kept"],
+    ids=[
+        "image",
+        "resources",
+        "service-monitor",
+        "no-service",
+        "no-crds",
+        "crds-not-kept",
+        "no-gateway-crds",
+        "gateway-crds",
+    ],
 )
 def test_values(values, check):
     assert check(docs(chart.render("ops", "infra", *values)))

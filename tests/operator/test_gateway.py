@@ -1,0 +1,270 @@
+"""spec.gateway: the InferencePool's target resolved from the engines' objects, the rendered pool and
+picker Service (checked against the extension's own CRD and the router's parser), and GatewayReady."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import yaml
+
+from e2e.gateway import ENVOY, extension
+from routerfleet_operator.gateway import (
+    ParentView,
+    PoolProblem,
+    PoolView,
+    gateway_condition,
+    resolve_target,
+)
+from routerfleet_operator.model import ENVOY_VOLUME, EPP_PORT, EPP_PORT_NAME, GATEWAY_PORT, GATEWAY_PORT_NAME
+from routerfleet_operator.render import (
+    PoolTarget,
+    names,
+    render_all,
+    render_envoy_config_map,
+    render_gateway_service,
+    render_inference_pool,
+    render_network_policy,
+    render_picker_service,
+    render_pod_template,
+    render_role,
+    revision_of,
+    router_args,
+)
+from routerfleet_operator.rollout import PodView, decide
+from routerfleet_operator.spec import Fleet, validate
+from routerfleet_operator.standalone import envoy_config
+
+from .helpers import ROOT, T0, fleet_obj, schema_errors
+from .test_render import router_config
+
+POOL_CRDS = ROOT / "manifests" / "gateway" / "crds"
+ON = {"gateway": {"enabled": True}}
+
+
+def fleet(spec=None) -> Fleet:
+    return Fleet.parse(fleet_obj(spec))
+
+
+def pool_schema() -> dict:
+    crd = yaml.safe_load((POOL_CRDS / "inference.networking.k8s.io_inferencepools.yaml").read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def slice_of(service: str, **ports: int) -> dict:
+    return {
+        "metadata": {"labels": {"kubernetes.io/service-name": service}},
+        "ports": [{"name": n, "port": p, "protocol": "TCP"} for n, p in ports.items()],
+    }
+
+
+VLLM = {"spec": {"selector": {"app": "vllm"}, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}}
+
+
+# ---- the target ---------------------------------------------------------------------------------------
+
+
+def test_the_pool_selects_the_engines_pods_at_the_number_their_slices_give_the_named_port():
+    target = resolve_target(fleet(ON), [slice_of("vllm", http=8000, kv=5557)], {"vllm": VLLM})
+    assert target == PoolTarget({"app": "vllm"}, (8000,))
+
+
+def test_engines_found_by_slice_labels_follow_each_slices_service():
+    f = fleet({**ON, "engines": {"serviceName": None, "selector": {"matchLabels": {"tier": "engines"}}}})
+    slices = [slice_of("a", http=8000), slice_of("b", http=8001)]
+    assert resolve_target(f, slices, {"a": VLLM, "b": VLLM}) == PoolTarget({"app": "vllm"}, (8000, 8001))
+    other = {"spec": {"selector": {"app": "sglang"}}}
+    with pytest.raises(PoolProblem) as err:
+        resolve_target(f, slices, {"a": VLLM, "b": other})
+    assert err.value.reason == "EngineSelectorUnknown" and "engineSelector" in err.value.message
+
+
+def test_a_numeric_http_port_is_the_pool_port_as_it_is():
+    f = fleet({**ON, "engines": {"httpPort": 8000}})
+    assert resolve_target(f, [], {"vllm": VLLM}).ports == (8000,)
+
+
+def test_the_spec_may_say_the_selector_and_ports_outright():
+    f = fleet({"gateway": {"enabled": True, "engineSelector": {"pool": "a"}, "targetPorts": [9000, 9001]}})
+    assert resolve_target(f, [], {}) == PoolTarget({"pool": "a"}, (9000, 9001))
+
+
+@pytest.mark.parametrize(
+    ("slices", "services", "reason"),
+    [
+        ([], {"vllm": None}, "EnginesNotFound"),  # the Service is missing
+        ([], {"vllm": VLLM}, "EnginesNotFound"),  # no slice resolves the port yet
+        ([slice_of("vllm", http=8000)], {"vllm": {"spec": {}}}, "EngineSelectorUnknown"),  # no selector
+        ([slice_of("vllm", **{"http": 8000 + i}) for i in range(9)], {"vllm": VLLM}, "EngineSelectorUnknown"),
+    ],
+    ids=["no-service", "no-port", "no-selector", "too-many-ports"],
+)
+def test_what_cannot_be_resolved_says_why(slices, services, reason):
+    with pytest.raises(PoolProblem) as err:
+        resolve_target(fleet(ON), slices, services)
+    assert err.value.reason == reason
+
+
+# ---- what is rendered ---------------------------------------------------------------------------------
+
+
+def test_the_pool_is_valid_for_the_extensions_own_crd_and_names_the_picker_service():
+    f = fleet({"gateway": {"enabled": True, "failureMode": "FailOpen", "pickerPort": 9443}})
+    pool = render_inference_pool(f, PoolTarget({"app": "vllm"}, (8000,)))
+    assert schema_errors(pool["spec"], pool_schema()["properties"]["spec"], "spec") == []
+    ref = pool["spec"]["endpointPickerRef"]
+    svc = render_picker_service(f)
+    assert (ref["name"], ref["port"]["number"], ref["failureMode"]) == (
+        svc["metadata"]["name"],
+        9443,
+        "FailOpen",
+    )
+    assert svc["spec"]["ports"] == [
+        {"name": EPP_PORT_NAME, "port": 9443, "protocol": "TCP", "targetPort": EPP_PORT_NAME}
+    ]
+    assert pool["metadata"]["ownerReferences"][0]["kind"] == "RouterFleet"
+    assert pool["metadata"]["name"] == names(f).pool == "rf"
+
+
+def test_the_vendored_crds_are_the_extensions_own():
+    for path in POOL_CRDS.glob("*.yaml"):
+        assert path.read_bytes() == extension.crd(path.name).read_bytes(), path.name
+
+
+def test_the_routers_serve_the_pools_picks_as_the_router_parses_them(tmp_path):
+    f = fleet({"gateway": {"enabled": True, "poolName": "chat"}})
+    assert validate(f) == []
+    c = router_config(f, tmp_path)
+    assert (c.gateway.port, c.gateway.pool, c.gateway.plaintext) == (EPP_PORT, "chat", False)
+    plain = router_config(fleet({"gateway": {"enabled": True, "tls": False}}), tmp_path)
+    assert plain.gateway.plaintext
+    container = render_pod_template(f)["spec"]["containers"][0]
+    assert {"name": EPP_PORT_NAME, "containerPort": EPP_PORT, "protocol": "TCP"} in container["ports"]
+    ingress = render_network_policy(f)["spec"]["ingress"][1]["ports"]
+    assert {"port": EPP_PORT_NAME, "protocol": "TCP"} in ingress
+    rules = render_role(f)["rules"]
+    assert any(r["resources"] == ["inferenceobjectives"] and "watch" in r["verbs"] for r in rules)
+
+
+def test_without_the_gateway_nothing_of_it_is_rendered():
+    f = fleet()
+    assert render_picker_service(f) is None
+    assert not any(a.startswith("--epp") for a in router_args(f))
+    assert all(p["name"] != EPP_PORT_NAME for p in render_pod_template(f)["spec"]["containers"][0]["ports"])
+    assert len(render_role(f)["rules"]) == 2
+    assert [m["metadata"]["name"] for m in render_all(fleet(ON), "t") if m["kind"] == "Service"] == [
+        "rf",
+        "rf-peers",
+        "rf-epp",
+    ]
+    assert [m["metadata"]["name"] for m in render_all(f, "t") if m["kind"] == "Service"] == ["rf", "rf-peers"]
+
+
+def test_the_gateway_needs_the_engines_in_the_fleets_namespace():
+    f = fleet({**ON, "engines": {"namespace": "elsewhere"}, "bootstrap": {"enabled": False}})
+    assert any("spec.gateway.enabled needs the engines" in p for p in validate(f))
+    assert any("must not repeat" in p for p in validate(fleet({"gateway": {"targetPorts": [80, 80]}})))
+
+
+# ---- GatewayReady -------------------------------------------------------------------------------------
+
+
+def parents(*conds: dict) -> dict:
+    return {
+        "metadata": {"namespace": "ns"},
+        "status": {"parents": [{"parentRef": {"name": "gw"}, "conditions": list(conds)}]},
+    }
+
+
+def cond(type_: str, status: str, message: str = "") -> dict:
+    return {"type": type_, "status": status, "reason": "R", "message": message}
+
+
+@pytest.mark.parametrize(
+    ("pool", "ready", "expected"),
+    [
+        (None, 2, ("Unknown", "PoolNotSynced")),
+        (PoolView(problem=PoolProblem("CRDNotInstalled", "x")), 2, ("False", "CRDNotInstalled")),
+        (PoolView(), 2, ("False", "NoGateway")),
+        (PoolView.of(parents(cond("Accepted", "False", "no such listener"))), 2, ("False", "NotAccepted")),
+        (
+            PoolView.of(parents(cond("Accepted", "True"), cond("ResolvedRefs", "False", "no Service"))),
+            2,
+            ("False", "NotAccepted"),
+        ),
+        (PoolView.of(parents(cond("Accepted", "True"))), 0, ("False", "PickerNotReady")),
+        (
+            PoolView.of(parents(cond("Accepted", "True"), cond("ResolvedRefs", "True"))),
+            2,
+            ("True", "Accepted"),
+        ),
+    ],
+    ids=["unsynced", "problem", "no-gateway", "refused", "unresolved", "no-picker", "ready"],
+)
+def test_gateway_ready_says_where_the_path_stops(pool, ready, expected):
+    status, reason, message = gateway_condition(fleet(ON), pool, ready)
+    assert (status, reason) == expected
+    assert "InferencePool rf" in message
+
+
+def test_a_gateways_refusal_is_quoted():
+    view = PoolView.of(parents(cond("Accepted", "True"), cond("ResolvedRefs", "False", "no Service rf-epp")))
+    assert view.parents == (ParentView("ns/gw", "True", "False", "no Service rf-epp"),)
+    assert "Gateway ns/gw: no Service rf-epp" in gateway_condition(fleet(ON), view, 1)[2]
+
+
+def test_the_condition_is_in_the_status_only_with_the_gateway():
+    pods = [PodView(name="p", revision="r")]
+    with_gateway = decide(fleet_obj(ON), pods, T0, PoolView())
+    types = [c["type"] for c in with_gateway.status["conditions"]]
+    assert "GatewayReady" in types
+    without = decide(fleet_obj(), pods, T0, None)
+    assert "GatewayReady" not in [c["type"] for c in without.status["conditions"]]
+
+
+# ---- the standalone gateway ---------------------------------------------------------------------------
+
+STANDALONE = {"gateway": {"enabled": True, "standalone": {"enabled": True}}}
+
+
+def test_the_standalone_gateway_is_an_envoy_beside_each_router_and_a_service_to_them():
+    f = fleet(STANDALONE)
+    assert validate(f) == []
+    pod = render_pod_template(f)["spec"]
+    _router, envoy = pod["containers"]
+    assert envoy["image"] == "envoyproxy/envoy:v1.40.0" and "setsid envoy -c" in envoy["command"][2]
+    assert envoy["ports"] == [{"name": GATEWAY_PORT_NAME, "containerPort": GATEWAY_PORT, "protocol": "TCP"}]
+    assert {"name": ENVOY_VOLUME, "configMap": {"name": "rf-envoy"}} in pod["volumes"]
+    config_map = render_envoy_config_map(f)
+    assert json.loads(config_map["data"]["envoy.yaml"]) == envoy_config(f)
+    svc = render_gateway_service(f)
+    assert (svc["metadata"]["name"], svc["spec"]["ports"][0]["targetPort"]) == (
+        "rf-gateway",
+        GATEWAY_PORT_NAME,
+    )
+    assert {"port": GATEWAY_PORT_NAME, "protocol": "TCP"} in render_network_policy(f)["spec"]["ingress"][1][
+        "ports"
+    ]
+    # A change to the Envoy's configuration rolls the pods (its hash is on the template).
+    plain = fleet({"gateway": {"enabled": True, "tls": False, "standalone": {"enabled": True}}})
+    assert revision_of(plain) != revision_of(f)
+    assert "transport_socket" not in envoy_config(plain)["static_resources"]["clusters"][1]
+    assert render_gateway_service(fleet(ON)) is None and render_envoy_config_map(fleet(ON)) is None
+
+
+def test_the_standalone_gateway_needs_the_gateway():
+    f = fleet({"gateway": {"standalone": {"enabled": True}}})
+    assert any("standalone needs spec.gateway.enabled" in p for p in validate(f))
+
+
+def test_the_real_envoy_accepts_the_rendered_configuration(tmp_path):
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_envoy_config_map(fleet(STANDALONE))["data"]["envoy.yaml"])
+    done = subprocess.run(
+        [str(ENVOY), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and "OK" in done.stdout + done.stderr, done.stderr[-2000:]
