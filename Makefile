@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup test lint kube helm prometheus redis iptables vllm gateway-extension manifests demo bench bench-check clean
+.PHONY: setup test lint kube helm prometheus redis iptables vllm gateway-extension epp manifests demo bench bench-check clean
 
 setup: $(VENV)/.installed
 
@@ -64,6 +64,11 @@ vllm:
 # vllm. A no-op once cached.
 gateway-extension: setup
 	@$(BIN)/python -c "from e2e.gateway.extension import module_dir; module_dir()"
+
+# The extension's reference endpoint picker (its `cmd/epp`, pinned with the module), for
+# bench/pickers.py: built like helm and cached outside the tree (about 2 minutes cold).
+epp: setup
+	@nice -n 10 bash e2e/gateway/build-epp.sh >/dev/null
 
 # Tools from Debian's packages (e2e/debian/install.sh): Prometheus for the dashboard test
 # (tests/e2e/test_prometheus.py), redis-server for the shared session store's tests

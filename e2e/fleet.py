@@ -240,14 +240,16 @@ async def completion(
         return r.status, r.headers.get("X-RouterFleet-Engine"), out
 
 
-def chat_body(messages: list[dict], max_tokens: int = 16) -> dict:
-    """A streamed chat completion that asks for usage (engines stream it only when asked)."""
-    return {
+def chat_body(messages: list[dict], max_tokens: int = 16, model: str | None = None) -> dict:
+    """A streamed chat completion that asks for usage (engines stream it only when asked); ``model``
+    when the path needs one (the reference picker refuses a body without it)."""
+    body = {
         "messages": messages,
         "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    return body if model is None else {"model": model, **body}
 
 
 @dataclass
@@ -295,12 +297,18 @@ async def read_chat_stream(r: aiohttp.ClientResponse) -> StreamedChat:
 
 
 async def chat_turn(
-    session: aiohttp.ClientSession, router: str, messages: list[dict], max_tokens: int = 16
+    session: aiohttp.ClientSession,
+    router: str,
+    messages: list[dict],
+    max_tokens: int = 16,
+    model: str | None = None,
 ) -> tuple[float, str, int, int]:
     """One streamed chat completion: (TTFT seconds, answer text, prompt tokens, cached tokens). TTFT is
     to the first content chunk; usage comes with the last chunk."""
     t0 = time.monotonic()
-    async with session.post(router + "/v1/chat/completions", json=chat_body(messages, max_tokens)) as r:
+    async with session.post(
+        router + "/v1/chat/completions", json=chat_body(messages, max_tokens, model)
+    ) as r:
         if r.status != 200:
             raise AssertionError(f"chat via {router}: {r.status} {(await r.text())[:300]}")
         chat = await read_chat_stream(r)

@@ -44,6 +44,7 @@ class Kube:
         self.api = client.ApiClient(cfg)
         self.core = client.CoreV1Api(self.api)
         self.apps = client.AppsV1Api(self.api)
+        self.disc = client.DiscoveryV1Api(self.api)
         self.crd = client.CustomObjectsApi(self.api)
         self.kubectl = self._kubectl_path()
 
@@ -188,6 +189,8 @@ class Traffic:
         self.ready: list[tuple[str, str, str]] = []  # (pod, ip, revision) of Ready router pods
         self.reqs: list[Req] = []
         self.errors = 0
+        self.last_error = ""  # the latest failed request's error, for a report
+        self.model: str | None = None  # the body's model, when the path needs one
         self.stop = asyncio.Event()
         self.texts = Texts(seed)
         self.convs: asyncio.Queue[Conv] = asyncio.Queue()
@@ -272,10 +275,11 @@ class Traffic:
                     self.rr += 1
                     try:
                         ttft, answer, prompt, cached = await F.chat_turn(
-                            session, f"http://{ip}:{self.port}", conv.messages
+                            session, f"http://{ip}:{self.port}", conv.messages, model=self.model
                         )
-                    except (TimeoutError, aiohttp.ClientError, AssertionError, OSError):
+                    except (TimeoutError, aiohttp.ClientError, AssertionError, OSError) as e:
                         self.errors += 1
+                        self.last_error = f"{type(e).__name__}: {e}"[:500]
                         await asyncio.sleep(0.1)
                         continue
                     self.reqs.append(Req(time.monotonic(), pod, rev, prompt, cached, ttft, conv.born))

@@ -91,6 +91,28 @@ async def run_envoy(text: str, listen: int, tmp_path: Path) -> AsyncIterator[str
         log.close()
 
 
+async def picking(
+    stack: contextlib.AsyncExitStack, n_engines: int = 2, proxy: ProxyConfig | None = None, **engine
+):
+    """Fake engines and a router serving the picker beside them, joined (``proxy``: its request plane;
+    it names the engines that served): (engines, router)."""
+    engines = [
+        await stack.enter_async_context(run_fake_engine(block_size=BS, **engine)) for _ in range(n_engines)
+    ]
+    cfg = RouterConfig(
+        port=0,
+        metrics=LOCAL_METRICS,
+        proxy=dataclasses.replace(proxy or ProxyConfig(), engine_header=True),
+        workers=static_workers(engines),
+        kv=KvConfig(block_size=BS),
+        health=HealthConfig(interval_s=0),
+        gateway=PickerConfig(port=0),
+    )
+    router, _url = await stack.enter_async_context(run_router(cfg))
+    await join_all(router, engines)
+    return engines, router
+
+
 @contextlib.asynccontextmanager
 async def gateway(
     tmp_path: Path,
@@ -103,21 +125,7 @@ async def gateway(
     """Engines, a router serving the picker (``proxy``: its request plane; it names the engines that
     served), and Envoy in front: (engines, router, Envoy's base URL)."""
     async with contextlib.AsyncExitStack() as stack:
-        engines = [
-            await stack.enter_async_context(run_fake_engine(block_size=BS, **engine))
-            for _ in range(n_engines)
-        ]
-        cfg = RouterConfig(
-            port=0,
-            metrics=LOCAL_METRICS,
-            proxy=dataclasses.replace(proxy or ProxyConfig(), engine_header=True),
-            workers=static_workers(engines),
-            kv=KvConfig(block_size=BS),
-            health=HealthConfig(interval_s=0),
-            gateway=PickerConfig(port=0),
-        )
-        router, _url = await stack.enter_async_context(run_router(cfg))
-        await join_all(router, engines)
+        engines, router = await picking(stack, n_engines, proxy, **engine)
         urls = [e.http_url for e in engines]
         base = await stack.enter_async_context(envoy(router.epp_address, urls, tmp_path, fail_open, duplex))
         yield engines, router, base
@@ -521,22 +529,12 @@ def standalone_config(picker_port: int, listen: int, *, tls: bool = True) -> str
 
 async def test_the_standalone_gateways_envoy_sends_each_request_where_the_picker_says(tmp_path):
     """The operator's standalone Envoy (an ORIGINAL_DST cluster on the picker's header, the picker over
-    TLS) with the picker's defaults: one endpoint per pick, as such a cluster reads it (a list is a 503
-    there). A prompt repeated lands where it is cached, whatever destination the client names itself; a
-    body over Envoy's default 1 MiB buffer goes through; the engine that served is audited."""
+    TLS, bodies FULL_DUPLEX_STREAMED) with the picker's defaults: one endpoint per pick, as such a cluster
+    reads it (a list is a 503 there). A prompt repeated lands where it is cached, whatever destination
+    or rank the client names itself; a body over Envoy's default 1 MiB buffer goes through; the engine
+    that served is audited."""
     async with contextlib.AsyncExitStack() as stack:
-        engines = [await stack.enter_async_context(run_fake_engine(block_size=BS)) for _ in range(2)]
-        cfg = RouterConfig(
-            port=0,
-            metrics=LOCAL_METRICS,
-            proxy=ProxyConfig(engine_header=True),
-            workers=static_workers(engines),
-            kv=KvConfig(block_size=BS),
-            health=HealthConfig(interval_s=0),
-            gateway=PickerConfig(port=0),
-        )
-        router, _url = await stack.enter_async_context(run_router(cfg))
-        await join_all(router, engines)
+        engines, router = await picking(stack)
         listen = free_port()
         picker_port = int(router.epp_address.rsplit(":", 1)[1])
         base = await stack.enter_async_context(
@@ -547,8 +545,9 @@ async def test_the_standalone_gateways_envoy_sends_each_request_where_the_picker
         served = []
         for k in range(3):
             other = [e for e in engines if e.http_url not in served[:1]][-1].http_url.removeprefix("http://")
-            # a client naming an engine itself is not heard: the picker's pick goes
-            headers = {DESTINATION: other} if k else {}
+            # a client naming an engine or a rank itself is not heard: the picker's pick goes (a rank
+            # of its own would reach the engine, which has one rank: a 400)
+            headers = {DESTINATION: other, "X-Data-Parallel-Rank": "5"} if k else {}
             async with s.post(base + "/v1/completions", json=body, headers=headers) as r:
                 assert r.status == 200, await r.text()
                 served.append(r.headers[ENGINE_HEADER])

@@ -20,7 +20,7 @@ from typing import Any
 
 from routerfleet_kube import MERGE, STRATEGIC, ApiError, KubeClient
 
-from .gateway import PoolProblem, PoolView, engine_services, resolve_target
+from .gateway import SERVICE_NAME_LABEL, PoolProblem, PoolView, engine_services, resolve_target
 from .metrics import METRICS, OperatorMetrics
 from .model import API_VERSION, FIELD_MANAGER, KIND, LABEL_FLEET, LABEL_REVISION, TOKEN_KEY, Phase
 from .render import (
@@ -116,31 +116,39 @@ async def stored_template(kube: KubeClient, fleet: Fleet, revision: str) -> dict
 
 async def sync_pool(kube: KubeClient, fleet: Fleet) -> PoolView | None:
     """Apply the fleet's InferencePool, its target resolved from the engines' Service and
-    EndpointSlices, and return what its status says (None without spec.gateway)."""
+    EndpointSlices, and return what its status says and how many replicas its picker Service lists
+    ready (None without spec.gateway). A failure is a problem of the view, never of the reconcile: a
+    gateway's trouble must not hold up the rollout."""
     if not fleet.spec.gateway.enabled:
         return None  # a pool of an earlier spec is pruned with the other optional objects
-    e = fleet.spec.engines
-    slices = await kube.list("EndpointSlice", fleet.engines_namespace, e.label_selector())
-    services = {
-        o: await kube.get("Service", fleet.engines_namespace, o) for o in engine_services(fleet, slices)
-    }
+    e, n = fleet.spec.engines, names(fleet)
+    applying = False
     try:
-        pool = await kube.apply(render_inference_pool(fleet, resolve_target(fleet, slices, services)))
+        slices = await kube.list("EndpointSlice", fleet.engines_namespace, e.label_selector())
+        owners = engine_services(fleet, slices)
+        services = {o: await kube.get("Service", fleet.engines_namespace, o) for o in owners}
+        target = resolve_target(fleet, slices, services)
+        applying = True
+        pool = await kube.apply(render_inference_pool(fleet, target))
+        applying = False
+        picker_slices = f"{SERVICE_NAME_LABEL}={n.picker_service}"
+        pickers = await kube.list("EndpointSlice", fleet.namespace, picker_slices)
     except PoolProblem as problem:
         return PoolView(problem=problem)
     except ApiError as err:
-        if err.status == 404:
+        if applying and err.status == 404:
             problem = PoolProblem(
                 "CRDNotInstalled",
                 "the InferencePool CRD (inference.networking.k8s.io/v1) is not installed: install the "
                 "Gateway API Inference Extension's CRDs, or the chart's with gatewayApi.installCRDs=true",
             )
-        elif err.status in (400, 403, 422):
+        elif applying and err.status in (400, 403, 422):
             problem = PoolProblem("PoolRefused", f"the API server refused it: {err}")
         else:
-            raise
+            log.warning("InferencePool %s/%s not synced: %s", fleet.namespace, n.pool, err)
+            problem = PoolProblem("PoolSyncFailed", f"not synced: {err}")
         return PoolView(problem=problem)
-    return PoolView.of(pool)
+    return PoolView.of(pool, pickers)
 
 
 # ---- status -------------------------------------------------------------------------------------------
@@ -245,31 +253,54 @@ async def apply_owned(
         if m["kind"] == "Deployment" and template is None:
             continue
         await kube.apply(m)
-    if int(obj["metadata"].get("generation") or 0) != status.get("observedGeneration"):
+    phase = ((decision.status or {}).get("rollout") or {}).get("phase")
+    prior_phase = (status.get("rollout") or {}).get("phase")
+    generation = int(obj["metadata"].get("generation") or 0)
+    if phase == Phase.COMPLETE.value and (
+        prior_phase != Phase.COMPLETE.value or generation != status.get("observedGeneration")
+    ):
         await prune_optional(kube, fleet, manifests)
     return events
 
 
+# The kinds of the objects a spec may turn off (or rename): the PodDisruptionBudget, and the gateway's
+# picker and gateway Services, Envoy ConfigMaps and InferencePool.
+OPTIONAL_KINDS = ("PodDisruptionBudget", "Service", "ConfigMap", "InferencePool")
+
+
 async def prune_optional(kube: KubeClient, fleet: Fleet, manifests: Sequence[Mapping[str, Any]]) -> None:
-    """Delete the objects a spec may turn off (the PodDisruptionBudget, the gateway's) that it no longer
-    renders. Only a new spec can turn one off, so this runs for a generation not yet in status (the
-    status is written after it: a prune that failed runs again)."""
-    n = names(fleet)
-    rendered = {(m["kind"], m["metadata"]["name"]) for m in manifests}
-    for kind, name in (
-        ("PodDisruptionBudget", n.pdb),
-        ("Service", n.picker_service),
-        ("Service", n.gateway_service),
-        ("ConfigMap", n.envoy_config),
-    ):
-        if (kind, name) not in rendered:
-            await kube.delete(kind, fleet.namespace, name)
-    if not fleet.spec.gateway.enabled:
+    """Delete the fleet's own objects of OPTIONAL_KINDS that the spec no longer renders: labelled with
+    the fleet and owned by it (its uid), each deleted with that uid as a precondition, so another
+    fleet's or a user's object of the same name is never touched. Run when a rollout completes (the
+    pods of an earlier revision, and a rollback to one, may need them until then) and for a new spec
+    once it has (a change that rolls nothing). What it may not list or delete is logged and left."""
+    keep = {(m["kind"], m["metadata"]["name"]) for m in manifests}
+    if fleet.spec.gateway.enabled:
+        keep.add(("InferencePool", names(fleet).pool))
+    for kind in OPTIONAL_KINDS:
         try:
-            await kube.delete("InferencePool", fleet.namespace, n.pool)
+            objs = await kube.list(kind, fleet.namespace, f"{LABEL_FLEET}={fleet.name}")
         except ApiError as e:
-            if e.status != 403:  # the CRD is installed; the operator may not touch pools: nothing to prune
+            if e.status not in (403, 404):  # 404: the kind is not served (no InferencePool CRD)
                 raise
+            if e.status == 403:
+                log.warning("cannot list %s to prune them: %s", kind, e)
+            continue
+        for o in objs:
+            meta = o["metadata"]
+            if (kind, meta["name"]) in keep or not _owned_by_uid(meta, fleet.uid):
+                continue
+            try:
+                await kube.delete(kind, fleet.namespace, meta["name"], uid=meta.get("uid"))
+                log.info("pruned %s %s/%s (no longer in the spec)", kind, fleet.namespace, meta["name"])
+            except ApiError as e:
+                if e.status != 403:
+                    raise
+                log.warning("cannot prune %s %s/%s: %s", kind, fleet.namespace, meta["name"], e)
+
+
+def _owned_by_uid(meta: Mapping[str, Any], uid: str) -> bool:
+    return bool(uid) and any(r.get("uid") == uid for r in meta.get("ownerReferences") or ())
 
 
 async def reconcile(

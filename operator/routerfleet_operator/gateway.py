@@ -116,9 +116,18 @@ class PoolView:
 
     problem: PoolProblem | None = None
     parents: tuple[ParentView, ...] = ()
+    pickers: int = 0  # replicas the picker Service lists ready (seeded, and of a revision that picks)
 
     @classmethod
-    def of(cls, pool: Mapping[str, Any]) -> PoolView:
+    def of(cls, pool: Mapping[str, Any], picker_slices: Iterable[Mapping[str, Any]] = ()) -> PoolView:
+        """The pool as applied, and the EndpointSlices of its picker Service."""
+        ready = {
+            address
+            for s in picker_slices
+            for ep in s.get("endpoints") or ()
+            if (ep.get("conditions") or {}).get("ready")
+            for address in ep.get("addresses") or ()
+        }
         parents = []
         for p in (pool.get("status") or {}).get("parents") or ():
             ref = p.get("parentRef") or {}
@@ -134,12 +143,13 @@ class PoolView:
                     message=bad.get("message") or bad.get("reason") or "",
                 )
             )
-        return cls(parents=tuple(parents))
+        return cls(parents=tuple(parents), pickers=len(ready))
 
 
-def gateway_condition(fleet: Fleet, pool: PoolView | None, ready_replicas: int) -> tuple[str, str, str]:
+def gateway_condition(fleet: Fleet, pool: PoolView | None) -> tuple[str, str, str]:
     """``GatewayReady`` (status, reason, message): the pool exists, a Gateway accepted it and resolved
-    its references, and a replica is ready to pick (only Ready replicas are in the picker Service)."""
+    its references, and a replica is ready to pick (the picker Service lists it ready: seeded, and of a
+    revision that serves picks)."""
     name = fleet.pool_name
     if pool is None:
         return ("Unknown", "PoolNotSynced", f"InferencePool {name} not applied yet")
@@ -156,11 +166,11 @@ def gateway_condition(fleet: Fleet, pool: PoolView | None, ready_replicas: int) 
     if not accepted:
         p = pool.parents[0]
         return ("False", "NotAccepted", f"InferencePool {name}: Gateway {p.gateway}: {p.message}")
-    if ready_replicas == 0:
+    if pool.pickers == 0:
         return ("False", "PickerNotReady", f"InferencePool {name}: no router replica is ready to pick")
     gateways = ", ".join(p.gateway for p in accepted)
     return (
         "True",
         "Accepted",
-        f"InferencePool {name} accepted by {gateways}; {ready_replicas} router replica(s) picking",
+        f"InferencePool {name} accepted by {gateways}; {pool.pickers} router replica(s) picking",
     )

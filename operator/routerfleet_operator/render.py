@@ -63,11 +63,9 @@ from .model import (
     Verdict,
 )
 from .spec import Fleet
-from .standalone import envoy_command, envoy_config
+from .standalone import ROUTER_DRAIN_S, envoy_command, envoy_config
 
 LABEL_FLEET_NAMESPACE = f"{GROUP}/fleet-namespace"  # on the cross-namespace Role/RoleBinding
-# On the pod template: the standalone gateway's configuration hash, so a change to it rolls the pods.
-ANNOTATION_ENVOY_CONFIG = f"{GROUP}/envoy-config"
 
 # Probe budgets. The startup probe asks /readyz: it passes only once bootstrap has settled (and the
 # seed-required hold, if any, has opened), so its budget is the bootstrap hold plus a margin for
@@ -102,7 +100,9 @@ class Names:
     picker_service: str  # spec.gateway: the routers' picker port, the pool's endpointPickerRef
     pool: str  # spec.gateway: the InferencePool
     gateway_service: str  # spec.gateway.standalone: the Envoys beside the routers
-    envoy_config: str  # spec.gateway.standalone: their ConfigMap
+    # spec.gateway.standalone: their ConfigMap, named by its content, so a change to it is a new revision
+    # and the pods of the old one keep theirs until the rollout completes (apply.prune_optional)
+    envoy_config: str
 
 
 def names(fleet: Fleet) -> Names:
@@ -123,7 +123,7 @@ def names(fleet: Fleet) -> Names:
         picker_service=f"{n}-epp",
         pool=fleet.pool_name,
         gateway_service=f"{n}-gateway",
-        envoy_config=f"{n}-envoy",
+        envoy_config=f"{n}-envoy-{_digest(envoy_config_text(fleet))[:10]}",
     )
 
 
@@ -232,6 +232,9 @@ def router_args(fleet: Fleet) -> list[str]:
         args += ["--epp-port", str(EPP_PORT), "--epp-pool", fleet.pool_name]
         if not g.tls:
             args.append("--epp-plaintext")
+    if g.standalone.enabled:
+        # On SIGTERM the Envoy beside it takes requests until it stops: the picker answers until then.
+        args += ["--shutdown-drain-ms", str(ROUTER_DRAIN_S * 1000)]
     return args + list(s.router.extra_args)
 
 
@@ -372,7 +375,6 @@ def _pod_template_unhashed(fleet: Fleet) -> dict[str, Any]:
         )
     if fleet.spec.gateway.standalone.enabled:
         volumes.append({"name": ENVOY_VOLUME, "configMap": {"name": n.envoy_config}})
-        annotations[ANNOTATION_ENVOY_CONFIG] = _digest(envoy_config_text(fleet))
     volumes += [dict(v) for v in r.volumes]
     spec: dict[str, Any] = {
         "serviceAccountName": n.service_account,
@@ -578,22 +580,27 @@ def render_service(fleet: Fleet) -> dict[str, Any]:
     }
 
 
-def render_picker_service(fleet: Fleet) -> dict[str, Any] | None:
-    """The Service the InferencePool's endpointPickerRef names (None without spec.gateway). Only Ready
-    pods are in it, so a new replica picks for the gateway only once it is seeded, as it serves."""
-    if not fleet.spec.gateway.enabled:
-        return None
-    port = _picker_ports(fleet, "port", fleet.spec.gateway.picker_port)[0]
+def _port_service(fleet: Fleet, name: str, port_name: str, port: int) -> dict[str, Any]:
+    """A ClusterIP Service of the fleet's Ready pods with one port, to the container port of that name."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(fleet, names(fleet).picker_service),
+        "metadata": _meta(fleet, name),
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(fleet),
-            "ports": [{**port, "targetPort": EPP_PORT_NAME}],
+            "ports": [{"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}],
         },
     }
+
+
+def render_picker_service(fleet: Fleet) -> dict[str, Any] | None:
+    """The Service the InferencePool's endpointPickerRef names (None without spec.gateway). Only Ready
+    pods are in it, so a new replica picks for the gateway only once it is seeded, as it serves."""
+    g = fleet.spec.gateway
+    if not g.enabled:
+        return None
+    return _port_service(fleet, names(fleet).picker_service, EPP_PORT_NAME, g.picker_port)
 
 
 def render_gateway_service(fleet: Fleet) -> dict[str, Any] | None:
@@ -601,23 +608,7 @@ def render_gateway_service(fleet: Fleet) -> dict[str, Any] | None:
     st = fleet.spec.gateway.standalone
     if not st.enabled:
         return None
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(fleet, names(fleet).gateway_service),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": selector_labels(fleet),
-            "ports": [
-                {
-                    "name": GATEWAY_PORT_NAME,
-                    "port": st.port,
-                    "targetPort": GATEWAY_PORT_NAME,
-                    "protocol": "TCP",
-                }
-            ],
-        },
-    }
+    return _port_service(fleet, names(fleet).gateway_service, GATEWAY_PORT_NAME, st.port)
 
 
 def render_envoy_config_map(fleet: Fleet) -> dict[str, Any] | None:

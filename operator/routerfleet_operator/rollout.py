@@ -871,7 +871,7 @@ def _status(f: Facts) -> dict[str, Any]:
             ("Progressing", *_progressing(f, stalled)),
             ("CacheWarm", *_cache_warm(f.fleet, f.serving)),
             *(
-                [(GATEWAY_CONDITION, *gateway_condition(f.fleet, f.pool, len(f.ready)))]
+                [(GATEWAY_CONDITION, *gateway_condition(f.fleet, f.pool))]
                 if f.fleet.spec.gateway.enabled
                 else []
             ),

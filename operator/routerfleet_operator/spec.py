@@ -410,6 +410,18 @@ def parse_spec(spec: Mapping[str, Any]) -> FleetSpec:
     )
 
 
+def flag_value(args: tuple[str, ...], flag: str) -> str | None:
+    """The value the router would take for ``flag`` from these arguments (the last one wins), as
+    ``--flag=value`` or ``--flag value``; None when it is not given."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
 def selector_string(selector: Mapping[str, Any]) -> str:
     """A metav1.LabelSelector as the string form list calls take ("a=b,c in (x,y),!d")."""
     parts = [f"{k}={v}" for k, v in sorted((selector.get("matchLabels") or {}).items())]
@@ -504,6 +516,11 @@ def validate(fleet: Fleet) -> list[str]:
     if g.standalone.enabled and not g.enabled:
         problems.append(
             "spec.gateway.standalone needs spec.gateway.enabled (its Envoy asks the fleet's picker)"
+        )
+    if g.standalone.enabled and flag_value(s.router.extra_args, "--epp-fallbacks") not in (None, "0"):
+        problems.append(
+            "spec.router.extraArgs: --epp-fallbacks must be 0 with spec.gateway.standalone (its Envoy reads"
+            " the picker's header as one address: a list is a 503)"
         )
     if len(set(g.target_ports)) != len(g.target_ports):
         problems.append("spec.gateway.targetPorts must not repeat a port")

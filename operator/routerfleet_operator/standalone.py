@@ -16,8 +16,9 @@ from .model import ENVOY_DIR, ENVOY_KEY, EPP_PORT, GATEWAY_PORT
 from .spec import Fleet
 
 ADMIN_PORT = 9901  # loopback only: the pod's own
-# A BUFFERED request body must fit Envoy's buffer (1 MiB by default): the router's own body limit
-# (--max-body-bytes' default) decides instead, with its OpenAI-shaped 413.
+# The picker answers a request's headers once its whole body is in, so Envoy holds the body meanwhile:
+# it must fit Envoy's buffer (1 MiB by default, a stall then a 413 above it); the router's own body
+# limit (--max-body-bytes' default) decides instead, with its OpenAI-shaped 413.
 BUFFER_LIMIT_BYTES = 32 << 20
 DESTINATION = "x-gateway-destination-endpoint"
 # Headers only the picker may set: a client's own would steer the request (to any address, through the
@@ -27,9 +28,12 @@ PICKER_HEADERS = (DESTINATION, "x-data-parallel-rank")
 _T = "type.googleapis.com/envoy."
 
 # Envoy exits at once on SIGTERM, cutting its requests in flight. Its container stops it this long
-# after the pod's SIGTERM instead: by then the pod is out of the Service's endpoints, and the router
-# beside it has drained (--shutdown-drain-ms, 5 s by default) while still answering picks.
+# after the pod's SIGTERM instead (the pod is out of the Service's endpoints by then; a client's
+# kept-alive connection may still bring requests until Envoy goes), and the router beside it drains
+# (--shutdown-drain-ms) until after that, answering picks; then its requests in flight get its
+# --shutdown-timeout-ms (10 s): 12 + 10 s, inside the pod's 30 s grace period.
 STOP_DELAY_S = 10
+ROUTER_DRAIN_S = STOP_DELAY_S + 2
 
 
 def envoy_command() -> list[str]:
@@ -40,6 +44,7 @@ def envoy_command() -> list[str]:
     script = (
         f"setsid envoy -c {ENVOY_DIR}/{ENVOY_KEY} --disable-hot-restart -l warning & pid=$!\n"
         f'trap "sleep {STOP_DELAY_S}; kill -TERM $pid" TERM\n'
+        "wait $pid; code=$?\n"  # Envoy's status, or 128+15 when the trap interrupted the wait
         "while kill -0 $pid 2>/dev/null; do wait $pid; code=$?; done\n"
         "exit $code\n"
     )
@@ -48,9 +53,9 @@ def envoy_command() -> list[str]:
 
 def envoy_config(fleet: Fleet) -> dict[str, Any]:
     """Envoy's bootstrap: one listener on GATEWAY_PORT; the picker at 127.0.0.1:EPP_PORT (TLS, not
-    verified, as gateways reach a picker, unless spec.gateway.tls is false); bodies BUFFERED in and
-    STREAMED out (the audit reads the engine's usage); no fail-open (a pod whose picker is down is not
-    Ready: the Service has already taken it out)."""
+    verified, as gateways reach a picker, unless spec.gateway.tls is false); bodies FULL_DUPLEX_STREAMED
+    both ways (the audit reads the engine's usage on the way out); no fail-open (a pod whose picker is
+    down is not Ready: the Service has already taken it out)."""
     picker: dict[str, Any] = {
         "name": "picker",
         "type": "STATIC",
@@ -105,6 +110,8 @@ def _connection_manager() -> dict[str, Any]:
         "typed_config": {
             "@type": _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
             "stat_prefix": "gateway",
+            # The clients are the edge: their x-envoy-* headers (retries, timeouts) are not obeyed.
+            "use_remote_address": True,
             "route_config": {
                 "virtual_hosts": [
                     {
@@ -132,13 +139,16 @@ def _connection_manager() -> dict[str, Any]:
                         "failure_mode_allow": False,
                         "message_timeout": "10s",
                         "response_attributes": ["upstream.address"],  # the engine that served
+                        # Both bodies streamed both ways, trailers sent: the mode the extension's
+                        # own gateway runs, the one every picker speaks (the reference picker speaks
+                        # no other).
                         "processing_mode": {
                             "request_header_mode": "SEND",
-                            "request_body_mode": "BUFFERED",
+                            "request_body_mode": "FULL_DUPLEX_STREAMED",
                             "response_header_mode": "SEND",
-                            "response_body_mode": "STREAMED",
-                            "request_trailer_mode": "SKIP",
-                            "response_trailer_mode": "SKIP",
+                            "response_body_mode": "FULL_DUPLEX_STREAMED",
+                            "request_trailer_mode": "SEND",
+                            "response_trailer_mode": "SEND",
                         },
                     },
                 },

@@ -75,6 +75,11 @@ def get_pool(crd, ns: str) -> dict | None:
         raise
 
 
+def envoy_config_maps(cluster, ns: str) -> list[str]:
+    maps = cluster.core.list_namespaced_config_map(ns).items
+    return [c.metadata.name for c in maps if c.metadata.name.startswith(f"{FLEET}-envoy-")]
+
+
 def gateway_ready(obj: dict) -> tuple[str, str]:
     c = condition(obj, "GatewayReady")
     return c.get("status", ""), c.get("reason", "")
@@ -139,13 +144,18 @@ def test_a_fleet_picks_for_its_pool_and_serves_through_its_standalone_gateway(
     assert pool["metadata"]["ownerReferences"][0]["name"] == FLEET
     # No Gateway in this cluster has taken the pool up: the condition says so.
     assert gateway_ready(obj) == ("False", "NoGateway"), condition(obj, "GatewayReady")
-    # The picker and gateway Services list the three seeded replicas at their ports.
+    # The picker and gateway Services list the three seeded replicas at their ports (the EndpointSlice
+    # controller follows the pods' readiness a moment later).
     for svc, port in ((f"{FLEET}-epp", EPP_PORT), (f"{FLEET}-gateway", GATEWAY_PORT)):
-        slices = cluster.disc.list_namespaced_endpoint_slice(
-            ns, label_selector=f"kubernetes.io/service-name={svc}"
-        ).items
-        ready = [e for s in slices for e in s.endpoints or [] if e.conditions.ready]
-        assert len(ready) == 3 and {p.port for s in slices for p in s.ports} == {port}, svc
+
+        def listed(svc=svc, port=port) -> bool:
+            slices = cluster.disc.list_namespaced_endpoint_slice(
+                ns, label_selector=f"kubernetes.io/service-name={svc}"
+            ).items
+            ready = [e for s in slices for e in s.endpoints or [] if e.conditions.ready]
+            return len(ready) == 3 and {p.port for s in slices for p in s.ports or []} == {port}
+
+        cluster.wait_for(f"{svc} lists the 3 seeded replicas at port {port}", listed, 30)
 
     # The same workload, each time on fresh engines: through the routers' own proxy, then the Envoys.
     chats = chat_workload(seed=17)
@@ -197,18 +207,19 @@ def test_a_fleet_picks_for_its_pool_and_serves_through_its_standalone_gateway(
     new = [r for r in traffic.replicas.values() if r.verdict is not None]
     assert len(new) == 3 and all(r.verdict in ("warm", "warm_unwitnessed", "from_origin") for r in new), new
 
-    # The gateway off: the pool and what was rendered for it go; the condition with them.
+    # The gateway off: the pool and what was rendered for it go (the Envoy configuration of each
+    # revision that ran one, named by its content); the condition with them.
+    assert len(envoy_config_maps(cluster, ns)) >= 1
     patch = {"spec": {"gateway": {"enabled": False, "standalone": {"enabled": False}}}}
     crd.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, FLEET, patch)
     wait_fleet_ready(cluster, crd, ns, "the fleet without its gateway Ready", timeout=240)
 
     def gone() -> bool:
         names = {s.metadata.name for s in cluster.core.list_namespaced_service(ns).items}
-        maps = {c.metadata.name for c in cluster.core.list_namespaced_config_map(ns).items}
         return (
             get_pool(crd, ns) is None
             and not {f"{FLEET}-epp", f"{FLEET}-gateway"} & names
-            and (f"{FLEET}-envoy" not in maps)
+            and not envoy_config_maps(cluster, ns)
         )
 
     cluster.wait_for("the pool, the picker and gateway Services and the Envoy config removed", gone, 60)

@@ -29,12 +29,11 @@ from routerfleet_operator.render import (
     render_picker_service,
     render_pod_template,
     render_role,
-    revision_of,
     router_args,
 )
 from routerfleet_operator.rollout import PodView, decide
 from routerfleet_operator.spec import Fleet, validate
-from routerfleet_operator.standalone import envoy_config
+from routerfleet_operator.standalone import STOP_DELAY_S, envoy_config
 
 from .helpers import ROOT, T0, fleet_obj, schema_errors
 from .test_render import router_config
@@ -181,37 +180,52 @@ def cond(type_: str, status: str, message: str = "") -> dict:
     return {"type": type_, "status": status, "reason": "R", "message": message}
 
 
+def picker_slices(ready: int, not_ready: int = 0) -> list[dict]:
+    """The picker Service's EndpointSlices: ``ready`` replicas listed ready, ``not_ready`` not."""
+    eps = [
+        {"addresses": [f"10.0.0.{i}"], "conditions": {"ready": i < ready}} for i in range(ready + not_ready)
+    ]
+    return [{"endpoints": eps}]
+
+
+ACCEPTED = parents(cond("Accepted", "True"), cond("ResolvedRefs", "True"))
+
+
 @pytest.mark.parametrize(
-    ("pool", "ready", "expected"),
+    ("pool", "expected"),
     [
-        (None, 2, ("Unknown", "PoolNotSynced")),
-        (PoolView(problem=PoolProblem("CRDNotInstalled", "x")), 2, ("False", "CRDNotInstalled")),
-        (PoolView(), 2, ("False", "NoGateway")),
-        (PoolView.of(parents(cond("Accepted", "False", "no such listener"))), 2, ("False", "NotAccepted")),
+        (None, ("Unknown", "PoolNotSynced")),
+        (PoolView(problem=PoolProblem("CRDNotInstalled", "x")), ("False", "CRDNotInstalled")),
+        (PoolView(pickers=2), ("False", "NoGateway")),
         (
-            PoolView.of(parents(cond("Accepted", "True"), cond("ResolvedRefs", "False", "no Service"))),
-            2,
+            PoolView.of(parents(cond("Accepted", "False", "no such listener")), picker_slices(2)),
             ("False", "NotAccepted"),
         ),
-        (PoolView.of(parents(cond("Accepted", "True"))), 0, ("False", "PickerNotReady")),
         (
-            PoolView.of(parents(cond("Accepted", "True"), cond("ResolvedRefs", "True"))),
-            2,
-            ("True", "Accepted"),
+            PoolView.of(
+                parents(cond("Accepted", "True"), cond("ResolvedRefs", "False", "no Service")),
+                picker_slices(2),
+            ),
+            ("False", "NotAccepted"),
         ),
+        # Ready pods that serve no picks (an older revision's) are not in the picker Service's ready set.
+        (PoolView.of(ACCEPTED, picker_slices(0, not_ready=2)), ("False", "PickerNotReady")),
+        (PoolView.of(ACCEPTED, picker_slices(2, not_ready=1)), ("True", "Accepted")),
     ],
     ids=["unsynced", "problem", "no-gateway", "refused", "unresolved", "no-picker", "ready"],
 )
-def test_gateway_ready_says_where_the_path_stops(pool, ready, expected):
-    status, reason, message = gateway_condition(fleet(ON), pool, ready)
+def test_gateway_ready_says_where_the_path_stops(pool, expected):
+    status, reason, message = gateway_condition(fleet(ON), pool)
     assert (status, reason) == expected
     assert "InferencePool rf" in message
+    if expected[0] == "True":
+        assert "2 router replica(s) picking" in message
 
 
 def test_a_gateways_refusal_is_quoted():
     view = PoolView.of(parents(cond("Accepted", "True"), cond("ResolvedRefs", "False", "no Service rf-epp")))
     assert view.parents == (ParentView("ns/gw", "True", "False", "no Service rf-epp"),)
-    assert "Gateway ns/gw: no Service rf-epp" in gateway_condition(fleet(ON), view, 1)[2]
+    assert "Gateway ns/gw: no Service rf-epp" in gateway_condition(fleet(ON), view)[2]
 
 
 def test_the_condition_is_in_the_status_only_with_the_gateway():
@@ -228,15 +242,15 @@ def test_the_condition_is_in_the_status_only_with_the_gateway():
 STANDALONE = {"gateway": {"enabled": True, "standalone": {"enabled": True}}}
 
 
-def test_the_standalone_gateway_is_an_envoy_beside_each_router_and_a_service_to_them():
+def test_the_standalone_gateway_is_an_envoy_beside_each_router_and_a_service_to_them(tmp_path):
     f = fleet(STANDALONE)
     assert validate(f) == []
     pod = render_pod_template(f)["spec"]
     _router, envoy = pod["containers"]
     assert envoy["image"] == "envoyproxy/envoy:v1.40.0" and "setsid envoy -c" in envoy["command"][2]
     assert envoy["ports"] == [{"name": GATEWAY_PORT_NAME, "containerPort": GATEWAY_PORT, "protocol": "TCP"}]
-    assert {"name": ENVOY_VOLUME, "configMap": {"name": "rf-envoy"}} in pod["volumes"]
     config_map = render_envoy_config_map(f)
+    assert {"name": ENVOY_VOLUME, "configMap": {"name": config_map["metadata"]["name"]}} in pod["volumes"]
     assert json.loads(config_map["data"]["envoy.yaml"]) == envoy_config(f)
     svc = render_gateway_service(f)
     assert (svc["metadata"]["name"], svc["spec"]["ports"][0]["targetPort"]) == (
@@ -246,16 +260,27 @@ def test_the_standalone_gateway_is_an_envoy_beside_each_router_and_a_service_to_
     assert {"port": GATEWAY_PORT_NAME, "protocol": "TCP"} in render_network_policy(f)["spec"]["ingress"][1][
         "ports"
     ]
-    # A change to the Envoy's configuration rolls the pods (its hash is on the template).
+    # Another Envoy configuration is another ConfigMap, named by its content: the pods of the old
+    # revision keep theirs through the rollout (and a rollback), and the new template names the new one.
     plain = fleet({"gateway": {"enabled": True, "tls": False, "standalone": {"enabled": True}}})
-    assert revision_of(plain) != revision_of(f)
     assert "transport_socket" not in envoy_config(plain)["static_resources"]["clusters"][1]
+    plain_map = render_envoy_config_map(plain)["metadata"]["name"]
+    assert plain_map != config_map["metadata"]["name"] and plain_map.startswith("rf-envoy-")
+    volumes = render_pod_template(plain)["spec"]["volumes"]
+    assert {"name": ENVOY_VOLUME, "configMap": {"name": plain_map}} in volumes
+    # The router answers picks until after its Envoy stopped.
+    assert router_config(f, tmp_path).proxy.shutdown_drain_s > STOP_DELAY_S
     assert render_gateway_service(fleet(ON)) is None and render_envoy_config_map(fleet(ON)) is None
 
 
-def test_the_standalone_gateway_needs_the_gateway():
+def test_the_standalone_gateway_needs_the_gateway_and_one_endpoint_per_pick():
     f = fleet({"gateway": {"standalone": {"enabled": True}}})
     assert any("standalone needs spec.gateway.enabled" in p for p in validate(f))
+    for args in (["--epp-fallbacks=2"], ["--epp-fallbacks", "1"]):
+        listed = fleet({**STANDALONE, "router": {"extraArgs": args}})
+        assert any("--epp-fallbacks must be 0" in p for p in validate(listed)), args
+    assert validate(fleet({**STANDALONE, "router": {"extraArgs": ["--epp-fallbacks=0"]}})) == []
+    assert validate(fleet({**ON, "router": {"extraArgs": ["--epp-fallbacks=2"]}})) == []
 
 
 def test_the_real_envoy_accepts_the_rendered_configuration(tmp_path):
