@@ -173,6 +173,16 @@ async def test_envoy_sends_a_repeated_prompt_where_the_picker_knows_it_is_cached
 
 
 @BODY_MODES
+async def test_a_clients_own_rank_never_reaches_the_engine(tmp_path, duplex):
+    """The engines have one rank each, so the picks pin none: a rank a client names itself would reach
+    the engine through the gateway (which passes headers on) and be refused there, were it not taken out."""
+    async with gateway(tmp_path, duplex=duplex) as (_engines, _router, base), aiohttp.ClientSession() as s:
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
+        async with s.post(base + "/v1/completions", json=body, headers={"X-Data-Parallel-Rank": "5"}) as r:
+            assert r.status == 200, await r.text()
+
+
+@BODY_MODES
 async def test_through_envoy_each_tenants_requests_carry_its_own_cache_salt(tmp_path, duplex):
     """--tenant-cache-salt behind a gateway: the picker sends the salted body on, so a second tenant's
     copy of a prompt reads nothing the first cached (the engine's own figure), its own second copy all."""
@@ -293,6 +303,9 @@ def test_a_pick_names_the_engine_in_the_header_and_the_lb_metadata_and_pins_a_ra
     assert dict(answer.dynamic_metadata["envoy.lb"]) == {DESTINATION: "10.0.0.5:8000"}
     whole = picked(Target("e", "http://10.0.0.5:8000"), phase="request_headers")
     assert len(whole.request_headers.response.header_mutation.set_headers) == 1
+    # A pick that pins no rank takes a client's own rank header out; a pinned one sets it.
+    assert list(whole.request_headers.response.header_mutation.remove_headers) == ["x-data-parallel-rank"]
+    assert not answer.request_body.response.header_mutation.remove_headers
     sent = ep.HttpHeaders(
         headers=base_pb2.HeaderMap(
             headers=[

@@ -96,11 +96,16 @@ def picked(
     with ``body`` instead of the one sent, None: as sent)."""
     where = ",".join(t.endpoint for t in (target, *fallbacks))
     mutation = [header(DESTINATION, where)]
+    removed = []
     if target.rank is not None:
         mutation.append(header(RANK_HEADER, str(target.rank)))
+    else:  # a client's own rank would reach the engine, as the proxy never lets it
+        removed.append(RANK_HEADER.lower())
     if body is not None:  # Envoy refuses a buffered body whose Content-Length no longer says its size
         mutation.append(header("content-length", str(len(body))))
-    common = ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=mutation))
+    common = ep.CommonResponse(
+        header_mutation=ep.HeaderMutation(set_headers=mutation, remove_headers=removed)
+    )
     if body is not None:
         common.body_mutation.body = body
     metadata = struct_pb2.Struct()
