@@ -101,7 +101,7 @@ class Names:
     pool: str  # spec.gateway: the InferencePool
     gateway_service: str  # spec.gateway.standalone: the Envoys beside the routers
     # spec.gateway.standalone: their ConfigMap, named by its content, so a change to it is a new revision
-    # and the pods of the old one keep theirs until the rollout completes (apply.prune_optional)
+    # and the pods of the old one keep theirs until the rollout completes (apply.prune_optional); "" without
     envoy_config: str
 
 
@@ -123,7 +123,10 @@ def names(fleet: Fleet) -> Names:
         picker_service=f"{n}-epp",
         pool=fleet.pool_name,
         gateway_service=f"{n}-gateway",
-        envoy_config=f"{n}-envoy-{_digest(envoy_config_text(fleet))[:10]}",
+        # rendered and hashed only when the fleet runs the Envoys (names() is called all through a reconcile)
+        envoy_config=(
+            f"{n}-envoy-{_digest(envoy_config_text(fleet))}" if fleet.spec.gateway.standalone.enabled else ""
+        ),
     )
 
 
@@ -326,7 +329,7 @@ def envoy_config_text(fleet: Fleet) -> str:
 
 
 def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 def _envoy_containers(fleet: Fleet) -> list[dict[str, Any]]:
