@@ -398,6 +398,12 @@ def _container_status(c: ContainerRuntime) -> dict:
     }
 
 
+def gate_states(pod: dict) -> dict[str, str | None]:
+    """The status of each of the pod's readiness gates' conditions (None: not set)."""
+    have = {c["type"]: c.get("status") for c in (pod.get("status") or {}).get("conditions") or []}
+    return {g["conditionType"]: have.get(g["conditionType"]) for g in pod["spec"].get("readinessGates") or []}
+
+
 def compute_pod_status(
     pod: dict, containers: list[ContainerRuntime], *, pod_ip: str, host_ip: str, start_time: str, now: str
 ) -> dict:
@@ -407,8 +413,7 @@ def compute_pod_status(
     old = {c["type"]: c for c in (pod.get("status") or {}).get("conditions") or []}
     unready = [c.name for c in containers if not c.ready]
     containers_ready = not unready
-    gates = [g["conditionType"] for g in pod["spec"].get("readinessGates") or []]
-    gates_false = [g for g in gates if (old.get(g) or {}).get("status") != "True"]
+    gates_false = [g for g, status in gate_states(pod).items() if status != "True"]
     if unready:
         reason, msg = "ContainersNotReady", f"containers with unready status: [{' '.join(unready)}]"
     else:
@@ -928,6 +933,7 @@ class PodWorker:
                 self.dirty.set()
 
     async def _write_status(self) -> None:
+        gates = gate_states(self.pod)
         status = compute_pod_status(
             self.pod,
             self.containers,
@@ -943,6 +949,11 @@ class PodWorker:
                 {"metadata": {"uid": self.uid}, "status": status},
                 ctype=STRATEGIC,
             )
+        # The answer may be older than a watch event already taken (a gate set while this write was in
+        # flight) or newer (the gate set just before it was applied): either way Ready was computed from
+        # gates that are not the server's now. Write again; a no-op write makes no watch event to wake us.
+        if gate_states(self.pod) != gates:
+            self.dirty.set()
 
 
 def write_atomic(path: Path, data: bytes, mode: int) -> None:
