@@ -196,6 +196,32 @@ class Proc:
             return ""
         return "\n".join(lines[-n:])
 
+    def run_seconds(self) -> float:
+        """CPU time of every thread of every live process in this group, to the nanosecond (the
+        scheduler's own account, /proc/PID/task/TID/schedstat; ``cpu_seconds`` counts in clock ticks,
+        too coarse for a few hundred requests)."""
+        total = 0
+        for pid in self._group_pids():
+            with contextlib.suppress(OSError):
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                        total += int(f.read().split()[0])
+        return total / 1e9
+
+    def _group_pids(self) -> list[str]:
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[2]) == self.pid:  # pgrp
+                pids.append(entry)
+        return pids
+
     def cpu_seconds(self) -> float:
         """User + system CPU of every live process in this group (threads included)."""
         tick = os.sysconf("SC_CLK_TCK")
@@ -340,6 +366,10 @@ class Router:
     def cpu_seconds(self) -> float:
         """CPU of every router-side process: the router, and Envoy when it fronts the picker."""
         return sum(p.cpu_seconds() for p in self.procs)
+
+    def run_seconds(self) -> float:
+        """The same, to the nanosecond (``Proc.run_seconds``)."""
+        return sum(p.run_seconds() for p in self.procs)
 
     def alive(self) -> bool:
         return all(p.alive() for p in self.procs)

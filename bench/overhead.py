@@ -39,14 +39,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from bench import harness as h
+from e2e.tracing.collector import running_collector
 
 PROMPTS = 256
 PROMPT_TOKENS = 32
@@ -66,6 +69,8 @@ class Target:
 class Lat:
     end_us: list[float] = field(default_factory=list)
     first_us: list[float] = field(default_factory=list)
+    # The router's CPU per request over each block of these requests, sent one at a time.
+    block_cpu_us: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -111,6 +116,8 @@ async def latency(target: Target, raws: list[bytes], n: int, shape: str, quickac
     client = h.HttpClient(target.url, quickack=quickack)
     raws = [client.request_bytes("/v1/completions", b) for b in raws]
     errors = 0
+    cpu0 = target.router.run_seconds() if target.router else 0.0
+    done0 = len(out.end_us)
     try:
         for i in range(n):
             raw = raws[(len(out.end_us) + i) % len(raws)]
@@ -126,6 +133,8 @@ async def latency(target: Target, raws: list[bytes], n: int, shape: str, quickac
             out.first_us.append((reply.t_first - t0) * 1e6)
     finally:
         client.close()
+    if target.router and len(out.end_us) > done0:
+        out.block_cpu_us.append((target.router.run_seconds() - cpu0) / (len(out.end_us) - done0) * 1e6)
     return errors
 
 
@@ -189,7 +198,7 @@ async def throughput(
 
 
 def start_all(
-    logdir: str, rows: list[str], pin: bool
+    logdir: str, rows: list[str], pin: bool, collector: str | None = None
 ) -> tuple[h.Engine, list[Target], list[h.Router], dict[str, str]]:
     all_cpus = h.cpus()
     router_cpus = {all_cpus[-1]} if pin and len(all_cpus) > 1 else None
@@ -213,6 +222,11 @@ def start_all(
         "ours-epp": ("Envoy + ours kv_aware (picker)", "ours-epp", "kv_aware", False),
         # The audit's stream half off: no include_usage asked of the engine, nothing stripped.
         "ours-noaudit": ("ours kv_aware --no-audit-stream-usage", "ours", "kv_aware", False),
+        # Request tracing to a real OpenTelemetry Collector (docs/tracing.md), 10% and every request.
+        # 0%: an exporter running, only clients' sampled requests traced (none here).
+        "ours-trace0": ("ours kv_aware, 0% traced", "ours", "kv_aware", False),
+        "ours-trace10": ("ours kv_aware, 10% traced", "ours", "kv_aware", False),
+        "ours-trace100": ("ours kv_aware, 100% traced", "ours", "kv_aware", False),
         "vllm": ("vllm-router kv_aware", "vllm-router", "kv_aware", False),
         "sglang": ("sglang-router cache_aware", "sglang-router", "", True),
     }
@@ -225,6 +239,9 @@ def start_all(
                     skipped[name] = why
                     continue
             extra = ["--no-audit-stream-usage"] if name == "ours-noaudit" else []
+            if name.startswith("ours-trace"):
+                ratio = int(name.removeprefix("ours-trace")) / 100
+                extra = ["--otlp-traces-endpoint", str(collector), "--trace-sample-ratio", f"{ratio:g}"]
             r = h.start_router(
                 kind, [engine], logdir, policy=policy or "kv_aware", label=name, cpus=router_cpus, extra=extra
             )
@@ -250,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rows",
         default="ours,ours-noaudit,ours-rr,ours-epp,vllm,sglang",
-        help="routers, from ours,ours-noaudit,ours-rr,ours-epp,vllm,sglang (default all)",
+        help="routers, from ours,ours-noaudit,ours-rr,ours-epp,ours-trace0,ours-trace10,ours-trace100,vllm,"
+        "sglang (default all but the tracing rows)",
     )
     ap.add_argument("--conns", type=int, default=32, help="connections in the throughput loop (default 32)")
     ap.add_argument(
@@ -276,7 +294,18 @@ def main(argv: list[str] | None = None) -> int:
         ok, why = h.anchor_status(kind)
         print(f"# {kind}: {why if ok else 'NOT AVAILABLE: ' + why}")
     cpus = h.cpus()
-    engine, targets, routers, skipped = start_all(logdir, rows, not args.no_pin)
+    stack = contextlib.ExitStack()
+    collector = None
+    if any(r.startswith("ours-trace") for r in rows):
+        # The collector (e2e/tracing, built and cached) on the engine's and client's CPUs: the router's
+        # core measures the router's own export work, not the collector's.
+        collector = stack.enter_context(running_collector(Path(logdir)))
+        if not args.no_pin and len(cpus) > 1:
+            os.sched_setaffinity(collector.process.pid, set(cpus[:-1]))
+        print(f"# tracing rows export to a real OpenTelemetry Collector at {collector.endpoint}")
+    engine, targets, routers, skipped = start_all(
+        logdir, rows, not args.no_pin, collector.endpoint if collector else None
+    )
     try:
         for name, why in skipped.items():
             print(f"# row {name} skipped: {why}")
@@ -327,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         flags = {r.label: r.flags for r in routers}
     finally:
         h.stop_all([*routers, engine])
+        stack.close()
 
     report(targets, lat, thr, errors)
     costs = [audit_cost() for _ in range(3)]
@@ -335,6 +365,17 @@ def main(argv: list[str] | None = None) -> int:
         f"\n# the prediction audit in-process, per request: {tiny_us:.1f} us on a tiny response,"
         f" {stream_us:.1f} us on a 64-chunk stream (strip included)"
     )
+    if any(r.startswith("ours-trace") for r in rows):
+        costs = [tracing_cost() for _ in range(5)]
+        on_us, untraced_us, off_us = (h.med([c[i] for c in costs]) for i in range(3))
+        ours = h.med([x.router_cpu_us_per_req for x in thr["ours", "tiny"]])
+        at10 = untraced_us + on_us / 10
+        print(
+            f"# tracing in-process, per request: {on_us:.1f} us traced (spans, attributes, its share of"
+            f" the export's encoding), {untraced_us:.1f} us untraced, {off_us:.1f} us with tracing off;"
+            f" at 10%: {at10:.1f} us,"
+            f" {100 * at10 / ours:.1f}% of ours' {ours:.0f} us per tiny request (throughput phase, median)"
+        )
     if dead:
         print(f"\n# WARNING: exited during the run: {', '.join(dead)}")
     print("\n# flags (E0 = the engine's HTTP URL, KV PUB and replay endpoints):")
@@ -399,6 +440,91 @@ def audit_cost(n: int = 2000) -> tuple[float, float]:
         metrics.audit("e", "kv_aware", prediction, judge(prediction, strip.scan.cached_tokens))
     t2 = time.perf_counter()
     return (t1 - t0) / n * 1e6, (t2 - t1) / n * 1e6
+
+
+def tracing_cost(n: int = 2000) -> tuple[float, float, float]:
+    """Tracing's own work per request, in-process (us), as the proxy does it: a traced request's spans
+    and attributes (a 4-candidate explained decision among them) and its share of an export request's
+    encoding (in batches of 256, as the exporter sends them); an untraced request's start and the
+    declined context it passes to the engine; with tracing off, what every request still calls. The
+    figures the machine's noise cannot hide, beside the rows' whole-process CPU."""
+    from multidict import CIMultiDict
+
+    from router_runtime.scheduling.presets import make_policy
+    from router_runtime.scheduling.types import RouteRequest
+    from router_runtime.scheduling.types import Target as Engine
+    from router_runtime.tracing.attributes import upstream
+    from router_runtime.tracing.config import TracingConfig
+    from router_runtime.tracing.spans import OFF, SpanKind, Trace, Tracer
+    from router_runtime.tracing.wire import export_request
+
+    done: list[Trace] = []
+    config = TracingConfig(endpoint="http://127.0.0.1:4317", sample_ratio=1.0)
+    traced, untraced = Tracer(config, done.append), Tracer(replace(config, sample_ratio=0.0), done.append)
+    engines = [Engine(f"http://10.0.0.{i}:8000", f"http://10.0.0.{i}:8000") for i in range(4)]
+    loads = {e: float(i) for i, e in enumerate(engines)}
+    policy = make_policy("least_loaded")
+    headers = CIMultiDict({"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})
+
+    def one() -> None:
+        t = traced.start(headers, lambda: "POST /v1/completions")
+        with t.span("parse") as s:
+            s.set("routerfleet.request.bytes", 180)
+        with t.span("tokenize") as s:
+            s.update({"routerfleet.tokenizer": "router", "routerfleet.tokens.count": 32})
+            s.update({"routerfleet.tokens.from_request": True, "routerfleet.tokens.answered_by": None})
+        with t.span("schedule") as s:
+            d = policy.choose(RouteRequest(), engines, loads, None, explain=True)
+            rows = d.candidates
+            s.update(
+                {
+                    "routerfleet.profile": "kv_aware",
+                    "routerfleet.attempt": 0,
+                    "routerfleet.engine": d.target.engine,
+                    "routerfleet.reason": d.reason.value,
+                    "routerfleet.matched.blocks": d.matched_blocks,
+                    "routerfleet.candidates.engine": [c.target.engine for c in rows],
+                    "routerfleet.candidates.load": [float(c.load) for c in rows],
+                    "routerfleet.candidates.cost": [c.cost for c in rows],
+                }
+            )
+            for i, tier in enumerate(("device", "host", "disk", "external")):
+                s.set(f"routerfleet.candidates.matched_blocks.{tier}", [c.tier_blocks[i] for c in rows])
+        up = t.span("upstream", SpanKind.CLIENT)
+        up.update(upstream(d.target))
+        t.headers(up)
+        up.update({"http.response.status_code": 200, "routerfleet.time_to_headers_ms": 1.5})
+        up.end()
+        t.root.update(
+            {"http.response.status_code": 200, "routerfleet.outcome": "ok", "routerfleet.retries": 0}
+        )
+        t.root.update({"routerfleet.audit.outcome": "exact", "routerfleet.audit.cached_tokens": 32})
+        t.end()
+
+    t0 = time.perf_counter()
+    for i in range(n):
+        one()
+        if len(done) == 256 or i == n - 1:
+            export_request(done, {"service.name": "routerfleet-router"}, "routerfleet.router", "0")
+            done.clear()
+    t1 = time.perf_counter()
+    plain = CIMultiDict()
+    for _ in range(n):
+        t = untraced.start(plain, lambda: "POST /v1/completions")
+        t.headers(t.span("upstream"))
+    t2 = time.perf_counter()
+    for _ in range(n):  # the request path's calls on a trace that records nothing
+        t = OFF.start(plain, lambda: "POST /v1/completions")
+        for name in ("parse", "tokenize", "schedule"):
+            with t.span(name) as s:
+                if s.recording:
+                    raise AssertionError
+        up = t.span("upstream", SpanKind.CLIENT)
+        t.headers(up)
+        up.end()
+        t.end()
+    t3 = time.perf_counter()
+    return (t1 - t0) / n * 1e6, (t2 - t1) / n * 1e6, (t3 - t2) / n * 1e6
 
 
 def report(
@@ -473,6 +599,24 @@ def report(
                 h.med([x.router_cpu_us_per_req for x in o]), h.med([x.router_cpu_us_per_req for x in v])
             )
             print(f"  ours/vllm-router: max req/s {rps}, router CPU per request {cpu}")
+        traced = [n for n in ("ours-trace0", "ours-trace10", "ours-trace100") if n in by_name]
+        if "ours" in by_name and traced:
+            # One request at a time (the latency phase's): the router's CPU per request without the
+            # batching a saturated loop gets, whose figure moves 10-20% from run to run on a shared VM.
+            # Each block's ratio to the tracing-off block run just before it, then their median.
+            def blocks(name: str, shape: str = shape) -> list[float]:
+                return [b for x in lat[name, shape, True] for b in x.block_cpu_us]
+
+            off = blocks("ours")
+            parts = [f"off {h.med(off):.0f} us"]
+            for n in traced:
+                on = blocks(n)
+                pct = [100 * (a / b - 1) for a, b in zip(on, off, strict=True)]
+                parts.append(
+                    f"{n.removeprefix('ours-trace')}% traced {h.med(on):.0f} us ({h.med(pct):+.1f}%"
+                    f"{h.spread(pct, '+.1f')})"
+                )
+            print(f"  router CPU per request, one at a time ({len(off)} blocks): {', '.join(parts)}")
         if "ours" in by_name and "ours-noaudit" in by_name:
             o, n = thr["ours", shape], thr["ours-noaudit", shape]
             d = h.med([x.router_cpu_us_per_req for x in o]) - h.med([x.router_cpu_us_per_req for x in n])

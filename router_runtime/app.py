@@ -22,6 +22,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from . import __version__
 from .bootstrap.fetch import SnapshotFetcher
 from .bootstrap.http import internal_app, read_token
 from .bootstrap.metrics import BootstrapMetrics
@@ -72,6 +73,8 @@ from .sessions.snapshot import from_wire, to_wire
 from .tasks import end_tasks
 from .tokens.engine import EngineTokenizer
 from .tokens.tokenizer import ENGINE_TOKENIZER, AsyncTokenizer, Tokenizer, load_tokenizer
+from .tracing.export import OtlpExporter, TraceMetrics
+from .tracing.spans import OFF, Tracer
 from .worker import Carrier, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -145,6 +148,12 @@ class Router:
                 kubeconfig=d.kubeconfig,
                 watch_timeout_s=d.watch_timeout_s,
             )
+        # Request traces to a collector (tracing/), when an endpoint is set; else no tracer runs.
+        self.trace_exporter: OtlpExporter | None = None
+        self.tracer = OFF
+        if config.tracing.enabled:
+            self.trace_exporter = OtlpExporter(config.tracing, TraceMetrics(self.registry), __version__)
+            self.tracer = Tracer(config.tracing, self.trace_exporter.submit)
         self._setup_request_plane(config, tokenizer)
         self.checker = HealthChecker(
             self.health,
@@ -256,6 +265,7 @@ class Router:
             responses=ResponseRouter(self.bindings, lambda: self.proxy.session),
             doubt_fn=self.doubtful,
             admission=self._admission(config),
+            describe_load=self.fleet.describe,
         )
         self.proxy = Proxy(
             scheduler=self.scheduler,
@@ -268,6 +278,7 @@ class Router:
             strip_headers=self.sessions.strip,
             limits=config.server,
             hooks=self._request_hooks(config),
+            tracer=self.tracer,
         )
 
     def _admission(self, config: RouterConfig) -> Admission | None:
@@ -397,6 +408,8 @@ class Router:
     async def start(self) -> None:
         await self.kv.start()
         await self.proxy.start()
+        if self.trace_exporter is not None:
+            self.trace_exporter.start()
         self.bootstrap.start()
         if self.peer_watcher is not None:  # before the engines: a first rank consults the peer set
             await self.peer_watcher.start()
@@ -427,6 +440,8 @@ class Router:
             if self.notices is not None:
                 await self.notices.close()
             await self.proxy.close()
+            if self.trace_exporter is not None:  # after the servers: their last requests' traces too
+                await self.trace_exporter.stop()
             if self.shared_store is not None:
                 await self.shared_store.close()
             if isinstance(self.tokenizer, EngineTokenizer):
@@ -667,6 +682,7 @@ async def run_router(
                 health=router.health,
                 fallbacks=gateway.fallbacks,
                 bodies=router.proxy.bodies,
+                tracer=router.tracer,
             )
             epp_host = gateway.host or config.host
             tls = (

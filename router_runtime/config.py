@@ -38,6 +38,8 @@ from .sessions.config import SessionConfig, StoreConfig
 from .tokens import config as tokens_config
 from .tokens.config import TokenizerConfig
 from .tokens.tokenizer import ENGINE_TOKENIZER, ChatTemplateSpecError, TokenizerError, load_tokenizer
+from .tracing import config as tracing_config
+from .tracing.config import TracingConfig
 from .worker import WorkerSpec
 
 
@@ -74,6 +76,7 @@ class RouterConfig:
     peers: PeerConfig = field(default_factory=PeerConfig)
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
 
 _DEFAULTS = RouterConfig()
@@ -129,6 +132,7 @@ FLAGS: tuple[tuple[str | None, tuple[Flag, ...]], ...] = (
     ("gateway endpoint picker", gateway_config.FLAGS),
     ("peer bootstrap", bootstrap_config.FLAGS),
     ("fleet load (docs/fleet-load.md)", fleet_config.FLAGS),
+    ("tracing (docs/tracing.md)", tracing_config.FLAGS),
 )
 
 # How an error in a section's own checks names it (else by its field name).

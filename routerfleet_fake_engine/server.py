@@ -19,6 +19,7 @@ API is in ``admin.py``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -139,6 +140,9 @@ class FakeEngine:
         # flap without touching anything else the engine serves.
         self.unhealthy_until = 0.0
         self._request_ids = itertools.count(1)
+        # The W3C trace context of the latest generation requests, as they arrived (a tracing test
+        # reads which span was the engine's parent; vLLM itself continues the trace with its own).
+        self.traceparents: collections.deque[str | None] = collections.deque(maxlen=64)
         self.responses = ResponseStore()  # the Responses API's stored responses (lost on restart)
         self._slots: asyncio.Semaphore | None = None
         self._publisher: KvPublisher | None = None
@@ -526,6 +530,7 @@ class FakeEngine:
         parse: Callable[[Any], GenerationRequest],
         errors: Callable[[RequestError], dict[str, Any]] = RequestError.to_json,
     ) -> web.StreamResponse:
+        self.traceparents.append(request.headers.get("traceparent"))
         try:
             req = parse(parse_json_body(await request.read()))
             rank = self._pick_rank(req, request)

@@ -41,6 +41,7 @@ from router_runtime.proxy.config import ProxyConfig
 from router_runtime.proxy.headers import ENGINE_HEADER
 from router_runtime.proxy.health import BreakerState, HealthConfig
 from router_runtime.scheduling.types import Target
+from router_runtime.tracing.config import TracingConfig
 from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
 from tests.support import (
@@ -92,10 +93,14 @@ async def run_envoy(text: str, listen: int, tmp_path: Path) -> AsyncIterator[str
 
 
 async def picking(
-    stack: contextlib.AsyncExitStack, n_engines: int = 2, proxy: ProxyConfig | None = None, **engine
+    stack: contextlib.AsyncExitStack,
+    n_engines: int = 2,
+    proxy: ProxyConfig | None = None,
+    tracing: TracingConfig | None = None,
+    **engine,
 ):
     """Fake engines and a router serving the picker beside them, joined (``proxy``: its request plane;
-    it names the engines that served): (engines, router)."""
+    it names the engines that served; ``tracing``: where its traces go): (engines, router)."""
     engines = [
         await stack.enter_async_context(run_fake_engine(block_size=BS, **engine)) for _ in range(n_engines)
     ]
@@ -107,6 +112,7 @@ async def picking(
         kv=KvConfig(block_size=BS),
         health=HealthConfig(interval_s=0),
         gateway=PickerConfig(port=0),
+        tracing=tracing or TracingConfig(),
     )
     router, _url = await stack.enter_async_context(run_router(cfg))
     await join_all(router, engines)
@@ -120,12 +126,13 @@ async def gateway(
     fail_open: bool = False,
     duplex: bool = False,
     proxy: ProxyConfig | None = None,
+    tracing: TracingConfig | None = None,
     **engine,
 ):
     """Engines, a router serving the picker (``proxy``: its request plane; it names the engines that
-    served), and Envoy in front: (engines, router, Envoy's base URL)."""
+    served; ``tracing``: where its traces go), and Envoy in front: (engines, router, Envoy's base URL)."""
     async with contextlib.AsyncExitStack() as stack:
-        engines, router = await picking(stack, n_engines, proxy, **engine)
+        engines, router = await picking(stack, n_engines, proxy, tracing, **engine)
         urls = [e.http_url for e in engines]
         base = await stack.enter_async_context(envoy(router.epp_address, urls, tmp_path, fail_open, duplex))
         yield engines, router, base

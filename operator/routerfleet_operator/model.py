@@ -153,6 +153,8 @@ OWNED_FLAGS = (
     "--epp-plaintext",
     "--no-epp-plaintext",
     "--epp-pool",
+    "--otlp-traces-endpoint",
+    "--trace-sample-ratio",
     "--help",
 )
 RESERVED_ENV = ("POD_NAME", "POD_NAMESPACE", "POD_IP")

@@ -222,6 +222,10 @@ def router_args(fleet: Fleet) -> list[str]:
         args += ["--session-store", store.url]
         if store.password_secret:
             args += ["--session-store-password-file", f"{SESSION_STORE_DIR}/{SESSION_STORE_KEY}"]
+    t = s.router.tracing
+    if t is not None:
+        # The ratio always, not the router's default: what the spec says is what the pods run.
+        args += ["--otlp-traces-endpoint", t.endpoint, "--trace-sample-ratio", str(t.sample_ratio)]
     b = s.bootstrap
     if b.enabled:
         args += ["--kv-bootstrap-timeout-ms", str(round(b.timeout_s * 1000))]

@@ -41,6 +41,10 @@ MIN_READY_SECONDS_MAX = 3600
 _DURATION = re.compile(r"^(?:[0-9]+(?:\.[0-9]+)?(?:ms|s|m|h))+$")
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+# An OTLP/gRPC collector: scheme, host and port only. A path is refused, as the router does (gRPC has no
+# use for one: http://collector:4318/v1/traces is OTLP/HTTP's); credentials would show in the pod's args.
+# The CRD's CEL rule matches the same pattern (a test compares them).
+OTLP_ENDPOINT = re.compile(r"^https?://[^/?#@\s]+/?$")
 
 
 class SpecError(ValueError):
@@ -81,6 +85,15 @@ class SessionStore:
 
 
 @dataclass(frozen=True)
+class Tracing:
+    """OpenTelemetry traces of the routers' requests, exported to an OTLP/gRPC collector."""
+
+    endpoint: str  # http:// (plaintext) or https:// (TLS), e.g. http://otel-collector.observability:4317
+    # Of the requests without a sampled parent: a client's sampled traceparent is followed regardless.
+    sample_ratio: float = 1.0
+
+
+@dataclass(frozen=True)
 class Scheduling:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
@@ -107,6 +120,7 @@ class RouterSpec:
     volumes: tuple[Mapping[str, Any], ...] = ()
     volume_mounts: tuple[Mapping[str, Any], ...] = ()
     session_store: SessionStore | None = None
+    tracing: Tracing | None = None  # None: no exporter in the router at all
 
 
 @dataclass(frozen=True)
@@ -263,6 +277,16 @@ def _int(v: Any, where: str, lo: int | None = None, hi: int | None = None) -> in
     return v
 
 
+def _number(v: Any, where: str, lo: float, hi: float) -> float:
+    # float() always: the API server returns a whole number as an int (1.0 -> 1), and the rendered
+    # flag must not change with it (it is part of the pod template's hash).
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise SpecError(f"{where} must be a number, got {v!r}")
+    if not lo <= v <= hi:  # also refuses NaN
+        raise SpecError(f"{where} must be in {lo}..{hi}, got {v}")
+    return float(v)
+
+
 def _port(v: Any, where: str) -> int | str:
     if isinstance(v, str) and v:
         return v
@@ -289,6 +313,16 @@ def _session_store(store: Any) -> SessionStore | None:
         raise SpecError("spec.router.sessionStore needs a url")
     ref = store.get("passwordSecretRef") or {}
     return SessionStore(store["url"], ref.get("name"), ref.get("key", "password"))
+
+
+def _tracing(tracing: Mapping[str, Any]) -> Tracing | None:
+    ratio = _number(tracing.get("sampleRatio", 1.0), "spec.router.tracing.sampleRatio", 0.0, 1.0)
+    endpoint = tracing.get("endpoint")
+    if endpoint is None:
+        return None  # no endpoint: tracing off, whatever else is set
+    if not isinstance(endpoint, str):
+        raise SpecError(f"spec.router.tracing.endpoint must be a string, got {endpoint!r}")
+    return Tracing(endpoint, ratio)
 
 
 def parse_spec(spec: Mapping[str, Any]) -> FleetSpec:
@@ -344,6 +378,7 @@ def parse_spec(spec: Mapping[str, Any]) -> FleetSpec:
             volumes=tuple(router.get("volumes") or ()),
             volume_mounts=tuple(router.get("volumeMounts") or ()),
             session_store=_session_store(router.get("sessionStore")),
+            tracing=_tracing(_obj(router, "tracing", "spec.router")),
         ),
         engines=EnginesSpec(
             service_name=engines.get("serviceName"),
@@ -503,6 +538,14 @@ def validate(fleet: Fleet) -> list[str]:
     store = s.router.session_store
     if store is not None and not store.url.startswith(("redis://", "rediss://", "unix://")):
         problems.append("spec.router.sessionStore.url must be a redis://, rediss:// or unix:// URL")
+    tracing = s.router.tracing
+    # fullmatch: CEL's (RE2's) $ is the end of the text; Python's re also matches before a final newline.
+    if tracing is not None and not OTLP_ENDPOINT.fullmatch(tracing.endpoint):
+        problems.append(
+            "spec.router.tracing.endpoint must be an http:// or https:// URL of an OTLP/gRPC collector, with"
+            " no path or credentials (e.g. http://otel-collector.observability:4317), got "
+            f"{tracing.endpoint!r}"
+        )
     if s.disruption.max_unavailable is not None and s.disruption.min_available is not None:
         problems.append("spec.disruption: set at most one of maxUnavailable and minAvailable")
     g = s.gateway
@@ -542,6 +585,7 @@ __all__ = [
     "SpecError",
     "StandaloneSpec",
     "Tokenizer",
+    "Tracing",
     "format_duration",
     "parse_duration",
     "parse_spec",

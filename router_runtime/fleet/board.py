@@ -161,6 +161,18 @@ class LoadBoard:
         ]
         return encode_report(self.replica, self.incarnation, self._seq, targets)
 
+    def describe(self, targets: Sequence[Target]) -> dict[str, int | list]:
+        """For a trace's schedule span: each candidate's load by source, and how many siblings' reports
+        are fresh (0: this replica decides on its own counts and the engines' alone)."""
+        r, own = self.remote(), self.own
+        keys = [key(t) for t in targets]
+        return {
+            "routerfleet.load.fresh_peers": self.fresh_peers(),
+            "routerfleet.candidates.load.own": [own.get(t) for t in targets],
+            "routerfleet.candidates.load.peers": [r.peers.get(k, 0) for k in keys],
+            "routerfleet.candidates.load.unseen": [float(r.engines.get(k, 0.0)) for k in keys],
+        }
+
     def summary(self) -> dict:
         """For /debug/load: each target's load by source (never prompts or hashes)."""
         r = self.remote()

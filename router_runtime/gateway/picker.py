@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -45,6 +46,8 @@ from ..scheduling.pickers import fallbacks
 from ..scheduling.presets import make_policy
 from ..scheduling.types import Decision, RouteRequest, Target
 from ..sessions.keys import tenant_of
+from ..tracing.attributes import upstream as upstream_attributes
+from ..tracing.spans import NO_SPAN, NO_TRACE, OFF, Span, SpanKind, Trace, Tracer, server_error
 from .health import PickerHealth
 from .protocol import (
     duplex_of,
@@ -78,10 +81,14 @@ class _Stream:
         "headers",
         "held",
         "held_size",
+        "outcome",
         "share",
         "size",
+        "status",
         "subset",
         "target",
+        "trace",
+        "upstream",
         "watches",
     )
 
@@ -104,6 +111,10 @@ class _Stream:
         self.watches: Sequence[ResponseWatch] = ()
         self.chunks: Sequence[ResponseWatch] = ()  # the watches that look at body chunks
         self.exchange: Exchange | None = None
+        self.trace: Trace = NO_TRACE  # started with the request's headers
+        self.upstream: Span = NO_SPAN  # from the pick to the response's end (traced requests)
+        self.status = 0  # the engine's status, once its response headers pass (or the picker's refusal)
+        self.outcome = "cancelled"  # as the proxy's metrics name how a request ended
 
 
 class EndpointPicker(epg.ExternalProcessorServicer):
@@ -118,8 +129,10 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         health: HealthBoard | None = None,
         fallbacks: int = 0,
         bodies: Bodies | None = None,
+        tracer: Tracer = OFF,
     ) -> None:
         self.scheduler = scheduler
+        self.tracer = tracer
         # The bodies being read and parsed: the proxy's, so both front doors hold one budget.
         self.bodies = bodies or Bodies(config.body_budget_bytes)
         self.targets = targets
@@ -143,6 +156,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
                 try:
                     answers = await self._step(stream, phase, message)
                 except ProxyError as e:
+                    stream.status, stream.outcome = e.status, e.outcome
                     answers = [refused(e)]
                 for answer in answers:
                     yield answer
@@ -152,6 +166,8 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             stream.share.release()
             if stream.target is not None:
                 self.load.release(stream.target)
+            if stream.trace.recording:
+                _end_trace(stream)
 
     async def _step(
         self, stream: _Stream, phase: str, message: ep.ProcessingRequest
@@ -162,6 +178,10 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             # a repeated header's first value, as the proxy reads it (the tenant is the same at both doors)
             stream.headers = CIMultiDict(header_pairs(message.request_headers))
             stream.subset = subset_of(message.metadata_context)
+            headers = stream.headers
+            stream.trace = self.tracer.start(
+                headers, lambda: f"{headers.get(':method', '?')} {_route(headers)}"
+            )
             if message.request_headers.end_of_stream:
                 decision, x, _ = await self._pick(stream, None)
                 return [self._decided(stream, decision, x, None, phase)]
@@ -185,6 +205,11 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         if phase == "response_body":
             part = message.response_body
             chunk = part.body
+            if (
+                stream.upstream.recording
+                and "routerfleet.time_to_first_chunk_ms" not in stream.upstream.attributes
+            ):
+                stream.upstream.set("routerfleet.time_to_first_chunk_ms", _ms_since(stream.upstream))
             for w in stream.chunks:
                 chunk = await w.response_streaming(chunk)
             if part.end_of_stream:
@@ -231,6 +256,10 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         self, stream: _Stream, message: ep.HttpHeaders, attributes: Mapping[str, Any]
     ) -> ep.ProcessingResponse:
         headers = headers_of(message)
+        stream.status = status_of(headers)
+        if stream.upstream.recording:
+            stream.upstream.set("http.response.status_code", stream.status)
+            stream.upstream.set("routerfleet.time_to_headers_ms", _ms_since(stream.upstream))
         if stream.duplex_out and "text/event-stream" not in headers.get("content-type", ""):
             stream.held = []
         served = served_by(attributes)
@@ -251,6 +280,8 @@ class EndpointPicker(epg.ExternalProcessorServicer):
     def _response_ended(stream: _Stream) -> bytes:
         """The response is over: what the hooks add at its end (the usage chunk they took out comes
         back as nothing), then each hook's completion; once per stream."""
+        stream.upstream.end()
+        stream.outcome = "ok" if stream.status < 400 else "upstream_status"
         watches, stream.watches, stream.chunks = stream.watches, (), ()
         extra = b"".join(w.response_ended() for w in watches)
         for w in watches:
@@ -270,12 +301,14 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         if kind is not None and raw is not None:
             if not raw:
                 raise bad_request("the request has no body")
-            body = await self.bodies.parse(stream.share, raw)
+            with stream.trace.span("parse") as span:
+                body = await self.bodies.parse(stream.share, raw)
+                span.set("routerfleet.request.bytes", len(raw))
             salt = self.config.tenant_cache_salt
             if salt:
                 raw, body = salted(raw, body, tenant)
             scheduled = await self.scheduler.prepare(
-                Inbound(kind, headers, body, len(raw), tenant, stream.subset), candidates
+                Inbound(kind, headers, body, len(raw), tenant, stream.subset, stream.trace), candidates
             )
             asked = None
             if self.config.audit_stream_usage and kind in USAGE_OPTION_KINDS and scheduled.predicts:
@@ -291,22 +324,29 @@ class EndpointPicker(epg.ExternalProcessorServicer):
                 scheduled.session,
                 prediction,
                 asked is not None,
+                stream.trace if stream.trace.recording else None,
             )
             return decision, x, asked if asked is not None else (raw if salt else None)
         # Not prompt-bearing: a stored response's own paths go to its engine, the rest by load.
         if path.startswith(_RESPONSE_ITEM) and self.scheduler.responses is not None:
             response_id = path[len(_RESPONSE_ITEM) :].split("/", 1)[0]
             responses = self.scheduler.responses
-            pinned = await responses.target(response_id, candidates, headers, "response_id", tenant)
+            with stream.trace.span("response_lookup") as span:
+                pinned = await responses.target(response_id, candidates, headers, "response_id", tenant)
+                span.set("routerfleet.engine", pinned.engine)
             route, profile = RouteRequest(pinned=pinned, subset=stream.subset), self.scheduler.profile
         elif path in FORWARDED or kind is not None:
             route, profile = RouteRequest(subset=stream.subset), self._by_load
         else:  # as the proxy answers a path it does not serve (administrative ones among them)
             raise not_found(headers.get(":method", "?"), path[:256])
-        try:
-            decision = profile.choose(route, candidates, self.scheduler.loads, None)
-        except Unschedulable as e:
-            raise unschedulable(e) from None
+        with stream.trace.span("schedule") as span:
+            try:
+                decision = profile.choose(route, candidates, self.scheduler.loads, None)
+            except Unschedulable as e:
+                raise unschedulable(e) from None
+            span.update(
+                {"routerfleet.engine": decision.target.engine, "routerfleet.reason": decision.reason.value}
+            )
         return decision, Exchange(decision.target, start, headers, tenant, None), None
 
     def _decided(
@@ -315,13 +355,23 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         stream.target = decision.target
         self.load.acquire(decision.target)
         self._watch(stream, x)
+        # The engine's part, as the picker sees it pass: from the pick to the response's end.
+        stream.upstream = stream.trace.span("upstream", SpanKind.CLIENT)
+        if stream.upstream.recording:
+            stream.upstream.update(upstream_attributes(decision.target))
         # Another engine where the gateway may retry; not for a rank pinned on a data-parallel engine
         # (the rank header names one engine's rank).
         others: Sequence[Target] = ()
         if self.fallbacks and decision.target.rank is None:
             allowed = within(self.targets.candidates(), stream.subset)
             others = fallbacks(decision.target, allowed, self.scheduler.loads, self.fallbacks)
-        return picked(decision.target, phase=phase, body=body, fallbacks=others)
+        return picked(
+            decision.target,
+            phase=phase,
+            body=body,
+            fallbacks=others,
+            headers=stream.trace.headers(stream.upstream),
+        )
 
     def _watch(self, stream: _Stream, x: Exchange) -> None:
         stream.exchange = x
@@ -337,12 +387,44 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         target = next((t for t in self.targets.candidates() if t.endpoint == served), None)
         if self.health is not None:
             self.health.failure(picked_.engine)
+        stream.upstream.event("failed_over", {"routerfleet.engine": target.engine if target else served})
         if target is None:  # not one of ours any more: nothing to count against it
             return
         self.load.release(picked_)
         self.load.acquire(target)
         stream.target = target
         self._watch(stream, replace(x, target=target, prediction=None, usage_asked=False))
+
+
+def _route(headers: Mapping[str, str]) -> str:
+    """The path as a span names it: a stored response's id replaced by its template."""
+    path = headers.get(":path", "/").split("?", 1)[0]
+    if path.startswith(_RESPONSE_ITEM):
+        return "/v1/responses/{response_id}"
+    return path if path in ROUTED or path in FORWARDED else "unmatched"
+
+
+def _ms_since(span: Span) -> float:
+    return round((time.time_ns() - span.start_ns) / 1e6, 3)
+
+
+def _end_trace(stream: _Stream) -> None:
+    """The stream is over: the request's root span says how it went; the trace goes to the exporter."""
+    root = stream.trace.root
+    root.update(
+        {
+            "http.request.method": stream.headers.get(":method", "?"),
+            "url.path": _route(stream.headers),
+            "http.response.status_code": stream.status or None,
+            "routerfleet.outcome": stream.outcome,
+            "routerfleet.engine": stream.target.engine if stream.target is not None else None,
+        }
+    )
+    if server_error(stream.status, stream.outcome):
+        root.fail(stream.outcome)
+    if stream.upstream.recording and not stream.status:  # no response passed: Envoy gave up on it
+        stream.upstream.fail("no_response")
+    stream.trace.end()
 
 
 async def serve(

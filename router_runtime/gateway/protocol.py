@@ -88,14 +88,21 @@ def header(name: str, value: str) -> base_pb2.HeaderValueOption:
 
 
 def picked(
-    target: Target, *, phase: str, body: bytes | None = None, fallbacks: Sequence[Target] = ()
+    target: Target,
+    *,
+    phase: str,
+    body: bytes | None = None,
+    fallbacks: Sequence[Target] = (),
+    headers: Mapping[str, str] | None = None,
 ) -> ep.ProcessingResponse:
     """The answer that sends the request to ``target``, then to ``fallbacks`` in order on a gateway's
     retry (``ip:port,ip:port``), to the ``phase`` the pick is answered in (``request_headers`` for a
     request without a body, and for every FULL_DUPLEX_STREAMED one; else the BUFFERED ``request_body``,
-    with ``body`` instead of the one sent, None: as sent)."""
+    with ``body`` instead of the one sent, None: as sent). ``headers``: set on the request too (a
+    traced request's ``traceparent``)."""
     where = ",".join(t.endpoint for t in (target, *fallbacks))
     mutation = [header(DESTINATION, where)]
+    mutation += [header(k, v) for k, v in (headers or {}).items()]
     removed = []
     if target.rank is not None:
         mutation.append(header(RANK_HEADER, str(target.rank)))

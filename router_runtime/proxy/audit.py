@@ -29,6 +29,7 @@ that shows as a one-block false hit on such prompts.)
 from __future__ import annotations
 
 import enum
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from ..worker import Carrier
 
 if TYPE_CHECKING:
     from .metrics import ProxyMetrics
+
+log = logging.getLogger(__name__)
 
 # vLLM's and SGLang's usage (and the Responses API's) say cached_tokens; Anthropic's Messages API says
 # cache_read_input_tokens.
@@ -254,7 +257,33 @@ class _Audited(ResponseWatch):
         cached = self.scan.cached_tokens
         audit = judge(prediction, cached)
         hook.metrics.audit(x.target.engine, hook.policy, prediction, audit)
+        if x.trace is not None:
+            _traced(x, prediction, cached, audit)
         if cached is not None and hook.expect is not None and prediction.stores_blocks(cached):
             hook.expect(x.target.carrier, x.started)
         if hook.deny is not None and denies(prediction, audit):
             hook.deny(x.target.carrier, x.started)
+
+
+def _traced(x: Exchange, prediction: Prediction, cached: int | None, audit: Audit) -> None:
+    """The verdict on the request's root span; a false hit is logged with its trace id (and nothing of the
+    request), so the trace of one is found from the logs."""
+    assert x.trace is not None
+    x.trace.root.update(
+        {
+            "routerfleet.audit.outcome": audit.outcome.value,
+            "routerfleet.audit.predicted_tokens": prediction.tokens,
+            "routerfleet.audit.cached_tokens": cached,
+            "routerfleet.audit.false_hit_tokens": audit.false_hit_tokens,
+            "routerfleet.audit.missed_hit_tokens": audit.missed_hit_tokens,
+            "routerfleet.audit.doubtful": prediction.doubtful,
+        }
+    )
+    if audit.outcome is AuditOutcome.FALSE_HIT:
+        log.info(
+            "audit: a false hit of %d tokens on engine %s (doubtful=%s), trace_id=%s",
+            audit.false_hit_tokens,
+            x.target.engine,
+            prediction.doubtful,
+            x.trace.trace_id_hex,
+        )

@@ -27,11 +27,12 @@ from ..scheduling.reuse import reusable_tokens
 from ..scheduling.types import Decision, Kind, RouteRequest, Target
 from ..sessions.affinity import SessionAffinity, SessionCtx
 from ..sessions.bindings import Verdict
-from ..tokens.engine import EngineTokenizer
+from ..tokens.engine import ANSWERED_BY, EngineTokenizer
 from ..tokens.shapes import messages_chat, responses_chat
 from ..tokens.tokenizer import AsyncTokenizer, Reason, Untokenizable
+from ..tracing.spans import NO_SPAN, NO_TRACE, Attr, Trace
 from ..worker import Carrier
-from .audit import Prediction
+from .audit import TIERS, Prediction
 from .errors import ProxyError, bad_request, no_engine, shed
 from .metrics import ProxyMetrics
 from .request import ParsedRequest, parse_request
@@ -51,12 +52,13 @@ class Inbound:
     size: int  # its bytes: bounds what the tokenizer may spend on it
     tenant: str = ""  # sessions/keys.py: tenant_of
     subset: frozenset[str] | None = None  # the endpoints a gateway allows (None: any)
+    trace: Trace = NO_TRACE  # the request's trace (tracing/): the stages below add their spans to it
 
 
 class Scheduled:
     """One request's scheduling, across its attempts."""
 
-    __slots__ = ("_scheduler", "index", "parsed", "route", "session")
+    __slots__ = ("_scheduler", "index", "parsed", "route", "session", "trace")
 
     def __init__(
         self,
@@ -65,8 +67,10 @@ class Scheduled:
         route: RouteRequest,
         session: SessionCtx | None,
         index: RadixIndex | None,
+        trace: Trace = NO_TRACE,
     ) -> None:
         self._scheduler = scheduler
+        self.trace = trace
         self.parsed = parsed
         self.route = route
         self.session = session
@@ -89,16 +93,52 @@ class Scheduled:
             classified = s.sessions.classify(sctx, candidates)
             prefer = classified.preferred if classified.preferred in candidates else None
             route = replace(route, prefer=prefer, prefer_vouched=classified.vouched)
-        try:
-            decision = s.choose(route, candidates, self.index)
-        except Unschedulable as e:
-            if e.filter == PinnedTarget.name:  # its engine failed to connect: nowhere else holds it
-                previous = self.parsed.previous_response_id
-                raise response_error(Verdict.UNAVAILABLE, previous, "previous_response_id") from None
-            raise unschedulable(e) from None
+        with self.trace.span("schedule") as span:
+            try:
+                decision = s.choose(route, candidates, self.index, explain=span.recording)
+            except Unschedulable as e:
+                if e.filter == PinnedTarget.name:  # its engine failed to connect: nowhere else holds it
+                    previous = self.parsed.previous_response_id
+                    raise response_error(Verdict.UNAVAILABLE, previous, "previous_response_id") from None
+                raise unschedulable(e) from None
+            if span.recording:
+                span.update(self._explained(decision, route, attempt))
         if sctx is not None and attempt == 0:
             s.sessions.selected(sctx, decision.target, s.profile.name)
         return decision
+
+    def _explained(self, decision: Decision, route: RouteRequest, attempt: int) -> dict[str, Attr | None]:
+        """The schedule span's attributes: the winner and why, what it credits, and every candidate's
+        standing (parallel arrays, in the order the picker saw them)."""
+        s = self._scheduler
+        rows = decision.candidates
+        prediction = self.prediction(decision)
+        session = self.session.classified if self.session is not None else None
+        attributes: dict[str, Attr | None] = {
+            "routerfleet.profile": s.profile.name,
+            "routerfleet.attempt": attempt,
+            "routerfleet.engine": decision.target.engine,
+            "routerfleet.rank": decision.target.rank,
+            "routerfleet.reason": decision.reason.value,
+            "routerfleet.request.blocks": decision.total_blocks if route.tokens is not None else None,
+            "routerfleet.matched.blocks": decision.matched_blocks,
+            "routerfleet.session.state": session.state.value if session is not None else None,
+            "routerfleet.session.preferred": route.prefer.engine if route.prefer is not None else None,
+            "routerfleet.prediction.cached_tokens": prediction.tokens if prediction is not None else None,
+            "routerfleet.prediction.doubtful": prediction.doubtful if prediction is not None else None,
+            "routerfleet.candidates.engine": [c.target.engine for c in rows],
+            "routerfleet.candidates.rank": [-1 if c.target.rank is None else c.target.rank for c in rows],
+            "routerfleet.candidates.load": [float(c.load) for c in rows],
+            # The scorers' summed cost, in blocks (absent: no scorer spoke, as for round robin).
+            "routerfleet.candidates.cost": [c.cost for c in rows]
+            if rows and rows[0].cost is not None
+            else None,
+        }
+        for i, tier in enumerate(TIERS):
+            attributes[f"routerfleet.candidates.matched_blocks.{tier}"] = [c.tier_blocks[i] for c in rows]
+        if s.describe_load is not None and rows:  # parallel to the rows (none: a filter decided)
+            attributes.update(s.describe_load([c.target for c in rows]))
+        return attributes
 
     def prediction(self, decision: Decision) -> Prediction | None:
         """What ``decision`` credits its target with, as the index stood when it was made (None: nothing
@@ -126,6 +166,7 @@ class Scheduler:
         responses: ResponseRouter | None = None,
         doubt_fn: Callable[[Carrier], bool] | None = None,
         admission: Admission | None = None,
+        describe_load: Callable[[Sequence[Target]], Mapping[str, Attr]] | None = None,
     ) -> None:
         self.profile = profile
         self.tokenizer = tokenizer
@@ -138,6 +179,9 @@ class Scheduler:
         # graft, an engine being re-adopted): its audited predictions are labelled so.
         self.doubt_fn = doubt_fn
         self.admission = admission  # None: every request is admitted
+        # Where each candidate's load figure came from (this router, its siblings, the engine), for a
+        # trace's schedule span (fleet/board.py).
+        self.describe_load = describe_load
 
     async def prepare(self, inbound: Inbound, candidates: Sequence[Target]) -> Scheduled:
         """Everything a decision needs that takes I/O; raises the request's ProxyError (a bad body, an
@@ -148,25 +192,36 @@ class Scheduler:
         parsed = parse_request(inbound.body, inbound.kind)
         pinned = None
         previous = parsed.previous_response_id
+        trace = inbound.trace
         if previous is not None and self.responses is not None:
-            pinned = await self.responses.target(
-                previous, candidates, inbound.headers, "previous_response_id", inbound.tenant
-            )
+            with trace.span("response_lookup") as span:
+                pinned = await self.responses.target(
+                    previous, candidates, inbound.headers, "previous_response_id", inbound.tenant
+                )
+                span.set("routerfleet.engine", pinned.engine if pinned is not None else None)
         if pinned is not None:  # not routed by the profile: nothing to tokenize, no session to keep
             route = RouteRequest(pinned=pinned, subset=inbound.subset)
-            return Scheduled(self, parsed, route, None, self.index_fn())
+            return Scheduled(self, parsed, route, None, self.index_fn(), trace)
         session = None
         if self.sessions is not None:
-            session = await self.sessions.begin(inbound.headers, inbound.body, inbound.tenant)
-        route = await self._route_request(parsed, inbound.size, inbound.subset)
-        return Scheduled(self, parsed, route, session, self.index_fn())
+            with trace.span("session"):
+                session = await self.sessions.begin(inbound.headers, inbound.body, inbound.tenant)
+        route = await self._route_request(parsed, inbound.size, inbound.subset, trace)
+        return Scheduled(self, parsed, route, session, self.index_fn(), trace)
 
-    def choose(self, route: RouteRequest, candidates: Sequence[Target], index: RadixIndex | None) -> Decision:
+    def choose(
+        self,
+        route: RouteRequest,
+        candidates: Sequence[Target],
+        index: RadixIndex | None,
+        *,
+        explain: bool = False,
+    ) -> Decision:
         """The profile's decision, timed and counted; raises ``Unschedulable`` when a filter left no
         candidate (``unschedulable`` says it to the client)."""
         m = self.metrics
         t0 = time.perf_counter()
-        decision = self.profile.choose(route, candidates, self.loads, index)
+        decision = self.profile.choose(route, candidates, self.loads, index, explain=explain)
         m.decision_seconds.observe(time.perf_counter() - t0)
         m.decision(self.profile.name, decision.reason)
         if decision.total_blocks:
@@ -176,41 +231,57 @@ class Scheduler:
         return decision
 
     async def _route_request(
-        self, parsed: ParsedRequest, size: int, subset: frozenset[str] | None
+        self, parsed: ParsedRequest, size: int, subset: frozenset[str] | None, trace: Trace = NO_TRACE
     ) -> RouteRequest:
         needs_tokens, needs_text = self.profile.needs_tokens, self.profile.needs_text
         tokens: Sequence[int] | None = None
         text = parsed.text
         refused: Reason | None = None
-        # What the chat template renders: the chat body, or the one another API's request becomes.
-        chat = parsed.body if parsed.kind is Kind.CHAT else None
-        if parsed.kind in _AS_CHAT and (needs_tokens or needs_text):
-            try:
-                chat = _AS_CHAT[parsed.kind](parsed.body)
-            except Untokenizable as e:
-                refused = e.reason
-        if needs_tokens:
-            if parsed.tokens is not None:
-                tokens = parsed.tokens
-            elif parsed.text is not None:
+        span = trace.span("tokenize") if needs_tokens or needs_text else NO_SPAN
+        if span.recording:
+            ANSWERED_BY.set("")
+        with span:
+            # What the chat template renders: the chat body, or the one another API's request becomes.
+            chat = parsed.body if parsed.kind is Kind.CHAT else None
+            if parsed.kind in _AS_CHAT and (needs_tokens or needs_text):
                 try:
-                    tokens = await self.tokenizer.prompt(parsed.text, parsed.body, size)
-                except UnicodeEncodeError:  # a lone surrogate ("\ud800"): no engine can take it either
-                    raise bad_request("'prompt' is not valid Unicode text", "prompt") from None
-                except Untokenizable as e:  # a prompt the engine refuses, or no engine answer in time
+                    chat = _AS_CHAT[parsed.kind](parsed.body)
+                except Untokenizable as e:
                     refused = e.reason
-            elif chat is not None:
+            if needs_tokens:
+                if parsed.tokens is not None:
+                    tokens = parsed.tokens
+                elif parsed.text is not None:
+                    try:
+                        tokens = await self.tokenizer.prompt(parsed.text, parsed.body, size)
+                    except UnicodeEncodeError:  # a lone surrogate ("\ud800"): no engine can take it either
+                        raise bad_request("'prompt' is not valid Unicode text", "prompt") from None
+                    except Untokenizable as e:  # a prompt the engine refuses, or no engine answer in time
+                        refused = e.reason
+                elif chat is not None:
+                    try:
+                        tokens = await self.tokenizer.chat_ids(chat, size)
+                    except Untokenizable as e:  # routed without tokens: never on a guessed sequence
+                        refused = e.reason
+            if needs_text and chat is not None:
                 try:
-                    tokens = await self.tokenizer.chat_ids(chat, size)
-                except Untokenizable as e:  # routed without tokens: never on a guessed sequence
-                    refused = e.reason
-        if needs_text and chat is not None:
-            try:
-                text = await self.tokenizer.chat_text(chat, size)
-            except Untokenizable as e:
-                refused = refused or e.reason
-        if refused is not None:  # once per request, whatever the profile needed
-            self.metrics.untokenized.labels(refused).inc()
+                    text = await self.tokenizer.chat_text(chat, size)
+                except Untokenizable as e:
+                    refused = refused or e.reason
+            if refused is not None:  # once per request, whatever the profile needed
+                self.metrics.untokenized.labels(refused).inc()
+            if span.recording:
+                span.update(
+                    {
+                        "routerfleet.tokenizer": "engine"
+                        if isinstance(self.tokenizer, EngineTokenizer)
+                        else "router",
+                        "routerfleet.tokens.count": len(tokens) if tokens is not None else None,
+                        "routerfleet.tokens.from_request": parsed.tokens is not None,
+                        "routerfleet.tokens.answered_by": ANSWERED_BY.get() or None,
+                        "routerfleet.tokens.refused": refused.value if refused is not None else None,
+                    }
+                )
         return RouteRequest(
             tokens=tokens,
             text=text,

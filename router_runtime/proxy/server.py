@@ -44,6 +44,8 @@ from ..scheduling.types import Reason as DecisionReason
 from ..sessions.affinity import SessionCtx
 from ..sessions.bindings import Verdict
 from ..sessions.keys import tenant_of
+from ..tracing.attributes import upstream as upstream_attributes
+from ..tracing.spans import OFF, Span, SpanKind, Trace, Tracer, server_error
 from .audit import USAGE_OPTION_KINDS, request_usage
 from .bodies import Bodies, Share
 from .config import ProxyConfig
@@ -88,13 +90,15 @@ class _ConnectFailed(Exception):
 class _Ctx:
     """What the metrics need to know about one request when it ends, however it ends."""
 
-    __slots__ = ("engine", "outcome", "session", "status")
+    __slots__ = ("attempts", "engine", "outcome", "session", "status", "trace")
 
-    def __init__(self) -> None:
+    def __init__(self, trace: Trace) -> None:
         self.status = 499  # nothing sent yet: if the handler is cancelled, the client closed
         self.outcome = "cancelled"
         self.engine: str | None = None
         self.session: SessionCtx | None = None
+        self.trace = trace
+        self.attempts = 0
 
 
 class Proxy:
@@ -113,8 +117,10 @@ class Proxy:
         strip_headers: frozenset[str] = frozenset(),
         limits: ServerLimits | None = None,
         hooks: Sequence[RequestHook] = (),
+        tracer: Tracer = OFF,
     ) -> None:
         self.scheduler = scheduler
+        self.tracer = tracer
         self.config = config
         self.limits = limits or ServerLimits()
         # What runs around each dispatch besides the relay (scheduling/hooks.py), in order.
@@ -164,39 +170,42 @@ class Proxy:
     # ---- handlers ------------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(lambda ctx: self._serve(request, Kind.COMPLETION, ctx))
+        return await self._handle(request, lambda ctx: self._serve(request, Kind.COMPLETION, ctx))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(lambda ctx: self._serve(request, Kind.CHAT, ctx))
+        return await self._handle(request, lambda ctx: self._serve(request, Kind.CHAT, ctx))
 
     async def responses_create(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(lambda ctx: self._serve(request, Kind.RESPONSES, ctx))
+        return await self._handle(request, lambda ctx: self._serve(request, Kind.RESPONSES, ctx))
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(lambda ctx: self._serve(request, Kind.MESSAGES, ctx))
+        return await self._handle(request, lambda ctx: self._serve(request, Kind.MESSAGES, ctx))
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(lambda ctx: self._serve(request, Kind.GENERATE, ctx))
+        return await self._handle(request, lambda ctx: self._serve(request, Kind.GENERATE, ctx))
 
     async def token_generate(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(lambda ctx: self._serve(request, Kind.TOKEN_GENERATE, ctx))
+        return await self._handle(request, lambda ctx: self._serve(request, Kind.TOKEN_GENERATE, ctx))
 
     async def response_item(self, request: web.Request) -> web.StreamResponse:
         """``/v1/responses/{response_id}[/...]`` (GET, DELETE, cancel, input items): to the engine
         holding that response, whatever the policy."""
-        return await self._handle(lambda ctx: self._serve_bound(request, ctx), DecisionReason.RESPONSE.value)
+        return await self._handle(
+            request, lambda ctx: self._serve_bound(request, ctx), DecisionReason.RESPONSE.value
+        )
 
     async def by_load(self, request: web.Request) -> web.StreamResponse:
         """A path without a prefix to route on (endpoints.py): to a healthy engine by load, relayed
         as chat is."""
-        return await self._handle(lambda ctx: self._serve_by_load(request, ctx), self._by_load.name)
+        return await self._handle(request, lambda ctx: self._serve_by_load(request, ctx), self._by_load.name)
 
     async def _handle(
         self,
+        request: web.Request,
         serve: Callable[[_Ctx], Awaitable[web.StreamResponse]],
         policy: str | None = None,
     ) -> web.StreamResponse:
-        ctx = _Ctx()
+        ctx = _Ctx(self.tracer.start(request.headers, lambda: f"{request.method} {_route(request)}"))
         try:
             return await serve(ctx)
         except ProxyError as e:
@@ -210,11 +219,16 @@ class Proxy:
             raise
         finally:
             self.metrics.request(policy or self.scheduler.profile.name, ctx.outcome, ctx.status)
+            if ctx.trace.recording:
+                _end_trace(ctx, request)
 
     async def _serve(self, request: web.Request, kind: Kind, ctx: _Ctx) -> web.StreamResponse:
-        async with self.bodies.share() as share:
-            raw = await self._read_body(request, share)
-            body = await self.bodies.parse(share, raw)
+        trace = ctx.trace
+        with trace.span("parse") as span:
+            async with self.bodies.share() as share:
+                raw = await self._read_body(request, share)
+                body = await self.bodies.parse(share, raw)
+            span.set("routerfleet.request.bytes", len(raw))
         targets = self.targets.candidates()
         if not targets:
             raise no_engine("no engine can take the request (none discovered, or all unhealthy)")
@@ -222,7 +236,7 @@ class Proxy:
         if self.config.tenant_cache_salt:
             raw, body = salted(raw, body, tenant)
         scheduled = await self.scheduler.prepare(
-            Inbound(kind, request.headers, body, len(raw), tenant), targets
+            Inbound(kind, request.headers, body, len(raw), tenant, trace=trace), targets
         )
         ctx.session = scheduled.session
         asked = None
@@ -243,6 +257,7 @@ class Proxy:
                 ctx.session,
                 prediction,
                 asked is not None,
+                trace if trace.recording else None,
             )
 
         return await self._forward(request, ctx, targets, scheduled.decide, sent, exchange, n_tokens)
@@ -257,9 +272,11 @@ class Proxy:
         responses = self.scheduler.responses
         if responses is None:  # pragma: no cover - the app always has bindings
             raise response_error(Verdict.UNKNOWN, response_id, "response_id")
-        target = await responses.target(
-            response_id, targets, request.headers, "response_id", self.tenant(request)
-        )
+        with ctx.trace.span("response_lookup") as span:
+            target = await responses.target(
+                response_id, targets, request.headers, "response_id", self.tenant(request)
+            )
+            span.set("routerfleet.engine", target.engine)
 
         def decide(targets: Sequence[Target], _attempt: int) -> Decision:
             if target not in targets:
@@ -277,7 +294,12 @@ class Proxy:
         unrouted = RouteRequest(tokens=None)
 
         def decide(targets: Sequence[Target], _attempt: int) -> Decision:
-            return self._by_load.choose(unrouted, targets, self.scheduler.loads, None)
+            with ctx.trace.span("schedule") as span:
+                decision = self._by_load.choose(unrouted, targets, self.scheduler.loads, None)
+                span.update(
+                    {"routerfleet.engine": decision.target.engine, "routerfleet.reason": decision.reason}
+                )
+                return decision
 
         return await self._forward(request, ctx, targets, decide, raw, self._plain(request))
 
@@ -304,14 +326,23 @@ class Proxy:
             decision = decide(targets, attempt)
             target = decision.target
             ctx.engine = target.engine
+            ctx.attempts = attempt + 1
             self._acquire(target, n_tokens)
+            span = ctx.trace.span("upstream", SpanKind.CLIENT)
             try:
                 start = loop.time()
                 x = exchange(decision, start)
                 watches = watching(self.hooks, x)
+                if span.recording:
+                    span.update(upstream_attributes(target))
+                    span.set("routerfleet.attempt", attempt)
                 try:
-                    upstream = await self._open(request, target, body)
+                    upstream = await self._open(request, target, body, ctx.trace.headers(span))
+                except ProxyError as e:  # no answer in time, or a connection lost before one
+                    span.fail(e.outcome)
+                    raise
                 except _ConnectFailed as e:
+                    span.fail(e.reason)
                     self.health.failure(target.engine)
                     remaining = tuple(t for t in targets if t.engine != target.engine)
                     if attempt == 0 and remaining:
@@ -321,8 +352,9 @@ class Proxy:
                     if e.reason == "connect_timeout":
                         raise gateway_timeout(e.message, "connect_timeout") from None
                     raise bad_gateway(e.message, "upstream_connect_failed") from None
-                return await self._relay(request, upstream, x, watches, ctx)
+                return await self._relay(request, upstream, x, watches, ctx, span)
             finally:
+                span.end()
                 self._release(target, n_tokens)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -360,10 +392,14 @@ class Proxy:
     def _release(self, target: Target, tokens: int) -> None:
         self.metrics.set_inflight(target.engine, self.load.release(target, tokens))
 
-    async def _open(self, request: web.Request, target: Target, raw: bytes) -> aiohttp.ClientResponse:
+    async def _open(
+        self, request: web.Request, target: Target, raw: bytes, trace_headers: dict[str, str]
+    ) -> aiohttp.ClientResponse:
         """Send the request (its method, path and query, ``raw`` as the body) to the engine and wait
-        for its response headers."""
+        for its response headers. ``trace_headers``: the engine's parent span, when traced (else a
+        client's own trace context passes on as it came)."""
         headers = request_headers(request.headers, self._strip)
+        headers.update(trace_headers)
         if raw and "Content-Type" not in headers:  # a body that parsed as JSON (FastAPI servers insist)
             headers["Content-Type"] = "application/json"
         if target.rank is not None:
@@ -397,6 +433,7 @@ class Proxy:
         x: Exchange,
         watches: Sequence[ResponseWatch],
         ctx: _Ctx,
+        span: Span,
     ) -> web.StreamResponse:
         """Stream the engine's response to the client, through the hooks' ``watches``
         (scheduling/hooks.py): its status and headers, each chunk before the client gets it, the end,
@@ -407,6 +444,10 @@ class Proxy:
         try:
             status = up.status
             self.metrics.first_byte.observe(loop.time() - start)
+            first_chunk = span.recording  # the span's time to first chunk is still to be taken
+            if first_chunk:
+                span.set("http.response.status_code", status)
+                span.set("routerfleet.time_to_headers_ms", round((loop.time() - start) * 1e3, 3))
             headers = response_headers(up.headers)
             if self.config.engine_header:
                 headers[ENGINE_HEADER] = x.target.engine
@@ -431,6 +472,11 @@ class Proxy:
                         chunk = await content.readany()
                         if not chunk:
                             break
+                        if first_chunk:  # for a stream, the time to its first token
+                            first_chunk = False
+                            span.set(
+                                "routerfleet.time_to_first_chunk_ms", round((loop.time() - start) * 1e3, 3)
+                            )
                         cm.reschedule(deadline)  # a slow client is not an idle engine
                         for w in streaming:
                             chunk = await w.response_streaming(chunk)
@@ -449,6 +495,7 @@ class Proxy:
                 raise
             except TimeoutError:
                 ctx.outcome = "timeout"
+                span.fail("timeout")
                 self._cut(request)
                 return resp
             except (aiohttp.ClientError, OSError):  # OSError: ConnectionResetError and friends
@@ -456,6 +503,7 @@ class Proxy:
                     ctx.outcome = "cancelled"
                 else:
                     ctx.outcome = "upstream_error"
+                    span.fail("upstream_error")
                     self._cut(request)
                 return resp
             self.metrics.total.observe(loop.time() - start)
@@ -518,3 +566,28 @@ class Proxy:
         if not isinstance(data, list):
             raise ValueError("no data list")
         return data
+
+
+def _route(request: web.Request) -> str:
+    """The route the request matched, as a span names it: its template (``/v1/responses/{response_id}``),
+    never the ids in its path."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def _end_trace(ctx: _Ctx, request: web.Request) -> None:
+    """The request's root span: what came in, how it ended; then the trace goes to the exporter."""
+    root = ctx.trace.root
+    root.update(
+        {
+            "http.request.method": request.method,
+            "url.path": _route(request),
+            "http.response.status_code": ctx.status,
+            "routerfleet.outcome": ctx.outcome,
+            "routerfleet.engine": ctx.engine,
+            "routerfleet.retries": max(ctx.attempts - 1, 0),
+        }
+    )
+    if server_error(ctx.status, ctx.outcome):
+        root.fail(ctx.outcome)
+    ctx.trace.end()

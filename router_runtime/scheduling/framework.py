@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from ..kv.index import RadixIndex
-from .types import Decision, Reason, RouteRequest, Target
+from .types import Candidate, Decision, Reason, RouteRequest, Target
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,10 +176,13 @@ class Profile:
         targets: Sequence[Target],
         loads: Mapping[Target, float],
         index: RadixIndex | None,
+        *,
+        explain: bool = False,
     ) -> Decision:
         """Pick one of ``targets`` (never empty). ``loads``: in-flight requests per target (missing =
         0). Never mutates the index; plugins may update their own state. Raises ``Unschedulable`` when
-        a filter leaves no candidate."""
+        a filter leaves no candidate. ``explain``: the decision lists every candidate the picker weighed
+        (``Decision.candidates``), for a trace."""
         cycle = Cycle.of(request, targets, loads, index)
         for f in self.filters:
             kept = f.filter(cycle)
@@ -191,9 +194,11 @@ class Profile:
                 return Decision(kept[0], f.decides)
             cycle = Cycle.of(request, kept, loads, index)
         views = [s.score(cycle) for s in self.scorers]
-        choice = self.picker.pick(cycle, _combined(views, len(cycle.targets)))
+        scored = _combined(views, len(cycle.targets))
+        choice = self.picker.pick(cycle, scored)
         target = cycle.targets[choice.index]
-        m = next((v.measure(target) for v in views if v.measure is not None), None) or _NO_MEASURE
+        measure = next((v.measure for v in views if v.measure is not None), None)
+        m = measure(target) if measure is not None else _NO_MEASURE
         decision = Decision(
             target,
             choice.reason,
@@ -202,6 +207,7 @@ class Profile:
             m.tier_blocks,
             m.matched_chars,
             m.total_chars,
+            _explained(cycle, scored, measure) if explain else (),
         )
         for hook in self._pre_request:
             hook.pre_request(cycle, decision)
@@ -213,6 +219,17 @@ class Profile:
 
 
 _NO_MEASURE = Measure()
+
+
+def _explained(
+    cycle: Cycle, scored: Scored, measure: Callable[[Target], Measure] | None
+) -> tuple[Candidate, ...]:
+    out = []
+    for i, t in enumerate(cycle.targets):
+        m = measure(t) if measure is not None else _NO_MEASURE
+        cost = scored.costs[i] if scored.costs is not None else None
+        out.append(Candidate(t, cycle.loads[i], cost, m.matched_blocks, m.tier_blocks))
+    return tuple(out)
 
 
 def _combined(views: Sequence[Scores], n: int) -> Scored:

@@ -26,6 +26,7 @@ from .types import Kind, Target
 if TYPE_CHECKING:  # the request plane's shapes, named here only
     from ..proxy.audit import Prediction
     from ..sessions.affinity import SessionCtx
+    from ..tracing.spans import Trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,7 @@ class Exchange:
     session: SessionCtx | None = None
     prediction: Prediction | None = None  # what the decision credits the target with (KV policies)
     usage_asked: bool = False  # the router asked the engine for stream usage the client did not
+    trace: Trace | None = None  # the request's trace, when it is sampled (tracing/)
 
 
 class ResponseWatch:

@@ -78,6 +78,17 @@ class Reason(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class Candidate:
+    """How one candidate stood when a decision was made (only when asked: a trace explains it)."""
+
+    target: Target
+    load: float  # the fleet's in-flight requests there
+    cost: float | None  # the scorers' summed cost, in blocks (None: no scorer spoke)
+    matched_blocks: int = 0
+    tier_blocks: tuple[int, int, int, int] = (0, 0, 0, 0)  # device, host, disk, external
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     target: Target
     reason: Reason
@@ -87,3 +98,5 @@ class Decision:
     # matched / total characters for text-prefix routing
     matched_chars: int = 0
     total_chars: int = 0
+    # Every candidate the picker weighed, with ``Profile.choose(..., explain=True)``; else empty.
+    candidates: tuple[Candidate, ...] = ()

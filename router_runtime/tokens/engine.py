@@ -19,6 +19,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import aiohttp
@@ -75,6 +76,11 @@ def vet_tokens(raw: bytes) -> array:
         return array("I", tokens)
     except OverflowError:
         raise ValueError("a token ID outside [0, 2**32)") from None
+
+
+# How this task's last tokenization was answered ("cache" or "engine"): read by a trace (each request
+# runs in its own task, so its own call's answer is what it reads).
+ANSWERED_BY: ContextVar[str] = ContextVar("routerfleet_tokenize_answered_by", default="")
 
 
 class EngineTokenizer:
@@ -134,6 +140,7 @@ class EngineTokenizer:
         hit = self._cache.get(key)
         if hit is not None and hit[0] > now:
             self._cache.move_to_end(key)
+            ANSWERED_BY.set("cache")
             return hit[1]
         engines = self.engines()
         if not engines:
@@ -152,6 +159,7 @@ class EngineTokenizer:
                 Reason.ENGINE_ERROR, f"the engine's tokenize failed: {type(e).__name__}"
             ) from None
         self._remember(key, tokens, now)
+        ANSWERED_BY.set("engine")
         return tokens
 
     def _remember(self, key: bytes, tokens: array, now: float) -> None:

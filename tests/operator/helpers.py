@@ -100,7 +100,8 @@ def apply_defaults(value: Any, sch: dict[str, Any]) -> Any:
 
 def schema_errors(value: Any, sch: dict[str, Any], path: str = "") -> list[str]:
     """What the API server would refuse or prune: unknown fields (pruned: kopf loses them), wrong types,
-    enums, required fields, maxItems. Enough for the status the operator writes."""
+    enums, bounds of numbers, required fields, maxItems (not CEL rules: tests/e2e on a real API server).
+    Enough for the status the operator writes."""
     errs: list[str] = []
     if sch.get("x-kubernetes-preserve-unknown-fields") and "properties" not in sch:
         return errs
@@ -114,12 +115,18 @@ def schema_errors(value: Any, sch: dict[str, Any], path: str = "") -> list[str]:
         "array": lambda v: isinstance(v, list),
         "string": lambda v: isinstance(v, str),
         "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
         "boolean": lambda v: isinstance(v, bool),
     }
     if t and not checks[t](value):
         return [f"{path}: expected {t}, got {value!r}"]
     if "enum" in sch and value not in sch["enum"]:
         errs.append(f"{path}: {value!r} not in {sch['enum']}")
+    if t in ("integer", "number"):
+        if "minimum" in sch and value < sch["minimum"]:
+            errs.append(f"{path}: {value} below the minimum {sch['minimum']}")
+        if "maximum" in sch and value > sch["maximum"]:
+            errs.append(f"{path}: {value} above the maximum {sch['maximum']}")
     if t == "string" and sch.get("format") == "date-time":
         try:
             datetime.fromisoformat(value)

@@ -20,7 +20,7 @@ from routerfleet_operator.model import (
     Verdict,
 )
 from routerfleet_operator.rollout import SEED_FAILED_COUNT, VERDICT_COUNTS
-from routerfleet_operator.spec import POLICIES, Fleet, validate
+from routerfleet_operator.spec import OTLP_ENDPOINT, POLICIES, Fleet, validate
 
 from .helpers import SAMPLES, apply_defaults, crd, schema, schema_errors
 
@@ -104,11 +104,29 @@ def test_cel_rules_carry_the_code_lists():
     assert "'no_peers' in self && 'fleet_cold' in self" in rules
 
 
+def test_the_tracing_schema_matches_the_parser():
+    tracing = SPEC["properties"]["router"]["properties"]["tracing"]
+    endpoint, ratio = tracing["properties"]["endpoint"], tracing["properties"]["sampleRatio"]
+    (rule,) = endpoint["x-kubernetes-validations"]
+    # The CEL string literal, unescaped, is the parser's regular expression.
+    (literal,) = re.findall(r"self\.matches\('(.*)'\)", rule["rule"])
+    assert literal.replace("\\\\", "\\") == OTLP_ENDPOINT.pattern
+    assert (ratio["type"], ratio["minimum"], ratio["maximum"], ratio["default"]) == ("number", 0, 1, 1.0)
+    assert "required" not in tracing and "default" not in tracing  # no endpoint: off
+    spec = {"router": {"image": "x", "tracing": {"endpoint": "http://c"}}, "engines": {"serviceName": "e"}}
+    assert schema_errors(spec, SPEC, "spec") == []
+    for bad in (1.5, -0.1, "0.5", True):
+        spec["router"]["tracing"]["sampleRatio"] = bad
+        assert schema_errors(spec, SPEC, "spec") != [], bad
+
+
 def test_every_list_and_string_in_a_rule_is_bounded():
     """CEL's cost estimate needs maxItems/maxLength where a rule iterates (else the CRD is refused)."""
     router = SPEC["properties"]["router"]["properties"]
     assert router["extraArgs"]["maxItems"] and router["extraArgs"]["items"]["maxLength"]
     assert router["env"]["maxItems"] and router["volumes"]["maxItems"]
+    assert router["sessionStore"]["properties"]["url"]["maxLength"]
+    assert router["tracing"]["properties"]["endpoint"]["maxLength"]
 
 
 def _spec_paths(sch, prefix=""):

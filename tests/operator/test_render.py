@@ -273,6 +273,7 @@ def test_revision_follows_the_template_only():
         {"router": {"image": "routerfleet:dev", "extraArgs": ["--breaker-failures=4"]}},
         {"bootstrap": {"timeout": "5m"}},
         {"engines": {"serviceName": "other", "kvPort": "kv"}},
+        {"router": {"image": "routerfleet:dev", "tracing": {"endpoint": "http://otel:4317"}}},  # its flags
     ]
     for change in different:
         obj = copy.deepcopy(base)
@@ -326,6 +327,32 @@ def test_the_shared_session_store_and_its_password_from_a_secret(tmp_path):
     assert not any(v["name"] == "session-store" for v in plain["volumes"])
     assert "--session-store-password-file" not in plain["containers"][0]["args"]
     assert validate(fleet({"router": {"sessionStore": {"url": "http://x"}}})) != []
+
+
+COLLECTOR = "http://otel-collector.observability:4317"
+TRACED = {"router": {"tracing": {"endpoint": COLLECTOR, "sampleRatio": 0.25}}}
+
+
+def test_tracing_renders_the_routers_otlp_flags():
+    args = router_args(fleet(TRACED))
+    i = args.index("--otlp-traces-endpoint")
+    assert args[i : i + 4] == ["--otlp-traces-endpoint", COLLECTOR, "--trace-sample-ratio", "0.25"]
+    # No ratio set: the CRD's default, rendered (an int from the API server renders the same).
+    for ratio in ({}, {"sampleRatio": 1}):
+        f = fleet({"router": {"tracing": {"endpoint": "https://otel.example.com", **ratio}}})
+        args = router_args(f)
+        assert args[args.index("--trace-sample-ratio") + 1] == "1.0", ratio
+    # No endpoint: neither flag (the router builds no exporter).
+    for off in (None, {}, {"sampleRatio": 0.5}):
+        args = router_args(fleet({"router": {"tracing": off}}))
+        assert not {"--otlp-traces-endpoint", "--trace-sample-ratio"} & set(args), off
+    refused = fleet({"router": {"extraArgs": ["--otlp-traces-endpoint", "http://elsewhere:4317"]}})
+    assert any("may not set flags the operator owns" in p for p in validate(refused))
+
+
+def test_tracing_flags_parse_with_the_router(tmp_path):
+    t = router_config(fleet(TRACED), tmp_path).tracing
+    assert (t.endpoint, t.sample_ratio) == (COLLECTOR, 0.25)
 
 
 def test_tokenizer_from_the_engines(tmp_path):

@@ -1,0 +1,1 @@
+"""Tracing test support: a real OpenTelemetry Collector (collector.py)."""

@@ -1,0 +1,65 @@
+"""W3C Trace Context (``traceparent``), and the sampling decision: pure functions of the header and a
+random source.
+
+    traceparent: 00-<trace id, 32 hex>-<parent span id, 16 hex>-<flags, 2 hex; 01 = sampled>
+
+The decision is OpenTelemetry's ``ParentBased(TraceIdRatioBased(ratio))``: a valid parent's sampled flag
+decides; without one, the trace id's low 64 bits against ``ratio`` (so every service that samples by
+ratio agrees on the same trace). A malformed header is treated as absent, as the W3C spec says.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from random import getrandbits
+
+TRACEPARENT = "traceparent"
+TRACESTATE = "tracestate"
+
+# Version 00's shape; a later version may carry more after the flags (the spec: parse its prefix).
+_HEADER = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
+_INVALID_TRACE = "0" * 32
+_INVALID_SPAN = "0" * 16
+_SAMPLED = 0x01
+
+
+@dataclass(frozen=True, slots=True)
+class Parent:
+    """A client's trace context."""
+
+    trace_id: int
+    span_id: int
+    sampled: bool
+
+
+def parse_traceparent(value: str | None) -> Parent | None:
+    """The parent a ``traceparent`` header names (None: absent or malformed)."""
+    if not value:
+        return None
+    m = _HEADER.fullmatch(value.strip())
+    if m is None:
+        return None
+    version, trace, span, flags, rest = m.groups()
+    if version == "ff" or (version == "00" and rest) or trace == _INVALID_TRACE or span == _INVALID_SPAN:
+        return None
+    return Parent(int(trace, 16), int(span, 16), bool(int(flags, 16) & _SAMPLED))
+
+
+def traceparent(trace_id: int, span_id: int, *, sampled: bool = True) -> str:
+    """The header naming ``span_id`` of a trace as the parent of what the receiver does."""
+    return f"00-{trace_id:032x}-{span_id:016x}-{'01' if sampled else '00'}"
+
+
+def new_id(bits: int) -> int:
+    """A random, non-zero trace (128 bits) or span (64 bits) id."""
+    while not (v := getrandbits(bits)):
+        pass
+    return v
+
+
+def sampled(parent: Parent | None, trace_id: int, ratio: float) -> bool:
+    """Whether a request is traced: as its parent decided, else by its trace id's low 64 bits."""
+    if parent is not None:
+        return parent.sampled
+    return (trace_id & 0xFFFF_FFFF_FFFF_FFFF) < int(ratio * (1 << 64))

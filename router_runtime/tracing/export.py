@@ -1,0 +1,152 @@
+"""Finished traces to a collector: encoded as OTLP (``wire.py``, pure) and sent over OTLP/gRPC in
+batches by one task (``OtlpExporter``). Bounded everywhere: a queue of traces (past it, new ones are
+dropped and counted), one export at a time with a deadline, and a last flush at the stop with its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections import deque
+from urllib.parse import urlsplit
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as ts
+from prometheus_client import CollectorRegistry, Counter
+
+from .config import TracingConfig
+from .spans import Attr, Trace
+from .wire import export_request
+
+log = logging.getLogger(__name__)
+
+SCOPE = "routerfleet.router"
+# OTLP's trace service, called with the request's bytes as wire.py writes them (no serializer).
+EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+MAX_QUEUED_TRACES = 4096
+BATCH_TRACES = 256  # per export request
+INTERVAL_S = 1.0  # a batch goes at least this often while traces wait
+EXPORT_TIMEOUT_S = 5.0
+FLUSH_TIMEOUT_S = 2.0  # what the stop gives the traces still queued
+
+
+def resource_of(config: TracingConfig, version: str) -> dict[str, Attr]:
+    """The router as a trace's resource: its service name and version, its instance (the pod's name)."""
+    return {
+        "service.name": config.service_name,
+        "service.version": version,
+        "service.instance.id": socket.gethostname(),
+    }
+
+
+class TraceMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.spans = Counter(
+            "routerfleet_trace_spans_exported", "Spans the collector accepted", registry=registry
+        )
+        self.dropped = Counter(
+            "routerfleet_trace_spans_dropped",
+            "Spans not exported, by reason (queue_full: the collector is slower than the traffic;"
+            " export_failed: it refused or did not answer in time)",
+            ["reason"],
+            registry=registry,
+        )
+
+
+def _channel(endpoint: str) -> grpc.aio.Channel:
+    parts = urlsplit(endpoint)  # vetted by config.py: a scheme, a host, maybe a port
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    target = f"{host}:{parts.port or (443 if parts.scheme == 'https' else 4317)}"
+    if parts.scheme == "https":
+        return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials())
+    return grpc.aio.insecure_channel(target)
+
+
+class OtlpExporter:
+    """Queues finished traces (``submit``, from the request path: an append) and sends them in batches."""
+
+    def __init__(self, config: TracingConfig, metrics: TraceMetrics, version: str) -> None:
+        assert config.endpoint is not None
+        self.endpoint = config.endpoint
+        self.metrics = metrics
+        self.version = version
+        self.resource = resource_of(config, version)
+        self._queue: deque[Trace] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._export: grpc.aio.UnaryUnaryMultiCallable | None = None
+
+    def submit(self, trace: Trace) -> None:
+        if len(self._queue) >= MAX_QUEUED_TRACES:
+            self.metrics.dropped.labels("queue_full").inc(len(trace.spans))
+            return
+        self._queue.append(trace)
+        if len(self._queue) >= BATCH_TRACES:
+            self._wake.set()
+
+    def start(self) -> None:
+        self._channel = _channel(self.endpoint)
+        self._export = self._channel.unary_unary(
+            EXPORT_METHOD,
+            request_serializer=None,
+            response_deserializer=ts.ExportTraceServiceResponse.FromString,
+        )
+        self._task = asyncio.create_task(self._run(), name="trace-export")
+
+    async def stop(self) -> None:
+        """Stop the batching task, then send what is queued, within FLUSH_TIMEOUT_S."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        try:
+            async with asyncio.timeout(FLUSH_TIMEOUT_S):
+                while self._queue:
+                    await self._export_batch()
+        except TimeoutError:
+            pass
+        finally:
+            if self._queue:
+                self.metrics.dropped.labels("export_failed").inc(sum(len(t.spans) for t in self._queue))
+                self._queue.clear()
+            if self._channel is not None:
+                await self._channel.close()
+                self._channel = self._export = None
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(INTERVAL_S):
+                    await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                await self._export_batch()
+
+    async def _export_batch(self) -> None:
+        """Send up to BATCH_TRACES queued traces; whatever fails is counted and logged, never raised
+        (the task sending them must outlive any one batch)."""
+        n = min(len(self._queue), BATCH_TRACES)
+        batch = [self._queue.popleft() for _ in range(n)]
+        spans = sum(len(t.spans) for t in batch)
+        assert self._export is not None
+        try:
+            request = export_request(batch, self.resource, SCOPE, self.version)
+            answer = await self._export(request, timeout=EXPORT_TIMEOUT_S)
+        except asyncio.CancelledError:  # the stop, mid-export: the batch is not coming back
+            self.metrics.dropped.labels("export_failed").inc(spans)
+            raise
+        except grpc.aio.AioRpcError as e:
+            self.metrics.dropped.labels("export_failed").inc(spans)
+            log.warning("trace export to %s failed: %s", self.endpoint, e.code().name)
+            return
+        except Exception as e:  # a bug (an encoding), or a channel closed under us
+            self.metrics.dropped.labels("export_failed").inc(spans)
+            log.error("trace export to %s failed: %r", self.endpoint, e)
+            return
+        rejected = answer.partial_success.rejected_spans if answer.HasField("partial_success") else 0
+        if rejected:
+            self.metrics.dropped.labels("export_failed").inc(rejected)
+        self.metrics.spans.inc(spans - rejected)

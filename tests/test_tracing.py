@@ -1,0 +1,233 @@
+"""Request traces through a real OpenTelemetry Collector (e2e/tracing): a router over fake engines, and
+the endpoint picker behind real Envoy, export their spans over OTLP/gRPC; the collector writes them to a
+file the tests read. The client's traceparent is followed, the engine receives the router's own span as
+its parent, the decision's reasons are on the schedule span, the audit's verdict on the root, a false hit
+is found from the log by its trace id, and no prompt reaches any span."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from e2e.tracing.collector import Collector, running_collector
+from router_runtime.app import run_router
+from router_runtime.config import RouterConfig
+from router_runtime.kv.config import KvConfig
+from router_runtime.proxy.health import HealthConfig
+from router_runtime.tokens.config import TokenizerConfig
+from router_runtime.tokens.tokenizer import ENGINE_TOKENIZER
+from router_runtime.tracing.config import TracingConfig
+from router_runtime.tracing.context import parse_traceparent
+from routerfleet_fake_engine.server import run_fake_engine
+from tests.support import LOCAL_METRICS, eventually, join_all, static_workers
+
+from .test_gateway_picker import gateway
+
+pytestmark = pytest.mark.timeout(240)  # the collector's first build, if `make otelcol` has not run
+
+BS = 4
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+SAMPLED = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
+SECRET = "the quarterly numbers are confidential"
+CHAT = {
+    "messages": [{"role": "user", "content": f"{SECRET}, repeated: " * 6}],
+    "max_tokens": 2,
+    "stream": True,
+}
+
+
+@contextlib.asynccontextmanager
+async def traced(tmp_path: Path, ratio: float, n_engines: int = 2) -> AsyncIterator[tuple[Any, ...]]:
+    """A collector, fake engines and a ready router tracing to it: (collector, engines, router, url, s)."""
+    with running_collector(tmp_path) as collector:
+        async with contextlib.AsyncExitStack() as stack:
+            engines = [
+                await stack.enter_async_context(run_fake_engine(block_size=BS, decode_tokens_per_s=0))
+                for _ in range(n_engines)
+            ]
+            cfg = RouterConfig(
+                port=0,
+                metrics=LOCAL_METRICS,
+                workers=static_workers(engines),
+                kv=KvConfig(block_size=BS),
+                health=HealthConfig(interval_s=0),
+                tracing=TracingConfig(endpoint=collector.endpoint, sample_ratio=ratio),
+            )
+            router, url = await stack.enter_async_context(run_router(cfg))
+            await join_all(router, engines)
+            s = await stack.enter_async_context(aiohttp.ClientSession())
+            yield collector, engines, router, url, s
+
+
+async def traces(collector: Collector, n_spans: int) -> dict[str, list[dict]]:
+    """The spans the collector has written (at least ``n_spans``), by trace id. Read off the event loop:
+    the router exporting them runs on it."""
+    spans = await asyncio.to_thread(collector.spans, min_count=n_spans)
+    out: dict[str, list[dict]] = {}
+    for span in spans:
+        out.setdefault(span["traceId"], []).append(span)
+    return out
+
+
+def by_name(spans: list[dict]) -> dict[str, dict]:
+    return {s["name"]: s for s in spans}
+
+
+def engine_parent(engines, n: int = 1) -> list[str]:
+    """The traceparent each engine received on its latest ``n`` generation requests (None: none)."""
+    return [tp for e in engines for tp in list(e.traceparents)[-n:]]
+
+
+async def chat(s: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None) -> None:
+    async with s.post(url + "/v1/chat/completions", json=CHAT, headers=headers or {}) as r:
+        assert r.status == 200, await r.text()
+        await r.read()
+
+
+async def test_a_chat_requests_trace_has_the_decision_and_reaches_the_engine(tmp_path):
+    async with traced(tmp_path, ratio=0.0) as (collector, engines, router, url, s):
+        await chat(s, url)  # no traceparent, ratio 0: not traced, and the engine is told so
+        (declined,) = [parse_traceparent(tp) for tp in engine_parent(engines) if tp]
+        assert declined is not None and not declined.sampled
+        unsampled = {"traceparent": f"00-{'1' * 32}-{'2' * 16}-00"}
+        await chat(s, url, unsampled)  # the client's decision: not traced, its context passed on as it came
+        assert unsampled["traceparent"] in engine_parent(engines)
+        await chat(s, url, SAMPLED)  # the client's sampled parent: traced
+        await eventually(lambda: router.kv.index.node_count() > 0, what="the prompt's blocks indexed")
+        await chat(s, url, SAMPLED)  # the same prompt again: a cached prefix, and why it won
+        got = await traces(collector, 10)
+        assert list(got) == [CLIENT_TRACE], got.keys()  # only the two sampled requests
+        # Both requests are in the client's trace: the second is the root that started last.
+        roots = [sp for sp in got[CLIENT_TRACE] if sp["parentSpanId"] == CLIENT_SPAN]
+        assert len(roots) == 2
+        root = max(roots, key=lambda sp: int(sp["startTimeUnixNano"]))
+        spans = [sp for sp in got[CLIENT_TRACE] if sp["parentSpanId"] == root["spanId"]]
+        named = by_name(spans)
+        assert all(not sp["status"] for sp in [root, *spans]), [sp["status"] for sp in spans]
+        assert set(named) == {"parse", "tokenize", "schedule", "upstream"}
+        assert root["name"] == "POST /v1/chat/completions" and root["kind"] == 2
+        assert (
+            root["parentSpanId"] == CLIENT_SPAN and root["resource"]["service.name"] == "routerfleet-router"
+        )
+        a = root["attributes"]
+        assert a["http.response.status_code"] == 200 and a["routerfleet.outcome"] == "ok"
+        assert a["routerfleet.audit.outcome"] == "exact" and a["routerfleet.audit.cached_tokens"] > 0
+        assert a["routerfleet.audit.predicted_tokens"] == a["routerfleet.audit.cached_tokens"]
+
+        sched = named["schedule"]["attributes"]
+        assert sched["routerfleet.reason"] == "prefix" and sched["routerfleet.profile"] == "kv_aware"
+        assert sched["routerfleet.prediction.doubtful"] is False
+        assert sched["routerfleet.prediction.cached_tokens"] == a["routerfleet.audit.cached_tokens"]
+        assert sorted(sched["routerfleet.candidates.engine"]) == sorted(e.http_url for e in engines)
+        winner = sched["routerfleet.candidates.engine"].index(sched["routerfleet.engine"])
+        device = sched["routerfleet.candidates.matched_blocks.device"]
+        assert device[winner] == sched["routerfleet.matched.blocks"] > 0 and sum(device) == device[winner]
+        assert sched["routerfleet.candidates.cost"][winner] == min(sched["routerfleet.candidates.cost"])
+        assert len(sched["routerfleet.candidates.load"]) == 2 and sched["routerfleet.load.fresh_peers"] == 0
+        tok = named["tokenize"]["attributes"]
+        assert tok["routerfleet.tokenizer"] == "router" and tok["routerfleet.tokens.count"] > 0
+
+        up = named["upstream"]
+        assert up["kind"] == 3 and up["attributes"]["routerfleet.engine"] == sched["routerfleet.engine"]
+        assert up["attributes"]["routerfleet.time_to_first_chunk_ms"] >= 0
+        # The engine that served got the router's upstream span as its parent, in the client's trace.
+        winner_engine = next(e for e in engines if e.http_url == sched["routerfleet.engine"])
+        parent = parse_traceparent(winner_engine.traceparents[-1])
+        assert parent is not None and parent.sampled
+        assert f"{parent.trace_id:032x}" == CLIENT_TRACE and f"{parent.span_id:016x}" == up["spanId"]
+
+        # Nothing of the prompt in any span: its text, or anything as long as its tokens.
+        raw = collector.spans_file.read_text()
+        assert SECRET not in raw and "quarterly" not in raw
+        arrays = [v for sp in got[CLIENT_TRACE] for v in sp["attributes"].values() if isinstance(v, list)]
+        assert arrays and max(len(v) for v in arrays) == len(engines)
+        await eventually(lambda: sample(router, "routerfleet_trace_spans_exported_total") >= 10)
+
+
+async def test_a_false_hit_is_found_from_the_log_by_its_trace_id(tmp_path, caplog):
+    async with traced(tmp_path, ratio=1.0, n_engines=1) as (collector, engines, router, url, s):
+        (engine,) = engines
+        body = {"prompt": list(range(1, 42)), "max_tokens": 1}
+        async with s.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+        await eventually(lambda: router.kv.index.node_count() >= 10, what="the blocks indexed")
+        # The engine loses its cache and no event says so: the index is wrong, the audit says it.
+        async with s.post(engine.http_url + "/admin/clear", json={"rank": 0, "drop": "all"}) as r:
+            assert r.status == 200
+        with caplog.at_level(logging.INFO, logger="router_runtime.proxy.audit"):
+            async with s.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+        (line,) = [r.getMessage() for r in caplog.records if "false hit" in r.getMessage()]
+        trace_id = line.rsplit("trace_id=", 1)[1]
+        got = await traces(collector, 10)
+        root = next(sp for sp in got[trace_id] if not sp.get("parentSpanId"))
+        assert root["attributes"]["routerfleet.audit.outcome"] == "false_hit"
+        assert root["attributes"]["routerfleet.audit.false_hit_tokens"] == 40
+        arrays = [v for sp in got[trace_id] for v in sp["attributes"].values() if isinstance(v, list)]
+        assert arrays and max(len(v) for v in arrays) == 1  # one candidate; nothing prompt-sized
+
+
+@pytest.mark.parametrize("duplex", [False, True], ids=["buffered", "full_duplex"])
+async def test_the_pickers_trace_names_its_span_as_the_engines_parent(tmp_path, duplex):
+    with running_collector(tmp_path) as collector:
+        tracing = TracingConfig(endpoint=collector.endpoint, sample_ratio=1.0)
+        async with (
+            gateway(tmp_path, duplex=duplex, tracing=tracing) as (engines, _router, base),
+            aiohttp.ClientSession() as s,
+        ):
+            async with s.post(base + "/v1/chat/completions", json=CHAT, headers=SAMPLED) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+            got = await traces(collector, 5)
+        spans = got[CLIENT_TRACE]
+        named = by_name(spans)
+        assert {"POST /v1/chat/completions", "parse", "tokenize", "schedule", "upstream"} <= set(named)
+        root, up = named["POST /v1/chat/completions"], named["upstream"]
+        assert root["parentSpanId"] == CLIENT_SPAN and root["attributes"]["http.response.status_code"] == 200
+        assert root["attributes"]["routerfleet.audit.outcome"] in ("exact", "missed_hit")
+        assert up["attributes"]["http.response.status_code"] == 200
+        assert not up["status"] and not root["status"]  # ended with the response, not cut by the stream's end
+        (served,) = [e for e in engines if e.traceparents]
+        parent = parse_traceparent(served.traceparents[-1])
+        assert parent is not None and f"{parent.span_id:016x}" == up["spanId"]
+        assert SECRET not in collector.spans_file.read_text()
+
+
+def sample(router, name: str) -> float:
+    return router.registry.get_sample_value(name) or 0.0
+
+
+async def test_the_tokenize_span_says_whether_the_engine_was_asked(tmp_path):
+    with running_collector(tmp_path) as collector:
+        async with run_fake_engine(block_size=BS, decode_tokens_per_s=0) as e:
+            cfg = RouterConfig(
+                port=0,
+                metrics=LOCAL_METRICS,
+                workers=static_workers([e]),
+                kv=KvConfig(block_size=BS),
+                health=HealthConfig(interval_s=0),
+                tokens=TokenizerConfig(tokenizer=ENGINE_TOKENIZER),
+                tracing=TracingConfig(endpoint=collector.endpoint),
+            )
+            async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
+                await join_all(router, [e])
+                for _ in range(2):
+                    await chat(s, url)
+                got = await traces(collector, 10)
+    tokenized = sorted(
+        (sp for spans in got.values() for sp in spans if sp["name"] == "tokenize"),
+        key=lambda sp: int(sp["startTimeUnixNano"]),
+    )
+    answered = [
+        (sp["attributes"]["routerfleet.tokenizer"], sp["attributes"]["routerfleet.tokens.answered_by"])
+        for sp in tokenized
+    ]
+    assert answered == [("engine", "engine"), ("engine", "cache")]
