@@ -208,24 +208,9 @@ class Proc:
                         total += int(f.read().split()[0])
         return total / 1e9
 
-    def _group_pids(self) -> list[str]:
-        pids = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2 :].split()[2]) == self.pid:  # pgrp
-                pids.append(entry)
-        return pids
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU of every live process in this group (threads included)."""
-        tick = os.sysconf("SC_CLK_TCK")
-        total = 0
+    def _group_stats(self) -> list[tuple[str, list[str]]]:
+        """(pid, the fields of /proc/PID/stat after the command) of every live process in this group."""
+        out = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -236,8 +221,16 @@ class Proc:
                 continue
             fields = stat[stat.rindex(")") + 2 :].split()
             if int(fields[2]) == self.pid:  # pgrp
-                total += int(fields[11]) + int(fields[12])  # utime, stime
-        return total / tick
+                out.append((entry, fields))
+        return out
+
+    def _group_pids(self) -> list[str]:
+        return [pid for pid, _ in self._group_stats()]
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of every live process in this group (threads included)."""
+        ticks = sum(int(fields[11]) + int(fields[12]) for _, fields in self._group_stats())  # utime, stime
+        return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:

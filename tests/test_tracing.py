@@ -45,8 +45,11 @@ CHAT = {
 
 
 @contextlib.asynccontextmanager
-async def traced(tmp_path: Path, ratio: float, n_engines: int = 2) -> AsyncIterator[tuple[Any, ...]]:
-    """A collector, fake engines and a ready router tracing to it: (collector, engines, router, url, s)."""
+async def traced(
+    tmp_path: Path, ratio: float, n_engines: int = 2, tokens: TokenizerConfig | None = None
+) -> AsyncIterator[tuple[Any, ...]]:
+    """A collector, fake engines and a ready router tracing to it (``tokens``: its tokenizer section):
+    (collector, engines, router, url, session)."""
     with running_collector(tmp_path) as collector:
         async with contextlib.AsyncExitStack() as stack:
             engines = [
@@ -59,6 +62,7 @@ async def traced(tmp_path: Path, ratio: float, n_engines: int = 2) -> AsyncItera
                 workers=static_workers(engines),
                 kv=KvConfig(block_size=BS),
                 health=HealthConfig(interval_s=0),
+                tokens=tokens or TokenizerConfig(),
                 tracing=TracingConfig(endpoint=collector.endpoint, sample_ratio=ratio),
             )
             router, url = await stack.enter_async_context(run_router(cfg))
@@ -206,22 +210,11 @@ def sample(router, name: str) -> float:
 
 
 async def test_the_tokenize_span_says_whether_the_engine_was_asked(tmp_path):
-    with running_collector(tmp_path) as collector:
-        async with run_fake_engine(block_size=BS, decode_tokens_per_s=0) as e:
-            cfg = RouterConfig(
-                port=0,
-                metrics=LOCAL_METRICS,
-                workers=static_workers([e]),
-                kv=KvConfig(block_size=BS),
-                health=HealthConfig(interval_s=0),
-                tokens=TokenizerConfig(tokenizer=ENGINE_TOKENIZER),
-                tracing=TracingConfig(endpoint=collector.endpoint),
-            )
-            async with run_router(cfg) as (router, url), aiohttp.ClientSession() as s:
-                await join_all(router, [e])
-                for _ in range(2):
-                    await chat(s, url)
-                got = await traces(collector, 10)
+    engine_tokens = TokenizerConfig(tokenizer=ENGINE_TOKENIZER)
+    async with traced(tmp_path, 1.0, n_engines=1, tokens=engine_tokens) as (collector, _e, _r, url, s):
+        for _ in range(2):
+            await chat(s, url)
+        got = await traces(collector, 10)
     tokenized = sorted(
         (sp for spans in got.values() for sp in spans if sp["name"] == "tokenize"),
         key=lambda sp: int(sp["startTimeUnixNano"]),
