@@ -456,11 +456,15 @@ def tracing_cost(n: int = 2000) -> tuple[float, float, float]:
     from router_runtime.tracing.attributes import upstream
     from router_runtime.tracing.config import TracingConfig
     from router_runtime.tracing.spans import OFF, SpanKind, Trace, Tracer
-    from router_runtime.tracing.wire import export_request
+    from router_runtime.tracing.wire import encode_trace, export_request
 
-    done: list[Trace] = []
+    done: list[bytes] = []
     config = TracingConfig(endpoint="http://127.0.0.1:4317", sample_ratio=1.0)
-    traced, untraced = Tracer(config, done.append), Tracer(replace(config, sample_ratio=0.0), done.append)
+
+    def encoded(t: Trace) -> None:  # as the exporter takes a finished trace
+        done.append(encode_trace(t))
+
+    traced, untraced = Tracer(config, encoded), Tracer(replace(config, sample_ratio=0.0), encoded)
     engines = [Engine(f"http://10.0.0.{i}:8000", f"http://10.0.0.{i}:8000") for i in range(4)]
     loads = {e: float(i) for i, e in enumerate(engines)}
     policy = make_policy("least_loaded")

@@ -14,7 +14,7 @@ from router_runtime.scheduling.types import RouteRequest, Target
 from router_runtime.tracing.config import TracingConfig, _endpoint
 from router_runtime.tracing.context import parse_traceparent, sampled, traceparent
 from router_runtime.tracing.spans import NO_TRACE, SpanKind, Trace, Tracer
-from router_runtime.tracing.wire import any_value, attribute, export_request, key_value
+from router_runtime.tracing.wire import any_value, attribute, encode_trace, export_request, key_value
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 SPAN = "00f067aa0ba902b7"
@@ -107,7 +107,9 @@ def test_spans_encode_as_otlp():
         up.fail("timeout")
     t.end()
     wire = ExportTraceServiceRequest.FromString(
-        export_request([t, t], {"service.name": "routerfleet-router"}, "routerfleet.router", "0.1.0")
+        export_request(
+            [encode_trace(t)] * 2, {"service.name": "routerfleet-router"}, "routerfleet.router", "0.1.0"
+        )
     )
     (rs,) = wire.resource_spans
     assert rs.resource.attributes[0].value.string_value == "routerfleet-router"

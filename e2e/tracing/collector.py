@@ -5,8 +5,7 @@ build-collector.sh and cached outside the tree; `make otelcol` builds it before 
 download.
 
     with running_collector(tmp_path) as collector:
-        exporter = OTLPSpanExporter(endpoint=collector.endpoint, insecure=True)
-        ...
+        ...  # export spans over OTLP/gRPC to collector.endpoint (plaintext)
         spans = collector.spans(min_count=2)
 """
 

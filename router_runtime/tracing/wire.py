@@ -132,10 +132,15 @@ def span_bytes(trace: Trace, trace_id: bytes) -> list[bytes]:
     return out
 
 
-def export_request(traces: Sequence[Trace], resource: Mapping[str, Attr], scope: str, version: str) -> bytes:
-    """ExportTraceServiceRequest{resource_spans: [{resource, scope_spans: [{scope, spans}]}]}: one
-    resource (this router) and one instrumentation scope."""
-    spans = b"".join(field(b"\x12", s) for t in traces for s in span_bytes(t, t.trace_id.to_bytes(16, "big")))
+def encode_trace(trace: Trace) -> bytes:
+    """A finished trace's spans, as ScopeSpans' repeated ``spans`` field (2) holds them."""
+    return b"".join(field(b"\x12", s) for s in span_bytes(trace, trace.trace_id.to_bytes(16, "big")))
+
+
+def export_request(traces: Sequence[bytes], resource: Mapping[str, Attr], scope: str, version: str) -> bytes:
+    """ExportTraceServiceRequest{resource_spans: [{resource, scope_spans: [{scope, spans}]}]} of
+    ``traces`` (each ``encode_trace``'s): one resource (this router) and one instrumentation scope."""
+    spans = b"".join(traces)
     scope_msg = field(b"\x0a", field(b"\x0a", scope.encode()) + field(b"\x12", version.encode()))
     scope_spans = field(b"\x12", scope_msg + spans)
     resource_msg = field(b"\x0a", attributes(b"\x0a", resource))
