@@ -3,18 +3,25 @@ spans, their OTLP encoding; and the scheduler framework's explanation of a decis
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 from multidict import CIMultiDict
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
-from opentelemetry.proto.trace.v1 import trace_pb2
 
 from router_runtime.scheduling.presets import make_policy
 from router_runtime.scheduling.types import RouteRequest, Target
 from router_runtime.tracing.config import TracingConfig, _endpoint
 from router_runtime.tracing.context import parse_traceparent, sampled, traceparent
 from router_runtime.tracing.spans import NO_TRACE, SpanKind, Trace, Tracer
-from router_runtime.tracing.wire import any_value, attribute, encode_trace, export_request, key_value
+from router_runtime.tracing.wire import (
+    any_value,
+    attribute,
+    encode_trace,
+    export_request,
+    fields,
+    key_value,
+    rejected_spans,
+)
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 SPAN = "00f067aa0ba902b7"
@@ -95,38 +102,71 @@ def test_the_unsampled_trace_records_nothing():
     NO_TRACE.end()
 
 
+def message(data: bytes) -> dict[int, list]:
+    """A message's fields by number (OTLP's field numbers), each a list of its values in order."""
+    out: dict[int, list] = {}
+    for number, value in fields(data):
+        out.setdefault(number, []).append(value)
+    return out
+
+
+def decoded(value: bytes):
+    """An AnyValue (common.proto) as Python: string 1, bool 2, int64 3, double 4, array 5."""
+    ((number, v),) = fields(value)
+    if number == 1:
+        return v.decode()
+    if number == 2:
+        return bool(v)
+    if number == 3:
+        return v - (1 << 64) if v >= 1 << 63 else v
+    if number == 4:
+        return struct.unpack("<d", v)[0]
+    return [decoded(x) for x in message(v).get(1, [])]
+
+
+def span_attributes(span: dict[int, list], field_number: int = 9) -> dict:
+    """A span's attributes (field 9; an event's are 3): KeyValue key 1, value 2."""
+    kvs = [message(kv) for kv in span.get(field_number, [])]
+    return {kv[1][0].decode(): decoded(kv[2][0]) for kv in kvs}
+
+
 def test_spans_encode_as_otlp():
     t = Trace(
         int(TRACE, 16), "POST /v1/chat/completions", SpanKind.SERVER, int(SPAN, 16), "k=v", lambda _: None
     )
     child = t.span("schedule")
-    child.update({"s": "x", "b": True, "i": 3, "f": 0.5, "l": [1, 2], "ls": ["a"], "none": None})
+    child.update({"s": "x", "b": True, "i": -3, "f": 0.5, "l": [1, 2], "ls": ["a"], "none": None})
     child.event("failed_over", {"routerfleet.engine": "e1"})
     child.end()
     with t.span("upstream", SpanKind.CLIENT) as up:
         up.fail("timeout")
     t.end()
-    wire = ExportTraceServiceRequest.FromString(
-        export_request(
-            [encode_trace(t)] * 2, {"service.name": "routerfleet-router"}, "routerfleet.router", "0.1.0"
-        )
-    )
-    (rs,) = wire.resource_spans
-    assert rs.resource.attributes[0].value.string_value == "routerfleet-router"
-    (scope,) = rs.scope_spans
-    assert (scope.scope.name, scope.scope.version) == ("routerfleet.router", "0.1.0")
-    root, sched, upstream, *again = scope.spans
+    request = export_request([encode_trace(t)] * 2, {"service.name": "r"}, "routerfleet.router", "0.1.0")
+    (resource_spans,) = message(request)[1]  # ExportTraceServiceRequest.resource_spans
+    rs = message(resource_spans)
+    assert span_attributes(message(rs[1][0]), 1) == {"service.name": "r"}  # .resource.attributes
+    (scope_spans,) = rs[2]
+    ss = message(scope_spans)
+    scope = message(ss[1][0])
+    assert (scope[1][0], scope[2][0]) == (b"routerfleet.router", b"0.1.0")
+    root, sched, upstream, *again = (message(x) for x in ss[2])
     assert again == [root, sched, upstream]  # a second trace in the batch: its spans follow
-    assert root.trace_id.hex() == TRACE and root.parent_span_id.hex() == SPAN and root.trace_state == "k=v"
-    assert root.kind == trace_pb2.Span.SPAN_KIND_SERVER and upstream.kind == trace_pb2.Span.SPAN_KIND_CLIENT
-    assert sched.parent_span_id == root.span_id and sched.end_time_unix_nano >= sched.start_time_unix_nano
-    got = {kv.key: kv.value for kv in sched.attributes}
-    assert got["s"].string_value == "x" and got["b"].bool_value is True and got["i"].int_value == 3
-    assert got["f"].double_value == 0.5 and [v.int_value for v in got["l"].array_value.values] == [1, 2]
-    assert "none" not in got and sched.events[0].name == "failed_over"
-    assert upstream.status.code == trace_pb2.Status.STATUS_CODE_ERROR
-    assert {kv.key: kv.value.string_value for kv in upstream.attributes}["error.type"] == "timeout"
-    assert sched.status.code == trace_pb2.Status.STATUS_CODE_UNSET
+    # Span: trace_id 1, span_id 2, trace_state 3, parent_span_id 4, name 5, kind 6, start 7, end 8,
+    # attributes 9, events 11, status 15.
+    assert root[1][0].hex() == TRACE and root[4][0].hex() == SPAN and root[3][0] == b"k=v"
+    assert root[5][0] == b"POST /v1/chat/completions" and root[6][0] == 2 and upstream[6][0] == 3
+    assert sched[4][0] == root[2][0]
+    lone = Trace(1, "x", SpanKind.SERVER, 0, None, lambda _: None)  # no client's parent
+    lone.end()
+    (only,) = message(encode_trace(lone))[2]
+    assert 4 not in message(only)
+    start, end = (struct.unpack("<Q", sched[n][0])[0] for n in (7, 8))
+    assert end >= start > 0
+    assert span_attributes(sched) == {"s": "x", "b": True, "i": -3, "f": 0.5, "l": [1, 2], "ls": ["a"]}
+    (event,) = (message(e) for e in sched[11])
+    assert event[2][0] == b"failed_over" and span_attributes(event, 3) == {"routerfleet.engine": "e1"}
+    assert message(upstream[15][0]) == {3: [2]}  # status.code STATUS_CODE_ERROR
+    assert span_attributes(upstream)["error.type"] == "timeout" and 15 not in sched
 
 
 def test_an_explained_decision_lists_every_candidate_it_weighed():
@@ -141,23 +181,27 @@ def test_an_explained_decision_lists_every_candidate_it_weighed():
 
 def test_an_odd_attribute_value_is_encoded_never_raised():
     def value(v):
-        return AnyValue.FromString(any_value(v))
+        return decoded(any_value(v))
 
-    assert value([1, None, 2]).array_value.values[1].int_value == 2
-    assert value(-5).int_value == -5 and value(0.25).double_value == 0.25 and value(False).bool_value is False
-    assert value(1 << 70).string_value == str(1 << 70)
-    assert value((True,)).array_value.values[0].bool_value is True
-    assert value(object()).string_value.startswith("<object")
-    assert (
-        value("\u00e9t\u00e9").string_value == "\u00e9t\u00e9" and len(value("x" * 300).string_value) == 300
-    )
+    assert value([1, None, 2]) == [1, 2]
+    assert value(-5) == -5 and value(0.25) == 0.25 and value(False) is False
+    assert value(1 << 70) == str(1 << 70)
+    assert value((True,)) == [True]
+    assert value(object()).startswith("<object")
+    assert value("\u00e9t\u00e9") == "\u00e9t\u00e9" and value("x" * 300) == "x" * 300
     # Text values are remembered encoded; a list of them too, by its contents.
-    kv = KeyValue.FromString(key_value("routerfleet.candidates.engine", ["a", "b"]))
-    assert kv.key == "routerfleet.candidates.engine" and [
-        v.string_value for v in kv.value.array_value.values
-    ] == ["a", "b"]
+    kv = message(key_value("routerfleet.candidates.engine", ["a", "b"]))
+    assert kv[1] == [b"routerfleet.candidates.engine"] and decoded(kv[2][0]) == ["a", "b"]
     assert attribute(b"\x4a", "k", ["a"]) is attribute(b"\x4a", "k", ["a"])
     assert attribute(b"\x4a", "k", True) != attribute(b"\x4a", "k", 1) != attribute(b"\x4a", "k", [1])
+
+
+def test_the_collectors_answer_says_how_many_spans_it_refused():
+    assert rejected_spans(b"") == 0  # ExportTraceServiceResponse{}: every span taken
+    partial = b"\x08\x07" + b"\x12\x02no"  # ExportTracePartialSuccess{rejected_spans: 7, error_message}
+    assert rejected_spans(b"\x0a" + bytes([len(partial)]) + partial) == 7
+    with pytest.raises(ValueError):
+        rejected_spans(b"\x0a\x09\x08")  # a length past the end
 
 
 @pytest.mark.parametrize(

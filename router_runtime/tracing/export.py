@@ -12,12 +12,11 @@ from collections import deque
 from urllib.parse import urlsplit
 
 import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as ts
 from prometheus_client import CollectorRegistry, Counter
 
 from .config import TracingConfig
 from .spans import Attr, Trace
-from .wire import encode_trace, export_request
+from .wire import encode_trace, export_request, rejected_spans
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +101,7 @@ class OtlpExporter:
         self._export = self._channel.unary_unary(
             EXPORT_METHOD,
             request_serializer=None,
-            response_deserializer=ts.ExportTraceServiceResponse.FromString,
+            response_deserializer=rejected_spans,
         )
         self._task = asyncio.create_task(self._run(), name="trace-export")
 
@@ -145,7 +144,8 @@ class OtlpExporter:
         assert self._export is not None
         try:
             request = export_request([b for b, _ in batch], self.resource, SCOPE, self.version)
-            answer = await self._export(request, timeout=EXPORT_TIMEOUT_S)
+            # The answer, read by wire.rejected_spans: how many spans the collector refused.
+            rejected = await self._export(request, timeout=EXPORT_TIMEOUT_S)
         except asyncio.CancelledError:  # the stop, mid-export: the batch is not coming back
             self.metrics.dropped.labels("export_failed").inc(spans)
             raise
@@ -157,7 +157,6 @@ class OtlpExporter:
             self.metrics.dropped.labels("export_failed").inc(spans)
             log.error("trace export to %s failed: %r", self.endpoint, e)
             return
-        rejected = answer.partial_success.rejected_spans if answer.HasField("partial_success") else 0
         if rejected:
             self.metrics.dropped.labels("export_failed").inc(rejected)
         self.metrics.spans.inc(spans - rejected)

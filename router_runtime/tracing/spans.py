@@ -2,10 +2,9 @@
 
 Why not the OpenTelemetry SDK's tracer: its spans cost about 14 us each to record and its OTLP encoder
 about 55 us more each (measured here, Python 3.11), three times what the router spends on a whole
-request; these cost about 2 us each, and ``export.py`` encodes them with the OTLP protobuf classes
-directly. A request that is not sampled gets ``NO_TRACE``, whose every method does nothing: the proxy
-and the picker call the same methods either way, and check ``recording`` before building attributes that
-cost anything.
+request; these cost about 2 us each, and ``wire.py`` writes them as OTLP protobuf bytes. A request that
+is not sampled gets ``NO_TRACE``, whose every method does nothing: the proxy and the picker call the same
+methods either way, and check ``recording`` before building attributes that cost anything.
 
 Attributes are str, bool, int, float or lists of one of them (OTLP's AnyValue). Never a prompt, token
 IDs or block hashes: counts, names and verdicts only (the house rule for logs).
