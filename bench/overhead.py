@@ -298,10 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     collector = None
     if any(r.startswith("ours-trace") for r in rows):
         # The collector (e2e/tracing, built and cached) on the engine's and client's CPUs: the router's
-        # core measures the router's own export work, not the collector's.
-        collector = stack.enter_context(running_collector(Path(logdir)))
+        # core measures the router's own export work, not the collector's. Pinned by inheritance (this
+        # process first): a Go program's threads exist before anyone could pin them one by one.
         if not args.no_pin and len(cpus) > 1:
-            os.sched_setaffinity(collector.process.pid, set(cpus[:-1]))
+            os.sched_setaffinity(0, set(cpus[:-1]))
+        collector = stack.enter_context(running_collector(Path(logdir)))
         print(f"# tracing rows export to a real OpenTelemetry Collector at {collector.endpoint}")
     engine, targets, routers, skipped = start_all(
         logdir, rows, not args.no_pin, collector.endpoint if collector else None
