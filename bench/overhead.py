@@ -460,7 +460,7 @@ def tracing_cost(n: int = 2000) -> tuple[float, float, float]:
     from router_runtime.tracing.wire import encode_trace, export_request
 
     done: list[bytes] = []
-    config = TracingConfig(endpoint="http://127.0.0.1:4317", sample_ratio=1.0)
+    config = TracingConfig(endpoint="http://127.0.0.1:4318", sample_ratio=1.0)
 
     def encoded(t: Trace) -> None:  # as the exporter takes a finished trace
         done.append(encode_trace(t))

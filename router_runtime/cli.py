@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 
@@ -27,6 +28,11 @@ async def _serve(config: RouterConfig) -> None:
             "bytes" if config.tokens.tokenizer == "bytes" else "hf",
             len(config.workers),
         )
+        # Everything made while starting (modules, the app, the parsers) lives as long as the process:
+        # out of the collector's reach, a full collection scans only what serving made since. Without
+        # it, requests' objects promoted to the oldest generation set off a full scan of ~85k objects
+        # every half second under load.
+        gc.freeze()
         await stop.wait()
         # Drain: not Ready, every response closes its connection, and new requests are still served,
         # while the Service's endpoints and the clients' pools catch up; a second signal cuts it short.

@@ -1,16 +1,17 @@
 """The tests' OpenTelemetry Collector (e2e/tracing, the real binary `make otelcol` builds): a span sent
-over OTLP gRPC comes back from the file exporter with its resource, attributes, event and status, in the
+over OTLP/HTTP comes back from the file exporter with its resource, attributes, event and status, in the
 OTLP JSON shapes e2e/tracing/collector.py decodes."""
 
 from __future__ import annotations
 
+import urllib.request
 from pathlib import Path
 
-import grpc
 import pytest
 
 from e2e.tracing.collector import running_collector
-from router_runtime.tracing.export import EXPORT_METHOD
+from router_runtime.tracing.config import TracingConfig
+from router_runtime.tracing.export import PROTOBUF
 from router_runtime.tracing.spans import SpanKind, Trace
 from router_runtime.tracing.wire import encode_trace, export_request, rejected_spans
 
@@ -29,11 +30,11 @@ def test_span_round_trip(tmp_path: Path) -> None:
     t.end()
     request = export_request([encode_trace(t)], {"service.name": "collector-harness"}, "tests", "0")
     with running_collector(tmp_path) as collector:
-        with grpc.insecure_channel(collector.endpoint.removeprefix("http://")) as channel:
-            export = channel.unary_unary(
-                EXPORT_METHOD, request_serializer=None, response_deserializer=rejected_spans
-            )
-            assert export(request, timeout=10) == 0
+        url = TracingConfig(endpoint=collector.endpoint).traces_url
+        post = urllib.request.Request(url, data=request, headers={"Content-Type": PROTOBUF})
+        with urllib.request.urlopen(post, timeout=10) as answer:
+            assert answer.status == 200
+            assert rejected_spans(answer.read()) == 0
         [got] = collector.spans(min_count=1)
 
     assert got["name"] == "route"

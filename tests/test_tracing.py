@@ -1,5 +1,5 @@
 """Request traces through a real OpenTelemetry Collector (e2e/tracing): a router over fake engines, and
-the endpoint picker behind real Envoy, export their spans over OTLP/gRPC; the collector writes them to a
+the endpoint picker behind real Envoy, export their spans over OTLP/HTTP; the collector writes them to a
 file the tests read. The client's traceparent is followed, the engine receives the router's own span as
 its parent, the decision's reasons are on the schedule span, the audit's verdict on the root, a false hit
 is found from the log by its trace id, and no prompt reaches any span."""
@@ -15,8 +15,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry
 
-from e2e.tracing.collector import Collector, running_collector
+from e2e.tracing.collector import Collector, free_port, running_collector
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
 from router_runtime.kv.config import KvConfig
@@ -25,6 +27,8 @@ from router_runtime.tokens.config import TokenizerConfig
 from router_runtime.tokens.tokenizer import ENGINE_TOKENIZER
 from router_runtime.tracing.config import TracingConfig
 from router_runtime.tracing.context import parse_traceparent
+from router_runtime.tracing.export import FLUSH_TIMEOUT_S, MAX_QUEUED_TRACES, OtlpExporter, TraceMetrics
+from router_runtime.tracing.spans import SpanKind, Trace
 from routerfleet_fake_engine.server import run_fake_engine
 from tests.support import LOCAL_METRICS, eventually, join_all, static_workers
 
@@ -224,3 +228,75 @@ async def test_the_tokenize_span_says_whether_the_engine_was_asked(tmp_path):
         for sp in tokenized
     ]
     assert answered == [("engine", "engine"), ("engine", "cache")]
+
+
+def finished_trace(n_children: int = 1) -> Trace:
+    t = Trace(int(CLIENT_TRACE, 16), "route", SpanKind.SERVER, 0, None, lambda _: None)
+    for _ in range(n_children):
+        t.span("child").end()
+    t.end()
+    return t
+
+
+def exporter_to(endpoint: str) -> tuple[OtlpExporter, CollectorRegistry]:
+    registry = CollectorRegistry()
+    return OtlpExporter(TracingConfig(endpoint=endpoint), TraceMetrics(registry), "test"), registry
+
+
+def spans_counted(registry: CollectorRegistry) -> tuple[float, float, float]:
+    """(exported, dropped for export_failed, dropped for queue_full)"""
+    get = registry.get_sample_value
+    return (
+        get("routerfleet_trace_spans_exported_total") or 0.0,
+        get("routerfleet_trace_spans_dropped_total", {"reason": "export_failed"}) or 0.0,
+        get("routerfleet_trace_spans_dropped_total", {"reason": "queue_full"}) or 0.0,
+    )
+
+
+async def test_the_exporter_counts_what_the_collector_took_and_what_it_could_not_send(tmp_path):
+    # Taken: a real collector's 200 and an empty partial_success; the stop flushes what is queued.
+    with running_collector(tmp_path) as collector:
+        exporter, registry = exporter_to(collector.endpoint)
+        exporter.start()
+        exporter.submit(finished_trace(2))
+        await exporter.stop()
+        assert spans_counted(registry) == (3, 0, 0)
+        [got] = {sp["traceId"] for sp in await asyncio.to_thread(collector.spans, min_count=3)}
+        assert got == CLIENT_TRACE
+
+    # Nobody listening: counted as failed, and the stop still returns within its flush bound.
+    exporter, registry = exporter_to(f"http://127.0.0.1:{free_port()}")
+    exporter.start()
+    exporter.submit(finished_trace())
+    async with asyncio.timeout(FLUSH_TIMEOUT_S + 2):
+        await exporter.stop()
+    assert spans_counted(registry) == (0, 2, 0)
+
+    # A collector that answers with an error status (here: overloaded) took nothing, though its empty
+    # body would read as "nothing rejected".
+    async def overloaded(_: web.Request) -> web.Response:
+        return web.Response(status=503)
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", overloaded)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        exporter, registry = exporter_to(f"http://127.0.0.1:{port}")
+        exporter.start()
+        exporter.submit(finished_trace())
+        await exporter.stop()
+        assert spans_counted(registry) == (0, 2, 0)
+    finally:
+        await runner.cleanup()
+
+
+def test_a_full_queue_drops_new_traces_and_counts_their_spans():
+    exporter, registry = exporter_to("http://127.0.0.1:4318")  # never started: nothing is sent
+    for _ in range(MAX_QUEUED_TRACES):
+        exporter.submit(finished_trace(0))
+    exporter.submit(finished_trace(4))
+    assert spans_counted(registry) == (0, 0, 5)

@@ -65,7 +65,7 @@ def name() -> str:
 
 def test_a_tracer_follows_the_client_and_names_its_own_span_to_the_engine():
     finished: list[Trace] = []
-    tracer = Tracer(TracingConfig(endpoint="http://127.0.0.1:4317", sample_ratio=0.0), finished.append)
+    tracer = Tracer(TracingConfig(endpoint="http://127.0.0.1:4318", sample_ratio=0.0), finished.append)
     # Not traced (ratio 0, no parent): the engine is told so, in a trace of its own.
     declined = tracer.start(CIMultiDict(), name)
     assert not declined.recording
@@ -208,14 +208,26 @@ def test_the_collectors_answer_says_how_many_spans_it_refused():
     "bad",
     [
         "grpc://c:4317",
-        "http://c:4318/v1/traces",
         "http://c:abc",
-        "http://u:p@c:4317",
-        "http://c:4317?x=1",
-        "c:4317",
+        "http://u:p@c:4318",
+        "http://c:4318?x=1",
+        "http://c:4318/v1/traces#x",
+        "c:4318",
     ],
 )
-def test_the_collectors_endpoint_is_a_url_with_a_host_and_nothing_else(bad):
+def test_the_collectors_endpoint_is_a_url_with_a_host_and_maybe_a_path(bad):
     with pytest.raises(ValueError, match="expected http://HOST:PORT"):
         _endpoint(bad)
-    assert _endpoint("https://[::1]:4317/") == "https://[::1]:4317/"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "url"),
+    [
+        ("http://c:4318", "http://c:4318/v1/traces"),
+        ("https://[::1]:4318/", "https://[::1]:4318/v1/traces"),
+        ("http://c:4318/v1/traces", "http://c:4318/v1/traces"),
+        ("https://gw.example/tenant-a/otlp/v1/traces", "https://gw.example/tenant-a/otlp/v1/traces"),
+    ],
+)
+def test_traces_go_to_otlps_path_unless_the_endpoint_names_one(endpoint, url):
+    assert TracingConfig(endpoint=_endpoint(endpoint)).traces_url == url

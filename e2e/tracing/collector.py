@@ -1,11 +1,11 @@
-"""A real OpenTelemetry Collector for the tests: spans sent to it over OTLP gRPC come back as dicts.
+"""A real OpenTelemetry Collector for the tests: spans sent to it over OTLP/HTTP come back as dicts.
 
 The binary (OTLP receiver, file exporter; collector/) is built from the Go module proxy by
 build-collector.sh and cached outside the tree; `make otelcol` builds it before the tests, which must not
 download.
 
     with running_collector(tmp_path) as collector:
-        ...  # export spans over OTLP/gRPC to collector.endpoint (plaintext)
+        ...  # POST spans over OTLP/HTTP to collector.endpoint + "/v1/traces" (plaintext)
         spans = collector.spans(min_count=2)
 """
 
@@ -38,7 +38,7 @@ def collector_bin() -> Path:
 
 @dataclass(frozen=True)
 class Collector:
-    """One running collector: OTLP gRPC (plaintext) at ``endpoint``, every span written to ``spans_file``."""
+    """One running collector: OTLP/HTTP (plaintext) at ``endpoint``, every span written to ``spans_file``."""
 
     endpoint: str
     spans_file: Path
@@ -90,9 +90,9 @@ def running_collector(tmp_dir: Path) -> Iterator[Collector]:
 
 
 def collector_config(port: int, spans_file: Path) -> dict[str, Any]:
-    """The collector's configuration: OTLP gRPC on loopback ``port`` into the file exporter."""
+    """The collector's configuration: OTLP/HTTP on loopback ``port`` into the file exporter."""
     return {
-        "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": f"127.0.0.1:{port}"}}}},
+        "receivers": {"otlp": {"protocols": {"http": {"endpoint": f"127.0.0.1:{port}"}}}},
         "exporters": {
             # No `rotation` key: unrotated output is buffered and flushed on this interval (1 s by
             # default), so the spans show up in the file promptly.

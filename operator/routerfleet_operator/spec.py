@@ -41,10 +41,10 @@ MIN_READY_SECONDS_MAX = 3600
 _DURATION = re.compile(r"^(?:[0-9]+(?:\.[0-9]+)?(?:ms|s|m|h))+$")
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-# An OTLP/gRPC collector: scheme, host and port only. A path is refused, as the router does (gRPC has no
-# use for one: http://collector:4318/v1/traces is OTLP/HTTP's); credentials would show in the pod's args.
+# An OTLP/HTTP collector: scheme, host, maybe a port and a path (none: OTLP's /v1/traces), as the router
+# takes it; no credentials (they would show in the pod's args), query or fragment.
 # The CRD's CEL rule matches the same pattern (a test compares them).
-OTLP_ENDPOINT = re.compile(r"^https?://[^/?#@\s]+/?$")
+OTLP_ENDPOINT = re.compile(r"^https?://[^/?#@\s]+(/[^?#\s]*)?$")
 
 
 class SpecError(ValueError):
@@ -86,9 +86,9 @@ class SessionStore:
 
 @dataclass(frozen=True)
 class Tracing:
-    """OpenTelemetry traces of the routers' requests, exported to an OTLP/gRPC collector."""
+    """OpenTelemetry traces of the routers' requests, exported to an OTLP/HTTP collector."""
 
-    endpoint: str  # http:// (plaintext) or https:// (TLS), e.g. http://otel-collector.observability:4317
+    endpoint: str  # http:// (plaintext) or https:// (TLS), e.g. http://otel-collector.observability:4318
     # Of the requests without a sampled parent: a client's sampled traceparent is followed regardless.
     sample_ratio: float = 1.0
 
@@ -542,8 +542,8 @@ def validate(fleet: Fleet) -> list[str]:
     # fullmatch: CEL's (RE2's) $ is the end of the text; Python's re also matches before a final newline.
     if tracing is not None and not OTLP_ENDPOINT.fullmatch(tracing.endpoint):
         problems.append(
-            "spec.router.tracing.endpoint must be an http:// or https:// URL of an OTLP/gRPC collector, with"
-            " no path or credentials (e.g. http://otel-collector.observability:4317), got "
+            "spec.router.tracing.endpoint must be an http:// or https:// URL of an OTLP/HTTP collector, with"
+            " no credentials, query or fragment (e.g. http://otel-collector.observability:4318), got "
             f"{tracing.endpoint!r}"
         )
     if s.disruption.max_unavailable is not None and s.disruption.min_available is not None:

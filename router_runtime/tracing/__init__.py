@@ -1,4 +1,4 @@
-"""Request tracing: W3C trace context in, OpenTelemetry spans of each request's stages out (OTLP/gRPC).
+"""Request tracing: W3C trace context in, OpenTelemetry spans of each request's stages out (OTLP/HTTP).
 
 ``context.py`` reads and writes the ``traceparent`` header and decides sampling; ``spans.py`` records one
 request's spans (nothing at all for a request not sampled); ``wire.py`` writes a finished trace as OTLP

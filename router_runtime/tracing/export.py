@@ -1,6 +1,10 @@
-"""Finished traces to a collector: encoded as OTLP (``wire.py``, pure) and sent over OTLP/gRPC in
+"""Finished traces to a collector: encoded as OTLP (``wire.py``, pure) and POSTed over OTLP/HTTP in
 batches by one task (``OtlpExporter``). Bounded everywhere: a queue of traces (past it, new ones are
-dropped and counted), one export at a time with a deadline, and a last flush at the stop with its own."""
+dropped and counted), one export at a time with a deadline, and a last flush at the stop with its own.
+
+OTLP/HTTP, not OTLP/gRPC: the router's own HTTP client costs nothing between exports, while a connected
+``grpc.aio`` channel in the proxy's process cost 5-18% of its CPU per request however few traces it sent
+(bench/README.md, "The cost of tracing")."""
 
 from __future__ import annotations
 
@@ -9,11 +13,11 @@ import contextlib
 import logging
 import socket
 from collections import deque
-from urllib.parse import urlsplit
 
-import grpc
+import aiohttp
 from prometheus_client import CollectorRegistry, Counter
 
+from ..http_body import STATUS_ONLY, read_capped
 from .config import TracingConfig
 from .spans import Attr, Trace
 from .wire import encode_trace, export_request, rejected_spans
@@ -21,8 +25,8 @@ from .wire import encode_trace, export_request, rejected_spans
 log = logging.getLogger(__name__)
 
 SCOPE = "routerfleet.router"
-# OTLP's trace service, called with the request's bytes as wire.py writes them (no serializer).
-EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+# OTLP/HTTP's binary encoding: the request and the answer are protobuf bytes, as wire.py writes and reads.
+PROTOBUF = "application/x-protobuf"
 MAX_QUEUED_TRACES = 4096
 BATCH_TRACES = 256  # per export request
 INTERVAL_S = 1.0  # a batch goes at least this often while traces wait
@@ -53,21 +57,13 @@ class TraceMetrics:
         )
 
 
-def _channel(endpoint: str) -> grpc.aio.Channel:
-    parts = urlsplit(endpoint)  # vetted by config.py: a scheme, a host, maybe a port
-    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
-    target = f"{host}:{parts.port or (443 if parts.scheme == 'https' else 4317)}"
-    if parts.scheme == "https":
-        return grpc.aio.secure_channel(target, grpc.ssl_channel_credentials())
-    return grpc.aio.insecure_channel(target)
-
-
 class OtlpExporter:
     """Queues finished traces (``submit``, from the request path: an append) and sends them in batches."""
 
     def __init__(self, config: TracingConfig, metrics: TraceMetrics, version: str) -> None:
         assert config.endpoint is not None
         self.endpoint = config.endpoint
+        self.url = config.traces_url
         self.metrics = metrics
         self.version = version
         self.resource = resource_of(config, version)
@@ -77,8 +73,7 @@ class OtlpExporter:
         self._queue: deque[tuple[bytes, int]] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._channel: grpc.aio.Channel | None = None
-        self._export: grpc.aio.UnaryUnaryMultiCallable | None = None
+        self._session: aiohttp.ClientSession | None = None
 
     def submit(self, trace: Trace) -> None:
         """Queue a finished trace, encoded now; never raises into the request that made it."""
@@ -97,11 +92,12 @@ class OtlpExporter:
             self._wake.set()
 
     def start(self) -> None:
-        self._channel = _channel(self.endpoint)
-        self._export = self._channel.unary_unary(
-            EXPORT_METHOD,
-            request_serializer=None,
-            response_deserializer=rejected_spans,
+        # Its own session (one connection: one export at a time), apart from the engines' pool; no
+        # proxy settings from the environment, as the router's other clients.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=1),
+            timeout=aiohttp.ClientTimeout(total=EXPORT_TIMEOUT_S),
+            headers={"Content-Type": PROTOBUF},
         )
         self._task = asyncio.create_task(self._run(), name="trace-export")
 
@@ -122,9 +118,9 @@ class OtlpExporter:
             if self._queue:
                 self.metrics.dropped.labels("export_failed").inc(sum(n for _, n in self._queue))
                 self._queue.clear()
-            if self._channel is not None:
-                await self._channel.close()
-                self._channel = self._export = None
+            if self._session is not None:
+                await self._session.close()
+                self._session = None
 
     async def _run(self) -> None:
         while True:
@@ -141,21 +137,33 @@ class OtlpExporter:
         n = min(len(self._queue), BATCH_TRACES)
         batch = [self._queue.popleft() for _ in range(n)]
         spans = sum(n for _, n in batch)
-        assert self._export is not None
+        assert self._session is not None
         try:
             request = export_request([b for b, _ in batch], self.resource, SCOPE, self.version)
-            # The answer, read by wire.rejected_spans: how many spans the collector refused.
-            rejected = await self._export(request, timeout=EXPORT_TIMEOUT_S)
+            async with self._session.post(self.url, data=request) as answer:
+                body = await read_capped(answer.content, STATUS_ONLY)
+                status = answer.status
         except asyncio.CancelledError:  # the stop, mid-export: the batch is not coming back
             self.metrics.dropped.labels("export_failed").inc(spans)
             raise
-        except grpc.aio.AioRpcError as e:
+        except (aiohttp.ClientError, TimeoutError) as e:
             self.metrics.dropped.labels("export_failed").inc(spans)
-            log.warning("trace export to %s failed: %s", self.endpoint, e.code().name)
+            log.warning("trace export to %s failed: %s", self.endpoint, type(e).__name__)
             return
-        except Exception as e:  # a bug (an encoding), or a channel closed under us
+        except Exception as e:  # a bug (an encoding)
             self.metrics.dropped.labels("export_failed").inc(spans)
             log.error("trace export to %s failed: %r", self.endpoint, e)
+            return
+        if status != 200 or body is None:
+            self.metrics.dropped.labels("export_failed").inc(spans)
+            log.warning("trace export to %s failed: HTTP %d", self.endpoint, status)
+            return
+        # The answer's partial_success, read by wire.rejected_spans: how many spans the collector refused.
+        try:
+            rejected = rejected_spans(body)
+        except ValueError:
+            self.metrics.dropped.labels("export_failed").inc(spans)
+            log.warning("trace export to %s: the answer is not OTLP protobuf", self.endpoint)
             return
         if rejected:
             self.metrics.dropped.labels("export_failed").inc(rejected)

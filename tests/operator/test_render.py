@@ -273,7 +273,7 @@ def test_revision_follows_the_template_only():
         {"router": {"image": "routerfleet:dev", "extraArgs": ["--breaker-failures=4"]}},
         {"bootstrap": {"timeout": "5m"}},
         {"engines": {"serviceName": "other", "kvPort": "kv"}},
-        {"router": {"image": "routerfleet:dev", "tracing": {"endpoint": "http://otel:4317"}}},  # its flags
+        {"router": {"image": "routerfleet:dev", "tracing": {"endpoint": "http://otel:4318"}}},  # its flags
     ]
     for change in different:
         obj = copy.deepcopy(base)
@@ -329,7 +329,7 @@ def test_the_shared_session_store_and_its_password_from_a_secret(tmp_path):
     assert validate(fleet({"router": {"sessionStore": {"url": "http://x"}}})) != []
 
 
-COLLECTOR = "http://otel-collector.observability:4317"
+COLLECTOR = "http://otel-collector.observability:4318"
 TRACED = {"router": {"tracing": {"endpoint": COLLECTOR, "sampleRatio": 0.25}}}
 
 
@@ -346,7 +346,7 @@ def test_tracing_renders_the_routers_otlp_flags():
     for off in (None, {}, {"sampleRatio": 0.5}):
         args = router_args(fleet({"router": {"tracing": off}}))
         assert not {"--otlp-traces-endpoint", "--trace-sample-ratio"} & set(args), off
-    refused = fleet({"router": {"extraArgs": ["--otlp-traces-endpoint", "http://elsewhere:4317"]}})
+    refused = fleet({"router": {"extraArgs": ["--otlp-traces-endpoint", "http://elsewhere:4318"]}})
     assert any("may not set flags the operator owns" in p for p in validate(refused))
 
 

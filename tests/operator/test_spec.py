@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from router_runtime.bootstrap.state import Verdict as RouterVerdict
 from router_runtime.config import build_parser
 from router_runtime.scheduling.presets import POLICY_NAMES
+from router_runtime.tracing.config import _endpoint as tracing_endpoint
 from routerfleet_operator.model import OWNED_FLAGS, Verdict, owned_flag_in
 from routerfleet_operator.spec import (
     POLICIES,
@@ -131,7 +132,7 @@ def test_selector_string():
         ({"router": {"tokenizer": {"source": "Path"}}}, "needs tokenizer.path"),
         ({"router": {"volumes": [{"name": "internal-token", "emptyDir": {}}]}}, "may not use the names"),
         ({"disruption": {"maxUnavailable": 1, "minAvailable": 1}}, "at most one"),
-        ({"router": {"extraArgs": ["--otlp-traces-endpoint=http://c:4317"]}}, "extraArgs may not set"),
+        ({"router": {"extraArgs": ["--otlp-traces-endpoint=http://c:4318"]}}, "extraArgs may not set"),
         ({"router": {"extraArgs": ["--trace-sample-ratio", "0.5"]}}, "extraArgs may not set"),
         ({"router": {"extraArgs": ["--otlp"]}}, "extraArgs may not set"),  # argparse would expand it
     ],
@@ -151,13 +152,13 @@ def test_validate(spec, expect):
         ({"replicas": -1}, "spec.replicas"),
         ({"router": {"image": ""}}, "image is required"),
         ({"bootstrap": {"passVerdicts": ["lukewarm"]}}, "lukewarm"),
-        ({"router": {"tracing": "http://c:4317"}}, "spec.router.tracing must be an object"),
-        ({"router": {"tracing": {"endpoint": 4317}}}, "tracing.endpoint must be a string"),
-        ({"router": {"tracing": {"endpoint": "http://c:4317", "sampleRatio": 1.5}}}, r"in 0.0..1.0, got 1.5"),
-        ({"router": {"tracing": {"endpoint": "http://c:4317", "sampleRatio": -0.1}}}, "sampleRatio"),
-        ({"router": {"tracing": {"endpoint": "http://c:4317", "sampleRatio": "0.5"}}}, "must be a number"),
-        ({"router": {"tracing": {"endpoint": "http://c:4317", "sampleRatio": True}}}, "must be a number"),
-        ({"router": {"tracing": {"endpoint": "http://c:4317", "sampleRatio": float("nan")}}}, "sampleRatio"),
+        ({"router": {"tracing": "http://c:4318"}}, "spec.router.tracing must be an object"),
+        ({"router": {"tracing": {"endpoint": 4318}}}, "tracing.endpoint must be a string"),
+        ({"router": {"tracing": {"endpoint": "http://c:4318", "sampleRatio": 1.5}}}, r"in 0.0..1.0, got 1.5"),
+        ({"router": {"tracing": {"endpoint": "http://c:4318", "sampleRatio": -0.1}}}, "sampleRatio"),
+        ({"router": {"tracing": {"endpoint": "http://c:4318", "sampleRatio": "0.5"}}}, "must be a number"),
+        ({"router": {"tracing": {"endpoint": "http://c:4318", "sampleRatio": True}}}, "must be a number"),
+        ({"router": {"tracing": {"endpoint": "http://c:4318", "sampleRatio": float("nan")}}}, "sampleRatio"),
         ({"router": {"tracing": {"sampleRatio": 2}}}, "sampleRatio"),  # no endpoint: refused too (the CRD)
     ],
 )
@@ -169,35 +170,36 @@ def test_parse_refuses(spec, expect):
 def test_tracing_is_off_without_an_endpoint_and_samples_everything_by_default():
     for off in ({}, {"tracing": None}, {"tracing": {}}, {"tracing": {"sampleRatio": 0.5}}):
         assert Fleet.parse(fleet_obj({"router": off})).spec.router.tracing is None, off
-    on = Fleet.parse(fleet_obj({"router": {"tracing": {"endpoint": "https://otel.obs:4317"}}}))
-    assert on.spec.router.tracing == Tracing("https://otel.obs:4317", 1.0) and validate(on) == []
+    on = Fleet.parse(fleet_obj({"router": {"tracing": {"endpoint": "https://otel.obs:4318"}}}))
+    assert on.spec.router.tracing == Tracing("https://otel.obs:4318", 1.0) and validate(on) == []
     # The API server hands a whole number back as an int: the same float either way.
-    whole = Fleet.parse(fleet_obj({"router": {"tracing": {"endpoint": "http://c:4317", "sampleRatio": 0}}}))
+    whole = Fleet.parse(fleet_obj({"router": {"tracing": {"endpoint": "http://c:4318", "sampleRatio": 0}}}))
     assert type(whole.spec.router.tracing.sample_ratio) is float
 
 
 @pytest.mark.parametrize(
     "endpoint",
-    ["http://otel-collector.observability:4317", "https://otel.example.com", "http://10.0.0.7:4317/",
-     "http://[fd00::1]:4317"],
+    ["http://otel-collector.observability:4318", "https://otel.example.com", "http://10.0.0.7:4318/",
+     "http://[fd00::1]:4318", "http://otel-collector:4318/v1/traces", "https://gw.example/otlp/v1/traces"],
 )  # fmt: skip
 def test_tracing_endpoints_accepted(endpoint):
     assert validate(Fleet.parse(fleet_obj({"router": {"tracing": {"endpoint": endpoint}}}))) == []
+    assert tracing_endpoint(endpoint) == endpoint  # and the router takes it as it is rendered
 
 
 @pytest.mark.parametrize(
     "endpoint",
     [
         "",
-        "otel-collector:4317",  # no scheme
-        "grpc://otel-collector:4317",
+        "otel-collector:4318",  # no scheme
+        "grpc://otel-collector:4318",
         "unix:///run/otel.sock",
-        "http://otel-collector:4318/v1/traces",  # the OTLP/HTTP path: the gRPC exporter would drop it
-        "http://user:secret@otel-collector:4317",  # credentials in the pod's args
-        "http://otel-collector:4317?x=1",
+        "http://otel-collector:4318/v1/traces#spans",
+        "http://user:secret@otel-collector:4318",  # credentials in the pod's args
+        "http://otel-collector:4318?x=1",
         "http://",
-        "http://otel collector:4317",
-        "http://otel-collector:4317\n",  # Python's $ allows a final newline, CEL's does not
+        "http://otel collector:4318",
+        "http://otel-collector:4318\n",  # Python's $ allows a final newline, CEL's does not
     ],
 )
 def test_tracing_endpoints_refused(endpoint):
