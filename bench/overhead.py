@@ -622,6 +622,18 @@ def report(
                     f"{h.spread(pct, '+.1f')})"
                 )
             print(f"  router CPU per request, one at a time ({len(off)} blocks): {', '.join(parts)}")
+            # The throughput phase paired by run (each traced row against the off row of its own run):
+            # the machine's drift between runs cancels, which the medians above do not.
+            parts = []
+            for n in traced:
+                pct = [
+                    100 * (a.router_cpu_us_per_req / b.router_cpu_us_per_req - 1)
+                    for a, b in zip(thr[n, shape], thr["ours", shape], strict=True)
+                ]
+                parts.append(
+                    f"{n.removeprefix('ours-trace')}% traced {h.med(pct):+.1f}%{h.spread(pct, '+.1f')}"
+                )
+            print(f"  router CPU per request, throughput phase paired by run: {', '.join(parts)}")
         if "ours" in by_name and "ours-noaudit" in by_name:
             o, n = thr["ours", shape], thr["ours-noaudit", shape]
             d = h.med([x.router_cpu_us_per_req for x in o]) - h.med([x.router_cpu_us_per_req for x in n])
