@@ -62,9 +62,12 @@ Choose = Callable[[str, PolicyConfig], "Chooser"]
 
 
 class Chooser:
-    """What the trace drives: the five policies' one decision call and their target forgetting."""
+    """What the trace drives: the five policies' one decision call, the end of the request it sent, and
+    their target forgetting."""
 
     def choose(self, request: RouteRequest, targets, loads, index) -> Decision: ...
+
+    def ended(self, decision: Decision) -> None: ...
 
     def remove_target(self, target: Target) -> int: ...
 
@@ -75,7 +78,7 @@ def name(t: Target | None) -> str | None:
 
 @dataclass
 class _Flight:
-    target: Target
+    decision: Decision
     ends: int  # the step it completes at
     tokens: list[int]  # prompt + reply: cached when it ends
 
@@ -98,7 +101,8 @@ def run(policy: str, config_name: str, make: Choose = make_policy) -> Iterator[d
     for step, turn in enumerate(build_workload(WORKLOAD)):
         for f in [f for f in flights if f.ends <= step]:
             flights.remove(f)
-            admit(f.target, f.tokens, step)
+            admit(f.decision.target, f.tokens, step)
+            chooser.ended(f.decision)
         if step and step % 200 == 0:
             gone = TARGETS[(step // 200) % len(TARGETS)]
             caches[gone].reset()
@@ -108,8 +112,8 @@ def run(policy: str, config_name: str, make: Choose = make_policy) -> Iterator[d
         targets = [t for t in TARGETS if t != sick]
         loads = {t: 0 for t in targets}
         for f in flights:
-            if f.target in loads:
-                loads[f.target] += 1
+            if f.decision.target in loads:
+                loads[f.decision.target] += 1
         prefer = served.get(turn.conv) if turn.index else None
         prefer = prefer if prefer in targets else None
         if prefer is not None:
@@ -141,7 +145,7 @@ def run(policy: str, config_name: str, make: Choose = make_policy) -> Iterator[d
         if salt is None:
             admit(d.target, tokens, step)
         reply = list(turn.reply.encode("ascii"))
-        flights.append(_Flight(d.target, step + rng.randint(1, 9), tokens + reply))
+        flights.append(_Flight(d, step + rng.randint(1, 9), tokens + reply))
 
 
 def traces(make: Choose = make_policy) -> Iterator[tuple[str, list[dict]]]:

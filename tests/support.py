@@ -111,3 +111,12 @@ def closed_port_url() -> str:
 
 # A test router's metrics port: any free one (the default, 9090, is one router's per host).
 LOCAL_METRICS = MetricsConfig(port=0)
+
+
+def predicted_blocks(router) -> int:
+    """Blocks the router's in-flight predictions hold over all its candidates (0: every request that made
+    one has ended)."""
+    from router_runtime.scheduling.inflight_prefix import InflightPrefix
+
+    plugins = [p for p in router.scheduler.profile.scorers if isinstance(p, InflightPrefix)]
+    return sum(p.predicted_blocks(t.carrier) for p in plugins for t in router.targets.candidates())

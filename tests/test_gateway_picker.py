@@ -50,6 +50,7 @@ from tests.support import (
     eventually,
     free_port,
     join_all,
+    predicted_blocks,
     static_workers,
     stop_process,
 )
@@ -416,6 +417,7 @@ async def test_a_pick_that_refuses_connections_fails_over_and_the_engine_that_se
         # prediction was made for the pick, not for the engine that served them).
         assert audited(router, "exact") == 5 and audited(router, "false_hit") == 0
         await eventually(lambda: router.load.total == 0, timeout=10, what="the picks released")
+        assert predicted_blocks(router) == 0  # the failed-over picks' predictions ended with them too
 
 
 @pytest.mark.parametrize("fail_open", [True, False])
@@ -448,6 +450,7 @@ async def test_a_client_gone_mid_stream_ends_the_engines_work_and_the_picks_load
             assert served.load.running == 1
         await eventually(lambda: served.load.running == 0, timeout=10, what="the engine stopped generating")
         await eventually(lambda: router.load.total == 0, timeout=10, what="the pick released")
+        assert predicted_blocks(router) == 0  # the request's in-flight prediction ended with it
 
 
 async def test_the_picker_holds_bodies_in_the_routers_one_budget(tmp_path):

@@ -45,7 +45,9 @@ def store(index: RadixIndex, target: Target, tokens: list[int], medium: str | No
 
 
 def kv(**kw) -> Profile:
-    return make_policy("kv_aware", PolicyConfig(**kw))
+    """kv_aware, each decision standing alone (no request it sent stays in flight, so no in-flight
+    prediction: tests/test_inflight_prefix.py has those)."""
+    return make_policy("kv_aware", PolicyConfig(**({"inflight_ttl_s": 0.0} | kw)))
 
 
 def req(tokens, **kw) -> RouteRequest:

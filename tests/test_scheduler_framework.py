@@ -48,7 +48,9 @@ def test_a_new_scorer_is_one_class_and_one_line_in_a_preset():
     index.apply_batch(A.carrier, EventBatch(0.0, (BlockStored((1, 2, 3, 4), None, tuple(tokens), BS),)))
     request = RouteRequest(tokens=[*tokens, 7])  # a partial block after: all 4 blocks reusable
     kv = make_policy("kv_aware")
-    assert kv.choose(request, [A, B], {}, index).target == A  # A holds all 4 blocks
+    d = kv.choose(request, [A, B], {}, index)
+    assert d.target == A  # A holds all 4 blocks
+    kv.ended(d)  # each request here ends before the next is decided (no in-flight prediction lingers)
 
     waiting = {"a": 3}
     queued = Profile(
@@ -60,6 +62,7 @@ def test_a_new_scorer_is_one_class_and_one_line_in_a_preset():
     # 3 waiting cost 6 blocks, more than A's 4-block credit: B wins, and the reason says load beat a prefix.
     d = queued.choose(request, [A, B], {}, index)
     assert (d.target, d.reason, d.matched_blocks, d.total_blocks) == (B, Reason.LEAST_LOADED, 0, 4)
+    queued.ended(d)
     waiting["a"] = 1  # 2 blocks: the prefix wins again
     d = queued.choose(request, [A, B], {}, index)
     assert (d.target, d.reason, d.matched_blocks) == (A, Reason.PREFIX, 4)

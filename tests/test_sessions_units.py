@@ -187,8 +187,10 @@ def test_promote_moves_the_remembered_target_first_for_this_request_only():
 
 
 def test_kv_aware_credits_the_remembered_target_and_keeps_its_guards():
+    # Each decision stands alone (no request stays in flight: no in-flight prediction).
     pol = make_policy(
-        "kv_aware", PolicyConfig(balance_abs_threshold=2, load_cost_tokens=0, spread_ties=False)
+        "kv_aware",
+        PolicyConfig(balance_abs_threshold=2, load_cost_tokens=0, spread_ties=False, inflight_ttl_s=0),
     )
     req = RouteRequest(tokens=list(range(64)), prefer=B, prefer_vouched=True)
 
@@ -209,7 +211,10 @@ def test_kv_aware_credits_the_remembered_target_and_keeps_its_guards():
     assert pol.choose(RouteRequest(prefer=B), [B, A], {}, None).target == B
     # The load price still applies.
     priced = make_policy(
-        "kv_aware", PolicyConfig(balance_abs_threshold=100, load_cost_tokens=4 * 100, spread_ties=False)
+        "kv_aware",
+        PolicyConfig(
+            balance_abs_threshold=100, load_cost_tokens=4 * 100, spread_ties=False, inflight_ttl_s=0
+        ),
     )
     assert priced.choose(req, [B, A], {B: 1}, Empty()).target == A
 
@@ -217,7 +222,8 @@ def test_kv_aware_credits_the_remembered_target_and_keeps_its_guards():
 def test_kv_aware_trusts_the_index_over_a_remembered_target_that_evicted():
     """The index shows A holding 12 of the 16 blocks and B 4 (B evicted the rest under pressure)."""
     pol = make_policy(
-        "kv_aware", PolicyConfig(balance_abs_threshold=100, load_cost_tokens=0, spread_ties=False)
+        "kv_aware",
+        PolicyConfig(balance_abs_threshold=100, load_cost_tokens=0, spread_ties=False, inflight_ttl_s=0),
     )
     tokens = list(range(64))
 

@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import grpc
@@ -77,6 +78,7 @@ class _Stream:
         "chunks",
         "duplex_in",
         "duplex_out",
+        "ended",
         "exchange",
         "headers",
         "held",
@@ -108,6 +110,7 @@ class _Stream:
         self.size = 0
         self.share = share  # of the router's body budget, until the request is picked
         self.target: Target | None = None  # counted in the load until the stream ends
+        self.ended: Callable[[], None] | None = None  # tells the scheduler the picked request is over
         self.watches: Sequence[ResponseWatch] = ()
         self.chunks: Sequence[ResponseWatch] = ()  # the watches that look at body chunks
         self.exchange: Exchange | None = None
@@ -166,6 +169,8 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             stream.share.release()
             if stream.target is not None:
                 self.load.release(stream.target)
+            if stream.ended is not None:
+                stream.ended()
             if stream.trace.recording:
                 _end_trace(stream)
 
@@ -314,6 +319,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             if self.config.audit_stream_usage and kind in USAGE_OPTION_KINDS and scheduled.predicts:
                 asked = request_usage(raw, body)
             decision = scheduled.decide(candidates, 0)
+            stream.ended = partial(scheduled.ended, decision)
             prediction = scheduled.prediction(decision)
             x = Exchange(
                 decision.target,
@@ -387,6 +393,9 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         target = next((t for t in self.targets.candidates() if t.endpoint == served), None)
         if self.health is not None:
             self.health.failure(picked_.engine)
+        if stream.ended is not None:  # the pick never got the request: what it predicted there ends
+            stream.ended()
+            stream.ended = None
         stream.upstream.event("failed_over", {"routerfleet.engine": target.engine if target else served})
         if target is None:  # not one of ours any more: nothing to count against it
             return

@@ -69,6 +69,8 @@ class Prediction:
     tiers: tuple[int, int, int, int] = (0, 0, 0, 0)  # of ``tokens``: device, host, disk, external
     reusable_tokens: int = 0  # of the prompt, what the engine may serve from its cache (reuse.py)
     block_size: int = 0
+    # Beyond ``tokens``: what a request just sent there predicts (not yet stored; not a cache claim).
+    inflight_tokens: int = 0
 
     def tier_header(self) -> str:
         return ",".join(f"{name}={n}" for name, n in zip(TIERS, self.tiers, strict=True))
@@ -87,18 +89,22 @@ class Audit:
     outcome: AuditOutcome
     false_hit_tokens: int = 0
     missed_hit_tokens: int = 0
+    inflight_reused_tokens: int = 0  # of the prediction's in-flight tokens, those the engine had cached
 
 
 def judge(prediction: Prediction, cached_tokens: int | None) -> Audit:
     """The audit of one response: the engine's cached tokens (None: it did not say) against the
-    prediction."""
+    prediction. Only the index's credit is a claim: short of it is a false hit. Beyond it, what an
+    in-flight prediction counted on is its own measure (reused), and only the rest is a missed hit."""
     if cached_tokens is None:
         return Audit(AuditOutcome.UNAUDITED)
     if cached_tokens < prediction.tokens:
         return Audit(AuditOutcome.FALSE_HIT, false_hit_tokens=prediction.tokens - cached_tokens)
-    if cached_tokens > prediction.tokens:
-        return Audit(AuditOutcome.MISSED_HIT, missed_hit_tokens=cached_tokens - prediction.tokens)
-    return Audit(AuditOutcome.EXACT)
+    extra = cached_tokens - prediction.tokens
+    reused = min(extra, prediction.inflight_tokens)
+    if extra > reused:
+        return Audit(AuditOutcome.MISSED_HIT, missed_hit_tokens=extra - reused, inflight_reused_tokens=reused)
+    return Audit(AuditOutcome.EXACT, inflight_reused_tokens=reused)
 
 
 def denies(prediction: Prediction, audit: Audit) -> bool:
@@ -276,6 +282,7 @@ def _traced(x: Exchange, prediction: Prediction, cached: int | None, audit: Audi
             "routerfleet.audit.cached_tokens": cached,
             "routerfleet.audit.false_hit_tokens": audit.false_hit_tokens,
             "routerfleet.audit.missed_hit_tokens": audit.missed_hit_tokens,
+            "routerfleet.audit.inflight_reused_tokens": audit.inflight_reused_tokens,
             "routerfleet.audit.doubtful": prediction.doubtful,
         }
     )

@@ -118,6 +118,20 @@ class ProxyMetrics:
             p + "audit_missed_hit_tokens", "Tokens the engine had cached beyond the prediction", audit,
             registry=registry,
         )  # fmt: skip
+        # Decisions on an in-flight prediction (a request just sent there, not yet stored): what they
+        # counted on beyond the index, and what of it the engine then served from its cache.
+        self.audit_inflight_predicted = Counter(
+            p + "audit_inflight_predicted_tokens",
+            "Tokens predicted by requests just sent to the engine (not yet stored), on audited requests",
+            audit,
+            registry=registry,
+        )
+        self.audit_inflight_reused = Counter(
+            p + "audit_inflight_reused_tokens",
+            "Of the in-flight predicted tokens, those the engine reported cached",
+            audit,
+            registry=registry,
+        )
         self.audit_false_hit_per_request = Histogram(
             p + "audit_false_hit_tokens_per_request",
             "False-hit tokens of one audited request",
@@ -172,12 +186,22 @@ class ProxyMetrics:
                 self.audit_missed_hit.labels(engine, policy, doubtful),
                 self.audit_false_hit_per_request.labels(policy),
                 tuple(self.audit_predicted_tier.labels(engine, policy, t) for t in TIERS),
+                self.audit_inflight_predicted.labels(engine, policy, doubtful),
+                self.audit_inflight_reused.labels(engine, policy, doubtful),
             )
         c.requests[audit.outcome].inc()
         if audit.outcome is AuditOutcome.UNAUDITED:
             return
         c.predicted.inc(prediction.tokens)
-        c.cached.inc(prediction.tokens - audit.false_hit_tokens + audit.missed_hit_tokens)
+        c.cached.inc(
+            prediction.tokens
+            - audit.false_hit_tokens
+            + audit.missed_hit_tokens
+            + audit.inflight_reused_tokens
+        )
+        if prediction.inflight_tokens:
+            c.inflight_predicted.inc(prediction.inflight_tokens)
+            c.inflight_reused.inc(audit.inflight_reused_tokens)
         for child, n in zip(c.tiers, prediction.tiers, strict=True):
             if n:
                 child.inc(n)
@@ -205,3 +229,5 @@ class _AuditSeries:
     missed_hit: Any
     false_hit_per_request: Any
     tiers: tuple[Any, ...]
+    inflight_predicted: Any
+    inflight_reused: Any

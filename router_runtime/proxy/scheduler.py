@@ -107,6 +107,10 @@ class Scheduled:
             s.sessions.selected(sctx, decision.target, s.profile.name)
         return decision
 
+    def ended(self, decision: Decision) -> None:
+        """The request ``decision`` sent has ended, however: the profile's plugins let go of it."""
+        self._scheduler.profile.ended(decision)
+
     def _explained(self, decision: Decision, route: RouteRequest, attempt: int) -> dict[str, Attr | None]:
         """The schedule span's attributes: the winner and why, what it credits, and every candidate's
         standing (parallel arrays, in the order the picker saw them)."""
@@ -126,6 +130,7 @@ class Scheduled:
             "routerfleet.session.preferred": route.prefer.engine if route.prefer is not None else None,
             "routerfleet.prediction.cached_tokens": prediction.tokens if prediction is not None else None,
             "routerfleet.prediction.doubtful": prediction.doubtful if prediction is not None else None,
+            "routerfleet.prediction.inflight_tokens": prediction.inflight_tokens if prediction else None,
             "routerfleet.candidates.engine": [c.target.engine for c in rows],
             "routerfleet.candidates.rank": [-1 if c.target.rank is None else c.target.rank for c in rows],
             "routerfleet.candidates.load": [float(c.load) for c in rows],
@@ -150,7 +155,8 @@ class Scheduled:
         bs = index.block_size
         tiers = tuple(n * bs for n in decision.tier_blocks)
         reusable = reusable_tokens(len(route.tokens), route.logprobs_from)
-        return Prediction(decision.matched_blocks * bs, doubtful, tiers, reusable, bs)
+        inflight = decision.inflight_blocks * bs
+        return Prediction(decision.matched_blocks * bs, doubtful, tiers, reusable, bs, inflight)
 
 
 class Scheduler:

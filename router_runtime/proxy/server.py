@@ -260,7 +260,9 @@ class Proxy:
                 trace if trace.recording else None,
             )
 
-        return await self._forward(request, ctx, targets, scheduled.decide, sent, exchange, n_tokens)
+        return await self._forward(
+            request, ctx, targets, scheduled.decide, sent, exchange, n_tokens, scheduled.ended
+        )
 
     async def _serve_bound(self, request: web.Request, ctx: _Ctx) -> web.StreamResponse:
         async with self.bodies.share() as share:
@@ -317,10 +319,12 @@ class Proxy:
         body: bytes,
         exchange: Callable[[Decision, float], Exchange],
         n_tokens: int = 0,
+        ended: Callable[[Decision], None] | None = None,
     ) -> web.StreamResponse:
         """Send ``body`` to the target ``decide`` picks and relay the answer through the hooks that
-        watch its ``exchange``, counting it in the target's load meanwhile. A connect failure before any
-        byte counts against the engine's breaker and is retried once, without that engine."""
+        watch its ``exchange``, counting it in the target's load meanwhile (and telling ``ended`` when
+        each attempt is over). A connect failure before any byte counts against the engine's breaker and
+        is retried once, without that engine."""
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
             decision = decide(targets, attempt)
@@ -356,6 +360,8 @@ class Proxy:
             finally:
                 span.end()
                 self._release(target, n_tokens)
+                if ended is not None:
+                    ended(decision)
         raise AssertionError("unreachable")  # pragma: no cover
 
     # ---- request side --------------------------------------------------------------------------

@@ -56,6 +56,20 @@ FLAGS = (
         "kv_aware: one in-flight request costs as much as prefilling this many tokens",
     ),
     Flag(
+        "--inflight-weight",
+        "scheduling.tuning.inflight_weight",
+        Real(0.0, hi=1.0),
+        "kv_aware: credit of a block predicted by a request this router just sent there, not yet stored"
+        " (a fan-out's copies; device = 1)",
+    ),
+    Flag(
+        "--inflight-ttl-s",
+        "scheduling.tuning.inflight_ttl_s",
+        Real(0.0),
+        "kv_aware: how long such a prediction lasts at most (it ends with its request; this bounds one"
+        " whose end is never seen; 0: no predictions)",
+    ),
+    Flag(
         "--spread-ties",
         "scheduling.tuning.spread_ties",
         Switch(),

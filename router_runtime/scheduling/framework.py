@@ -2,6 +2,7 @@
 
     candidates -> filters (each keeps some) -> scorers (each a cost per candidate, in blocks, summed)
                -> picker (one target and the reason) -> pre-request hooks (the decision is final)
+    ... the request runs ...                              -> request-ended hooks (``Profile.ended``)
 
 The shape is the Gateway API Inference Extension's endpoint picker (Filter, Scorer, Picker, PreRequest;
 per-request state in a ``Cycle``), with two things kept from ours: a decision carries its ``Reason``, and
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Protocol, runtime_checkable
 
 from ..kv.index import RadixIndex
@@ -56,7 +58,8 @@ class Evidence(enum.IntEnum):
 
     NONE = 0
     SESSION = 1  # only the returning session's memory puts it there
-    CACHED = 2  # the index (or the text tree) shows some of it there
+    INFLIGHT = 2  # only a request this router just sent there (inflight_prefix.py): not stored yet
+    CACHED = 3  # the index (or the text tree) shows some of it there
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,7 @@ class Measure:
     tier_blocks: tuple[int, int, int, int] = (0, 0, 0, 0)  # device, host, disk, external
     matched_chars: int = 0
     total_chars: int = 0
+    inflight_blocks: int = 0  # predicted by a request just sent there, beyond what the index confirms
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +140,14 @@ class PreRequest(Protocol):
 
 
 @runtime_checkable
+class RequestEnded(Protocol):
+    """A plugin told that the request a decision sent has ended, however it ended (each front door
+    calls ``Profile.ended`` once per dispatched decision)."""
+
+    def request_ended(self, decision: Decision) -> None: ...
+
+
+@runtime_checkable
 class KeepsTargetState(Protocol):
     """A plugin that keeps something per target, forgotten when the target leaves discovery or restarts
     empty; returns how much it held."""
@@ -168,6 +180,7 @@ class Profile:
         self.needs_text = needs_text
         plugins = (*self.filters, *self.scorers, picker)
         self._pre_request = tuple(p for p in plugins if isinstance(p, PreRequest))
+        self._ended = tuple(p for p in plugins if isinstance(p, RequestEnded))
         self._stateful = tuple(p for p in plugins if isinstance(p, KeepsTargetState))
 
     def choose(
@@ -197,7 +210,8 @@ class Profile:
         scored = _combined(views, len(cycle.targets))
         choice = self.picker.pick(cycle, scored)
         target = cycle.targets[choice.index]
-        measure = next((v.measure for v in views if v.measure is not None), None)
+        measures = [v.measure for v in views if v.measure is not None]
+        measure = partial(_measured, measures) if measures else None
         m = measure(target) if measure is not None else _NO_MEASURE
         decision = Decision(
             target,
@@ -207,11 +221,17 @@ class Profile:
             m.tier_blocks,
             m.matched_chars,
             m.total_chars,
+            m.inflight_blocks,
             _explained(cycle, scored, measure) if explain else (),
         )
         for hook in self._pre_request:
             hook.pre_request(cycle, decision)
         return decision
+
+    def ended(self, decision: Decision) -> None:
+        """The request ``decision`` sent has ended (answered, failed, cut or never connected)."""
+        for plugin in self._ended:
+            plugin.request_ended(decision)
 
     def remove_target(self, target: Target) -> int:
         """Forget what the plugins keep about a target that left discovery (or restarted empty)."""
@@ -219,6 +239,16 @@ class Profile:
 
 
 _NO_MEASURE = Measure()
+
+
+def _measured(measures: Sequence[Callable[[Target], Measure]], target: Target) -> Measure:
+    """What the scorers report of ``target``: the first one's prefix, and any in-flight prediction."""
+    m = measures[0](target)
+    for other in measures[1:]:
+        inflight = other(target).inflight_blocks
+        if inflight:
+            m = replace(m, inflight_blocks=inflight)
+    return m
 
 
 def _explained(

@@ -72,6 +72,14 @@ def request_hash(tokens: Sequence[int] | None) -> int:
         return hash((len(tokens), *tail)) & 0xFFFF_FFFF_FFFF_FFFF
 
 
+# What the winner's evidence makes the decision's reason (none: load decided among equals).
+_REASONS = {
+    Evidence.CACHED: Reason.PREFIX,
+    Evidence.INFLIGHT: Reason.INFLIGHT,
+    Evidence.SESSION: Reason.SESSION,
+}
+
+
 def _settle(cycle: Cycle, tied: Sequence[int], ties: Ties) -> int:
     i = preferred(tied, cycle.prefer)
     if i is not None:
@@ -107,13 +115,7 @@ class LowestCost:
         if evidence is None:
             return Choice(i, Reason.NO_MATCH)
         held = evidence[i]
-        reason = (
-            Reason.PREFIX
-            if held is Evidence.CACHED
-            else Reason.SESSION
-            if held is Evidence.SESSION
-            else Reason.LEAST_LOADED
-        )
+        reason = _REASONS.get(held, Reason.LEAST_LOADED)
         return Choice(i, reason)
 
 

@@ -3,7 +3,8 @@ every routing tunable. Defaults and their reasoning are in docs/routing.md. A ne
 one line in a preset here.
 
     every preset   subset, pinned, preferred_first (filters.py), then:
-    kv_aware       prefix_cache + load_cost -> lowest_cost (guard, ties spread by request hash)
+    kv_aware       prefix_cache + inflight_prefix + load_cost
+                                            -> lowest_cost (guard, ties spread by request hash)
     approx_prefix  text_prefix              -> lowest_cost (guard, ties by target order)
     round_robin                             -> round_robin (the guard for returning sessions)
     least_loaded                            -> least_loaded
@@ -18,6 +19,7 @@ from dataclasses import dataclass, fields
 
 from .filters import EndpointSubset, PinnedTarget, PreferredFirst
 from .framework import Profile
+from .inflight_prefix import InflightPrefix
 from .load_cost import LoadCost
 from .pickers import Guard, LeastLoaded, LowestCost, PowerOfTwo, RoundRobin, Ties
 from .prefix_cache import PrefixCache
@@ -38,6 +40,10 @@ class PolicyConfig:
     external_weight: float = 0.1
     # kv_aware: one in-flight request costs as much as prefilling this many uncached tokens.
     load_cost_tokens: float = 256.0
+    # kv_aware: a block predicted by a request this router just sent (not yet stored) is credited this
+    # much of a device block, for this long at most (0: no predictions).
+    inflight_weight: float = 0.9
+    inflight_ttl_s: float = 30.0
     # kv_aware: break full ties by a hash of the request (spreads new conversations); else target order.
     spread_ties: bool = True
     # approx_prefix: route by prefix only above this matched fraction of the text.
@@ -59,9 +65,11 @@ class PolicyConfig:
             raise bad("balance_abs_threshold", "must be >= 0")
         if self.balance_rel_threshold < 1:
             raise bad("balance_rel_threshold", "must be >= 1")
-        for name in ("host_weight", "disk_weight", "external_weight"):
+        for name in ("host_weight", "disk_weight", "external_weight", "inflight_weight"):
             if not 0 <= getattr(self, name) <= 1:
                 raise bad(name, "must be within [0, 1] (a device block is worth 1)")
+        if self.inflight_ttl_s < 0:
+            raise bad("inflight_ttl_s", "must be >= 0")
         if self.load_cost_tokens < 0:
             raise bad("load_cost_tokens", "must be >= 0")
         if not 0 <= self.cache_threshold <= 1:
@@ -78,10 +86,11 @@ def make_policy(name: str, config: PolicyConfig | None = None) -> Profile:
         prefix = PrefixCache(
             host_weight=c.host_weight, disk_weight=c.disk_weight, external_weight=c.external_weight
         )
+        inflight = InflightPrefix(weight=c.inflight_weight, ttl_s=c.inflight_ttl_s)
         return Profile(
             name,
             filters=filters,
-            scorers=(prefix, LoadCost(c.load_cost_tokens)),
+            scorers=(prefix, inflight, LoadCost(c.load_cost_tokens)),
             picker=LowestCost(guard, Ties.SPREAD if c.spread_ties else Ties.FIRST),
             needs_tokens=True,
         )

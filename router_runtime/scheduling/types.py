@@ -74,6 +74,7 @@ class Reason(enum.StrEnum):
     ROUND_ROBIN = "round_robin"
     POWER_OF_TWO = "power_of_two"
     SESSION = "session"  # a returning session's remembered target, which the policy alone would not pick
+    INFLIGHT = "inflight"  # a prefix this router just sent there, not yet stored (a fan-out's copies)
     RESPONSE = "response"  # the engine holding the stored response the request continues (not a choice)
 
 
@@ -98,5 +99,7 @@ class Decision:
     # matched / total characters for text-prefix routing
     matched_chars: int = 0
     total_chars: int = 0
+    # Blocks of the prefix predicted there by a request just sent (beyond matched_blocks): not stored yet.
+    inflight_blocks: int = 0
     # Every candidate the picker weighed, with ``Profile.choose(..., explain=True)``; else empty.
     candidates: tuple[Candidate, ...] = ()

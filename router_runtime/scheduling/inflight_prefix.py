@@ -1,0 +1,200 @@
+"""The in-flight prefix scorer: what this router has sent where and is still in flight there.
+
+A fan-out burst (one context sent N times at once: best-of-N, an agent's tool calls) reaches the router
+before the first copy's engine has published a block, so the index credits nobody and the copies would
+scatter, each engine prefilling the same prompt. After each decision with tokens (``pre_request``) the
+request's reusable full blocks beyond what the index credited its target with (what the engine will
+compute and store) are recorded there as a *prediction*; a later request is credited the predicted
+blocks that continue its prefix beyond what the index confirms there, at ``weight`` of a device block
+(below a confirmed one; above a slower tier, since the engine computes them into device memory), with
+the evidence ``INFLIGHT`` (the decision's reason says so, and the audit counts its outcome apart:
+proxy/audit.py).
+
+A prediction lives as long as the request that made it (``request_ended``, which every front door calls
+however the request ends): while it runs, the engine holds its prompt's blocks (they are in use, so
+never evicted); once it has ended, the blocks it stored are the index's to report, and an eviction the
+index sees afterwards is not papered over. ``ttl_s`` bounds a prediction whose end is never seen, and a
+target that leaves discovery or restarts empty takes its predictions along (``remove_target``).
+Predictions are not cache content: never in the index, never in a snapshot a sibling grafts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from ..worker import Carrier
+from .framework import Cycle, Evidence, Measure, Scores
+from .reuse import reusable_tokens
+from .types import Decision, RouteRequest, Target
+
+MAX_PREDICTIONS = 1 << 14  # requests in flight with a prediction; past it the oldest is dropped
+
+
+class _Made:
+    """One request's prediction: its prompt's block keys (chained: equal keys at position i mean equal
+    prefixes up to i), of which ``start`` on are predicted (before it, the index credited them)."""
+
+    __slots__ = ("carrier", "decision", "expires", "keys", "start")
+
+    def __init__(self, decision: Decision, keys: list[int], start: int, expires: float) -> None:
+        self.decision = decision  # kept, so that its id stays its own while this lives
+        self.carrier = decision.target.carrier
+        self.keys = keys
+        self.start = start
+        self.expires = expires
+
+    def covers(self, keys: Sequence[int]) -> int:
+        """How far this prediction runs along ``keys``: the end of their common prefix (found by
+        bisection: chained keys agree up to some position, then never again), or 0 when that ends
+        before the part it predicts."""
+        mine, start = self.keys, self.start
+        n = min(len(mine), len(keys))
+        if n <= start or mine[start] != keys[start]:  # parts before it before its own: nothing to add
+            return 0
+        lo, hi = start + 1, n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if mine[mid - 1] == keys[mid - 1]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+class InflightPrefix:
+    name = "inflight_prefix"
+
+    def __init__(
+        self,
+        *,
+        weight: float = 0.9,
+        ttl_s: float = 30.0,
+        max_predictions: int = MAX_PREDICTIONS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.weight = weight
+        self.ttl_s = ttl_s
+        self.max_predictions = max_predictions
+        self._clock = clock
+        # id(decision) -> its prediction, oldest first (one TTL for all: insertion order is expiry order).
+        self._made: dict[int, _Made] = {}
+        self._by_carrier: dict[Carrier, dict[int, _Made]] = {}
+        # The last request's keys: score and pre_request see the same request, hashed once.
+        self._keyed: tuple[RouteRequest, list[int]] | None = None
+
+    def score(self, cycle: Cycle) -> Scores:
+        request, index = cycle.request, cycle.index
+        if index is None or not request.tokens:
+            return Scores()
+        self._expire(self._clock())
+        targets = cycle.targets
+        by_carrier = self._by_carrier
+        if not by_carrier or not any(t.carrier in by_carrier for t in targets):
+            return Scores()
+        keys = self._keys(request, index)
+        if not keys:
+            return Scores()
+        confirmed = index.match_keys(keys)
+        beyond: dict[Target, int] = {}
+        for t in targets:
+            made = by_carrier.get(t.carrier)
+            if made:
+                m = confirmed.get(t.carrier)
+                stored = m.blocks if m is not None else 0
+                extra = _run(made.values(), keys, stored) - stored
+                if extra > 0:
+                    beyond[t] = extra
+        if not beyond:
+            return Scores()
+        w = self.weight
+        return Scores(
+            [-w * beyond.get(t, 0) for t in targets],
+            [Evidence.INFLIGHT if t in beyond else Evidence.NONE for t in targets],
+            lambda t: Measure(inflight_blocks=beyond.get(t, 0)),
+        )
+
+    def pre_request(self, cycle: Cycle, decision: Decision) -> None:
+        request, index = cycle.request, cycle.index
+        if index is None or not request.tokens or self.ttl_s <= 0:
+            return
+        # What the engine will compute and store: the blocks beyond those the index credited it with.
+        keys = self._keys(request, index)
+        if len(keys) <= decision.matched_blocks:
+            return
+        made = _Made(decision, keys, decision.matched_blocks, self._clock() + self.ttl_s)
+        self._made[id(decision)] = made
+        self._by_carrier.setdefault(made.carrier, {})[id(decision)] = made
+        while len(self._made) > self.max_predictions:
+            self._end(next(iter(self._made)))
+
+    def request_ended(self, decision: Decision) -> None:
+        """The request ``decision`` sent has ended, however (its prediction, if it made one, ends)."""
+        self._end(id(decision))
+
+    def remove_target(self, target: Target) -> int:
+        """Forget the predictions on a target that left discovery (or restarted empty); returns how
+        many blocks they predicted."""
+        gone = self._by_carrier.pop(target.carrier, None)
+        if not gone:
+            return 0
+        for made in gone:
+            self._made.pop(made, None)
+        return _predicted(gone.values())
+
+    def predicted_blocks(self, carrier: Carrier) -> int:
+        """Distinct blocks predicted on ``carrier`` by requests in flight there (tests, debugging)."""
+        self._expire(self._clock())
+        made = self._by_carrier.get(carrier)
+        return _predicted(made.values()) if made else 0
+
+    def _end(self, made_id: int) -> None:
+        made = self._made.pop(made_id, None)
+        if made is None:
+            return
+        on = self._by_carrier.get(made.carrier)
+        if on is not None:
+            on.pop(made_id, None)
+            if not on:
+                del self._by_carrier[made.carrier]
+
+    def _expire(self, now: float) -> None:
+        made = self._made
+        while made:
+            first = next(iter(made))
+            if made[first].expires > now:
+                return
+            self._end(first)
+
+    def _keys(self, request: RouteRequest, index) -> list[int]:
+        """The index's keys of the request's full reusable blocks (what the engine will store)."""
+        keyed = self._keyed
+        if keyed is not None and keyed[0] is request:
+            return keyed[1]
+        tokens = request.tokens or ()
+        usable = reusable_tokens(len(tokens), request.logprobs_from)
+        usable -= usable % index.block_size
+        keys = (
+            index.keys_for(tokens[:usable], lora_name=request.lora_name, cache_salt=request.cache_salt)
+            if usable
+            else []
+        )
+        self._keyed = (request, keys)
+        return keys
+
+
+def _run(made: Iterable[_Made], keys: Sequence[int], start: int) -> int:
+    """Where the predicted run along ``keys`` from ``start`` ends: each prediction covers its own part
+    of its prompt ([its start, where its prompt and ``keys`` part)); parts that meet chain on."""
+    spans = [(m.start, m.covers(keys)) for m in made]
+    end, moved = start, True
+    while moved:
+        moved = False
+        for lo, hi in spans:
+            if lo <= end < hi:
+                end, moved = hi, True
+    return end
+
+
+def _predicted(made: Iterable[_Made]) -> int:
+    return len({k for m in made for k in m.keys[m.start :]})

@@ -1,0 +1,225 @@
+"""In-flight prefix predictions (router_runtime/scheduling/inflight_prefix.py), as the kv_aware preset
+runs them: a fan-out's copies follow the first one before any engine has stored a block; a prediction
+ends when the index confirms it, after its bound, or with its target; it never counts as a cache claim
+in the audit. Pure (the real index, a clock the test moves), then once over real HTTP and ZMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+import pytest
+
+from router_runtime.app import run_router
+from router_runtime.config import RouterConfig
+from router_runtime.kv.config import KvConfig
+from router_runtime.kv.events import BlockStored, EventBatch
+from router_runtime.kv.index import RadixIndex
+from router_runtime.proxy.audit import AuditOutcome, Prediction, judge
+from router_runtime.proxy.health import HealthConfig
+from router_runtime.scheduling.framework import Profile
+from router_runtime.scheduling.inflight_prefix import InflightPrefix
+from router_runtime.scheduling.presets import PolicyConfig, make_policy
+from router_runtime.scheduling.types import Reason, RouteRequest, Target
+from routerfleet_fake_engine.server import run_fake_engine
+from tests.support import LOCAL_METRICS, join_all, predicted_blocks, static_workers
+
+BS = 4
+TARGETS = [Target(e, f"http://{e}", 0) for e in ("a", "b", "c", "d")]
+N = 128
+PROMPT = list(range(1000, 1000 + N * BS + 1))  # 128 full reusable blocks (the last token is computed)
+# One in-flight request costs 16 blocks, as the defaults price it at block size 16 (256 tokens).
+LOAD_COST = {"load_cost_tokens": 16 * BS}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def kv_aware(clock: Clock, **tuning) -> tuple[Profile, InflightPrefix]:
+    profile = make_policy("kv_aware", PolicyConfig(**(LOAD_COST | tuning)))
+    [inflight] = [s for s in profile.scorers if isinstance(s, InflightPrefix)]
+    inflight._clock = clock  # the preset's own plugin, on the test's clock
+    return profile, inflight
+
+
+def burst(profile: Profile, index: RadixIndex, n: int, prompt=PROMPT) -> list:
+    """``n`` copies decided one after the other, each dispatched before the next (loads counted)."""
+    loads: dict[Target, float] = {}
+    out = []
+    for _ in range(n):
+        d = profile.choose(RouteRequest(tokens=prompt), TARGETS, loads, index)
+        loads[d.target] = loads.get(d.target, 0) + 1
+        out.append(d)
+    return out
+
+
+def store(index: RadixIndex, target: Target, tokens: list[int], first_hash: int = 1) -> None:
+    blocks = len(tokens) // BS
+    hashes = tuple(range(first_hash, first_hash + blocks))
+    stored = BlockStored(hashes, None, tuple(tokens[: blocks * BS]), BS)
+    index.apply_batch(target.carrier, EventBatch(0.0, (stored,)))
+
+
+def test_a_fan_outs_copies_follow_the_first_before_anything_is_stored():
+    clock = Clock()
+    index = RadixIndex(BS)
+    profile, inflight = kv_aware(clock)
+    first, *copies = burst(profile, index, 4)
+    assert first.reason is Reason.NO_MATCH and first.inflight_blocks == 0
+    assert {d.target for d in copies} == {first.target}
+    assert {(d.reason, d.inflight_blocks, d.matched_blocks) for d in copies} == {(Reason.INFLIGHT, N, 0)}
+    assert inflight.predicted_blocks(first.target.carrier) == N
+
+    # Off (no predictions): the same burst scatters, as it did before (each copy to the least loaded).
+    profile, _ = kv_aware(clock, inflight_ttl_s=0.0)
+    assert len({d.target for d in burst(profile, RadixIndex(BS), 4)}) == 4
+
+
+def test_a_prediction_is_credited_below_a_confirmed_block():
+    clock = Clock()
+    index = RadixIndex(BS)
+    profile, _ = kv_aware(clock)
+    [sent] = burst(profile, index, 1)
+    other = next(t for t in TARGETS if t != sent.target)
+    # 120 blocks stored elsewhere beat 128 predicted at 0.9 (115.2); 110 do not.
+    store(index, other, PROMPT[: 120 * BS])
+    d = profile.choose(RouteRequest(tokens=PROMPT), TARGETS, {}, index)
+    assert (d.target, d.reason, d.matched_blocks) == (other, Reason.PREFIX, 120)
+    index.clear_carrier(other.carrier)
+    store(index, other, PROMPT[: 110 * BS])
+    d = profile.choose(RouteRequest(tokens=PROMPT), TARGETS, {}, index)
+    assert (d.target, d.reason, d.inflight_blocks) == (sent.target, Reason.INFLIGHT, N)
+
+
+def test_a_prediction_ends_with_its_request_so_a_later_eviction_is_not_papered_over():
+    clock = Clock()
+    index = RadixIndex(BS)
+    profile, inflight = kv_aware(clock)
+    [sent] = burst(profile, index, 1)
+    store(index, sent.target, PROMPT[: 40 * BS])  # the engine has published part of it so far
+    d = profile.choose(RouteRequest(tokens=PROMPT), TARGETS, {}, index)
+    assert (d.target, d.reason, d.matched_blocks, d.inflight_blocks) == (
+        sent.target,
+        Reason.PREFIX,
+        40,
+        N - 40,
+    )
+    profile.ended(d)
+    profile.ended(sent)  # both requests are over: the index alone is the witness now
+    assert inflight.predicted_blocks(sent.target.carrier) == 0
+    index.clear_carrier(sent.target.carrier)  # what it stored is evicted (or the engine reset)
+    d = profile.choose(RouteRequest(tokens=PROMPT), TARGETS, {}, index)
+    assert d.reason is Reason.NO_MATCH and d.inflight_blocks == 0
+    profile.ended(d)
+    profile.ended(d)  # told twice (a bug elsewhere): nothing is undone twice
+    assert inflight.predicted_blocks(d.target.carrier) == 0
+
+
+def test_a_prediction_lasts_its_bound_at_most():
+    clock = Clock()
+    index = RadixIndex(BS)
+    profile, inflight = kv_aware(clock, inflight_ttl_s=2.0)
+    [sent] = burst(profile, index, 1)
+    clock.now += 1.9
+    assert profile.choose(RouteRequest(tokens=PROMPT), TARGETS, {}, index).reason is Reason.INFLIGHT
+    clock.now += 2.1  # the second decision renewed it for 2 s; past that, nothing is left
+    assert inflight.predicted_blocks(sent.target.carrier) == 0
+    assert profile.choose(RouteRequest(tokens=PROMPT), TARGETS, {}, index).reason is Reason.NO_MATCH
+
+
+def test_a_prediction_is_a_prefix_in_its_namespace_and_only_full_reusable_blocks():
+    clock = Clock()
+    index = RadixIndex(BS)
+    profile, _ = kv_aware(clock)
+    [sent] = burst(profile, index, 1)
+    # A request sharing the first 10 blocks, then differing: credited those 10.
+    diverging = [*PROMPT[: 10 * BS], *range(5000, 5000 + 8 * BS)]
+    d = profile.choose(RouteRequest(tokens=diverging), TARGETS, {}, index)
+    assert (d.target, d.inflight_blocks) == (sent.target, 10)
+    # Another adapter's or salt's blocks are other keys: nothing predicted for them.
+    for other in (RouteRequest(tokens=PROMPT, lora_name="sql"), RouteRequest(tokens=PROMPT, cache_salt="t2")):
+        assert profile.choose(other, TARGETS, {}, index).inflight_blocks == 0
+
+
+def test_predictions_are_forgotten_with_their_target_and_capped():
+    clock = Clock()
+    index = RadixIndex(BS)
+    profile, inflight = kv_aware(clock)
+    [sent] = burst(profile, index, 1)
+    assert profile.remove_target(sent.target) >= N
+    assert inflight.predicted_blocks(sent.target.carrier) == 0
+
+    capped = InflightPrefix(max_predictions=1, clock=clock)
+    p = Profile("capped", scorers=(capped,), picker=profile.picker, needs_tokens=True)
+    only = [TARGETS[0]]
+    p.choose(RouteRequest(tokens=PROMPT), only, {}, index)
+    p.choose(RouteRequest(tokens=[*range(9000, 9000 + 10 * BS), 1]), only, {}, index)
+    assert capped.predicted_blocks(TARGETS[0].carrier) == 10  # the oldest went first
+
+
+def test_the_audit_counts_an_inflight_guess_apart_from_the_index_claim():
+    bs = BS
+    on_prediction = Prediction(tokens=0, block_size=bs, reusable_tokens=32 * bs, inflight_tokens=32 * bs)
+    # The engine reused the first copy's blocks: the guess paid, and nobody missed anything.
+    a = judge(on_prediction, 32 * bs)
+    assert (a.outcome, a.inflight_reused_tokens, a.missed_hit_tokens) == (AuditOutcome.EXACT, 32 * bs, 0)
+    # It had not stored them yet: computed again, no false hit (the index claimed nothing).
+    a = judge(on_prediction, 0)
+    assert (a.outcome, a.inflight_reused_tokens, a.false_hit_tokens) == (AuditOutcome.EXACT, 0, 0)
+    # The index's part stays a claim: short of it is a false hit, whatever was in flight.
+    a = judge(Prediction(tokens=8 * bs, block_size=bs, inflight_tokens=8 * bs), 4 * bs)
+    assert (a.outcome, a.false_hit_tokens) == (AuditOutcome.FALSE_HIT, 4 * bs)
+
+
+@pytest.mark.timeout(60)
+async def test_copies_sent_at_once_through_a_router_land_on_one_engine_and_the_audit_counts_the_guess():
+    """Over real HTTP and ZMQ: 4 fake engines, one router, a 2k-token prompt sent 4 times at once. The
+    engines have published nothing when the copies are decided; the copies after the first follow it on
+    their in-flight prediction, and the audit finds the engine served all that was predicted."""
+    bs = 16
+    prompt = list(range(300, 300 + 128 * bs + 1))
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [
+            await stack.enter_async_context(
+                run_fake_engine(block_size=bs, prefill_us_per_token=50, decode_tokens_per_s=0)
+            )
+            for _ in range(4)
+        ]
+        cfg = RouterConfig(
+            port=0,
+            metrics=LOCAL_METRICS,
+            workers=static_workers(engines),
+            kv=KvConfig(block_size=bs),
+            health=HealthConfig(interval_s=0),
+        )
+        router, url = await stack.enter_async_context(run_router(cfg))
+        await join_all(router, engines)
+        s = await stack.enter_async_context(aiohttp.ClientSession())
+
+        async def copy() -> dict:
+            body = {"model": "m", "prompt": prompt, "max_tokens": 2}
+            async with s.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                return await r.json()
+
+        answers = await asyncio.gather(*(copy() for _ in range(4)))
+        served = [sum(st.requests.values()) for e in engines for st in e.rank_stats]
+        assert sorted(served) == [0, 0, 0, 4], served
+        assert predicted_blocks(router) == 0  # every request has ended, and its prediction with it
+        cached = sorted(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
+        assert cached == [0, 128 * bs, 128 * bs, 128 * bs]  # the fake engine caches at admission
+
+        get = router.registry.get_sample_value
+        engine = engines[served.index(4)].http_url
+        labels = {"engine": engine, "policy": "kv_aware", "doubtful": "false"}
+        assert get("routerfleet_routing_decisions_total", {"policy": "kv_aware", "reason": "inflight"}) == 3
+        assert get("routerfleet_audit_inflight_predicted_tokens_total", labels) == 3 * 128 * bs
+        assert get("routerfleet_audit_inflight_reused_tokens_total", labels) == 3 * 128 * bs
+        assert get("routerfleet_audit_missed_hit_tokens_total", labels) == 0
+        assert get("routerfleet_audit_false_hit_tokens_total", labels) == 0
