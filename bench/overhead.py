@@ -253,6 +253,35 @@ def start_all(
     return engine, targets, routers, skipped
 
 
+def alternate(
+    targets: list[Target],
+    raws: list[bytes],
+    pairs: int,
+    conns: int,
+    warm_s: float,
+    secs: float,
+    engine: h.Engine,
+    max_wait: float,
+) -> dict[str, list[float]]:
+    """Per tracing row: ``pairs`` of tiny throughput phases, ours (tracing off) and the row one right
+    after the other, the order alternating; each pair's router CPU per request, in % over ours'."""
+    off = next((t for t in targets if t.name == "ours"), None)
+    traced = [t for t in targets if t.name.startswith("ours-trace")]
+    if off is None or not pairs:
+        return {}
+    out: dict[str, list[float]] = {}
+    for t in traced:
+        for i in range(pairs):
+            got: dict[str, float] = {}
+            for x in (off, t) if i % 2 == 0 else (t, off):
+                h.wait_quiet(max_wait)
+                got[x.name] = asyncio.run(
+                    throughput(x, raws, conns, warm_s, secs, engine)
+                ).router_cpu_us_per_req
+            out.setdefault(t.name, []).append(100 * (got[t.name] / got[off.name] - 1))
+    return out
+
+
 async def warm(targets: list[Target], raws: dict[tuple[str, bool], list[bytes]]) -> None:
     """Every prompt once through every target (the engine caches them; routers learn them)."""
     for t in targets:
@@ -273,6 +302,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conns", type=int, default=32, help="connections in the throughput loop (default 32)")
     ap.add_argument(
         "--max-wait", type=float, help="wait up to this many seconds for an idle machine before each phase"
+    )
+    ap.add_argument(
+        "--alternate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the runs, N pairs of tiny throughput phases, ours then each tracing row (the order"
+        " alternating), their ratio's median: the tracing rows' cost without the drift between runs",
     )
     ap.add_argument("--no-pin", action="store_true", help="do not pin routers / engine + client to CPUs")
     ap.add_argument("--json", help="also write the raw per-run figures to this file")
@@ -353,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             idle_seen.clear()
+        alternated = alternate(
+            targets, raws["tiny", False], args.alternate, args.conns, warm_s, secs, engine, max_wait
+        )
         dead = [r.label for r in routers if not r.alive()]
         flags = {r.label: r.flags for r in routers}
     finally:
@@ -360,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         stack.close()
 
     report(targets, lat, thr, errors)
+    if alternated:
+        parts = [
+            f"{n.removeprefix('ours-trace')}% traced {h.med(p):+.1f}%{h.spread(p, '+.1f')}"
+            for n, p in alternated.items()
+        ]
+        print(f"  router CPU per request, {args.alternate} alternated pairs: {', '.join(parts)}")
     costs = [audit_cost() for _ in range(3)]
     tiny_us, stream_us = h.med([c[0] for c in costs]), h.med([c[1] for c in costs])
     print(

@@ -113,14 +113,17 @@ def invalid_specs(ns: str) -> list[tuple[str, dict, tuple[str, ...]]]:
         ("extraArgs --block-size", m(ns, router__extraArgs=["--block-size", "32"]), (owned,)),
         ("extraArgs --otlp-traces-endpoint", m(ns, router__extraArgs=["--otlp-traces-endpoint=x"]), (owned,)),
         (
-            "tracing endpoint with the OTLP/HTTP path",
-            m(ns, router__tracing={"endpoint": "http://otel:4318/v1/traces"}),
-            ("tracing.endpoint must be an http:// or https:// URL", "got http://otel:4318/v1/traces"),
+            "tracing endpoint with credentials",
+            m(ns, router__tracing={"endpoint": "http://u:secret@otel:4318/v1/traces"}),
+            (
+                "tracing.endpoint must be an http:// or https:// URL",
+                "got http://u:secret@otel:4318/v1/traces",
+            ),
         ),
         ("tracing endpoint grpc://", m(ns, router__tracing={"endpoint": "grpc://o"}), ("tracing.endpoint",)),
         (
             "tracing sampleRatio over 1",
-            m(ns, router__tracing={"endpoint": "http://otel:4317", "sampleRatio": 1.5}),
+            m(ns, router__tracing={"endpoint": "http://otel:4318", "sampleRatio": 1.5}),
             ("sampleRatio", "less than or equal to 1"),
         ),
         (
