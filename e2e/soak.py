@@ -380,14 +380,19 @@ class Soak:
                 if conv.i >= T.TURNS:
                     conv = self.texts.conv()
                 conv.messages.append({"role": "user", "content": conv.turns[conv.i]})
-                for _attempt in range(5):  # a refused connection: the next Ready pod, as a client would
-                    pod, ip = self.ready[self.rr % len(self.ready)]
+                refused: set[str] = set()
+                for attempt in range(5):  # a refused connection: another Ready pod, as a client would
+                    # A killed pod stays listed Ready until its probe fails: never try it twice (other
+                    # workers move the shared round robin, so it alone could land there every time).
+                    pods = [p for p in self.ready if p[0] not in refused] or self.ready
+                    pod, ip = pods[self.rr % len(pods)]
                     self.rr += 1
                     out, answer = await self.request(session, pod, ip, conv.messages)
                     self.run.outcomes.append(out)
                     if out.kind != "refused":
                         break
-                    await asyncio.sleep(0.05)
+                    refused.add(pod)
+                    await asyncio.sleep(0.05 * (attempt + 1))
                 else:
                     out.kind, out.cause = "lost", "no Ready router pod accepted the connection"
                 if out.kind == "ok":
