@@ -281,6 +281,8 @@ class EngineOpts:
     decode_tokens_per_s: float = 2000.0
     max_concurrency: int = 0
     cache_generated: bool = False
+    max_loras: int = 0  # LoRA adapter slots (0: adapters cost nothing)
+    lora_load_ms: float = 0.0
 
 
 @dataclass
@@ -318,6 +320,7 @@ def start_engines(n: int, opts: EngineOpts, logdir: str, *, cpus: set[int] | Non
                 *("--max-concurrency", str(opts.max_concurrency), "--model", MODEL),
                 *("--log-level", "WARNING"),
                 *(["--cache-generated"] if opts.cache_generated else []),
+                *("--max-loras", str(opts.max_loras), "--lora-load-ms", str(opts.lora_load_ms)),
             ]
             engines.append(Engine(Proc(f"engine-{i}", argv, logdir, cpus=cpus), port, kv, replay))
         for e in engines:

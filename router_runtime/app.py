@@ -311,7 +311,7 @@ class Router:
             self.gossip = LoadGossip(
                 self.token,
                 peer_urls,
-                lambda: self.fleet.report(),
+                lambda: self.fleet.report(self.policy.shared()),
                 config.fleet.gossip,
                 on_sent=lambda outcome: self.fleet_metrics.sends.labels(outcome).inc(),
             )
@@ -340,11 +340,16 @@ class Router:
     def _engine_read(self, engine: str, sample: EngineSample | None, outcome: str) -> None:
         self.fleet_metrics.engine_reads.labels(outcome).inc()
         self.fleet.engine_read(engine, sample)
+        if sample is not None:
+            self.policy.adapters_read(engine, sample.adapters)
 
     def accept_load_report(self, report: PeerReport | None) -> None:
         """A sibling's report off the internal port (None: it failed vetting)."""
         outcome = ReportOutcome.REJECTED if report is None else self.fleet.accept(report)
         self.fleet_metrics.reports.labels(outcome).inc()
+        if report is not None and outcome is ReportOutcome.ACCEPTED:
+            sender = (report.replica, report.incarnation)
+            self.policy.accept_peer(sender, report.shared, self.fleet.bounds.peer_max_age_s)
 
     def accept_notice(self, notice: KvNotice) -> None:
         """A sibling's KV notice off the internal port, vetted; ranks we do not follow are ignored."""

@@ -88,6 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests running at once; the rest queue (0 = unlimited)",
     )
     p.add_argument(
+        "--max-loras",
+        type=Count(0).parse,
+        default=d.max_loras,
+        help="LoRA adapters resident at once, least recently used out; a request's adapter loads first"
+        " (0 = adapters cost nothing)",
+    )
+    p.add_argument(
+        "--lora-load-ms",
+        type=Real(0).parse,
+        default=d.lora_load_ms,
+        help="simulated time to load an adapter that is not resident",
+    )
+    p.add_argument(
         "--max-model-len",
         type=Count(1).parse,
         default=d.max_model_len,
@@ -126,6 +139,8 @@ def config_from_args(args: argparse.Namespace) -> FakeEngineConfig:
         prefill_us_per_token=args.prefill_us_per_token,
         decode_tokens_per_s=args.decode_tokens_per_s,
         max_concurrency=args.max_concurrency,
+        max_loras=args.max_loras,
+        lora_load_ms=args.lora_load_ms,
         max_model_len=args.max_model_len,
         model=args.model,
         cache_generated=args.cache_generated,

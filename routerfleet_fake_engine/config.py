@@ -42,13 +42,15 @@ class FakeEngineConfig:
     prefill_us_per_token: float = 20.0  # simulated prefill cost per *uncached* prompt token
     decode_tokens_per_s: float = 2000.0  # 0 = instant
     max_concurrency: int = 0  # requests running at once per engine; the rest queue; 0 = unlimited
-    # prompt + max_tokens must fit, as vLLM refuses a request beyond its max_model_len (no allocation)
-    max_model_len: int = 131_072
+    # LoRA adapters resident at once (vLLM's --max-loras; adapters.py); 0 = adapters cost nothing
+    max_loras: int = 0
+    lora_load_ms: float = 0.0  # loading an adapter that is not resident
     model: str = "routerfleet/fake-model"
     cache_generated: bool = False  # also cache full blocks of prompt+output when a request finishes
     # A prefix-cache reset (/reset_prefix_cache, /flush_cache) announces its AllBlocksCleared only with
     # the rank's next step's batch, as vLLM does: until then, consumers hear nothing of it.
     lazy_clear: bool = False
+    # prompt + max_tokens must fit, as vLLM refuses a request beyond its max_model_len (no allocation)
     max_model_len: int = 1 << 20
 
     def validate(self) -> None:
@@ -66,6 +68,8 @@ class FakeEngineConfig:
             ("prefill_us_per_token", self.prefill_us_per_token >= 0),
             ("decode_tokens_per_s", self.decode_tokens_per_s >= 0),
             ("max_concurrency", self.max_concurrency >= 0),
+            ("max_loras", self.max_loras >= 0),
+            ("lora_load_ms", self.lora_load_ms >= 0),
             ("max_model_len", self.max_model_len >= 1),
             ("model", bool(self.model)),
         ]

@@ -6,6 +6,8 @@ registry is out), which also means resident-block gauges can never drift from th
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -15,6 +17,7 @@ from prometheus_client.registry import Collector
 from router_runtime.kv.events import Dialect, Tier
 
 if TYPE_CHECKING:
+    from routerfleet_fake_engine.adapters import AdapterSlots
     from routerfleet_fake_engine.server import FakeEngine
 
 _P = "routerfleet_fake_engine_"
@@ -23,6 +26,7 @@ _P = "routerfleet_fake_engine_"
 class EngineCollector(Collector):
     def __init__(self, engine: FakeEngine) -> None:
         self._engine = engine
+        self._lora_series: OrderedDict[tuple[str, str, str], float] = OrderedDict()
 
     def collect(self) -> Iterator[Metric]:
         engine = self._engine
@@ -70,6 +74,30 @@ class EngineCollector(Collector):
         waiting.add_metric([], engine.load.waiting)
         yield from (running, waiting)
         yield from _engine_dialect(engine)
+        if engine.adapters is not None:
+            yield from self._adapters(engine.adapters, cfg.dialect)
+
+    def _adapters(self, slots: AdapterSlots, dialect: Dialect) -> Iterator[Metric]:
+        loads = CounterMetricFamily(_P + "lora_loads", "LoRA adapters loaded (not resident when asked for)")
+        loads.add_metric([], slots.loads)
+        yield loads
+        if dialect is Dialect.SGLANG:
+            return  # SGLang publishes no adapter residency
+        # vLLM sets the current label set to the time of each step; the label sets it had before stay on
+        # the page with their last time (a reader takes the newest). Kept here: the last 16.
+        state = (str(slots.max_loras), ",".join(slots.waiting), ",".join(slots.running()))
+        self._lora_series[state] = time.time()
+        self._lora_series.move_to_end(state)
+        while len(self._lora_series) > 16:
+            self._lora_series.popitem(last=False)
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        for labels, at in self._lora_series.items():
+            info.add_metric(list(labels), at)
+        yield info
 
 
 # The load series real engines export, per DP rank, under their own names and rank label, for routers

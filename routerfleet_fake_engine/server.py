@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from router_runtime.kv.events import KVEvent
 from router_runtime.tokens import decode
 from routerfleet_fake_engine import pooling_api
+from routerfleet_fake_engine.adapters import AdapterSlots
 from routerfleet_fake_engine.admin import admin_routes
 from routerfleet_fake_engine.cache import Admission, CacheConfig, RankCache
 from routerfleet_fake_engine.config import FakeEngineConfig
@@ -145,6 +146,9 @@ class FakeEngine:
         self.traceparents: collections.deque[str | None] = collections.deque(maxlen=64)
         self.responses = ResponseStore()  # the Responses API's stored responses (lost on restart)
         self._slots: asyncio.Semaphore | None = None
+        self.adapters: AdapterSlots | None = None  # LoRA slots, when modeled (--max-loras)
+        if config.max_loras:
+            self.adapters = AdapterSlots(config.max_loras, config.lora_load_ms / 1e3)
         self._publisher: KvPublisher | None = None
         self._runner: web.AppRunner | None = None
         self._port = 0
@@ -524,6 +528,12 @@ class FakeEngine:
             if self._slots is not None:
                 self._slots.release()
 
+    def _adapter(self, name: str | None) -> contextlib.AbstractAsyncContextManager:
+        """The request's LoRA adapter held resident while it runs (adapters.py), when slots are modeled."""
+        if name is None or self.adapters is None:
+            return contextlib.nullcontext()
+        return self.adapters.use(name)
+
     async def _generate(
         self,
         request: web.Request,
@@ -544,7 +554,8 @@ class FakeEngine:
         except RequestError as e:
             return web.json_response(errors(e), status=e.status)
         cfg = self.config
-        async with self._slot(rank):
+        adapter = req.namespace.lora_name
+        async with self._slot(rank), self._adapter(adapter):
             admission = self.admit(rank, req.prompt_tokens, req.namespace)
             # Numbered in admission order (nothing awaits between the two), so each response's
             # cached_tokens can be checked against a replay of the prompts in id order.

@@ -1,5 +1,5 @@
-"""Shared test helpers: wait on conditions (never fixed sleeps), join a publisher's stream, and stand
-up a peer that answers /internal/kv_snapshot as a test wants."""
+"""Shared test helpers: wait on conditions (never fixed sleeps), join a publisher's stream, stand up a
+peer that answers /internal/kv_snapshot as a test wants, and a router over fake engines."""
 
 from __future__ import annotations
 
@@ -10,13 +10,17 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
+import aiohttp
 from aiohttp import web
 
-from router_runtime.config import MetricsConfig
+from router_runtime.app import Router, run_router
+from router_runtime.config import MetricsConfig, RouterConfig
+from router_runtime.kv.config import KvConfig
 from router_runtime.kv.subscription import RankSubscription
+from router_runtime.proxy.health import HealthConfig
 from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.publisher import KvPublisher
-from routerfleet_fake_engine.server import FakeEngine
+from routerfleet_fake_engine.server import FakeEngine, run_fake_engine
 
 
 async def eventually(predicate: Callable[[], object], timeout: float = 5.0, what: str = "condition"):
@@ -120,3 +124,25 @@ def predicted_blocks(router) -> int:
 
     plugins = [p for p in router.scheduler.profile.scorers if isinstance(p, InflightPrefix)]
     return sum(p.predicted_blocks(t.carrier) for p in plugins for t in router.targets.candidates())
+
+
+@contextlib.asynccontextmanager
+async def router_over_fakes(
+    n_engines: int, block_size: int, *, engine: dict | None = None, **sections
+) -> AsyncIterator[tuple[list[FakeEngine], Router, str, aiohttp.ClientSession]]:
+    """``n_engines`` fake engines (``engine``: their config fields) as static workers of one router that
+    follows every stream, with no health probes and ``sections`` (RouterConfig fields) over those
+    defaults: (engines, router, its URL, a client session)."""
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [
+            await stack.enter_async_context(run_fake_engine(block_size=block_size, **(engine or {})))
+            for _ in range(n_engines)
+        ]
+        defaults = {"kv": KvConfig(block_size=block_size), "health": HealthConfig(interval_s=0)}
+        cfg = RouterConfig(
+            port=0, metrics=LOCAL_METRICS, workers=static_workers(engines), **{**defaults, **sections}
+        )
+        router, url = await stack.enter_async_context(run_router(cfg))
+        await join_all(router, engines)
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        yield engines, router, url, session

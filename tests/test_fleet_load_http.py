@@ -10,6 +10,7 @@ import contextlib
 import json
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from router_runtime.app import run_router
@@ -155,6 +156,46 @@ async def test_replicas_share_their_load_and_balance_a_skewed_workload(tmp_path)
         await eventually(
             lambda: all(sum(_fleet(r).values()) == 0 for r, _ in routers), what="released everywhere"
         )
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "local"])
+async def test_a_fan_outs_copies_through_different_replicas_meet_on_one_engine(tmp_path, share):
+    """One 128-block prompt, its copies sent one to each replica in turn, each still streaming when the
+    next is sent, every replica's view of the fleet's load current before it is, and no engine's stored
+    blocks published yet (muted: as while a long prefill runs). With predictions
+    shared, each replica credits what its siblings' copies will store and sends its copy there; kept
+    local, the load view moves each sibling's copy to an idle engine, and the prompt is prefilled on
+    each."""
+    slow = {"decode_tokens_per_s": 20}
+    # One request in flight costs 16 blocks (as the defaults price it at block size 16).
+    tuning = SchedulingConfig(tuning=PolicyConfig(load_cost_tokens=16 * BS, inflight_share=share))
+    async with replicas(tmp_path, 3, engines=4, engine_kw=slow, scheduling=tuning) as (es, routers, s):
+        prompt = list(range(100, 100 + 128 * BS + 1))
+        for e in es:  # still prefilling, as far as the routers can tell: no engine publishes a block
+            async with s.post(e.http_url + "/admin/mute", json={"rank": 0}) as r:
+                assert r.status == 200
+        holds = []
+        try:
+            for i in range(4):
+                _, url = routers[i % 3]
+                holds.append(await hold_open(s, url, prompt))
+                await eventually(
+                    lambda i=i: all(sum(_fleet(r).values()) == i + 1 for r, _ in routers),
+                    what="every replica sees the fleet's load",
+                )
+            placed = {r.headers[ENGINE_HEADER] for r in holds}
+            if share:
+                assert len(placed) == 1, placed
+                inflight = sum(
+                    sample(r, "routerfleet_routing_decisions_total", policy="kv_aware", reason="inflight")
+                    for r, _ in routers
+                )
+                assert inflight == 3
+            else:  # only the 4th copy, sent by the first copy's replica, meets the first
+                assert len(placed) == 3, placed
+        finally:
+            for r in holds:
+                r.close()
 
 
 def _fleet(router) -> dict:
@@ -307,6 +348,7 @@ async def test_load_reports_need_the_fleet_token_and_a_valid_body(tmp_path):
             json.dumps({**good, "targets": [[es[0].http_url, None, 1.5, 0]]}).encode(),
             json.dumps({**good, "targets": [[es[0].http_url, None, 1]]}).encode(),
             json.dumps({**good, "targets": [["", None, 1, 0]]}).encode(),
+            json.dumps({**good, "predictions": [[es[0].http_url, 0, 0, "AAAA"]]}).encode(),  # not u64s
             b'{"format": 1, "seq": ' + b"9" * 5000 + b"}",  # beyond Python's int-digit limit
             b"[" * 100_000 + b"]" * 100_000,
         ]

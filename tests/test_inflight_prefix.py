@@ -1,29 +1,26 @@
 """In-flight prefix predictions (router_runtime/scheduling/inflight_prefix.py), as the kv_aware preset
 runs them: a fan-out's copies follow the first one before any engine has stored a block; a prediction
 ends when the index confirms it, after its bound, or with its target; it never counts as a cache claim
-in the audit. Pure (the real index, a clock the test moves), then once over real HTTP and ZMQ."""
+in the audit; siblings share them over the load reports, bounded. Pure (the real index, a clock the test
+moves, the report's own encoding and vetting), then over real HTTP and ZMQ."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
-import aiohttp
 import pytest
 
-from router_runtime.app import run_router
-from router_runtime.config import RouterConfig
-from router_runtime.kv.config import KvConfig
+from router_runtime.fleet.gossip import GossipRejected, encode_report, vet_report
 from router_runtime.kv.events import BlockStored, EventBatch
 from router_runtime.kv.index import RadixIndex
 from router_runtime.proxy.audit import AuditOutcome, Prediction, judge
-from router_runtime.proxy.health import HealthConfig
-from router_runtime.scheduling.framework import Profile
-from router_runtime.scheduling.inflight_prefix import InflightPrefix
+from router_runtime.scheduling.framework import Cycle, Profile
+from router_runtime.scheduling.inflight_prefix import MAX_SHARED_KEYS, InflightPrefix
 from router_runtime.scheduling.presets import PolicyConfig, make_policy
-from router_runtime.scheduling.types import Reason, RouteRequest, Target
-from routerfleet_fake_engine.server import run_fake_engine
-from tests.support import LOCAL_METRICS, join_all, predicted_blocks, static_workers
+from router_runtime.scheduling.types import Prediction as Predicted
+from router_runtime.scheduling.types import Reason, RouteRequest, Shared, Target
+from router_runtime.worker import Carrier
+from tests.support import predicted_blocks, router_over_fakes
 
 BS = 4
 TARGETS = [Target(e, f"http://{e}", 0) for e in ("a", "b", "c", "d")]
@@ -163,6 +160,103 @@ def test_predictions_are_forgotten_with_their_target_and_capped():
     assert capped.predicted_blocks(TARGETS[0].carrier) == 10  # the oldest went first
 
 
+def over_the_wire(sender: InflightPrefix, receiver: Profile, max_age_s: float = 2.0) -> None:
+    """``sender``'s predictions as its load report carries them, vetted and accepted by ``receiver``."""
+    report = vet_report(encode_report("r0", "inc0", 1, [], sender.shared()))
+    receiver.accept_peer((report.replica, report.incarnation), report.shared, max_age_s)
+
+
+def test_a_siblings_predictions_draw_the_copies_it_did_not_send():
+    """Replica A sends the first copy; B, seeing A's load there (the fleet view) but not its prediction,
+    sends the next one elsewhere. With A's predictions in its report, B follows A's copy."""
+    clock = Clock()
+    index_a, index_b = RadixIndex(BS), RadixIndex(BS)
+    a, inflight_a = kv_aware(clock)
+    b, inflight_b = kv_aware(clock)
+    [first] = burst(a, index_a, 1)
+    loads = {first.target: 1.0}  # what the fleet view tells B
+    apart = b.choose(RouteRequest(tokens=PROMPT), TARGETS, loads, index_b)
+    assert apart.target != first.target and apart.reason is Reason.NO_MATCH
+    b.ended(apart)
+
+    over_the_wire(inflight_a, b)
+    assert inflight_b.predicted_blocks(first.target.carrier) == N
+    d = b.choose(RouteRequest(tokens=PROMPT), TARGETS, loads, index_b)
+    assert (d.target, d.reason, d.inflight_blocks) == (first.target, Reason.INFLIGHT, N)
+    b.ended(d)
+    # B's own prediction travels back: what B sent counts at A (and A's at A once, not twice).
+    assert inflight_a.predicted_blocks(first.target.carrier) == N
+
+    # A's request ends: its next report carries nothing, and B's credit is gone with it.
+    a.ended(first)
+    over_the_wire(inflight_a, b)
+    assert inflight_b.predicted_blocks(first.target.carrier) == 0
+    # A report that is never followed by another counts for its age bound at most.
+    [again] = burst(a, index_a, 1)
+    over_the_wire(inflight_a, b, max_age_s=2.0)
+    clock.now += 2.1
+    assert inflight_b.predicted_blocks(again.target.carrier) == 0
+    assert b.choose(RouteRequest(tokens=PROMPT), TARGETS, {}, index_b).reason is Reason.NO_MATCH
+
+
+def test_a_lying_sibling_credits_only_the_requests_own_blocks_at_the_prediction_weight():
+    clock = Clock()
+    index = RadixIndex(BS)
+    b, inflight = kv_aware(clock)
+    keys = index.keys_for(PROMPT[: N * BS])
+    target = TARGETS[2]
+    lies = [
+        Predicted(target.carrier, 0, [*keys, *range(1, 1000)]),  # more blocks than the prompt has
+        Predicted(target.carrier, 0, keys[:64]),
+        Predicted(target.carrier, 64, keys[64:]),  # chained: counted once, never twice
+        Predicted(target.carrier, 3, keys[:10]),  # keys out of place: credits nothing
+    ]
+    b.accept_peer(("liar", "1"), Shared(tuple(lies)), 2.0)
+    # Another engine holding all 128 blocks confirmed still wins over 128 predicted at 0.9.
+    store(index, TARGETS[0], PROMPT[: N * BS])
+    d = b.choose(RouteRequest(tokens=PROMPT), TARGETS, {}, index)
+    assert (d.target, d.matched_blocks) == (TARGETS[0], N)
+    score = inflight.score(Cycle.of(RouteRequest(tokens=PROMPT), TARGETS, {}, index))
+    assert min(score.costs) == -0.9 * N  # the request's own 128 blocks, no more
+    # Without the fleet view's sharing (--no-share-predictions) a sibling's report is not counted.
+    quiet, off = kv_aware(clock, inflight_share=False)
+    quiet.accept_peer(("liar", "1"), Shared(tuple(lies)), 2.0)
+    assert off.predicted_blocks(target.carrier) == 0 and off.shared() == Shared()
+
+
+def test_a_report_shares_the_newest_predictions_within_its_bounds_and_vetting_refuses_the_rest():
+    clock = Clock()
+    index = RadixIndex(BS)
+    a, inflight = kv_aware(clock)
+    long_prompt = list(range(1, 1 + 3000 * BS + 1))
+    for i in range(4):  # 4 x 3000 blocks: only two fit the report's bound
+        a.choose(RouteRequest(tokens=[i, *long_prompt]), TARGETS, {}, index)
+    shared = inflight.shared().predictions
+    assert [len(p.keys) for p in shared] == [3000, 3000]
+    assert sum(len(p.keys) for p in shared) <= MAX_SHARED_KEYS
+    assert shared[0].keys[0] == index.keys_for([3, *long_prompt[: BS - 1]])[0]  # the newest first
+
+    good = Predicted(Carrier("e", 0), 0, [1, 2])
+    body = encode_report("r", "i", 1, [], Shared((good,))).decode()
+    assert vet_report(body.encode()).shared.predictions == (Predicted(Carrier("e", 0), 0, (1, 2)),)
+    packed = body.split('"predictions":')[1][:-1]
+    for bad in (
+        packed.replace('"e",0,0', '"e",true,0'),  # a bool is not a rank
+        packed.replace('"e",0,0', '"e",0,-1'),
+        packed.replace('"e",0,0', '"",0,0'),
+        '[["e",0,0,"not base64!"]]',
+        '[["e",0,0,"AAAA"]]',  # 3 bytes: not whole keys
+        '[["e",0,0,""]]',
+        '[["e",0,0]]',
+        '{"e": 1}',
+        "[" + ",".join([packed[1:-1]] * 1025) + "]",  # more predictions than a report holds
+        '[["e",0,0,"' + "A" * (4 * (8 * MAX_SHARED_KEYS + 2) // 3 + 4) + '"]]',
+    ):
+        doc = body.split('"predictions":')[0] + '"predictions":' + bad + "}"
+        with pytest.raises(GossipRejected):
+            vet_report(doc.encode())
+
+
 def test_the_audit_counts_an_inflight_guess_apart_from_the_index_claim():
     bs = BS
     on_prediction = Prediction(tokens=0, block_size=bs, reusable_tokens=32 * bs, inflight_tokens=32 * bs)
@@ -184,23 +278,8 @@ async def test_copies_sent_at_once_through_a_router_land_on_one_engine_and_the_a
     their in-flight prediction, and the audit finds the engine served all that was predicted."""
     bs = 16
     prompt = list(range(300, 300 + 128 * bs + 1))
-    async with contextlib.AsyncExitStack() as stack:
-        engines = [
-            await stack.enter_async_context(
-                run_fake_engine(block_size=bs, prefill_us_per_token=50, decode_tokens_per_s=0)
-            )
-            for _ in range(4)
-        ]
-        cfg = RouterConfig(
-            port=0,
-            metrics=LOCAL_METRICS,
-            workers=static_workers(engines),
-            kv=KvConfig(block_size=bs),
-            health=HealthConfig(interval_s=0),
-        )
-        router, url = await stack.enter_async_context(run_router(cfg))
-        await join_all(router, engines)
-        s = await stack.enter_async_context(aiohttp.ClientSession())
+    engine = {"prefill_us_per_token": 50, "decode_tokens_per_s": 0}
+    async with router_over_fakes(4, bs, engine=engine) as (engines, router, url, s):
 
         async def copy() -> dict:
             body = {"model": "m", "prompt": prompt, "max_tokens": 2}

@@ -19,18 +19,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from e2e.tracing.collector import Collector, free_port, running_collector
-from router_runtime.app import run_router
-from router_runtime.config import RouterConfig
-from router_runtime.kv.config import KvConfig
-from router_runtime.proxy.health import HealthConfig
 from router_runtime.tokens.config import TokenizerConfig
 from router_runtime.tokens.tokenizer import ENGINE_TOKENIZER
 from router_runtime.tracing.config import TracingConfig
 from router_runtime.tracing.context import parse_traceparent
 from router_runtime.tracing.export import FLUSH_TIMEOUT_S, MAX_QUEUED_TRACES, OtlpExporter, TraceMetrics
 from router_runtime.tracing.spans import SpanKind, Trace
-from routerfleet_fake_engine.server import run_fake_engine
-from tests.support import LOCAL_METRICS, eventually, join_all, static_workers
+from tests.support import eventually, router_over_fakes
 
 from .test_gateway_picker import gateway
 
@@ -55,23 +50,13 @@ async def traced(
     """A collector, fake engines and a ready router tracing to it (``tokens``: its tokenizer section):
     (collector, engines, router, url, session)."""
     with running_collector(tmp_path) as collector:
-        async with contextlib.AsyncExitStack() as stack:
-            engines = [
-                await stack.enter_async_context(run_fake_engine(block_size=BS, decode_tokens_per_s=0))
-                for _ in range(n_engines)
-            ]
-            cfg = RouterConfig(
-                port=0,
-                metrics=LOCAL_METRICS,
-                workers=static_workers(engines),
-                kv=KvConfig(block_size=BS),
-                health=HealthConfig(interval_s=0),
-                tokens=tokens or TokenizerConfig(),
-                tracing=TracingConfig(endpoint=collector.endpoint, sample_ratio=ratio),
-            )
-            router, url = await stack.enter_async_context(run_router(cfg))
-            await join_all(router, engines)
-            s = await stack.enter_async_context(aiohttp.ClientSession())
+        async with router_over_fakes(
+            n_engines,
+            BS,
+            engine={"decode_tokens_per_s": 0},
+            tokens=tokens or TokenizerConfig(),
+            tracing=TracingConfig(endpoint=collector.endpoint, sample_ratio=ratio),
+        ) as (engines, router, url, s):
             yield collector, engines, router, url, s
 
 

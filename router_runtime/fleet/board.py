@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from ..scheduling.types import Target
+from ..scheduling.types import Shared, Target
 from .gossip import PeerReport, ReportOutcome, encode_report
 from .inflight import LoadTracker
 from .saturation import SaturationLimits, saturated
@@ -152,14 +152,15 @@ class LoadBoard:
         now = self.clock()
         return sum(1 for at, _ in self._peers.values() if now - at <= self.bounds.peer_max_age_s)
 
-    def report(self) -> bytes:
-        """This replica's report for its siblings: its in-flight count and prompt tokens per target."""
+    def report(self, shared: Shared | None = None) -> bytes:
+        """This replica's report for its siblings: its in-flight count and prompt tokens per target, and
+        what its plugins share."""
         self._seq += 1
         own = self.own
         targets = [
             TargetReport(t.engine, t.rank, n, own.prompt_tokens(t)) for t, n in sorted(own.view.items())
         ]
-        return encode_report(self.replica, self.incarnation, self._seq, targets)
+        return encode_report(self.replica, self.incarnation, self._seq, targets, shared or Shared())
 
     def describe(self, targets: Sequence[Target]) -> dict[str, int | list]:
         """For a trace's schedule span: each candidate's load by source, and how many siblings' reports

@@ -9,6 +9,10 @@ The parser is pure and knows both dialects by name, so nothing needs configuring
 - SGLang: ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``,
   ``sglang:prompt_tokens_total``; per-rank series carry ``dp_rank="<rank>"``.
 
+LoRA adapters (vLLM only): ``vllm:lora_requests_info{max_lora, running_lora_adapters,
+waiting_lora_adapters}``, whose value is the time it was set; earlier label sets stay on the page with
+older times, so the newest one is the engine's state.
+
 Only those lines are looked at (a real engine's page is mostly histograms), label values are read
 without interpretation beyond the rank, and a page that has no running-requests series is an error,
 not a zero load.
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from ..http_body import read_capped
-from .view import EngineSample, RankLoad
+from .view import Adapters, EngineSample, RankLoad
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,9 @@ _FIELDS = {
 }
 _RANK_LABELS = ("engine", "dp_rank")
 _MAX_RANK = 1 << 16
+_LORA_INFO = "vllm:lora_requests_info"
+_MAX_ADAPTERS = 1024  # names in one list
+_MAX_ADAPTER_NAME = 256
 
 
 class MetricsUnreadable(ValueError):
@@ -76,11 +83,40 @@ def _rank(labels: Mapping[str, str]) -> int | None:
     return None
 
 
+def _adapter_names(text: str) -> frozenset[str] | None:
+    names = [n for n in text.split(",") if n] if text else []
+    if len(names) > _MAX_ADAPTERS or any(len(n) > _MAX_ADAPTER_NAME for n in names):
+        return None
+    return frozenset(names)
+
+
+def _adapters(labels: Mapping[str, str]) -> Adapters | None:
+    """One ``vllm:lora_requests_info`` label set, or None when it is not one we can trust."""
+    slots = labels.get("max_lora", "")
+    running = _adapter_names(labels.get("running_lora_adapters", ""))
+    waiting = _adapter_names(labels.get("waiting_lora_adapters", ""))
+    if not slots.isdigit() or not 0 < int(slots) <= _MAX_ADAPTERS or running is None or waiting is None:
+        return None
+    return Adapters(int(slots), running, waiting)
+
+
 def parse_engine_load(text: str, at: float) -> EngineSample:
     """The engine's load per rank from its Prometheus text exposition."""
     acc: dict[int | None, dict[str, float]] = {}
+    adapters: tuple[float, Adapters] | None = None  # the newest label set, with its time
     for line in text.splitlines():
         if not (line.startswith("vllm:") or line.startswith("sglang:")):
+            continue
+        if line.startswith(_LORA_INFO + "{"):
+            close = line.rfind("}")
+            parts = line[close + 1 :].split()
+            try:
+                when = float(parts[0]) if close > 0 and parts else math.nan
+            except ValueError:
+                continue
+            state = _adapters(_labels(line[len(_LORA_INFO) + 1 : close]))
+            if state is not None and math.isfinite(when) and (adapters is None or when > adapters[0]):
+                adapters = (when, state)
             continue
         brace = line.find("{")
         if brace >= 0:
@@ -118,7 +154,7 @@ def parse_engine_load(text: str, at: float) -> EngineSample:
         )
         for rank, f in acc.items()
     }
-    return EngineSample(at, ranks)
+    return EngineSample(at, ranks, adapters[1] if adapters is not None else None)
 
 
 @dataclass(frozen=True, slots=True)

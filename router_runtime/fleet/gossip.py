@@ -7,20 +7,33 @@ the network becomes a ``PeerReport``: every field is checked as a bounded value 
 (a hostile peer can cost a rejected report, never a frozen or wrong view). Reports are taken in order
 per sender process (its incarnation, then its sequence); a sender that stops talking ages out of the
 view (``view.Bounds.peer_max_age_s``).
+
+A report also carries what the sender's plugins share (``scheduling/types.Shared``): its live in-flight
+predictions (``scheduling/inflight_prefix.py``: per prediction its engine and rank, the position of its
+first block and the index's chained keys of its blocks from there, packed as little-endian u64s in
+base64: block keys and positions only, never tokens), and the LoRA adapters it sent to each engine
+lately (``scheduling/lora_affinity.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import enum
 import json
 import logging
-from collections.abc import Callable, Iterable
+import struct
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
 
+from ..scheduling.inflight_prefix import MAX_SHARED, MAX_SHARED_KEYS
+from ..scheduling.lora_affinity import MAX_ADAPTERS_SHARED
+from ..scheduling.types import Prediction, Shared
+from ..worker import Carrier
 from .view import TargetReport
 
 log = logging.getLogger(__name__)
@@ -33,6 +46,7 @@ _MAX_RANK = 1 << 16
 _MAX_INFLIGHT = 1 << 20
 _MAX_TOKENS = 1 << 40
 _MAX_SEQ = (1 << 63) - 1
+_MAX_START = 1 << 24  # a prediction's first block: a prompt of ~16M blocks
 
 
 class GossipRejected(ValueError):
@@ -54,10 +68,17 @@ _TOKEN = object()
 class PeerReport:
     """A sibling's load, vetted. Built only by ``vet_report``."""
 
-    __slots__ = ("incarnation", "replica", "seq", "targets")
+    __slots__ = ("incarnation", "replica", "seq", "shared", "targets")
 
     def __init__(
-        self, token: object, *, replica: str, incarnation: str, seq: int, targets: tuple[TargetReport, ...]
+        self,
+        token: object,
+        *,
+        replica: str,
+        incarnation: str,
+        seq: int,
+        targets: tuple[TargetReport, ...],
+        shared: Shared,
     ) -> None:
         if token is not _TOKEN:
             raise TypeError("a PeerReport is built only by vet_report")
@@ -65,17 +86,31 @@ class PeerReport:
         self.incarnation = incarnation
         self.seq = seq
         self.targets = targets
+        self.shared = shared
 
 
-def encode_report(replica: str, incarnation: str, seq: int, targets: Iterable[TargetReport]) -> bytes:
-    body = {
+def encode_report(
+    replica: str, incarnation: str, seq: int, targets: Iterable[TargetReport], shared: Shared | None = None
+) -> bytes:
+    shared = shared or Shared()
+    body: dict = {
         "format": FORMAT,
         "replica": replica,
         "incarnation": incarnation,
         "seq": seq,
         "targets": [[t.engine, t.rank, t.inflight, t.prompt_tokens] for t in targets],
     }
+    # Each absent when empty: a sibling of an older release reads the rest as before.
+    packed = [[p.carrier.engine, p.carrier.rank, p.start, _pack(p.keys)] for p in shared.predictions]
+    if packed:
+        body["predictions"] = packed
+    if shared.adapters:
+        body["adapters"] = [[engine, list(names)] for engine, names in shared.adapters.items()]
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _pack(keys: Sequence[int]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(keys)}Q", *keys)).decode("ascii")
 
 
 def _int(v: object, lo: int, hi: int, what: str) -> int:
@@ -120,7 +155,54 @@ def vet_report(body: bytes) -> PeerReport:
                 _int(tokens, 0, _MAX_TOKENS, "prompt_tokens"),
             )
         )
-    return PeerReport(_TOKEN, replica=replica, incarnation=incarnation, seq=seq, targets=tuple(targets))
+    return PeerReport(
+        _TOKEN,
+        replica=replica,
+        incarnation=incarnation,
+        seq=seq,
+        targets=tuple(targets),
+        shared=Shared(_vet_predictions(doc.get("predictions", [])), _vet_adapters(doc.get("adapters", []))),
+    )
+
+
+def _vet_adapters(raw: object) -> dict[str, tuple[str, ...]]:
+    if type(raw) is not list or len(raw) > MAX_TARGETS:
+        raise GossipRejected(f"adapters must be a list of at most {MAX_TARGETS}")
+    out: dict[str, tuple[str, ...]] = {}
+    for entry in raw:
+        if type(entry) is not list or len(entry) != 2 or type(entry[1]) is not list:
+            raise GossipRejected("an engine's adapters are [engine, [adapter, ...]]")
+        engine, names = _str(entry[0], "engine"), entry[1]
+        if len(names) > MAX_ADAPTERS_SHARED:
+            raise GossipRejected(f"at most {MAX_ADAPTERS_SHARED} adapters per engine")
+        out[engine] = tuple(_str(n, "adapter") for n in names)
+    return out
+
+
+def _vet_predictions(raw: object) -> tuple[Prediction, ...]:
+    if type(raw) is not list or len(raw) > MAX_SHARED:
+        raise GossipRejected(f"predictions must be a list of at most {MAX_SHARED}")
+    out = []
+    total = 0
+    for entry in raw:
+        if type(entry) is not list or len(entry) != 4:
+            raise GossipRejected("a prediction is [engine, rank, start, keys]")
+        engine, rank, start, packed = entry
+        if type(packed) is not str or len(packed) > 4 * ((8 * MAX_SHARED_KEYS + 2) // 3):
+            raise GossipRejected("a prediction's keys must be a base64 string")
+        try:
+            blob = base64.b64decode(packed, validate=True)
+        except (binascii.Error, ValueError):
+            raise GossipRejected("a prediction's keys must be a base64 string") from None
+        n = len(blob) // 8
+        if not blob or len(blob) % 8:
+            raise GossipRejected("a prediction's keys must be 8 bytes each, at least one")
+        total += n
+        if total > MAX_SHARED_KEYS:
+            raise GossipRejected(f"predictions of more than {MAX_SHARED_KEYS} blocks in all")
+        carrier = Carrier(_str(engine, "engine"), _int(rank, 0, _MAX_RANK, "rank"))
+        out.append(Prediction(carrier, _int(start, 0, _MAX_START, "start"), struct.unpack(f"<{n}Q", blob)))
+    return tuple(out)
 
 
 def peer_session(timeout_s: float) -> aiohttp.ClientSession:
@@ -135,7 +217,7 @@ def peer_session(timeout_s: float) -> aiohttp.ClientSession:
 
 @dataclass(frozen=True, slots=True)
 class GossipConfig:
-    window_s: float = 0.05  # after a change, wait this long for more before sending (0: gossip off)
+    window_s: float = 0.002  # after a change, wait this long for more before sending (0: gossip off)
     heartbeat_s: float = 0.5  # send at least this often, changed or not
     timeout_s: float = 0.5  # one POST to one peer
 

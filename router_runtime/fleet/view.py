@@ -48,11 +48,26 @@ class RankLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class Adapters:
+    """The engine's LoRA adapters as it reports them (vLLM's ``vllm:lora_requests_info``): those with
+    requests running or waiting are resident (or about to be), out of ``max_loras`` slots."""
+
+    max_loras: int
+    running: frozenset[str]
+    waiting: frozenset[str]
+
+    @property
+    def active(self) -> frozenset[str]:
+        return self.running | self.waiting
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSample:
     """One read of an engine's load: per rank (rank None: the engine did not say which rank)."""
 
     at: float  # monotonic time of the read
     ranks: Mapping[int | None, RankLoad]
+    adapters: Adapters | None = None  # None: the engine reports no adapters (no LoRA, or SGLang)
 
 
 @dataclass(frozen=True, slots=True)

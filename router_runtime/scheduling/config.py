@@ -70,6 +70,21 @@ FLAGS = (
         " whose end is never seen; 0: no predictions)",
     ),
     Flag(
+        "--lora-load-cost-tokens",
+        "scheduling.tuning.lora_load_cost_tokens",
+        Real(0.0),
+        "kv_aware: loading a LoRA adapter an engine does not hold weighs as much as prefilling this many"
+        " tokens (what engines report of their adapters, and what this router sent where)",
+        zero="adapters ignored",
+    ),
+    Flag(
+        "--share-predictions",
+        "scheduling.tuning.inflight_share",
+        Switch(),
+        "kv_aware: send those predictions to the siblings with the load reports, and count theirs (needs"
+        " the fleet's load reports: --internal-token-file and peers)",
+    ),
+    Flag(
         "--spread-ties",
         "scheduling.tuning.spread_ties",
         Switch(),

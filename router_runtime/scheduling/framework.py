@@ -23,8 +23,9 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol, runtime_checkable
 
+from ..fleet.view import Adapters
 from ..kv.index import RadixIndex
-from .types import Candidate, Decision, Reason, RouteRequest, Target
+from .types import Candidate, Decision, Reason, RouteRequest, Shared, Target
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +149,23 @@ class RequestEnded(Protocol):
 
 
 @runtime_checkable
+class SharesWithSiblings(Protocol):
+    """A plugin whose knowledge travels to the siblings with the load report (``fleet/gossip.py``), and
+    that counts theirs: its part of ``Shared``."""
+
+    def shared(self) -> Shared: ...
+
+    def accept_peer(self, sender: tuple[str, str], shared: Shared, max_age_s: float) -> None: ...
+
+
+@runtime_checkable
+class WatchesAdapters(Protocol):
+    """A plugin told each engine's latest report of its LoRA adapters (``lora_affinity.py``)."""
+
+    def adapters_read(self, engine: str, adapters: Adapters | None) -> None: ...
+
+
+@runtime_checkable
 class KeepsTargetState(Protocol):
     """A plugin that keeps something per target, forgotten when the target leaves discovery or restarts
     empty; returns how much it held."""
@@ -182,6 +200,8 @@ class Profile:
         self._pre_request = tuple(p for p in plugins if isinstance(p, PreRequest))
         self._ended = tuple(p for p in plugins if isinstance(p, RequestEnded))
         self._stateful = tuple(p for p in plugins if isinstance(p, KeepsTargetState))
+        self._sharing = tuple(p for p in plugins if isinstance(p, SharesWithSiblings))
+        self._adapters = tuple(p for p in plugins if isinstance(p, WatchesAdapters))
 
     def choose(
         self,
@@ -236,6 +256,26 @@ class Profile:
     def remove_target(self, target: Target) -> int:
         """Forget what the plugins keep about a target that left discovery (or restarted empty)."""
         return sum(p.remove_target(target) for p in self._stateful)
+
+    def adapters_read(self, engine: str, adapters: Adapters | None) -> None:
+        """An engine's latest report of its LoRA adapters (None: it reports none)."""
+        for plugin in self._adapters:
+            plugin.adapters_read(engine, adapters)
+
+    def shared(self) -> Shared:
+        """What this replica's plugins tell its siblings (the load report carries it)."""
+        parts = [plugin.shared() for plugin in self._sharing]
+        if len(parts) == 1:
+            return parts[0]
+        return Shared(
+            tuple(p for part in parts for p in part.predictions),
+            {engine: names for part in parts for engine, names in part.adapters.items()},
+        )
+
+    def accept_peer(self, sender: tuple[str, str], shared: Shared, max_age_s: float) -> None:
+        """A sibling's ``Shared``, vetted, replacing its last one for ``max_age_s`` at most."""
+        for plugin in self._sharing:
+            plugin.accept_peer(sender, shared, max_age_s)
 
 
 _NO_MEASURE = Measure()

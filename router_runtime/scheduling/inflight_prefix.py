@@ -16,6 +16,13 @@ never evicted); once it has ended, the blocks it stored are the index's to repor
 index sees afterwards is not papered over. ``ttl_s`` bounds a prediction whose end is never seen, and a
 target that leaves discovery or restarts empty takes its predictions along (``remove_target``).
 Predictions are not cache content: never in the index, never in a snapshot a sibling grafts.
+
+Siblings share them (``shared`` and ``accept_peer``): each replica's load report carries its live
+predictions (``fleet/gossip.py``: block keys and positions, never tokens), and a sibling's count here as
+ours do until its next report replaces them or the report ages out. So the copies of a fan-out that a
+Service spreads over the replicas meet on one engine too. A report's predictions are bounded in number
+and size, and credit only the blocks a request itself has: a lying sibling can add at most ``weight`` of
+a block for each block of the request's own prompt beyond what the index confirms.
 """
 
 from __future__ import annotations
@@ -26,22 +33,29 @@ from collections.abc import Callable, Iterable, Sequence
 from ..worker import Carrier
 from .framework import Cycle, Evidence, Measure, Scores
 from .reuse import reusable_tokens
-from .types import Decision, RouteRequest, Target
+from .types import Decision, Prediction, RouteRequest, Shared, Target
 
 MAX_PREDICTIONS = 1 << 14  # requests in flight with a prediction; past it the oldest is dropped
+# What one replica shares (and a sibling's report may hold): the newest predictions first, up to both.
+MAX_SHARED = 1024
+MAX_SHARED_KEYS = 8192
+
+Sender = tuple[str, str]  # a sibling process: (replica, incarnation)
 
 
 class _Made:
-    """One request's prediction: its prompt's block keys (chained: equal keys at position i mean equal
-    prefixes up to i), of which ``start`` on are predicted (before it, the index credited them)."""
+    """One prediction: the keys of its prompt's blocks from ``start`` on (chained: equal keys at position
+    i mean equal prefixes up to i; before ``start`` the index credited them)."""
 
     __slots__ = ("carrier", "decision", "expires", "keys", "start")
 
-    def __init__(self, decision: Decision, keys: list[int], start: int, expires: float) -> None:
-        self.decision = decision  # kept, so that its id stays its own while this lives
-        self.carrier = decision.target.carrier
-        self.keys = keys
+    def __init__(
+        self, carrier: Carrier, start: int, keys: Sequence[int], expires: float, decision: Decision | None
+    ) -> None:
+        self.decision = decision  # ours: kept, so that its id stays its own while this lives
+        self.carrier = carrier
         self.start = start
+        self.keys = keys
         self.expires = expires
 
     def covers(self, keys: Sequence[int]) -> int:
@@ -49,13 +63,13 @@ class _Made:
         bisection: chained keys agree up to some position, then never again), or 0 when that ends
         before the part it predicts."""
         mine, start = self.keys, self.start
-        n = min(len(mine), len(keys))
-        if n <= start or mine[start] != keys[start]:  # parts before it before its own: nothing to add
+        n = min(start + len(mine), len(keys))
+        if n <= start or mine[0] != keys[start]:  # parts before its own: nothing to add
             return 0
         lo, hi = start + 1, n
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if mine[mid - 1] == keys[mid - 1]:
+            if mine[mid - 1 - start] == keys[mid - 1]:
                 lo = mid
             else:
                 hi = mid - 1
@@ -70,16 +84,20 @@ class InflightPrefix:
         *,
         weight: float = 0.9,
         ttl_s: float = 30.0,
+        share: bool = True,
         max_predictions: int = MAX_PREDICTIONS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.weight = weight
         self.ttl_s = ttl_s
+        self.share = share
         self.max_predictions = max_predictions
         self._clock = clock
         # id(decision) -> its prediction, oldest first (one TTL for all: insertion order is expiry order).
         self._made: dict[int, _Made] = {}
         self._by_carrier: dict[Carrier, dict[int, _Made]] = {}
+        # Each sibling's latest predictions: sender -> (counted until, carrier -> predictions there).
+        self._peers: dict[Sender, tuple[float, dict[Carrier, list[_Made]]]] = {}
         # The last request's keys: score and pre_request see the same request, hashed once.
         self._keyed: tuple[RouteRequest, list[int]] | None = None
 
@@ -89,8 +107,8 @@ class InflightPrefix:
             return Scores()
         self._expire(self._clock())
         targets = cycle.targets
-        by_carrier = self._by_carrier
-        if not by_carrier or not any(t.carrier in by_carrier for t in targets):
+        on = self._on(targets)
+        if not on:
             return Scores()
         keys = self._keys(request, index)
         if not keys:
@@ -98,11 +116,11 @@ class InflightPrefix:
         confirmed = index.match_keys(keys)
         beyond: dict[Target, int] = {}
         for t in targets:
-            made = by_carrier.get(t.carrier)
+            made = on.get(t.carrier)
             if made:
                 m = confirmed.get(t.carrier)
                 stored = m.blocks if m is not None else 0
-                extra = _run(made.values(), keys, stored) - stored
+                extra = _run(made, keys, stored) - stored
                 if extra > 0:
                     beyond[t] = extra
         if not beyond:
@@ -122,7 +140,8 @@ class InflightPrefix:
         keys = self._keys(request, index)
         if len(keys) <= decision.matched_blocks:
             return
-        made = _Made(decision, keys, decision.matched_blocks, self._clock() + self.ttl_s)
+        start = decision.matched_blocks
+        made = _Made(decision.target.carrier, start, keys[start:], self._clock() + self.ttl_s, decision)
         self._made[id(decision)] = made
         self._by_carrier.setdefault(made.carrier, {})[id(decision)] = made
         while len(self._made) > self.max_predictions:
@@ -135,18 +154,48 @@ class InflightPrefix:
     def remove_target(self, target: Target) -> int:
         """Forget the predictions on a target that left discovery (or restarted empty); returns how
         many blocks they predicted."""
-        gone = self._by_carrier.pop(target.carrier, None)
-        if not gone:
-            return 0
+        c = target.carrier
+        gone = list(self._by_carrier.pop(c, {}).values())
         for made in gone:
-            self._made.pop(made, None)
-        return _predicted(gone.values())
+            self._made.pop(id(made.decision), None)
+        for _, on in self._peers.values():
+            gone += on.pop(c, ())
+        return _predicted(gone)
+
+    def shared(self) -> Shared:
+        """This replica's live predictions for its siblings, the newest first, as many as a report
+        holds (none when sharing is off)."""
+        if not self.share:
+            return Shared()
+        self._expire(self._clock())
+        out: list[Prediction] = []
+        keys = 0
+        for made in reversed(self._made.values()):
+            keys += len(made.keys)
+            if len(out) == MAX_SHARED or keys > MAX_SHARED_KEYS:
+                break
+            out.append(Prediction(made.carrier, made.start, made.keys))
+        return Shared(predictions=tuple(out))
+
+    def accept_peer(self, sender: Sender, shared: Shared, max_age_s: float) -> None:
+        """A sibling's live predictions, vetted (fleet/gossip.py), replacing its last ones; they count
+        for ``max_age_s`` unless a newer report replaces them first."""
+        if not self.share:
+            return
+        until = self._clock() + max_age_s
+        on: dict[Carrier, list[_Made]] = {}
+        for p in shared.predictions:
+            on.setdefault(p.carrier, []).append(_Made(p.carrier, p.start, p.keys, until, None))
+        if on:
+            self._peers[sender] = (until, on)
+        else:
+            self._peers.pop(sender, None)
 
     def predicted_blocks(self, carrier: Carrier) -> int:
-        """Distinct blocks predicted on ``carrier`` by requests in flight there (tests, debugging)."""
+        """Distinct blocks predicted on ``carrier`` by requests in flight there, ours and the siblings'
+        (tests, debugging)."""
         self._expire(self._clock())
-        made = self._by_carrier.get(carrier)
-        return _predicted(made.values()) if made else 0
+        return _predicted(self._on_carrier(carrier))
 
     def _end(self, made_id: int) -> None:
         made = self._made.pop(made_id, None)
@@ -163,8 +212,29 @@ class InflightPrefix:
         while made:
             first = next(iter(made))
             if made[first].expires > now:
-                return
+                break
             self._end(first)
+        if self._peers:
+            for sender in [s for s, (until, _) in self._peers.items() if until <= now]:
+                del self._peers[sender]
+
+    def _on(self, targets: Sequence[Target]) -> dict[Carrier, list[_Made]]:
+        """The predictions on each of ``targets``' carriers that has any, ours and the siblings'."""
+        out: dict[Carrier, list[_Made]] = {}
+        if not self._by_carrier and not self._peers:
+            return out
+        for t in targets:
+            made = self._on_carrier(t.carrier)
+            if made:
+                out[t.carrier] = made
+        return out
+
+    def _on_carrier(self, carrier: Carrier) -> list[_Made]:
+        own = self._by_carrier.get(carrier)
+        made = list(own.values()) if own else []
+        for _, on in self._peers.values():
+            made += on.get(carrier, ())
+        return made
 
     def _keys(self, request: RouteRequest, index) -> list[int]:
         """The index's keys of the request's full reusable blocks (what the engine will store)."""
@@ -197,4 +267,4 @@ def _run(made: Iterable[_Made], keys: Sequence[int], start: int) -> int:
 
 
 def _predicted(made: Iterable[_Made]) -> int:
-    return len({k for m in made for k in m.keys[m.start :]})
+    return len({k for m in made for k in m.keys})

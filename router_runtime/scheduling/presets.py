@@ -3,7 +3,7 @@ every routing tunable. Defaults and their reasoning are in docs/routing.md. A ne
 one line in a preset here.
 
     every preset   subset, pinned, preferred_first (filters.py), then:
-    kv_aware       prefix_cache + inflight_prefix + load_cost
+    kv_aware       prefix_cache + inflight_prefix + load_cost + lora_affinity
                                             -> lowest_cost (guard, ties spread by request hash)
     approx_prefix  text_prefix              -> lowest_cost (guard, ties by target order)
     round_robin                             -> round_robin (the guard for returning sessions)
@@ -21,6 +21,7 @@ from .filters import EndpointSubset, PinnedTarget, PreferredFirst
 from .framework import Profile
 from .inflight_prefix import InflightPrefix
 from .load_cost import LoadCost
+from .lora_affinity import LoraAffinity
 from .pickers import Guard, LeastLoaded, LowestCost, PowerOfTwo, RoundRobin, Ties
 from .prefix_cache import PrefixCache
 from .text_prefix import TextPrefix
@@ -44,6 +45,8 @@ class PolicyConfig:
     # much of a device block, for this long at most (0: no predictions).
     inflight_weight: float = 0.9
     inflight_ttl_s: float = 30.0
+    inflight_share: bool = True  # with the siblings, over the load reports
+    lora_load_cost_tokens: float = 1024.0  # what loading a LoRA adapter weighs (lora_affinity.py); 0: off
     # kv_aware: break full ties by a hash of the request (spreads new conversations); else target order.
     spread_ties: bool = True
     # approx_prefix: route by prefix only above this matched fraction of the text.
@@ -72,6 +75,8 @@ class PolicyConfig:
             raise bad("inflight_ttl_s", "must be >= 0")
         if self.load_cost_tokens < 0:
             raise bad("load_cost_tokens", "must be >= 0")
+        if self.lora_load_cost_tokens < 0:
+            raise bad("lora_load_cost_tokens", "must be >= 0")
         if not 0 <= self.cache_threshold <= 1:
             raise bad("cache_threshold", "must be within [0, 1]")
         if self.max_tree_size <= 0:
@@ -86,11 +91,16 @@ def make_policy(name: str, config: PolicyConfig | None = None) -> Profile:
         prefix = PrefixCache(
             host_weight=c.host_weight, disk_weight=c.disk_weight, external_weight=c.external_weight
         )
-        inflight = InflightPrefix(weight=c.inflight_weight, ttl_s=c.inflight_ttl_s)
+        inflight = InflightPrefix(weight=c.inflight_weight, ttl_s=c.inflight_ttl_s, share=c.inflight_share)
         return Profile(
             name,
             filters=filters,
-            scorers=(prefix, inflight, LoadCost(c.load_cost_tokens)),
+            scorers=(
+                prefix,
+                inflight,
+                LoadCost(c.load_cost_tokens),
+                LoraAffinity(load_cost_tokens=c.lora_load_cost_tokens),
+            ),
             picker=LowestCost(guard, Ties.SPREAD if c.spread_ties else Ties.FIRST),
             needs_tokens=True,
         )

@@ -4,8 +4,8 @@ decision and its reason."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from ..worker import Carrier
@@ -103,3 +103,23 @@ class Decision:
     inflight_blocks: int = 0
     # Every candidate the picker weighed, with ``Profile.choose(..., explain=True)``; else empty.
     candidates: tuple[Candidate, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What a request in flight on ``carrier`` will have stored there (``inflight_prefix.py``; siblings
+    exchange these): the index's chained keys of its prompt's blocks ``start``, ``start + 1``, ..."""
+
+    carrier: Carrier
+    start: int
+    keys: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """What a replica's plugins tell its siblings with each load report (``fleet/gossip.py``), each
+    plugin its own part: predictions of requests in flight (``inflight_prefix.py``), and the LoRA
+    adapters sent to each engine lately, newest last (``lora_affinity.py``)."""
+
+    predictions: tuple[Prediction, ...] = ()
+    adapters: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
