@@ -9,7 +9,10 @@ router's byte tokenizer), each sent as one burst of N streamed requests (all at 
 ``--spacing-ms``), bursts one after another with a short pause. Through 1 router or through 3 replicas
 as the operator deploys them (static peers, one fleet token), copy k of a burst going to replica k mod
 3. ``--background N``: N more streams of distinct prompts run throughout, spread over the replicas the
-same way (a busy fleet, where the replicas' views of the load differ). Rows: in-flight predictions off
+same way (a busy fleet, where the replicas' views of the load differ). ``--publish-delay-ms``: the
+engines announce a request's blocks that long after admitting it (a real engine announces them once
+computed; the fake engine otherwise announces them at admission, leaving a prediction only the
+milliseconds before its events arrive). Rows: in-flight predictions off
 (``--inflight-ttl-s 0``), kept local (``--no-share-predictions``; through one router, the same as
 shared) and shared with the siblings (the default).
 
@@ -181,6 +184,13 @@ def main(argv: list[str] | None = None) -> int:
         "--background", type=int, default=0, help="streams of other requests throughout (default 0: none)"
     )
     ap.add_argument(
+        "--publish-delay-ms",
+        type=float,
+        default=0.0,
+        help="the engines announce a request's stored blocks this long after admission, as real engines do"
+        " once they are computed (default 0: at admission)",
+    )
+    ap.add_argument(
         "--modes",
         default=",".join(PREDICTIONS),
         help=f"prediction modes, a comma list of {','.join(PREDICTIONS)} (default all; local is skipped"
@@ -205,10 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# RouterFleet fan-out bench, {time.strftime('%Y-%m-%d %H:%M %Z')}, {h.git_rev()}")
     print(
         f"# {h.machine()}; {ENGINES} fake engines, {n_prompts} prompts of {PROMPT_TOKENS} tokens,"
-        f" runs={runs}, copies {args.spacing_ms:g} ms apart, {args.background} background streams"
+        f" runs={runs}, copies {args.spacing_ms:g} ms apart, {args.background} background streams, blocks"
+        f" announced {args.publish_delay_ms:g} ms after admission"
     )
     opts = h.EngineOpts(
-        prefill_us_per_token=args.prefill_us_per_token, decode_tokens_per_s=2000.0, capacity_blocks=65536
+        prefill_us_per_token=args.prefill_us_per_token,
+        decode_tokens_per_s=2000.0,
+        capacity_blocks=65536,
+        publish_delay_ms=args.publish_delay_ms,
     )
     results: dict[str, list[Result]] = {r.label: [] for r in rows}
     t_start = time.perf_counter()

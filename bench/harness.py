@@ -283,6 +283,7 @@ class EngineOpts:
     cache_generated: bool = False
     max_loras: int = 0  # LoRA adapter slots (0: adapters cost nothing)
     lora_load_ms: float = 0.0
+    publish_delay_ms: float = 0.0  # a request's blocks announced this long after admission
 
 
 @dataclass
@@ -321,6 +322,7 @@ def start_engines(n: int, opts: EngineOpts, logdir: str, *, cpus: set[int] | Non
                 *("--log-level", "WARNING"),
                 *(["--cache-generated"] if opts.cache_generated else []),
                 *("--max-loras", str(opts.max_loras), "--lora-load-ms", str(opts.lora_load_ms)),
+                *("--publish-delay-ms", str(opts.publish_delay_ms)),
             ]
             engines.append(Engine(Proc(f"engine-{i}", argv, logdir, cpus=cpus), port, kv, replay))
         for e in engines:

@@ -34,6 +34,7 @@ from .bootstrap.vetting import HashingConfig
 from .config import RouterConfig
 from .discovery.endpointslices import EngineDiscoveryConfig, port_ref
 from .discovery.kubernetes import EndpointSliceWatcher
+from .discovery.served_models import ServedModels
 from .fleet.board import LoadBoard
 from .fleet.engine_metrics import EngineLoadScraper
 from .fleet.flush import FlushResult, flush
@@ -253,6 +254,10 @@ class Router:
     def _setup_request_plane(self, config: RouterConfig, tokenizer: Tokenizer | None) -> None:
         """The scheduler (its shell: pin, session, tokens) and the proxy that runs it, with its hooks."""
         self.tokenizer = self._tokenizer(tokenizer)
+        self.served_models: ServedModels | None = None
+        if config.proxy.served_models_interval_s > 0:
+            interval = config.proxy.served_models_interval_s
+            self.served_models = ServedModels(lambda: self.targets.urls, interval)
         self.scheduler = Scheduler(
             self.policy,
             tokenizer=self.tokenizer,
@@ -266,6 +271,7 @@ class Router:
             doubt_fn=self.doubtful,
             admission=self._admission(config),
             describe_load=self.fleet.describe,
+            adapters=lambda: self.served_models.adapters if self.served_models is not None else frozenset(),
         )
         self.proxy = Proxy(
             scheduler=self.scheduler,
@@ -430,6 +436,8 @@ class Router:
             self._fleet_tasks.append(asyncio.create_task(self.gossip.run(), name="fleet-gossip"))
         if self.scraper is not None:
             self._fleet_tasks.append(asyncio.create_task(self.scraper.run(), name="engine-load"))
+        if self.served_models is not None:
+            self._fleet_tasks.append(asyncio.create_task(self.served_models.run(), name="served-models"))
 
     async def stop(self) -> None:
         """Every part stops, each bounded (``tasks.end_tasks``); the KV plane last, and whatever else

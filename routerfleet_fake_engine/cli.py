@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulated time to load an adapter that is not resident",
     )
     p.add_argument(
+        "--lora-modules",
+        type=lambda v: tuple(n for n in v.split(",") if n),
+        default=d.lora_modules,
+        help="adapter names served, comma-separated, as vLLM's --lora-modules: a request whose model names"
+        " one runs in its KV namespace",
+    )
+    p.add_argument(
         "--max-model-len",
         type=Count(1).parse,
         default=d.max_model_len,
@@ -111,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-generated",
         action="store_true",
         help="also cache the full blocks of prompt+output when a request finishes (like a real engine)",
+    )
+    p.add_argument(
+        "--publish-delay-ms",
+        type=Real(0).parse,
+        default=d.publish_delay_ms,
+        help="announce a request's stored blocks this long after its admission (a real engine announces"
+        " them once computed)",
     )
     p.add_argument(
         "--lazy-clear",
@@ -141,9 +155,11 @@ def config_from_args(args: argparse.Namespace) -> FakeEngineConfig:
         max_concurrency=args.max_concurrency,
         max_loras=args.max_loras,
         lora_load_ms=args.lora_load_ms,
+        lora_modules=args.lora_modules,
         max_model_len=args.max_model_len,
         model=args.model,
         cache_generated=args.cache_generated,
+        publish_delay_ms=args.publish_delay_ms,
         lazy_clear=args.lazy_clear,
     )
 

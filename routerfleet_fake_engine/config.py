@@ -45,8 +45,14 @@ class FakeEngineConfig:
     # LoRA adapters resident at once (vLLM's --max-loras; adapters.py); 0 = adapters cost nothing
     max_loras: int = 0
     lora_load_ms: float = 0.0  # loading an adapter that is not resident
+    # Adapters served by name, as vLLM's --lora-modules: listed in /v1/models with their parent, and a
+    # request whose model names one runs in its namespace (as with lora_name).
+    lora_modules: tuple[str, ...] = ()
     model: str = "routerfleet/fake-model"
     cache_generated: bool = False  # also cache full blocks of prompt+output when a request finishes
+    # A request's stored blocks are announced this long after its admission, as a real engine announces
+    # them once computed (a long prefill: tens of ms); 0: at admission.
+    publish_delay_ms: float = 0.0
     # A prefix-cache reset (/reset_prefix_cache, /flush_cache) announces its AllBlocksCleared only with
     # the rank's next step's batch, as vLLM does: until then, consumers hear nothing of it.
     lazy_clear: bool = False
@@ -70,6 +76,7 @@ class FakeEngineConfig:
             ("max_concurrency", self.max_concurrency >= 0),
             ("max_loras", self.max_loras >= 0),
             ("lora_load_ms", self.lora_load_ms >= 0),
+            ("publish_delay_ms", self.publish_delay_ms >= 0),
             ("max_model_len", self.max_model_len >= 1),
             ("model", bool(self.model)),
         ]

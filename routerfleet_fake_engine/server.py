@@ -287,8 +287,17 @@ class FakeEngine:
 
     def admit(self, rank: int, tokens: Sequence[int], namespace: Namespace) -> Admission:
         admission = self.caches[rank].admit(tokens, namespace)
-        self.emit(rank, admission.events)
+        delay = self.config.publish_delay_ms / 1e3
+        if delay and admission.events:  # announced later, in admission order (equal delays keep it)
+            incarnation = self.incarnation
+            asyncio.get_running_loop().call_later(delay, self._emit_late, incarnation, rank, admission.events)
+        else:
+            self.emit(rank, admission.events)
         return admission
+
+    def _emit_late(self, incarnation: str, rank: int, events: Sequence[KVEvent]) -> None:
+        if incarnation == self.incarnation and self._publisher is not None:  # not across a restart
+            self.emit(rank, events)
 
     def restart(self) -> str:
         """Become a new incarnation: empty caches, sequences back at 0, replay buffers empty. Publishes
@@ -381,7 +390,11 @@ class FakeEngine:
             "root": self.config.model,
             "max_model_len": self.config.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [model]})
+        adapters = [
+            {**model, "id": name, "root": f"/adapters/{name}", "parent": self.config.model}
+            for name in self.config.lora_modules
+        ]
+        return web.json_response({"object": "list", "data": [model, *adapters]})
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         body = generate_latest(self.registry)
@@ -554,6 +567,8 @@ class FakeEngine:
         except RequestError as e:
             return web.json_response(errors(e), status=e.status)
         cfg = self.config
+        if req.namespace.lora_name is None and req.model in cfg.lora_modules:  # vLLM: model names it
+            req = dataclasses.replace(req, namespace=dataclasses.replace(req.namespace, lora_name=req.model))
         adapter = req.namespace.lora_name
         async with self._slot(rank), self._adapter(adapter):
             admission = self.admit(rank, req.prompt_tokens, req.namespace)

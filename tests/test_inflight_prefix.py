@@ -118,6 +118,24 @@ def test_a_prediction_ends_with_its_request_so_a_later_eviction_is_not_papered_o
     assert inflight.predicted_blocks(d.target.carrier) == 0
 
 
+def test_a_prediction_built_on_stored_blocks_falls_with_them():
+    """A request sent where the index confirmed 40 blocks predicts the other 88 there. The engine then
+    drops those 40 (an eviction, a reset) while the request still runs: what it predicted no longer
+    continues anything the engine holds, so nothing is credited there."""
+    clock = Clock()
+    index = RadixIndex(BS)
+    profile, _ = kv_aware(clock)
+    store(index, TARGETS[1], PROMPT[: 40 * BS])
+    [sent] = burst(profile, index, 1)
+    assert (sent.target, sent.matched_blocks) == (TARGETS[1], 40)
+    d = profile.choose(RouteRequest(tokens=PROMPT), TARGETS, {sent.target: 1}, index)
+    assert (d.target, d.inflight_blocks) == (TARGETS[1], N - 40)
+    profile.ended(d)
+    index.clear_carrier(TARGETS[1].carrier)
+    d = profile.choose(RouteRequest(tokens=PROMPT), TARGETS, {sent.target: 1}, index)
+    assert d.inflight_blocks == 0 and d.reason is Reason.NO_MATCH
+
+
 def test_a_prediction_lasts_its_bound_at_most():
     clock = Clock()
     index = RadixIndex(BS)

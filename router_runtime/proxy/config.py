@@ -51,6 +51,9 @@ class ProxyConfig:
     # Together with the stop's own bound they fit the pod's 30 s grace period with room to spare.
     shutdown_drain_s: float = 5.0
     shutdown_timeout_s: float = 10.0
+    # Each engine's /v1/models is read this often for the LoRA adapters it serves, so that a request
+    # naming one as its model is routed in the adapter's KV namespace (discovery/served_models.py); 0: off.
+    served_models_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         if 0 < self.body_budget_bytes < self.max_body_bytes:
@@ -154,6 +157,14 @@ FLAGS = (
         Switch(),
         "ask the engine for usage on streams whose client did not (stream_options.include_usage), so"
         " the prediction audit covers them; the client's stream is unchanged",
+    ),
+    Flag(
+        "--served-models-interval-ms",
+        "proxy.served_models_interval_s",
+        Ms(0),
+        "read each engine's /v1/models this often for the LoRA adapters it serves: a request naming one"
+        " as its model is routed in that adapter's KV namespace",
+        zero="off (an adapter is known only by a request's lora_name)",
     ),
 )
 

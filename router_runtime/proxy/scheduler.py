@@ -173,6 +173,7 @@ class Scheduler:
         doubt_fn: Callable[[Carrier], bool] | None = None,
         admission: Admission | None = None,
         describe_load: Callable[[Sequence[Target]], Mapping[str, Attr]] | None = None,
+        adapters: Callable[[], frozenset[str]] = frozenset,
     ) -> None:
         self.profile = profile
         self.tokenizer = tokenizer
@@ -188,6 +189,9 @@ class Scheduler:
         # Where each candidate's load figure came from (this router, its siblings, the engine), for a
         # trace's schedule span (fleet/board.py).
         self.describe_load = describe_load
+        # The LoRA adapters the engines serve (discovery/served_models.py): a request naming one as its
+        # model is routed in its namespace, as the engine stores its blocks.
+        self.adapters = adapters
 
     async def prepare(self, inbound: Inbound, candidates: Sequence[Target]) -> Scheduled:
         """Everything a decision needs that takes I/O; raises the request's ProxyError (a bad body, an
@@ -291,11 +295,15 @@ class Scheduler:
         return RouteRequest(
             tokens=tokens,
             text=text,
-            lora_name=parsed.lora_name,
+            lora_name=parsed.lora_name or self._adapter(parsed),
             cache_salt=parsed.cache_salt,
             logprobs_from=parsed.logprobs_from,
             subset=subset,
         )
+
+    def _adapter(self, parsed: ParsedRequest) -> str | None:
+        model = parsed.body.get("model") if parsed.body is not None else None
+        return model if isinstance(model, str) and model in self.adapters() else None
 
 
 def unschedulable(e: Unschedulable) -> ProxyError:
