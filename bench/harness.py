@@ -890,6 +890,21 @@ def evicted_blocks(engine: Engine) -> int:
     )
 
 
+def false_hit_tokens(router: Router) -> int | None:
+    """Our router's audited false-hit tokens outside doubtful predictions so far (None: not ours, or its
+    metrics did not answer)."""
+    if router.kind != "ours" or router.metrics_port is None:
+        return None
+    status, text = http_get(f"http://{HOST}:{router.metrics_port}/metrics")
+    if status != 200:
+        return None
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.decode().splitlines()
+        if line.startswith("routerfleet_audit_false_hit_tokens_total{") and 'doubtful="false"' in line
+    )
+
+
 def print_flags_and_logs(
     results: dict[str, list[Any]], labels: dict[str, str], logdir: str, t_start: float
 ) -> None:

@@ -247,6 +247,7 @@ class Result:
     flags: list[str] = field(default_factory=list)
     router_cpu_s: float = float("nan")  # CPU seconds the router processes used during the replay
     evicted: list[int] = field(default_factory=list)  # blocks each engine evicted (BlockRemoved)
+    false_hits: int | None = None  # our routers' audited false-hit tokens outside doubtful predictions
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (done at s, prompt, cached)
     killed_at: float | None = None  # when a replica was killed (s into the replay)
 
@@ -441,6 +442,9 @@ def run_row(name: str, schedule: list[Turn], p: Params, logdir: str, fleet: Flee
         if routers:
             res.router_cpu_s = sum(r.cpu_seconds() for r in routers) - cpu0
         res.evicted = [h.evicted_blocks(e) for e in engines]
+        audited = [h.false_hit_tokens(r) for r in routers if r.alive()]
+        if audited and None not in audited:
+            res.false_hits = sum(audited)  # type: ignore[arg-type]
         if any(not r.alive() for r in routers):
             res.errors["router exited"] += 1
     finally:
@@ -540,6 +544,9 @@ def report(results: dict[str, list[Result]], rows: list[str], p: Params) -> None
         if wrong:
             notes.append(f"{wrong} wrong replies")
         notes += sorted({r.probe for r in rs if r.probe})
+        audited = [r.false_hits for r in rs if r.false_hits is not None]
+        if audited:
+            notes.append(f"false-hit tokens {sum(audited)}")
         notes += [around_kill(r) for r in rs if r.killed_at is not None]
         agree = [r.oracle_agree for r in rs if r.oracle_agree is not None]
         if agree:
