@@ -272,6 +272,7 @@ class Router:
             admission=self._admission(config),
             describe_load=self.fleet.describe,
             adapters=lambda: self.served_models.adapters if self.served_models is not None else frozenset(),
+            credit_watches=self.kv.writer,
         )
         self.proxy = Proxy(
             scheduler=self.scheduler,

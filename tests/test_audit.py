@@ -25,6 +25,7 @@ from router_runtime.proxy.audit import (
     Prediction,
     UsageScan,
     UsageStrip,
+    explained,
     judge,
     request_usage,
 )
@@ -34,7 +35,7 @@ from router_runtime.proxy.salting import tenant_salt
 from router_runtime.sessions.keys import tenant_of
 from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
-from tests.support import LOCAL_METRICS
+from tests.support import LOCAL_METRICS, router_over_fakes
 
 from .support import eventually
 
@@ -46,6 +47,13 @@ def test_judge():
     assert judge(Prediction(32), 16) == Audit(AuditOutcome.FALSE_HIT, false_hit_tokens=16)
     assert judge(Prediction(0), 8) == Audit(AuditOutcome.MISSED_HIT, missed_hit_tokens=8)
     assert judge(Prediction(8), None) == Audit(AuditOutcome.UNAUDITED)
+
+
+def test_an_eviction_the_engine_announced_since_the_decision_is_not_a_false_hit():
+    false_hit = judge(Prediction(64), 16)
+    assert explained(false_hit, True) == Audit(AuditOutcome.EVICTED, evicted_tokens=48)
+    assert explained(false_hit, False) == false_hit  # a loss without a word stays a false hit
+    assert explained(judge(Prediction(64), 64), True) == judge(Prediction(64), 64)  # only false hits
 
 
 BODY = json.dumps(
@@ -404,3 +412,42 @@ async def test_a_rank_whose_gap_is_being_replayed_is_doubtful():
     finally:
         mute.close(0)
         ctx.term()
+
+
+@pytest.mark.timeout(60)
+async def test_a_prefix_the_engine_evicts_while_the_request_waits_is_counted_evicted_not_a_false_hit():
+    """Over real HTTP and ZMQ: a router over one engine with one running slot credits a cached prefix to
+    a request that then waits behind a long stream; meanwhile the engine evicts the prefix and says so
+    on its KV stream. Admitted with nothing cached, the request is audited as an eviction the engine
+    announced since the decision, never as a false hit (and its rank is not withheld)."""
+    prefix = list(range(700, 700 + 32 * BS))
+    engine = {"max_concurrency": 1, "decode_tokens_per_s": 50}
+    async with router_over_fakes(1, BS, engine=engine) as ([e], router, url, s):
+        async with s.post(e.http_url + "/admin/store", json={"rank": 0, "token_ids": prefix}) as r:
+            assert r.status == 200
+        credited = lambda: sum(m.blocks for m in router.kv.index.match(prefix).values())  # noqa: E731
+        await eventually(lambda: credited() == 32, what="the prefix indexed")
+        hold = await s.post(
+            url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 500, "stream": True}
+        )
+        await hold.content.readany()  # it holds the engine's one running slot
+        body = {"prompt": [*prefix, 9, 9], "max_tokens": 2}
+        waiting = asyncio.create_task(s.post(url + "/v1/completions", json=body))
+        await eventually(lambda: e.load.waiting == 1, what="the request waiting for the slot")
+        async with s.post(e.http_url + "/admin/remove", json={"rank": 0, "token_ids": prefix}) as r:
+            assert r.status == 200
+        await eventually(lambda: credited() == 0, what="the eviction applied")
+        hold.close()
+        async with await waiting as r:
+            assert r.status == 200
+            assert (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        get = router.registry.get_sample_value
+        labels = {"engine": e.http_url, "policy": "kv_aware", "doubtful": "false"}
+        outcomes = lambda: {  # noqa: E731
+            o: get("routerfleet_audit_requests_total", {**labels, "outcome": o})
+            for o in ("exact", "false_hit", "evicted", "missed_hit", "unaudited")
+        }
+        await eventually(lambda: outcomes()["evicted"] == 1, what=f"the audit: {outcomes()}")
+        assert get("routerfleet_audit_evicted_tokens_total", labels) == 32 * BS
+        assert get("routerfleet_audit_false_hit_tokens_total", labels) == 0
+        assert not router.kv.index.withheld

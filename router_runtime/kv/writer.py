@@ -14,7 +14,7 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..worker import Carrier
@@ -53,6 +53,23 @@ class _Item:
 # How long the eviction record of a carrier that left the index is kept: longer than any sensible
 # session TTL (default 10 minutes), so a memory cannot outlive the record that contradicts it.
 EVICTION_MEMORY_S = 24 * 3600.0
+MAX_CREDIT_WATCHES = 4096  # per carrier: requests in flight on a credited prefix; past it the oldest go
+
+
+@dataclass(slots=True, eq=False)
+class CreditWatch:
+    """A decision's credited prefix on one carrier (its first ``blocks`` blocks of ``tokens``), watched
+    while its request runs: ``evicted`` once a batch of the engine's own removals or clears, applied
+    after the decision, leaves the index crediting less of it (the engine evicted what the index
+    credited, and said so). The prefix is matched again only after such a batch on that carrier, so a
+    cache that evicts nothing costs nothing."""
+
+    carrier: Carrier
+    tokens: Sequence[int]
+    lora_name: str | None
+    cache_salt: str | None
+    blocks: int
+    evicted: bool = False
 
 
 class IndexWriter:
@@ -90,7 +107,33 @@ class IndexWriter:
         # entries older than EVICTION_MEMORY_S of carriers gone from the index are pruned.
         self.evicted_at: dict[Carrier, float] = {}
         self._watched: set[Carrier] = set()  # carriers with a batch applied since their last clear
+        self._credits: dict[Carrier, dict[int, CreditWatch]] = {}  # by id, oldest first
         self._pruned_at = time.monotonic()
+
+    def watch_credit(self, w: CreditWatch) -> CreditWatch:
+        """Watch ``w`` until ``unwatch_credit``."""
+        on = self._credits.setdefault(w.carrier, {})
+        on[id(w)] = w
+        if len(on) > MAX_CREDIT_WATCHES:
+            del on[next(iter(on))]
+        return w
+
+    def unwatch_credit(self, w: CreditWatch) -> None:
+        on = self._credits.get(w.carrier)
+        if on is not None:
+            on.pop(id(w), None)
+            if not on:
+                del self._credits[w.carrier]
+
+    def _check_credits(self, carrier: Carrier) -> None:
+        """After the engine's removals or clears on ``carrier``: which watched prefixes lost credit."""
+        index = self.index
+        if carrier in index.withheld:  # the index credits it nothing now, whatever the engine holds
+            return
+        for w in self._credits[carrier].values():
+            if not w.evicted:
+                m = index.match(w.tokens, lora_name=w.lora_name, cache_salt=w.cache_salt).get(carrier)
+                w.evicted = (m.blocks if m is not None else 0) < w.blocks
 
     def note_eviction(self, carrier: Carrier) -> None:
         """On the writer task (a ``call`` step) or in its place: ``carrier`` lost blocks just now."""
@@ -170,6 +213,8 @@ class IndexWriter:
             if stats.removed or stats.cleared or item.carrier not in self._watched:
                 self.note_eviction(item.carrier)
                 self._watched.add(item.carrier)
+                if (stats.removed or stats.cleared) and item.carrier in self._credits:
+                    self._check_credits(item.carrier)
             m.apply_seconds.observe(time.perf_counter() - t0)
             m.batches.inc()
             self._count(stats)

@@ -32,7 +32,7 @@ import enum
 import logging
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..kv.events import Tier
@@ -56,6 +56,9 @@ TIERS = tuple(t.name.lower() for t in Tier)
 class AuditOutcome(enum.StrEnum):
     EXACT = "exact"
     FALSE_HIT = "false_hit"  # the engine had less cached than predicted
+    # It had less, and its own events since the decision took part of the credited prefix out of the
+    # index: it evicted what the index rightly credited, between the decision and the admission.
+    EVICTED = "evicted"
     MISSED_HIT = "missed_hit"  # it had more
     UNAUDITED = "unaudited"  # no usage in the response
 
@@ -71,6 +74,9 @@ class Prediction:
     block_size: int = 0
     # Beyond ``tokens``: what a request just sent there predicts (not yet stored; not a cache claim).
     inflight_tokens: int = 0
+    # Whether the engine's own events, since the decision, took part of the credited prefix out of the
+    # index (kv/writer.CreditWatch); None: not watched.
+    evicted_since: Callable[[], bool] | None = field(default=None, compare=False)
 
     def tier_header(self) -> str:
         return ",".join(f"{name}={n}" for name, n in zip(TIERS, self.tiers, strict=True))
@@ -90,6 +96,7 @@ class Audit:
     false_hit_tokens: int = 0
     missed_hit_tokens: int = 0
     inflight_reused_tokens: int = 0  # of the prediction's in-flight tokens, those the engine had cached
+    evicted_tokens: int = 0  # credited, then evicted by the engine before admitting it, as it announced
 
 
 def judge(prediction: Prediction, cached_tokens: int | None) -> Audit:
@@ -105,6 +112,15 @@ def judge(prediction: Prediction, cached_tokens: int | None) -> Audit:
     if extra > reused:
         return Audit(AuditOutcome.MISSED_HIT, missed_hit_tokens=extra - reused, inflight_reused_tokens=reused)
     return Audit(AuditOutcome.EXACT, inflight_reused_tokens=reused)
+
+
+def explained(audit: Audit, evicted_since: bool) -> Audit:
+    """A false hit whose credited prefix the engine announced evicting after the decision (its events
+    took part of it out of the index before the response was in) is an eviction between the decision
+    and the admission: the index was right when it decided. Anything else stays a false hit."""
+    if audit.outcome is not AuditOutcome.FALSE_HIT or not evicted_since:
+        return audit
+    return Audit(AuditOutcome.EVICTED, evicted_tokens=audit.false_hit_tokens)
 
 
 def denies(prediction: Prediction, audit: Audit) -> bool:
@@ -262,6 +278,8 @@ class _Audited(ResponseWatch):
         assert prediction is not None
         cached = self.scan.cached_tokens
         audit = judge(prediction, cached)
+        if audit.outcome is AuditOutcome.FALSE_HIT and prediction.evicted_since is not None:
+            audit = explained(audit, prediction.evicted_since())
         hook.metrics.audit(x.target.engine, hook.policy, prediction, audit)
         if x.trace is not None:
             _traced(x, prediction, cached, audit)
@@ -283,6 +301,7 @@ def _traced(x: Exchange, prediction: Prediction, cached: int | None, audit: Audi
             "routerfleet.audit.false_hit_tokens": audit.false_hit_tokens,
             "routerfleet.audit.missed_hit_tokens": audit.missed_hit_tokens,
             "routerfleet.audit.inflight_reused_tokens": audit.inflight_reused_tokens,
+            "routerfleet.audit.evicted_tokens": audit.evicted_tokens,
             "routerfleet.audit.doubtful": prediction.doubtful,
         }
     )

@@ -118,6 +118,13 @@ class ProxyMetrics:
             p + "audit_missed_hit_tokens", "Tokens the engine had cached beyond the prediction", audit,
             registry=registry,
         )  # fmt: skip
+        self.audit_evicted = Counter(
+            p + "audit_evicted_tokens",
+            "Tokens predicted cached that the engine evicted before admitting the request, as its own"
+            " events since the decision show (not a false hit: the index was right when it decided)",
+            audit,
+            registry=registry,
+        )
         # Decisions on an in-flight prediction (a request just sent there, not yet stored): what they
         # counted on beyond the index, and what of it the engine then served from its cache.
         self.audit_inflight_predicted = Counter(
@@ -188,6 +195,7 @@ class ProxyMetrics:
                 tuple(self.audit_predicted_tier.labels(engine, policy, t) for t in TIERS),
                 self.audit_inflight_predicted.labels(engine, policy, doubtful),
                 self.audit_inflight_reused.labels(engine, policy, doubtful),
+                self.audit_evicted.labels(engine, policy, doubtful),
             )
         c.requests[audit.outcome].inc()
         if audit.outcome is AuditOutcome.UNAUDITED:
@@ -196,6 +204,7 @@ class ProxyMetrics:
         c.cached.inc(
             prediction.tokens
             - audit.false_hit_tokens
+            - audit.evicted_tokens
             + audit.missed_hit_tokens
             + audit.inflight_reused_tokens
         )
@@ -208,6 +217,8 @@ class ProxyMetrics:
         # Incremented by zero too: a router that is never wrong shows a false-hit ratio of 0, not no data.
         c.false_hit.inc(audit.false_hit_tokens)
         c.missed_hit.inc(audit.missed_hit_tokens)
+        if audit.evicted_tokens:
+            c.evicted.inc(audit.evicted_tokens)
         c.false_hit_per_request.observe(audit.false_hit_tokens)
 
     def forget_engines(self, keep: set[str]) -> None:
@@ -231,3 +242,4 @@ class _AuditSeries:
     tiers: tuple[Any, ...]
     inflight_predicted: Any
     inflight_reused: Any
+    evicted: Any

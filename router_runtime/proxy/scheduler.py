@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..kv.index import RadixIndex
+from ..kv.writer import CreditWatch, IndexWriter
 from ..scheduling.admission import OBJECTIVE_HEADER, Admission
 from ..scheduling.filters import PinnedTarget
 from ..scheduling.framework import Profile, Unschedulable
@@ -58,7 +59,7 @@ class Inbound:
 class Scheduled:
     """One request's scheduling, across its attempts."""
 
-    __slots__ = ("_scheduler", "index", "parsed", "route", "session", "trace")
+    __slots__ = ("_credits", "_scheduler", "index", "parsed", "route", "session", "trace")
 
     def __init__(
         self,
@@ -75,6 +76,7 @@ class Scheduled:
         self.route = route
         self.session = session
         self.index = index  # as it stood when the request came: every attempt decides on it
+        self._credits: dict[int, CreditWatch] = {}  # id(decision) -> its credited prefix, watched
 
     @property
     def predicts(self) -> bool:
@@ -110,6 +112,9 @@ class Scheduled:
     def ended(self, decision: Decision) -> None:
         """The request ``decision`` sent has ended, however: the profile's plugins let go of it."""
         self._scheduler.profile.ended(decision)
+        watch = self._credits.pop(id(decision), None)
+        if watch is not None and self._scheduler.credit_watches is not None:
+            self._scheduler.credit_watches.unwatch_credit(watch)
 
     def _explained(self, decision: Decision, route: RouteRequest, attempt: int) -> dict[str, Attr | None]:
         """The schedule span's attributes: the winner and why, what it credits, and every candidate's
@@ -156,7 +161,15 @@ class Scheduled:
         tiers = tuple(n * bs for n in decision.tier_blocks)
         reusable = reusable_tokens(len(route.tokens), route.logprobs_from)
         inflight = decision.inflight_blocks * bs
-        return Prediction(decision.matched_blocks * bs, doubtful, tiers, reusable, bs, inflight)
+        watch, watches = self._credits.get(id(decision)), s.credit_watches
+        if watch is None and watches is not None and decision.matched_blocks and route.tokens is not None:
+            credited = route.tokens[: decision.matched_blocks * bs]
+            watch = CreditWatch(
+                decision.target.carrier, credited, route.lora_name, route.cache_salt, decision.matched_blocks
+            )
+            self._credits[id(decision)] = watches.watch_credit(watch)
+        evicted = (lambda: watch.evicted) if watch is not None else None
+        return Prediction(decision.matched_blocks * bs, doubtful, tiers, reusable, bs, inflight, evicted)
 
 
 class Scheduler:
@@ -174,6 +187,7 @@ class Scheduler:
         admission: Admission | None = None,
         describe_load: Callable[[Sequence[Target]], Mapping[str, Attr]] | None = None,
         adapters: Callable[[], frozenset[str]] = frozenset,
+        credit_watches: IndexWriter | None = None,
     ) -> None:
         self.profile = profile
         self.tokenizer = tokenizer
@@ -192,6 +206,9 @@ class Scheduler:
         # The LoRA adapters the engines serve (discovery/served_models.py): a request naming one as its
         # model is routed in its namespace, as the engine stores its blocks.
         self.adapters = adapters
+        # Where a decision's credited prefix is watched while its request runs, so the audit tells an
+        # eviction the engine announced since the decision from a false hit (kv/writer.CreditWatch).
+        self.credit_watches = credit_watches
 
     async def prepare(self, inbound: Inbound, candidates: Sequence[Target]) -> Scheduled:
         """Everything a decision needs that takes I/O; raises the request's ProxyError (a bad body, an
