@@ -228,16 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     for run in range(runs):
         for i, row in enumerate(rows):
-            engines = h.start_engines(ENGINES, opts, logdir)
-            routers: list[h.Router] = []
-            try:
-                extra = ["--engine-header", *PREDICTIONS[row.predictions]]
-                routers = h.start_fleet(row.replicas, engines, logdir, label=f"r{i}", extra=extra)
+            extra = ["--engine-header", *PREDICTIONS[row.predictions]]
+            with h.fleet_over_engines(ENGINES, opts, row.replicas, logdir, label=f"r{i}", extra=extra) as (
+                engines,
+                routers,
+            ):
                 ps = prompts(n_prompts, seed=1000 * run + i)
                 result = run_row(row, engines, routers, ps, 0.3, args.spacing_ms / 1e3, args.background)
                 results[row.label].append(asyncio.run(result))
-            finally:
-                h.stop_all([*routers, *engines])
         print(f"# run {run + 1}/{runs} done at {time.perf_counter() - t_start:.0f}s", flush=True)
     table = []
     for row in rows:

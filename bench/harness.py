@@ -28,7 +28,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -614,6 +614,21 @@ def start_fleet(
         stop_all(routers)
         raise
     return routers
+
+
+@contextlib.contextmanager
+def fleet_over_engines(
+    engines: int, opts: EngineOpts, replicas: int, logdir: str, *, label: str, extra: Sequence[str] = ()
+) -> Iterator[tuple[list[Engine], list[Router]]]:
+    """Fresh fake engines and ``replicas`` of our routers over them (``start_fleet``), for one row of a
+    bench; all stopped after it, however it ends."""
+    started = start_engines(engines, opts, logdir)
+    routers: list[Router] = []
+    try:
+        routers = start_fleet(replicas, started, logdir, label=label, extra=extra)
+        yield started, routers
+    finally:
+        stop_all([*routers, *started])
 
 
 # ---------------------------------------------------------------------------------------------------

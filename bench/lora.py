@@ -121,13 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     for run in range(runs):
         for i, row in enumerate(rows):
-            engines = h.start_engines(ENGINES, opts, logdir)
-            routers: list[h.Router] = []
-            try:
-                routers = h.start_fleet(row[0], engines, logdir, label=f"r{i}", extra=MODES[row[1]])
+            with h.fleet_over_engines(ENGINES, opts, row[0], logdir, label=f"r{i}", extra=MODES[row[1]]) as (
+                engines,
+                routers,
+            ):
                 results[row].append(asyncio.run(run_row(routers, engines, n, args.concurrency, 100 * run)))
-            finally:
-                h.stop_all([*routers, *engines])
         print(f"# run {run + 1}/{runs} done at {time.perf_counter() - t_start:.0f}s", flush=True)
     table = []
     for row in rows:

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from router_runtime.fleet.gossip import GossipRejected, encode_report, vet_report
+from router_runtime.fleet.gossip import GossipRejected, PredictionPacker, encode_report, vet_report
 from router_runtime.kv.events import BlockStored, EventBatch
 from router_runtime.kv.index import RadixIndex
 from router_runtime.proxy.audit import AuditOutcome, Prediction, judge
@@ -256,7 +256,16 @@ def test_a_report_shares_the_newest_predictions_within_its_bounds_and_vetting_re
 
     good = Predicted(Carrier("e", 0), 0, [1, 2])
     body = encode_report("r", "i", 1, [], Shared((good,))).decode()
-    assert vet_report(body.encode()).shared.predictions == (Predicted(Carrier("e", 0), 0, (1, 2)),)
+    vetted = vet_report(body.encode()).shared.predictions
+    assert vetted == (Predicted(Carrier("e", 0), 0, (1, 2)),)
+    # Each prediction is packed once for the reports that carry it, to the same bytes.
+    packer, other = PredictionPacker(), Predicted(Carrier("f", 1), 2, [3])
+    assert encode_report("r", "i", 1, [], Shared((good,)), packer).decode() == body
+    again = vet_report(encode_report("r", "i", 2, [], Shared((other, good)), packer))
+    assert again.shared.predictions == (
+        Predicted(Carrier("f", 1), 2, (3,)),
+        Predicted(Carrier("e", 0), 0, (1, 2)),
+    )
     packed = body.split('"predictions":')[1][:-1]
     for bad in (
         packed.replace('"e",0,0', '"e",true,0'),  # a bool is not a rank

@@ -12,14 +12,13 @@ import pytest
 from router_runtime.fleet.config import FleetConfig
 from router_runtime.fleet.engine_metrics import ScrapeConfig, parse_engine_load
 from router_runtime.fleet.gossip import GossipRejected, encode_report, vet_report
-from router_runtime.fleet.view import Adapters
 from router_runtime.kv.events import BlockStored, EventBatch
 from router_runtime.kv.index import RadixIndex
 from router_runtime.proxy.config import ProxyConfig
 from router_runtime.scheduling.config import SchedulingConfig
 from router_runtime.scheduling.lora_affinity import LoraAffinity
 from router_runtime.scheduling.presets import PolicyConfig, make_policy
-from router_runtime.scheduling.types import RouteRequest, Target
+from router_runtime.scheduling.types import Adapters, RouteRequest, Target
 from tests.support import router_over_fakes
 
 BS = 4

@@ -28,9 +28,8 @@ def test_the_adapters_are_the_models_with_a_parent():
             "junk",
         ],
     }
-    assert adapters_in(page) == frozenset({"sql"})
-    for broken in (None, [], {"data": "nope"}, {"data": [None]}):
-        assert adapters_in(broken) == frozenset()
+    assert adapters_in(page["data"]) == frozenset({"sql"})
+    assert adapters_in([None, 3, []]) == frozenset()
 
 
 def audited(router, name: str) -> float:

@@ -24,17 +24,35 @@ from ..http_body import read_capped
 
 log = logging.getLogger(__name__)
 
-MAX_BYTES = 1 << 20  # of one engine's answer
+MAX_BYTES = 4 << 20  # of one engine's answer; past it, that engine did not answer
 MAX_ADAPTERS = 4096  # per engine
 _MAX_NAME = 512
 
 
-def adapters_in(doc: object) -> frozenset[str]:
-    """The adapters an OpenAI-style ``/v1/models`` answer lists: entries with a ``parent`` (their base
-    model) other than themselves. Anything else on the page is ignored; a malformed page lists none."""
-    data = doc.get("data") if isinstance(doc, dict) else None
+async def read_models(
+    session: aiohttp.ClientSession,
+    url: str,
+    headers: Mapping[str, str] | None = None,
+    timeout: aiohttp.ClientTimeout | None = None,
+) -> list:
+    """The ``data`` list of an engine's ``/v1/models`` answer (the proxy's merged listing reads it too);
+    ValueError when the engine does not answer one (a status, a page over ``MAX_BYTES``, no list)."""
+    async with session.get(url + "/v1/models", headers=headers, timeout=timeout) as r:
+        if r.status != 200:
+            raise ValueError(f"status {r.status}")
+        raw = await read_capped(r.content, MAX_BYTES)
+        if raw is None:
+            raise ValueError(f"an answer over {MAX_BYTES} bytes")
+    body = json.loads(raw)
+    data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):
-        return frozenset()
+        raise ValueError("no data list")
+    return data
+
+
+def adapters_in(data: list) -> frozenset[str]:
+    """The adapters among an OpenAI-style ``/v1/models`` answer's models: entries with a ``parent``
+    (their base model) other than themselves. Anything else on the page is ignored."""
     out = set()
     for m in data:
         if not isinstance(m, dict):
@@ -77,10 +95,5 @@ class ServedModels:
 
     async def _read(self, session: aiohttp.ClientSession, url: str) -> frozenset[str] | None:
         with contextlib.suppress(TimeoutError, aiohttp.ClientError, ValueError, RecursionError):
-            async with session.get(url + "/v1/models") as r:
-                if r.status != 200:
-                    return None
-                raw = await read_capped(r.content, MAX_BYTES)
-            if raw is not None:
-                return adapters_in(json.loads(raw))
+            return adapters_in(await read_models(session, url))
         return None

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from ..scheduling.types import Shared, Target
-from .gossip import PeerReport, ReportOutcome, encode_report
+from .gossip import PeerReport, PredictionPacker, ReportOutcome, encode_report
 from .inflight import LoadTracker
 from .saturation import SaturationLimits, saturated
 from .view import Bounds, EngineSample, LoadKey, Remote, TargetReport, fleet_load, key, remote
@@ -70,6 +70,7 @@ class LoadBoard:
         self._reading: dict[str, dict[LoadKey, tuple[int, int, int]]] = {}
         self._remote = Remote({}, {}, 0.0)  # expired: computed on first read
         self._seq = 0
+        self._packer = PredictionPacker()
         self.view = FleetLoadView(self)
 
     # ---- sources -------------------------------------------------------------------------------
@@ -160,7 +161,9 @@ class LoadBoard:
         targets = [
             TargetReport(t.engine, t.rank, n, own.prompt_tokens(t)) for t, n in sorted(own.view.items())
         ]
-        return encode_report(self.replica, self.incarnation, self._seq, targets, shared or Shared())
+        return encode_report(
+            self.replica, self.incarnation, self._seq, targets, shared or Shared(), self._packer
+        )
 
     def describe(self, targets: Sequence[Target]) -> dict[str, int | list]:
         """For a trace's schedule span: each candidate's load by source, and how many siblings' reports

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import aiohttp
 
 from ..http_body import read_capped
-from .view import Adapters, EngineSample, RankLoad
+from ..scheduling.types import Adapters
+from .view import EngineSample, RankLoad
 
 log = logging.getLogger(__name__)
 

@@ -90,7 +90,12 @@ class PeerReport:
 
 
 def encode_report(
-    replica: str, incarnation: str, seq: int, targets: Iterable[TargetReport], shared: Shared | None = None
+    replica: str,
+    incarnation: str,
+    seq: int,
+    targets: Iterable[TargetReport],
+    shared: Shared | None = None,
+    packer: PredictionPacker | None = None,
 ) -> bytes:
     shared = shared or Shared()
     body: dict = {
@@ -101,16 +106,37 @@ def encode_report(
         "targets": [[t.engine, t.rank, t.inflight, t.prompt_tokens] for t in targets],
     }
     # Each absent when empty: a sibling of an older release reads the rest as before.
-    packed = [[p.carrier.engine, p.carrier.rank, p.start, _pack(p.keys)] for p in shared.predictions]
-    if packed:
-        body["predictions"] = packed
     if shared.adapters:
         body["adapters"] = [[engine, list(names)] for engine, names in shared.adapters.items()]
-    return json.dumps(body, separators=(",", ":")).encode()
+    raw = json.dumps(body, separators=(",", ":"))
+    if shared.predictions:
+        packed = (packer or PredictionPacker())(shared.predictions)
+        raw = f'{raw[:-1]},"predictions":[{",".join(packed)}]}}'
+    return raw.encode()
 
 
-def _pack(keys: Sequence[int]) -> str:
-    return base64.b64encode(struct.pack(f"<{len(keys)}Q", *keys)).decode("ascii")
+class PredictionPacker:
+    """Each prediction's wire form (a JSON array), made once: a replica reports its live predictions
+    every few milliseconds, and most are the ones it reported last time (the plugin hands out the same
+    ``Prediction`` object for as long as it lives)."""
+
+    def __init__(self) -> None:
+        self._memo: dict[int, tuple[Prediction, str]] = {}  # id -> (it, kept so its id stays its own; wire)
+
+    def __call__(self, predictions: Sequence[Prediction]) -> list[str]:
+        memo, kept, out = self._memo, {}, []
+        for p in predictions:
+            held = memo.get(id(p))
+            if held is None or held[0] is not p:
+                keys = base64.b64encode(struct.pack(f"<{len(p.keys)}Q", *p.keys)).decode("ascii")
+                held = (
+                    p,
+                    json.dumps([p.carrier.engine, p.carrier.rank, p.start, keys], separators=(",", ":")),
+                )
+            kept[id(p)] = held
+            out.append(held[1])
+        self._memo = kept  # only the current ones: bounded by a report's size
+        return out
 
 
 def _int(v: object, lo: int, hi: int, what: str) -> int:

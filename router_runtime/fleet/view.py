@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..scheduling.types import Target
+from ..scheduling.types import Adapters, Target
 
 LoadKey = tuple[str, int | None]  # (engine, rank): a target's identity across replicas
 
@@ -45,20 +45,6 @@ class RankLoad:
     @property
     def queue(self) -> int:
         return self.running + self.waiting
-
-
-@dataclass(frozen=True, slots=True)
-class Adapters:
-    """The engine's LoRA adapters as it reports them (vLLM's ``vllm:lora_requests_info``): those with
-    requests running or waiting are resident (or about to be), out of ``max_loras`` slots."""
-
-    max_loras: int
-    running: frozenset[str]
-    waiting: frozenset[str]
-
-    @property
-    def active(self) -> frozenset[str]:
-        return self.running | self.waiting
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,6 @@ Never logged: prompts, token IDs, block hashes.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
@@ -35,8 +34,8 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from ..discovery.served_models import read_models
 from ..fleet.inflight import LoadTracker
-from ..http_body import read_capped
 from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch, chunk_watchers, watching
 from ..scheduling.presets import make_policy
 from ..scheduling.types import Decision, RouteRequest, Target
@@ -76,8 +75,6 @@ from .serving import ServerLimits
 from .targets import TargetBook
 
 log = logging.getLogger(__name__)
-
-MAX_MODELS_BYTES = 4 << 20  # an engine's /v1/models answer; past it, that engine did not answer
 
 
 class _ConnectFailed(Exception):
@@ -546,7 +543,8 @@ class Proxy:
             return no_engine("no healthy engine").response()
         headers = request_headers(request.headers, self._strip)
         results = await asyncio.gather(
-            *(self._engine_models(url, headers) for url in engines.values()), return_exceptions=True
+            *(read_models(self.session, url, headers, self.models_timeout) for url in engines.values()),
+            return_exceptions=True,
         )
         merged: dict[str, Any] = {}
         answered = 0
@@ -559,19 +557,6 @@ class Proxy:
         if not answered:
             return bad_gateway("no engine answered /v1/models", "upstream_error").response()
         return web.json_response({"object": "list", "data": list(merged.values())})
-
-    async def _engine_models(self, url: str, headers) -> list:
-        async with self.session.get(url + "/v1/models", headers=headers, timeout=self.models_timeout) as r:
-            if r.status != 200:
-                raise ValueError(f"status {r.status}")
-            raw = await read_capped(r.content, MAX_MODELS_BYTES)
-            if raw is None:
-                raise ValueError(f"an answer over {MAX_MODELS_BYTES} bytes")
-            body = json.loads(raw)
-        data = body.get("data") if isinstance(body, dict) else None
-        if not isinstance(data, list):
-            raise ValueError("no data list")
-        return data
 
 
 def _route(request: web.Request) -> str:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol, runtime_checkable
 
-from ..fleet.view import Adapters
 from ..kv.index import RadixIndex
-from .types import Candidate, Decision, Reason, RouteRequest, Shared, Target
+from .siblings import Sender
+from .types import Adapters, Candidate, Decision, Reason, RouteRequest, Shared, Target
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +155,7 @@ class SharesWithSiblings(Protocol):
 
     def shared(self) -> Shared: ...
 
-    def accept_peer(self, sender: tuple[str, str], shared: Shared, max_age_s: float) -> None: ...
+    def accept_peer(self, sender: Sender, shared: Shared, max_age_s: float) -> None: ...
 
 
 @runtime_checkable
@@ -272,7 +272,7 @@ class Profile:
             {engine: names for part in parts for engine, names in part.adapters.items()},
         )
 
-    def accept_peer(self, sender: tuple[str, str], shared: Shared, max_age_s: float) -> None:
+    def accept_peer(self, sender: Sender, shared: Shared, max_age_s: float) -> None:
         """A sibling's ``Shared``, vetted, replacing its last one for ``max_age_s`` at most."""
         for plugin in self._sharing:
             plugin.accept_peer(sender, shared, max_age_s)

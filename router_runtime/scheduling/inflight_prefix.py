@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from ..worker import Carrier
 from .framework import Cycle, Evidence, Measure, Scores
 from .reuse import reusable_tokens
+from .siblings import Sender, Siblings
 from .types import Decision, Prediction, RouteRequest, Shared, Target
 
 MAX_PREDICTIONS = 1 << 14  # requests in flight with a prediction; past it the oldest is dropped
@@ -40,14 +41,12 @@ MAX_PREDICTIONS = 1 << 14  # requests in flight with a prediction; past it the o
 MAX_SHARED = 1024
 MAX_SHARED_KEYS = 8192
 
-Sender = tuple[str, str]  # a sibling process: (replica, incarnation)
-
 
 class _Made:
     """One prediction: the keys of its prompt's blocks from ``start`` on (chained: equal keys at position
     i mean equal prefixes up to i; before ``start`` the index credited them)."""
 
-    __slots__ = ("carrier", "decision", "expires", "keys", "start")
+    __slots__ = ("carrier", "decision", "expires", "keys", "shared", "start")
 
     def __init__(
         self, carrier: Carrier, start: int, keys: Sequence[int], expires: float, decision: Decision | None
@@ -57,6 +56,7 @@ class _Made:
         self.start = start
         self.keys = keys
         self.expires = expires
+        self.shared: Prediction | None = None  # its wire shape, made once (reports go every few ms)
 
     def covers(self, keys: Sequence[int]) -> int:
         """How far this prediction runs along ``keys``: the end of their common prefix (found by
@@ -96,8 +96,9 @@ class InflightPrefix:
         # id(decision) -> its prediction, oldest first (one TTL for all: insertion order is expiry order).
         self._made: dict[int, _Made] = {}
         self._by_carrier: dict[Carrier, dict[int, _Made]] = {}
-        # Each sibling's latest predictions: sender -> (counted until, carrier -> predictions there).
-        self._peers: dict[Sender, tuple[float, dict[Carrier, list[_Made]]]] = {}
+        # Each sibling's latest predictions: carrier -> predictions there.
+        self._peers: Siblings[dict[Carrier, list[_Made]]] = Siblings()
+        self._shared: Shared | None = None  # what shared() said, until a prediction comes or goes
         # The last request's keys: score and pre_request see the same request, hashed once.
         self._keyed: tuple[RouteRequest, list[int]] | None = None
 
@@ -144,6 +145,7 @@ class InflightPrefix:
         made = _Made(decision.target.carrier, start, keys[start:], self._clock() + self.ttl_s, decision)
         self._made[id(decision)] = made
         self._by_carrier.setdefault(made.carrier, {})[id(decision)] = made
+        self._shared = None
         while len(self._made) > self.max_predictions:
             self._end(next(iter(self._made)))
 
@@ -158,9 +160,12 @@ class InflightPrefix:
         gone = list(self._by_carrier.pop(c, {}).values())
         for made in gone:
             self._made.pop(id(made.decision), None)
-        for _, on in self._peers.values():
-            gone += on.pop(c, ())
-        return _predicted(gone)
+        if gone:
+            self._shared = None
+        theirs = [made for on in self._peers.parts() for made in on.pop(c, ())]
+        if theirs:
+            self._peers.changed()
+        return _predicted(gone + theirs)
 
     def shared(self) -> Shared:
         """This replica's live predictions for its siblings, the newest first, as many as a report
@@ -168,14 +173,19 @@ class InflightPrefix:
         if not self.share:
             return Shared()
         self._expire(self._clock())
+        if self._shared is not None:
+            return self._shared
         out: list[Prediction] = []
         keys = 0
         for made in reversed(self._made.values()):
             keys += len(made.keys)
             if len(out) == MAX_SHARED or keys > MAX_SHARED_KEYS:
                 break
-            out.append(Prediction(made.carrier, made.start, made.keys))
-        return Shared(predictions=tuple(out))
+            if made.shared is None:
+                made.shared = Prediction(made.carrier, made.start, made.keys)
+            out.append(made.shared)
+        self._shared = Shared(predictions=tuple(out))
+        return self._shared
 
     def accept_peer(self, sender: Sender, shared: Shared, max_age_s: float) -> None:
         """A sibling's live predictions, vetted (fleet/gossip.py), replacing its last ones; they count
@@ -186,10 +196,7 @@ class InflightPrefix:
         on: dict[Carrier, list[_Made]] = {}
         for p in shared.predictions:
             on.setdefault(p.carrier, []).append(_Made(p.carrier, p.start, p.keys, until, None))
-        if on:
-            self._peers[sender] = (until, on)
-        else:
-            self._peers.pop(sender, None)
+        self._peers.put(sender, on, until)
 
     def predicted_blocks(self, carrier: Carrier) -> int:
         """Distinct blocks predicted on ``carrier`` by requests in flight there, ours and the siblings'
@@ -201,6 +208,7 @@ class InflightPrefix:
         made = self._made.pop(made_id, None)
         if made is None:
             return
+        self._shared = None
         on = self._by_carrier.get(made.carrier)
         if on is not None:
             on.pop(made_id, None)
@@ -214,9 +222,7 @@ class InflightPrefix:
             if made[first].expires > now:
                 break
             self._end(first)
-        if self._peers:
-            for sender in [s for s, (until, _) in self._peers.items() if until <= now]:
-                del self._peers[sender]
+        self._peers.expire(now)
 
     def _on(self, targets: Sequence[Target]) -> dict[Carrier, list[_Made]]:
         """The predictions on each of ``targets``' carriers that has any, ours and the siblings'."""
@@ -232,7 +238,7 @@ class InflightPrefix:
     def _on_carrier(self, carrier: Carrier) -> list[_Made]:
         own = self._by_carrier.get(carrier)
         made = list(own.values()) if own else []
-        for _, on in self._peers.values():
+        for on in self._peers.parts():
             made += on.get(carrier, ())
         return made
 

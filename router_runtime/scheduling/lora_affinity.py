@@ -28,16 +28,14 @@ from collections.abc import Callable, Mapping
 
 import xxhash
 
-from ..fleet.view import Adapters
 from .framework import Cycle, Scores
-from .types import Decision, Shared, Target
+from .siblings import Sender, Siblings
+from .types import Adapters, Decision, Shared, Target
 
 DEFAULT_SLOTS = 4  # assumed where the engine does not report its slots
 MAX_ENGINES = 4096  # engines remembered (each entry is small); past it the oldest goes
 MAX_INFLIGHT = 1 << 14  # requests in flight with an adapter
 MAX_ADAPTERS_SHARED = 16  # adapters per engine a replica remembers sending, and tells its siblings
-
-Sender = tuple[str, str]  # a sibling process: (replica, incarnation)
 
 
 class LoraAffinity:
@@ -57,8 +55,9 @@ class LoraAffinity:
         self._inflight: dict[str, Counter[str]] = {}  # engine -> adapter -> our requests running there
         self._sent: dict[int, tuple[Decision, str]] = {}  # id(decision) -> it (kept: its id stays its own)
         self._recent: dict[str, OrderedDict[str, None]] = {}  # engine -> adapters we sent, newest last
-        # Each sibling's: sender -> (counted until, engine -> adapters it sent there, newest last).
-        self._peers: dict[Sender, tuple[float, Mapping[str, tuple[str, ...]]]] = {}
+        # Each sibling's: engine -> adapters it sent there, newest last; and their union per engine.
+        self._peers: Siblings[Mapping[str, tuple[str, ...]]] = Siblings()
+        self._peers_sent: tuple[int, dict[str, frozenset[str]]] = (-1, {})
 
     def score(self, cycle: Cycle) -> Scores:
         adapter, index = cycle.request.lora_name, cycle.index
@@ -74,11 +73,9 @@ class LoraAffinity:
 
     def _loads(self, engine: str, adapter: str, now: float) -> int:
         """What sending ``adapter`` to ``engine`` costs, in adapter loads (0, 1 or 2)."""
-        sent = set(self._recent.get(engine, ()))
-        for until, adapters in self._peers.values():
-            if until > now:
-                sent.update(adapters.get(engine, ()))
-        if adapter in sent or adapter in self._inflight.get(engine, ()):
+        ours = self._recent.get(engine, ())
+        theirs = self._peer_sent(now).get(engine, frozenset())
+        if adapter in ours or adapter in theirs or adapter in self._inflight.get(engine, ()):
             return 0
         held = self._reports.get(engine)
         if held is None or now - held[0] > self.max_age_s:
@@ -87,8 +84,21 @@ class LoraAffinity:
         if adapter in report.active:
             return 0
         # Slots held, as far as we know: what it reports active, and what the fleet sent there last.
-        held_by = report.active.union(self._inflight.get(engine, ()), sent)
+        held_by = report.active.union(self._inflight.get(engine, ()), ours, theirs)
         return 1 if len(held_by) < report.max_loras else 2
+
+    def _peer_sent(self, now: float) -> dict[str, frozenset[str]]:
+        """engine -> the adapters the siblings sent there lately, rebuilt only when their reports change."""
+        self._peers.expire(now)
+        version, union = self._peers_sent
+        if version != self._peers.version:
+            merged: dict[str, set[str]] = {}
+            for part in self._peers.parts():
+                for engine, names in part.items():
+                    merged.setdefault(engine, set()).update(names)
+            union = {engine: frozenset(names) for engine, names in merged.items()}
+            self._peers_sent = (self._peers.version, union)
+        return union
 
     def pre_request(self, cycle: Cycle, decision: Decision) -> None:
         adapter = cycle.request.lora_name
@@ -129,12 +139,8 @@ class LoraAffinity:
     def accept_peer(self, sender: Sender, shared: Shared, max_age_s: float) -> None:
         """A sibling's, vetted (fleet/gossip.py), replacing its last; counted for ``max_age_s`` at most."""
         now = self._clock()
-        for gone in [s for s, (until, _) in self._peers.items() if until <= now]:
-            del self._peers[gone]
-        if shared.adapters:
-            self._peers[sender] = (now + max_age_s, shared.adapters)
-        else:
-            self._peers.pop(sender, None)
+        self._peers.expire(now)
+        self._peers.put(sender, shared.adapters, now + max_age_s)
 
     def adapters_read(self, engine: str, adapters: Adapters | None) -> None:
         """An engine's latest report of its adapters (None: it reports none, or the read failed)."""

@@ -116,6 +116,20 @@ class Prediction:
 
 
 @dataclass(frozen=True, slots=True)
+class Adapters:
+    """The engine's LoRA adapters as it reports them (vLLM's ``vllm:lora_requests_info``): those with
+    requests running or waiting are resident (or about to be), out of ``max_loras`` slots."""
+
+    max_loras: int
+    running: frozenset[str]
+    waiting: frozenset[str]
+
+    @property
+    def active(self) -> frozenset[str]:
+        return self.running | self.waiting
+
+
+@dataclass(frozen=True, slots=True)
 class Shared:
     """What a replica's plugins tell its siblings with each load report (``fleet/gossip.py``), each
     plugin its own part: predictions of requests in flight (``inflight_prefix.py``), and the LoRA
