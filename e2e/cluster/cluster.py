@@ -178,8 +178,17 @@ class Cluster:
         return _kubeconfig(self.work_dir / f"{name}.kubeconfig", self.server, self.pki.ca_cert, cn, pair)
 
     def start_node_agent(self, node: str = "node-1") -> subprocess.Popen:
-        """Run e2e.cluster.node_agent as `node` (CN=system:node:<node>, O=system:nodes); it is stopped
-        first by stop() and watched by check_alive(). Log: <work_dir>/logs/node-agent.log."""
+        """Run e2e.cluster.node_agent as `node` (CN=system:node:<node>, O=system:nodes), and the node's
+        Services (e2e.cluster.services as system:kube-proxy: ClusterIPs and the cluster DNS); both are
+        stopped first by stop() and watched by check_alive(). Logs: <work_dir>/logs/node-agent.log and
+        services.log."""
+        proxier = self.issue_client("kube-proxy", "system:kube-proxy")
+        self._spawn(
+            "services",
+            ["--kubeconfig", str(proxier)],
+            argv0=[sys.executable, "-m", "e2e.cluster.services"],
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        )
         kubeconfig = self.issue_client(node, f"system:node:{node}", ("system:nodes",))
         return self._spawn(
             "node-agent",

@@ -30,7 +30,8 @@ Container output goes to <workdir>/pods/<namespace>_<pod>_<uid>/<container>.log.
 Not done: init and sidecar containers, lifecycle hooks (preStop/postStart), resources and cgroups,
 securityContext (processes run as the agent's user), hostPath/PVC volumes, image pulls, kubelet's
 HTTP server (no `kubectl logs/exec/port-forward`), resourceFieldRef env, per-service env variables,
-hostNetwork, Service ClusterIPs (no kube-proxy: clients use EndpointSlices, as the routers do).
+hostNetwork. Service ClusterIPs and names are e2e/cluster/services.py's (kube-proxy's and the cluster
+DNS's part): each pod's /etc/resolv.conf names that DNS (dnsPolicy ClusterFirst, the default).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ import aiohttp
 from routerfleet_kube import STRATEGIC, ApiError, KubeClient
 
 from .netns import ADVERTISE_ADDRESS, BRIDGE, NODE_IP, POD_CIDR
+from .services import resolv_conf
 
 log = logging.getLogger("node-agent")
 
@@ -776,6 +778,11 @@ class PodWorker:
             **env,
         }
         mounts = container_mounts(spec, self.volume_dir)
+        resolv = resolv_conf(self.pod)
+        if resolv is not None and not any(dst == "/etc/resolv.conf" for _, dst, _ in mounts):
+            path = self.log_dir / "resolv.conf"
+            path.write_text(resolv)
+            mounts.append((str(path), "/etc/resolv.conf", "ro"))
         return self.enter(mounts, argv), penv, mounts
 
     def enter(self, mounts: list, argv: list[str]) -> list[str]:
