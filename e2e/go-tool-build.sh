@@ -11,8 +11,9 @@
 #
 # and then calls `go_tool_build`. <cache> is ${ROUTERFLEET_CACHE:-$HOME/.cache/routerfleet}; <hash>
 # covers go.mod, go.sum, the wrapper's Go sources, the calling script, this file and the Go version. A
-# no-op once built; one build at a time per folder (flock). Progress goes to stderr, with a line every
-# 30 s while Go builds; the last stdout line is the bin dir:  BIN=$(bash e2e/helm/build.sh | tail -1)
+# no-op once built; one build at a time per folder (flock); with ROUTERFLEET_NO_BUILD=1, exit 3 instead of
+# building. Progress goes to stderr, with a line every 30 s while Go builds; the last stdout line is the
+# bin dir:  BIN=$(bash e2e/helm/build.sh | tail -1)
 
 go_tool_build() {
   set -euo pipefail
@@ -33,6 +34,7 @@ go_tool_build() {
   bin=$out/bin
 
   if [[ -x $bin/$tool && -f $out/stamp ]]; then echo "$bin"; return 0; fi
+  if [[ ${ROUTERFLEET_NO_BUILD:-} == 1 ]]; then exit 3; fi  # asked whether it is built: it is not
   mkdir -p "$out"
   exec 9>"$out.lock"
   flock 9

@@ -23,6 +23,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from e2e.entrypoints import entrypoints
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = "ROUTERFLEET_E2E_PROVIDER"
 # Set by `python -m e2e.cluster run`: the work dir of a cluster that is already up (reused, not stopped).
@@ -105,7 +107,7 @@ class LocalProvider(Provider):
         self._owned = True
         self.cluster = Cluster(bin_dir, self.work_dir)
         self.cluster.start()
-        self.cluster.start_node_agent(self.node)
+        self.cluster.start_node_agent(self.node, entrypoints())
         return self.cluster.kubeconfig
 
     def check_alive(self) -> None:

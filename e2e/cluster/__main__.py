@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from e2e.entrypoints import entrypoints
 from e2e.provider import WORKDIR_ENV
 
 from .binaries import ENV as BIN_ENV
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster.start()
         if a.node_agent:
-            cluster.start_node_agent(a.node_agent)
+            cluster.start_node_agent(a.node_agent, entrypoints())
         _say(f"control plane ready in {time.monotonic() - t0:.1f}s; logs in {cluster.logs}")
         if a.cmd == "up":
             _say(

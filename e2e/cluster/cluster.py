@@ -24,6 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,8 @@ CONTROLLERS = (
     "taint-eviction-controller",
     "pod-garbage-collector-controller",
     "disruption-controller",
+    "job-controller",  # Helm charts run hooks as Jobs (Envoy Gateway's certgen)
+    "ttl-after-finished-controller",
 )
 
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
@@ -177,7 +180,7 @@ class Cluster:
         pair = self.pki.issue(name, cn, orgs)
         return _kubeconfig(self.work_dir / f"{name}.kubeconfig", self.server, self.pki.ca_cert, cn, pair)
 
-    def start_node_agent(self, node: str = "node-1") -> subprocess.Popen:
+    def start_node_agent(self, node: str = "node-1", entrypoints: Mapping[str, str] = {}) -> subprocess.Popen:
         """Run e2e.cluster.node_agent as `node` (CN=system:node:<node>, O=system:nodes), and the node's
         Services (e2e.cluster.services as system:kube-proxy: ClusterIPs and the cluster DNS); both are
         stopped first by stop() and watched by check_alive(). Logs: <work_dir>/logs/node-agent.log and
@@ -192,7 +195,10 @@ class Cluster:
         kubeconfig = self.issue_client(node, f"system:node:{node}", ("system:nodes",))
         return self._spawn(
             "node-agent",
-            ["--kubeconfig", str(kubeconfig), "--node", node, "--workdir", str(self.work_dir)],
+            [
+                *("--kubeconfig", str(kubeconfig), "--node", node, "--workdir", str(self.work_dir)),
+                *(a for repo, binary in entrypoints.items() for a in ("--entrypoint", f"{repo}={binary}")),
+            ],
             argv0=[sys.executable, "-m", "e2e.cluster.node_agent"],
             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
         )

@@ -11,10 +11,11 @@ kubelet), registers the Node and renews its Lease, watches the pods bound to it 
   projected (serviceAccountToken via the TokenRequest API, bound to the pod and renewed after 80% of
   its lifetime; configMap; secret; downwardAPI). The ServiceAccount admission plugin adds the usual
   kube-api-access projected volume, so pods get token, ca.crt and namespace like on a real node;
-- runs every container's command+args as a process (the image is ignored; the venv's bin dir leads
-  PATH) in the pod's network namespace and a private mount namespace (`unshare --mount --propagation
-  private`) with each volumeMount bind-mounted at its mountPath (missing mount points are created,
-  empty, in the host's tree);
+- runs every container's command+args as a process (the image is not pulled; the venv's bin dir leads
+  PATH; a container without a command runs the binary --entrypoint names for its image's repository)
+  in the pod's network namespace and a private mount namespace (`unshare --mount --propagation private`)
+  with each volumeMount bind-mounted at its mountPath (missing mount points are created, empty, in the
+  host's tree);
 - builds the environment as kubelet does: KUBERNETES_SERVICE_HOST/PORT = the API server at its
   advertise address on the node's bridge (a SAN of its certificate), so in-cluster config works
   unchanged with the pod's own token and RBAC; envFrom; env with $(VAR) expansion, fieldRefs, secretKeyRef and
@@ -50,7 +51,7 @@ import signal
 import sys
 import time
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -321,11 +322,28 @@ def with_mounts(mounts: list[tuple[str, str, str]], argv: list[str]) -> list[str
             *flat, "--", *argv]  # fmt: skip
 
 
-def container_argv(container: dict, env: dict[str, str]) -> list[str]:
-    argv = [expand(a, env) for a in (container.get("command") or []) + (container.get("args") or [])]
-    if not argv:
-        raise ValueError(f"container {container['name']!r} has no command (images are not run)")
-    return argv
+def image_repository(image: str) -> str:
+    """``registry/path/name`` of an image reference, without its tag or digest."""
+    name = image.split("@", 1)[0]
+    slash = name.rfind("/")
+    colon = name.rfind(":")
+    return name[:colon] if colon > slash else name
+
+
+def container_argv(container: dict, env: dict[str, str], entrypoints: Mapping[str, str] = {}) -> list[str]:
+    """The process a container runs: its command and args, as kubelet expands them. A container without
+    a command runs its image's entrypoint, where ``entrypoints`` names a binary for the image's
+    repository (images are not pulled: the binary is one built from the same source)."""
+    command = container.get("command") or []
+    if not command:
+        entry = entrypoints.get(image_repository(container.get("image", "")))
+        if entry is None:
+            raise ValueError(
+                f"container {container['name']!r} has no command, and image {container.get('image')!r}"
+                " has no entrypoint here (images are not run)"
+            )
+        command = [entry]
+    return [expand(a, env) for a in command + (container.get("args") or [])]
 
 
 def resolve_port(container: dict, port: int | str) -> int:
@@ -770,7 +788,7 @@ class PodWorker:
         env = container_env(
             self.pod, spec, self.pod_ip, self.agent.host_ip, await self._objects(), self.agent.service_env
         )
-        argv = container_argv(spec, env)
+        argv = container_argv(spec, env, self.agent.entrypoints)
         penv = {
             "PATH": self.agent.path,
             "HOME": os.environ.get("HOME", "/root"),
@@ -1055,6 +1073,7 @@ class NodeAgent:
             [str(Path(sys.executable).parent), os.environ.get("PATH", "/usr/bin:/bin")]
         )
     )
+    entrypoints: Mapping[str, str] = field(default_factory=dict)  # image repository -> binary
     workers: dict[str, PodWorker] = field(default_factory=dict)
     worker_tasks: dict[str, asyncio.Task] = field(default_factory=dict)
     _next_ip: int = 2
@@ -1225,7 +1244,12 @@ class NodeAgent:
 
 async def amain(a: argparse.Namespace) -> None:
     async with await KubeClient.connect(a.kubeconfig, user_agent="routerfleet-node-agent") as api:
-        agent = NodeAgent(api, a.node, Path(a.workdir).resolve())
+        entrypoints = dict(e.split("=", 1) for e in a.entrypoint)
+        agent = NodeAgent(api, a.node, Path(a.workdir).resolve(), entrypoints=entrypoints)
+        # An image's binary is on PATH too: its other containers name it as their command (Envoy
+        # Gateway's shutdown-manager runs `envoy-gateway`).
+        dirs = dict.fromkeys(str(Path(b).parent) for b in entrypoints.values())
+        agent.path = os.pathsep.join([*dirs, agent.path])
         await agent.register()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -1250,6 +1274,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kubeconfig", required=True, help="a system:node:<node> client kubeconfig")
     ap.add_argument("--node", default="node-1")
     ap.add_argument("--workdir", required=True, help="container logs go to <workdir>/pods/")
+    ap.add_argument(
+        "--entrypoint",
+        action="append",
+        default=[],
+        metavar="REPOSITORY=BINARY",
+        help="what a container of this image runs when it names no command (repeatable)",
+    )
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     asyncio.run(amain(a))
