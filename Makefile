@@ -75,6 +75,7 @@ epp: setup
 # the e2e run's network namespace (about 6 minutes cold).
 envoy-gateway: setup
 	@nice -n 10 bash e2e/gateway/build-envoy-gateway.sh >/dev/null
+	@nice -n 10 bash e2e/gateway/build-eg-inferencepool.sh >/dev/null
 
 # An OpenTelemetry Collector (e2e/tracing/collector: the OTLP receiver and the file exporter) for the
 # tracing tests (e2e/tracing/collector.py): built the same way, before pytest, as the tests must not

@@ -17,6 +17,11 @@ ROOT = Path(__file__).resolve().parent
 # image repository -> (its build script, the binary in the bin dir the script prints)
 BUILDS = {
     "docker.io/envoyproxy/gateway": ("gateway/build-envoy-gateway.sh", "envoy-gateway"),
+    # Not an image anyone publishes: the local cluster's Envoy Gateway extension (envoy_gateway.py).
+    "routerfleet.dev/e2e/envoy-gateway-inferencepool": (
+        "gateway/build-eg-inferencepool.sh",
+        "eg-inferencepool",
+    ),
 }
 
 

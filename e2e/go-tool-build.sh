@@ -10,10 +10,10 @@
 #   ldx      extra -ldflags (version stamps), may be empty
 #
 # and then calls `go_tool_build`. <cache> is ${ROUTERFLEET_CACHE:-$HOME/.cache/routerfleet}; <hash>
-# covers go.mod, go.sum, the wrapper's Go sources, the calling script, this file and the Go version. A
-# no-op once built; one build at a time per folder (flock); with ROUTERFLEET_NO_BUILD=1, exit 3 instead of
-# building. Progress goes to stderr, with a line every 30 s while Go builds; the last stdout line is the
-# bin dir:  BIN=$(bash e2e/helm/build.sh | tail -1)
+# covers go.mod, go.sum, the wrapper's Go sources (in any folder), the calling script, this file and the
+# Go version. A no-op once built; one build at a time per folder (flock); with ROUTERFLEET_NO_BUILD=1,
+# exit 3 instead of building. Progress goes to stderr, with a line every 30 s while Go builds; the last
+# stdout line is the bin dir:  BIN=$(bash e2e/helm/build.sh | tail -1)
 
 go_tool_build() {
   set -euo pipefail
@@ -28,7 +28,7 @@ go_tool_build() {
   local gover hash out bin t0 ticker
   gover=$(go env GOVERSION) || die "'go env' failed"
   # Sorted names, so the hash does not depend on the shell's locale or the order files were made in.
-  hash=$( { cat "$here/go.mod" "$here/go.sum"; LC_ALL=C find "$here" -maxdepth 1 -name '*.go' | sort | xargs -r cat
+  hash=$( { cat "$here/go.mod" "$here/go.sum"; LC_ALL=C find "$here" -name '*.go' | sort | xargs -r cat
             cat "$script" "${BASH_SOURCE[0]}"; echo "$gover"; } | sha256sum | cut -c1-12)
   out=${ROUTERFLEET_CACHE:-$HOME/.cache/routerfleet}/$tool/$version-$hash
   bin=$out/bin

