@@ -615,8 +615,9 @@ class Router:
         for row in self.fleet.summary()["targets"]:
             for source, value in (("fleet", row["load"]), ("own", row["own"]), ("peers", row["peers"])):
                 totals[row["engine"], source] = totals.get((row["engine"], source), 0) + value
-            k = (row["engine"], "unseen")
-            totals[k] = totals.get(k, 0) + row["unseen"]
+            for source in ("unseen", "discounted"):
+                k = (row["engine"], source)
+                totals[k] = totals.get(k, 0) + row[source]
         g.load.clear()
         for (engine, source), value in totals.items():
             g.load.labels(engine, source).set(value)

@@ -20,7 +20,7 @@ from router_runtime.config import RouterConfig
 from router_runtime.fleet.config import FleetConfig
 from router_runtime.fleet.engine_metrics import ScrapeConfig
 from router_runtime.fleet.gossip import GossipConfig
-from router_runtime.fleet.view import Bounds
+from router_runtime.fleet.view import PEER_SLACK, Bounds
 from router_runtime.kv.config import KvConfig
 from router_runtime.proxy.config import ProxyConfig
 from router_runtime.proxy.health import HealthConfig
@@ -269,6 +269,39 @@ async def test_a_sibling_that_stops_reporting_ages_out(tmp_path):
         # Silence: within the age bound it drops out, with nothing else happening.
         await eventually(lambda: _fleet(router)[(hot, None)] == 0, timeout=2, what="aged out")
         assert router.fleet.fresh_peers() == 0
+
+
+async def test_a_siblings_claim_its_engines_read_contradicts_cannot_starve_that_engine(tmp_path):
+    """A sibling (with the fleet token) keeps claiming 1,000 requests in flight on an idle engine. The
+    engine's own read says otherwise: the claim is discounted to what the read leaves room for (plus
+    PEER_SLACK), the metric says how much was, and once the other engine is the busier one the next
+    request goes to the idle one (taken at its word, it would never again)."""
+    long = Bounds(peer_max_age_s=30.0)
+    async with replicas(tmp_path, 1, bounds=long, scrape_s=0.02, gossip=False) as (es, routers, s):
+        (router, url), (idle, other) = routers[0], es
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        lie = {"format": 1, "replica": "liar", "incarnation": "1", "seq": 1}
+        lie["targets"] = [[idle.http_url, None, 1000, 0]]
+        async with s.post(router.internal_url + "/internal/load", json=lie, headers=headers) as r:
+            assert r.status == 204
+        await eventually(
+            lambda: _fleet(router)[(idle.http_url, None)] <= PEER_SLACK,
+            what="the engine's read discounts the claim",
+        )
+        async with s.get(router.metrics_url + "/metrics") as r:  # the gauges are set as it is read
+            await r.read()
+        discounted = sample(router, "routerfleet_fleet_load", engine=idle.http_url, source="discounted")
+        assert discounted >= 1000 - PEER_SLACK
+        holds = [await _hold_direct(s, other, [900 + i, 1, 2]) for i in range(PEER_SLACK + 4)]
+        try:
+            await eventually(
+                lambda: _fleet(router)[(other.http_url, None)] >= PEER_SLACK + 4,
+                what="the other engine's queue read",
+            )
+            assert await _routed(s, url, [5, 6, 7]) == idle.http_url
+        finally:
+            for r in holds:
+                r.close()
 
 
 async def test_a_stalled_engine_metrics_endpoint_delays_no_request(tmp_path):

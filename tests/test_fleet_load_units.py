@@ -12,12 +12,15 @@ from router_runtime.fleet.engine_metrics import MetricsUnreadable, parse_engine_
 from router_runtime.fleet.gossip import GossipRejected, ReportOutcome, vet_report
 from router_runtime.fleet.inflight import LoadTracker
 from router_runtime.fleet.view import (
+    PEER_SLACK,
+    AtRead,
     Bounds,
     EngineSample,
     RankLoad,
     TargetReport,
     engine_queues,
     fleet_load,
+    overclaimed,
     remote,
     unseen,
 )
@@ -53,14 +56,31 @@ def test_remote_drops_stale_sources_and_expires_with_the_first_to_age():
         "old": (7.0, (TargetReport("b", None, 50, 0),)),
     }
     samples = {
-        "b": (EngineSample(11.5, {None: RankLoad(9)}), {("b", None): 4}),
-        "a": (EngineSample(9.0, {0: RankLoad(9)}), {}),
+        "b": (EngineSample(11.5, {None: RankLoad(9)}), AtRead({("b", None): 4})),
+        "a": (EngineSample(9.0, {0: RankLoad(9)}), AtRead({})),
     }
     r = remote(peers, samples, {"a": [A0, A1], "b": [B]}, 11.6, bounds)
     assert dict(r.peers) == {("b", None): 5, ("a", 0): 1}
     assert dict(r.engines) == {("b", None): 5.0}  # a's read is 2.6 s old
     assert r.valid_until == 12.0  # x ages out first
     assert remote({}, {}, {}, 0.0, bounds).valid_until == float("inf")
+
+
+def test_a_siblings_claim_the_engines_read_contradicts_is_discounted():
+    """A sibling claims 1,000 requests in flight on an engine whose read, taken while it claimed them,
+    counts 3 in all (1 of them ours): the engine has room for 2 of theirs, so 2 + PEER_SLACK count and
+    the rest is discounted until the next read. A claim within the read's room counts whole."""
+    bounds = Bounds(peer_max_age_s=2.0, engine_max_age_s=1.0)
+    lie = {"x": (10.0, (TargetReport("b", None, 1000, 0),))}
+    read = (
+        EngineSample(10.5, {None: RankLoad(3)}),
+        AtRead({("b", None): 1001}, {("b", None): 1}, {("b", None): 1000}),
+    )
+    r = remote(lie, {"b": read}, {"b": [B]}, 10.6, bounds)
+    assert r.peers[("b", None)] == 2 + PEER_SLACK and r.discounted == {("b", None): 1000 - 2 - PEER_SLACK}
+    assert overclaimed({("b", None): 3.0}, AtRead({}, {("b", None): 1}, {("b", None): 2 + PEER_SLACK})) == {}
+    # Once the read is stale, the sibling's word is all there is (no engine metrics: nothing to check).
+    assert remote(lie, {"b": read}, {"b": [B]}, 11.6, bounds).peers[("b", None)] == 1000
 
 
 VLLM_PAGE = """\

@@ -16,7 +16,7 @@ from ..scheduling.types import Shared, Target
 from .gossip import PeerReport, PredictionPacker, ReportOutcome, encode_report
 from .inflight import LoadTracker
 from .saturation import SaturationLimits, saturated
-from .view import Bounds, EngineSample, LoadKey, Remote, TargetReport, fleet_load, key, remote
+from .view import AtRead, Bounds, EngineSample, LoadKey, Remote, TargetReport, fleet_load, key, remote
 
 MAX_SENDERS = 1024  # sibling processes held at once (a fleet is far smaller; a restart adds one)
 
@@ -64,8 +64,8 @@ class LoadBoard:
         self.clock = clock
         # (replica, incarnation) -> (received at, its latest report)
         self._peers: dict[tuple[str, str], tuple[float, PeerReport]] = {}
-        # engine -> (its latest read, own + peers per target when it was read)
-        self._samples: dict[str, tuple[EngineSample, dict[LoadKey, int]]] = {}
+        # engine -> (its latest read, what the routers knew per target while it was read)
+        self._samples: dict[str, tuple[EngineSample, AtRead]] = {}
         # engine -> per target, as its read began: (own in flight, own dispatched ever, siblings')
         self._reading: dict[str, dict[LoadKey, tuple[int, int, int]]] = {}
         self._remote = Remote({}, {}, 0.0)  # expired: computed on first read
@@ -92,7 +92,7 @@ class LoadBoard:
         return ReportOutcome.ACCEPTED
 
     def engine_read_started(self, engine: str) -> None:
-        own, peers = self.own, self.remote().peers
+        own, peers = self.own, self.remote().claimed
         self._reading[engine] = {
             key(t): (own.get(t), own.started(t), peers.get(key(t), 0))
             for t in self.targets()
@@ -107,15 +107,19 @@ class LoadBoard:
         figure. Requests of ours can then never look like someone else's."""
         before = self._reading.pop(engine, {})
         if sample is not None:
-            own, peers = self.own, self.remote().peers
+            own, peers = self.own, self.remote().claimed
             known: dict[LoadKey, int] = {}
+            ours: dict[LoadKey, int] = {}
+            theirs: dict[LoadKey, int] = {}
             for t in self.targets():
                 if t.engine != engine:
                     continue
                 k = key(t)
-                inflight, started, sibs = before.get(k, (own.get(t), own.started(t), 0))
-                known[k] = inflight + own.started(t) - started + max(sibs, peers.get(k, 0))
-            self._samples[engine] = (sample, known)
+                inflight, started, sibs = before.get(k, (own.get(t), own.started(t), peers.get(k, 0)))
+                ours[k] = inflight + own.started(t) - started
+                theirs[k] = min(sibs, peers.get(k, 0))
+                known[k] = ours[k] + max(sibs, peers.get(k, 0))
+            self._samples[engine] = (sample, AtRead(known, ours, theirs))
             self._remote = Remote({}, {}, 0.0)
 
     def forget_engines(self, keep: set[str]) -> None:
@@ -140,7 +144,7 @@ class LoadBoard:
 
     def saturated(self, targets: Sequence[Target], limits: SaturationLimits) -> bool:
         """Whether none of ``targets`` has room by its engine's latest read (saturation.py)."""
-        samples = {engine: sample for engine, (sample, _) in self._samples.items()}
+        samples = {engine: sample for engine, (sample, *_) in self._samples.items()}
         return saturated(targets, samples, self.clock(), self.bounds.engine_max_age_s, limits)
 
     def _drop_aged(self, now: float) -> None:
@@ -191,12 +195,13 @@ class LoadBoard:
                     "own": self.own.get(t),
                     "peers": r.peers.get(k, 0),
                     "unseen": r.engines.get(k, 0.0),
+                    "discounted": r.discounted.get(k, 0),
                     "load": self.view.get(t),
                 }
             )
         samples = {
             e: {"age_s": round(now - s.at, 3), "queue": {str(k): v.queue for k, v in s.ranks.items()}}
-            for e, (s, _) in self._samples.items()
+            for e, (s, *_) in self._samples.items()
         }
         peers = [
             {

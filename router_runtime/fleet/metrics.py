@@ -31,7 +31,8 @@ class FleetMetrics:
         )
         self.load = Gauge(
             p + "load",
-            "The fleet load the policy sees per engine (sum over its targets), and what each source says",
+            "The fleet load the policy sees per engine (sum over its targets), what each source says, and"
+            " the siblings' claims its own reads contradicted (discounted)",
             ["engine", "source"],
             registry=registry,
         )

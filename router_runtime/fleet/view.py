@@ -14,6 +14,11 @@ moment, so a read taken during a burst does not keep an engine looking busy afte
     load(t)   = own(t) + peers(t) + unseen(t)
     unseen(t) = max(0, engine(t) - (own(t) + peers(t)) as of the engine read)
 
+The same read bounds what the siblings may claim: the engine counts every request sent to it, so at
+the read theirs were at most its queue less ours (and a few still on the way, ``PEER_SLACK``). A claim
+beyond that is discounted until the next read (``overclaimed``): a sibling that lies, or miscounts,
+cannot keep an idle engine looking busy, and so starve it, for longer than one read interval.
+
 A source is left out once it is older than its bound: a stale or missing source degrades the view to
 what is left, never to a guess. A request never waits for any of it.
 """
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..scheduling.types import Adapters, Target
 
@@ -120,6 +125,34 @@ def unseen(queues: Mapping[LoadKey, float], known: Mapping[LoadKey, int]) -> dic
     return out
 
 
+PEER_SLACK = 4  # requests per target a sibling may have sent that its engine had not counted yet
+
+
+@dataclass(frozen=True, slots=True)
+class AtRead:
+    """What the routers knew per target while an engine read was taken: ``known``, ours and the
+    siblings' at most (what the read may have counted of them); ``ours``; ``theirs``, the siblings' at
+    least (what they claimed all through the read)."""
+
+    known: Mapping[LoadKey, int]
+    ours: Mapping[LoadKey, int] = field(default_factory=dict)
+    theirs: Mapping[LoadKey, int] = field(default_factory=dict)
+
+
+def overclaimed(queues: Mapping[LoadKey, float], at: AtRead) -> dict[LoadKey, int]:
+    """Per target, the siblings' claim beyond the room the engine's queue leaves besides ours, less
+    ``PEER_SLACK``."""
+    out = {}
+    for k, q in queues.items():
+        theirs = at.theirs.get(k, 0)
+        if theirs <= PEER_SLACK:
+            continue
+        extra = math.floor(theirs - max(0.0, q - at.ours.get(k, 0))) - PEER_SLACK
+        if extra > 0:
+            out[k] = extra
+    return out
+
+
 def fleet_load(own: int, peers: int, unseen: float = 0.0) -> float:
     return float(own + peers) + unseen
 
@@ -128,14 +161,18 @@ def fleet_load(own: int, peers: int, unseen: float = 0.0) -> float:
 class Remote:
     """What the other sources add, precomputed between updates: the per-decision read is two lookups."""
 
-    peers: Mapping[LoadKey, int]
+    peers: Mapping[LoadKey, int]  # the siblings' in flight per target, less what engines contradict
     engines: Mapping[LoadKey, float]  # unseen load per target
     valid_until: float  # the first moment a contributing report ages out (recompute then)
+    discounted: Mapping[LoadKey, int] = field(default_factory=dict)  # taken off peers: ``overclaimed``
+    # What the siblings claim, undiscounted: what an engine read is measured against (a claim discounted
+    # by one read is checked again by the next, never taken as settled).
+    claimed: Mapping[LoadKey, int] = field(default_factory=dict)
 
 
 def remote(
     peer_reports: Mapping[tuple[str, str], tuple[float, Sequence[TargetReport]]],
-    samples: Mapping[str, tuple[EngineSample, Mapping[LoadKey, int]]],
+    samples: Mapping[str, tuple[EngineSample, AtRead]],
     targets: Mapping[str, Sequence[Target]],
     now: float,
     bounds: Bounds,
@@ -146,13 +183,18 @@ def remote(
         at + bounds.peer_max_age_s for at, _ in peer_reports.values() if now - at <= bounds.peer_max_age_s
     ]
     engines: dict[LoadKey, float] = {}
-    for engine, (sample, known) in samples.items():
+    claimed = peer_inflight(peer_reports.values(), now, bounds.peer_max_age_s)
+    peers = dict(claimed)
+    discounted: dict[LoadKey, int] = {}
+    for engine, (sample, at) in samples.items():
         if now - sample.at > bounds.engine_max_age_s:
             continue
         expiries.append(sample.at + bounds.engine_max_age_s)
-        engines.update(unseen(engine_queues(sample, targets.get(engine, ())), known))
-    return Remote(
-        peer_inflight(peer_reports.values(), now, bounds.peer_max_age_s),
-        engines,
-        min(expiries, default=math.inf),
-    )
+        queues = engine_queues(sample, targets.get(engine, ()))
+        engines.update(unseen(queues, at.known))
+        for k, extra in overclaimed(queues, at).items():
+            taken = min(extra, peers.get(k, 0))
+            if taken > 0:
+                peers[k] -= taken
+                discounted[k] = taken
+    return Remote(peers, engines, min(expiries, default=math.inf), discounted, claimed)
