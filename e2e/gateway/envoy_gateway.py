@@ -231,6 +231,29 @@ def gateway_class() -> dict:
     }
 
 
+def gateway(namespace: str, name: str, port: int = 8080) -> dict:
+    """A Gateway of ``CLASS`` with one HTTP listener (a port of 1024 or more: Envoy listens on it as is)."""
+    return {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "Gateway",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "gatewayClassName": CLASS,
+            "listeners": [{"name": "http", "port": port, "protocol": "HTTP"}],
+        },
+    }
+
+
+def http_route(namespace: str, name: str, gateway: str, backend: dict, **rule) -> dict:
+    """An HTTPRoute of ``gateway`` sending everything to ``backend`` (a backendRef)."""
+    return {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"parentRefs": [{"name": gateway}], "rules": [{"backendRefs": [backend], **rule}]},
+    }
+
+
 def install(kubectl: Kubectl, version: str = "v1.6.0", timeout: float = 180.0) -> None:
     """CRDs, the chart, the GatewayClass; returns once the control plane is available and the class
     Accepted."""

@@ -62,21 +62,8 @@ def test_a_gateway_routes_an_http_route_to_a_service(cluster, namespace, envoy_g
         core.create_namespaced_pod(ns, body)
     spec = {"selector": {"app": "serve-name"}, "ports": [{"port": 80, "targetPort": 7000}]}
     core.create_namespaced_service(ns, {"metadata": {"name": "names"}, "spec": spec})
-    gateway = {
-        "apiVersion": "gateway.networking.k8s.io/v1",
-        "kind": "Gateway",
-        "metadata": {"name": "gw", "namespace": ns},
-        "spec": {
-            "gatewayClassName": eg.CLASS,
-            "listeners": [{"name": "http", "port": 8080, "protocol": "HTTP"}],
-        },
-    }
-    route = {
-        "apiVersion": "gateway.networking.k8s.io/v1",
-        "kind": "HTTPRoute",
-        "metadata": {"name": "names", "namespace": ns},
-        "spec": {"parentRefs": [{"name": "gw"}], "rules": [{"backendRefs": [{"name": "names", "port": 80}]}]},
-    }
+    gateway = eg.gateway(ns, "gw")
+    route = eg.http_route(ns, "names", "gw", {"name": "names", "port": 80})
     p = kubectl("apply", "-f", "-", input=yaml.safe_dump_all([gateway, route]))
     assert p.returncode == 0, p.stderr
     cluster.wait_pods_ready(ns, "app=serve-name", 2)
@@ -104,25 +91,9 @@ def test_a_fleet_picks_for_its_inference_pool_behind_envoy_gateway(
     manifest["spec"]["gateway"] = {"enabled": True}
     crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
     wait_fleet_ready(cluster, crd, ns, "3 replicas Ready", timeout=240)
-    gateway = {
-        "apiVersion": "gateway.networking.k8s.io/v1",
-        "kind": "Gateway",
-        "metadata": {"name": "inference", "namespace": ns},
-        "spec": {
-            "gatewayClassName": eg.CLASS,
-            "listeners": [{"name": "http", "port": 8080, "protocol": "HTTP"}],
-        },
-    }
-    pool_ref = {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": FLEET}
-    route = {
-        "apiVersion": "gateway.networking.k8s.io/v1",
-        "kind": "HTTPRoute",
-        "metadata": {"name": "chat", "namespace": ns},
-        "spec": {
-            "parentRefs": [{"name": "inference"}],
-            "rules": [{"backendRefs": [pool_ref], "timeouts": {"request": "60s"}}],
-        },
-    }
+    gateway = eg.gateway(ns, "inference")
+    pool = {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": FLEET}
+    route = eg.http_route(ns, "chat", "inference", pool, timeouts={"request": "60s"})
     p = kubectl("apply", "-f", "-", input=yaml.safe_dump_all([gateway, route]))
     assert p.returncode == 0, p.stderr
     address = eg.gateway_address(kubectl, ns, "inference", timeout=180)
