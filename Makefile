@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup test lint kube helm prometheus redis iptables vllm gateway-extension epp envoy-gateway otelcol manifests demo bench bench-check clean
+.PHONY: setup test lint kube helm prometheus redis iptables vllm gateway-extension epp envoy-gateway conformance otelcol manifests demo bench bench-check clean
 
 setup: $(VENV)/.installed
 
@@ -77,6 +77,13 @@ envoy-gateway: setup
 	@nice -n 10 bash e2e/gateway/build-envoy-gateway.sh >/dev/null
 	@nice -n 10 bash e2e/gateway/build-eg-inferencepool.sh >/dev/null
 
+# The inference extension's conformance suite (e2e/gateway/conformance, a test binary), the Gateway API
+# echo server its manifests deploy, and its reference picker (epp above), for
+# tests/e2e/test_conformance.py: built the same way (a few minutes cold).
+conformance: setup epp
+	@nice -n 10 bash e2e/gateway/build-conformance.sh >/dev/null
+	@nice -n 10 bash e2e/gateway/build-echo-basic.sh >/dev/null
+
 # An OpenTelemetry Collector (e2e/tracing/collector: the OTLP receiver and the file exporter) for the
 # tracing tests (e2e/tracing/collector.py): built the same way, before pytest, as the tests must not
 # download (about 1.5 minutes cold).
@@ -105,7 +112,7 @@ manifests: setup helm
 #   .venv/bin/python -m pytest tests/e2e/test_node_agent.py::test_serviceaccount_token_and_rbac
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
-test: lint kube helm prometheus redis iptables vllm gateway-extension envoy-gateway otelcol bench-check
+test: lint kube helm prometheus redis iptables vllm gateway-extension envoy-gateway conformance otelcol bench-check
 	@export ROUTERFLEET_KUBE_BIN=$$(bash e2e/kube/build.sh | tail -1) ROUTERFLEET_HELM_BIN=$$(bash e2e/helm/build.sh | tail -1); \
 	$(PYTEST) -m "not e2e"; rc=$$?; [ $$rc -eq 5 ] && rc=0; [ $$rc -eq 0 ] || exit $$rc; \
 	$(BIN)/python -m e2e.cluster pytest -q -p no:cacheprovider tests/e2e; \

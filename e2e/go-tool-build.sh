@@ -8,6 +8,7 @@
 #   pkg      the package to build ("." for the wrapper's own main)
 #   version  the pinned version, for the folder's name and the stamp
 #   ldx      extra -ldflags (version stamps), may be empty
+#   test     1: the package's test binary (`go test -c`), else its command
 #
 # and then calls `go_tool_build`. <cache> is ${ROUTERFLEET_CACHE:-$HOME/.cache/routerfleet}; <hash>
 # covers go.mod, go.sum, the wrapper's Go sources (in any folder), the calling script, this file and the
@@ -47,7 +48,9 @@ go_tool_build() {
   trap "kill $ticker 2>/dev/null || true" EXIT
   cd "$here"
   rm -rf "$out/bin.partial"; mkdir -p "$out/bin.partial"
-  go build -trimpath -ldflags "-s -w $ldx" -o "$out/bin.partial/$tool" "$pkg" || die "go build of $pkg failed"
+  local build=(go build)
+  if [[ ${test:-} == 1 ]]; then build=(go test -c); fi
+  "${build[@]}" -trimpath -ldflags "-s -w $ldx" -o "$out/bin.partial/$tool" "$pkg" || die "${build[*]} of $pkg failed"
   rm -rf "$bin"; mv "$out/bin.partial" "$bin"
   printf 'version=%s\nhash=%s\ngo=%s\nseconds=%s\n' "$version" "$hash" "$gover" "$((SECONDS - t0))" > "$out/stamp"
   say "built $title $version in $((SECONDS - t0))s"

@@ -21,7 +21,8 @@ kubelet), registers the Node and renews its Lease, watches the pods bound to it 
   unchanged with the pod's own token and RBAC; envFrom; env with $(VAR) expansion, fieldRefs, secretKeyRef and
   configMapKeyRef (a missing reference: CreateContainerConfigError, retried);
 - probes: startupProbe gates the others; livenessProbe failure kills the container (SIGTERM, the
-  grace period, SIGKILL; a `Killing` event); readinessProbe sets `ready`; httpGet, tcpSocket, exec;
+  grace period, SIGKILL; a `Killing` event); readinessProbe sets `ready`; httpGet, tcpSocket, exec,
+  grpc;
 - restarts exited containers (restartPolicy Always/OnFailure, backoff up to 10 s), writes the pod
   status like kubelet/kwok (phase, conditions incl. readinessGates, containerStatuses, podIP(s)),
   and on deletion sends SIGTERM, waits the grace period, SIGKILLs and deletes the pod with grace 0.
@@ -57,6 +58,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from routerfleet_kube import STRATEGIC, ApiError, KubeClient
 
@@ -1053,10 +1056,25 @@ async def probe_once(
                 _killpg(p, signal.SIGKILL)
                 await p.wait()
                 return False
+        if "grpc" in pr:
+            g = pr["grpc"]
+            return await _grpc_serving(f"{pod_ip}:{g['port']}", g.get("service") or "", timeout)
         log.warning("unsupported probe %s: treated as failing", sorted(pr))
         return False
     except (OSError, TimeoutError, aiohttp.ClientError, ValueError):
         return False
+
+
+async def _grpc_serving(target: str, service: str, timeout: float) -> bool:
+    """kubelet's grpc probe: grpc.health.v1 Check of ``service`` over plaintext, SERVING or not."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+        except grpc.aio.AioRpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 # ------------------------------------------------------------------------------------------ the agent

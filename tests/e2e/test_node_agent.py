@@ -13,7 +13,10 @@ import os
 import time
 import urllib.request
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio
 from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster.node_agent import (
@@ -24,12 +27,14 @@ from e2e.cluster.node_agent import (
     container_mounts,
     expand,
     object_refs,
+    probe_once,
     probe_verdicts,
     resolve_port,
     token_requests,
     volume_files,
     with_mounts,
 )
+from tests.support import free_port
 
 NODE = "node-1"
 
@@ -188,6 +193,29 @@ async def test_probe_verdicts_thresholds():
             break
     assert got == [False, True, False]
     await asyncio.sleep(0)
+
+
+async def test_a_grpc_probe_asks_the_health_service_as_kubelet_does():
+    """Over real gRPC (plaintext, as kubelet probes): SERVING passes; NOT_SERVING, a service the server
+    does not know, and nothing listening fail."""
+    server = grpc.aio.server()
+    health = aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        await health.set("inference-extension", health_pb2.HealthCheckResponse.SERVING)
+
+        async def probe(service: str, at: int = port) -> bool:
+            return await probe_once({"grpc": {"port": at, "service": service}}, {}, "127.0.0.1")
+
+        assert await probe("inference-extension")
+        assert not await probe("something-else")
+        await health.set("inference-extension", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert not await probe("inference-extension")
+        assert not await probe("inference-extension", at=free_port())
+    finally:
+        await server.stop(None)
 
 
 # ------------------------------------------------------------------------------------------ on the cluster

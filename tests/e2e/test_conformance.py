@@ -1,0 +1,64 @@
+"""The Gateway API Inference Extension's conformance suite (v1.3.0, as published: its manifests, its
+reference endpoint picker and echo servers) against the local cluster's Envoy Gateway
+(e2e/gateway/envoy_gateway.py). Each test's result is printed as a table; a test the suite reports
+failed fails this one, unless it is a known gap, named with its reason in ``GAPS``.
+
+    python -m e2e.cluster pytest -s tests/e2e/test_conformance.py      # the table (make conformance first)
+"""
+
+import os
+import re
+import subprocess
+
+import pytest
+from test_envoy_gateway import envoy_gateway  # noqa: F401 (a fixture)
+from test_node_agent import _local_only
+
+from e2e.entrypoints import built, entrypoints
+from e2e.gateway import envoy_gateway as eg
+
+pytestmark = pytest.mark.timeout(3000)
+
+RESULT = re.compile(r"^\s*--- (PASS|FAIL|SKIP): TestConformance/(\w+)", re.M)
+
+# Tests that fail for a reason outside the picker, each with it.
+GAPS: dict[str, str] = {}
+
+
+def run_suite(cluster, workdir) -> tuple[dict[str, str], str]:
+    """Every test of the suite by name -> PASS, FAIL or SKIP; and the suite's output."""
+    suite = built("gateway/build-conformance.sh", "gie-conformance")
+    assert suite is not None, "the conformance suite is not built: make conformance"
+    argv = [
+        str(suite),
+        "-test.v",
+        "-test.timeout=45m",
+        "-test.run=TestConformance",
+        f"-gateway-class={eg.CLASS}",
+        f"-report-output={workdir / 'report.yaml'}",
+    ]
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    done = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=2900)
+    out = done.stdout + done.stderr
+    (workdir / "suite.log").write_text(out)
+    return {name: verdict for verdict, name in RESULT.findall(out)}, out
+
+
+def table(results: dict[str, str]) -> str:
+    width = max(map(len, results), default=4)
+    return "\n".join(f"{name:<{width}}  {verdict}" for name, verdict in sorted(results.items()))
+
+
+def test_the_conformance_suite_with_its_reference_picker(cluster, envoy_gateway, tmp_path):  # noqa: F811
+    _local_only(cluster, "runs the suite's images as the binaries built here")
+    images = entrypoints()
+    for repo in (
+        "registry.k8s.io/gateway-api-inference-extension/epp",
+        "gcr.io/k8s-staging-gateway-api/echo-basic",
+    ):
+        assert repo in images, f"{repo} has no binary here: make conformance"
+    results, out = run_suite(cluster, tmp_path)
+    print(f"\n[conformance] the reference picker behind Envoy Gateway:\n{table(results)}")
+    assert results, f"the suite ran no test:\n{out[-6000:]}"
+    failed = {name for name, verdict in results.items() if verdict == "FAIL" and name not in GAPS}
+    assert not failed, f"failed: {sorted(failed)} (the log: {tmp_path / 'suite.log'})\n{out[-6000:]}"
