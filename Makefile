@@ -92,7 +92,8 @@ otelcol: setup
 
 # Tools from Debian's packages (e2e/debian/install.sh): Prometheus for the dashboard test
 # (tests/e2e/test_prometheus.py), redis-server for the shared session store's tests
-# (tests/test_session_store.py), iptables for the soak's partition fault (e2e/soak.py). No-ops once
+# (tests/test_session_store.py), iptables for the local cluster's Services (e2e/cluster/services.py)
+# and the soak's partition fault (e2e/soak.py). No-ops once
 # installed; root on a new machine.
 prometheus:
 	@bash e2e/debian/install.sh prometheus prometheus

@@ -9,6 +9,7 @@ never a side effect of starting a cluster (the demo needs none of them)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -41,8 +42,10 @@ def built(script: str, binary: str) -> Path | None:
 
 
 def entrypoints() -> dict[str, str]:
-    """image repository -> binary, for each build that is done."""
-    out = {}
+    """image repository -> binary, for each build that is done (none without Go: nothing was built)."""
+    out: dict[str, str] = {}
+    if shutil.which("go") is None:
+        return out
     for repo, (script, binary) in BUILDS.items():
         path = built(script, binary)
         if path is not None:

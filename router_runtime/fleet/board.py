@@ -116,9 +116,12 @@ class LoadBoard:
                     continue
                 k = key(t)
                 inflight, started, sibs = before.get(k, (own.get(t), own.started(t), peers.get(k, 0)))
-                ours[k] = inflight + own.started(t) - started
+                dispatched = own.started(t) - started  # ours sent during the read
+                # Ours at least, as the siblings' room is measured: in flight at the end, less any
+                # that started during the read (at most that many may have missed the engine's page).
+                ours[k] = max(0, own.get(t) - dispatched)
                 theirs[k] = min(sibs, peers.get(k, 0))
-                known[k] = ours[k] + max(sibs, peers.get(k, 0))
+                known[k] = inflight + dispatched + max(sibs, peers.get(k, 0))
             self._samples[engine] = (sample, AtRead(known, ours, theirs))
             self._remote = Remote({}, {}, 0.0)
 

@@ -131,8 +131,9 @@ PEER_SLACK = 4  # requests per target a sibling may have sent that its engine ha
 @dataclass(frozen=True, slots=True)
 class AtRead:
     """What the routers knew per target while an engine read was taken: ``known``, ours and the
-    siblings' at most (what the read may have counted of them); ``ours``; ``theirs``, the siblings' at
-    least (what they claimed all through the read)."""
+    siblings' at most (what the read may have counted of them); ``ours`` and ``theirs`` at least (in
+    flight all through the read): the siblings' claim is held against the room the read leaves
+    beside ours, both taken so that an honest claim is never discounted."""
 
     known: Mapping[LoadKey, int]
     ours: Mapping[LoadKey, int] = field(default_factory=dict)

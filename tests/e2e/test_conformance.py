@@ -16,6 +16,7 @@ from test_node_agent import _local_only
 
 from e2e.entrypoints import built, entrypoints
 from e2e.gateway import envoy_gateway as eg
+from e2e.gateway import extension
 
 pytestmark = pytest.mark.timeout(3000)
 
@@ -25,8 +26,8 @@ RESULT = re.compile(r"^\s*--- (PASS|FAIL|SKIP): TestConformance/(\w+)", re.M)
 GAPS: dict[str, str] = {}
 
 
-def run_suite(cluster, workdir) -> tuple[dict[str, str], str]:
-    """Every test of the suite by name -> PASS, FAIL or SKIP; and the suite's output."""
+def run_suite(cluster, workdir) -> tuple[dict[str, str], int, str]:
+    """Every test of the suite by name -> PASS, FAIL or SKIP; its exit code; and its output."""
     suite = built("gateway/build-conformance.sh", "gie-conformance")
     assert suite is not None, "the conformance suite is not built: make conformance"
     argv = [
@@ -41,7 +42,7 @@ def run_suite(cluster, workdir) -> tuple[dict[str, str], str]:
     done = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=2900)
     out = done.stdout + done.stderr
     (workdir / "suite.log").write_text(out)
-    return {name: verdict for verdict, name in RESULT.findall(out)}, out
+    return {name: verdict for verdict, name in RESULT.findall(out)}, done.returncode, out
 
 
 def table(results: dict[str, str]) -> str:
@@ -57,8 +58,16 @@ def test_the_conformance_suite_with_its_reference_picker(cluster, envoy_gateway,
         "gcr.io/k8s-staging-gateway-api/echo-basic",
     ):
         assert repo in images, f"{repo} has no binary here: make conformance"
-    results, out = run_suite(cluster, tmp_path)
+    # The extension's CRDs as its release installs them (the suite checks they are of one bundle).
+    p = envoy_gateway(
+        "apply", "--server-side", "-f", str(extension.module_dir() / "config" / "crd" / "bases")
+    )
+    assert p.returncode == 0, p.stderr
+    results, rc, out = run_suite(cluster, tmp_path)
     print(f"\n[conformance] the reference picker behind Envoy Gateway:\n{table(results)}")
     assert results, f"the suite ran no test:\n{out[-6000:]}"
+    # Its setup and cleanup, and any test that never reported (a panic, the deadline), fail it as a whole.
+    reported = any(verdict == "FAIL" for verdict in results.values())
+    assert rc == 0 or reported, f"the suite failed outside its tests (rc {rc}):\n{out[-6000:]}"
     failed = {name for name, verdict in results.items() if verdict == "FAIL" and name not in GAPS}
     assert not failed, f"failed: {sorted(failed)} (the log: {tmp_path / 'suite.log'})\n{out[-6000:]}"

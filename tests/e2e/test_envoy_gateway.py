@@ -2,15 +2,13 @@
 programs a Gateway whose Envoy routes an HTTPRoute to a Service, reached at the Gateway's own address."""
 
 import subprocess
-import time
-import urllib.request
 
 import pytest
 import test_gateway
 import test_operator
 import yaml
 from test_gateway import gateway_ready
-from test_node_agent import SERVE_NAME, _container, _local_only, _pod_body
+from test_node_agent import _local_only
 from test_operator import (
     FLEET,
     GROUP,
@@ -24,6 +22,7 @@ from test_operator import (
     measure_fleet,
     wait_fleet_ready,
 )
+from test_services import both_answer, serve_names
 
 from e2e.entrypoints import entrypoints
 from e2e.fleet import ENGINE_LABELS
@@ -38,7 +37,9 @@ pytestmark = pytest.mark.timeout(900)
 @pytest.fixture(scope="module")
 def envoy_gateway(cluster):
     _local_only(cluster, "runs Envoy Gateway's images as the binaries built here")
-    assert "docker.io/envoyproxy/gateway" in entrypoints(), "Envoy Gateway is not built: make envoy-gateway"
+    images = entrypoints()
+    for repo in ("docker.io/envoyproxy/gateway", eg.EXTENSION_IMAGE):
+        assert repo in images, f"{repo} is not built: make envoy-gateway"
 
     def kubectl(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
         argv = [kubectl_path(cluster), "--kubeconfig", str(cluster.kubeconfig), *args]
@@ -48,33 +49,14 @@ def envoy_gateway(cluster):
     return kubectl
 
 
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return r.read().decode()
-
-
 def test_a_gateway_routes_an_http_route_to_a_service(cluster, namespace, envoy_gateway):
-    ns, core, kubectl = namespace, cluster.core, envoy_gateway
-    ready = {"tcpSocket": {"port": 7000}, "periodSeconds": 1}
-    for name in ("a", "b"):
-        body = _pod_body(name, _container(name, "python", "-c", SERVE_NAME, readinessProbe=ready))
-        body["metadata"]["labels"] = {"app": "serve-name"}
-        core.create_namespaced_pod(ns, body)
-    spec = {"selector": {"app": "serve-name"}, "ports": [{"port": 80, "targetPort": 7000}]}
-    core.create_namespaced_service(ns, {"metadata": {"name": "names"}, "spec": spec})
-    gateway = eg.gateway(ns, "gw")
+    ns, kubectl = namespace, envoy_gateway
+    serve_names(cluster, ns)
     route = eg.http_route(ns, "names", "gw", {"name": "names", "port": 80})
-    p = kubectl("apply", "-f", "-", input=yaml.safe_dump_all([gateway, route]))
+    p = kubectl("apply", "-f", "-", input=yaml.safe_dump_all([eg.gateway(ns, "gw"), route]))
     assert p.returncode == 0, p.stderr
-    cluster.wait_pods_ready(ns, "app=serve-name", 2)
     address = eg.gateway_address(kubectl, ns, "gw", timeout=180)
-    deadline, seen = time.monotonic() + 60, set()
-    while seen != {"a", "b"} and time.monotonic() < deadline:
-        try:
-            seen.add(_get(f"http://{address}:8080/"))
-        except OSError:
-            time.sleep(0.5)
-    assert seen == {"a", "b"}, seen
+    assert both_answer(f"http://{address}:8080/", timeout=60) == {"a", "b"}
 
 
 def test_a_fleet_picks_for_its_inference_pool_behind_envoy_gateway(

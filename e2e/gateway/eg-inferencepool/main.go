@@ -13,8 +13,10 @@
 //   - a loop writes each pool's status.parents: the Gateways whose accepted HTTPRoutes name it, with
 //     Accepted, and ResolvedRefs False when its picker's Service does not exist.
 //
-// It is test infrastructure for the local cluster (e2e/gateway/envoy_gateway.py), built with Envoy
-// Gateway from the same pinned module.
+// It is test infrastructure for the local cluster (e2e/gateway/envoy_gateway.py), built against the
+// Envoy Gateway release the cluster runs. Not done: a pool whose failureMode is FailOpen has no
+// fallback cluster (Envoy AI Gateway routes to the pool's endpoints when the picker is down), so with
+// its picker gone a request still fails (ORIGINAL_DST without the picker's header has no host).
 package main
 
 import (

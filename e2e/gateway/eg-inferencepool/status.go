@@ -110,21 +110,38 @@ func poolParents(pool *unstructured.Unstructured, gateways map[parentKey]bool, p
 	return out
 }
 
+// ours: the entries of a status.parents list this controller wrote; the others: everyone else's.
+func ours(list []any) (mine, others []any) {
+	for _, p := range list {
+		if pm, ok := p.(map[string]any); ok && pm["controllerName"] == controllerName {
+			mine = append(mine, p)
+		} else {
+			others = append(others, p)
+		}
+	}
+	return mine, others
+}
+
 // sameParents compares two status.parents lists, ignoring the conditions' transition times.
 func sameParents(a, b []any) bool {
 	strip := func(list []any) []any {
 		out := []any{}
 		for _, p := range list {
 			pm := map[string]any{}
-			for k, v := range p.(map[string]any) {
-				pm[k] = v
+			if m, ok := p.(map[string]any); ok {
+				for k, v := range m {
+					pm[k] = v
+				}
 			}
 			conds := []any{}
-			for _, c := range pm["conditions"].([]any) {
+			list, _ := pm["conditions"].([]any)
+			for _, c := range list {
 				cm := map[string]any{}
-				for k, v := range c.(map[string]any) {
-					if k != "lastTransitionTime" {
-						cm[k] = v
+				if m, ok := c.(map[string]any); ok {
+					for k, v := range m {
+						if k != "lastTransitionTime" {
+							cm[k] = v
+						}
 					}
 				}
 				conds = append(conds, cm)
@@ -166,10 +183,11 @@ func syncStatus(ctx context.Context, dyn dynamic.Interface, core kubernetes.Inte
 		}
 		want := poolParents(pool, parents[pool.GetNamespace()+"/"+pool.GetName()], exists)
 		have, _, _ := unstructured.NestedSlice(pool.Object, "status", "parents")
-		if sameParents(have, want) {
+		mine, others := ours(have) // another Gateway's entries are its own to write
+		if sameParents(mine, want) {
 			continue
 		}
-		if err := unstructured.SetNestedSlice(pool.Object, want, "status", "parents"); err != nil {
+		if err := unstructured.SetNestedSlice(pool.Object, append(others, want...), "status", "parents"); err != nil {
 			return err
 		}
 		if _, err := dyn.Resource(poolsGVR).Namespace(pool.GetNamespace()).UpdateStatus(ctx, pool, metav1.UpdateOptions{}); err != nil && !apierrors.IsConflict(err) {
@@ -188,9 +206,11 @@ func statusLoop() {
 	dyn := dynamic.NewForConfigOrDie(cfg)
 	core := kubernetes.NewForConfigOrDie(cfg)
 	for {
-		if err := syncStatus(context.Background(), dyn, core); err != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		if err := syncStatus(ctx, dyn, core); err != nil {
 			log.Printf("pool status: %v", err)
 		}
+		cancel()
 		time.Sleep(time.Second)
 	}
 }
