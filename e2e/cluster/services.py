@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import ipaddress
 import logging
@@ -37,9 +36,10 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import aiohttp
+from prometheus_client import CollectorRegistry
 
-from routerfleet_kube import ApiError, KubeClient
+from router_runtime.discovery.reflector import Reflector, ReflectorMetrics
+from routerfleet_kube import KubeClient
 
 from .cluster import SERVICE_CIDR
 from .netns import BRIDGE, NODE_IP, in_private_netns
@@ -51,6 +51,7 @@ DNS_PORT = 53
 DOMAIN = "cluster.local"
 TTL_S = 1  # answers change as endpoints do: clients ask again soon (Envoy's STRICT_DNS does)
 WATCH_S = 300
+SLICES = "/apis/discovery.k8s.io/v1/endpointslices"
 CHAIN = "RF-SERVICES"  # nat: ClusterIP:port -> a per-port chain of endpoints
 MASQ = "RF-MASQ"  # nat POSTROUTING: a pod's connection to a ClusterIP answered through the node
 REJECT = "RF-REJECT"  # filter: ports without endpoints, refused at once
@@ -222,51 +223,50 @@ def resolv_conf(pod: dict) -> str | None:
 # ------------------------------------------------------------------------------------------- shell
 
 
+class Watched(Reflector):
+    """One kind, listed and watched (the router's own list/watch loop); a change sets ``changed``."""
+
+    def __init__(self, api: KubeClient, path: str, changed: asyncio.Event, metrics: ReflectorMetrics) -> None:
+        super().__init__(metrics, watch_timeout_s=WATCH_S)
+        self.api, self.path, self.changed = api, path, changed
+
+    def what(self) -> str:
+        return self.path
+
+    async def list_page(self, *, limit: int, continue_token: str | None) -> dict:
+        params = {"limit": str(limit), **({"continue": continue_token} if continue_token else {})}
+        return await self.api.get_object(self.path, params=params)
+
+    def watch(self, *, resource_version: str, timeout_s: int):
+        return self.api.watch(self.path, {"resourceVersion": resource_version}, timeout_s=timeout_s)
+
+    async def publish(self) -> None:
+        self.changed.set()
+
+
 class Services:
-    """Services and EndpointSlices, listed and watched; ``apply`` after each change."""
+    """Services and EndpointSlices, listed and watched; the rules and names rewritten after a change."""
 
     def __init__(self, api: KubeClient) -> None:
-        self.api = api
-        self.objects: dict[str, dict[str, dict]] = {"services": {}, "endpointslices": {}}
-        self.names: dict[str, list[str]] = {}
         self.changed = asyncio.Event()
-        self._applied: str | None = None
+        registry = CollectorRegistry()  # the reflectors keep their series; nothing serves them here
 
-    async def reflect(self, kind: str, url: str) -> None:
-        store = self.objects[kind]
-        while True:
-            try:
-                lst = await self.api.request("GET", url)
-                store.clear()
-                for o in lst["items"]:
-                    store[o["metadata"]["uid"]] = o
-                self.changed.set()
-                rv = lst["metadata"]["resourceVersion"]
-                while True:  # each watch ends at its server-side timeout: resume from rv
-                    watch = self.api.watch(url, {"resourceVersion": rv}, timeout_s=WATCH_S)
-                    async with contextlib.aclosing(watch):
-                        async for ev in watch:
-                            obj = ev["object"]
-                            if ev["type"] == "ERROR":
-                                raise ApiError(obj.get("code", 500), obj.get("message", ""))
-                            rv = obj["metadata"]["resourceVersion"]
-                            if ev["type"] == "DELETED":
-                                store.pop(obj["metadata"]["uid"], None)
-                            elif ev["type"] != "BOOKMARK":
-                                store[obj["metadata"]["uid"]] = obj
-                            else:
-                                continue
-                            self.changed.set()
-            except (TimeoutError, ApiError, aiohttp.ClientError) as e:
-                log.info("%s watch restarts after: %s", kind, e)
-                await asyncio.sleep(0.5)
+        def metrics(kind: str) -> ReflectorMetrics:
+            return ReflectorMetrics(registry, f"{kind}_", synced="listed", errors="errors", lists="lists")
+
+        self.watched = {
+            kind: Watched(api, path, self.changed, metrics(kind))
+            for kind, path in (("services", "/api/v1/services"), ("endpointslices", SLICES))
+        }
+        self.names: dict[str, list[str]] = {}
+        self._applied: str | None = None
 
     async def apply_changes(self) -> None:
         while True:
             await self.changed.wait()
             self.changed.clear()
-            services = list(self.objects["services"].values())
-            slices = list(self.objects["endpointslices"].values())
+            services = list(self.watched["services"].objects.values())
+            slices = list(self.watched["endpointslices"].objects.values())
             self.names = names(services, slices)
             wanted = rules(service_ports(services, slices))
             if wanted != self._applied:
@@ -341,11 +341,8 @@ async def amain(a: argparse.Namespace) -> None:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        tasks = [
-            asyncio.create_task(svc.reflect("services", "/api/v1/services")),
-            asyncio.create_task(svc.reflect("endpointslices", "/apis/discovery.k8s.io/v1/endpointslices")),
-            asyncio.create_task(svc.apply_changes()),
-        ]
+        tasks = [asyncio.create_task(w.run()) for w in svc.watched.values()]
+        tasks.append(asyncio.create_task(svc.apply_changes()))
         log.info("serving DNS on %s:%d; ClusterIPs routed", a.dns_ip, a.dns_port)
         stopping = asyncio.create_task(stop.wait())
         try:
