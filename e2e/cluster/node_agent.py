@@ -549,8 +549,35 @@ def _pdeathsig() -> None:
 
 
 def _killpg(proc: asyncio.subprocess.Process, sig: int) -> None:
+    """``sig`` to the container's process group; a SIGKILL also to every process below it wherever it
+    put itself (``setsid`` leaves the group, not the tree), as a runtime's cgroup kill ends them all."""
+    below = descendants(proc.pid) if sig == signal.SIGKILL else []
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc: each one's parent)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # after "pid (comm) state"
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def veth_name(pod_ip: str) -> str:

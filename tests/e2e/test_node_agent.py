@@ -8,10 +8,13 @@ The first tests check the agent's pure helpers (no cluster); the others use the 
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
+import signal
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -21,10 +24,12 @@ from kubernetes.client.exceptions import ApiException
 
 from e2e.cluster.node_agent import (
     ContainerRuntime,
+    _killpg,
     compute_pod_status,
     container_argv,
     container_env,
     container_mounts,
+    descendants,
     expand,
     object_refs,
     probe_once,
@@ -193,6 +198,42 @@ async def test_probe_verdicts_thresholds():
             break
     assert got == [False, True, False]
     await asyncio.sleep(0)
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie its new parent has not reaped yet."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] == "Z"
+
+
+async def test_a_containers_kill_ends_what_it_started_in_a_session_of_its_own():
+    """A container's shell starts a process with setsid (as the standalone gateway's does with Envoy):
+    the SIGKILL that ends the container ends it too, as a runtime's cgroup kill would (it outlived the
+    cluster before: the group kill never reached it)."""
+    proc = await asyncio.create_subprocess_exec("sh", "-c", "setsid sleep 300 & wait", start_new_session=True)
+    try:
+        for _ in range(100):  # until the shell's child has left its group (setsid, then sleep)
+            below = descendants(proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                if len(below) == 1 and os.getpgid(below[0]) != proc.pid:
+                    break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"no child of the shell in a session of its own: {below}")
+        _killpg(proc, signal.SIGKILL)
+        await proc.wait()
+        for _ in range(100):
+            if _dead(below[0]):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"the setsid child {below[0]} outlived its container")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
 
 
 async def test_a_grpc_probe_asks_the_health_service_as_kubelet_does():
