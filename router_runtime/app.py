@@ -33,7 +33,7 @@ from .bootstrap.sweep import Bootstrapper
 from .bootstrap.vetting import HashingConfig
 from .config import RouterConfig
 from .discovery.endpointslices import EngineDiscoveryConfig, port_ref
-from .discovery.kubernetes import EndpointSliceWatcher
+from .discovery.kubernetes import EndpointSliceWatcher, InferencePoolWatcher
 from .discovery.served_models import ServedModels
 from .fleet.board import LoadBoard
 from .fleet.engine_metrics import EngineLoadScraper
@@ -43,6 +43,7 @@ from .fleet.inflight import LoadTracker
 from .fleet.metrics import FleetMetrics
 from .fleet.notices import KvNotice, NoticeKind, Notices
 from .fleet.view import EngineSample
+from .gateway.health import serve_health
 from .gateway.objectives import Objectives
 from .gateway.picker import EndpointPicker, serve
 from .gateway.tls import server_credentials
@@ -98,6 +99,7 @@ class Router:
         self.metrics_url: str | None = None  # the metrics port's base URL, once it listens
         self.epp_address: str | None = None  # host:port of the gateway's endpoint picker, when served
         self.epp_server: grpc.aio.Server | None = None
+        self.epp_health_address: str | None = None  # its plaintext gRPC health (--epp-health-port)
         self.registry = CollectorRegistry()
         # Who this replica is to its siblings (snapshot producer, load reports).
         self.replica_id = os.environ.get("POD_NAME") or f"router-{os.getpid()}"
@@ -168,15 +170,24 @@ class Router:
         self._setup_discovery(config)
 
     def _setup_discovery(self, config: RouterConfig) -> None:
-        """Kubernetes discovery (else ``config.workers``): the engines' EndpointSlices, and with a peer
-        selector the siblings'."""
-        self.engine_watcher: EndpointSliceWatcher | None = None
+        """Kubernetes discovery (else ``config.workers``): an InferencePool's pods or the engines'
+        EndpointSlices, and with a peer selector the siblings' slices."""
+        self.engine_watcher: EndpointSliceWatcher | InferencePoolWatcher | None = None
         self.peer_watcher: EndpointSliceWatcher | None = None
         d = config.discovery
-        if d.selector:
-            namespace = d.watched_namespace()
+        if d.pool:
+            self.engine_watcher = InferencePoolWatcher(
+                d.watched_namespace(),
+                d.pool,
+                self.set_workers,
+                config=d.engines(),
+                kubeconfig=d.kubeconfig,
+                registry=self.registry,
+                watch_timeout_s=d.watch_timeout_s,
+            )
+        elif d.selector:
             self.engine_watcher = EndpointSliceWatcher(
-                namespace,
+                d.watched_namespace(),
                 d.selector,
                 self.set_workers,
                 config=d.engines(),
@@ -185,19 +196,19 @@ class Router:
                 watch_timeout_s=d.watch_timeout_s,
                 storage_annotation=d.storage_annotation or None,
             )
-            if config.peers.selector:
-                # The routers' own peer Service: only ready siblings are listed, so a booting replica
-                # never seeds another booting one.
-                self.peer_watcher = EndpointSliceWatcher(
-                    namespace,
-                    config.peers.selector,
-                    self._peers_changed,
-                    config=EngineDiscoveryConfig(http_port=port_ref(config.peers.port)),
-                    kubeconfig=d.kubeconfig,
-                    # its own registry: its discovery metrics would collide with the engines'
-                    registry=CollectorRegistry(),
-                    watch_timeout_s=d.watch_timeout_s,
-                )
+        if self.engine_watcher is not None and config.peers.selector:
+            # The routers' own peer Service: only ready siblings are listed, so a booting replica
+            # never seeds another booting one.
+            self.peer_watcher = EndpointSliceWatcher(
+                d.watched_namespace(),
+                config.peers.selector,
+                self._peers_changed,
+                config=EngineDiscoveryConfig(http_port=port_ref(config.peers.port)),
+                kubeconfig=d.kubeconfig,
+                # its own registry: its discovery metrics would collide with the engines'
+                registry=CollectorRegistry(),
+                watch_timeout_s=d.watch_timeout_s,
+            )
 
     def _breaker_moved(self, engine: str, state: BreakerState) -> None:
         """An engine failing health hides its KV carriers (DISCONNECTED); passing again shows them."""
@@ -504,7 +515,7 @@ class Router:
         if not self.targets.urls:
             where = ""
             if w is not None:
-                where = f": no ready endpoint in EndpointSlices {w.label_selector} in namespace {w.namespace}"
+                where = f": none ready in the {w.what()}"
             return Cause(CauseCode.NO_ENGINES, f"no engines discovered{where}")
         return None
 
@@ -683,7 +694,7 @@ async def run_router(
             config.server,
             **bounds,
         )
-    epp = None
+    epp = epp_health = None
     try:
         await router.start()
         gateway = config.gateway
@@ -698,6 +709,7 @@ async def run_router(
                 fallbacks=gateway.fallbacks,
                 bodies=router.proxy.bodies,
                 tracer=router.tracer,
+                conformance_test=gateway.conformance_test,
             )
             epp_host = gateway.host or config.host
             tls = (
@@ -705,9 +717,16 @@ async def run_router(
                 if gateway.plaintext
                 else server_credentials(epp_host, gateway.cert_file, gateway.key_file)
             )
-            epp, epp_port = await serve(picker, epp_host, gateway.port, lambda: router.probed_ready()[0], tls)
+
+            def ready() -> bool:
+                return router.probed_ready()[0]
+
+            epp, epp_port = await serve(picker, epp_host, gateway.port, ready, tls)
             router.epp_address = f"{epp_host}:{epp_port}"
             router.epp_server = epp
+            if gateway.health_port is not None:
+                epp_health, health_port = await serve_health(epp_host, gateway.health_port, ready)
+                router.epp_health_address = f"{epp_host}:{health_port}"
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
@@ -729,6 +748,7 @@ async def run_router(
                 metrics.cleanup(),
                 *([internal.cleanup()] if internal is not None else []),
                 *([epp.stop(config.proxy.shutdown_timeout_s)] if epp is not None else []),
+                *([epp_health.stop(0)] if epp_health is not None else []),
             )
         finally:
             await router.stop()

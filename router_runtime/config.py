@@ -216,16 +216,20 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     engines = [w.engine for w in c.workers]
     if len(set(engines)) != len(engines):
         parser.error("argument --worker: the same url is listed twice")
-    if c.metrics.port in (c.port, c.internal.port, c.gateway.port):
+    if c.metrics.port in (c.port, c.internal.port, c.gateway.port, c.gateway.health_port):
         parser.error("argument --metrics-port: the same as another of the router's ports")
     if c.discovery.selector and c.workers:
         parser.error("argument --k8s-selector: not with --worker (one way to find engines)")
+    if c.discovery.pool and (c.workers or c.discovery.selector):
+        parser.error(
+            "argument --k8s-inference-pool: not with --worker or --k8s-selector (one way to find engines)"
+        )
     if c.discovery.storage_annotation and not c.discovery.selector:
         parser.error("argument --k8s-storage-annotation: needs --k8s-selector (pods come from discovery)")
-    if c.peers.selector and not c.discovery.selector:
+    if c.peers.selector and not (c.discovery.selector or c.discovery.pool):
         # No way to find a sibling: refuse rather than ignore. (Any policy: siblings share their load;
         # only kv_aware also seeds its index from them.)
-        parser.error("argument --kv-peer-selector: needs --k8s-selector")
+        parser.error("argument --kv-peer-selector: needs --k8s-selector or --k8s-inference-pool")
     if (c.peers.urls or c.peers.selector) and not c.internal.token_file:
         parser.error("argument --kv-peer/--kv-peer-selector: needs --internal-token-file")
     if c.proxy.debug_prediction and not c.internal.token_file:
@@ -242,6 +246,14 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
                         raise ValueError(f"{path}: not PEM")
             except (OSError, ValueError) as exc:
                 parser.error(f"argument {flag}: {exc}")
+    for flag, given in (
+        ("--epp-health-port", c.gateway.health_port is not None),
+        ("--epp-conformance-test", c.gateway.conformance_test),
+    ):
+        if given and c.gateway.port is None:
+            parser.error(f"argument {flag}: needs --epp-port (the picker)")
+    if c.gateway.health_port and c.gateway.health_port == c.gateway.port:
+        parser.error("argument --epp-health-port: the same as --epp-port (its own, plaintext port)")
     if c.gateway.pool and c.gateway.port is None:
         parser.error("argument --epp-pool: needs --epp-port (the pool's picker)")
     if c.gateway.pool and c.fleet.scrape.interval_s <= 0:

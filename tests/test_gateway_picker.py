@@ -29,10 +29,15 @@ from router_runtime.config import RouterConfig
 from router_runtime.gateway.config import PickerConfig
 from router_runtime.gateway.protocol import (
     DESTINATION,
+    SERVED,
     STREAMED_CHUNK,
+    TEST_SELECTION,
+    TEST_SERVED,
     duplex_of,
     headers_of,
+    named_endpoints,
     picked,
+    served_by,
     streamed,
 )
 from router_runtime.gateway.tls import self_signed
@@ -98,10 +103,12 @@ async def picking(
     n_engines: int = 2,
     proxy: ProxyConfig | None = None,
     tracing: TracingConfig | None = None,
+    picker: PickerConfig | None = None,
     **engine,
 ):
     """Fake engines and a router serving the picker beside them, joined (``proxy``: its request plane;
-    it names the engines that served; ``tracing``: where its traces go): (engines, router)."""
+    it names the engines that served; ``tracing``: where its traces go; ``picker``: the picker's own
+    section): (engines, router)."""
     engines = [
         await stack.enter_async_context(run_fake_engine(block_size=BS, **engine)) for _ in range(n_engines)
     ]
@@ -112,7 +119,7 @@ async def picking(
         workers=static_workers(engines),
         kv=KvConfig(block_size=BS),
         health=HealthConfig(interval_s=0),
-        gateway=PickerConfig(port=0),
+        gateway=picker or PickerConfig(port=0),
         tracing=tracing or TracingConfig(),
     )
     router, _url = await stack.enter_async_context(run_router(cfg))
@@ -128,12 +135,14 @@ async def gateway(
     duplex: bool = False,
     proxy: ProxyConfig | None = None,
     tracing: TracingConfig | None = None,
+    picker: PickerConfig | None = None,
     **engine,
 ):
     """Engines, a router serving the picker (``proxy``: its request plane; it names the engines that
-    served; ``tracing``: where its traces go), and Envoy in front: (engines, router, Envoy's base URL)."""
+    served; ``tracing``: where its traces go; ``picker``: the picker's section), and Envoy in front:
+    (engines, router, Envoy's base URL)."""
     async with contextlib.AsyncExitStack() as stack:
-        engines, router = await picking(stack, n_engines, proxy, tracing, **engine)
+        engines, router = await picking(stack, n_engines, proxy, tracing, picker, **engine)
         urls = [e.http_url for e in engines]
         base = await stack.enter_async_context(envoy(router.epp_address, urls, tmp_path, fail_open, duplex))
         yield engines, router, base
@@ -231,6 +240,38 @@ async def test_the_gateways_subset_hint_narrows_the_pick(tmp_path, duplex):
             assert r.status == 200 and r.headers[ENGINE_HEADER] == other  # by load, in the subset too
 
 
+async def test_an_allowed_path_is_picked_by_load_and_a_conformance_test_names_its_endpoints(tmp_path):
+    """``--allow-path`` holds at the picker as at the proxy (a bodiless GET too); with the test-only
+    ``--epp-conformance-test`` a request's own header narrows the pick, as the extension's suite drives
+    a picker, and the served endpoint is answered only as the gateway's metadata states it (this Envoy
+    states none)."""
+    proxy = ProxyConfig(allow_paths=("/server_info",))  # an engine path the router does not serve
+    testing = PickerConfig(port=0, conformance_test=True)
+    async with (
+        gateway(tmp_path, n_engines=2, proxy=proxy, picker=testing) as (engines, _router, base),
+        aiohttp.ClientSession() as s,
+    ):
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
+        async with s.post(base + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            cached_on = r.headers[ENGINE_HEADER]
+            assert r.headers[TEST_SERVED] == "fail: missing destination endpoint served metadata"
+        other = next(e.http_url for e in engines if e.http_url != cached_on)
+        host = other.removeprefix("http://").rsplit(":", 1)[0]
+        port = other.rsplit(":", 1)[1]
+        for named in (f"{host}:{port}", f"{host}:1,{host}:{port}"):
+            async with s.post(base + "/v1/completions", json=body, headers={TEST_SELECTION: named}) as r:
+                assert r.status == 200 and r.headers[ENGINE_HEADER] == other
+            async with s.get(base + "/server_info", headers={TEST_SELECTION: named}) as r:
+                assert r.status == 200 and r.headers[ENGINE_HEADER] == other
+        async with s.post(base + "/v1/completions", json=body, headers={TEST_SELECTION: "10.255.0.1"}) as r:
+            assert r.status == 503
+        async with s.get(base + "/server_info") as r:  # no header: by load, among all
+            assert r.status == 200, await r.text()
+        async with s.get(base + "/flush_cache") as r:  # a path not allowed stays refused
+            assert r.status == 404 and "/flush_cache" in (await r.json())["error"]["message"]
+
+
 @BODY_MODES
 async def test_responses_through_envoy_are_audited_stripped_of_asked_usage_and_bound(tmp_path, duplex):
     async with gateway(tmp_path, duplex=duplex) as (_engines, router, base), aiohttp.ClientSession() as s:
@@ -325,6 +366,41 @@ def test_a_pick_names_the_engine_in_the_header_and_the_lb_metadata_and_pins_a_ra
     assert headers_of(sent) == {":path": "/v1/completions", "authorization": "Bearer x"}
 
 
+def test_the_served_endpoint_is_read_off_the_protocols_metadata_before_envoys_attribute():
+    attributes = {"envoy.filters.http.ext_proc": struct({"upstream.address": "10.0.0.6:8000"})}
+    metadata = base_pb2.Metadata(filter_metadata={"envoy.lb": struct({SERVED: "10.0.0.7:8000"})})
+    assert served_by(attributes, metadata) == "10.0.0.7:8000"
+    assert served_by(attributes, base_pb2.Metadata()) == "10.0.0.6:8000"
+    assert served_by({}, None) is None
+
+
+def test_a_conformance_tests_header_names_addresses_or_endpoints():
+    endpoints = ["10.0.0.1:3000", "10.0.0.1:3002", "10.0.0.2:3000", "fd00::1:3000"]
+    assert named_endpoints(None, endpoints) is None and named_endpoints(" ", endpoints) is None
+    assert named_endpoints("10.0.0.1", endpoints) == {"10.0.0.1:3000", "10.0.0.1:3002"}
+    assert named_endpoints("10.0.0.1:3002, 10.0.0.2", endpoints) == {"10.0.0.1:3002", "10.0.0.2:3000"}
+    assert named_endpoints("[fd00::1]:3000", endpoints) == {"fd00::1:3000"}
+    assert named_endpoints("fd00::1", endpoints) == {"fd00::1:3000"}
+    assert named_endpoints("10.9.9.9", endpoints) == frozenset()  # names nothing here: nothing allowed
+
+
+async def ep_stub(channel) -> None:
+    """One ext_proc stream on ``channel``, read to its end."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
+
+    first = ep.ProcessingRequest(request_headers=ep.HttpHeaders(end_of_stream=True))
+    async for _ in epg.ExternalProcessorStub(channel).Process(iter([first]), timeout=5):
+        pass
+
+
+def struct(fields: dict):
+    from google.protobuf import struct_pb2
+
+    out = struct_pb2.Struct()
+    out.update(fields)
+    return out
+
+
 def test_full_duplex_is_read_off_the_first_message_and_a_body_goes_on_in_bounded_answers():
     first = ep.ProcessingRequest(
         protocol_config=ep.ProtocolConfiguration(
@@ -350,10 +426,10 @@ async def test_the_pickers_grpc_health_follows_readiness(tmp_path, tls):
         (tmp_path / "tls.key").write_bytes(key)
         (tmp_path / "tls.crt").write_bytes(cert)
         gateway = PickerConfig(
-            port=0, cert_file=str(tmp_path / "tls.crt"), key_file=str(tmp_path / "tls.key")
+            port=0, cert_file=str(tmp_path / "tls.crt"), key_file=str(tmp_path / "tls.key"), health_port=0
         )
     else:
-        gateway = PickerConfig(port=0, plaintext=True)
+        gateway = PickerConfig(port=0, plaintext=True, health_port=0)
     async with contextlib.AsyncExitStack() as stack:
         engine = await stack.enter_async_context(run_fake_engine(block_size=BS))
         workers = static_workers([engine])
@@ -372,20 +448,29 @@ async def test_the_pickers_grpc_health_follows_readiness(tmp_path, tls):
         else:
             channel = grpc.aio.insecure_channel(router.epp_address)
         await stack.enter_async_context(channel)
+        # The health alone, plaintext on its own port: what a kubelet's gRPC probe reaches.
+        probe_channel = grpc.aio.insecure_channel(router.epp_health_address)
+        await stack.enter_async_context(probe_channel)
         check = health_pb2_grpc.HealthStub(channel).Check
+        probe = health_pb2_grpc.HealthStub(probe_channel).Check
         answer = health_pb2.HealthCheckResponse
 
-        async def status(service: str) -> int:
-            return (await check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status
+        async def status(service: str, via=check) -> int:
+            return (await via(health_pb2.HealthCheckRequest(service=service), timeout=5)).status
 
         await eventually(lambda: router.ready()[0], timeout=10, what="the router ready")
         assert await status("envoy.service.ext_proc.v3.ExternalProcessor") == answer.SERVING
         assert await status("") == answer.SERVING
+        assert await status("inference-extension", probe) == answer.SERVING
         router.draining = True  # as on SIGTERM: out of the gateway's rotation with /readyz
         assert await status("envoy.service.ext_proc.v3.ExternalProcessor") == answer.NOT_SERVING
+        assert await status("inference-extension", probe) == answer.NOT_SERVING
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await status("some.other.Service")
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the picker itself is not on the probe's port
+            await ep_stub(probe_channel)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 async def test_a_pick_that_refuses_connections_fails_over_and_the_engine_that_served_is_counted(tmp_path):

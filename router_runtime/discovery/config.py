@@ -14,6 +14,7 @@ from .storage_annotation import validate_annotation_key
 @dataclass(frozen=True, slots=True)
 class DiscoveryConfig:
     selector: str | None = None  # the engines' EndpointSlices; None: engines come from --worker
+    pool: str | None = None  # or the pods of this InferencePool, on its target ports
     namespace: str | None = None  # None: the pod's own
     http_port: str = "http"
     kv_port: str | None = None
@@ -55,6 +56,14 @@ FLAGS = (
         Text(),
         metavar="LABELS",
         help="EndpointSlices of the engines' Service, e.g. kubernetes.io/service-name=vllm",
+    ),
+    Flag(
+        "--k8s-inference-pool",
+        "discovery.pool",
+        Text(),
+        metavar="NAME",
+        help="or the pods this InferencePool (inference.networking.k8s.io/v1) selects, on its target"
+        " ports, followed as the pool changes (needs get/list/watch on inferencepools and pods)",
     ),
     Flag(
         "--k8s-namespace",

@@ -1,4 +1,5 @@
-"""Kubernetes discovery: watch the engines' EndpointSlices and publish complete worker sets.
+"""Kubernetes discovery: watch the engines' EndpointSlices (or an InferencePool's pods:
+``InferencePoolWatcher``) and publish complete worker sets.
 
     watcher = EndpointSliceWatcher("llm", "kubernetes.io/service-name=engine", plane.set_workers,
                                    config=EngineDiscoveryConfig(kv_port=5557, replay_port=5657),
@@ -35,8 +36,9 @@ from prometheus_client import Counter as PromCounter
 from routerfleet_kube import ApiError, KubeClient, path
 
 from ..worker import WorkerSpec
-from .endpointslices import EngineDiscoveryConfig, map_slices
-from .reflector import Reflector, ReflectorMetrics
+from .endpointslices import EngineDiscoveryConfig, SliceMapping, map_slices
+from .inference_pool import PoolShape, map_pool_pods, pool_shape
+from .reflector import ListWatch, Reflector, ReflectorMetrics
 from .storage_annotation import Reading, Result, read_pod_storage, validate_annotation_key
 
 log = logging.getLogger(__name__)
@@ -383,3 +385,122 @@ class EndpointSliceWatcher(Reflector):
         self._published = workers
         self.metrics.workers.set(len(workers))
         log.info("discovery: %d worker(s): %s", len(workers), ", ".join(w.engine for w in workers))
+
+
+class InferencePoolWatcher:
+    """Publishes the engines of InferencePool ``pool`` in ``namespace`` (the pods its selector matches,
+    on its target ports: ``inference_pool.py``) to ``on_change``, each time they change. Two list/watch
+    loops: the pool itself (a changed selector or port list takes effect at once) and the namespace's
+    pods, matched here as the extension's reference picker matches them (RBAC: get/list/watch on
+    inferencepools and pods).
+
+    ``workers`` is None until both are synced. A pool that is missing or malformed publishes no engine
+    (never a guess), says why in ``last_error`` and counts under ``routerfleet_discovery_pool_errors``."""
+
+    def __init__(
+        self,
+        namespace: str,
+        pool: str,
+        on_change: Callable[[list[WorkerSpec]], None],
+        *,
+        config: EngineDiscoveryConfig | None = None,
+        kubeconfig: str | None = None,
+        registry: CollectorRegistry | None = None,
+        watch_timeout_s: float = 300.0,
+    ) -> None:
+        registry = registry if registry is not None else CollectorRegistry()
+        self.namespace, self.pool, self.on_change = namespace, pool, on_change
+        self.config = config or EngineDiscoveryConfig()
+        self._kubeconfig = kubeconfig
+        self.metrics = DiscoveryMetrics(registry)  # of the pods: what became engines
+        pool_metrics = ReflectorMetrics(
+            registry,
+            "routerfleet_discovery_pool_",
+            synced="1 when the InferencePool (--k8s-inference-pool) is listed and current",
+            errors="InferencePool list/watch failures, and a pool missing or malformed, by reason",
+            lists="Complete lists of the InferencePool",
+        )
+        self._pool = ListWatch(
+            pool_metrics,
+            path("InferencePool", namespace),
+            self._publish,
+            params={"fieldSelector": f"metadata.name={pool}"},
+            watch_timeout_s=watch_timeout_s,
+        )
+        pods = path("Pod", namespace)
+        self._pods = ListWatch(self.metrics, pods, self._publish, watch_timeout_s=watch_timeout_s)
+        self._published: list[WorkerSpec] | None = None
+        self._pool_error: str | None = None
+        self._client: KubeClient | None = None
+
+    @property
+    def workers(self) -> list[WorkerSpec] | None:
+        return list(self._published) if self._published is not None else None
+
+    @property
+    def last_error(self) -> str | None:
+        return self._pool.last_error or self._pool_error or self._pods.last_error
+
+    def what(self) -> str:
+        return f"discovery of the pods of InferencePool {self.pool!r} in {self.namespace}"
+
+    async def start(self) -> None:
+        """Loads credentials first (raises if there are none); never waits for sync."""
+        self._client = await KubeClient.connect(self._kubeconfig, user_agent=USER_AGENT)
+        for loop, name in ((self._pool, "pool"), (self._pods, "pods")):
+            loop.client = self._client
+            loop.start_loop(f"discovery-{name}-{self.namespace}-{self.pool}")
+
+    async def stop(self) -> None:
+        await self._pool.stop_loop()
+        await self._pods.stop_loop()
+        if self._client is not None:
+            await self._client.close()
+
+    def _shape(self) -> PoolShape | None:
+        found = [o for (_ns, name), o in self._pool.objects.items() if name == self.pool]
+        why = None
+        if not found:
+            why = f"InferencePool {self.pool!r} not found in {self.namespace}"
+        else:
+            try:
+                return pool_shape(found[0])
+            except ValueError as e:
+                why = f"InferencePool {self.pool!r}: {e}"
+        if why != self._pool_error:
+            self._pool.count("not_found" if not found else "decode")
+            log.warning("discovery: %s; no engines from it", why)
+        self._pool_error = why
+        return None
+
+    async def _publish(self) -> None:
+        if not (self._pool.synced and self._pods.synced):
+            return
+        shape = self._shape()
+        if shape is not None:
+            self._pool_error = None
+        mapping = (
+            map_pool_pods(shape, self._pods.objects.values(), self.config)
+            if shape is not None
+            else SliceMapping([])
+        )
+        self.metrics.endpoints.clear()
+        for state, n in mapping.states.items():
+            self.metrics.endpoints.labels(state).set(n)
+        if mapping.workers == self._published:
+            return
+        try:
+            self.on_change(list(mapping.workers))
+        except Exception as e:
+            log.exception("discovery: on_change failed")
+            self._pods.count("callback")
+            self._pods.last_error = f"callback: {e!r}"
+            return
+        self._published = mapping.workers
+        self.metrics.workers.set(len(mapping.workers))
+        log.info(
+            "discovery: %d worker(s) of pool %s: %s",
+            len(mapping.workers),
+            self.pool,
+            ", ".join(w.engine for w in mapping.workers),
+        )

@@ -23,12 +23,12 @@ import logging
 import random
 import time
 from collections import Counter as Tally
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from routerfleet_kube import ApiError
+from routerfleet_kube import ApiError, KubeClient
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +266,42 @@ class Reflector:
                 raise Gone(f"watch refused: {e}") from e
             raise
         return rv, n  # the server ended the watch (its timeout): resume from rv
+
+
+class ListWatch(Reflector):
+    """One collection at ``path`` (``params``: its label or field selector) listed and watched through
+    ``client`` (set before ``start_loop``); every complete list and change calls ``changed``."""
+
+    def __init__(
+        self,
+        metrics: ReflectorMetrics,
+        path: str,
+        changed: Callable[[], Awaitable[None]],
+        *,
+        params: Mapping[str, str] | None = None,
+        watch_timeout_s: float = 300.0,
+    ) -> None:
+        super().__init__(metrics, watch_timeout_s=watch_timeout_s)
+        self.path, self.params, self.changed = path, dict(params or {}), changed
+        self.client: KubeClient | None = None
+
+    def what(self) -> str:
+        return f"{self.path} {self.params}" if self.params else self.path
+
+    async def list_page(self, *, limit: int, continue_token: str | None) -> dict:
+        assert self.client is not None
+        params = {**self.params, "limit": str(limit)}
+        if continue_token:
+            params["continue"] = continue_token
+        return await self.client.get_object(self.path, params=params)
+
+    def watch(self, *, resource_version: str, timeout_s: int) -> AsyncIterator[dict]:
+        assert self.client is not None
+        params = {**self.params, "resourceVersion": resource_version}
+        return self.client.watch(self.path, params, timeout_s=timeout_s)
+
+    async def publish(self) -> None:
+        await self.changed()
 
 
 def key_of(obj: dict) -> tuple[str, str]:

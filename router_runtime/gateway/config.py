@@ -23,6 +23,10 @@ class PickerConfig:
     # sheddable request is turned away while no engine has room. None: every request is admitted.
     pool: str | None = None
     saturation: SaturationLimits = field(default_factory=SaturationLimits)
+    # gRPC health alone, plaintext, on its own port: a kubelet's gRPC probe speaks no TLS.
+    health_port: int | None = None
+    # TEST ONLY (the extension's conformance suite): a request's own header names its endpoints.
+    conformance_test: bool = False
 
 
 FLAGS = (
@@ -73,6 +77,24 @@ FLAGS = (
         " router's namespace) are followed from the API server (list and watch), and a request whose"
         " x-gateway-inference-objective names one below 0 is answered 429 while no engine has room"
         " (needs --engine-load-interval-ms above 0)",
+    ),
+    Flag(
+        "--epp-health-port",
+        "gateway.health_port",
+        Count(0, 65535),
+        "serve the picker's gRPC health (grpc.health.v1) on this port too, plaintext, for a kubelet's"
+        " gRPC probe (which speaks no TLS); SERVING exactly when /readyz is ready",
+        default_text="off",
+        zero="any free port",
+    ),
+    Flag(
+        "--epp-conformance-test",
+        "gateway.conformance_test",
+        Switch(),
+        "TEST ONLY, never in production: as the Gateway API Inference Extension's conformance suite"
+        " drives a picker, a request's test-epp-endpoint-selection header (ip or ip:port, comma-separated)"
+        " names the endpoints it may go to, and the endpoint that served it is answered in"
+        " x-conformance-test-served-endpoint: any client then chooses its engine",
     ),
     Flag(
         "--epp-saturation-queue-depth",

@@ -21,7 +21,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
-from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -51,14 +50,18 @@ from ..tracing.attributes import upstream as upstream_attributes
 from ..tracing.spans import NO_SPAN, NO_TRACE, OFF, Span, SpanKind, Trace, Tracer, server_error
 from .health import PickerHealth
 from .protocol import (
+    TEST_SELECTION,
+    TEST_SERVED,
     duplex_of,
     header_pairs,
     headers_of,
+    named_endpoints,
     picked,
     proceed,
     refused,
     rewritten,
     served_by,
+    served_metadata,
     status_of,
     streamed,
     subset_of,
@@ -133,8 +136,11 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         fallbacks: int = 0,
         bodies: Bodies | None = None,
         tracer: Tracer = OFF,
+        conformance_test: bool = False,
     ) -> None:
         self.scheduler = scheduler
+        # TEST ONLY (--epp-conformance-test): requests name their endpoints (protocol.TEST_SELECTION).
+        self.conformance_test = conformance_test
         self.tracer = tracer
         # The bodies being read and parsed: the proxy's, so both front doors hold one budget.
         self.bodies = bodies or Bodies(config.body_budget_bytes)
@@ -206,7 +212,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
                 return await self._request_ended(stream, phase, trailers=True)
             return [proceed(phase)]
         if phase == "response_headers":
-            return [self._response_headers(stream, message.response_headers, message.attributes)]
+            return [self._response_headers(stream, message)]
         if phase == "response_body":
             part = message.response_body
             chunk = part.body
@@ -257,9 +263,8 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             chunk, stream.held = b"".join(stream.held), None
         return streamed("response_body", chunk, end=end)
 
-    def _response_headers(
-        self, stream: _Stream, message: ep.HttpHeaders, attributes: Mapping[str, Any]
-    ) -> ep.ProcessingResponse:
+    def _response_headers(self, stream: _Stream, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
+        message = request.response_headers
         headers = headers_of(message)
         stream.status = status_of(headers)
         if stream.upstream.recording:
@@ -267,7 +272,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             stream.upstream.set("routerfleet.time_to_headers_ms", _ms_since(stream.upstream))
         if stream.duplex_out and "text/event-stream" not in headers.get("content-type", ""):
             stream.held = []
-        served = served_by(attributes)
+        served = served_by(request.attributes, request.metadata_context)
         if stream.target is not None and served is not None and served != stream.target.endpoint:
             self._failed_over(stream, served)
         seen = CIMultiDict(headers)  # the hooks read and write names in any case, as HTTP has them
@@ -279,6 +284,9 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         if message.end_of_stream:  # no body follows
             self._response_ended(stream)
         added = {k: v for k, v in seen.items() if headers.get(k.lower()) != v}
+        if self.conformance_test:  # the metadata alone, as the reference picker answers: a gateway's test
+            stated = served_metadata(request.metadata_context)
+            added[TEST_SERVED] = stated or "fail: missing destination endpoint served metadata"
         return with_headers(proceed("response_headers"), added)
 
     @staticmethod
@@ -299,6 +307,10 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         candidates = self.targets.candidates()
         if not candidates:
             raise no_engine("no engine can take the request (none discovered, or all unhealthy)")
+        if self.conformance_test:
+            named = named_endpoints(headers.get(TEST_SELECTION), [t.endpoint for t in candidates])
+            if named is not None:
+                stream.subset = named if stream.subset is None else named & stream.subset
         path = headers.get(":path", "/").split("?", 1)[0]
         tenant = tenant_of(headers, self.config.tenant_header)
         start = asyncio.get_running_loop().time()
@@ -341,7 +353,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
                 pinned = await responses.target(response_id, candidates, headers, "response_id", tenant)
                 span.set("routerfleet.engine", pinned.engine)
             route, profile = RouteRequest(pinned=pinned, subset=stream.subset), self.scheduler.profile
-        elif path in FORWARDED or kind is not None:
+        elif path in FORWARDED or kind is not None or path in self.config.allow_paths:
             route, profile = RouteRequest(subset=stream.subset), self._by_load
         else:  # as the proxy answers a path it does not serve (administrative ones among them)
             raise not_found(headers.get(":method", "?"), path[:256])

@@ -26,11 +26,16 @@ from ..proxy.headers import RANK_HEADER
 from ..scheduling.types import Target
 
 DESTINATION = "x-gateway-destination-endpoint"
+SERVED = "x-gateway-destination-endpoint-served"
 LB_NAMESPACE = "envoy.lb"
 SUBSET = "x-gateway-destination-endpoint-subset"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 # At most this much body per streamed answer, as the reference picker splits a body.
 STREAMED_CHUNK = 62_000
+# TEST ONLY (--epp-conformance-test), as the extension's conformance suite drives a picker: the
+# endpoints a request names for itself, and the response header that says which one served it.
+TEST_SELECTION = "test-epp-endpoint-selection"
+TEST_SERVED = "x-conformance-test-served-endpoint"
 _PHASE_ANSWERS = {
     "request_headers": ep.HeadersResponse,
     "response_headers": ep.HeadersResponse,
@@ -183,12 +188,47 @@ def with_headers(answer: ep.ProcessingResponse, added: Mapping[str, str]) -> ep.
     return answer
 
 
-def served_by(attributes: Mapping[str, struct_pb2.Struct]) -> str | None:
-    """The ``ip:port`` that answered (Envoy's ``upstream.address`` response attribute), after any retry."""
+def served_by(
+    attributes: Mapping[str, struct_pb2.Struct], metadata: base_pb2.Metadata | None = None
+) -> str | None:
+    """The ``ip:port`` that answered, after any retry: the protocol's ``envoy.lb`` metadata
+    (x-gateway-destination-endpoint-served) when the gateway forwards it, else Envoy's
+    ``upstream.address`` response attribute."""
+    stated = served_metadata(metadata)
+    if stated is not None:
+        return stated
     ours = attributes.get("envoy.filters.http.ext_proc")
     if ours is None or "upstream.address" not in ours.fields:
         return None
     return ours.fields["upstream.address"].string_value or None
+
+
+def served_metadata(metadata: base_pb2.Metadata | None) -> str | None:
+    """The served endpoint as the protocol hands it over: ``envoy.lb`` filter metadata."""
+    lb = metadata.filter_metadata.get(LB_NAMESPACE) if metadata is not None else None
+    if lb is None or SERVED not in lb.fields:
+        return None
+    return lb.fields[SERVED].string_value or None
+
+
+def named_endpoints(value: str | None, endpoints: Sequence[str]) -> frozenset[str] | None:
+    """TEST ONLY: the ``endpoints`` (``host:port``) a TEST_SELECTION header allows: its items are
+    comma-separated ``ip`` (every port of that address) or ``ip:port`` (IPv6 in brackets); None: no
+    header, no restriction. An item that names none of ``endpoints`` allows nothing."""
+    if value is None or not value.strip():
+        return None
+    split = [e.rpartition(":") for e in endpoints]
+    allowed: set[str] = set()
+    for item in (i.strip() for i in value.split(",")):
+        if item.startswith("["):
+            host, _, rest = item[1:].partition("]")
+            port = rest[1:] if rest.startswith(":") else ""
+        elif item.count(":") == 1:
+            host, _, port = item.partition(":")
+        else:  # an address alone (a bare IPv6 one included)
+            host, port = item, ""
+        allowed.update(f"{h}:{p}" for h, _, p in split if h == host and (not port or p == port))
+    return frozenset(allowed)
 
 
 def status_of(headers: Mapping[str, str]) -> int:

@@ -15,13 +15,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry
+from test_gateway import kubectl, pool_crds  # noqa: F401 (a fixture)
 
 from e2e.cluster.discovery_smoke import api, metric, run_discovery_checks, token_kubeconfig, wait
 from router_runtime.discovery.endpointslices import EngineDiscoveryConfig
-from router_runtime.discovery.kubernetes import EndpointSliceWatcher
+from router_runtime.discovery.kubernetes import EndpointSliceWatcher, InferencePoolWatcher
 
 
 async def test_endpointslice_discovery_with_rbac(cluster, namespace, tmp_path):
@@ -179,3 +181,97 @@ async def test_storage_identity_from_pod_annotations_with_and_without_get_pods(c
         w, registry = watchers["slices-only"]
         assert result("slices-only", "forbidden") == 3 and result("slices-only", "found") == 0
         assert w.synced and metric(registry, "routerfleet_discovery_errors_total", reason="forbidden") == 0
+
+
+# ------------------------------------------------------------------------------------- InferencePool
+
+POOL_RULES = [
+    {
+        "apiGroups": ["inference.networking.k8s.io"],
+        "resources": ["inferencepools"],
+        "verbs": ["get", "list", "watch"],
+    },
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+]
+
+
+async def test_engines_from_an_inference_pool_follow_the_pool_and_its_pods(
+    cluster, namespace, tmp_path, pool_crds  # noqa: F811
+):
+    """--k8s-inference-pool on the real API server, with only the extension's picker RBAC (inferencepools
+    and pods): no pool, no engines (and why); the pool's ready pods on its target port; a changed
+    selector or port list takes effect; a deleted pod leaves."""
+    ns, core, rbac = namespace, cluster.core, cluster.rbac
+    await api(core.create_namespaced_service_account, ns, {"metadata": {"name": "picker"}})
+    await api(rbac.create_namespaced_role, ns, {"metadata": {"name": "picker"}, "rules": POOL_RULES})
+    await api(
+        rbac.create_namespaced_role_binding,
+        ns,
+        {
+            "metadata": {"name": "picker"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "picker"},
+            "subjects": [{"kind": "ServiceAccount", "name": "picker", "namespace": ns}],
+        },
+    )
+    tr = await api(
+        core.create_namespaced_service_account_token, "picker", ns, {"spec": {"expirationSeconds": 3600}}
+    )
+    kubeconfig = token_kubeconfig(
+        Path(cluster.kubeconfig), tmp_path / "picker.kubeconfig", tr.status.token, ns
+    )
+    image = getattr(cluster.provider, "image", "routerfleet:e2e")
+    for name in ("e-1", "e-2"):
+        await api(core.create_namespaced_pod, ns, engine_pod(name, {}, image))
+    pods = {p.metadata.name: p for p in await api(cluster.wait_pods_ready, ns, "app=engine", 2)}
+
+    def pool(labels: dict, ports: list[int]) -> dict:
+        return {
+            "apiVersion": "inference.networking.k8s.io/v1",
+            "kind": "InferencePool",
+            "metadata": {"name": "pool", "namespace": ns},
+            "spec": {
+                "selector": {"matchLabels": labels},
+                "targetPorts": [{"number": p} for p in ports],
+                "endpointPickerRef": {"name": "picker", "port": {"number": 9002}},
+            },
+        }
+
+    def apply(obj: dict) -> None:
+        f = tmp_path / "pool.yaml"
+        f.write_text(yaml.safe_dump(obj))
+        p = kubectl(cluster, "apply", "--server-side", "--force-conflicts", "-f", str(f))
+        assert p.returncode == 0, p.stderr
+
+    registry = CollectorRegistry()
+    w = InferencePoolWatcher(ns, "pool", lambda _w: None, kubeconfig=str(kubeconfig), registry=registry)
+    await w.start()
+    try:
+
+        def engines():
+            return sorted((s.engine, s.url, s.incarnation) for s in w.workers or [])
+
+        await wait(
+            "no pool: synced, no engines, and why",
+            lambda: w.workers == [] and "not found" in (w.last_error or ""),
+        )
+        assert metric(registry, "routerfleet_discovery_pool_errors_total", reason="not_found") == 1
+        apply(pool({"app": "engine"}, [8000]))
+        want = [
+            (f"{ns}/{n}", f"http://{pods[n].status.pod_ip}:8000", pods[n].metadata.uid) for n in sorted(pods)
+        ]
+        await wait("the pool's two engines", lambda: engines() == want)
+        assert w.last_error is None
+        apply(pool({"app": "nothing"}, [8000]))
+        await wait("a selector that matches nothing: no engines", lambda: w.workers == [])
+        apply(pool({"app": "engine"}, [8000, 8001]))
+        await wait("two ports: an engine each", lambda: len(engines()) == 4)
+        assert {e for e, _u, _i in engines()} == {f"{ns}/{n}:{p}" for n in pods for p in (8000, 8001)}
+        await api(core.delete_namespaced_pod, "e-1", ns, grace_period_seconds=0)
+        await wait(
+            "the deleted pod's engines leave",
+            lambda: {e.split(":")[0] for e, _u, _i in engines()} == {f"{ns}/e-2"},
+        )
+        assert metric(registry, "routerfleet_discovery_synced") == 1
+        assert metric(registry, "routerfleet_discovery_errors_total", reason="forbidden") == 0
+    finally:
+        await w.stop()

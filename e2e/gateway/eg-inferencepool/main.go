@@ -9,7 +9,9 @@
 //     x-gateway-destination-endpoint header, and carries the pool's picker in its metadata;
 //   - PostTranslateModify: for each pool, a cluster for its picker (its Service's name, HTTP/2, TLS
 //     without verification, as pickers serve it), and an ext_proc filter in every HTTP listener,
-//     disabled but where a route (or a weighted cluster) sends to that pool;
+//     disabled but where a route (or a weighted cluster) sends to that pool; there the response
+//     names the upstream that served (x-gateway-destination-endpoint-served), which a
+//     header_to_metadata filter turns into the envoy.lb metadata the picker is forwarded;
 //   - a loop writes each pool's status.parents: the Gateways whose accepted HTTPRoutes name it, with
 //     Accepted, and ResolvedRefs False when its picker's Service does not exist.
 //
@@ -37,6 +39,7 @@ import (
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	h2mv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/header_to_metadata/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
 	httpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
@@ -50,6 +53,9 @@ import (
 const (
 	poolMetadata      = "routerfleet.dev/inferencepool" // on a pool's cluster: its picker
 	destinationHeader = "x-gateway-destination-endpoint"
+	servedHeader      = "x-gateway-destination-endpoint-served"
+	lbNamespace       = "envoy.lb"
+	servedFilter      = "envoy.filters.http.header_to_metadata/inferencepool/served"
 	hcmName           = "envoy.filters.network.http_connection_manager"
 	extProcPrefix     = "envoy.filters.http.ext_proc/inferencepool/"
 	pickerPrefix      = "inferencepool/picker/"
@@ -257,7 +263,7 @@ func extProc(p pool) (*hcmv3.HttpFilter, error) {
 		MessageTimeout:     durationpb.New(10 * time.Second),
 		ResponseAttributes: []string{"upstream.address"},
 		MetadataOptions: &extprocv3.MetadataOptions{
-			ForwardingNamespaces: &extprocv3.MetadataOptions_MetadataNamespaces{Untyped: []string{"envoy.lb.subset_hint"}},
+			ForwardingNamespaces: &extprocv3.MetadataOptions_MetadataNamespaces{Untyped: []string{"envoy.lb.subset_hint", lbNamespace}},
 		},
 		ProcessingMode: &extprocv3.ProcessingMode{
 			RequestHeaderMode:   extprocv3.ProcessingMode_SEND,
@@ -297,6 +303,13 @@ func addFilters(l *listenerv3.Listener, pools []pool) error {
 				}
 				filters = append(filters, ext)
 			}
+			served, err := servedToMetadata()
+			if err != nil {
+				return err
+			}
+			// After the pickers: a response passes the filters in reverse, so the metadata is set
+			// before a picker sees the response.
+			filters = append(filters, served)
 			n := len(hcm.HttpFilters)
 			if n > 0 && strings.HasSuffix(hcm.HttpFilters[n-1].GetName(), "router") {
 				hcm.HttpFilters = append(hcm.HttpFilters[:n-1:n-1], append(filters, hcm.HttpFilters[n-1])...)
@@ -313,8 +326,32 @@ func addFilters(l *listenerv3.Listener, pools []pool) error {
 	return nil
 }
 
+// servedToMetadata hands the picker the endpoint that served, as the protocol says: the response
+// header a pool's route adds (the upstream's address, after any retry) becomes envoy.lb metadata, which
+// the picker's filter forwards with the response, and leaves the response.
+func servedToMetadata() (*hcmv3.HttpFilter, error) {
+	cfg, err := anypb.New(&h2mv3.Config{ResponseRules: []*h2mv3.Config_Rule{{
+		Header: servedHeader,
+		OnHeaderPresent: &h2mv3.Config_KeyValuePair{
+			MetadataNamespace: lbNamespace, Key: servedHeader, Type: h2mv3.Config_STRING,
+		},
+		Remove: true,
+	}}})
+	if err != nil {
+		return nil, err
+	}
+	return &hcmv3.HttpFilter{Name: servedFilter, ConfigType: &hcmv3.HttpFilter_TypedConfig{TypedConfig: cfg}}, nil
+}
+
+// served is the response header a pool's route adds: the address of the upstream that answered.
+var served = &corev3.HeaderValueOption{
+	Header:       &corev3.HeaderValue{Key: servedHeader, Value: "%UPSTREAM_REMOTE_ADDRESS%"},
+	AppendAction: corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD,
+}
+
 // enableOnRoutes turns the pool's filter on where a route, or one of its weighted clusters, sends to
-// the pool (a weighted cluster is chosen when the route is, before the filters run).
+// the pool (a weighted cluster is chosen when the route is, before the filters run), and has the
+// response say which endpoint served.
 func enableOnRoutes(rc *routev3.RouteConfiguration, pools map[string]pool) error {
 	on, err := anypb.New(&routev3.FilterConfig{Config: mustAny(&extprocv3.ExtProcPerRoute{
 		Override: &extprocv3.ExtProcPerRoute_Overrides{Overrides: &extprocv3.ExtProcOverrides{}},
@@ -333,6 +370,7 @@ func enableOnRoutes(rc *routev3.RouteConfiguration, pools map[string]pool) error
 					r.TypedPerFilterConfig = map[string]*anypb.Any{}
 				}
 				r.TypedPerFilterConfig[p.filterName()] = on
+				r.ResponseHeadersToAdd = append(r.ResponseHeadersToAdd, served)
 			}
 			for _, wc := range action.GetWeightedClusters().GetClusters() {
 				if p, ok := pools[wc.GetName()]; ok {
@@ -340,6 +378,7 @@ func enableOnRoutes(rc *routev3.RouteConfiguration, pools map[string]pool) error
 						wc.TypedPerFilterConfig = map[string]*anypb.Any{}
 					}
 					wc.TypedPerFilterConfig[p.filterName()] = on
+					wc.ResponseHeadersToAdd = append(wc.ResponseHeadersToAdd, served)
 				}
 			}
 		}
