@@ -182,9 +182,19 @@ class Traffic:
     CONVERSATIONS live, WORKERS requests in flight; and, once ``trigger`` is set, a watch of the replicas
     of the new revision: when each was seen, settled (with its verdict), seeded and Ready."""
 
-    def __init__(self, kube: Kube, ns: str, fleet: str, token: str, seed: int, port: int = F.ROUTER_PORT):
+    def __init__(
+        self,
+        kube: Kube,
+        ns: str,
+        fleet: str,
+        token: str,
+        seed: int,
+        port: int = F.ROUTER_PORT,
+        via: str | None = None,
+    ):
         self.kube, self.ns, self.fleet, self.token = kube, ns, fleet, token
         self.port = port  # the routers' own proxy, or the standalone gateway's Envoy beside each
+        self.via = via  # a Gateway's base URL: every request through it (else to the pods in turn)
         self.sel = f"routerfleet.io/fleet={fleet}"
         self.ready: list[tuple[str, str, str]] = []  # (pod, ip, revision) of Ready router pods
         self.reqs: list[Req] = []
@@ -273,9 +283,11 @@ class Traffic:
                 for _attempt in range(3):  # a router going away: the next Ready one, as a Service would
                     pod, ip, rev = self.ready[self.rr % len(self.ready)]
                     self.rr += 1
+                    if self.via is not None:  # the Gateway's picker chose; the pod is not known here
+                        pod, rev = "gateway", ""
                     try:
                         ttft, answer, prompt, cached = await F.chat_turn(
-                            session, f"http://{ip}:{self.port}", conv.messages, model=self.model
+                            session, self.via or f"http://{ip}:{self.port}", conv.messages, model=self.model
                         )
                     except (TimeoutError, aiohttp.ClientError, AssertionError, OSError) as e:
                         self.errors += 1

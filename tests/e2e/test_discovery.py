@@ -196,7 +196,10 @@ POOL_RULES = [
 
 
 async def test_engines_from_an_inference_pool_follow_the_pool_and_its_pods(
-    cluster, namespace, tmp_path, pool_crds  # noqa: F811
+    cluster,
+    namespace,
+    tmp_path,
+    pool_crds,  # noqa: F811
 ):
     """--k8s-inference-pool on the real API server, with only the extension's picker RBAC (inferencepools
     and pods): no pool, no engines (and why); the pool's ready pods on its target port; a changed

@@ -1,13 +1,17 @@
 """Envoy Gateway on the local cluster (e2e/gateway/envoy_gateway.py): installed from its own chart, it
-programs a Gateway whose Envoy routes an HTTPRoute to a Service, reached at the Gateway's own address."""
+programs a Gateway whose Envoy routes an HTTPRoute to a Service, reached at the Gateway's own address;
+and a RouterFleet picks for its InferencePool behind it: the hit rate, a rolling restart under traffic,
+a paused rollout."""
 
+import asyncio
 import subprocess
 
+import aiohttp
 import pytest
 import test_gateway
 import test_operator
 import yaml
-from test_gateway import gateway_ready
+from test_gateway import SEL, condition, gateway_ready, rolling_restart_under_traffic
 from test_node_agent import _local_only
 from test_operator import (
     FLEET,
@@ -24,6 +28,7 @@ from test_operator import (
 )
 from test_services import both_answer, serve_names
 
+from e2e import fleet_traffic as T
 from e2e.entrypoints import entrypoints
 from e2e.fleet import ENGINE_LABELS
 from e2e.gateway import envoy_gateway as eg
@@ -97,3 +102,49 @@ def test_a_fleet_picks_for_its_inference_pool_behind_envoy_gateway(
     hit_gateway, shares = measure_fleet(cluster, crd, ns, 3, chats, urls=[f"http://{address}:8080"])
     print(f"\n[envoy-gateway] hit rate: proxy {hit_proxy:.1%}, through Envoy Gateway {hit_gateway:.1%}")
     assert hit_gateway >= 0.9 * hit_proxy, (hit_proxy, hit_gateway, shares)
+
+    # A rolling restart under traffic through the Gateway: no request fails, the hit rate holds, each
+    # new replica picks only once seeded.
+    traffic, trigger = asyncio.run(
+        rolling_restart_under_traffic(cluster, crd, ns, via=f"http://{address}:8080")
+    )
+    before = [r for r in traffic.reqs if r.t < trigger]
+    during = [r for r in traffic.reqs if trigger <= r.t < traffic.done]
+    after = [r for r in traffic.reqs if r.t >= traffic.done]
+    figures = {k: T.hit(v) for k, v in (("before", before), ("during", during), ("after", after))}
+    print(f"[envoy-gateway] rolling restart: errors {traffic.errors} ({traffic.last_error}), {figures}")
+    assert traffic.errors == 0, (traffic.last_error, figures)
+    assert len(during) > 20 and len(after) > 10, figures
+    assert figures["after"][0] >= 0.8 * figures["before"][0], figures
+    new = [r for r in traffic.replicas.values() if r.verdict is not None]
+    assert len(new) == 3 and all(r.verdict in ("warm", "warm_unwitnessed", "from_origin") for r in new), new
+
+    # A block size the engines do not share: the rollout pauses as through the proxy; the held replica
+    # picks nothing (not in the picker Service) and the Gateway goes on serving through the old ones.
+    crd.patch_namespaced_custom_object(
+        GROUP, VERSION, ns, PLURAL, FLEET, {"spec": {"router": {"blockSize": 32}}}
+    )
+
+    def paused() -> dict | None:
+        o = get_fleet(crd, ns)
+        stalled = condition(o, "Stalled")
+        return o if (stalled.get("status"), stalled.get("reason")) == ("True", "ConfigMismatch") else None
+
+    obj = cluster.wait_for("Stalled/ConfigMismatch through Envoy Gateway", paused, 90)
+    assert gateway_ready(obj) == ("True", "Accepted"), condition(obj, "GatewayReady")
+    (held,) = obj["status"]["rollout"]["hold"]["pods"]
+    ready = [p for p in cluster.core.list_namespaced_pod(ns, label_selector=SEL).items if T.pod_ready(p)]
+    assert held not in {p.metadata.name for p in ready} and len(ready) == 3
+    statuses = asyncio.run(completions(f"http://{address}:8080", 9))
+    assert statuses == [200] * 9, statuses
+
+
+async def completions(base: str, n: int) -> list[int]:
+    """``n`` distinct completions through ``base``: their statuses."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        statuses = []
+        for k in range(n):
+            body = {"model": "m", "prompt": f"paused {k} " * 40, "max_tokens": 2}
+            async with s.post(f"{base}/v1/completions", json=body) as r:
+                statuses.append(r.status)
+        return statuses

@@ -87,14 +87,16 @@ def gateway_ready(obj: dict) -> tuple[str, str]:
     return c.get("status", ""), c.get("reason", "")
 
 
-async def rolling_restart_under_traffic(cluster, crd, ns: str) -> tuple[T.Traffic, float]:
+async def rolling_restart_under_traffic(
+    cluster, crd, ns: str, via: str | None = None
+) -> tuple[T.Traffic, float]:
     """Chats through the Envoys (each request to the next Ready pod's, as the gateway Service spreads
-    them) for 15 s, then a seed-gated rolling restart of every replica, then 10 s more. Returns the
-    traffic and the time the restart was asked for."""
+    them; ``via``: every request through that Gateway) for 15 s, then a seed-gated rolling restart of
+    every replica, then 10 s more. Returns the traffic and the time the restart was asked for."""
     kube = T.Kube(str(cluster.kubeconfig))
     secret = cluster.core.read_namespaced_secret(f"{FLEET}-internal-token", ns)
     token = base64.b64decode(secret.data["token"]).decode()
-    traffic = T.Traffic(kube, ns, FLEET, token, seed=11, port=GATEWAY_PORT)
+    traffic = T.Traffic(kube, ns, FLEET, token, seed=11, port=GATEWAY_PORT, via=via)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         await traffic.refresh(session)
         traffic.old_rev = get_fleet(crd, ns)["status"]["currentRevision"]
