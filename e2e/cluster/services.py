@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from router_runtime.discovery.reflector import Reflector, ReflectorMetrics
+from router_runtime.discovery.reflector import ListWatch, ReflectorMetrics
 from routerfleet_kube import KubeClient
 
 from .cluster import SERVICE_CIDR
@@ -223,27 +223,6 @@ def resolv_conf(pod: dict) -> str | None:
 # ------------------------------------------------------------------------------------------- shell
 
 
-class Watched(Reflector):
-    """One kind, listed and watched (the router's own list/watch loop); a change sets ``changed``."""
-
-    def __init__(self, api: KubeClient, path: str, changed: asyncio.Event, metrics: ReflectorMetrics) -> None:
-        super().__init__(metrics, watch_timeout_s=WATCH_S)
-        self.api, self.path, self.changed = api, path, changed
-
-    def what(self) -> str:
-        return self.path
-
-    async def list_page(self, *, limit: int, continue_token: str | None) -> dict:
-        params = {"limit": str(limit), **({"continue": continue_token} if continue_token else {})}
-        return await self.api.get_object(self.path, params=params)
-
-    def watch(self, *, resource_version: str, timeout_s: int):
-        return self.api.watch(self.path, {"resourceVersion": resource_version}, timeout_s=timeout_s)
-
-    async def publish(self) -> None:
-        self.changed.set()
-
-
 class Services:
     """Services and EndpointSlices, listed and watched; the rules and names rewritten after a change."""
 
@@ -254,10 +233,15 @@ class Services:
         def metrics(kind: str) -> ReflectorMetrics:
             return ReflectorMetrics(registry, f"{kind}_", synced="listed", errors="errors", lists="lists")
 
+        async def changed() -> None:
+            self.changed.set()
+
         self.watched = {
-            kind: Watched(api, path, self.changed, metrics(kind))
+            kind: ListWatch(metrics(kind), path, changed, watch_timeout_s=WATCH_S)
             for kind, path in (("services", "/api/v1/services"), ("endpointslices", SLICES))
         }
+        for w in self.watched.values():
+            w.client = api
         self.names: dict[str, list[str]] = {}
         self._applied: str | None = None
 
