@@ -11,7 +11,7 @@ import pytest
 import test_gateway
 import test_operator
 import yaml
-from test_gateway import SEL, condition, gateway_ready, rolling_restart_under_traffic
+from test_gateway import gateway_ready, paused_on_block_size, rolled_under_traffic
 from test_node_agent import _local_only
 from test_operator import (
     FLEET,
@@ -28,7 +28,6 @@ from test_operator import (
 )
 from test_services import both_answer, serve_names
 
-from e2e import fleet_traffic as T
 from e2e.entrypoints import entrypoints
 from e2e.fleet import ENGINE_LABELS
 from e2e.gateway import envoy_gateway as eg
@@ -105,36 +104,11 @@ def test_a_fleet_picks_for_its_inference_pool_behind_envoy_gateway(
 
     # A rolling restart under traffic through the Gateway: no request fails, the hit rate holds, each
     # new replica picks only once seeded.
-    traffic, trigger = asyncio.run(
-        rolling_restart_under_traffic(cluster, crd, ns, via=f"http://{address}:8080")
-    )
-    before = [r for r in traffic.reqs if r.t < trigger]
-    during = [r for r in traffic.reqs if trigger <= r.t < traffic.done]
-    after = [r for r in traffic.reqs if r.t >= traffic.done]
-    figures = {k: T.hit(v) for k, v in (("before", before), ("during", during), ("after", after))}
-    print(f"[envoy-gateway] rolling restart: errors {traffic.errors} ({traffic.last_error}), {figures}")
-    assert traffic.errors == 0, (traffic.last_error, figures)
-    assert len(during) > 20 and len(after) > 10, figures
-    assert figures["after"][0] >= 0.8 * figures["before"][0], figures
-    new = [r for r in traffic.replicas.values() if r.verdict is not None]
-    assert len(new) == 3 and all(r.verdict in ("warm", "warm_unwitnessed", "from_origin") for r in new), new
+    rolled_under_traffic(cluster, crd, ns, "envoy-gateway", via=f"http://{address}:8080")
 
     # A block size the engines do not share: the rollout pauses as through the proxy; the held replica
     # picks nothing (not in the picker Service) and the Gateway goes on serving through the old ones.
-    crd.patch_namespaced_custom_object(
-        GROUP, VERSION, ns, PLURAL, FLEET, {"spec": {"router": {"blockSize": 32}}}
-    )
-
-    def paused() -> dict | None:
-        o = get_fleet(crd, ns)
-        stalled = condition(o, "Stalled")
-        return o if (stalled.get("status"), stalled.get("reason")) == ("True", "ConfigMismatch") else None
-
-    obj = cluster.wait_for("Stalled/ConfigMismatch through Envoy Gateway", paused, 90)
-    assert gateway_ready(obj) == ("True", "Accepted"), condition(obj, "GatewayReady")
-    (held,) = obj["status"]["rollout"]["hold"]["pods"]
-    ready = [p for p in cluster.core.list_namespaced_pod(ns, label_selector=SEL).items if T.pod_ready(p)]
-    assert held not in {p.metadata.name for p in ready} and len(ready) == 3
+    paused_on_block_size(cluster, crd, ns)
     statuses = asyncio.run(completions(f"http://{address}:8080", 9))
     assert statuses == [200] * 9, statuses
 

@@ -121,6 +121,42 @@ async def rolling_restart_under_traffic(
     return traffic, traffic.trigger
 
 
+def rolled_under_traffic(cluster, crd, ns: str, label: str, via: str | None = None) -> None:
+    """A seed-gated rolling restart under the chat workload (``via``: through that Gateway): no request
+    fails, the hit rate after it holds, each new replica settled warm."""
+    traffic, trigger = asyncio.run(rolling_restart_under_traffic(cluster, crd, ns, via=via))
+    before = [r for r in traffic.reqs if r.t < trigger]
+    during = [r for r in traffic.reqs if trigger <= r.t < traffic.done]
+    after = [r for r in traffic.reqs if r.t >= traffic.done]
+    figures = {k: T.hit(v) for k, v in (("before", before), ("during", during), ("after", after))}
+    print(f"[{label}] rolling restart: errors {traffic.errors}, (hit, requests, TTFT p50 ms) {figures}")
+    assert traffic.errors == 0, (traffic.last_error, figures)
+    assert len(during) > 20 and len(after) > 10, figures
+    assert figures["after"][0] >= 0.8 * figures["before"][0], figures
+    new = [r for r in traffic.replicas.values() if r.verdict is not None]
+    assert len(new) == 3 and all(r.verdict in ("warm", "warm_unwitnessed", "from_origin") for r in new), new
+
+
+def paused_on_block_size(cluster, crd, ns: str) -> tuple[dict, list]:
+    """A block size the engines do not share: the rollout pauses (Stalled/ConfigMismatch) with the pool
+    still accepted, the held replica out of the picker Service. Returns the fleet and its Ready pods."""
+    crd.patch_namespaced_custom_object(
+        GROUP, VERSION, ns, PLURAL, FLEET, {"spec": {"router": {"blockSize": 32}}}
+    )
+
+    def paused() -> dict | None:
+        o = get_fleet(crd, ns)
+        stalled = condition(o, "Stalled")
+        return o if (stalled.get("status"), stalled.get("reason")) == ("True", "ConfigMismatch") else None
+
+    obj = cluster.wait_for("Stalled/ConfigMismatch", paused, 90)
+    assert gateway_ready(obj) == ("True", "Accepted"), condition(obj, "GatewayReady")
+    (held,) = obj["status"]["rollout"]["hold"]["pods"]
+    ready = [p for p in cluster.core.list_namespaced_pod(ns, label_selector=SEL).items if T.pod_ready(p)]
+    assert held not in {p.metadata.name for p in ready} and len(ready) == 3
+    return obj, ready
+
+
 def test_a_fleet_picks_for_its_pool_and_serves_through_its_standalone_gateway(
     cluster, namespace, crd, pool_crds, operator
 ):
@@ -199,35 +235,12 @@ def test_a_fleet_picks_for_its_pool_and_serves_through_its_standalone_gateway(
     )
 
     # A rolling restart under traffic through the Envoys: no request fails, the hit rate holds.
-    traffic, trigger = asyncio.run(rolling_restart_under_traffic(cluster, crd, ns))
-    before = [r for r in traffic.reqs if r.t < trigger]
-    during = [r for r in traffic.reqs if trigger <= r.t < traffic.done]
-    after = [r for r in traffic.reqs if r.t >= traffic.done]
-    figures = {k: T.hit(v) for k, v in (("before", before), ("during", during), ("after", after))}
-    print(f"[gateway] rolling restart: errors {traffic.errors}, (hit, requests, TTFT p50 ms) {figures}")
-    assert traffic.errors == 0, figures
-    assert len(during) > 20 and len(after) > 10, figures
-    assert figures["after"][0] >= 0.8 * figures["before"][0], figures
-    new = [r for r in traffic.replicas.values() if r.verdict is not None]
-    assert len(new) == 3 and all(r.verdict in ("warm", "warm_unwitnessed", "from_origin") for r in new), new
+    rolled_under_traffic(cluster, crd, ns, "gateway")
 
     # A block size the engines do not share: the rollout pauses exactly as through the proxy, the held
     # replica is no picker (not in the picker Service), the old ones go on picking through the gateway.
-    crd.patch_namespaced_custom_object(
-        GROUP, VERSION, ns, PLURAL, FLEET, {"spec": {"router": {"blockSize": 32}}}
-    )
-
-    def paused() -> dict | None:
-        o = get_fleet(crd, ns)
-        stalled = condition(o, "Stalled")
-        return o if (stalled.get("status"), stalled.get("reason")) == ("True", "ConfigMismatch") else None
-
-    obj = cluster.wait_for("Stalled/ConfigMismatch through the gateway", paused, 90)
-    assert gateway_ready(obj) == ("True", "Accepted"), condition(obj, "GatewayReady")
+    obj, ready = paused_on_block_size(cluster, crd, ns)
     assert "3 router replica(s) picking" in condition(obj, "GatewayReady")["message"]
-    (held,) = obj["status"]["rollout"]["hold"]["pods"]
-    ready = [p for p in cluster.core.list_namespaced_pod(ns, label_selector=SEL).items if T.pod_ready(p)]
-    assert held not in {p.metadata.name for p in ready} and len(ready) == 3
 
     async def through_envoys() -> list[int]:
         async with aiohttp.ClientSession() as s:
