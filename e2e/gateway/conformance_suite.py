@@ -30,12 +30,8 @@ RESULT = re.compile(r"^\s*--- (PASS|FAIL|SKIP): TestConformance/(\w+)", re.M)
 TESTS = 12  # the suite's tests in v1.3.0
 
 # Tests that fail for a reason of the Gateway's (Envoy Gateway with e2e/gateway/eg-inferencepool), not
-# the picker's: each fails with the reference picker too.
-GAPS: dict[str, str] = {
-    "GatewayWeightedAcrossTwoInferencePools": "Envoy Gateway renders a rule's two pools as one cluster;"
-    " the extension sends it to the first pool's picker, so requests meant for the other pool's pods get"
-    " 429 and nothing is weighted",
-}
+# the picker's, each with its reason: skipped unless ROUTERFLEET_CONFORMANCE_ALL is set. None now.
+GAPS: dict[str, str] = {}
 
 
 def suite_paths(module: Path) -> list[str]:
@@ -125,7 +121,7 @@ def run_suite(
         argv += [f"-manifests-dir={workdir}", "-base-manifests=routerfleet-base.yaml"]
     elif picker != "reference":
         raise ValueError(f"picker {picker!r}: reference or routerfleet")
-    if not os.environ.get("ROUTERFLEET_CONFORMANCE_ALL"):
+    if GAPS and not os.environ.get("ROUTERFLEET_CONFORMANCE_ALL"):
         argv.append(f"-skip-tests={','.join(sorted(GAPS))}")
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     done = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=2900)

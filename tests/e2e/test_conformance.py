@@ -1,8 +1,8 @@
 """The Gateway API Inference Extension's conformance suite (v1.3.0, as published: its manifests, its
 echo servers) against the local cluster's Envoy Gateway (e2e/gateway/envoy_gateway.py), first with its
 reference endpoint picker, then with RouterFleet's in its place (e2e/gateway/conformance_suite.py). The
-results are printed side by side; a test the suite reports failed fails these. The tests in ``GAPS``
-are skipped, each for a reason of the Gateway's side (run them with ``ROUTERFLEET_CONFORMANCE_ALL=1``).
+results are printed side by side; a test the suite reports failed fails these. A test in ``GAPS``
+(none now) is skipped for a reason of the Gateway's side (run it with ``ROUTERFLEET_CONFORMANCE_ALL=1``).
 
     python -m e2e.cluster pytest -s tests/e2e/test_conformance.py      # the table (make conformance first)
 """

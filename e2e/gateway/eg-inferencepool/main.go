@@ -13,7 +13,10 @@
 //     names the upstream that served (x-gateway-destination-endpoint-served), which a
 //     header_to_metadata filter turns into the envoy.lb metadata the picker is forwarded;
 //   - a loop writes each pool's status.parents: the Gateways whose accepted HTTPRoutes name it, with
-//     Accepted, and ResolvedRefs False when its picker's Service does not exist.
+//     Accepted, and ResolvedRefs False when its picker's Service does not exist;
+//   - a rule naming several pools (one cluster in Envoy Gateway) gets a cluster
+//     per pool, and its route one route per pool, each matching its weight's share of the requests,
+//     so each pool's picker picks its share.
 //
 // It is test infrastructure for the local cluster (e2e/gateway/envoy_gateway.py), built against the
 // Envoy Gateway release the cluster runs. Not done: a pool whose failureMode is FailOpen has no
@@ -43,6 +46,7 @@ import (
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
 	httpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
@@ -51,7 +55,8 @@ import (
 )
 
 const (
-	poolMetadata      = "routerfleet.dev/inferencepool" // on a pool's cluster: its picker
+	poolMetadata      = "routerfleet.dev/inferencepool"  // on a pool's cluster: its picker
+	splitMetadata     = "routerfleet.dev/inferencepools" // a rule's several pools, with their weights
 	destinationHeader = "x-gateway-destination-endpoint"
 	servedHeader      = "x-gateway-destination-endpoint-served"
 	lbNamespace       = "envoy.lb"
@@ -134,11 +139,23 @@ type server struct {
 
 func (server) PostClusterModify(_ context.Context, req *extension.PostClusterModifyRequest) (*extension.PostClusterModifyResponse, error) {
 	c := req.GetCluster()
+	var found []pool
 	for _, r := range req.GetPostClusterContext().GetBackendExtensionResources() {
-		p, ok := poolFrom(r.GetUnstructuredBytes())
-		if !ok {
-			continue
+		if p, ok := poolFrom(r.GetUnstructuredBytes()); ok {
+			found = append(found, p)
 		}
+	}
+	if len(found) > 0 {
+		// A rule's backendRefs are one cluster here (httproute/<ns>/<name>/rule/<i>): the pools' weights
+		// are the rule's, read from its HTTPRoute.
+		var split []any
+		if len(found) > 1 {
+			weights := ruleWeights(c.GetName(), found)
+			for i, p := range found {
+				split = append(split, map[string]any{"pool": p.metadata().AsMap(), "weight": float64(weights[i])})
+			}
+		}
+		p := found[0]
 		c.ClusterDiscoveryType = &clusterv3.Cluster_Type{Type: clusterv3.Cluster_ORIGINAL_DST}
 		c.LbPolicy = clusterv3.Cluster_CLUSTER_PROVIDED
 		c.LbConfig = &clusterv3.Cluster_OriginalDstLbConfig_{OriginalDstLbConfig: &clusterv3.Cluster_OriginalDstLbConfig{
@@ -155,20 +172,30 @@ func (server) PostClusterModify(_ context.Context, req *extension.PostClusterMod
 			c.Metadata.FilterMetadata = map[string]*structpb.Struct{}
 		}
 		c.Metadata.FilterMetadata[poolMetadata] = p.metadata()
-		break
+		if len(found) > 1 {
+			md, err := structpb.NewStruct(map[string]any{"pools": split})
+			if err != nil {
+				return nil, err
+			}
+			c.Metadata.FilterMetadata[splitMetadata] = md
+		}
 	}
 	return &extension.PostClusterModifyResponse{Cluster: c}, nil
 }
 
 func (server) PostTranslateModify(_ context.Context, req *extension.PostTranslateModifyRequest) (*extension.PostTranslateModifyResponse, error) {
+	clusters, splits := splitClusters(req.GetClusters())
 	pools := map[string]pool{} // cluster name -> its pool
-	for _, c := range req.GetClusters() {
+	for _, c := range clusters {
 		if p, ok := poolOfCluster(c); ok {
 			pools[c.GetName()] = p
 		}
 	}
 	resp := &extension.PostTranslateModifyResponse{
-		Clusters: req.GetClusters(), Secrets: req.GetSecrets(), Listeners: req.GetListeners(), Routes: req.GetRoutes(),
+		Clusters: clusters, Secrets: req.GetSecrets(), Listeners: req.GetListeners(), Routes: req.GetRoutes(),
+	}
+	for _, rc := range resp.Routes {
+		splitRoutes(rc, splits)
 	}
 	if len(pools) == 0 {
 		return resp, nil
@@ -208,6 +235,72 @@ func (server) PostTranslateModify(_ context.Context, req *extension.PostTranslat
 
 // pickerCluster: the picker's Service by name (the cluster DNS answers its ClusterIP), gRPC over
 // HTTP/2 and TLS without verification, as pickers serve it (a self-signed certificate by default).
+type share struct {
+	cluster string
+	weight  uint32
+}
+
+// splitClusters gives each pool of a rule naming several its own cluster (a copy of the rule's, named
+// <cluster>/pool/<i>), so each pool has its own picker. Returns the clusters and, per split cluster,
+// its pools' clusters with their weights.
+func splitClusters(in []*clusterv3.Cluster) ([]*clusterv3.Cluster, map[string][]share) {
+	out := append([]*clusterv3.Cluster{}, in...)
+	splits := map[string][]share{}
+	for _, c := range in {
+		md := c.GetMetadata().GetFilterMetadata()[splitMetadata]
+		if md == nil {
+			continue
+		}
+		for i, v := range md.GetFields()["pools"].GetListValue().GetValues() {
+			f := v.GetStructValue().GetFields()
+			one := proto.Clone(c).(*clusterv3.Cluster)
+			one.Name = fmt.Sprintf("%s/pool/%d", c.GetName(), i)
+			one.Metadata.FilterMetadata[poolMetadata] = f["pool"].GetStructValue()
+			delete(one.Metadata.FilterMetadata, splitMetadata)
+			out = append(out, one)
+			splits[c.GetName()] = append(splits[c.GetName()], share{one.Name, uint32(f["weight"].GetNumberValue())})
+		}
+	}
+	return out, splits
+}
+
+// splitRoutes turns a route to a split cluster into one route per pool, matching the same requests
+// with the pool's share of the weight left (the last one takes the rest): a pool's picker is enabled
+// per route, which Envoy does not do per weighted cluster.
+func splitRoutes(rc *routev3.RouteConfiguration, splits map[string][]share) {
+	for _, vh := range rc.GetVirtualHosts() {
+		var routes []*routev3.Route
+		for _, r := range vh.GetRoutes() {
+			shares, ok := splits[r.GetRoute().GetCluster()]
+			if !ok {
+				routes = append(routes, r)
+				continue
+			}
+			left := uint32(0)
+			for _, s := range shares {
+				left += s.weight
+			}
+			for i, s := range shares {
+				one := proto.Clone(r).(*routev3.Route)
+				one.Name = fmt.Sprintf("%s/pool/%d", r.GetName(), i)
+				one.GetRoute().ClusterSpecifier = &routev3.RouteAction_Cluster{Cluster: s.cluster}
+				if i < len(shares)-1 && left > 0 {
+					one.Match.RuntimeFraction = &corev3.RuntimeFractionalPercent{
+						DefaultValue: &typev3.FractionalPercent{
+							Numerator:   uint32(uint64(s.weight) * 1_000_000 / uint64(left)),
+							Denominator: typev3.FractionalPercent_MILLION,
+						},
+						RuntimeKey: "routerfleet.inferencepool." + one.Name,
+					}
+				}
+				left -= s.weight
+				routes = append(routes, one)
+			}
+		}
+		vh.Routes = routes
+	}
+}
+
 func pickerCluster(p pool) (*clusterv3.Cluster, error) {
 	tls, err := anypb.New(&tlsv3.UpstreamTlsContext{
 		Sni:              p.host(),

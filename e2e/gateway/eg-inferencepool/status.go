@@ -5,6 +5,8 @@ import (
 	"log"
 	"reflect"
 	"sort"
+	"strconv"
+	"strings"
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -213,4 +215,52 @@ func statusLoop() {
 		cancel()
 		time.Sleep(time.Second)
 	}
+}
+
+// ruleWeights is each of pools' weight in the HTTPRoute rule Envoy Gateway named cluster after
+// (httproute/<ns>/<name>/rule/<i>), 1 where the rule does not say (or cannot be read).
+func ruleWeights(cluster string, pools []pool) []uint32 {
+	out := make([]uint32, len(pools))
+	for i := range out {
+		out[i] = 1
+	}
+	parts := strings.Split(cluster, "/")
+	if len(parts) != 5 || parts[0] != "httproute" || parts[3] != "rule" {
+		return out
+	}
+	rule, err := strconv.Atoi(parts[4])
+	if err != nil {
+		return out
+	}
+	cfg, err := config.GetConfig()
+	if err != nil {
+		return out
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	route, err := dynamic.NewForConfigOrDie(cfg).Resource(routesGVR).Namespace(parts[1]).Get(ctx, parts[2], metav1.GetOptions{})
+	if err != nil {
+		log.Printf("weights of %s: %v", cluster, err)
+		return out
+	}
+	rules, _, _ := unstructured.NestedSlice(route.Object, "spec", "rules")
+	if rule >= len(rules) {
+		return out
+	}
+	refs, _ := rules[rule].(map[string]any)["backendRefs"].([]any)
+	for i, p := range pools {
+		for _, b := range refs {
+			bm, _ := b.(map[string]any)
+			bns, _ := bm["namespace"].(string)
+			if bns == "" {
+				bns = parts[1]
+			}
+			if bm["kind"] == "InferencePool" && bm["name"] == p.Name && bns == p.Namespace {
+				if w, ok := bm["weight"].(int64); ok && w >= 0 {
+					out[i] = uint32(w)
+				}
+			}
+		}
+	}
+	return out
 }
