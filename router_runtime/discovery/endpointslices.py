@@ -107,7 +107,7 @@ def endpoint_state(conditions: Mapping[str, Any] | None) -> str:
     return "routable"
 
 
-def _host(address: str, address_type: str) -> str | None:
+def url_host(address: str, address_type: str = "IPv4") -> str | None:
     """An address as it goes in a URL (IPv6 in brackets); None if it is not a valid address."""
     try:
         if address_type == "FQDN":
@@ -159,7 +159,7 @@ def map_slices(slices: Iterable[Any], config: EngineDiscoveryConfig) -> SliceMap
             key = f"{ref.get('namespace') or slice_ns}/{ref['name']}"
             state = endpoint_state(ep.get("conditions"))
             addresses = ep.get("addresses") or []
-            host = _host(addresses[0], family) if addresses else None
+            host = url_host(addresses[0], family) if addresses else None
             if state == "routable" and host is None:
                 state = "no_address"
             if state == "routable" and missing:

@@ -14,14 +14,13 @@ that number + i, as data-parallel ranks bind theirs.
 
 from __future__ import annotations
 
-import ipaddress
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..worker import WorkerSpec
-from .endpointslices import EngineDiscoveryConfig, PortRef, SliceMapping
+from .endpointslices import EngineDiscoveryConfig, PortRef, SliceMapping, url_host
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,17 +73,9 @@ def pod_state(pod: Mapping[str, Any]) -> str:
     )
     if not ready:
         return "not_ready"
-    if _host(status.get("podIP") or "") is None:
+    if url_host(status.get("podIP") or "") is None:
         return "no_address"
     return "routable"
-
-
-def _host(address: str) -> str | None:
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return None
-    return f"[{ip}]" if ip.version == 6 else str(ip)
 
 
 def _container_ports(pod: Mapping[str, Any]) -> dict[str, int]:
@@ -124,7 +115,7 @@ def map_pool_pods(
         states[state] += 1
         if state != "routable":
             continue
-        host = _host((pod.get("status") or {})["podIP"])
+        host = url_host((pod.get("status") or {})["podIP"])
         pod_id = f"{meta.get('namespace') or ''}/{meta.get('name') or ''}"
         for i, port in enumerate(shape.target_ports):
             kv, replay = _port(config.kv_port, named, i), _port(config.replay_port, named, i)

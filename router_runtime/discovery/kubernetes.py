@@ -132,6 +132,33 @@ class DiscoveryMetrics(ReflectorMetrics):
             self.storage_annotation.labels(result.value)
 
 
+def publish_workers(
+    watcher: EndpointSliceWatcher | InferencePoolWatcher,
+    mapping: SliceMapping,
+    errors: Reflector,
+) -> None:
+    """``mapping`` as ``watcher``'s engines: its states in the endpoint gauge, and its workers to
+    ``on_change`` when they changed. A callback that raises counts against ``errors`` and publishes
+    nothing, so the next change (or relist) tries again."""
+    metrics = watcher.metrics
+    metrics.endpoints.clear()
+    for state, n in mapping.states.items():
+        metrics.endpoints.labels(state).set(n)
+    workers = mapping.workers
+    if workers == watcher.published:
+        return
+    try:
+        watcher.on_change(list(workers))
+    except Exception as e:
+        log.exception("discovery: on_change failed")
+        errors.count("callback")
+        errors.last_error = f"callback: {e!r}"
+        return
+    watcher.published = workers
+    metrics.workers.set(len(workers))
+    log.info("%s: %d worker(s): %s", watcher.what(), len(workers), ", ".join(w.engine for w in workers))
+
+
 class PodStorageAnnotations:
     """The storage identity each engine pod's annotation declares (``storage_annotation.py``), merged
     into its WorkerSpec. The pod is read once per UID (GET, metadata only); readings are kept while the
@@ -307,7 +334,7 @@ class EndpointSliceWatcher(Reflector):
         self.config = config or EngineDiscoveryConfig()
         self._api = api
         self._kubeconfig, self._context = kubeconfig, context
-        self._published: list[WorkerSpec] | None = None
+        self.published: list[WorkerSpec] | None = None  # the set last published
         self._warned: set[str] = set()
         self.storage_annotation = storage_annotation or None
         self._storage_timeout_s = storage_timeout_s
@@ -316,7 +343,7 @@ class EndpointSliceWatcher(Reflector):
     @property
     def workers(self) -> list[WorkerSpec] | None:
         """The set last published (a copy); None until the first one ("not synced yet")."""
-        return list(self._published) if self._published is not None else None
+        return list(self.published) if self.published is not None else None
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -358,9 +385,7 @@ class EndpointSliceWatcher(Reflector):
 
     async def publish(self) -> None:
         mapping = map_slices(self.objects.values(), self.config)
-        self.metrics.endpoints.clear()
         for state, n in mapping.states.items():
-            self.metrics.endpoints.labels(state).set(n)
             if state.startswith("port_missing:") and state not in self._warned:
                 self._warned.add(state)
                 log.warning(
@@ -369,22 +394,10 @@ class EndpointSliceWatcher(Reflector):
                     self.what(),
                     state.partition(":")[2],
                 )
-        workers = mapping.workers
         if self.storage is not None:
-            workers = await self.storage.apply(workers)
+            mapping.workers = await self.storage.apply(mapping.workers)
             self.storage.retain(_pod_uids(self.objects.values()))
-        if workers == self._published:
-            return
-        try:
-            self.on_change(list(workers))
-        except Exception as e:
-            log.exception("discovery: on_change failed")
-            self.count("callback")
-            self.last_error = f"callback: {e!r}"
-            return  # not recorded as published: the next change (or relist) tries again
-        self._published = workers
-        self.metrics.workers.set(len(workers))
-        log.info("discovery: %d worker(s): %s", len(workers), ", ".join(w.engine for w in workers))
+        publish_workers(self, mapping, self)
 
 
 class InferencePoolWatcher:
@@ -429,13 +442,13 @@ class InferencePoolWatcher:
         )
         pods = path("Pod", namespace)
         self._pods = ListWatch(self.metrics, pods, self._publish, watch_timeout_s=watch_timeout_s)
-        self._published: list[WorkerSpec] | None = None
+        self.published: list[WorkerSpec] | None = None  # the set last published
         self._pool_error: str | None = None
         self._client: KubeClient | None = None
 
     @property
     def workers(self) -> list[WorkerSpec] | None:
-        return list(self._published) if self._published is not None else None
+        return list(self.published) if self.published is not None else None
 
     @property
     def last_error(self) -> str | None:
@@ -484,23 +497,4 @@ class InferencePoolWatcher:
             if shape is not None
             else SliceMapping([])
         )
-        self.metrics.endpoints.clear()
-        for state, n in mapping.states.items():
-            self.metrics.endpoints.labels(state).set(n)
-        if mapping.workers == self._published:
-            return
-        try:
-            self.on_change(list(mapping.workers))
-        except Exception as e:
-            log.exception("discovery: on_change failed")
-            self._pods.count("callback")
-            self._pods.last_error = f"callback: {e!r}"
-            return
-        self._published = mapping.workers
-        self.metrics.workers.set(len(mapping.workers))
-        log.info(
-            "discovery: %d worker(s) of pool %s: %s",
-            len(mapping.workers),
-            self.pool,
-            ", ".join(w.engine for w in mapping.workers),
-        )
+        publish_workers(self, mapping, self._pods)
