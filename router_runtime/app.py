@@ -32,6 +32,8 @@ from .bootstrap.state import Cause, CauseCode, RankState
 from .bootstrap.sweep import Bootstrapper
 from .bootstrap.vetting import HashingConfig
 from .config import RouterConfig
+from .disaggregation.metrics import PdMetrics
+from .disaggregation.prefill import RemotePrefill
 from .discovery.endpointslices import EngineDiscoveryConfig, port_ref
 from .discovery.kubernetes import EndpointSliceWatcher, InferencePoolWatcher
 from .discovery.served_models import ServedModels
@@ -297,6 +299,18 @@ class Router:
             limits=config.server,
             hooks=self._request_hooks(config),
             tracer=self.tracer,
+        )
+        # Used only while discovery finds prefill engines (docs/disaggregation.md).
+        self.proxy.prefill = RemotePrefill(
+            config.disaggregation,
+            profile=make_policy(config.scheduling.policy, config.scheduling.tuning),
+            targets=self.targets,
+            loads=self.fleet.view,
+            health=self.health,
+            metrics=PdMetrics(self.registry),
+            session=lambda: self.proxy.session,
+            acquire=self.proxy.acquire,
+            release=self.proxy.release,
         )
 
     def _admission(self, config: RouterConfig) -> Admission | None:

@@ -15,6 +15,8 @@ from .bootstrap import config as bootstrap_config
 from .bootstrap.config import InternalConfig, PeerConfig
 from .bootstrap.http import read_token
 from .bootstrap.sweep import BootstrapConfig
+from .disaggregation import config as disaggregation_config
+from .disaggregation.config import DisaggregationConfig
 from .discovery import config as discovery_config
 from .discovery.config import DiscoveryConfig
 from .discovery.static import parse_worker
@@ -77,6 +79,7 @@ class RouterConfig:
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
 
 
 _DEFAULTS = RouterConfig()
@@ -94,7 +97,8 @@ _WORKER = Flag(
     "workers",
     Text(parse_worker, many=True),
     metavar="SPEC",
-    help="a static engine: url=http://H:P[,kv=tcp://H:P][,replay=tcp://H:P][,dp=N][,topic=T]; repeat",
+    help="a static engine: url=http://H:P[,kv=tcp://H:P][,replay=tcp://H:P][,dp=N][,topic=T]"
+    "[,role=prefill|decode|both][,rev=R]; repeat",
 )
 
 # (group title, its flags); None: the parser's own options.
@@ -133,6 +137,7 @@ FLAGS: tuple[tuple[str | None, tuple[Flag, ...]], ...] = (
     ("peer bootstrap", bootstrap_config.FLAGS),
     ("fleet load (docs/fleet-load.md)", fleet_config.FLAGS),
     ("tracing (docs/tracing.md)", tracing_config.FLAGS),
+    ("prefill/decode disaggregation (docs/disaggregation.md)", disaggregation_config.FLAGS),
 )
 
 # How an error in a section's own checks names it (else by its field name).

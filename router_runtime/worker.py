@@ -5,9 +5,19 @@ names without depending on the KV plane or ZeroMQ."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from yarl import URL
+
+
+class Role(enum.StrEnum):
+    """What an engine serves in a disaggregated fleet (docs/disaggregation.md). Discovery says it; the
+    router never guesses it."""
+
+    BOTH = "both"  # a whole engine: prefills and decodes its own requests (every fleet without P/D)
+    PREFILL = "prefill"  # computes a prompt's KV for a decode engine to take; never answers a client
+    DECODE = "decode"  # decodes, taking a remote prefill's KV when the router sends it one
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -34,6 +44,10 @@ class WorkerSpec:
     incarnation: str = ""  # a pod UID, or empty for static workers
     storage_id: str = ""  # the engine's storage identity when discovery knows it (else /server_info)
     storage_epoch: int = 0
+    role: Role = Role.BOTH
+    # The engine's revision (a pod template hash): a prefill engine hands its KV only to a decode engine
+    # of the same revision, whose model and KV layout match. "": unknown (static workers pair freely).
+    revision: str = ""
 
     def carriers(self) -> list[Carrier]:
         return [Carrier(self.engine, r) for r in range(self.dp_size)]

@@ -88,6 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests running at once; the rest queue (0 = unlimited)",
     )
     p.add_argument(
+        "--kv-transfer",
+        action="store_true",
+        help="serve disaggregated prefill as vLLM with a KV connector does: a request's kv_transfer_params"
+        " make it a prefill or a decode leg",
+    )
+    p.add_argument(
+        "--transfer-us-per-block",
+        type=Real(0).parse,
+        default=d.transfer_us_per_block,
+        help="simulated time a decode leg takes per KV block it pulls from the prefill engine",
+    )
+    p.add_argument(
         "--max-loras",
         type=Count(0).parse,
         default=d.max_loras,
@@ -153,6 +165,8 @@ def config_from_args(args: argparse.Namespace) -> FakeEngineConfig:
         prefill_us_per_token=args.prefill_us_per_token,
         decode_tokens_per_s=args.decode_tokens_per_s,
         max_concurrency=args.max_concurrency,
+        kv_transfer=args.kv_transfer,
+        transfer_us_per_block=args.transfer_us_per_block,
         max_loras=args.max_loras,
         lora_load_ms=args.lora_load_ms,
         lora_modules=args.lora_modules,

@@ -56,6 +56,11 @@ class FakeEngineConfig:
     # A prefix-cache reset (/reset_prefix_cache, /flush_cache) announces its AllBlocksCleared only with
     # the rank's next step's batch, as vLLM does: until then, consumers hear nothing of it.
     lazy_clear: bool = False
+    # vLLM's --kv-transfer-config (a KV connector, kv_role kv_both): a request's kv_transfer_params
+    # make it a disaggregated prefill or decode leg (transfer.py); each block a decode leg takes from
+    # the prefill engine costs this long.
+    kv_transfer: bool = False
+    transfer_us_per_block: float = 0.0
     # prompt + max_tokens must fit, as vLLM refuses a request beyond its max_model_len (no allocation)
     max_model_len: int = 1 << 20
 
@@ -77,6 +82,7 @@ class FakeEngineConfig:
             ("max_loras", self.max_loras >= 0),
             ("lora_load_ms", self.lora_load_ms >= 0),
             ("publish_delay_ms", self.publish_delay_ms >= 0),
+            ("transfer_us_per_block", self.transfer_us_per_block >= 0),
             ("max_model_len", self.max_model_len >= 1),
             ("model", bool(self.model)),
         ]

@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from router_runtime.kv.events import KVEvent
 from router_runtime.tokens import decode
-from routerfleet_fake_engine import pooling_api
+from routerfleet_fake_engine import pooling_api, transfer
 from routerfleet_fake_engine.adapters import AdapterSlots
 from routerfleet_fake_engine.admin import admin_routes
 from routerfleet_fake_engine.cache import Admission, CacheConfig, RankCache
@@ -96,8 +96,11 @@ class RankRequestStats:
 
     requests: dict[str, int] = field(default_factory=dict)  # by endpoint kind
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # taken from a remote prefill included, as vLLM reports them
     generation_tokens: int = 0
+    prefill_legs: int = 0  # requests prefilled for a remote decode (transfer.py)
+    decode_legs: int = 0  # requests decoded on a remote prefill's KV
+    received_blocks: int = 0  # blocks the decode legs pulled from a prefill engine
 
 
 @dataclass(slots=True)
@@ -555,7 +558,12 @@ class FakeEngine:
     ) -> web.StreamResponse:
         self.traceparents.append(request.headers.get("traceparent"))
         try:
-            req = parse(parse_json_body(await request.read()))
+            doc = parse_json_body(await request.read())
+            req = parse(doc)
+            try:
+                remote = transfer.remote_of(doc) if self.config.kv_transfer else None
+            except transfer.TransferError as e:
+                raise RequestError(str(e), transfer.PARAMS) from None
             rank = self._pick_rank(req, request)
             n, limit = len(req.prompt_tokens), self.config.max_model_len
             if n + req.max_tokens > limit:
@@ -578,6 +586,15 @@ class FakeEngine:
             cached = admission.cached_tokens
             n_prompt = len(req.prompt_tokens)
             stats = self.rank_stats[rank]
+            received = 0
+            if remote is not None and remote.decode:
+                stats.prefill_legs += 1
+            elif remote is not None and remote.prefill_blocks is not None:
+                received = transfer.received_blocks(n_prompt, cached, remote.prefill_blocks, cfg.block_size)
+                stats.decode_legs += 1
+                stats.received_blocks += received
+                await _sleep(received * cfg.transfer_us_per_block / 1e6)
+                cached += received * cfg.block_size
             stats.requests[req.kind] = stats.requests.get(req.kind, 0) + 1
             stats.prompt_tokens += n_prompt
             stats.cached_tokens += cached
@@ -595,6 +612,10 @@ class FakeEngine:
                 else:
                     await _sleep(len(output) / cfg.decode_tokens_per_s if cfg.decode_tokens_per_s else 0)
                     body = shape.full(text, usage)
+                    if remote is not None and remote.decode:
+                        body[transfer.PARAMS] = transfer.answer_params(
+                            self.incarnation, cfg.host, self.port, n_prompt, cfg.block_size
+                        )
                     self._keep(req, shape, text, usage)
                     response = web.json_response(body, headers=headers)
             finally:

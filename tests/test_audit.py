@@ -49,6 +49,14 @@ def test_judge():
     assert judge(Prediction(8), None) == Audit(AuditOutcome.UNAUDITED)
 
 
+def test_what_a_remote_prefill_hands_the_engine_is_expected_beyond_the_claim():
+    moved = Prediction(16, transferred_tokens=48)  # 16 of its own, up to 48 from a prefill engine
+    assert judge(moved, 64) == Audit(AuditOutcome.EXACT, transferred_tokens=48)
+    assert judge(moved, 40) == Audit(AuditOutcome.EXACT, transferred_tokens=24)
+    assert judge(moved, 72) == Audit(AuditOutcome.MISSED_HIT, missed_hit_tokens=8, transferred_tokens=48)
+    assert judge(moved, 8) == Audit(AuditOutcome.FALSE_HIT, false_hit_tokens=8)  # its own prefix: a claim
+
+
 def test_an_eviction_the_engine_announced_since_the_decision_is_not_a_false_hit():
     false_hit = judge(Prediction(64), 16)
     assert explained(false_hit, True) == Audit(AuditOutcome.EVICTED, evicted_tokens=48)

@@ -1,4 +1,5 @@
-"""Static workers from the command line: ``--worker url=URL[,kv=tcp://H:P][,replay=tcp://H:P][,dp=N]``.
+"""Static workers from the command line:
+``--worker url=URL[,kv=tcp://H:P][,replay=tcp://H:P][,dp=N][,role=prefill|decode|both][,rev=R]``.
 
 ``kv`` and ``replay`` are rank 0's endpoints; rank r uses port + r, as vLLM and SGLang bind them.
 A worker without ``kv`` publishes no events (only text-prefix policies can use it).
@@ -8,9 +9,9 @@ from __future__ import annotations
 
 from urllib.parse import urlparse
 
-from ..worker import WorkerSpec
+from ..worker import Role, WorkerSpec
 
-_KEYS = {"url", "kv", "replay", "dp", "topic"}
+_KEYS = {"url", "kv", "replay", "dp", "topic", "role", "rev"}
 
 
 def parse_worker(text: str) -> WorkerSpec:
@@ -39,6 +40,10 @@ def parse_worker(text: str) -> WorkerSpec:
         raise ValueError(f"dp must be a positive integer, got {fields['dp']!r}") from None
     if dp < 1:
         raise ValueError(f"dp must be a positive integer, got {dp}")
+    try:
+        role = Role(fields.get("role", Role.BOTH))
+    except ValueError:
+        raise ValueError(f"role must be one of {', '.join(Role)}, got {fields['role']!r}") from None
     return WorkerSpec(
         engine=url.rstrip("/"),
         url=url.rstrip("/"),
@@ -46,4 +51,6 @@ def parse_worker(text: str) -> WorkerSpec:
         replay=fields.get("replay"),
         dp_size=dp,
         topic=fields.get("topic", "").encode(),
+        role=role,
+        revision=fields.get("rev", ""),
     )

@@ -39,6 +39,7 @@ from ..kv.events import Tier
 from ..scheduling.hooks import Exchange, ResponseWatch
 from ..scheduling.types import Kind
 from ..worker import Carrier
+from .rewrite import insertable, with_member
 
 if TYPE_CHECKING:
     from .metrics import ProxyMetrics
@@ -74,6 +75,9 @@ class Prediction:
     block_size: int = 0
     # Beyond ``tokens``: what a request just sent there predicts (not yet stored; not a cache claim).
     inflight_tokens: int = 0
+    # Beyond ``tokens``: what a remote prefill hands the (decode) engine, which counts it as cached
+    # (disaggregation/): at most the uncached suffix; not a claim on the engine's cache.
+    transferred_tokens: int = 0
     # Whether the engine's own events, since the decision, took part of the credited prefix out of the
     # index (kv/writer.CreditWatch); None: not watched.
     evicted_since: Callable[[], bool] | None = field(default=None, compare=False)
@@ -97,21 +101,30 @@ class Audit:
     missed_hit_tokens: int = 0
     inflight_reused_tokens: int = 0  # of the prediction's in-flight tokens, those the engine had cached
     evicted_tokens: int = 0  # credited, then evicted by the engine before admitting it, as it announced
+    transferred_tokens: int = 0  # of the engine's cached tokens, those a remote prefill handed it
 
 
 def judge(prediction: Prediction, cached_tokens: int | None) -> Audit:
     """The audit of one response: the engine's cached tokens (None: it did not say) against the
-    prediction. Only the index's credit is a claim: short of it is a false hit. Beyond it, what an
-    in-flight prediction counted on is its own measure (reused), and only the rest is a missed hit."""
+    prediction. Only the index's credit is a claim: short of it is a false hit. Beyond it, what a remote
+    prefill handed the engine is expected, what an in-flight prediction counted on is its own measure
+    (reused), and only the rest is a missed hit."""
     if cached_tokens is None:
         return Audit(AuditOutcome.UNAUDITED)
     if cached_tokens < prediction.tokens:
         return Audit(AuditOutcome.FALSE_HIT, false_hit_tokens=prediction.tokens - cached_tokens)
     extra = cached_tokens - prediction.tokens
+    moved = min(extra, prediction.transferred_tokens)
+    extra -= moved
     reused = min(extra, prediction.inflight_tokens)
     if extra > reused:
-        return Audit(AuditOutcome.MISSED_HIT, missed_hit_tokens=extra - reused, inflight_reused_tokens=reused)
-    return Audit(AuditOutcome.EXACT, inflight_reused_tokens=reused)
+        return Audit(
+            AuditOutcome.MISSED_HIT,
+            missed_hit_tokens=extra - reused,
+            inflight_reused_tokens=reused,
+            transferred_tokens=moved,
+        )
+    return Audit(AuditOutcome.EXACT, inflight_reused_tokens=reused, transferred_tokens=moved)
 
 
 def explained(audit: Audit, evicted_since: bool) -> Audit:
@@ -161,7 +174,6 @@ class UsageScan:
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")  # an event's end: a blank line, in any of SSE's line ends
-_ASKED = b'"stream_options":{"include_usage":true},'
 
 
 # The APIs whose stream takes OpenAI's ``stream_options`` (the audit may ask for usage there); the
@@ -176,11 +188,9 @@ def request_usage(raw: bytes, body: object) -> bytes | None:
     the rest of the body reaches the engine exactly as the client sent it."""
     if not isinstance(body, dict) or body.get("stream") is not True or "stream_options" in body:
         return None
-    start = len(raw) - len(raw.lstrip())
-    # An ASCII-compatible encoding only: a UTF-16/32 body (json accepts those) would take no ASCII insert.
-    if raw[start : start + 1] != b"{" or b"\x00" in raw[:4]:
+    if not insertable(raw):  # re-encoded, the rest of the body would not be as the client sent it
         return None
-    return raw[: start + 1] + _ASKED + raw[start + 1 :]
+    return with_member(raw, body, "stream_options", {"include_usage": True})[0]
 
 
 class UsageStrip:

@@ -207,6 +207,7 @@ class ProxyMetrics:
             - audit.evicted_tokens
             + audit.missed_hit_tokens
             + audit.inflight_reused_tokens
+            + audit.transferred_tokens
         )
         if prediction.inflight_tokens:
             c.inflight_predicted.inc(prediction.inflight_tokens)

@@ -12,8 +12,9 @@ matches under the salt the engine will see: the body is salted before it is sche
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
+
+from .rewrite import with_member
 
 _DOMAIN = b"routerfleet/cache-salt/v1\x00"
 
@@ -28,20 +29,11 @@ def tenant_salt(tenant: str, own: str | None) -> str:
 
 
 def salted(raw: bytes, body: Any, tenant: str) -> tuple[bytes, Any]:
-    """``raw`` and ``body`` with ``cache_salt`` set to the tenant's. A body without a salt of its own gets
-    the key as bytes after its opening brace (the rest reaches the engine as the client sent it); one
-    with its own is re-encoded (JSON parsers disagree on which of two equal keys wins). Any other body is
-    left as it is, for the request parser's 400."""
+    """``raw`` and ``body`` with ``cache_salt`` set to the tenant's (rewrite.py). A body that is not a JSON
+    object is left as it is, for the request parser's 400."""
     if not isinstance(body, dict):
         return raw, body
     own = body.get("cache_salt")
     if own is not None and not isinstance(own, str):
         return raw, body  # the request's own 400 names the field (request.py)
-    salt = tenant_salt(tenant, own)
-    inserted = "cache_salt" not in body and len(body) > 0
-    body = {**body, "cache_salt": salt}
-    start = len(raw) - len(raw.lstrip())
-    # An ASCII-compatible encoding only: a UTF-16/32 body (json accepts those) takes no ASCII insert.
-    if inserted and raw[start : start + 1] == b"{" and b"\x00" not in raw[:4]:
-        return raw[: start + 1] + b'"cache_salt":"' + salt.encode() + b'",' + raw[start + 1 :], body
-    return json.dumps(body, ensure_ascii=False).encode("utf-8"), body
+    return with_member(raw, body, "cache_salt", tenant_salt(tenant, own))

@@ -59,7 +59,7 @@ class Inbound:
 class Scheduled:
     """One request's scheduling, across its attempts."""
 
-    __slots__ = ("_credits", "_scheduler", "index", "parsed", "route", "session", "trace")
+    __slots__ = ("_credits", "_scheduler", "_transfers", "index", "parsed", "route", "session", "trace")
 
     def __init__(
         self,
@@ -77,6 +77,7 @@ class Scheduled:
         self.session = session
         self.index = index  # as it stood when the request came: every attempt decides on it
         self._credits: dict[int, CreditWatch] = {}  # id(decision) -> its credited prefix, watched
+        self._transfers: dict[int, int] = {}  # id(decision) -> tokens a remote prefill hands its target
 
     @property
     def predicts(self) -> bool:
@@ -109,9 +110,15 @@ class Scheduled:
             s.sessions.selected(sctx, decision.target, s.profile.name)
         return decision
 
+    def transferred(self, decision: Decision, tokens: int) -> None:
+        """A remote prefill hands ``decision``'s target up to ``tokens`` of the prompt (its prediction
+        expects them cached beyond the index's credit)."""
+        self._transfers[id(decision)] = tokens
+
     def ended(self, decision: Decision) -> None:
         """The request ``decision`` sent has ended, however: the profile's plugins let go of it."""
         self._scheduler.profile.ended(decision)
+        self._transfers.pop(id(decision), None)
         watch = self._credits.pop(id(decision), None)
         if watch is not None and self._scheduler.credit_watches is not None:
             self._scheduler.credit_watches.unwatch_credit(watch)
@@ -169,7 +176,10 @@ class Scheduled:
             )
             self._credits[id(decision)] = watches.watch_credit(watch)
         evicted = (lambda: watch.evicted) if watch is not None else None
-        return Prediction(decision.matched_blocks * bs, doubtful, tiers, reusable, bs, inflight, evicted)
+        moved = self._transfers.get(id(decision), 0)
+        return Prediction(
+            decision.matched_blocks * bs, doubtful, tiers, reusable, bs, inflight, moved, evicted
+        )
 
 
 class Scheduler:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -34,6 +34,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from ..disaggregation.prefill import Prompt, RemotePrefill
 from ..discovery.served_models import read_models
 from ..fleet.inflight import LoadTracker
 from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch, chunk_watchers, watching
@@ -70,11 +71,14 @@ from .metrics import ProxyMetrics
 from .request import Kind
 from .responses import response_error
 from .salting import salted
-from .scheduler import Inbound, Scheduler
+from .scheduler import Inbound, Scheduled, Scheduler
 from .serving import ServerLimits
 from .targets import TargetBook
 
 log = logging.getLogger(__name__)
+
+# The decode request's body and the headers it adds (disaggregation/prefill.py), for a chosen target.
+Legs = Callable[[Decision], Awaitable[tuple[bytes, Mapping[str, str]]]]
 
 
 class _ConnectFailed(Exception):
@@ -117,6 +121,9 @@ class Proxy:
         tracer: Tracer = OFF,
     ) -> None:
         self.scheduler = scheduler
+        # The remote prefill step, when discovery finds prefill engines (set by the app, which builds
+        # it over this proxy's connection pool and load).
+        self.prefill: RemotePrefill | None = None
         self.tracer = tracer
         self.config = config
         self.limits = limits or ServerLimits()
@@ -240,6 +247,7 @@ class Proxy:
         if self.config.audit_stream_usage and kind in USAGE_OPTION_KINDS and scheduled.predicts:
             asked = request_usage(raw, body)
         sent = raw if asked is None else asked
+        legs = self._legs(request, kind, sent, body, asked is not None, scheduled, trace)
         tokens = scheduled.route.tokens
         n_tokens = len(tokens) if tokens is not None else 0
 
@@ -258,8 +266,34 @@ class Proxy:
             )
 
         return await self._forward(
-            request, ctx, targets, scheduled.decide, sent, exchange, n_tokens, scheduled.ended
+            request, ctx, targets, scheduled.decide, sent, exchange, n_tokens, scheduled.ended, legs
         )
+
+    def _legs(
+        self,
+        request: web.Request,
+        kind: Kind,
+        sent: bytes,
+        body: Any,
+        asked: bool,
+        scheduled: Scheduled,
+        trace: Trace,
+    ) -> Legs | None:
+        """In a disaggregated fleet, the remote prefill step before each decode request; else None."""
+        prefill = self.prefill
+        if prefill is None or not self.targets.disaggregated or not isinstance(body, dict):
+            return None
+        as_sent = {**body, "stream_options": {"include_usage": True}} if asked else body
+        headers = request_headers(request.headers, self._strip)
+        prompt = Prompt(kind, sent, as_sent, headers, scheduled.route, scheduled.index)
+
+        async def legs(decision: Decision) -> tuple[bytes, Mapping[str, str]]:
+            leg = await prefill.decode_leg(prompt, decision, request.path_qs, trace)
+            if leg.transferred_tokens:
+                scheduled.transferred(decision, leg.transferred_tokens)
+            return leg.body, leg.headers
+
+        return legs
 
     async def _serve_bound(self, request: web.Request, ctx: _Ctx) -> web.StreamResponse:
         async with self.bodies.share() as share:
@@ -317,28 +351,31 @@ class Proxy:
         exchange: Callable[[Decision, float], Exchange],
         n_tokens: int = 0,
         ended: Callable[[Decision], None] | None = None,
+        legs: Legs | None = None,
     ) -> web.StreamResponse:
         """Send ``body`` to the target ``decide`` picks and relay the answer through the hooks that
         watch its ``exchange``, counting it in the target's load meanwhile (and telling ``ended`` when
         each attempt is over). A connect failure before any byte counts against the engine's breaker and
-        is retried once, without that engine."""
+        is retried once, without that engine. ``legs``: a disaggregated fleet's remote prefill, run for
+        each decode target before its request (the body and headers it sends)."""
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
             decision = decide(targets, attempt)
             target = decision.target
             ctx.engine = target.engine
             ctx.attempts = attempt + 1
-            self._acquire(target, n_tokens)
+            self.acquire(target, n_tokens)
             span = ctx.trace.span("upstream", SpanKind.CLIENT)
             try:
                 start = loop.time()
+                sent, added = (body, {}) if legs is None else await legs(decision)
                 x = exchange(decision, start)
                 watches = watching(self.hooks, x)
                 if span.recording:
                     span.update(upstream_attributes(target))
                     span.set("routerfleet.attempt", attempt)
                 try:
-                    upstream = await self._open(request, target, body, ctx.trace.headers(span))
+                    upstream = await self._open(request, target, sent, {**ctx.trace.headers(span), **added})
                 except ProxyError as e:  # no answer in time, or a connection lost before one
                     span.fail(e.outcome)
                     raise
@@ -356,7 +393,7 @@ class Proxy:
                 return await self._relay(request, upstream, x, watches, ctx, span)
             finally:
                 span.end()
-                self._release(target, n_tokens)
+                self.release(target, n_tokens)
                 if ended is not None:
                     ended(decision)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -389,10 +426,10 @@ class Proxy:
         except RequestPayloadError:  # a body that does not decode as its Content-Encoding says
             raise bad_request(f"the request body is not valid {encoding}") from None
 
-    def _acquire(self, target: Target, tokens: int) -> None:
+    def acquire(self, target: Target, tokens: int) -> None:
         self.metrics.set_inflight(target.engine, self.load.acquire(target, tokens))
 
-    def _release(self, target: Target, tokens: int) -> None:
+    def release(self, target: Target, tokens: int) -> None:
         self.metrics.set_inflight(target.engine, self.load.release(target, tokens))
 
     async def _open(
@@ -400,7 +437,7 @@ class Proxy:
     ) -> aiohttp.ClientResponse:
         """Send the request (its method, path and query, ``raw`` as the body) to the engine and wait
         for its response headers. ``trace_headers``: the engine's parent span, when traced (else a
-        client's own trace context passes on as it came)."""
+        client's own trace context passes on as it came), and any header the router adds."""
         headers = request_headers(request.headers, self._strip)
         headers.update(trace_headers)
         if raw and "Content-Type" not in headers:  # a body that parsed as JSON (FastAPI servers insist)

@@ -4,6 +4,10 @@ A KV policy targets each (engine, rank) of a worker with ``dp_size > 1`` (each r
 the rank is pinned with ``X-Data-Parallel-Rank``) and the engine itself otherwise; other policies
 target whole engines (``rank=None``) and let the engine balance its ranks. The candidate tuple is
 cached until the worker set or a breaker changes, so a request pays one comparison for it.
+
+In a disaggregated fleet (docs/disaggregation.md) the candidates are the engines that answer clients
+(decode and whole engines); prefill engines are offered apart (``prefill_candidates``), to the step
+that asks one for a remote prefill.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..scheduling.types import Target
-from ..worker import WorkerSpec
+from ..worker import Role, WorkerSpec
 from .health import HealthBoard
 
 
@@ -27,7 +31,10 @@ class TargetBook:
         self.per_rank = per_rank
         self._by_engine: dict[str, tuple[Target, ...]] = {}
         self._urls: dict[str, str] = {}
+        self._prefill: frozenset[str] = frozenset()  # engines that only prefill
+        self._revisions: dict[str, str] = {}
         self._cache: tuple[Target, ...] = ()
+        self._prefill_cache: tuple[Target, ...] = ()
         self._cache_version = -1
         self._cache_until = 0.0
 
@@ -35,6 +42,8 @@ class TargetBook:
         specs = sorted(specs, key=lambda s: s.engine)
         self._by_engine = {s.engine: worker_targets(s, self.per_rank) for s in specs}
         self._urls = {s.engine: s.url for s in specs}
+        self._prefill = frozenset(s.engine for s in specs if s.role is Role.PREFILL)
+        self._revisions = {s.engine: s.revision for s in specs}
         self.board.sync(self._by_engine)  # bumps the board's version: the cache is stale
 
     def all_targets(self) -> set[Target]:
@@ -46,12 +55,29 @@ class TargetBook:
         """engine -> base URL of every known engine, healthy or not."""
         return self._urls
 
+    @property
+    def disaggregated(self) -> bool:
+        """Whether any known engine is a prefill engine (healthy or not)."""
+        return bool(self._prefill)
+
+    def revision(self, engine: str) -> str:
+        return self._revisions.get(engine, "")
+
     def candidates(self) -> tuple[Target, ...]:
+        """The healthy targets that answer clients (every engine but the prefill-only ones)."""
+        self._refresh()
+        return self._cache
+
+    def prefill_candidates(self) -> tuple[Target, ...]:
+        """The healthy prefill engines' targets."""
+        self._refresh()
+        return self._prefill_cache
+
+    def _refresh(self) -> None:
         board = self.board
         if board.version != self._cache_version or board.clock() >= self._cache_until:
-            self._cache = tuple(
-                t for engine, ts in self._by_engine.items() if board.available(engine) for t in ts
-            )
+            available = [(e, ts) for e, ts in self._by_engine.items() if board.available(e)]
+            self._cache = tuple(t for e, ts in available if e not in self._prefill for t in ts)
+            self._prefill_cache = tuple(t for e, ts in available if e in self._prefill for t in ts)
             self._cache_version = board.version
             self._cache_until = board.next_change()
-        return self._cache

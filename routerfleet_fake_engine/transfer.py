@@ -1,0 +1,69 @@
+"""Disaggregated prefill as vLLM's KV connectors serve it (``--kv-transfer-config``, kv_role kv_both),
+by ``kv_transfer_params`` in a completion or chat request (pure):
+
+    do_remote_decode   the prefill leg: compute the prompt, answer one token and, in the answer's
+                       ``kv_transfer_params``, where a decode engine pulls its KV (this engine's id, the
+                       prompt's full block ids, host and port)
+    do_remote_prefill  the decode leg: take the full blocks this rank lacks from the named engine (a
+                       simulated transfer time per block), store and publish them as vLLM's decode side
+                       does once they arrive, and count them as cached, as vLLM reports the tokens it did
+                       not compute
+
+An engine without the connector ignores the field, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PARAMS = "kv_transfer_params"
+
+
+@dataclass(frozen=True, slots=True)
+class Remote:
+    """What a request's ``kv_transfer_params`` ask of this engine."""
+
+    decode: bool  # a prefill leg: hold the KV for a remote decode
+    prefill_blocks: int | None  # a decode leg: the full blocks the prefill engine offers (None: not one)
+    engine_id: str | None = None
+
+
+class TransferError(ValueError):
+    pass
+
+
+def remote_of(body: Any) -> Remote | None:
+    """The request's ask, or None (no ``kv_transfer_params``); raises TransferError on a malformed one."""
+    params = body.get(PARAMS) if isinstance(body, dict) else None
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise TransferError(f"'{PARAMS}' must be an object")
+    if params.get("do_remote_decode") is True:
+        return Remote(decode=True, prefill_blocks=None)
+    if params.get("do_remote_prefill") is True:
+        ids, engine = params.get("remote_block_ids"), params.get("remote_engine_id")
+        if not isinstance(ids, list) or not isinstance(engine, str) or not engine:
+            raise TransferError(f"'{PARAMS}' of a remote prefill needs remote_block_ids and remote_engine_id")
+        return Remote(decode=False, prefill_blocks=len(ids), engine_id=engine)
+    return None
+
+
+def answer_params(engine_id: str, host: str, port: int, n_prompt: int, block_size: int) -> dict[str, Any]:
+    """The prefill leg's answer: where the decode engine pulls the prompt's full blocks from."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_block_ids": list(range(n_prompt // block_size)),
+        "remote_host": host,
+        "remote_port": port,
+        "tp_size": 1,
+    }
+
+
+def received_blocks(n_prompt: int, cached_tokens: int, offered: int, block_size: int) -> int:
+    """Full blocks a decode leg takes from the prefill engine: those past its own cached prefix, of the
+    ones offered."""
+    return max(min(n_prompt // block_size, offered) - cached_tokens // block_size, 0)

@@ -1,0 +1,291 @@
+"""Prefill/decode disaggregation (docs/disaggregation.md): the decider and vLLM's wire shapes without I/O,
+then a router over real HTTP and ZMQ with fake engines serving vLLM's disaggregated prefill."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from router_runtime.app import Router, run_router
+from router_runtime.config import RouterConfig
+from router_runtime.disaggregation import vllm
+from router_runtime.disaggregation.config import DisaggregationConfig
+from router_runtime.disaggregation.decider import Verdict, need, paired
+from router_runtime.discovery.static import parse_worker
+from router_runtime.kv.config import KvConfig
+from router_runtime.proxy.config import ProxyConfig
+from router_runtime.proxy.health import HealthConfig
+from router_runtime.scheduling.types import Decision, Reason, Target
+from router_runtime.worker import Role
+from routerfleet_fake_engine import transfer
+from routerfleet_fake_engine.server import FakeEngine, run_fake_engine
+from tests.support import LOCAL_METRICS, closed_port_url, join_all, loopback_app, static_workers
+
+BS = 4
+ENGINE_HEADER = "X-RouterFleet-Engine"
+
+
+# ---- the decision, pure ----------------------------------------------------------------------
+
+
+def decided(matched: int) -> Decision:
+    return Decision(Target("d", "http://d"), Reason.PREFIX, matched_blocks=matched)
+
+
+def test_the_decode_engines_uncached_suffix_decides_whether_to_prefill_remotely():
+    assert need(decided(0), 64, BS, 16) == need(decided(0), 64, BS, 16)
+    assert need(decided(0), 64, BS, 16).remote  # 64 tokens missing
+    short = need(decided(14), 64, BS, 16)  # 8 missing
+    assert (short.remote, short.uncached_tokens, short.verdict) == (False, 8, Verdict.SHORT_SUFFIX)
+    at = need(decided(12), 64, BS, 16)  # exactly the threshold: remote
+    assert at.remote and at.uncached_tokens == 16
+    assert need(decided(16), 64, BS, 0).remote  # 0: always remote, even with nothing missing
+    unknown = need(decided(0), None, BS, 16)  # not tokenized: the suffix is unknown
+    assert unknown.remote and unknown.uncached_tokens is None
+
+
+def test_a_prefill_engine_pairs_only_with_a_decode_engine_of_its_revision():
+    revisions = {"d": "r1", "p1": "r1", "p2": "r2", "p3": ""}
+    prefill = tuple(Target(e, f"http://{e}") for e in ("p1", "p2", "p3"))
+    assert [t.engine for t in paired(prefill, Target("d", "http://d"), revisions.get)] == ["p1"]
+    assert [t.engine for t in paired(prefill, Target("x", "http://x"), lambda e: revisions.get(e, ""))] == [
+        "p3"
+    ]
+
+
+def test_static_workers_name_their_role_and_revision():
+    w = parse_worker("url=http://p:8000,kv=tcp://p:5557,role=prefill,rev=abc")
+    assert (w.role, w.revision) == (Role.PREFILL, "abc")
+    assert parse_worker("http://d:8000").role is Role.BOTH
+    with pytest.raises(ValueError, match="role must be one of"):
+        parse_worker("url=http://p:8000,role=encode")
+
+
+def test_the_prefill_leg_asks_for_one_token_held_for_a_remote_decode():
+    body = {
+        "model": "m",
+        "prompt": "hi",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 50,
+        "max_completion_tokens": 50,
+        "min_tokens": 5,
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "attacker"},
+    }
+    leg = json.loads(vllm.prefill_body(body))
+    assert leg["stream"] is False and leg["max_tokens"] == 1 and leg["max_completion_tokens"] == 1
+    assert "stream_options" not in leg and "min_tokens" not in leg
+    assert leg["kv_transfer_params"]["do_remote_decode"] is True
+    assert leg["kv_transfer_params"]["remote_host"] is None  # the client's own never passes
+    assert body["max_tokens"] == 50  # the client's body is left as it is
+
+
+def test_a_prefill_answer_is_vetted_before_its_parameters_reach_a_decode_engine():
+    good = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1, 2]}
+    assert vllm.vet_answer(json.dumps({"kv_transfer_params": good}).encode()) == vllm.TransferParams(good)
+    for answer in (
+        b"not json",
+        b"[1]",
+        json.dumps({"choices": []}).encode(),
+        json.dumps({"kv_transfer_params": "x"}).encode(),
+        json.dumps({"kv_transfer_params": {"do_remote_prefill": False}}).encode(),
+        json.dumps({"kv_transfer_params": {**good, "pad": "x" * vllm.MAX_PARAMS_BYTES}}).encode(),
+    ):
+        assert vllm.vet_answer(answer) is None, answer[:40]
+
+
+def test_the_decode_leg_carries_the_prefills_parameters_and_never_the_clients():
+    params = vllm.TransferParams({"do_remote_prefill": True, "remote_engine_id": "e"})
+    raw = b'{"prompt": "hi",  "max_tokens": 3}'
+    sent = vllm.decode_body(raw, json.loads(raw), params)
+    assert sent.endswith(b'"prompt": "hi",  "max_tokens": 3}')  # the client's bytes, one member added
+    assert json.loads(sent)["kv_transfer_params"] == params.value
+    own = {"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "attacker"}}
+    assert json.loads(vllm.decode_body(json.dumps(own).encode(), own, params))["kv_transfer_params"] == (
+        params.value
+    )
+    assert "kv_transfer_params" not in json.loads(vllm.decode_body(json.dumps(own).encode(), own, None))
+    assert vllm.decode_body(raw, json.loads(raw), None) == raw
+
+
+def test_the_fake_decode_leg_takes_the_blocks_past_its_own_prefix():
+    assert transfer.received_blocks(66, 0, 16, BS) == 16
+    assert transfer.received_blocks(66, 40, 16, BS) == 6
+    assert transfer.received_blocks(66, 64, 16, BS) == 0
+    assert transfer.received_blocks(66, 0, 10, BS) == 10  # no more than offered
+    assert transfer.remote_of({"prompt": "x"}) is None
+    with pytest.raises(transfer.TransferError):
+        transfer.remote_of({"kv_transfer_params": {"do_remote_prefill": True}})
+
+
+# ---- a router over fake engines ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Fleet:
+    decoders: list[FakeEngine]
+    prefillers: list[FakeEngine]
+    router: Router
+    url: str
+    session: aiohttp.ClientSession
+
+
+@contextlib.asynccontextmanager
+async def pd_fleet(
+    decode: int = 2, prefill: int = 2, *, extra=(), revisions=None, threshold=16, timeout_s=10.0
+):
+    """``decode`` and ``prefill`` fake engines serving vLLM's disaggregated prefill, as static workers of
+    one kv_aware router (``extra``: more WorkerSpecs; ``revisions``: per engine, decode ones first)."""
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [
+            await stack.enter_async_context(run_fake_engine(block_size=BS, kv_transfer=True))
+            for _ in range(decode + prefill)
+        ]
+        revs = revisions or [""] * len(engines)
+        workers = [
+            dataclasses.replace(w, role=Role.DECODE if i < decode else Role.PREFILL, revision=revs[i])
+            for i, w in enumerate(static_workers(engines))
+        ]
+        cfg = RouterConfig(
+            port=0,
+            metrics=LOCAL_METRICS,
+            workers=(*workers, *extra),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            proxy=ProxyConfig(engine_header=True),
+            disaggregation=DisaggregationConfig(threshold_tokens=threshold, prefill_timeout_s=timeout_s),
+        )
+        router, url = await stack.enter_async_context(run_router(cfg))
+        await join_all(router, engines)
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        yield Fleet(engines[:decode], engines[decode:], router, url, session)
+
+
+def verdicts(router) -> dict[str, float]:
+    get = router.registry.get_sample_value
+    return {v.value: get("routerfleet_pd_prefills_total", {"verdict": v.value}) or 0 for v in Verdict}
+
+
+async def chat_stream(s, url, prompt, path="/v1/completions") -> tuple[str, str]:
+    """A streamed completion's engine and text."""
+    body = {"prompt": prompt, "max_tokens": 4, "stream": True}
+    async with s.post(url + path, json=body) as r:
+        assert r.status == 200, await r.text()
+        text = (await r.read()).decode()
+        assert text.rstrip().endswith("data: [DONE]")
+        return r.headers[ENGINE_HEADER], text
+
+
+def audits(router, decode_engine=None) -> dict[str, float]:
+    """The prefill legs' audit outcomes, or (``decode_engine``) the proxy's audit of that engine."""
+    out = {}
+    for metric in router.registry.collect():
+        for sample in metric.samples:
+            if decode_engine is None and sample.name == "routerfleet_pd_prefill_audits_total":
+                out[sample.labels["outcome"]] = sample.value
+            elif (
+                sample.name == "routerfleet_audit_requests_total" and sample.labels["engine"] == decode_engine
+            ):
+                out[sample.labels["outcome"]] = out.get(sample.labels["outcome"], 0) + sample.value
+    return {k: v for k, v in out.items() if v}
+
+
+def legs(engines, field):
+    return [getattr(e.rank_stats[0], field) for e in engines]
+
+
+async def test_a_long_uncached_prompt_prefills_remotely_and_its_next_turn_on_the_decode_engine():
+    async with pd_fleet() as f:
+        prompt = list(range(100, 166))  # 66 tokens: 16 full blocks
+        engine, _ = await chat_stream(f.session, f.url, prompt)
+        decoder = next(e for e in f.decoders if e.http_url == engine)
+        assert sum(legs(f.prefillers, "prefill_legs")) == 1
+        # The decode engine pulled every full block from the prefill engine and reported them cached.
+        assert (decoder.rank_stats[0].decode_legs, decoder.rank_stats[0].received_blocks) == (1, 16)
+        assert decoder.rank_stats[0].cached_tokens == 64
+        assert verdicts(f.router)["remote"] == 1
+        assert f.router.registry.get_sample_value("routerfleet_pd_remote_prefill_tokens_total") == 66
+        # Both legs audited exact: the prefill engine had nothing cached, as its decision credited; the
+        # decode engine's 64 cached tokens are the transfer's, expected beyond its own (empty) prefix.
+        assert audits(f.router) == {"exact": 1}
+        assert audits(f.router, engine) == {"exact": 1}
+        # Both engines published the blocks: the next turn goes to the decode engine, whose uncached
+        # suffix is now short: it prefills the rest itself.
+        await asyncio.sleep(0.2)
+        again, _ = await chat_stream(f.session, f.url, [*prompt, 7, 7, 7, 7, 7, 7])
+        assert again == engine
+        assert verdicts(f.router)["short_suffix"] == 1
+        assert sum(legs(f.prefillers, "prefill_legs")) == 1 and decoder.rank_stats[0].decode_legs == 1
+        assert audits(f.router, engine) == {"exact": 2}
+
+
+async def test_a_prefill_engine_that_refuses_is_skipped_and_without_one_the_decode_engine_prefills():
+    dead = dataclasses.replace(parse_worker(closed_port_url()), role=Role.PREFILL)
+    async with pd_fleet(prefill=1, extra=(dead,)) as f:
+        for i in range(4):  # whichever the profile picks first, the live one serves
+            await chat_stream(f.session, f.url, list(range(1000 * (i + 1), 1000 * (i + 1) + 40)))
+        assert verdicts(f.router)["remote"] == 4
+        assert sum(legs(f.decoders, "decode_legs")) == 4
+    async with pd_fleet(prefill=0, extra=(dead,)) as f:
+        await chat_stream(f.session, f.url, list(range(50, 90)))
+        assert verdicts(f.router)["prefill_failed"] == 1
+        assert sum(legs(f.decoders, "decode_legs")) == 0  # prefilled locally, no transfer asked
+        get = f.router.registry.get_sample_value
+        assert get("routerfleet_pd_prefill_leg_failures_total", {"reason": "connect"}) == 1
+
+
+async def test_a_prefill_leg_that_errs_or_stalls_is_bounded_and_the_request_still_answered():
+    async def failing(_request: web.Request) -> web.Response:
+        return web.json_response({"error": "boom"}, status=500)
+
+    async def stalling(_request: web.Request) -> web.Response:
+        await released.wait()  # past the leg's deadline (set when the test is done with it)
+        return web.json_response({})
+
+    for handler, reason in ((failing, "status_5xx"), (stalling, "timeout")):
+        released = asyncio.Event()
+        async with loopback_app(web.post("/v1/completions", handler)) as bad:
+            worker = dataclasses.replace(parse_worker(bad), role=Role.PREFILL)
+            async with pd_fleet(prefill=0, extra=(worker,), timeout_s=0.3) as f:
+                async with asyncio.timeout(10):
+                    await chat_stream(f.session, f.url, list(range(50, 90)))
+                assert verdicts(f.router)["prefill_failed"] == 1
+                get = f.router.registry.get_sample_value
+                assert get("routerfleet_pd_prefill_leg_failures_total", {"reason": reason}) == 1
+            released.set()
+
+
+async def test_no_prefill_engine_of_the_decode_engines_revision_means_no_remote_prefill():
+    async with pd_fleet(decode=1, prefill=1, revisions=["r1", "r2"]) as f:
+        await chat_stream(f.session, f.url, list(range(50, 90)))
+        assert verdicts(f.router)["no_prefill_engine"] == 1
+        assert legs(f.prefillers, "prefill_legs") == [0]
+    async with pd_fleet(decode=1, prefill=1, revisions=["r1", "r1"]) as f:
+        await chat_stream(f.session, f.url, list(range(50, 90)))
+        assert verdicts(f.router)["remote"] == 1
+
+
+async def test_a_clients_own_transfer_parameters_never_reach_an_engine():
+    async with pd_fleet(threshold=1000) as f:
+        forged = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_block_ids": list(range(10))}
+        body = {"prompt": list(range(50, 90)), "max_tokens": 2, "kv_transfer_params": forged}
+        async with f.session.post(f.url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+        assert verdicts(f.router)["short_suffix"] == 1
+        assert sum(legs(f.decoders, "decode_legs")) == 0  # the forged parameters were taken out
+
+
+async def test_an_api_without_transfer_parameters_is_decoded_whole():
+    async with pd_fleet() as f:
+        body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x" * 200}]}
+        async with f.session.post(f.url + "/v1/messages", json=body) as r:
+            assert r.status == 200, await r.text()
+            assert any(e.http_url == r.headers[ENGINE_HEADER] for e in f.decoders)
+        assert verdicts(f.router)["unsupported_api"] == 1
+        assert sum(legs(f.prefillers, "prefill_legs")) == 0
