@@ -91,10 +91,7 @@ class RemotePrefill:
         headers = {REQUEST_ID: request_id}
         verdict, params, prefill, moved = await self._prefilled(prompt, decision, path, request_id, trace)
         self.metrics.verdict(verdict)
-        if prompt.kind in vllm.KINDS:
-            body = vllm.decode_body(prompt.raw, prompt.body, params)
-        else:
-            body = prompt.raw
+        body = vllm.decode_body(prompt.raw, prompt.body, params)  # never the client's own, whatever the API
         return DecodeLeg(body, headers, verdict, prefill, moved)
 
     async def _prefilled(
