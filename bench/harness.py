@@ -284,6 +284,9 @@ class EngineOpts:
     max_loras: int = 0  # LoRA adapter slots (0: adapters cost nothing)
     lora_load_ms: float = 0.0
     publish_delay_ms: float = 0.0  # a request's blocks announced this long after admission
+    kv_transfer: bool = False  # serve disaggregated prefill legs (vLLM's kv_transfer_params)
+    transfer_us_per_block: float = 0.0  # what a decode leg's pull costs per block
+    disaggregation_mode: str = ""  # SGLang's: "prefill" or "decode" (a bootstrap room's leg)
 
 
 @dataclass
@@ -323,6 +326,9 @@ def start_engines(n: int, opts: EngineOpts, logdir: str, *, cpus: set[int] | Non
                 *(["--cache-generated"] if opts.cache_generated else []),
                 *("--max-loras", str(opts.max_loras), "--lora-load-ms", str(opts.lora_load_ms)),
                 *("--publish-delay-ms", str(opts.publish_delay_ms)),
+                *(["--kv-transfer"] if opts.kv_transfer else []),
+                *("--transfer-us-per-block", str(opts.transfer_us_per_block)),
+                *(("--disaggregation-mode", opts.disaggregation_mode) if opts.disaggregation_mode else ()),
             ]
             engines.append(Engine(Proc(f"engine-{i}", argv, logdir, cpus=cpus), port, kv, replay))
         for e in engines:
@@ -386,8 +392,10 @@ def ours_argv(
     *,
     events: bool = True,
     block_size: int = 16,
+    worker_keys: Sequence[str] | None = None,
 ) -> list[str]:
-    """``events`` False: the workers are given without their KV event endpoints (the index stays empty)."""
+    """``events`` False: the workers are given without their KV event endpoints (the index stays empty).
+    ``worker_keys``: more keys of each engine's ``--worker``, in order (``role=prefill``, ...)."""
     argv = [str(BIN / "routerfleet-router"), "--host", HOST, "--port", str(port)]
     argv += ["--metrics-port", str(metrics_port)]
     argv += [
@@ -400,8 +408,9 @@ def ours_argv(
         "--log-level",
         "warning",
     ]
-    for e in engines:
-        argv += ["--worker", f"url={e.url},kv={e.kv},replay={e.replay}" if events else f"url={e.url}"]
+    for i, e in enumerate(engines):
+        worker = f"url={e.url},kv={e.kv},replay={e.replay}" if events else f"url={e.url}"
+        argv += ["--worker", worker + (f",{worker_keys[i]}" if worker_keys and worker_keys[i] else "")]
     return argv + list(extra)
 
 
@@ -468,16 +477,21 @@ def start_router(
     wait: bool = True,
     block_size: int = 16,
     model: str = MODEL,
+    worker_keys: Sequence[str] | None = None,
 ) -> Router:
     """Start one router in front of ``engines`` and wait until it answers. For ours that is /readyz
     (an engine known and healthy and, for kv_aware, its subscriptions connected); for the anchors
-    their /health, then one completion through them. ``block_size`` and ``model``: the engines'."""
+    their /health, then one completion through them. ``block_size`` and ``model``: the engines';
+    ``worker_keys``: more keys of each engine's ``--worker`` (ours only)."""
     port, metrics_port = free_ports(2)
     name = label or (kind if kind != "ours" else f"ours-{policy}")
     if kind == "ours-epp":
         return start_pickers(engines, logdir, [extra], policy=policy, label=name, cpus=cpus, wait=wait)[0]
     if kind == "ours":
-        argv = ours_argv(engines, port, metrics_port, policy, extra, events=events, block_size=block_size)
+        keys = worker_keys
+        argv = ours_argv(
+            engines, port, metrics_port, policy, extra, events=events, block_size=block_size, worker_keys=keys
+        )
         env = None
         ready_path = "/readyz"
     elif kind == "vllm-router":
@@ -964,6 +978,11 @@ def spread(xs: Sequence[float], fmt: str) -> str:
     if len(xs) < 2:
         return ""
     return f" ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
+
+
+def cell(xs: Sequence[float], fmt: str) -> str:
+    """A table cell: the median of several runs, then their range."""
+    return f"{format(med(xs), fmt)}{spread(xs, fmt)}"
 
 
 def ratio(a: float, b: float) -> str:

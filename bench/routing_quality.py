@@ -512,8 +512,7 @@ def around_kill(res: Result, window_s: float = 1.0, before_s: float = 5.0) -> st
 
 
 def _cell(rs: list[Result], f, fmt: str, scale: float = 1.0) -> str:
-    vals = [scale * f(r) for r in rs]
-    return f"{format(h.med(vals), fmt)}{h.spread(vals, fmt)}"
+    return h.cell([scale * f(r) for r in rs], fmt)
 
 
 def report(results: dict[str, list[Result]], rows: list[str], p: Params) -> None:

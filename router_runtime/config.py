@@ -98,7 +98,7 @@ _WORKER = Flag(
     Text(parse_worker, many=True),
     metavar="SPEC",
     help="a static engine: url=http://H:P[,kv=tcp://H:P][,replay=tcp://H:P][,dp=N][,topic=T]"
-    "[,role=prefill|decode|both][,rev=R]; repeat",
+    "[,role=prefill|decode|both][,rev=R][,bootstrap=PORT]; repeat",
 )
 
 # (group title, its flags); None: the parser's own options.

@@ -48,6 +48,7 @@ class WorkerSpec:
     # The engine's revision (a pod template hash): a prefill engine hands its KV only to a decode engine
     # of the same revision, whose model and KV layout match. "": unknown (static workers pair freely).
     revision: str = ""
+    bootstrap_port: int | None = None  # a prefill engine's KV bootstrap server (SGLang's); None: default
 
     def carriers(self) -> list[Carrier]:
         return [Carrier(self.engine, r) for r in range(self.dp_size)]

@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulated time a decode leg takes per KV block it pulls from the prefill engine",
     )
     p.add_argument(
+        "--disaggregation-mode",
+        choices=("prefill", "decode"),
+        default=None,
+        help="SGLang's disaggregated serving: a request with a bootstrap room is this leg (the decode leg"
+        " waits for the room on the prefill engine, then pulls the blocks it lacks)",
+    )
+    p.add_argument(
         "--max-loras",
         type=Count(0).parse,
         default=d.max_loras,
@@ -167,6 +174,7 @@ def config_from_args(args: argparse.Namespace) -> FakeEngineConfig:
         max_concurrency=args.max_concurrency,
         kv_transfer=args.kv_transfer,
         transfer_us_per_block=args.transfer_us_per_block,
+        disaggregation_mode=args.disaggregation_mode or "",
         max_loras=args.max_loras,
         lora_load_ms=args.lora_load_ms,
         lora_modules=args.lora_modules,

@@ -61,6 +61,10 @@ class FakeEngineConfig:
     # the prefill engine costs this long.
     kv_transfer: bool = False
     transfer_us_per_block: float = 0.0
+    # SGLang's --disaggregation-mode ("prefill", "decode"; "": neither): a request with a bootstrap room
+    # is that leg (transfer.py); a decode leg waits at most room_timeout_s for its room.
+    disaggregation_mode: str = ""
+    room_timeout_s: float = 30.0
     # prompt + max_tokens must fit, as vLLM refuses a request beyond its max_model_len (no allocation)
     max_model_len: int = 1 << 20
 
@@ -83,6 +87,8 @@ class FakeEngineConfig:
             ("lora_load_ms", self.lora_load_ms >= 0),
             ("publish_delay_ms", self.publish_delay_ms >= 0),
             ("transfer_us_per_block", self.transfer_us_per_block >= 0),
+            ("disaggregation_mode", self.disaggregation_mode in ("", "prefill", "decode")),
+            ("room_timeout_s", self.room_timeout_s > 0),
             ("max_model_len", self.max_model_len >= 1),
             ("model", bool(self.model)),
         ]

@@ -49,6 +49,12 @@ class EngineCollector(Collector):
         )
         events = CounterMetricFamily(_P + "kv_events", "KV events published", labels=["rank", "event"])
         replays = CounterMetricFamily(_P + "kv_replay_requests", "Replay requests served", labels=["rank"])
+        legs = CounterMetricFamily(
+            _P + "pd_legs", "Disaggregated requests served (transfer.py), by leg", labels=["rank", "leg"]
+        )
+        received = CounterMetricFamily(
+            _P + "pd_received_blocks", "KV blocks decode legs pulled from a prefill engine", labels=["rank"]
+        )
         for rank, (stats, cache) in enumerate(zip(engine.rank_stats, engine.caches, strict=True)):
             r = str(rank)
             for endpoint, n in sorted(stats.requests.items()):
@@ -56,6 +62,9 @@ class EngineCollector(Collector):
             prompt.add_metric([r], stats.prompt_tokens)
             cached.add_metric([r], stats.cached_tokens)
             generated.add_metric([r], stats.generation_tokens)
+            legs.add_metric([r, "prefill"], stats.prefill_legs)
+            legs.add_metric([r, "decode"], stats.decode_legs)
+            received.add_metric([r], stats.received_blocks)
             blocks.add_metric([r, "device"], cache.resident(Tier.DEVICE))
             blocks.add_metric([r, "host"], cache.resident(Tier.HOST))
             if cache.config.disk_capacity:
@@ -66,7 +75,7 @@ class EngineCollector(Collector):
                 replays.add_metric([r], pstats.replays)
                 for name, n in sorted(pstats.events.items()):
                     events.add_metric([r, name], n)
-        yield from (requests, prompt, cached, generated, blocks, batches, events, replays)
+        yield from (requests, prompt, cached, generated, blocks, batches, events, replays, legs, received)
 
         running = GaugeMetricFamily(_P + "requests_running", "Requests holding a running slot")
         running.add_metric([], engine.load.running)

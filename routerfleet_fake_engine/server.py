@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -147,6 +148,8 @@ class FakeEngine:
         # The W3C trace context of the latest generation requests, as they arrived (a tracing test
         # reads which span was the engine's parent; vLLM itself continues the trace with its own).
         self.traceparents: collections.deque[str | None] = collections.deque(maxlen=64)
+        # SGLang's bootstrap rooms this engine prefilled (transfer.py): room -> (ready, full blocks).
+        self.rooms: collections.OrderedDict[int, tuple[asyncio.Event, list[int]]] = collections.OrderedDict()
         self.responses = ResponseStore()  # the Responses API's stored responses (lost on restart)
         self._slots: asyncio.Semaphore | None = None
         self.adapters: AdapterSlots | None = None  # LoRA slots, when modeled (--max-loras)
@@ -372,10 +375,49 @@ class FakeEngine:
                 web.get("/metrics", self._metrics),
                 web.get("/server_info", self._server_info),
                 web.get("/get_server_info", self._server_info),  # older SGLang spelling
+                web.get("/fake/rooms/{room}", self._room),  # SGLang's bootstrap server, as the fake plays it
                 *admin_routes(self),
             ]
         )
         return app
+
+    def _room_entry(self, room: int) -> tuple[asyncio.Event, list[int]]:
+        entry = self.rooms.get(room)
+        if entry is None:
+            entry = self.rooms[room] = (asyncio.Event(), [0])
+            while len(self.rooms) > 10_000:
+                self.rooms.popitem(last=False)
+        return entry
+
+    async def _room(self, request: web.Request) -> web.Response:
+        """A decode engine waits here for a room this engine prefills: its full blocks once ready."""
+        try:
+            room = int(request.match_info["room"])
+        except ValueError:
+            return web.json_response({"error": "room must be an integer"}, status=400)
+        ready, blocks = self._room_entry(room)
+        try:
+            async with asyncio.timeout(self.config.room_timeout_s):
+                await ready.wait()
+        except TimeoutError:
+            return web.json_response({"error": "the room was never prefilled"}, status=504)
+        return web.json_response({"blocks": blocks[0]})
+
+    async def _await_room(self, room: transfer.Room) -> int:
+        """The full blocks the prefill engine of ``room`` offers, once it has prefilled the prompt."""
+        url = f"http://{room.host}:{room.port}/fake/rooms/{room.room}"
+        timeout = aiohttp.ClientTimeout(total=self.config.room_timeout_s + 5)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as s, s.get(url) as r:
+                if r.status != 200:
+                    raise RequestError(
+                        f"bootstrap room {room.room}: HTTP {r.status}", "bootstrap_room", status=500
+                    )
+                return int((await r.json())["blocks"])
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise RequestError(
+                f"bootstrap room {room.room}: {type(e).__name__}", "bootstrap_room", status=500
+            ) from None
 
     async def _reset_prefix_cache(self, _request: web.Request) -> web.Response:
         self.reset_prefix_cache()
@@ -562,8 +604,16 @@ class FakeEngine:
             req = parse(doc)
             try:
                 remote = transfer.remote_of(doc) if self.config.kv_transfer else None
+                room = transfer.room_of(doc) if self.config.disaggregation_mode else None
             except transfer.TransferError as e:
                 raise RequestError(str(e), transfer.PARAMS) from None
+            mode = self.config.disaggregation_mode if room is not None else ""
+            if self.config.disaggregation_mode == "decode" and room is None:  # as SGLang's decode mode
+                raise RequestError(
+                    "a decode-mode server needs bootstrap_room (a prefill to pair with)", "bootstrap_room"
+                )
+            if mode == "prefill":  # SGLang's prefill answers its first token only
+                req = dataclasses.replace(req, max_tokens=min(req.max_tokens, 1))
             rank = self._pick_rank(req, request)
             n, limit = len(req.prompt_tokens), self.config.max_model_len
             if n + req.max_tokens > limit:
@@ -587,10 +637,18 @@ class FakeEngine:
             n_prompt = len(req.prompt_tokens)
             stats = self.rank_stats[rank]
             received = 0
-            if remote is not None and remote.decode:
+            offered: int | None = None
+            if (remote is not None and remote.decode) or mode == "prefill":
                 stats.prefill_legs += 1
             elif remote is not None and remote.prefill_blocks is not None:
-                received = transfer.received_blocks(n_prompt, cached, remote.prefill_blocks, cfg.block_size)
+                offered = remote.prefill_blocks
+            elif mode == "decode" and room is not None:
+                try:
+                    offered = await self._await_room(room)
+                except RequestError as e:
+                    return web.json_response(errors(e), status=e.status)
+            if offered is not None:
+                received = transfer.received_blocks(n_prompt, cached, offered, cfg.block_size)
                 stats.decode_legs += 1
                 stats.received_blocks += received
                 await _sleep(received * cfg.transfer_us_per_block / 1e6)
@@ -601,6 +659,10 @@ class FakeEngine:
             log.debug("request rank=%d prompt_tokens=%d cached_tokens=%d", rank, n_prompt, cached)
 
             await _sleep((n_prompt - cached) * cfg.prefill_us_per_token / 1e6)  # prefill: uncached only
+            if mode == "prefill" and room is not None:
+                ready, blocks = self._room_entry(room.room)
+                blocks[0] = n_prompt // cfg.block_size
+                ready.set()
             output = generate_tokens(req.prompt_tokens, req.max_tokens)
             text = decode(output)
             shape = self._shape(req, serial)

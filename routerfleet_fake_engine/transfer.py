@@ -10,6 +10,11 @@ by ``kv_transfer_params`` in a completion or chat request (pure):
                        not compute
 
 An engine without the connector ignores the field, as vLLM does.
+
+SGLang's flow (``--disaggregation-mode``, ``Room``): the same request goes to the prefill and the decode
+engine at once with a ``bootstrap_room``; the prefill engine computes the prompt and marks the room
+ready; the decode engine waits for the room on the prefill engine's bootstrap port (here its HTTP port,
+``/fake/rooms/{room}``), then pulls the blocks it lacks as above.
 """
 
 from __future__ import annotations
@@ -48,6 +53,27 @@ def remote_of(body: Any) -> Remote | None:
             raise TransferError(f"'{PARAMS}' of a remote prefill needs remote_block_ids and remote_engine_id")
         return Remote(decode=False, prefill_blocks=len(ids), engine_id=engine)
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """A request's SGLang bootstrap fields."""
+
+    host: str
+    port: int
+    room: int
+
+
+def room_of(body: Any) -> Room | None:
+    """The request's bootstrap room, or None; raises TransferError on malformed fields."""
+    if not isinstance(body, dict) or body.get("bootstrap_room") is None:
+        return None
+    host, port, room = body.get("bootstrap_host"), body.get("bootstrap_port"), body.get("bootstrap_room")
+    if not isinstance(host, str) or type(port) is not int or type(room) is not int or not 0 <= room < 1 << 63:
+        raise TransferError(
+            "bootstrap_host, bootstrap_port and bootstrap_room must be a host, a port and a room"
+        )
+    return Room(host, port, room)
 
 
 def answer_params(engine_id: str, host: str, port: int, n_prompt: int, block_size: int) -> dict[str, Any]:

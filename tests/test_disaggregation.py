@@ -14,8 +14,8 @@ from aiohttp import web
 
 from router_runtime.app import Router, run_router
 from router_runtime.config import RouterConfig
-from router_runtime.disaggregation import vllm
-from router_runtime.disaggregation.config import DisaggregationConfig
+from router_runtime.disaggregation import sglang, vllm
+from router_runtime.disaggregation.config import DisaggregationConfig, Protocol
 from router_runtime.disaggregation.decider import Verdict, need, paired
 from router_runtime.discovery.static import parse_worker
 from router_runtime.kv.config import KvConfig
@@ -138,18 +138,38 @@ class Fleet:
 
 @contextlib.asynccontextmanager
 async def pd_fleet(
-    decode: int = 2, prefill: int = 2, *, extra=(), revisions=None, threshold=16, timeout_s=10.0
+    decode: int = 2,
+    prefill: int = 2,
+    *,
+    extra=(),
+    revisions=None,
+    threshold=16,
+    timeout_s=10.0,
+    protocol=Protocol.VLLM,
 ):
-    """``decode`` and ``prefill`` fake engines serving vLLM's disaggregated prefill, as static workers of
-    one kv_aware router (``extra``: more WorkerSpecs; ``revisions``: per engine, decode ones first)."""
+    """``decode`` and ``prefill`` fake engines serving ``protocol``'s disaggregated prefill, as static
+    workers of one kv_aware router (``extra``: more WorkerSpecs; ``revisions``: per engine, decode ones
+    first)."""
+    sglang = protocol is Protocol.SGLANG
     async with contextlib.AsyncExitStack() as stack:
         engines = [
-            await stack.enter_async_context(run_fake_engine(block_size=BS, kv_transfer=True))
-            for _ in range(decode + prefill)
+            await stack.enter_async_context(
+                run_fake_engine(
+                    block_size=BS,
+                    kv_transfer=not sglang,
+                    disaggregation_mode=("decode" if i < decode else "prefill") if sglang else "",
+                )
+            )
+            for i in range(decode + prefill)
         ]
         revs = revisions or [""] * len(engines)
         workers = [
-            dataclasses.replace(w, role=Role.DECODE if i < decode else Role.PREFILL, revision=revs[i])
+            dataclasses.replace(
+                w,
+                role=Role.DECODE if i < decode else Role.PREFILL,
+                revision=revs[i],
+                bootstrap_port=engines[i].port if sglang and i >= decode else None,  # the fake's own port
+            )
             for i, w in enumerate(static_workers(engines))
         ]
         cfg = RouterConfig(
@@ -159,7 +179,9 @@ async def pd_fleet(
             kv=KvConfig(block_size=BS),
             health=HealthConfig(interval_s=0),
             proxy=ProxyConfig(engine_header=True),
-            disaggregation=DisaggregationConfig(threshold_tokens=threshold, prefill_timeout_s=timeout_s),
+            disaggregation=DisaggregationConfig(
+                protocol=protocol, threshold_tokens=threshold, prefill_timeout_s=timeout_s
+            ),
         )
         router, url = await stack.enter_async_context(run_router(cfg))
         await join_all(router, engines)
@@ -289,3 +311,52 @@ async def test_an_api_without_transfer_parameters_is_decoded_whole():
             assert any(e.http_url == r.headers[ENGINE_HEADER] for e in f.decoders)
         assert verdicts(f.router)["unsupported_api"] == 1
         assert sum(legs(f.prefillers, "prefill_legs")) == 0
+
+
+# ---- SGLang's bootstrap rooms ------------------------------------------------------------------
+
+
+def test_both_sglang_legs_carry_one_room_and_never_the_clients():
+    own = {"text": "hi", "bootstrap_host": "attacker", "bootstrap_port": 1, "bootstrap_room": 7}
+    room = sglang.Room("10.0.0.5", 8998, 12345)
+    sent = json.loads(sglang.with_room(json.dumps(own).encode(), own, room))
+    assert (sent["bootstrap_host"], sent["bootstrap_port"], sent["bootstrap_room"]) == (
+        "10.0.0.5",
+        8998,
+        12345,
+    )
+    raw = b'{"text": "hi"}'
+    assert sglang.with_room(raw, json.loads(raw), room).endswith(b'"text": "hi"}')  # the rest as sent
+    assert 0 <= sglang.Room.new("h", 1).room < 1 << 63
+
+
+async def test_sglang_prefills_every_request_remotely_in_one_room_with_the_decode_engine():
+    async with pd_fleet(protocol=Protocol.SGLANG) as f:
+        prompt = list(range(100, 166))
+        engine, _ = await chat_stream(f.session, f.url, prompt)
+        decoder = next(e for e in f.decoders if e.http_url == engine)
+        assert sum(legs(f.prefillers, "prefill_legs")) == 1
+        assert (decoder.rank_stats[0].decode_legs, decoder.rank_stats[0].received_blocks) == (1, 16)
+        # A decode engine cannot prefill by itself: the next turn takes a room too, its prefix kept.
+        await asyncio.sleep(0.2)
+        again, _ = await chat_stream(f.session, f.url, [*prompt, 7, 7, 7, 7, 7, 7])
+        assert again == engine and verdicts(f.router)["remote"] == 2
+        assert decoder.rank_stats[0].received_blocks == 18  # the second turn pulled only its 2 new blocks
+        body = {"text": "x" * 80, "sampling_params": {"max_new_tokens": 3}, "bootstrap_room": 5}
+        async with f.session.post(f.url + "/generate", json=body) as r:  # SGLang's own API, a forged room
+            assert r.status == 200, await r.text()
+        assert verdicts(f.router)["remote"] == 3 and sum(legs(f.prefillers, "prefill_legs")) == 3
+
+
+async def test_an_sglang_prefill_that_fails_fails_the_request_clearly_and_never_holds_it():
+    dead = dataclasses.replace(parse_worker(closed_port_url()), role=Role.PREFILL, bootstrap_port=1)
+    async with pd_fleet(prefill=0, extra=(dead,), protocol=Protocol.SGLANG) as f:
+        body = {"prompt": list(range(50, 90)), "max_tokens": 4, "stream": True}
+        async with asyncio.timeout(10), f.session.post(f.url + "/v1/completions", json=body) as r:
+            assert r.status == 502, await r.text()
+            assert (await r.json())["error"]["code"] == "prefill_failed"
+    async with pd_fleet(decode=1, prefill=1, revisions=["r1", "r2"], protocol=Protocol.SGLANG) as f:
+        body = {"prompt": list(range(50, 90)), "max_tokens": 4}
+        async with f.session.post(f.url + "/v1/completions", json=body) as r:
+            assert r.status == 503, await r.text()
+        assert verdicts(f.router)["no_prefill_engine"] == 1

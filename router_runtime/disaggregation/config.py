@@ -3,13 +3,22 @@ only when discovery finds prefill engines (``role=prefill``)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
-from ..flags import Count, Flag, Ms
+from ..flags import Count, Flag, Ms, Text
+
+
+class Protocol(enum.StrEnum):
+    """How the engines disaggregate (docs/disaggregation.md)."""
+
+    VLLM = "vllm"  # a prefill leg, then the decode leg with its kv_transfer_params (vllm.py)
+    SGLANG = "sglang"  # both legs at once, paired by a bootstrap room (sglang.py)
 
 
 @dataclass(frozen=True, slots=True)
 class DisaggregationConfig:
+    protocol: Protocol = Protocol.VLLM
     # A decode engine missing fewer prompt tokens than this prefills them itself (docs/disaggregation.md:
     # a transfer costs a round trip and the prefill engine's queue; a short suffix costs less locally).
     threshold_tokens: int = 512
@@ -23,6 +32,13 @@ class DisaggregationConfig:
 
 
 FLAGS = (
+    Flag(
+        "--pd-protocol",
+        "disaggregation.protocol",
+        Text(Protocol, choices=tuple(Protocol)),
+        "the engines' disaggregation protocol: vllm (a KV connector's kv_transfer_params) or sglang (a"
+        " bootstrap room; decode engines cannot prefill, so every request is prefilled remotely)",
+    ),
     Flag(
         "--pd-threshold-tokens",
         "disaggregation.threshold_tokens",

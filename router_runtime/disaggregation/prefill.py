@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from multidict import CIMultiDict
@@ -25,25 +26,36 @@ from ..proxy.targets import TargetBook
 from ..scheduling.framework import Profile, Unschedulable
 from ..scheduling.types import Decision, Kind, RouteRequest, Target
 from ..tracing.spans import NO_TRACE, SpanKind, Trace
-from . import vllm
-from .config import DisaggregationConfig
-from .decider import Verdict, need, paired
+from . import sglang, vllm
+from .config import DisaggregationConfig, Protocol
+from .decider import Need, Verdict, need, paired
 from .metrics import PdMetrics
 
 REQUEST_ID = "X-Request-Id"
 _ANSWER_CAP = 1 << 20  # a one-token answer with its transfer parameters
 
 
+class PrefillFailed(Exception):
+    """A prefill leg the decode leg depends on failed (SGLang: the decode engine would wait for its
+    room in vain): the request is answered with this reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the prefill engine failed ({reason})")
+        self.reason = reason
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeLeg:
     """What the decode request carries: its body, headers beside the client's, and how the prompt was
-    prefilled (with the prefill engine, when remote)."""
+    prefilled (with the prefill engine, when remote). ``ready``: a prefill leg running beside the decode
+    leg (SGLang's), which raises ``PrefillFailed``; the decode's answer is relayed once it is done."""
 
     body: bytes
     headers: Mapping[str, str]
     verdict: Verdict
     prefill: Target | None = None
     transferred_tokens: int = 0  # at most what the decode engine takes from the prefill engine
+    ready: asyncio.Future[None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,49 +101,86 @@ class RemotePrefill:
         """The decode request for ``decision`` (the decode engine already chosen)."""
         request_id = prompt.headers.get(REQUEST_ID) or uuid.uuid4().hex
         headers = {REQUEST_ID: request_id}
-        verdict, params, prefill, moved = await self._prefilled(prompt, decision, path, request_id, trace)
-        self.metrics.verdict(verdict)
-        body = vllm.decode_body(prompt.raw, prompt.body, params)  # never the client's own, whatever the API
-        return DecodeLeg(body, headers, verdict, prefill, moved)
+        if self.config.protocol == Protocol.SGLANG:
+            leg = self._sglang(prompt, decision, path, headers, trace)
+        else:
+            verdict, params, prefill, moved = await self._vllm(prompt, decision, path, request_id, trace)
+            # Never the client's own parameters, whatever the API.
+            leg = DecodeLeg(
+                vllm.decode_body(prompt.raw, prompt.body, params), headers, verdict, prefill, moved
+            )
+        self.metrics.verdict(leg.verdict)
+        return leg
 
-    async def _prefilled(
+    def _wanted(self, prompt: Prompt, decision: Decision) -> Need:
+        tokens, index = prompt.route.tokens, prompt.index
+        n = len(tokens) if tokens is not None and index is not None else None
+        block_size = index.block_size if index is not None else 1
+        return need(decision, n, block_size, self.config.threshold_tokens)
+
+    def _choose(self, prompt: Prompt, candidates: Sequence[Target]) -> Decision | None:
+        route = replace(prompt.route, prefer=None, prefer_vouched=False, pinned=None, subset=None)
+        try:
+            return self.profile.choose(route, candidates, self.loads, prompt.index)
+        except Unschedulable:
+            return None
+
+    async def _vllm(
         self, prompt: Prompt, decision: Decision, path: str, request_id: str, trace: Trace
     ) -> tuple[Verdict, vllm.TransferParams | None, Target | None, int]:
+        """vLLM's flow: the prefill leg first; its transfer parameters go to the decode leg."""
         if prompt.kind not in vllm.KINDS:
             return Verdict.UNSUPPORTED_API, None, None, 0
-        tokens = prompt.route.tokens
-        index = prompt.index
-        n = len(tokens) if tokens is not None and index is not None else None
-        wanted = need(decision, n, index.block_size if index is not None else 1, self.config.threshold_tokens)
+        wanted = self._wanted(prompt, decision)
         if not wanted.remote:
             return wanted.verdict or Verdict.SHORT_SUFFIX, None, None, 0
         candidates = paired(self.targets.prefill_candidates(), decision.target, self.targets.revision)
         if not candidates:
             return Verdict.NO_PREFILL_ENGINE, None, None, 0
-        route = replace(prompt.route, prefer=None, prefer_vouched=False, pinned=None, subset=None)
         body = vllm.prefill_body(prompt.body)
+        headers = {REQUEST_ID: request_id}
         for _attempt in (0, 1):
-            try:
-                chosen = self.profile.choose(route, candidates, self.loads, index)
-            except Unschedulable:
+            chosen = self._choose(prompt, candidates)
+            if chosen is None:
                 break
-            target = chosen.target
-            with trace.span("prefill", SpanKind.CLIENT) as span:
-                span.update({"routerfleet.engine": target.engine, "routerfleet.rank": target.rank})
-                params, cached = await self._leg(
-                    target, path, body, prompt.headers, request_id, tokens, chosen, trace.headers(span)
-                )
-                span.set("routerfleet.pd.transfer", params is not None)
-            if cached is not None and index is not None and tokens is not None:
-                self._audit(chosen, cached, index.block_size)
+            answer = await self._leg(prompt, chosen, path, body, headers, trace)
+            params = vllm.vet_answer(answer) if answer is not None else None
+            if answer is not None and params is None:
+                self.metrics.leg_failures.labels("no_transfer_params").inc()
             if params is not None:
                 moved = wanted.uncached_tokens or 0
                 self.metrics.remote_tokens.inc(moved)
-                return Verdict.REMOTE, params, target, moved
-            candidates = tuple(t for t in candidates if t.engine != target.engine)
+                return Verdict.REMOTE, params, chosen.target, moved
+            candidates = tuple(t for t in candidates if t.engine != chosen.target.engine)
             if not candidates:
                 break
         return Verdict.PREFILL_FAILED, None, None, 0
+
+    def _sglang(
+        self, prompt: Prompt, decision: Decision, path: str, headers: dict[str, str], trace: Trace
+    ) -> DecodeLeg:
+        """SGLang's flow: both legs at once, paired by a bootstrap room; a decode engine cannot prefill by
+        itself, so without a prefill engine the request fails clearly."""
+        if prompt.kind not in sglang.KINDS:
+            raw, _ = sglang.without_bootstrap(prompt.raw, prompt.body)
+            return DecodeLeg(raw, headers, Verdict.UNSUPPORTED_API)
+        candidates = paired(self.targets.prefill_candidates(), decision.target, self.targets.revision)
+        chosen = self._choose(prompt, candidates) if candidates else None
+        if chosen is None:
+            self.metrics.verdict(Verdict.NO_PREFILL_ENGINE)
+            raise PrefillFailed("no prefill engine of the decode engine's revision")
+        target = chosen.target
+        port = self.targets.bootstrap_port(target.engine) or sglang.DEFAULT_BOOTSTRAP_PORT
+        room = sglang.Room.new(_host(target), port)
+        body = sglang.with_room(prompt.raw, prompt.body, room)
+        moved = self._wanted(prompt, decision).uncached_tokens or 0
+
+        async def prefilled() -> None:
+            if await self._leg(prompt, chosen, path, body, headers, trace) is None:
+                raise PrefillFailed("no answer")
+            self.metrics.remote_tokens.inc(moved)
+
+        return DecodeLeg(body, headers, Verdict.REMOTE, target, moved, asyncio.ensure_future(prefilled()))
 
     def _audit(self, chosen: Decision, cached: int, block_size: int) -> None:
         """The prefill leg's audit: the prefill engine's cached tokens against the prefix its decision
@@ -141,20 +190,19 @@ class RemotePrefill:
 
     async def _leg(
         self,
-        target: Target,
+        prompt: Prompt,
+        chosen: Decision,
         path: str,
         body: bytes,
-        client_headers: Mapping[str, str],
-        request_id: str,
-        tokens: Any,
-        decision: Decision,
-        trace_headers: Mapping[str, str],
-    ) -> tuple[vllm.TransferParams | None, int | None]:
-        """One prefill request: its transfer parameters, or None (counted by reason), and the cached
-        tokens its usage reports (None: not said)."""
-        headers = CIMultiDict(client_headers)  # already what an engine may see (proxy/headers.py)
-        headers.update(trace_headers)
-        headers[REQUEST_ID] = request_id
+        added: Mapping[str, str],
+        trace: Trace,
+    ) -> bytes | None:
+        """One prefill request, bounded: its whole answer, or None (counted by reason); audited against
+        the prefill decision when it reports its cached tokens."""
+        target = chosen.target
+        tokens, index = prompt.route.tokens, prompt.index
+        headers = CIMultiDict(prompt.headers)  # already what an engine may see (proxy/headers.py)
+        headers.update(added)
         headers["Content-Type"] = "application/json"
         if target.rank is not None:
             headers[RANK_HEADER] = str(target.rank)
@@ -162,36 +210,42 @@ class RemotePrefill:
         self._acquire(target, n)
         t0 = time.perf_counter()
         reason = "ok"
+        span = trace.span("prefill", SpanKind.CLIENT)
+        answer = None
         try:
-            async with asyncio.timeout(self.config.prefill_timeout_s):
-                async with self._session().post(target.url + path, data=body, headers=headers) as up:
-                    answer = await read_capped(up.content, _ANSWER_CAP)
-                    if up.status != 200:
-                        reason = f"status_{up.status // 100}xx"
-                        return None, None
-            if answer is None:
-                reason = "too_large"
-                return None, None
-            params = vllm.vet_answer(answer)
-            if params is None:
-                reason = "no_transfer_params"
-            scan = UsageScan()
-            scan.feed(answer)
-            return params, scan.cached_tokens
+            with span:
+                span.update({"routerfleet.engine": target.engine, "routerfleet.rank": target.rank})
+                headers.update(trace.headers(span))
+                async with asyncio.timeout(self.config.prefill_timeout_s):
+                    async with self._session().post(target.url + path, data=body, headers=headers) as up:
+                        answer = await read_capped(up.content, _ANSWER_CAP)
+                        if up.status != 200:
+                            reason, answer = f"status_{up.status // 100}xx", None
+                        elif answer is None:
+                            reason = "too_large"
+                span.set("routerfleet.pd.prefill_ok", answer is not None)
         except TimeoutError:
             reason = "timeout"
-            return None, None
         except aiohttp.ClientConnectorError:
             reason = "connect"
             self.health.failure(target.engine)
-            return None, None
         except aiohttp.ClientError:
             reason = "upstream_error"
-            return None, None
         finally:
             self._release(target, n)
-            self.profile.ended(decision)
+            self.profile.ended(chosen)
             if reason == "ok":
                 self.metrics.leg_seconds.observe(time.perf_counter() - t0)
             else:
                 self.metrics.leg_failures.labels(reason).inc()
+        if answer is not None and tokens is not None and index is not None:
+            scan = UsageScan()
+            scan.feed(answer)
+            if scan.cached_tokens is not None:
+                self._audit(chosen, scan.cached_tokens, index.block_size)
+        return answer
+
+
+def _host(target: Target) -> str:
+    """The prefill engine's host, as its bootstrap server is reached."""
+    return urlsplit(target.url).hostname or ""

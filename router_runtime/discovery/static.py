@@ -1,5 +1,6 @@
 """Static workers from the command line:
-``--worker url=URL[,kv=tcp://H:P][,replay=tcp://H:P][,dp=N][,role=prefill|decode|both][,rev=R]``.
+``--worker url=URL[,kv=tcp://H:P][,replay=tcp://H:P][,dp=N][,role=prefill|decode|both][,rev=R]
+[,bootstrap=PORT]`` (``bootstrap``: a prefill engine's SGLang KV bootstrap port).
 
 ``kv`` and ``replay`` are rank 0's endpoints; rank r uses port + r, as vLLM and SGLang bind them.
 A worker without ``kv`` publishes no events (only text-prefix policies can use it).
@@ -11,7 +12,7 @@ from urllib.parse import urlparse
 
 from ..worker import Role, WorkerSpec
 
-_KEYS = {"url", "kv", "replay", "dp", "topic", "role", "rev"}
+_KEYS = {"url", "kv", "replay", "dp", "topic", "role", "rev", "bootstrap"}
 
 
 def parse_worker(text: str) -> WorkerSpec:
@@ -40,6 +41,9 @@ def parse_worker(text: str) -> WorkerSpec:
         raise ValueError(f"dp must be a positive integer, got {fields['dp']!r}") from None
     if dp < 1:
         raise ValueError(f"dp must be a positive integer, got {dp}")
+    bootstrap = fields.get("bootstrap")
+    if bootstrap is not None and not (bootstrap.isdigit() and 1 <= int(bootstrap) <= 65535):
+        raise ValueError(f"bootstrap must be a port number, got {bootstrap!r}")
     try:
         role = Role(fields.get("role", Role.BOTH))
     except ValueError:
@@ -53,4 +57,5 @@ def parse_worker(text: str) -> WorkerSpec:
         topic=fields.get("topic", "").encode(),
         role=role,
         revision=fields.get("rev", ""),
+        bootstrap_port=int(bootstrap) if bootstrap is not None else None,
     )

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -34,7 +34,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from ..disaggregation.prefill import Prompt, RemotePrefill
+from ..disaggregation.prefill import DecodeLeg, PrefillFailed, Prompt, RemotePrefill
 from ..discovery.served_models import read_models
 from ..fleet.inflight import LoadTracker
 from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch, chunk_watchers, watching
@@ -77,8 +77,9 @@ from .targets import TargetBook
 
 log = logging.getLogger(__name__)
 
-# The decode request's body and the headers it adds (disaggregation/prefill.py), for a chosen target.
-Legs = Callable[[Decision], Awaitable[tuple[bytes, Mapping[str, str]]]]
+# The decode request for a chosen target: its body, headers, and any prefill it waits on
+# (disaggregation/prefill.py).
+Legs = Callable[[Decision], Awaitable[DecodeLeg]]
 
 
 class _ConnectFailed(Exception):
@@ -287,11 +288,14 @@ class Proxy:
         headers = request_headers(request.headers, self._strip)
         prompt = Prompt(kind, sent, as_sent, headers, scheduled.route, scheduled.index)
 
-        async def legs(decision: Decision) -> tuple[bytes, Mapping[str, str]]:
-            leg = await prefill.decode_leg(prompt, decision, request.path_qs, trace)
+        async def legs(decision: Decision) -> DecodeLeg:
+            try:
+                leg = await prefill.decode_leg(prompt, decision, request.path_qs, trace)
+            except PrefillFailed as e:  # nowhere to prefill, and the decode engine cannot
+                raise no_engine(f"no engine can take the request: {e}") from None
             if leg.transferred_tokens:
                 scheduled.transferred(decision, leg.transferred_tokens)
-            return leg.body, leg.headers
+            return leg
 
         return legs
 
@@ -366,16 +370,19 @@ class Proxy:
             ctx.attempts = attempt + 1
             self.acquire(target, n_tokens)
             span = ctx.trace.span("upstream", SpanKind.CLIENT)
+            leg: DecodeLeg | None = None
             try:
                 start = loop.time()
-                sent, added = (body, {}) if legs is None else await legs(decision)
+                leg = None if legs is None else await legs(decision)
+                sent, added = (body, {}) if leg is None else (leg.body, leg.headers)
                 x = exchange(decision, start)
                 watches = watching(self.hooks, x)
                 if span.recording:
                     span.update(upstream_attributes(target))
                     span.set("routerfleet.attempt", attempt)
                 try:
-                    upstream = await self._open(request, target, sent, {**ctx.trace.headers(span), **added})
+                    opening = self._open(request, target, sent, {**ctx.trace.headers(span), **added})
+                    upstream = await (opening if leg is None else _paired(opening, leg))
                 except ProxyError as e:  # no answer in time, or a connection lost before one
                     span.fail(e.outcome)
                     raise
@@ -393,6 +400,10 @@ class Proxy:
                 return await self._relay(request, upstream, x, watches, ctx, span)
             finally:
                 span.end()
+                if leg is not None and leg.ready is not None:
+                    leg.ready.cancel()  # done, or no decode engine will join its room
+                    if leg.ready.done() and not leg.ready.cancelled():
+                        leg.ready.exception()  # seen (a failure was answered, or the request ended first)
                 self.release(target, n_tokens)
                 if ended is not None:
                     ended(decision)
@@ -594,6 +605,31 @@ class Proxy:
         if not answered:
             return bad_gateway("no engine answered /v1/models", "upstream_error").response()
         return web.json_response({"object": "list", "data": list(merged.values())})
+
+
+async def _paired(opening: Awaitable[aiohttp.ClientResponse], leg: DecodeLeg) -> aiohttp.ClientResponse:
+    """The decode engine's answer once the prefill leg it waits on (``leg.ready``) is done: a prefill that
+    fails first fails the request clearly (502), rather than leaving the decode engine waiting for KV
+    that will never come; a decode that fails to open fails as any other."""
+    ready = leg.ready
+    if ready is None:
+        return await opening
+    answer = asyncio.ensure_future(opening)
+    try:
+        await asyncio.wait((answer, ready), return_when=asyncio.FIRST_EXCEPTION)
+        if answer.done() and answer.exception() is not None:
+            return answer.result()  # raises the decode's own error
+        try:
+            await ready
+        except PrefillFailed as e:
+            raise bad_gateway(str(e), "prefill_failed") from None
+        return await answer
+    except BaseException:
+        if not answer.done():
+            answer.cancel()
+        elif not answer.cancelled() and answer.exception() is None:
+            answer.result().close()
+        raise
 
 
 def _route(request: web.Request) -> str:

@@ -33,6 +33,7 @@ class TargetBook:
         self._urls: dict[str, str] = {}
         self._prefill: frozenset[str] = frozenset()  # engines that only prefill
         self._revisions: dict[str, str] = {}
+        self._bootstrap: dict[str, int] = {}
         self._cache: tuple[Target, ...] = ()
         self._prefill_cache: tuple[Target, ...] = ()
         self._cache_version = -1
@@ -44,6 +45,7 @@ class TargetBook:
         self._urls = {s.engine: s.url for s in specs}
         self._prefill = frozenset(s.engine for s in specs if s.role is Role.PREFILL)
         self._revisions = {s.engine: s.revision for s in specs}
+        self._bootstrap = {s.engine: s.bootstrap_port for s in specs if s.bootstrap_port is not None}
         self.board.sync(self._by_engine)  # bumps the board's version: the cache is stale
 
     def all_targets(self) -> set[Target]:
@@ -62,6 +64,9 @@ class TargetBook:
 
     def revision(self, engine: str) -> str:
         return self._revisions.get(engine, "")
+
+    def bootstrap_port(self, engine: str) -> int | None:
+        return self._bootstrap.get(engine)
 
     def candidates(self) -> tuple[Target, ...]:
         """The healthy targets that answer clients (every engine but the prefill-only ones)."""
