@@ -79,7 +79,7 @@ from .tokens.engine import EngineTokenizer
 from .tokens.tokenizer import ENGINE_TOKENIZER, AsyncTokenizer, Tokenizer, load_tokenizer
 from .tracing.export import OtlpExporter, TraceMetrics
 from .tracing.spans import OFF, Tracer
-from .worker import Carrier, WorkerSpec
+from .worker import Carrier, Role, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,9 @@ class Router:
         """Kubernetes discovery (else ``config.workers``): an InferencePool's pods or the engines'
         EndpointSlices, and with a peer selector the siblings' slices."""
         self.engine_watcher: EndpointSliceWatcher | InferencePoolWatcher | None = None
+        self.prefill_watcher: EndpointSliceWatcher | None = None
         self.peer_watcher: EndpointSliceWatcher | None = None
+        self._by_role: dict[Role, list[WorkerSpec]] = {}
         d = config.discovery
         if d.pool:
             self.engine_watcher = InferencePoolWatcher(
@@ -188,15 +190,29 @@ class Router:
                 watch_timeout_s=d.watch_timeout_s,
             )
         elif d.selector:
+            pd = bool(d.prefill_selector)
             self.engine_watcher = EndpointSliceWatcher(
                 d.watched_namespace(),
                 d.selector,
-                self.set_workers,
+                self._role_changed(Role.DECODE) if pd else self.set_workers,
                 config=d.engines(),
                 kubeconfig=d.kubeconfig,
                 registry=self.registry,
                 watch_timeout_s=d.watch_timeout_s,
                 storage_annotation=d.storage_annotation or None,
+                revision_label=d.revision_label if pd else None,
+            )
+        if d.prefill_selector and self.engine_watcher is not None:
+            self.prefill_watcher = EndpointSliceWatcher(
+                d.watched_namespace(),
+                d.prefill_selector,
+                self._role_changed(Role.PREFILL),
+                config=d.engines(),
+                kubeconfig=d.kubeconfig,
+                registry=CollectorRegistry(),  # its own: its discovery metrics would collide
+                watch_timeout_s=d.watch_timeout_s,
+                storage_annotation=d.storage_annotation or None,
+                revision_label=d.revision_label,
             )
         if self.engine_watcher is not None and config.peers.selector:
             # The routers' own peer Service: only ready siblings are listed, so a booting replica
@@ -211,6 +227,18 @@ class Router:
                 registry=CollectorRegistry(),
                 watch_timeout_s=d.watch_timeout_s,
             )
+
+    def _role_changed(self, role: Role) -> Callable[[list[WorkerSpec]], None]:
+        """A disaggregated fleet's watcher of one role: the worker set is both watchers' engines, each
+        with its role, published once both have synced (until then, a fleet of one role would route
+        as if the other did not exist)."""
+
+        def changed(workers: list[WorkerSpec]) -> None:
+            self._by_role[role] = [dataclasses.replace(w, role=role) for w in workers]
+            if len(self._by_role) == 2:
+                self.set_workers([w for ws in self._by_role.values() for w in ws])
+
+        return changed
 
     def _breaker_moved(self, engine: str, state: BreakerState) -> None:
         """An engine failing health hides its KV carriers (DISCONNECTED); passing again shows them."""
@@ -454,6 +482,8 @@ class Router:
             await self.objectives.start()
         if self.engine_watcher is not None:
             await self.engine_watcher.start()
+            if self.prefill_watcher is not None:
+                await self.prefill_watcher.start()
         else:
             self.set_workers(list(self.config.workers))
         if self.config.health.interval_s > 0:
@@ -469,7 +499,7 @@ class Router:
         """Every part stops, each bounded (``tasks.end_tasks``); the KV plane last, and whatever else
         fails or is cancelled, so its ZMQ context never outlives the router."""
         try:
-            for watcher in (self.engine_watcher, self.peer_watcher, self.objectives):
+            for watcher in (self.engine_watcher, self.prefill_watcher, self.peer_watcher, self.objectives):
                 if watcher is not None:
                     await watcher.stop()
             await self.bootstrap.stop()
@@ -523,9 +553,10 @@ class Router:
     def blocker(self) -> Cause | None:
         """What keeps this replica from routing at all, in words that say where to look."""
         w = self.engine_watcher
-        if w is not None and w.workers is None:
-            why = f"engine discovery not synced ({w.last_error or 'listing'})"
-            return Cause(CauseCode.ENGINE_DISCOVERY, why)
+        for watcher in (w, self.prefill_watcher):
+            if watcher is not None and watcher.workers is None:
+                why = f"engine discovery not synced ({watcher.last_error or 'listing'})"
+                return Cause(CauseCode.ENGINE_DISCOVERY, why)
         if not self.targets.urls:
             where = ""
             if w is not None:

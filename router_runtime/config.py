@@ -229,6 +229,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         parser.error(
             "argument --k8s-inference-pool: not with --worker or --k8s-selector (one way to find engines)"
         )
+    if c.discovery.prefill_selector and not c.discovery.selector:
+        parser.error("argument --k8s-prefill-selector: needs --k8s-selector (the decode engines)")
     if c.discovery.storage_annotation and not c.discovery.selector:
         parser.error("argument --k8s-storage-annotation: needs --k8s-selector (pods come from discovery)")
     if c.peers.selector and not (c.discovery.selector or c.discovery.pool):

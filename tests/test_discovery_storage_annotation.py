@@ -232,7 +232,7 @@ async def test_identity_is_merged_before_publication_and_each_uid_read_once():
         assert h.calls[-1][0] == with_storage(spec("a", "10.0.0.5", "u-a2"), "pv-a", 4)
         assert api.gets.count("a") == 2
         # what left every slice is forgotten (c left s1 above)
-        assert set(h.w.storage.readings) == {"u-a2", "uid-b", "uid-d"}
+        assert set(h.w.pods.readings) == {"u-a2", "uid-b", "uid-d"}
 
 
 async def test_forbidden_pods_still_publish_without_identity_and_log_once(caplog):
@@ -280,7 +280,7 @@ async def test_without_the_flag_no_pod_is_read():
     api = PodApi([sl("s1", ep("a", "10.0.0.1"))], {"a": pod("a", {KEY: "pv-a"})})
     async with Harness(api) as h:
         await eventually(lambda: h.calls, what="publish")
-        assert h.calls == [[spec("a", "10.0.0.1")]] and api.gets == [] and h.w.storage is None
+        assert h.calls == [[spec("a", "10.0.0.1")]] and api.gets == [] and h.w.pods is None
 
 
 def test_a_bad_key_fails_when_the_watcher_is_made():
@@ -332,3 +332,38 @@ async def test_get_pod_asks_for_metadata_only_with_the_credentials(tmp_path):
     finally:
         await api.close()
         await runner.cleanup()
+
+
+async def test_a_disaggregated_fleet_reads_each_engines_revision_from_its_pods_label():
+    label = "app.kubernetes.io/version"
+    labelled = pod("a")
+    labelled["metadata"]["labels"] = {label: "v7", "pod-template-hash": "abc"}
+    replaced = pod("b", uid="uid-old")  # another incarnation under b's name: its labels are not b's
+    replaced["metadata"]["labels"] = {label: "v6"}
+    api = PodApi(
+        [sl("s1", ep("a", "10.0.0.1"), ep("b", "10.0.0.2"), rv="11")], {"a": labelled, "b": replaced}
+    )
+    async with Harness(api, revision_label=label) as h:
+        await eventually(lambda: api.watching, what="watch")
+        a, b = spec("a", "10.0.0.1"), spec("b", "10.0.0.2")
+        assert h.calls == [[replace(a, revision="v7"), b]]
+        assert results(h)["found"] == 0  # no storage annotation asked for: none counted
+
+
+async def test_the_router_watches_the_prefill_engines_beside_the_decode_engines():
+    from router_runtime.app import Router
+
+    router = Router(
+        parse_args(["--k8s-selector", "app=d", "--k8s-prefill-selector", "app=p", "--k8s-namespace", NS])
+    )
+    try:
+        d, p = router.engine_watcher, router.prefill_watcher
+        assert d is not None and p is not None and (d.label_selector, p.label_selector) == ("app=d", "app=p")
+        assert d.revision_label == p.revision_label == "app.kubernetes.io/version"
+        d.on_change([spec("a", "10.0.0.1")])
+        assert router.targets.candidates() == ()  # one role synced: nothing published yet
+        p.on_change([spec("b", "10.0.0.2")])
+        assert {t.engine for t in router.targets.candidates()} == {f"{NS}/a"}  # (per DP rank)
+        assert {t.engine for t in router.targets.prefill_candidates()} == {f"{NS}/b"}
+    finally:
+        await router.stop()

@@ -208,6 +208,11 @@ def router_args(fleet: Fleet) -> list[str]:
     args += ["--k8s-dp-size", str(e.dp_size)]
     if e.topic:
         args += ["--k8s-topic", e.topic]
+    pd = e.disaggregation
+    if pd is not None:  # the engines above decode; a prefill engine pairs with one of its revision
+        args += ["--k8s-prefill-selector", f"kubernetes.io/service-name={pd.prefill_service_name}"]
+        args += ["--pd-protocol", pd.protocol, "--pd-threshold-tokens", str(pd.threshold_tokens)]
+        args += ["--k8s-revision-label", pd.revision_label]
     # The internal port is always on: the operator reads /internal/bootstrap there, bootstrap or not.
     # The siblings always find each other: they share their load there (docs/fleet-load.md), and seed
     # each other's index when bootstrap is on.

@@ -124,6 +124,16 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class DisaggregationSpec:
+    """Prefill/decode disaggregation: ``EnginesSpec``'s engines decode, this Service's prefill."""
+
+    prefill_service_name: str
+    protocol: str = "vllm"
+    threshold_tokens: int = 512
+    revision_label: str = "app.kubernetes.io/version"
+
+
+@dataclass(frozen=True)
 class EnginesSpec:
     """How the routers find the engines: the EndpointSlices of their Service."""
 
@@ -136,6 +146,7 @@ class EnginesSpec:
     dp_size: int = 1
     topic: str = ""
     event_dialect: str = "auto"  # informational: the router's decoder accepts every dialect
+    disaggregation: DisaggregationSpec | None = None
 
     def label_selector(self) -> str:
         """The --k8s-selector string."""
@@ -306,6 +317,22 @@ def _bounded_duration(text: Any, where: str, bounds: tuple[float, float]) -> flo
     return s
 
 
+def _disaggregation(d: Mapping[str, Any] | None) -> DisaggregationSpec | None:
+    if not d:
+        return None
+    name = d.get("prefillServiceName")
+    if not isinstance(name, str) or not name:
+        raise SpecError("spec.engines.disaggregation.prefillServiceName is required")
+    protocol = d.get("protocol", "vllm")
+    if protocol not in ("vllm", "sglang"):
+        raise SpecError("spec.engines.disaggregation.protocol must be vllm or sglang")
+    threshold = _int(d.get("thresholdTokens", 512), "spec.engines.disaggregation.thresholdTokens", 0, 1 << 20)
+    label = d.get("revisionLabel", "app.kubernetes.io/version")
+    if not isinstance(label, str) or not label:
+        raise SpecError("spec.engines.disaggregation.revisionLabel must be a label key")
+    return DisaggregationSpec(name, protocol, threshold, label)
+
+
 def _session_store(store: Any) -> SessionStore | None:
     if store is None:
         return None
@@ -396,6 +423,7 @@ def parse_spec(spec: Mapping[str, Any]) -> FleetSpec:
             dp_size=_int(engines.get("dpSize", 1), "spec.engines.dpSize", 1, 1024),
             topic=engines.get("topic", ""),
             event_dialect=engines.get("eventDialect", "auto"),
+            disaggregation=_disaggregation(_obj(engines, "disaggregation", "spec.engines")),
         ),
         bootstrap=BootstrapSpec(
             enabled=bool(boot.get("enabled", True)),

@@ -8,12 +8,17 @@ from routerfleet_kube import default_namespace
 
 from ..flags import Count, Flag, Text
 from .endpointslices import EngineDiscoveryConfig, port_ref
+from .inference_pool import REVISION_LABEL
 from .storage_annotation import validate_annotation_key
 
 
 @dataclass(frozen=True, slots=True)
 class DiscoveryConfig:
     selector: str | None = None  # the engines' EndpointSlices; None: engines come from --worker
+    # The prefill engines' EndpointSlices (docs/disaggregation.md): with it, ``selector``'s engines
+    # decode, these prefill, and each engine's revision is read from its pod's label.
+    prefill_selector: str | None = None
+    revision_label: str = REVISION_LABEL
     pool: str | None = None  # or the pods of this InferencePool, on its target ports
     namespace: str | None = None  # None: the pod's own
     http_port: str = "http"
@@ -56,6 +61,22 @@ FLAGS = (
         Text(),
         metavar="LABELS",
         help="EndpointSlices of the engines' Service, e.g. kubernetes.io/service-name=vllm",
+    ),
+    Flag(
+        "--k8s-prefill-selector",
+        "discovery.prefill_selector",
+        Text(),
+        metavar="LABELS",
+        help="EndpointSlices of the prefill engines' Service (same ports): --k8s-selector's engines then"
+        " decode (docs/disaggregation.md); each engine's revision is read from its pod (get on pods)",
+    ),
+    Flag(
+        "--k8s-revision-label",
+        "discovery.revision_label",
+        Text(),
+        metavar="KEY",
+        help="the engine pods' label naming their revision: a prefill and a decode engine pair only when it"
+        " is equal on both (unset on both: they pair)",
     ),
     Flag(
         "--k8s-inference-pool",

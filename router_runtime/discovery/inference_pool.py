@@ -94,8 +94,23 @@ def _port(ref: PortRef | None, named: Mapping[str, int], index: int) -> int | No
     return None if base is None else base + index
 
 
+# The pod label naming an engine's revision for disaggregation: a prefill and a decode engine pair only
+# when it is equal on both (their Deployments differ, so their pod template hashes always do).
+REVISION_LABEL = "app.kubernetes.io/version"
+
+
+def pod_revision(meta: Mapping[str, Any], label: str = REVISION_LABEL) -> str:
+    """The engine revision a pod's ``label`` names ("" when it has none): engines of one revision run
+    the same model and KV layout, so only they hand KV to each other."""
+    value = (meta.get("labels") or {}).get(label)
+    return value if isinstance(value, str) else ""
+
+
 def map_pool_pods(
-    shape: PoolShape, pods: Iterable[Mapping[str, Any]], config: EngineDiscoveryConfig
+    shape: PoolShape,
+    pods: Iterable[Mapping[str, Any]],
+    config: EngineDiscoveryConfig,
+    revision_label: str = REVISION_LABEL,
 ) -> SliceMapping:
     """One WorkerSpec per routable pod the pool selects and per target port, sorted by engine; pods the
     pool does not select are not counted. States as ``endpointslices.map_slices`` names them, and
@@ -128,6 +143,7 @@ def map_pool_pods(
                     dp_size=config.dp_size,
                     topic=config.topic.encode(),
                     incarnation=meta.get("uid") or "",
+                    revision=pod_revision(meta, revision_label),
                 )
             )
     return SliceMapping(sorted(workers, key=lambda w: w.engine), states)

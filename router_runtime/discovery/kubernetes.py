@@ -26,7 +26,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import aiohttp
@@ -37,7 +37,7 @@ from routerfleet_kube import ApiError, KubeClient, path
 
 from ..worker import WorkerSpec
 from .endpointslices import EngineDiscoveryConfig, SliceMapping, map_slices
-from .inference_pool import PoolShape, map_pool_pods, pool_shape
+from .inference_pool import PoolShape, map_pool_pods, pod_revision, pool_shape
 from .reflector import ListWatch, Reflector, ReflectorMetrics
 from .storage_annotation import Reading, Result, read_pod_storage, validate_annotation_key
 
@@ -159,47 +159,63 @@ def publish_workers(
     log.info("%s: %d worker(s): %s", watcher.what(), len(workers), ", ".join(w.engine for w in workers))
 
 
-class PodStorageAnnotations:
-    """The storage identity each engine pod's annotation declares (``storage_annotation.py``), merged
-    into its WorkerSpec. The pod is read once per UID (GET, metadata only); readings are kept while the
-    UID is in a watched slice.
+@dataclass(frozen=True, slots=True)
+class PodReading:
+    """What one read of an engine pod found: its storage identity (when asked) and its revision."""
+
+    storage: Reading | None
+    revision: str = ""
+
+
+class PodReadings:
+    """What each engine pod declares beyond its slice, merged into its WorkerSpec: the storage identity
+    of its annotation (``storage_annotation.py``, with ``storage_key``) and its template's revision (with
+    ``revisions``: disaggregation pairs engines of one revision). The pod is read once per UID (GET,
+    metadata only); readings are kept while the UID is in a watched slice.
 
     Decided once per incarnation, whatever the outcome: a spec that changed afterwards (an answer that
     came after the set was published, a retried failure) would look to the KV plane like the engine
-    leaving and coming back. So a pod whose annotation could not be read within ``timeout_s`` (the
-    most a publication waits) runs without that identity until it is replaced; its /server_info
+    leaving and coming back. So a pod that could not be read within ``timeout_s`` (the most a
+    publication waits) runs without that identity (and revision) until it is replaced; its /server_info
     identity, if any, still counts."""
 
     def __init__(
         self,
         api: SliceApi,
-        key: str,
         counter: PromCounter,
         *,
+        storage_key: str | None = None,
+        revision_label: str | None = None,
         timeout_s: float = 2.0,
         concurrency: int = 16,
         log_every_s: float = 60.0,
     ) -> None:
-        self.key = validate_annotation_key(key)
+        self.key = validate_annotation_key(storage_key) if storage_key else None
+        self.revision_label = revision_label
         self.api = api
         self.counter = counter
         self.timeout_s = timeout_s
         self.concurrency = concurrency
         self.log_every_s = log_every_s
-        self.readings: dict[str, Reading] = {}  # pod UID -> what its annotation said
+        self.readings: dict[str, PodReading] = {}  # pod UID -> what its read said
         self._last_warned: dict[Result, float] = {}
         self._unwarned: Counter[Result] = Counter()
 
     async def apply(self, workers: list[WorkerSpec]) -> list[WorkerSpec]:
-        """``workers`` with the identity of each pod merged in; reads the pods not seen yet first."""
+        """``workers`` with what each pod declares merged in; reads the pods not seen yet first."""
         new = [w for w in workers if w.incarnation and w.incarnation not in self.readings]
         if new:
             await self._read_all(new)
         out = []
         for w in workers:
             reading = self.readings.get(w.incarnation)
-            ident = reading.identity if reading is not None else None
-            out.append(replace(w, storage_id=ident.storage_id, storage_epoch=ident.epoch) if ident else w)
+            if reading is None:
+                out.append(w)
+                continue
+            ident = reading.storage.identity if reading.storage is not None else None
+            if ident is not None:
+                w = replace(w, storage_id=ident.storage_id, storage_epoch=ident.epoch)
+            out.append(replace(w, revision=reading.revision) if reading.revision else w)
         return out
 
     def retain(self, uids: set[str]) -> None:
@@ -223,30 +239,36 @@ class PodStorageAnnotations:
             await asyncio.gather(*tasks, return_exceptions=True)
         for t, w in tasks.items():
             if t not in done or t.cancelled():
-                reading = Reading(Result.TIMEOUT, why=f"no answer within {self.timeout_s:g}s")
+                reading = PodReading(Reading(Result.TIMEOUT, why=f"no answer within {self.timeout_s:g}s"))
             elif (exc := t.exception()) is not None:
-                reading = Reading(Result.ERROR, why=repr(exc))
+                reading = PodReading(Reading(Result.ERROR, why=repr(exc)))
             else:
                 reading = t.result()
-            self._record(w, reading)
+            self.readings[w.incarnation] = reading
+            if reading.storage is not None:
+                self._record(w, reading.storage)
 
-    async def _read(self, w: WorkerSpec) -> Reading:
+    async def _read(self, w: WorkerSpec) -> PodReading:
         namespace, _, name = w.engine.partition("/")
         try:
             pod = await self.api.get_pod(namespace, name, timeout_s=self.timeout_s)
         except ApiError as e:
-            return Reading(Result.FORBIDDEN if e.status == 403 else Result.ERROR, why=str(e))
+            return PodReading(Reading(Result.FORBIDDEN if e.status == 403 else Result.ERROR, why=str(e)))
         except TimeoutError:
-            return Reading(Result.TIMEOUT, why=f"no answer within {self.timeout_s:g}s")
+            return PodReading(Reading(Result.TIMEOUT, why=f"no answer within {self.timeout_s:g}s"))
         except (aiohttp.ClientError, OSError) as e:
-            return Reading(Result.ERROR, why=repr(e))
-        except Exception as e:  # a bug: the engine still gets published, without this identity
+            return PodReading(Reading(Result.ERROR, why=repr(e)))
+        except Exception as e:  # a bug: the engine still gets published, without what it declares
             log.exception("discovery: reading pod %s failed", w.engine)
-            return Reading(Result.ERROR, why=repr(e))
-        return read_pod_storage(pod, self.key, w.incarnation)
+            return PodReading(Reading(Result.ERROR, why=repr(e)))
+        storage = read_pod_storage(pod, self.key, w.incarnation) if self.key else None
+        meta = pod.get("metadata") if isinstance(pod, dict) else None
+        same = isinstance(meta, dict) and meta.get("uid") == w.incarnation  # not a replacement's labels
+        revision = pod_revision(meta, self.revision_label) if self.revision_label and same else ""
+        return PodReading(storage, revision)
 
     def _record(self, w: WorkerSpec, reading: Reading) -> None:
-        self.readings[w.incarnation] = reading
+        """A storage reading's count and log line."""
         self.counter.labels(reading.result.value).inc()
         if reading.result is Result.FOUND:
             assert reading.identity is not None
@@ -296,8 +318,8 @@ class EndpointSliceWatcher(Reflector):
     ``synced`` is False and ``workers`` is None ("not synced yet").
 
     ``storage_annotation``: a pod annotation key (``--k8s-storage-annotation``) whose storage identity
-    goes into each engine's WorkerSpec (``PodStorageAnnotations``); a publication waits for new pods'
-    reads at most ``storage_timeout_s``."""
+    goes into each engine's WorkerSpec; ``revision_label``: so does the revision that pod label names
+    (``PodReadings``); a publication waits for new pods' reads at most ``storage_timeout_s``."""
 
     metrics: DiscoveryMetrics
 
@@ -318,6 +340,7 @@ class EndpointSliceWatcher(Reflector):
         backoff_max_s: float = 30.0,
         storage_annotation: str | None = None,
         storage_timeout_s: float = 2.0,
+        revision_label: str | None = None,
     ) -> None:
         if storage_annotation:
             validate_annotation_key(storage_annotation)  # before start(): a bad key fails at once
@@ -338,7 +361,8 @@ class EndpointSliceWatcher(Reflector):
         self._warned: set[str] = set()
         self.storage_annotation = storage_annotation or None
         self._storage_timeout_s = storage_timeout_s
-        self.storage: PodStorageAnnotations | None = None  # once started, with storage_annotation
+        self.revision_label = revision_label
+        self.pods: PodReadings | None = None  # once started, with storage_annotation or revisions
 
     @property
     def workers(self) -> list[WorkerSpec] | None:
@@ -351,11 +375,12 @@ class EndpointSliceWatcher(Reflector):
         """Start watching. Loads credentials first (raises if there are none); never waits for sync."""
         if self._api is None:
             self._api = await KubeSlices.connect(self._kubeconfig, self._context)
-        if self.storage_annotation:
-            self.storage = PodStorageAnnotations(
+        if self.storage_annotation or self.revision_label:
+            self.pods = PodReadings(
                 self._api,
-                self.storage_annotation,
                 self.metrics.storage_annotation,
+                storage_key=self.storage_annotation,
+                revision_label=self.revision_label,
                 timeout_s=self._storage_timeout_s,
             )
         self.start_loop(f"discovery-{self.namespace}-{self.label_selector}")
@@ -394,9 +419,9 @@ class EndpointSliceWatcher(Reflector):
                     self.what(),
                     state.partition(":")[2],
                 )
-        if self.storage is not None:
-            mapping.workers = await self.storage.apply(mapping.workers)
-            self.storage.retain(_pod_uids(self.objects.values()))
+        if self.pods is not None:
+            mapping.workers = await self.pods.apply(mapping.workers)
+            self.pods.retain(_pod_uids(self.objects.values()))
         publish_workers(self, mapping, self)
 
 

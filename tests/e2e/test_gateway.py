@@ -88,15 +88,16 @@ def gateway_ready(obj: dict) -> tuple[str, str]:
 
 
 async def rolling_restart_under_traffic(
-    cluster, crd, ns: str, via: str | None = None
+    cluster, crd, ns: str, via: str | None = None, port: int = GATEWAY_PORT
 ) -> tuple[T.Traffic, float]:
     """Chats through the Envoys (each request to the next Ready pod's, as the gateway Service spreads
-    them; ``via``: every request through that Gateway) for 15 s, then a seed-gated rolling restart of
-    every replica, then 10 s more. Returns the traffic and the time the restart was asked for."""
+    them; ``via``: every request through that Gateway; ``port``: the routers' own proxy instead) for
+    15 s, then a seed-gated rolling restart of every replica, then 10 s more. Returns the traffic and the
+    time the restart was asked for."""
     kube = T.Kube(str(cluster.kubeconfig))
     secret = cluster.core.read_namespaced_secret(f"{FLEET}-internal-token", ns)
     token = base64.b64decode(secret.data["token"]).decode()
-    traffic = T.Traffic(kube, ns, FLEET, token, seed=11, port=GATEWAY_PORT, via=via)
+    traffic = T.Traffic(kube, ns, FLEET, token, seed=11, port=port, via=via)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         await traffic.refresh(session)
         traffic.old_rev = get_fleet(crd, ns)["status"]["currentRevision"]
@@ -121,10 +122,13 @@ async def rolling_restart_under_traffic(
     return traffic, traffic.trigger
 
 
-def rolled_under_traffic(cluster, crd, ns: str, label: str, via: str | None = None) -> None:
-    """A seed-gated rolling restart under the chat workload (``via``: through that Gateway): no request
-    fails, the hit rate after it holds, each new replica settled warm."""
-    traffic, trigger = asyncio.run(rolling_restart_under_traffic(cluster, crd, ns, via=via))
+def rolled_under_traffic(
+    cluster, crd, ns: str, label: str, via: str | None = None, port: int = GATEWAY_PORT
+) -> None:
+    """A seed-gated rolling restart under the chat workload (``via``: through that Gateway; ``port``:
+    the routers' own proxy): no request fails, the hit rate after it holds, each new replica settled
+    warm."""
+    traffic, trigger = asyncio.run(rolling_restart_under_traffic(cluster, crd, ns, via=via, port=port))
     before = [r for r in traffic.reqs if r.t < trigger]
     during = [r for r in traffic.reqs if trigger <= r.t < traffic.done]
     after = [r for r in traffic.reqs if r.t >= traffic.done]

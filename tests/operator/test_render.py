@@ -402,3 +402,25 @@ def test_seeded_condition():
         "message": "bootstrap verdict warm_unwitnessed passed the fleet's policy",
         "lastTransitionTime": "2026-01-01T00:00:00Z",
     }
+
+
+def test_a_disaggregated_fleet_renders_its_prefill_service_and_protocol(tmp_path):
+    f = fleet({"engines": {"disaggregation": {"prefillServiceName": "vllm-prefill"}}})
+    d = router_config(f, tmp_path)
+    assert d.discovery.selector == "kubernetes.io/service-name=vllm"  # the decode engines
+    assert d.discovery.prefill_selector == "kubernetes.io/service-name=vllm-prefill"
+    assert (d.disaggregation.protocol, d.disaggregation.threshold_tokens) == ("vllm", 512)
+    assert d.discovery.revision_label == "app.kubernetes.io/version"
+    f = fleet(
+        {
+            "engines": {
+                "disaggregation": {"prefillServiceName": "p", "protocol": "sglang", "thresholdTokens": 0}
+            }
+        }
+    )
+    d = router_config(f, tmp_path)
+    assert (d.disaggregation.protocol, d.disaggregation.threshold_tokens) == ("sglang", 0)
+    assert "--k8s-prefill-selector" not in router_args(fleet())  # off unless asked
+    bad = fleet_obj({"engines": {"disaggregation": {"protocol": "vllm"}}})
+    with pytest.raises(ValueError, match="prefillServiceName"):
+        Fleet.parse(bad)

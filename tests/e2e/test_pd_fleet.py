@@ -1,0 +1,129 @@
+"""A disaggregated RouterFleet (``spec.engines.disaggregation``, docs/disaggregation.md) with the operator
+on a real control plane: fake engines in two Deployments, one that decodes and one that prefills (vLLM's
+KV-connector flow, the fake engine's ``--kv-transfer``), both labelled with one engine revision. The
+routers find both pools through their Services' EndpointSlices and each engine's revision from its pod;
+a multi-turn chat workload is prefilled remotely when a decode engine misses a long prefix and locally
+when it misses a short suffix; a seed-gated rolling restart of the routers under it fails no request.
+
+    .venv/bin/python -m e2e.cluster pytest -q tests/e2e/test_pd_fleet.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+import test_operator
+from test_gateway import rolled_under_traffic
+from test_operator import FLEET, GROUP, PLURAL, VERSION, _local_only, fleet_manifest, wait_fleet_ready
+
+from e2e.fleet import (
+    ENGINE,
+    ROUTER_PORT,
+    apply,
+    find,
+    load_manifests,
+    metrics,
+    metrics_url,
+    parse_metrics,
+    pod_url,
+)
+
+crd = test_operator.crd  # the fixtures: the RouterFleet CRD applied, and the operator as a subprocess
+operator = test_operator.operator
+PREFILL = f"{ENGINE}-prefill"
+DECODE = f"{ENGINE}-decode"
+REVISION = {"app.kubernetes.io/version": "v1"}
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def deploy_pools(cluster, ns: str) -> None:
+    """The fake engine's Deployment and Service twice, renamed per role, both of revision v1."""
+    docs = load_manifests(image=getattr(cluster.provider, "image", None))
+    for name in (PREFILL, DECODE):
+        dep, svc = (dict(find(docs, kind, ENGINE)) for kind in ("Deployment", "Service"))
+        labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "routerfleet"}
+        template = {**dep["spec"]["template"]}
+        template["metadata"] = {"labels": {**labels, **REVISION}}
+        spec = template["spec"] = {**template["spec"]}
+        engine = {**spec["containers"][0]}
+        engine["args"] = [*engine["args"], "--kv-transfer", "--transfer-us-per-block=50"]
+        spec["containers"] = [engine]
+        dep = {**dep, "metadata": {"name": name, "labels": labels}}
+        dep["spec"] = {**dep["spec"], "selector": {"matchLabels": labels}, "template": template}
+        svc = {
+            **svc,
+            "metadata": {"name": name, "labels": labels},
+            "spec": {**svc["spec"], "selector": labels},
+        }
+        apply(cluster.api, ns, [dep, svc])
+
+
+async def engine_legs(session: aiohttp.ClientSession, pods) -> dict[str, float]:
+    """The engines' disaggregated legs, summed: prefill, decode, and blocks the decode legs pulled."""
+    out = {"requests": 0.0, "prefill": 0.0, "decode": 0.0, "received": 0.0}
+    for p in pods:
+        async with session.get(pod_url(p, 8000) + "/metrics") as r:
+            m = parse_metrics(await r.text())
+        for k, v in m.items():
+            if k.startswith("routerfleet_fake_engine_pd_legs_total{"):
+                out["prefill" if 'leg="prefill"' in k else "decode"] += v
+            elif k.startswith("routerfleet_fake_engine_pd_received_blocks_total"):
+                out["received"] += v
+            elif k.startswith("routerfleet_fake_engine_requests_total{"):
+                out["requests"] += v
+    return out
+
+
+async def verdicts(session: aiohttp.ClientSession, pods) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for p in pods:
+        m = await metrics(session, metrics_url(pod_url(p, ROUTER_PORT)))
+        for k, v in m.items():
+            if k.startswith("routerfleet_pd_prefills_total{"):
+                verdict = k.split('verdict="')[1].split('"')[0]
+                out[verdict] = out.get(verdict, 0.0) + v
+    return out
+
+
+def test_a_disaggregated_fleet_prefills_where_it_pays_and_rolls_out_under_traffic(
+    cluster, namespace, crd, operator
+):
+    _local_only(cluster)
+    ns = namespace
+    deploy_pools(cluster, ns)
+    for name in (PREFILL, DECODE):
+        cluster.wait_pods_ready(ns, f"app.kubernetes.io/name={name}", 2)
+    manifest = fleet_manifest(cluster, ns, replicas=3)
+    engines = manifest["spec"]["engines"]
+    engines["serviceName"] = DECODE
+    engines["disaggregation"] = {"prefillServiceName": PREFILL}  # a remote prefill from 512 tokens missing
+    crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
+    wait_fleet_ready(cluster, crd, ns, "a disaggregated fleet of 3 Ready", timeout=240)
+
+    rolled_under_traffic(cluster, crd, ns, "disaggregated", port=ROUTER_PORT)
+
+    core = cluster.core
+    prefill = core.list_namespaced_pod(ns, label_selector=f"app.kubernetes.io/name={PREFILL}").items
+    decode = core.list_namespaced_pod(ns, label_selector=f"app.kubernetes.io/name={DECODE}").items
+    routers = core.list_namespaced_pod(ns, label_selector=f"routerfleet.io/fleet={FLEET}").items
+
+    async def figures():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            return (
+                await engine_legs(s, prefill),
+                await engine_legs(s, decode),
+                await verdicts(s, [p for p in routers if p.status.pod_ip]),
+            )
+
+    on_prefill, on_decode, said = asyncio.run(figures())
+    print(f"[disaggregated] prefill engines {on_prefill}, decode engines {on_decode}, routers now {said}")
+    # Long uncached prefixes (a new system prompt) went to the prefill pool, their KV to the decode
+    # pool; the short suffixes of later turns were prefilled where they were decoded.
+    assert on_prefill["prefill"] > 0 and on_prefill["decode"] == 0
+    assert on_decode["decode"] > 0 and on_decode["received"] > 0 and on_decode["prefill"] == 0
+    assert on_decode["decode"] <= on_prefill["prefill"]  # every decode leg had its prefill
+    assert on_decode["requests"] > 2 * on_decode["decode"], (on_decode, said)
+    assert said["short_suffix"] > 0 and said["prefill_failed"] == 0, said
