@@ -313,6 +313,36 @@ async def test_an_api_without_transfer_parameters_is_decoded_whole():
         assert sum(legs(f.prefillers, "prefill_legs")) == 0
 
 
+async def test_a_decode_engine_that_restarts_between_the_legs_still_answers_and_no_false_hit_is_counted():
+    """The decode engine loses its cache while the prefill leg runs: the decode leg pulls what it no
+    longer holds, the client is answered, and the prefix the router credited there is no false hit (the
+    engine reports it cached: it came over with the transfer)."""
+    async with pd_fleet(decode=1, prefill=1) as f:
+        (decoder,), (prefiller,) = f.decoders, f.prefillers
+        prompt = list(range(100, 166))
+        await chat_stream(f.session, f.url, prompt)  # the decode engine holds the 16 blocks now
+        await asyncio.sleep(0.2)
+
+        async def restarting_prefill(request: web.Request) -> web.Response:
+            decoder.restart()  # between the legs: the prefill is computed, the decode not yet asked
+            async with f.session.post(prefiller.http_url + request.path, data=await request.read()) as r:
+                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+
+        async with loopback_app(web.post("/v1/completions", restarting_prefill)) as via:
+            f.router.targets.set_workers(  # the prefill engine, reached through the restarting proxy
+                [
+                    w if w.role is not Role.PREFILL else dataclasses.replace(w, url=via)
+                    for w in f.router.config.workers
+                ]
+            )
+            long_suffix = [*prompt, *range(300, 340)]  # 40 new tokens: over the threshold, remote
+            engine, text = await chat_stream(f.session, f.url, long_suffix)
+        assert engine == decoder.http_url and "[DONE]" in text
+        assert verdicts(f.router)["remote"] == 2
+        assert decoder.rank_stats[0].received_blocks == 16 + 26  # all 26 full blocks: its cache was lost
+        assert audits(f.router, engine) == {"exact": 2}
+
+
 # ---- SGLang's bootstrap rooms ------------------------------------------------------------------
 
 

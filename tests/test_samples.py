@@ -90,3 +90,42 @@ def test_the_recorded_engine_facts_name_what_the_samples_rely_on():
         assert {"kv_events_config", "port", "host"} <= set(release["options"])
     assert {"block_size", "enable_prefix_caching", "model"} <= set(ENGINES["vllm-0.33.0"]["options"])
     assert {"page_size", "model_path"} <= set(ENGINES["sglang-0.5.23"]["options"])
+
+
+def test_the_disaggregated_vllm_sample_agrees_with_vllm_and_its_fleet(tmp_path):
+    docs = list(yaml.safe_load_all((SAMPLES / "vllm-disaggregated.yaml").read_text()))
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    (fleet_obj,) = (d for d in docs if d["kind"] == "RouterFleet")
+    engines = fleet_obj["spec"]["engines"]
+    pd = engines["disaggregation"]
+    assert set(deployments) == set(services) == {engines["serviceName"], pd["prefillServiceName"]}
+    release = ENGINES["vllm-0.33.0"]
+    revisions = set()
+    for name, dep in deployments.items():
+        (container,) = dep["spec"]["template"]["spec"]["containers"]
+        flags = _flags(container["args"])
+        assert set(flags) <= set(release["options"]), set(flags) - set(release["options"])
+        transfer = json.loads(flags["kv_transfer_config"])
+        assert set(transfer) <= set(release["transfer_fields"]), set(transfer) - set(
+            release["transfer_fields"]
+        )
+        # kv_both: a decode engine prefills a short suffix itself (the decider's skip), a prefill
+        # engine hands its KV on
+        assert transfer["kv_role"] == "kv_both"
+        events = json.loads(flags["kv_events_config"])
+        ports = {p["name"]: p["port"] for p in services[name]["spec"]["ports"]}
+        assert _port(events["endpoint"]) == ports[engines["kvPort"]]
+        assert int(flags["block_size"]) == fleet_obj["spec"]["router"]["blockSize"]
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert services[name]["spec"]["selector"].items() <= labels.items()
+        revisions.add(labels[pd["revisionLabel"]])
+    assert len(revisions) == 1  # one revision on both: they pair
+    assert schema_errors(fleet_obj["spec"], schema()["properties"]["spec"], "spec") == []
+    fleet = Fleet.parse(fleet_obj)
+    assert validate(fleet) == []
+    token = tmp_path / "token"
+    token.write_text("t0ken\n")
+    config = parse_args([str(token) if a == f"{TOKEN_DIR}/token" else a for a in router_args(fleet)])
+    assert config.discovery.prefill_selector == f"kubernetes.io/service-name={pd['prefillServiceName']}"
+    assert config.discovery.revision_label == pd["revisionLabel"]

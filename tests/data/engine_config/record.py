@@ -1,5 +1,5 @@
-"""Record what the engines accept, from their own source: the fields of the KV events configuration and
-the names of their command-line options.
+"""Record what the engines accept, from their own source: the fields of the KV events configuration (and
+of vLLM's KV transfer configuration) and the names of their command-line options.
 
     python tests/data/engine_config/record.py --vllm-src DIR --sglang-src DIR
 
@@ -8,10 +8,12 @@ directory holding ``vllm/`` or ``sglang/``). The script parses the class that ``
 JSON is loaded into (vLLM's dataclass ``vllm/config/kv_events.py:KVEventsConfig``, SGLang's pydantic
 model ``sglang/srt/disaggregation/kv_events.py:KVEventsConfig``) without importing it, and writes
 ``engines.json`` beside itself: per engine release, each field's annotation and default as
-written in the source; and the option names of ``vllm serve`` (the fields of ``EngineArgs`` and the
-frontend's ``FrontendArgs``/``BaseFrontendArgs``) and of SGLang's server (the fields of the classes in
-``sglang/srt/arg_groups/fields/``), as the flags' snake-case names. ``tests/test_samples.py`` holds the
-sample manifests to it. Not run by the tests or CI (the wheels are large).
+written in the source (vLLM's ``--kv-transfer-config`` class, ``vllm/config/kv_transfer.py:
+KVTransferConfig``, as ``transfer_fields``); and the option names of ``vllm serve`` (the fields of
+``EngineArgs`` and the frontend's ``FrontendArgs``/``BaseFrontendArgs``) and of SGLang's server (the
+fields of the classes in ``sglang/srt/arg_groups/fields/``), as the flags' snake-case names.
+``tests/test_samples.py`` holds the sample manifests to it. Not run by the tests or CI (the wheels are
+large).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ SOURCES = {
     "vllm-0.33.0": ("vllm", "vllm/config/kv_events.py"),
     "sglang-0.5.23": ("sglang", "sglang/srt/disaggregation/kv_events.py"),
 }
+# The class --kv-transfer-config's JSON is loaded into (disaggregated prefill's KV connector).
+TRANSFER_SOURCES = {"vllm-0.33.0": ("vllm", "vllm/config/kv_transfer.py", "KVTransferConfig")}
 OPTIONS = {
     "vllm-0.33.0": [
         ("vllm/engine/arg_utils.py", "EngineArgs"),
@@ -78,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         }
         for release, (engine, rel) in SOURCES.items()
     }
+    for release, (engine, rel, class_name) in TRANSFER_SOURCES.items():
+        record[release]["transfer_fields"] = fields(roots[engine] / rel, class_name)
     out = HERE / "engines.json"
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(
