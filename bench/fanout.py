@@ -91,15 +91,8 @@ async def one(
     """One streamed completion, sent after ``delay_s``: its TTFT in ms, and the engine that served it."""
     await asyncio.sleep(delay_s)
     body = {"model": h.MODEL, "prompt": prompt, "max_tokens": 4, "stream": True}
-    t0 = time.perf_counter()
-    async with s.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.read())[:200]!r}")
-        first = None
-        async for _ in r.content.iter_any():
-            if first is None:
-                first = time.perf_counter()
-    return ((first or time.perf_counter()) - t0) * 1e3, r.headers.get(ENGINE_HEADER, "")
+    ttft, headers = await h.streamed(s, url + "/v1/completions", body)
+    return ttft, headers.get(ENGINE_HEADER, "")
 
 
 async def background(s: aiohttp.ClientSession, urls: list[str], streams: int, stop: asyncio.Event) -> int:

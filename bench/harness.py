@@ -872,6 +872,19 @@ class HttpClient:
         self._idle.clear()
 
 
+async def streamed(session: Any, url: str, body: dict[str, Any]) -> tuple[float, Any]:
+    """POST one streamed request with ``session`` (aiohttp's): its TTFT in ms (send to the first body
+    byte) and the response headers; a status other than 200 raises."""
+    t0 = time.perf_counter()
+    first = None
+    async with session.post(url, json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.read())[:200]!r}")
+        async for _ in r.content.iter_any():
+            first = first or time.perf_counter()
+    return ((first or time.perf_counter()) - t0) * 1e3, r.headers
+
+
 def sse_events(body: bytes) -> list[dict[str, Any]]:
     """The JSON objects of an SSE body (``data: {...}`` lines; ``[DONE]`` skipped)."""
     out = []

@@ -74,14 +74,7 @@ async def run_row(routers: list[h.Router], engines: list[h.Engine], n: int, conc
                 "stream": True,
                 "lora_name": f"adapter-{adapter}",
             }
-            t0 = time.perf_counter()
-            async with s.post(urls[k % len(urls)] + "/v1/completions", json=body) as r:
-                if r.status != 200:
-                    raise RuntimeError(f"HTTP {r.status}: {(await r.read())[:200]!r}")
-                first = None
-                async for _ in r.content.iter_any():
-                    first = first or time.perf_counter()
-            ttfts.append(((first or time.perf_counter()) - t0) * 1e3)
+            ttfts.append((await h.streamed(s, urls[k % len(urls)] + "/v1/completions", body))[0])
 
     async with aiohttp.ClientSession() as s:
         await asyncio.gather(*(worker(s) for _ in range(concurrency)))

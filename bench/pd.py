@@ -183,15 +183,7 @@ async def replay(url: str, convs: list[list[list[int]]], w: Workload) -> tuple[l
                 # Text (sglang-router takes no token IDs), one byte per token (the engines' tokenizer).
                 text = "".join(map(chr, prompt))
                 body = {"model": h.MODEL, "prompt": text, "max_tokens": w.answer_tokens, "stream": True}
-                t0 = time.perf_counter()
-                async with s.post(url + "/v1/completions", json=body) as r:
-                    if r.status != 200:
-                        raise RuntimeError(f"HTTP {r.status}: {(await r.read())[:200]!r}")
-                    first = None
-                    async for _ in r.content.iter_any():
-                        if first is None:
-                            first = time.perf_counter()
-                ttfts.append(((first or time.perf_counter()) - t0) * 1e3)
+                ttfts.append((await h.streamed(s, url + "/v1/completions", body))[0])
                 sent += 1
 
     t0 = time.perf_counter()
