@@ -89,7 +89,11 @@ def test_the_prefill_leg_asks_for_one_token_held_for_a_remote_decode():
 def test_a_prefill_answer_is_vetted_before_its_parameters_reach_a_decode_engine():
     good = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1, 2]}
     assert vllm.vet_answer(json.dumps({"kv_transfer_params": good}).encode()) == vllm.TransferParams(good)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    surrogate = b'{"kv_transfer_params": {"do_remote_prefill": true, "x": "\\ud800"}}'
     for answer in (
+        deep,  # past the parser's recursion: refused, not raised
+        surrogate,  # a lone surrogate cannot be passed on
         b"not json",
         b"[1]",
         json.dumps({"choices": []}).encode(),
@@ -146,6 +150,7 @@ async def pd_fleet(
     threshold=16,
     timeout_s=10.0,
     protocol=Protocol.VLLM,
+    engine_kw=None,
 ):
     """``decode`` and ``prefill`` fake engines serving ``protocol``'s disaggregated prefill, as static
     workers of one kv_aware router (``extra``: more WorkerSpecs; ``revisions``: per engine, decode ones
@@ -158,6 +163,7 @@ async def pd_fleet(
                     block_size=BS,
                     kv_transfer=not sglang,
                     disaggregation_mode=("decode" if i < decode else "prefill") if sglang else "",
+                    **(engine_kw or {}),
                 )
             )
             for i in range(decode + prefill)
@@ -390,3 +396,56 @@ async def test_an_sglang_prefill_that_fails_fails_the_request_clearly_and_never_
         async with f.session.post(f.url + "/v1/completions", json=body) as r:
             assert r.status == 503, await r.text()
         assert verdicts(f.router)["no_prefill_engine"] == 1
+
+
+# ---- what a client or a half-listed fleet cannot make the router do ------------------------------
+
+
+async def test_with_no_prefill_engine_listed_a_clients_own_fields_still_never_pass():
+    forged = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_block_ids": list(range(10))}
+    body = {"prompt": list(range(50, 90)), "max_tokens": 2, "kv_transfer_params": forged}
+    async with pd_fleet(prefill=0) as f:  # the prefill pool scaled to nothing: still a P/D fleet
+        async with f.session.post(f.url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+        assert verdicts(f.router)["no_prefill_engine"] == 1 and sum(legs(f.decoders, "decode_legs")) == 0
+    async with pd_fleet(prefill=0, protocol=Protocol.SGLANG) as f:  # SGLang's decode engines need one
+        room = {"prompt": "x" * 40, "bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 3}
+        async with f.session.post(f.url + "/v1/completions", json=room) as r:
+            assert r.status == 503, await r.text()
+
+
+async def test_a_whole_engine_in_a_disaggregated_fleet_prefills_its_own():
+    async with run_fake_engine(block_size=BS, kv_transfer=True) as whole:
+        (spec,) = static_workers([whole])
+        spec = dataclasses.replace(spec, kv=None, replay=None)  # its events unfollowed: no join to wait for
+        async with pd_fleet(decode=0, prefill=1, extra=(spec,)) as f:
+            await chat_stream(f.session, f.url, list(range(50, 90)))
+            assert verdicts(f.router)["whole_engine"] == 1 and legs(f.prefillers, "prefill_legs") == [0]
+
+
+async def test_a_retry_on_another_decode_engine_reuses_the_prefill():
+    dead = dataclasses.replace(parse_worker(closed_port_url()), role=Role.DECODE)
+    async with pd_fleet(decode=1, prefill=1, extra=(dead,)) as f:
+
+        def retried() -> float | None:
+            return f.router.registry.get_sample_value("routerfleet_retries_total", {"reason": "connect"})
+
+        sent = 0
+        while not retried() and sent < 16:  # until a request tries the dead decode engine first
+            sent += 1
+            await chat_stream(f.session, f.url, list(range(1000 * sent, 1000 * sent + 40)))
+        assert retried() == 1
+        # The retry sent the same transfer parameters to the live decode engine: one prefill each.
+        assert legs(f.prefillers, "prefill_legs") == [sent] and verdicts(f.router)["remote"] == sent
+        assert f.decoders[0].rank_stats[0].decode_legs == sent
+
+
+async def test_an_sglang_decode_engine_that_refuses_a_request_answers_for_itself():
+    async with pd_fleet(protocol=Protocol.SGLANG, engine_kw={"max_model_len": 100}) as f:
+        body = {"prompt": list(range(50, 90)), "max_tokens": 80}  # the prefill leg's one token fits
+        async with f.session.post(f.url + "/v1/completions", json=body) as r:
+            assert r.status == 400, await r.text()
+            assert "maximum context length" in (await r.json())["error"]["message"]
+        messages = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        async with f.session.post(f.url + "/v1/messages", json=messages) as r:
+            assert r.status == 400 and "completions, chat and /generate" in await r.text()

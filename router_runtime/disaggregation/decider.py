@@ -29,6 +29,7 @@ class Verdict(enum.StrEnum):
     NO_PREFILL_ENGINE = "no_prefill_engine"  # none healthy of the decode engine's revision
     UNSUPPORTED_API = "unsupported_api"  # an API whose body carries no transfer parameters
     PREFILL_FAILED = "prefill_failed"  # the prefill engines asked failed or timed out
+    WHOLE_ENGINE = "whole_engine"  # the chosen engine is a whole one (role both): it prefills its own
 
 
 @dataclass(frozen=True, slots=True)

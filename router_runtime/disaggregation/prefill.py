@@ -1,7 +1,12 @@
 """The remote prefill step of a disaggregated fleet, between the decode decision and the decode request:
-the decider's verdict, then (when remote) the prefill leg, bounded, retried once on another prefill
-engine, and the decode leg's body and headers. It never fails a request: with no transfer parameters
-the decode engine prefills the prompt itself (slower, never wrong), and the verdict says why.
+the decider's verdict, then (when remote) the prefill leg, bounded, and the decode leg's body and
+headers.
+
+vLLM's flow never fails a request: a prefill leg that fails is retried once on another prefill engine,
+then the decode engine prefills the prompt itself (slower, never wrong), and the verdict says why.
+SGLang's decode engines cannot prefill by themselves: there a failed prefill fails the request clearly.
+Every leg carries a request id of the router's own (the engines key the held KV by it: a client's id
+could collide with another's), and a client's own transfer or bootstrap fields never reach an engine.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from urllib.parse import urlsplit
 import aiohttp
 from multidict import CIMultiDict
 
-from ..http_body import read_capped
 from ..kv.index import RadixIndex
 from ..proxy.audit import Prediction, UsageScan, judge
 from ..proxy.headers import RANK_HEADER
@@ -26,13 +30,14 @@ from ..proxy.targets import TargetBook
 from ..scheduling.framework import Profile, Unschedulable
 from ..scheduling.types import Decision, Kind, RouteRequest, Target
 from ..tracing.spans import NO_TRACE, SpanKind, Trace
+from ..worker import Role
 from . import sglang, vllm
 from .config import DisaggregationConfig, Protocol
 from .decider import Need, Verdict, need, paired
 from .metrics import PdMetrics
 
 REQUEST_ID = "X-Request-Id"
-_ANSWER_CAP = 1 << 20  # a one-token answer with its transfer parameters
+_ANSWER_CAP = 1 << 20  # a one-token answer with its transfer parameters (vLLM's; SGLang's is drained)
 
 
 class PrefillFailed(Exception):
@@ -44,11 +49,16 @@ class PrefillFailed(Exception):
         self.reason = reason
 
 
+class Unservable(Exception):
+    """A request the fleet's protocol cannot serve (SGLang: an API that carries no bootstrap room)."""
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeLeg:
     """What the decode request carries: its body, headers beside the client's, and how the prompt was
     prefilled (with the prefill engine, when remote). ``ready``: a prefill leg running beside the decode
-    leg (SGLang's), which raises ``PrefillFailed``; the decode's answer is relayed once it is done."""
+    leg (SGLang's), which raises ``PrefillFailed``; the decode's answer is relayed once it is done.
+    ``revision``: the decode engine's, for which a vLLM leg's transfer parameters hold."""
 
     body: bytes
     headers: Mapping[str, str]
@@ -56,6 +66,12 @@ class DecodeLeg:
     prefill: Target | None = None
     transferred_tokens: int = 0  # at most what the decode engine takes from the prefill engine
     ready: asyncio.Future[None] | None = None
+    revision: str = ""
+
+    def serves(self, revision: str) -> bool:
+        """Whether a retry on a decode engine of ``revision`` can send this leg as it is (a vLLM
+        remote prefill's KV waits on its prefill engine for any decode engine of its revision)."""
+        return self.ready is None and self.verdict is Verdict.REMOTE and revision == self.revision
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,21 +112,30 @@ class RemotePrefill:
         self._release = release
 
     async def decode_leg(
-        self, prompt: Prompt, decision: Decision, path: str, trace: Trace = NO_TRACE
+        self,
+        prompt: Prompt,
+        decision: Decision,
+        path: str,
+        trace: Trace = NO_TRACE,
+        previous: DecodeLeg | None = None,
     ) -> DecodeLeg:
-        """The decode request for ``decision`` (the decode engine already chosen)."""
-        request_id = prompt.headers.get(REQUEST_ID) or uuid.uuid4().hex
-        headers = {REQUEST_ID: request_id}
+        """The decode request for ``decision`` (the decode engine already chosen); ``previous``: the leg
+        of an attempt whose decode engine could not be reached, reused when it still holds."""
+        engine = decision.target.engine
+        revision = self.targets.revision(engine)
+        if previous is not None and previous.serves(revision):
+            return previous
+        headers = {REQUEST_ID: uuid.uuid4().hex}
         if self.config.protocol == Protocol.SGLANG:
-            leg = self._sglang(prompt, decision, path, headers, trace)
+            return self._sglang(prompt, decision, path, headers, trace)
+        if self.targets.role(engine) is Role.BOTH:  # a whole engine: prefills its own
+            verdict, params, prefill, moved = Verdict.WHOLE_ENGINE, None, None, 0
         else:
-            verdict, params, prefill, moved = await self._vllm(prompt, decision, path, request_id, trace)
-            # Never the client's own parameters, whatever the API.
-            leg = DecodeLeg(
-                vllm.decode_body(prompt.raw, prompt.body, params), headers, verdict, prefill, moved
-            )
-        self.metrics.verdict(leg.verdict)
-        return leg
+            verdict, params, prefill, moved = await self._vllm(prompt, decision, path, headers, trace)
+        self.metrics.verdict(verdict)
+        # Never the client's own parameters, whatever the API.
+        body = vllm.decode_body(prompt.raw, prompt.body, params)
+        return DecodeLeg(body, headers, verdict, prefill, moved, revision=revision)
 
     def _wanted(self, prompt: Prompt, decision: Decision) -> Need:
         tokens, index = prompt.route.tokens, prompt.index
@@ -126,7 +151,7 @@ class RemotePrefill:
             return None
 
     async def _vllm(
-        self, prompt: Prompt, decision: Decision, path: str, request_id: str, trace: Trace
+        self, prompt: Prompt, decision: Decision, path: str, headers: Mapping[str, str], trace: Trace
     ) -> tuple[Verdict, vllm.TransferParams | None, Target | None, int]:
         """vLLM's flow: the prefill leg first; its transfer parameters go to the decode leg."""
         if prompt.kind not in vllm.KINDS:
@@ -138,15 +163,11 @@ class RemotePrefill:
         if not candidates:
             return Verdict.NO_PREFILL_ENGINE, None, None, 0
         body = vllm.prefill_body(prompt.body)
-        headers = {REQUEST_ID: request_id}
         for _attempt in (0, 1):
             chosen = self._choose(prompt, candidates)
             if chosen is None:
                 break
-            answer = await self._leg(prompt, chosen, path, body, headers, trace)
-            params = vllm.vet_answer(answer) if answer is not None else None
-            if answer is not None and params is None:
-                self.metrics.leg_failures.labels("no_transfer_params").inc()
+            params = await self._leg(prompt, chosen, path, body, headers, trace, vllm.vet_answer, keep=True)
             if params is not None:
                 moved = wanted.uncached_tokens or 0
                 self.metrics.remote_tokens.inc(moved)
@@ -159,11 +180,18 @@ class RemotePrefill:
     def _sglang(
         self, prompt: Prompt, decision: Decision, path: str, headers: dict[str, str], trace: Trace
     ) -> DecodeLeg:
-        """SGLang's flow: both legs at once, paired by a bootstrap room; a decode engine cannot prefill by
-        itself, so without a prefill engine the request fails clearly."""
+        """SGLang's flow: both legs at once, paired by a bootstrap room. A decode engine cannot prefill by
+        itself, so a request without a paired prefill engine, or on an API that carries no room, fails
+        clearly; a whole engine takes the request as it is. The verdict of a remote prefill is counted
+        when its leg has ended (remote, or prefill_failed)."""
+        raw, body = sglang.without_bootstrap(prompt.raw, prompt.body)
+        revision = self.targets.revision(decision.target.engine)
+        if self.targets.role(decision.target.engine) is Role.BOTH:
+            self.metrics.verdict(Verdict.WHOLE_ENGINE)
+            return DecodeLeg(raw, headers, Verdict.WHOLE_ENGINE, revision=revision)
         if prompt.kind not in sglang.KINDS:
-            raw, _ = sglang.without_bootstrap(prompt.raw, prompt.body)
-            return DecodeLeg(raw, headers, Verdict.UNSUPPORTED_API)
+            self.metrics.verdict(Verdict.UNSUPPORTED_API)
+            raise Unservable("a disaggregated SGLang fleet serves completions, chat and /generate only")
         candidates = paired(self.targets.prefill_candidates(), decision.target, self.targets.revision)
         chosen = self._choose(prompt, candidates) if candidates else None
         if chosen is None:
@@ -172,15 +200,18 @@ class RemotePrefill:
         target = chosen.target
         port = self.targets.bootstrap_port(target.engine) or sglang.DEFAULT_BOOTSTRAP_PORT
         room = sglang.Room.new(_host(target), port)
-        body = sglang.with_room(prompt.raw, prompt.body, room)
+        both = sglang.with_room(raw, body, room)
         moved = self._wanted(prompt, decision).uncached_tokens or 0
 
         async def prefilled() -> None:
-            if await self._leg(prompt, chosen, path, body, headers, trace) is None:
+            if await self._leg(prompt, chosen, path, both, headers, trace, _drained) is None:
+                self.metrics.verdict(Verdict.PREFILL_FAILED)
                 raise PrefillFailed("no answer")
+            self.metrics.verdict(Verdict.REMOTE)
             self.metrics.remote_tokens.inc(moved)
 
-        return DecodeLeg(body, headers, Verdict.REMOTE, target, moved, asyncio.ensure_future(prefilled()))
+        ready = asyncio.ensure_future(prefilled())
+        return DecodeLeg(both, headers, Verdict.REMOTE, target, moved, ready, revision)
 
     def _audit(self, chosen: Decision, cached: int, block_size: int) -> None:
         """The prefill leg's audit: the prefill engine's cached tokens against the prefix its decision
@@ -196,9 +227,13 @@ class RemotePrefill:
         body: bytes,
         added: Mapping[str, str],
         trace: Trace,
-    ) -> bytes | None:
-        """One prefill request, bounded: its whole answer, or None (counted by reason); audited against
-        the prefill decision when it reports its cached tokens."""
+        accept: Callable[[bytes], Any],
+        *,
+        keep: bool = False,
+    ) -> Any:
+        """One prefill request, bounded by the prefill timeout: ``accept`` of its answer (kept whole
+        with ``keep``, else drained: b""), or None; counted by outcome, and audited against the prefill
+        decision when the answer reports its cached tokens."""
         target = chosen.target
         tokens, index = prompt.route.tokens, prompt.index
         headers = CIMultiDict(prompt.headers)  # already what an engine may see (proxy/headers.py)
@@ -209,21 +244,30 @@ class RemotePrefill:
         n = len(tokens) if tokens is not None else 0
         self._acquire(target, n)
         t0 = time.perf_counter()
-        reason = "ok"
+        reason = "cancelled"  # until it ends otherwise (the request went away, or its decode leg did)
+        scan = UsageScan()
+        result = None
         span = trace.span("prefill", SpanKind.CLIENT)
-        answer = None
         try:
             with span:
                 span.update({"routerfleet.engine": target.engine, "routerfleet.rank": target.rank})
                 headers.update(trace.headers(span))
+                answer = bytearray()
                 async with asyncio.timeout(self.config.prefill_timeout_s):
                     async with self._session().post(target.url + path, data=body, headers=headers) as up:
-                        answer = await read_capped(up.content, _ANSWER_CAP)
                         if up.status != 200:
-                            reason, answer = f"status_{up.status // 100}xx", None
-                        elif answer is None:
-                            reason = "too_large"
-                span.set("routerfleet.pd.prefill_ok", answer is not None)
+                            reason = f"status_{up.status // 100}xx"
+                            return None
+                        async for chunk in up.content.iter_chunked(1 << 16):
+                            scan.feed(chunk)
+                            if keep:
+                                answer += chunk
+                                if len(answer) > _ANSWER_CAP:
+                                    reason = "too_large"
+                                    return None
+                result = accept(bytes(answer))
+                reason = "ok" if result is not None else "no_transfer_params"
+                span.set("routerfleet.pd.prefill_ok", result is not None)
         except TimeoutError:
             reason = "timeout"
         except aiohttp.ClientConnectorError:
@@ -238,12 +282,14 @@ class RemotePrefill:
                 self.metrics.leg_seconds.observe(time.perf_counter() - t0)
             else:
                 self.metrics.leg_failures.labels(reason).inc()
-        if answer is not None and tokens is not None and index is not None:
-            scan = UsageScan()
-            scan.feed(answer)
-            if scan.cached_tokens is not None:
-                self._audit(chosen, scan.cached_tokens, index.block_size)
-        return answer
+        if result is not None and scan.cached_tokens is not None and tokens is not None and index is not None:
+            self._audit(chosen, scan.cached_tokens, index.block_size)
+        return result
+
+
+def _drained(_answer: bytes) -> bool:
+    """An SGLang prefill leg's answer, read to its end: the KV went to the decode engine's room."""
+    return True
 
 
 def _host(target: Target) -> str:

@@ -63,12 +63,12 @@ def vet_answer(answer: bytes) -> TransferParams | None:
     not a remote prefill's (the decode engine then prefills itself)."""
     try:
         doc = json.loads(answer)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    params = doc.get(PARAMS) if isinstance(doc, dict) else None
-    if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
-        return None
-    if len(encode(params)) > MAX_PARAMS_BYTES:
+        params = doc.get(PARAMS) if isinstance(doc, dict) else None
+        if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+            return None
+        if len(encode(params)) > MAX_PARAMS_BYTES:  # and encodable: no lone surrogate in it
+            return None
+    except (ValueError, RecursionError):  # not JSON (UnicodeError too), or nested past the parser
         return None
     return TransferParams(params)
 

@@ -165,6 +165,7 @@ class PodReading:
 
     storage: Reading | None
     revision: str = ""
+    read: bool = False  # the pod was read, and was this incarnation
 
 
 class PodReadings:
@@ -215,7 +216,13 @@ class PodReadings:
             ident = reading.storage.identity if reading.storage is not None else None
             if ident is not None:
                 w = replace(w, storage_id=ident.storage_id, storage_epoch=ident.epoch)
-            out.append(replace(w, revision=reading.revision) if reading.revision else w)
+            if self.revision_label and not reading.read:
+                # Unknown is not "unlabelled": an engine whose revision could not be read pairs with
+                # no other (it would hand KV across an engine rolling update unseen).
+                w = replace(w, revision=f"unread:{w.incarnation}")
+            elif reading.revision:
+                w = replace(w, revision=reading.revision)
+            out.append(w)
         return out
 
     def retain(self, uids: set[str]) -> None:
@@ -265,7 +272,7 @@ class PodReadings:
         meta = pod.get("metadata") if isinstance(pod, dict) else None
         same = isinstance(meta, dict) and meta.get("uid") == w.incarnation  # not a replacement's labels
         revision = pod_revision(meta, self.revision_label) if self.revision_label and same else ""
-        return PodReading(storage, revision)
+        return PodReading(storage, revision, read=same)
 
     def _record(self, w: WorkerSpec, reading: Reading) -> None:
         """A storage reading's count and log line."""

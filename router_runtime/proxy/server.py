@@ -34,7 +34,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from ..disaggregation.prefill import DecodeLeg, PrefillFailed, Prompt, RemotePrefill
+from ..disaggregation.prefill import DecodeLeg, PrefillFailed, Prompt, RemotePrefill, Unservable
 from ..discovery.served_models import read_models
 from ..fleet.inflight import LoadTracker
 from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch, chunk_watchers, watching
@@ -288,11 +288,17 @@ class Proxy:
         headers = request_headers(request.headers, self._strip)
         prompt = Prompt(kind, sent, as_sent, headers, scheduled.route, scheduled.index)
 
+        previous: DecodeLeg | None = None  # an attempt's leg, for a retry on another decode engine
+
         async def legs(decision: Decision) -> DecodeLeg:
+            nonlocal previous
             try:
-                leg = await prefill.decode_leg(prompt, decision, request.path_qs, trace)
+                leg = await prefill.decode_leg(prompt, decision, request.path_qs, trace, previous)
             except PrefillFailed as e:  # nowhere to prefill, and the decode engine cannot
                 raise no_engine(f"no engine can take the request: {e}") from None
+            except Unservable as e:
+                raise bad_request(str(e)) from None
+            previous = leg
             if leg.transferred_tokens:
                 scheduled.transferred(decision, leg.transferred_tokens)
             return leg
@@ -610,15 +616,16 @@ class Proxy:
 async def _paired(opening: Awaitable[aiohttp.ClientResponse], leg: DecodeLeg) -> aiohttp.ClientResponse:
     """The decode engine's answer once the prefill leg it waits on (``leg.ready``) is done: a prefill that
     fails first fails the request clearly (502), rather than leaving the decode engine waiting for KV
-    that will never come; a decode that fails to open fails as any other."""
+    that will never come; a decode engine that refuses the request (an error status), or cannot be
+    reached, answers for itself at once."""
     ready = leg.ready
     if ready is None:
         return await opening
     answer = asyncio.ensure_future(opening)
     try:
-        await asyncio.wait((answer, ready), return_when=asyncio.FIRST_EXCEPTION)
-        if answer.done() and answer.exception() is not None:
-            return answer.result()  # raises the decode's own error
+        done, _ = await asyncio.wait((answer, ready), return_when=asyncio.FIRST_COMPLETED)
+        if answer in done and answer.result().status >= 400:  # raises the decode's own failure
+            return answer.result()
         try:
             await ready
         except PrefillFailed as e:

@@ -31,6 +31,7 @@ class TargetBook:
         self.per_rank = per_rank
         self._by_engine: dict[str, tuple[Target, ...]] = {}
         self._urls: dict[str, str] = {}
+        self._roles: dict[str, Role] = {}
         self._prefill: frozenset[str] = frozenset()  # engines that only prefill
         self._revisions: dict[str, str] = {}
         self._bootstrap: dict[str, int] = {}
@@ -43,7 +44,8 @@ class TargetBook:
         specs = sorted(specs, key=lambda s: s.engine)
         self._by_engine = {s.engine: worker_targets(s, self.per_rank) for s in specs}
         self._urls = {s.engine: s.url for s in specs}
-        self._prefill = frozenset(s.engine for s in specs if s.role is Role.PREFILL)
+        self._roles = {s.engine: s.role for s in specs}
+        self._prefill = frozenset(e for e, r in self._roles.items() if r is Role.PREFILL)
         self._revisions = {s.engine: s.revision for s in specs}
         self._bootstrap = {s.engine: s.bootstrap_port for s in specs if s.bootstrap_port is not None}
         self.board.sync(self._by_engine)  # bumps the board's version: the cache is stale
@@ -59,8 +61,12 @@ class TargetBook:
 
     @property
     def disaggregated(self) -> bool:
-        """Whether any known engine is a prefill engine (healthy or not)."""
-        return bool(self._prefill)
+        """Whether discovery names any engine's role (prefill or decode, healthy or not): a
+        disaggregated fleet, even while none of its prefill engines is listed."""
+        return any(r is not Role.BOTH for r in self._roles.values())
+
+    def role(self, engine: str) -> Role:
+        return self._roles.get(engine, Role.BOTH)
 
     def revision(self, engine: str) -> str:
         return self._revisions.get(engine, "")
