@@ -10,6 +10,7 @@ window (``hit``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import random
 import shutil
@@ -200,6 +201,7 @@ class Traffic:
         self.reqs: list[Req] = []
         self.errors = 0
         self.last_error = ""  # the latest failed request's error, for a report
+        self.error_texts: collections.Counter[str] = collections.Counter()  # each error's text, counted
         self.model: str | None = None  # the body's model, when the path needs one
         self.stop = asyncio.Event()
         self.texts = Texts(seed)
@@ -292,6 +294,8 @@ class Traffic:
                     except (TimeoutError, aiohttp.ClientError, AssertionError, OSError) as e:
                         self.errors += 1
                         self.last_error = f"{type(e).__name__}: {e}"[:500]
+                        if len(self.error_texts) < 100:
+                            self.error_texts[self.last_error] += 1
                         await asyncio.sleep(0.1)
                         continue
                     self.reqs.append(Req(time.monotonic(), pod, rev, prompt, cached, ttft, conv.born))

@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         " waits for the room on the prefill engine, then pulls the blocks it lacks)",
     )
     p.add_argument(
+        "--revision",
+        default=d.revision,
+        help="this engine's revision (model and KV layout): a disaggregated decode leg prefilled by an engine"
+        " of another revision is refused (HTTP 500), as a KV connector refuses an incompatible peer",
+    )
+    p.add_argument(
         "--max-loras",
         type=Count(0).parse,
         default=d.max_loras,
@@ -175,6 +181,7 @@ def config_from_args(args: argparse.Namespace) -> FakeEngineConfig:
         kv_transfer=args.kv_transfer,
         transfer_us_per_block=args.transfer_us_per_block,
         disaggregation_mode=args.disaggregation_mode or "",
+        revision=args.revision,
         max_loras=args.max_loras,
         lora_load_ms=args.lora_load_ms,
         lora_modules=args.lora_modules,

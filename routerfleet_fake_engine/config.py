@@ -65,6 +65,9 @@ class FakeEngineConfig:
     # is that leg (transfer.py); a decode leg waits at most room_timeout_s for its room.
     disaggregation_mode: str = ""
     room_timeout_s: float = 30.0
+    # The engine's revision (model and KV layout, transfer.py): a decode leg prefilled by an engine of
+    # another revision is refused, as a KV connector's handshake refuses it. "": any.
+    revision: str = ""
     # prompt + max_tokens must fit, as vLLM refuses a request beyond its max_model_len (no allocation)
     max_model_len: int = 1 << 20
 

@@ -55,6 +55,11 @@ class EngineCollector(Collector):
         received = CounterMetricFamily(
             _P + "pd_received_blocks", "KV blocks decode legs pulled from a prefill engine", labels=["rank"]
         )
+        cross = CounterMetricFamily(
+            _P + "pd_cross_revision",
+            "Decode legs refused: prefilled by an engine of another revision",
+            labels=["rank"],
+        )
         for rank, (stats, cache) in enumerate(zip(engine.rank_stats, engine.caches, strict=True)):
             r = str(rank)
             for endpoint, n in sorted(stats.requests.items()):
@@ -65,6 +70,7 @@ class EngineCollector(Collector):
             legs.add_metric([r, "prefill"], stats.prefill_legs)
             legs.add_metric([r, "decode"], stats.decode_legs)
             received.add_metric([r], stats.received_blocks)
+            cross.add_metric([r], stats.cross_revision)
             blocks.add_metric([r, "device"], cache.resident(Tier.DEVICE))
             blocks.add_metric([r, "host"], cache.resident(Tier.HOST))
             if cache.config.disk_capacity:
@@ -75,7 +81,19 @@ class EngineCollector(Collector):
                 replays.add_metric([r], pstats.replays)
                 for name, n in sorted(pstats.events.items()):
                     events.add_metric([r, name], n)
-        yield from (requests, prompt, cached, generated, blocks, batches, events, replays, legs, received)
+        yield from (
+            requests,
+            prompt,
+            cached,
+            generated,
+            blocks,
+            batches,
+            events,
+            replays,
+            legs,
+            received,
+            cross,
+        )
 
         running = GaugeMetricFamily(_P + "requests_running", "Requests holding a running slot")
         running.add_metric([], engine.load.running)

@@ -102,6 +102,7 @@ class RankRequestStats:
     prefill_legs: int = 0  # requests prefilled for a remote decode (transfer.py)
     decode_legs: int = 0  # requests decoded on a remote prefill's KV
     received_blocks: int = 0  # blocks the decode legs pulled from a prefill engine
+    cross_revision: int = 0  # decode legs refused: prefilled by an engine of another revision
 
 
 @dataclass(slots=True)
@@ -401,10 +402,11 @@ class FakeEngine:
                 await ready.wait()
         except TimeoutError:
             return web.json_response({"error": "the room was never prefilled"}, status=504)
-        return web.json_response({"blocks": blocks[0]})
+        return web.json_response({"blocks": blocks[0], transfer.REVISION: self.config.revision})
 
-    async def _await_room(self, room: transfer.Room) -> int:
-        """The full blocks the prefill engine of ``room`` offers, once it has prefilled the prompt."""
+    async def _await_room(self, room: transfer.Room) -> tuple[int, str]:
+        """The full blocks the prefill engine of ``room`` offers, once it has prefilled the prompt, and
+        that engine's revision."""
         url = f"http://{room.host}:{room.port}/fake/rooms/{room.room}"
         timeout = aiohttp.ClientTimeout(total=self.config.room_timeout_s + 5)
         try:
@@ -413,7 +415,8 @@ class FakeEngine:
                     raise RequestError(
                         f"bootstrap room {room.room}: HTTP {r.status}", "bootstrap_room", status=500
                     )
-                return int((await r.json())["blocks"])
+                answer = await r.json()
+                return int(answer["blocks"]), str(answer.get(transfer.REVISION) or "")
         except (aiohttp.ClientError, TimeoutError) as e:
             raise RequestError(
                 f"bootstrap room {room.room}: {type(e).__name__}", "bootstrap_room", status=500
@@ -638,15 +641,25 @@ class FakeEngine:
             stats = self.rank_stats[rank]
             received = 0
             offered: int | None = None
+            theirs = ""
             if (remote is not None and remote.decode) or mode == "prefill":
                 stats.prefill_legs += 1
             elif remote is not None and remote.prefill_blocks is not None:
-                offered = remote.prefill_blocks
+                offered, theirs = remote.prefill_blocks, remote.revision
             elif mode == "decode" and room is not None:
                 try:
-                    offered = await self._await_room(room)
+                    offered, theirs = await self._await_room(room)
                 except RequestError as e:
                     return web.json_response(errors(e), status=e.status)
+            if offered is not None and not transfer.compatible(cfg.revision, theirs):
+                stats.cross_revision += 1
+                e = RequestError(
+                    f"cross-revision KV transfer refused: prefilled by revision {theirs!r}, this engine is"
+                    f" {cfg.revision!r}",
+                    transfer.PARAMS,
+                    status=500,
+                )
+                return web.json_response(errors(e), status=e.status)
             if offered is not None:
                 received = transfer.received_blocks(n_prompt, cached, offered, cfg.block_size)
                 stats.decode_legs += 1
@@ -676,7 +689,7 @@ class FakeEngine:
                     body = shape.full(text, usage)
                     if remote is not None and remote.decode:
                         body[transfer.PARAMS] = transfer.answer_params(
-                            self.incarnation, cfg.host, self.port, n_prompt, cfg.block_size
+                            self.incarnation, cfg.host, self.port, n_prompt, cfg.block_size, cfg.revision
                         )
                     self._keep(req, shape, text, usage)
                     response = web.json_response(body, headers=headers)

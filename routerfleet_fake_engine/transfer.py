@@ -23,6 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 PARAMS = "kv_transfer_params"
+# The fake's stand-in for a KV connector's handshake, which refuses a peer of another model or KV layout:
+# a prefill engine's --revision travels with its transfer parameters (and its room), and a decode engine
+# of another revision refuses the KV (``compatible``).
+REVISION = "fake_engine_revision"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +36,7 @@ class Remote:
     decode: bool  # a prefill leg: hold the KV for a remote decode
     prefill_blocks: int | None  # a decode leg: the full blocks the prefill engine offers (None: not one)
     engine_id: str | None = None
+    revision: str = ""  # the prefill engine's (REVISION)
 
 
 class TransferError(ValueError):
@@ -51,7 +56,8 @@ def remote_of(body: Any) -> Remote | None:
         ids, engine = params.get("remote_block_ids"), params.get("remote_engine_id")
         if not isinstance(ids, list) or not isinstance(engine, str) or not engine:
             raise TransferError(f"'{PARAMS}' of a remote prefill needs remote_block_ids and remote_engine_id")
-        return Remote(decode=False, prefill_blocks=len(ids), engine_id=engine)
+        revision = params.get(REVISION)
+        return Remote(False, len(ids), engine, revision if isinstance(revision, str) else "")
     return None
 
 
@@ -76,9 +82,17 @@ def room_of(body: Any) -> Room | None:
     return Room(host, port, room)
 
 
-def answer_params(engine_id: str, host: str, port: int, n_prompt: int, block_size: int) -> dict[str, Any]:
+def compatible(ours: str, theirs: str) -> bool:
+    """Whether a decode engine of revision ``ours`` can take KV prefilled by one of ``theirs``."""
+    return not ours or not theirs or ours == theirs
+
+
+def answer_params(
+    engine_id: str, host: str, port: int, n_prompt: int, block_size: int, revision: str = ""
+) -> dict[str, Any]:
     """The prefill leg's answer: where the decode engine pulls the prompt's full blocks from."""
     return {
+        REVISION: revision,
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": engine_id,

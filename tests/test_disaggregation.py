@@ -151,6 +151,7 @@ async def pd_fleet(
     timeout_s=10.0,
     protocol=Protocol.VLLM,
     engine_kw=None,
+    engine_revisions=None,
 ):
     """``decode`` and ``prefill`` fake engines serving ``protocol``'s disaggregated prefill, as static
     workers of one kv_aware router (``extra``: more WorkerSpecs; ``revisions``: per engine, decode ones
@@ -163,6 +164,7 @@ async def pd_fleet(
                     block_size=BS,
                     kv_transfer=not sglang,
                     disaggregation_mode=("decode" if i < decode else "prefill") if sglang else "",
+                    revision=engine_revisions[i] if engine_revisions else "",
                     **(engine_kw or {}),
                 )
             )
@@ -449,3 +451,19 @@ async def test_an_sglang_decode_engine_that_refuses_a_request_answers_for_itself
         messages = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
         async with f.session.post(f.url + "/v1/messages", json=messages) as r:
             assert r.status == 400 and "completions, chat and /generate" in await r.text()
+
+
+async def test_engines_of_two_revisions_refuse_each_others_kv_and_the_router_never_pairs_them():
+    body = {"prompt": list(range(50, 90)), "max_tokens": 2}
+    # The router not told their revisions: a remote prefill pairs them, and the decode engine refuses.
+    async with pd_fleet(decode=1, prefill=1, engine_revisions=["v1", "v2"]) as f:
+        async with f.session.post(f.url + "/v1/completions", json=body) as r:
+            assert r.status == 500 and "cross-revision" in await r.text()
+        assert f.decoders[0].rank_stats[0].cross_revision == 1
+    # Told (discovery reads them off the pods): the decode engine prefills by itself.
+    async with pd_fleet(decode=1, prefill=1, engine_revisions=["v1", "v2"], revisions=["v1", "v2"]) as f:
+        async with f.session.post(f.url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+        assert (
+            verdicts(f.router)["no_prefill_engine"] == 1 and f.decoders[0].rank_stats[0].cross_revision == 0
+        )

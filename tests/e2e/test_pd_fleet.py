@@ -3,7 +3,9 @@ on a real control plane: fake engines in two Deployments, one that decodes and o
 KV-connector flow, the fake engine's ``--kv-transfer``), both labelled with one engine revision. The
 routers find both pools through their Services' EndpointSlices and each engine's revision from its pod;
 a multi-turn chat workload is prefilled remotely when a decode engine misses a long prefix and locally
-when it misses a short suffix; a seed-gated rolling restart of the routers under it fails no request.
+when it misses a short suffix; a seed-gated rolling restart of the routers under it fails no request;
+an engine rolling update to a new revision under it never pairs a prefill and a decode engine of two
+revisions (the fake engines refuse such KV, as a connector's handshake does).
 
     .venv/bin/python -m e2e.cluster pytest -q tests/e2e/test_pd_fleet.py
 """
@@ -11,6 +13,8 @@ when it misses a short suffix; a seed-gated rolling restart of the routers under
 from __future__ import annotations
 
 import asyncio
+import base64
+import time
 
 import aiohttp
 import pytest
@@ -18,6 +22,7 @@ import test_operator
 from test_gateway import rolled_under_traffic
 from test_operator import FLEET, GROUP, PLURAL, VERSION, _local_only, fleet_manifest, wait_fleet_ready
 
+from e2e import fleet_traffic as T
 from e2e.fleet import (
     ENGINE,
     ROUTER_PORT,
@@ -49,7 +54,7 @@ def deploy_pools(cluster, ns: str) -> None:
         template["metadata"] = {"labels": {**labels, **REVISION}}
         spec = template["spec"] = {**template["spec"]}
         engine = {**spec["containers"][0]}
-        engine["args"] = [*engine["args"], "--kv-transfer", "--transfer-us-per-block=50"]
+        engine["args"] = [*engine["args"], "--kv-transfer", "--transfer-us-per-block=50", "--revision=v1"]
         spec["containers"] = [engine]
         dep = {**dep, "metadata": {"name": name, "labels": labels}}
         dep["spec"] = {**dep["spec"], "selector": {"matchLabels": labels}, "template": template}
@@ -61,9 +66,61 @@ def deploy_pools(cluster, ns: str) -> None:
         apply(cluster.api, ns, [dep, svc])
 
 
+def to_revision(cluster, ns: str, revision: str) -> None:
+    """An engine rolling update of both pools to ``revision`` (their label and the engines' own)."""
+    for name in (PREFILL, DECODE):
+        dep = cluster.apps.read_namespaced_deployment(name, ns)
+        container = dep.spec.template.spec.containers[0]
+        args = [a for a in container.args if not a.startswith("--revision=")] + [f"--revision={revision}"]
+        patch = {
+            "spec": {
+                "template": {
+                    "metadata": {"labels": {"app.kubernetes.io/version": revision}},
+                    "spec": {"containers": [{"name": container.name, "args": args}]},
+                }
+            }
+        }
+        cluster.apps.patch_namespaced_deployment(name, ns, patch)
+
+
+def rolled_out(cluster, ns: str) -> bool:
+    for name in (PREFILL, DECODE):
+        d = cluster.apps.read_namespaced_deployment(name, ns)
+        s = d.status
+        want = d.spec.replicas
+        if (s.observed_generation or 0) < d.metadata.generation or (s.updated_replicas or 0) < want:
+            return False
+        if (s.replicas or 0) != want or (s.ready_replicas or 0) < want:
+            return False
+    return True
+
+
+async def engine_rollout_under_traffic(cluster, ns: str, token: str) -> T.Traffic:
+    """Chats through the routers for 10 s, then both pools rolled to revision v2, then 5 s more."""
+    traffic = T.Traffic(T.Kube(str(cluster.kubeconfig)), ns, FLEET, token, seed=12)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        await traffic.refresh(session)
+        tasks = [asyncio.create_task(traffic.monitor(session))]
+        tasks += [asyncio.create_task(traffic.worker(session)) for _ in range(T.WORKERS)]
+        try:
+            await asyncio.sleep(10)
+            await asyncio.to_thread(to_revision, cluster, ns, "v2")
+            traffic.trigger = time.monotonic()
+            deadline = time.monotonic() + 240
+            while not await asyncio.to_thread(rolled_out, cluster, ns):
+                assert time.monotonic() < deadline, "the engines' rolling update did not end within 240 s"
+                await asyncio.sleep(1)
+            traffic.done = time.monotonic()
+            await asyncio.sleep(5)
+        finally:
+            traffic.stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return traffic
+
+
 async def engine_legs(session: aiohttp.ClientSession, pods) -> dict[str, float]:
     """The engines' disaggregated legs, summed: prefill, decode, and blocks the decode legs pulled."""
-    out = {"requests": 0.0, "prefill": 0.0, "decode": 0.0, "received": 0.0}
+    out = {"requests": 0.0, "prefill": 0.0, "decode": 0.0, "received": 0.0, "cross": 0.0}
     for p in pods:
         async with session.get(pod_url(p, 8000) + "/metrics") as r:
             m = parse_metrics(await r.text())
@@ -74,6 +131,8 @@ async def engine_legs(session: aiohttp.ClientSession, pods) -> dict[str, float]:
                 out["received"] += v
             elif k.startswith("routerfleet_fake_engine_requests_total{"):
                 out["requests"] += v
+            elif k.startswith("routerfleet_fake_engine_pd_cross_revision_total"):
+                out["cross"] += v
     return out
 
 
@@ -127,3 +186,28 @@ def test_a_disaggregated_fleet_prefills_where_it_pays_and_rolls_out_under_traffi
     assert on_decode["decode"] <= on_prefill["prefill"]  # every decode leg had its prefill
     assert on_decode["requests"] > 2 * on_decode["decode"], (on_decode, said)
     assert said["short_suffix"] > 0 and said["prefill_failed"] == 0, said
+
+    # ---- an engine rolling update to revision v2 under the workload
+    secret = cluster.core.read_namespaced_secret(f"{FLEET}-internal-token", ns)
+    token = base64.b64decode(secret.data["token"]).decode()
+    traffic = asyncio.run(engine_rollout_under_traffic(cluster, ns, token))
+    during = [r for r in traffic.reqs if traffic.trigger <= r.t < traffic.done]
+    after = [r for r in traffic.reqs if r.t >= traffic.done]
+    print(
+        f"[disaggregated] engine rollout: {len(during)} requests during, {len(after)} after,"
+        f" errors {dict(traffic.error_texts)}"
+    )
+    refused = {e: n for e, n in traffic.error_texts.items() if "cross-revision" in e}
+    assert not refused, refused  # no prefill and decode engine of two revisions were ever paired
+    assert len(during) > 20 and len(after) > 10
+    # Engines of one revision pair again once both pools are rolled: remote prefills on v2.
+    prefill = core.list_namespaced_pod(ns, label_selector=f"app.kubernetes.io/name={PREFILL}").items
+    decode = core.list_namespaced_pod(ns, label_selector=f"app.kubernetes.io/name={DECODE}").items
+
+    async def v2_figures():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            return await engine_legs(s, prefill), await engine_legs(s, decode)
+
+    on_prefill, on_decode = asyncio.run(v2_figures())
+    print(f"[disaggregated] v2 prefill engines {on_prefill}, v2 decode engines {on_decode}")
+    assert on_decode["cross"] == 0 and on_prefill["prefill"] > 0
