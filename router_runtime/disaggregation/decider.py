@@ -53,7 +53,7 @@ def need(decision: Decision, n_tokens: int | None, block_size: int, threshold_to
 
 
 def paired(prefill: Sequence[Target], decode: Target, revision: Callable[[str], str]) -> tuple[Target, ...]:
-    """The prefill targets that may hand their KV to ``decode``: the same engine revision (a pod
-    template hash: the same model and KV layout), or a revision unknown on both sides."""
+    """The prefill targets that may hand their KV to ``decode``: the same engine revision (the same
+    model and KV layout), or none named on both sides."""
     want = revision(decode.engine)
     return tuple(t for t in prefill if revision(t.engine) == want)

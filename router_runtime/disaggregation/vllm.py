@@ -78,5 +78,4 @@ def decode_body(raw: bytes, body: dict[str, Any], params: TransferParams | None)
     parameters, or without any (the decode engine prefills itself)."""
     if params is None:
         return without_member(raw, body, PARAMS)[0]
-    raw, body = without_member(raw, body, PARAMS)
-    return with_member(raw, body, PARAMS, params.value)[0]
+    return with_member(raw, body, PARAMS, params.value)[0]  # over the client's own, if any

@@ -170,9 +170,9 @@ class PodReading:
 
 class PodReadings:
     """What each engine pod declares beyond its slice, merged into its WorkerSpec: the storage identity
-    of its annotation (``storage_annotation.py``, with ``storage_key``) and its template's revision (with
-    ``revisions``: disaggregation pairs engines of one revision). The pod is read once per UID (GET,
-    metadata only); readings are kept while the UID is in a watched slice.
+    of its annotation (``storage_annotation.py``, with ``storage_key``) and its engine revision (the pod
+    label ``revision_label``: disaggregation pairs engines of one revision). The pod is read once per
+    UID (GET, metadata only); readings are kept while the UID is in a watched slice.
 
     Decided once per incarnation, whatever the outcome: a spec that changed afterwards (an answer that
     came after the set was published, a retried failure) would look to the KV plane like the engine
@@ -369,7 +369,7 @@ class EndpointSliceWatcher(Reflector):
         self.storage_annotation = storage_annotation or None
         self._storage_timeout_s = storage_timeout_s
         self.revision_label = revision_label
-        self.pods: PodReadings | None = None  # once started, with storage_annotation or revisions
+        self.pods: PodReadings | None = None  # once started, with storage_annotation or revision_label
 
     @property
     def workers(self) -> list[WorkerSpec] | None:
