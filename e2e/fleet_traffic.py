@@ -201,6 +201,7 @@ class Traffic:
         self.reqs: list[Req] = []
         self.errors = 0
         self.last_error = ""  # the latest failed request's error, for a report
+        self.error_at: list[float] = []  # when each failed (monotonic), for a report against the trigger
         self.error_texts: collections.Counter[str] = collections.Counter()  # each error's text, counted
         self.model: str | None = None  # the body's model, when the path needs one
         self.stop = asyncio.Event()
@@ -210,6 +211,7 @@ class Traffic:
             self.convs.put_nowait(self.texts.conv())
         self.rr = 0
         self.old_rev: str | None = None
+        self.old_pods: list[str] = []  # the Ready pods when the restart was asked for (a test's record)
         self.replicas: dict[str, Replica] = {}
         self.trigger: float | None = None
         self.done: float | None = None
@@ -293,6 +295,7 @@ class Traffic:
                         )
                     except (TimeoutError, aiohttp.ClientError, AssertionError, OSError) as e:
                         self.errors += 1
+                        self.error_at.append(time.monotonic())
                         self.last_error = f"{type(e).__name__}: {e}"[:500]
                         if len(self.error_texts) < 100:
                             self.error_texts[self.last_error] += 1

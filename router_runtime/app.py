@@ -56,6 +56,7 @@ from .kv.withhold import WithholdReason
 from .proxy import log_redaction
 from .proxy.audit import PredictionAudit
 from .proxy.debug import DebugPrediction
+from .proxy.drain import Drain
 from .proxy.endpoints import FORWARDED
 from .proxy.errors import ProxyError, openai_errors
 from .proxy.health import AnswerProvesUp, BreakerState, HealthBoard, HealthChecker
@@ -85,6 +86,7 @@ log = logging.getLogger(__name__)
 
 
 METRICS_PAGES = ("/metrics", "/debug/index", "/debug/load")  # the metrics port's pages
+PROBES = ("/healthz", "/readyz")  # the kubelet's, not clients'
 
 
 class Router:
@@ -107,7 +109,7 @@ class Router:
         self.replica_id = os.environ.get("POD_NAME") or f"router-{os.getpid()}"
         # Unique per process even where ids repeat (pid 1 in every container, replicas in one test).
         self.incarnation = f"{os.getpid()}-{int(time.time() * 1000)}-{secrets.token_hex(4)}"
-        self.draining = False  # set by drain() on SIGTERM
+        self.drained: Drain | None = None  # set by drain() on SIGTERM
         # The fleet token: the internal port's, the siblings', and the debug prediction's credential.
         self.token = read_token(config.internal.token_file) if config.internal.token_file else None
         self.kv = KVPlane(config.kv, self.registry)
@@ -564,10 +566,29 @@ class Router:
             return Cause(CauseCode.NO_ENGINES, f"no engines discovered{where}")
         return None
 
-    def drain(self) -> None:
+    def drain(self) -> Drain:
         """Shutting down: not Ready from now on, and every response closes its connection, so clients
-        move off before the server stops listening (cli.py)."""
-        self.draining = True
+        move off before the server stops listening (cli.py waits out the drain returned)."""
+        if self.drained is None:
+            p = self.config.proxy
+            self.drained = Drain(p.shutdown_drain_s, max(p.shutdown_drain_s, p.shutdown_drain_max_s))
+        return self.drained
+
+    @property
+    def draining(self) -> bool:
+        return self.drained is not None
+
+    def picked(self) -> None:
+        """A gateway opened a pick stream (counted while draining: the gateway has not moved off yet)."""
+        if self.drained is not None:
+            self.drained.pick()
+
+    @web.middleware
+    async def _arrivals(self, request: web.Request, handler) -> web.StreamResponse:
+        # a client that has not moved off yet (a probe is no client: the kubelet probes till the end)
+        if self.drained is not None and request.path not in PROBES:
+            self.drained.request()
+        return await handler(request)
 
     def ready(self) -> tuple[bool, str]:
         if self.draining:
@@ -610,7 +631,7 @@ class Router:
     def build_app(self) -> web.Application:
         # aiohttp refuses a body of client_max_size or more; the proxy answers 413 itself above the limit.
         app = web.Application(
-            client_max_size=self.config.proxy.max_body_bytes + 1, middlewares=[openai_errors]
+            client_max_size=self.config.proxy.max_body_bytes + 1, middlewares=[self._arrivals, openai_errors]
         )
         app.router.add_post("/v1/completions", self.proxy.completions)
         app.router.add_post("/v1/chat/completions", self.proxy.chat_completions)
@@ -755,6 +776,7 @@ async def run_router(
                 bodies=router.proxy.bodies,
                 tracer=router.tracer,
                 conformance_test=gateway.conformance_test,
+                arrived=router.picked,
             )
             epp_host = gateway.host or config.host
             tls = (
@@ -766,7 +788,7 @@ async def run_router(
             def ready() -> bool:
                 return router.probed_ready()[0]
 
-            epp, epp_port = await serve(picker, epp_host, gateway.port, ready, tls)
+            epp, epp_port = await serve(picker, epp_host, gateway.port, ready, tls, gateway.connection_age_s)
             router.epp_address = f"{epp_host}:{epp_port}"
             router.epp_server = epp
             if gateway.health_port is not None:

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import logging
 import signal
+import time
 
 from .app import run_router
 from .config import RouterConfig, parse_args
@@ -34,14 +35,17 @@ async def _serve(config: RouterConfig) -> None:
         # every half second under load.
         gc.freeze()
         await stop.wait()
-        # Drain: not Ready, every response closes its connection, and new requests are still served,
-        # while the Service's endpoints and the clients' pools catch up; a second signal cuts it short.
-        # Then the server stops listening and waits for the requests in flight.
+        # Drain: not Ready, every response closes its connection, and new requests and picks are still
+        # served, while the Service's endpoints, the gateways and the clients' pools catch up (drain.py);
+        # a second signal cuts it short. Then the server stops listening and waits for the requests in
+        # flight.
         stop.clear()
-        router.drain()
-        log.info("draining for %.1fs", config.proxy.shutdown_drain_s)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), config.proxy.shutdown_drain_s)
+        drain = router.drain()
+        log.info("draining: at least %.1fs, at most %.1fs", drain.minimum, drain.maximum)
+        while not stop.is_set() and (wait := drain.remaining(time.monotonic())) > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)
+        log.info("%s", drain.summary(time.monotonic()))
     log.info("router stopped")
 
 

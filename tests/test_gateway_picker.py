@@ -83,7 +83,8 @@ async def run_envoy(text: str, listen: int, tmp_path: Path) -> AsyncIterator[str
     config = tmp_path / "envoy.yaml"
     config.write_text(text)
     log = (tmp_path / "envoy.log").open("wb")
-    proc = subprocess.Popen(envoy_argv(config), stdout=log, stderr=subprocess.STDOUT)
+    argv = [*envoy_argv(config), "--admin-address-path", str(tmp_path / "envoy.admin")]
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -146,6 +147,14 @@ async def gateway(
         urls = [e.http_url for e in engines]
         base = await stack.enter_async_context(envoy(router.epp_address, urls, tmp_path, fail_open, duplex))
         yield engines, router, base
+
+
+async def envoy_counter(tmp_path: Path, name: str) -> int:
+    """One of Envoy's counters, read off its admin port (run_envoy)."""
+    admin = (tmp_path / "envoy.admin").read_text().strip()
+    async with aiohttp.ClientSession() as s, s.get(f"http://{admin}/stats?filter=^{name}$") as r:
+        text = await r.text()
+    return int(text.split(":")[1])
 
 
 def audited(router, outcome: str) -> float:
@@ -340,6 +349,32 @@ async def test_a_body_larger_than_one_streamed_answer_reaches_the_engine_whole_i
 # ---- the protocol's shapes, without I/O ------------------------------------------------------------
 
 
+@BODY_MODES
+async def test_the_picker_renews_a_gateways_connection_without_losing_a_pick(tmp_path, duplex):
+    """A gateway keeps one connection to the picker, which a Service pins to one replica: the picker tells
+    it to go away once it is connection_age_s old, so a draining replica's gateways move off (and a
+    fleet's spread). Under a steady stream of requests through the real Envoy, its connection renewed
+    every 0.3 s, no request fails: the streams sent before the gateway saw the GOAWAY are still served."""
+    picker = PickerConfig(port=0, connection_age_s=0.3)
+    async with gateway(tmp_path, duplex=duplex, picker=picker) as (_engines, _router, base):
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 2.5
+
+        async def client(s: aiohttp.ClientSession, i: int) -> int:
+            body = {"model": "m", "prompt": [i, *PROMPT], "max_tokens": 1}
+            n = 0
+            while loop.time() < until:
+                async with s.post(base + "/v1/completions", json=body) as r:
+                    assert r.status == 200, (r.status, await r.text())
+                n += 1
+            return n
+
+        async with aiohttp.ClientSession() as s:
+            served = await asyncio.gather(*(client(s, i) for i in range(4)))
+        assert sum(served) >= 40, served
+        assert await envoy_counter(tmp_path, "cluster.picker.upstream_cx_total") >= 4
+
+
 def test_a_pick_names_the_engine_in_the_header_and_the_lb_metadata_and_pins_a_rank():
     assert Target("e", "http://10.0.0.5:8000").endpoint == "10.0.0.5:8000"
     assert Target("e", "http://engine.local").endpoint == "engine.local:80"
@@ -462,7 +497,7 @@ async def test_the_pickers_grpc_health_follows_readiness(tmp_path, tls):
         assert await status("envoy.service.ext_proc.v3.ExternalProcessor") == answer.SERVING
         assert await status("") == answer.SERVING
         assert await status("inference-extension", probe) == answer.SERVING
-        router.draining = True  # as on SIGTERM: out of the gateway's rotation with /readyz
+        router.drain()  # as on SIGTERM: out of the gateway's rotation with /readyz
         assert await status("envoy.service.ext_proc.v3.ExternalProcessor") == answer.NOT_SERVING
         assert await status("inference-extension", probe) == answer.NOT_SERVING
         with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import re
 import signal
 import sys
 
@@ -214,12 +215,16 @@ async def test_the_router_process_serves_requests():
         assert "policy kv_aware" in log and "hello" not in log  # never log prompts
 
 
-async def test_sigterm_drains_before_the_server_stops():
-    """On SIGTERM the router stays up for --shutdown-drain-ms: /readyz says it is shutting down, requests
-    are still served, each with Connection: close (no idle keep-alive connection for the final close to
-    catch a client's next request on); then it exits 0."""
+async def test_sigterm_drains_while_requests_still_arrive_then_stops_by_itself():
+    """On SIGTERM the router stays up at least --shutdown-drain-ms, and longer while requests still arrive
+    (a gateway whose xDS lags, a client that has not moved off): /readyz says it is shutting down, each
+    request is still served, with Connection: close (no idle keep-alive connection for the final close
+    to catch a client's next request on); once nothing has arrived for a second it exits 0 by itself,
+    and says what arrived while it drained."""
     async with run_fake_engine(block_size=16) as engine:
-        proc, url, _metrics = await start_router(engine, "--shutdown-drain-ms", "30000")
+        proc, url, _metrics = await start_router(
+            engine, "--shutdown-drain-ms", "500", "--shutdown-drain-max-ms", "30000"
+        )
         try:
             async with aiohttp.ClientSession() as s:
                 await until_readyz(s, proc, url, 200)
@@ -229,12 +234,42 @@ async def test_sigterm_drains_before_the_server_stops():
                 await until_readyz(s, proc, url, 503)
                 async with s.get(url + "/readyz") as r:
                     assert (await r.json())["reason"] == "shutting down"
-                async with s.post(url + "/v1/completions", json={"prompt": "b", "max_tokens": 1}) as r:
-                    assert r.status == 200 and r.headers["Connection"].lower() == "close"
+                loop = asyncio.get_running_loop()
+                t0 = loop.time()
+                while loop.time() - t0 < 3:  # six times the minimum drain, a request every 0.3 s
+                    async with s.post(url + "/v1/completions", json={"prompt": "b", "max_tokens": 1}) as r:
+                        assert r.status == 200 and r.headers["Connection"].lower() == "close"
+                    await asyncio.sleep(0.3)
+                _, stderr = await asyncio.wait_for(proc.communicate(), 10)
         finally:
-            proc.send_signal(signal.SIGTERM)  # the second signal ends the drain
-            _, stderr = await asyncio.wait_for(proc.communicate(), 20)
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        log = stderr.decode()
+        assert proc.returncode == 0, log[-2000:]
+        said = r"drained ([\d.]+)s: (\d+) requests and 0 picks arrived, the last ([\d.]+)s in"
+        summary = re.search(said, log)
+        assert summary is not None, log[-2000:]
+        took, requests, last = float(summary[1]), int(summary[2]), float(summary[3])
+        assert requests >= 9 and last > 2 and took >= last + 0.9, log[-2000:]  # 4x past the minimum
+
+
+async def test_a_second_sigterm_ends_the_drain():
+    async with run_fake_engine(block_size=16) as engine:
+        proc, url, _metrics = await start_router(engine, "--shutdown-drain-ms", "30000")
+        try:
+            async with aiohttp.ClientSession() as s:
+                await until_readyz(s, proc, url, 200)
+                proc.send_signal(signal.SIGTERM)
+                await until_readyz(s, proc, url, 503)
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = await asyncio.wait_for(proc.communicate(), 10)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
         assert proc.returncode == 0, stderr.decode()[-2000:]
+        assert "0 requests and 0 picks arrived" in stderr.decode()
 
 
 GRACE_MARGIN_S = 5.0  # what a loaded node may add between the kubelet's SIGTERM and the process's exit

@@ -27,6 +27,15 @@ class PickerConfig:
     health_port: int | None = None
     # TEST ONLY (the extension's conformance suite): a request's own header names its endpoints.
     conformance_test: bool = False
+    # A gateway that reaches the picker through its Service's ClusterIP keeps one HTTP/2 connection, so
+    # every pick of that gateway goes to the replica the connection happened to reach, and keeps going
+    # there while the replica drains: a server stop under that traffic cancels the picks that race it
+    # (the gateway answers 500). So each connection is told to go away (a graceful GOAWAY, while the
+    # server still takes the streams sent before it) once this old: the gateway reconnects through the
+    # Service, which by then leads to a Ready replica, and the drain sees the picks stop well inside
+    # its maximum (proxy/drain.py). Streams in flight finish on the old connection; the gRPC core adds
+    # its own jitter (+-10 %), so a fleet's connections do not all renew at once.
+    connection_age_s: float = 5.0
 
 
 FLAGS = (

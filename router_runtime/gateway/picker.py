@@ -137,8 +137,10 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         bodies: Bodies | None = None,
         tracer: Tracer = OFF,
         conformance_test: bool = False,
+        arrived: Callable[[], None] = lambda: None,
     ) -> None:
         self.scheduler = scheduler
+        self.arrived = arrived  # each stream, as it opens (the router's drain counts them)
         # TEST ONLY (--epp-conformance-test): requests name their endpoints (protocol.TEST_SELECTION).
         self.conformance_test = conformance_test
         self.tracer = tracer
@@ -156,6 +158,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
     async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
+        self.arrived()
         stream = _Stream(self.bodies.share())
         try:
             async for message in request_iterator:
@@ -453,15 +456,20 @@ async def serve(
     host: str,
     port: int,
     ready: Callable[[], bool],
-    credentials: grpc.ServerCredentials | None = None,
+    credentials: grpc.ServerCredentials | None,
+    connection_age_s: float,
 ) -> tuple[grpc.aio.Server, int]:
     """The picker, and its gRPC health (``ready``: as ``/readyz``), on a started gRPC server at
     ``host:port``, over TLS with ``credentials`` (None: plaintext); returns it and the port bound. A
-    message may carry a whole buffered body, so the size cap is the body cap plus room for headers."""
+    message may carry a whole buffered body, so the size cap is the body cap plus room for headers.
+    Each connection is told to go away once ``connection_age_s`` old (PickerConfig says why)."""
     cap = picker.config.max_body_bytes + (1 << 20)
-    server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", cap), ("grpc.max_send_message_length", cap)]
-    )
+    options = [
+        ("grpc.max_receive_message_length", cap),
+        ("grpc.max_send_message_length", cap),
+        ("grpc.max_connection_age_ms", int(connection_age_s * 1000)),
+    ]
+    server = grpc.aio.server(options=options)
     epg.add_ExternalProcessorServicer_to_server(picker, server)
     health_pb2_grpc.add_HealthServicer_to_server(PickerHealth(ready), server)
     address = f"{host}:{port}"

@@ -46,10 +46,12 @@ class ProxyConfig:
     # Every prompt-bearing request's cache_salt derived from its tenant (salting.py), so engines never
     # share KV across tenants.
     tenant_cache_salt: bool = False
-    # On SIGTERM: this long not Ready, closing each connection after its response, before the server
-    # stops listening (cli.py); then requests still in flight get this long before they are cut.
-    # Together with the stop's own bound they fit the pod's 30 s grace period with room to spare.
+    # On SIGTERM: at least this long not Ready, closing each connection after its response, and longer
+    # while requests or picks still arrive, up to the maximum, before the server stops listening
+    # (drain.py); then requests still in flight get the timeout before they are cut. Together with
+    # the stop's own bound they fit the pod's 30 s grace period.
     shutdown_drain_s: float = 5.0
+    shutdown_drain_max_s: float = 12.0
     shutdown_timeout_s: float = 10.0
     # Each engine's /v1/models is read this often for the LoRA adapters it serves, so that a request
     # naming one as its model is routed in the adapter's KV namespace (discovery/served_models.py); 0: off.
@@ -99,8 +101,16 @@ FLAGS = (
         "--shutdown-drain-ms",
         "proxy.shutdown_drain_s",
         Ms(0),
-        "on SIGTERM, stay up this long not Ready, closing connections after each response, so the"
-        " Service and clients move off before the server stops (keep it below the pod's termination"
+        "on SIGTERM, stay up at least this long not Ready, closing connections after each response,"
+        " so the Service, gateways and clients move off before the server stops; longer while requests"
+        " or picks still arrive (until none for 1 s), up to --shutdown-drain-max-ms",
+    ),
+    Flag(
+        "--shutdown-drain-max-ms",
+        "proxy.shutdown_drain_max_s",
+        Ms(0),
+        "the longest drain on SIGTERM (at least --shutdown-drain-ms), however late requests still"
+        " arrive (this plus --shutdown-timeout-ms plus a few seconds must fit the pod's termination"
         " grace period)",
     ),
     Flag(

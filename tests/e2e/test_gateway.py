@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import time
 from pathlib import Path
 
@@ -105,6 +106,7 @@ async def rolling_restart_under_traffic(
         tasks += [asyncio.create_task(traffic.worker(session)) for _ in range(T.WORKERS)]
         try:
             await asyncio.sleep(15)
+            traffic.old_pods = [pod for pod, _ip, _rev in traffic.ready]
             traffic.trigger = time.monotonic()
             stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             patch = {"metadata": {"annotations": {ANNOTATION_RESTARTED_AT: stamp}}}
@@ -134,11 +136,33 @@ def rolled_under_traffic(
     after = [r for r in traffic.reqs if r.t >= traffic.done]
     figures = {k: T.hit(v) for k, v in (("before", before), ("during", during), ("after", after))}
     print(f"[{label}] rolling restart: errors {traffic.errors}, (hit, requests, TTFT p50 ms) {figures}")
-    assert traffic.errors == 0, (traffic.last_error, figures)
+    at = [round(t - trigger, 1) for t in traffic.error_at]  # seconds after the restart was asked for
+    assert traffic.errors == 0, (traffic.last_error, at, figures)
     assert len(during) > 20 and len(after) > 10, figures
     assert figures["after"][0] >= 0.8 * figures["before"][0], figures
     new = [r for r in traffic.replicas.values() if r.verdict is not None]
     assert len(new) == 3 and all(r.verdict in ("warm", "warm_unwitnessed", "from_origin") for r in new), new
+    # Each old replica's drain ended once nothing arrived any more, not at its maximum: its gateways
+    # and clients had moved off before its servers stopped (a stop under traffic cancels what races it).
+    old = traffic.old_pods
+    cluster.wait_for(
+        "the old replicas gone (their drains logged)",
+        lambda: not {p.metadata.name for p in cluster.core.list_namespaced_pod(ns).items} & set(old),
+        60,
+    )
+    drains = {pod: drain_of(cluster.container_log(ns, pod, "router")) for pod in old}
+    print(f"[{label}] drains (at least, at most, took): {drains}")
+    assert len(old) == 3 and all(d is not None for d in drains.values()), drains
+    assert all(took < most or least == most for least, most, took in drains.values()), drains
+
+
+DRAIN = re.compile(r"draining: at least ([\d.]+)s, at most ([\d.]+)s.*?drained ([\d.]+)s", re.S)
+
+
+def drain_of(log: str) -> tuple[float, float, float] | None:
+    """A router's drain, off its log (cli.py): its minimum, its maximum, and how long it took."""
+    m = DRAIN.search(log)
+    return None if m is None else (float(m[1]), float(m[2]), float(m[3]))
 
 
 def paused_on_block_size(cluster, crd, ns: str) -> tuple[dict, list]:
