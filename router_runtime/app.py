@@ -190,19 +190,21 @@ class Router:
                 kubeconfig=d.kubeconfig,
                 registry=self.registry,
                 watch_timeout_s=d.watch_timeout_s,
+                revision_label=d.revision_label,
+                role_label=d.role_label,
             )
         elif d.selector:
-            pd = bool(d.prefill_selector)
             self.engine_watcher = EndpointSliceWatcher(
                 d.watched_namespace(),
                 d.selector,
-                self._role_changed(Role.DECODE) if pd else self.set_workers,
+                self._role_changed(Role.DECODE) if d.prefill_selector else self.set_workers,
                 config=d.engines(),
                 kubeconfig=d.kubeconfig,
                 registry=self.registry,
                 watch_timeout_s=d.watch_timeout_s,
                 storage_annotation=d.storage_annotation or None,
-                revision_label=d.revision_label if pd else None,
+                revision_label=d.revision_label if d.disaggregated else None,
+                role_label=d.role_label,
             )
         if d.prefill_selector and self.engine_watcher is not None:
             self.prefill_watcher = EndpointSliceWatcher(

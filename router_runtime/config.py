@@ -231,6 +231,10 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         )
     if c.discovery.prefill_selector and not c.discovery.selector:
         parser.error("argument --k8s-prefill-selector: needs --k8s-selector (the decode engines)")
+    if c.discovery.role_label and c.discovery.prefill_selector:
+        parser.error("argument --k8s-role-label: not with --k8s-prefill-selector (one way to name roles)")
+    if c.discovery.role_label and not (c.discovery.selector or c.discovery.pool):
+        parser.error("argument --k8s-role-label: needs --k8s-selector or --k8s-inference-pool (whose pods?)")
     if c.discovery.storage_annotation and not c.discovery.selector:
         parser.error("argument --k8s-storage-annotation: needs --k8s-selector (pods come from discovery)")
     if c.peers.selector and not (c.discovery.selector or c.discovery.pool):

@@ -6,6 +6,7 @@ import pytest
 
 from router_runtime.discovery.endpointslices import EngineDiscoveryConfig
 from router_runtime.discovery.inference_pool import map_pool_pods, pod_state, pool_shape
+from router_runtime.worker import Role
 
 
 def pool(labels=None, ports=(8000,), **spec):
@@ -43,6 +44,27 @@ def test_the_pods_a_pool_selects_become_its_engines_on_its_target_port():
         ("llm/b", "http://10.0.0.2:8000", "tcp://10.0.0.2:5557", "uid-b"),
     ]
     assert dict(m.states) == {"routable": 2}  # a pod the pool does not select is not counted
+
+
+def test_a_pools_engines_take_their_role_and_revision_from_their_pods_labels():
+    role, version = "llm-d.ai/role", "app.kubernetes.io/version"
+    pods = [
+        pod("a", "10.0.0.1", labels={"app": "vllm", role: "prefill", version: "v2"}),
+        pod("b", "10.0.0.2", labels={"app": "vllm", role: "decode", version: "v2"}),
+        pod("c", "10.0.0.3", labels={"app": "vllm", role: "Decode"}),  # not a role: a whole engine
+        pod("d", "10.0.0.4"),
+    ]
+    m = map_pool_pods(pool_shape(pool()), pods, EngineDiscoveryConfig(), version, role)
+    assert [(w.engine, w.role, w.revision) for w in m.workers] == [
+        ("llm/a", Role.PREFILL, "v2"),
+        ("llm/b", Role.DECODE, "v2"),
+        ("llm/c", Role.BOTH, ""),
+        ("llm/d", Role.BOTH, ""),
+    ]
+    # Without the label asked for, every engine is whole, whatever its pod says.
+    assert {w.role for w in map_pool_pods(pool_shape(pool()), pods, EngineDiscoveryConfig()).workers} == {
+        Role.BOTH
+    }
 
 
 def test_several_target_ports_are_one_engine_each_with_its_own_kv_port():

@@ -24,6 +24,7 @@ from router_runtime.discovery.storage_annotation import (
     validate_annotation_key,
 )
 from router_runtime.kv.adoption import StorageIdentity
+from router_runtime.worker import Role
 from routerfleet_kube import ApiError
 from tests.support import eventually
 from tests.test_discovery_mapping import NS, FakeApi, Harness, ep, ev, sl, spec
@@ -349,6 +350,69 @@ async def test_a_disaggregated_fleet_reads_each_engines_revision_from_its_pods_l
         # b's own pod could not be read: its revision is unknown, which pairs with nothing
         assert h.calls == [[replace(a, revision="v7"), replace(b, revision="unread:uid-b")]]
         assert results(h)["found"] == 0  # no storage annotation asked for: none counted
+
+
+async def test_a_role_labelled_fleet_reads_each_engines_role_and_revision_from_its_pod():
+    """One Service, its engines split by a pod label (llm-d's): a pod whose label says nothing usable,
+    or that could not be read, is a whole engine, never paired."""
+    role, version = "llm-d.ai/role", "app.kubernetes.io/version"
+    pods = {name: pod(name) for name in "abc"}
+    for name, labels in (
+        ("a", {role: "prefill", version: "v7"}),
+        ("b", {role: "decode", version: "v7"}),
+        ("c", {role: "prefill-and-more", version: "v7"}),
+    ):
+        pods[name]["metadata"]["labels"] = labels
+    endpoints = [ep(n, f"10.0.0.{i}") for i, n in enumerate("abcd", 1)]
+    api = PodApi([sl("s1", *endpoints, rv="11")], pods)  # d's pod cannot be read
+    async with Harness(api, revision_label=version, role_label=role) as h:
+        await eventually(lambda: api.watching, what="watch")
+        a, b, c, d = (spec(n, f"10.0.0.{i}") for i, n in enumerate("abcd", 1))
+        assert h.calls == [
+            [
+                replace(a, revision="v7", role=Role.PREFILL),
+                replace(b, revision="v7", role=Role.DECODE),
+                replace(c, revision="v7", role=Role.BOTH),
+                replace(d, revision="unread:uid-d", role=Role.BOTH),
+            ]
+        ]
+
+
+async def test_the_router_splits_one_services_engines_by_their_role_label():
+    from router_runtime.app import Router
+
+    router = Router(
+        parse_args(["--k8s-selector", "app=e", "--k8s-role-label", "llm-d.ai/role", "--k8s-namespace", NS])
+    )
+    try:
+        w = router.engine_watcher
+        assert router.prefill_watcher is None and w is not None
+        assert (w.role_label, w.revision_label) == ("llm-d.ai/role", "app.kubernetes.io/version")
+        w.on_change(
+            [
+                replace(spec("a", "10.0.0.1"), role=Role.DECODE),
+                replace(spec("b", "10.0.0.2"), role=Role.PREFILL),
+            ]
+        )
+        assert router.targets.disaggregated
+        assert {t.engine for t in router.targets.candidates()} == {f"{NS}/a"}
+        assert {t.engine for t in router.targets.prefill_candidates()} == {f"{NS}/b"}
+    finally:
+        await router.stop()
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--k8s-selector", "a=b", "--k8s-prefill-selector", "a=p"], "not with --k8s-prefill-selector"),
+        ([], "needs --k8s-selector or --k8s-inference-pool"),
+    ],
+)
+def test_a_role_label_needs_pods_and_is_the_only_way_roles_are_named(flags, said, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*flags, "--k8s-role-label", "llm-d.ai/role"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("routerfleet-router: error: argument --k8s-role-label: " + said), last
 
 
 async def test_the_router_watches_the_prefill_engines_beside_the_decode_engines():

@@ -209,8 +209,11 @@ def router_args(fleet: Fleet) -> list[str]:
     if e.topic:
         args += ["--k8s-topic", e.topic]
     pd = e.disaggregation
-    if pd is not None:  # the engines above decode; a prefill engine pairs with one of its revision
-        args += ["--k8s-prefill-selector", f"kubernetes.io/service-name={pd.prefill_service_name}"]
+    if pd is not None:  # the engines' roles; a prefill engine pairs with a decode engine of its revision
+        if pd.role_label:
+            args += ["--k8s-role-label", pd.role_label]
+        else:
+            args += ["--k8s-prefill-selector", f"kubernetes.io/service-name={pd.prefill_service_name}"]
         args += ["--pd-protocol", pd.protocol, "--pd-threshold-tokens", str(pd.threshold_tokens)]
         args += ["--k8s-revision-label", pd.revision_label]
     # The internal port is always on: the operator reads /internal/bootstrap there, bootstrap or not.

@@ -125,12 +125,14 @@ class RouterSpec:
 
 @dataclass(frozen=True)
 class DisaggregationSpec:
-    """Prefill/decode disaggregation: ``EnginesSpec``'s engines decode, this Service's prefill."""
+    """Prefill/decode disaggregation: ``EnginesSpec``'s engines decode and this Service's prefill, or
+    they split by the pod label ``role_label`` (exactly one of the two)."""
 
-    prefill_service_name: str
+    prefill_service_name: str | None
     protocol: str = "vllm"
     threshold_tokens: int = 512
     revision_label: str = "app.kubernetes.io/version"
+    role_label: str | None = None
 
 
 @dataclass(frozen=True)
@@ -320,9 +322,15 @@ def _bounded_duration(text: Any, where: str, bounds: tuple[float, float]) -> flo
 def _disaggregation(d: Mapping[str, Any] | None) -> DisaggregationSpec | None:
     if not d:
         return None
-    name = d.get("prefillServiceName")
-    if not isinstance(name, str) or not name:
-        raise SpecError("spec.engines.disaggregation.prefillServiceName is required")
+    name, role = d.get("prefillServiceName"), d.get("roleLabel")
+    for value, key in ((name, "prefillServiceName"), (role, "roleLabel")):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise SpecError(f"spec.engines.disaggregation.{key} must be a non-empty string")
+    if (name is None) == (role is None):
+        raise SpecError(
+            "spec.engines.disaggregation needs exactly one of prefillServiceName (a second Service)"
+            " and roleLabel (a pod label)"
+        )
     protocol = d.get("protocol", "vllm")
     if protocol not in ("vllm", "sglang"):
         raise SpecError("spec.engines.disaggregation.protocol must be vllm or sglang")
@@ -330,7 +338,7 @@ def _disaggregation(d: Mapping[str, Any] | None) -> DisaggregationSpec | None:
     label = d.get("revisionLabel", "app.kubernetes.io/version")
     if not isinstance(label, str) or not label:
         raise SpecError("spec.engines.disaggregation.revisionLabel must be a label key")
-    return DisaggregationSpec(name, protocol, threshold, label)
+    return DisaggregationSpec(name, protocol, threshold, label, role)
 
 
 def _session_store(store: Any) -> SessionStore | None:

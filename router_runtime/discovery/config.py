@@ -18,6 +18,9 @@ class DiscoveryConfig:
     # The prefill engines' EndpointSlices (docs/disaggregation.md): with it, ``selector``'s engines
     # decode, these prefill, and each engine's revision is read from its pod's label.
     prefill_selector: str | None = None
+    # Or one Service's (or pool's) engines split by this pod label (prefill, decode or both), as llm-d
+    # labels them (llm-d.ai/role); each engine's revision is read from its pod too.
+    role_label: str | None = None
     revision_label: str = REVISION_LABEL
     pool: str | None = None  # or the pods of this InferencePool, on its target ports
     namespace: str | None = None  # None: the pod's own
@@ -30,6 +33,11 @@ class DiscoveryConfig:
     watch_timeout_s: float = 300.0
     # A pod annotation key naming the engine's storage identity (KEY, and KEY-epoch); "": off.
     storage_annotation: str = ""
+
+    @property
+    def disaggregated(self) -> bool:
+        """Discovery names the engines' roles (docs/disaggregation.md)."""
+        return bool(self.prefill_selector or self.role_label)
 
     def watched_namespace(self) -> str:
         """Where the router watches (its engines' slices, its peers', its pool's objectives): the
@@ -69,6 +77,15 @@ FLAGS = (
         metavar="LABELS",
         help="EndpointSlices of the prefill engines' Service (same ports): --k8s-selector's engines then"
         " decode (docs/disaggregation.md); each engine's revision is read from its pod (get on pods)",
+    ),
+    Flag(
+        "--k8s-role-label",
+        "discovery.role_label",
+        Text(),
+        metavar="KEY",
+        help="the engine pods' label naming each one's role (prefill, decode or both; llm-d's is"
+        " llm-d.ai/role): --k8s-selector's or the pool's engines split by it, instead of a second Service"
+        " (docs/disaggregation.md); a pod without a valid one is a whole engine (get on pods)",
     ),
     Flag(
         "--k8s-revision-label",

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..worker import WorkerSpec
+from ..worker import Role, WorkerSpec
 from .endpointslices import EngineDiscoveryConfig, PortRef, SliceMapping, url_host
 
 
@@ -106,15 +106,29 @@ def pod_revision(meta: Mapping[str, Any], label: str = REVISION_LABEL) -> str:
     return value if isinstance(value, str) else ""
 
 
+def pod_role(meta: Mapping[str, Any], label: str) -> Role:
+    """The role a pod's ``label`` names in a disaggregated fleet (llm-d's ``llm-d.ai/role``: prefill,
+    decode or both). A pod without one, or with another value, is a whole engine: it serves its own
+    requests and is never paired, so a missing label costs a remote prefill, never a request sent to
+    an engine that cannot answer it."""
+    value = (meta.get("labels") or {}).get(label)
+    try:
+        return Role(value) if isinstance(value, str) else Role.BOTH
+    except ValueError:
+        return Role.BOTH
+
+
 def map_pool_pods(
     shape: PoolShape,
     pods: Iterable[Mapping[str, Any]],
     config: EngineDiscoveryConfig,
     revision_label: str = REVISION_LABEL,
+    role_label: str | None = None,
 ) -> SliceMapping:
     """One WorkerSpec per routable pod the pool selects and per target port, sorted by engine; pods the
     pool does not select are not counted. States as ``endpointslices.map_slices`` names them, and
-    ``port_missing:<name>`` for a configured KV port name a pod's containers do not declare."""
+    ``port_missing:<name>`` for a configured KV port name a pod's containers do not declare. With
+    ``role_label``, each engine's role is its pod's (``pod_role``)."""
     states: Counter[str] = Counter()
     workers: list[WorkerSpec] = []
     several = len(shape.target_ports) > 1
@@ -144,6 +158,7 @@ def map_pool_pods(
                     topic=config.topic.encode(),
                     incarnation=meta.get("uid") or "",
                     revision=pod_revision(meta, revision_label),
+                    role=pod_role(meta, role_label) if role_label else Role.BOTH,
                 )
             )
     return SliceMapping(sorted(workers, key=lambda w: w.engine), states)

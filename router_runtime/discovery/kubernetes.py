@@ -35,9 +35,9 @@ from prometheus_client import Counter as PromCounter
 
 from routerfleet_kube import ApiError, KubeClient, path
 
-from ..worker import WorkerSpec
+from ..worker import Role, WorkerSpec
 from .endpointslices import EngineDiscoveryConfig, SliceMapping, map_slices
-from .inference_pool import PoolShape, map_pool_pods, pod_revision, pool_shape
+from .inference_pool import REVISION_LABEL, PoolShape, map_pool_pods, pod_revision, pod_role, pool_shape
 from .reflector import ListWatch, Reflector, ReflectorMetrics
 from .storage_annotation import Reading, Result, read_pod_storage, validate_annotation_key
 
@@ -161,18 +161,21 @@ def publish_workers(
 
 @dataclass(frozen=True, slots=True)
 class PodReading:
-    """What one read of an engine pod found: its storage identity (when asked) and its revision."""
+    """What one read of an engine pod found: its storage identity (when asked), its revision and its
+    role."""
 
     storage: Reading | None
     revision: str = ""
     read: bool = False  # the pod was read, and was this incarnation
+    role: Role = Role.BOTH
 
 
 class PodReadings:
     """What each engine pod declares beyond its slice, merged into its WorkerSpec: the storage identity
-    of its annotation (``storage_annotation.py``, with ``storage_key``) and its engine revision (the pod
-    label ``revision_label``: disaggregation pairs engines of one revision). The pod is read once per
-    UID (GET, metadata only); readings are kept while the UID is in a watched slice.
+    of its annotation (``storage_annotation.py``, with ``storage_key``), its engine revision (the pod
+    label ``revision_label``: disaggregation pairs engines of one revision) and its role (the pod label
+    ``role_label``; ``inference_pool.pod_role``). The pod is read once per UID (GET, metadata only);
+    readings are kept while the UID is in a watched slice.
 
     Decided once per incarnation, whatever the outcome: a spec that changed afterwards (an answer that
     came after the set was published, a retried failure) would look to the KV plane like the engine
@@ -187,12 +190,14 @@ class PodReadings:
         *,
         storage_key: str | None = None,
         revision_label: str | None = None,
+        role_label: str | None = None,
         timeout_s: float = 2.0,
         concurrency: int = 16,
         log_every_s: float = 60.0,
     ) -> None:
         self.key = validate_annotation_key(storage_key) if storage_key else None
         self.revision_label = revision_label
+        self.role_label = role_label
         self.api = api
         self.counter = counter
         self.timeout_s = timeout_s
@@ -222,6 +227,8 @@ class PodReadings:
                 w = replace(w, revision=f"unread:{w.incarnation}")
             elif reading.revision:
                 w = replace(w, revision=reading.revision)
+            if self.role_label:  # an unread pod's role is unknown: a whole engine (pod_role says why)
+                w = replace(w, role=reading.role)
             out.append(w)
         return out
 
@@ -272,7 +279,8 @@ class PodReadings:
         meta = pod.get("metadata") if isinstance(pod, dict) else None
         same = isinstance(meta, dict) and meta.get("uid") == w.incarnation  # not a replacement's labels
         revision = pod_revision(meta, self.revision_label) if self.revision_label and same else ""
-        return PodReading(storage, revision, read=same)
+        role = pod_role(meta, self.role_label) if self.role_label and same else Role.BOTH
+        return PodReading(storage, revision, read=same, role=role)
 
     def _record(self, w: WorkerSpec, reading: Reading) -> None:
         """A storage reading's count and log line."""
@@ -348,6 +356,7 @@ class EndpointSliceWatcher(Reflector):
         storage_annotation: str | None = None,
         storage_timeout_s: float = 2.0,
         revision_label: str | None = None,
+        role_label: str | None = None,
     ) -> None:
         if storage_annotation:
             validate_annotation_key(storage_annotation)  # before start(): a bad key fails at once
@@ -369,7 +378,9 @@ class EndpointSliceWatcher(Reflector):
         self.storage_annotation = storage_annotation or None
         self._storage_timeout_s = storage_timeout_s
         self.revision_label = revision_label
-        self.pods: PodReadings | None = None  # once started, with storage_annotation or revision_label
+        self.role_label = role_label
+        # once started, with storage_annotation, revision_label or role_label
+        self.pods: PodReadings | None = None
 
     @property
     def workers(self) -> list[WorkerSpec] | None:
@@ -382,12 +393,13 @@ class EndpointSliceWatcher(Reflector):
         """Start watching. Loads credentials first (raises if there are none); never waits for sync."""
         if self._api is None:
             self._api = await KubeSlices.connect(self._kubeconfig, self._context)
-        if self.storage_annotation or self.revision_label:
+        if self.storage_annotation or self.revision_label or self.role_label:
             self.pods = PodReadings(
                 self._api,
                 self.metrics.storage_annotation,
                 storage_key=self.storage_annotation,
                 revision_label=self.revision_label,
+                role_label=self.role_label,
                 timeout_s=self._storage_timeout_s,
             )
         self.start_loop(f"discovery-{self.namespace}-{self.label_selector}")
@@ -452,9 +464,12 @@ class InferencePoolWatcher:
         kubeconfig: str | None = None,
         registry: CollectorRegistry | None = None,
         watch_timeout_s: float = 300.0,
+        revision_label: str = REVISION_LABEL,
+        role_label: str | None = None,
     ) -> None:
         registry = registry if registry is not None else CollectorRegistry()
         self.namespace, self.pool, self.on_change = namespace, pool, on_change
+        self.revision_label, self.role_label = revision_label, role_label  # map_pool_pods
         self.config = config or EngineDiscoveryConfig()
         self._kubeconfig = kubeconfig
         self.metrics = DiscoveryMetrics(registry)  # of the pods: what became engines
@@ -525,7 +540,9 @@ class InferencePoolWatcher:
         if shape is not None:
             self._pool_error = None
         mapping = (
-            map_pool_pods(shape, self._pods.objects.values(), self.config)
+            map_pool_pods(
+                shape, self._pods.objects.values(), self.config, self.revision_label, self.role_label
+            )
             if shape is not None
             else SliceMapping([])
         )

@@ -158,6 +158,16 @@ def invalid_specs(ns: str) -> list[tuple[str, dict, tuple[str, ...]]]:
         ("maxSurge 0", m(ns, rollout__maxSurge=0), ("rollout.maxSurge",)),
         ("onSeedFailure enum", m(ns, rollout__onSeedFailure="Abort"), ("Unsupported value",)),
         ("bootstrap without kvPort", no_kv, ("needs engines.kvPort",)),
+        (
+            "disaggregation naming no roles",
+            m(ns, engines__disaggregation={"protocol": "vllm"}),
+            ("names the engines' roles one way", "exactly one"),
+        ),
+        (
+            "disaggregation naming roles twice",
+            m(ns, engines__disaggregation={"prefillServiceName": "p", "roleLabel": "llm-d.ai/role"}),
+            ("names the engines' roles one way",),
+        ),
         ("name too long", long_name, ("may not be more than 50",)),
         ("name not a DNS-1035 label", bad_name, ("DNS-1035 label",)),
     ]

@@ -5,7 +5,8 @@ routers find both pools through their Services' EndpointSlices and each engine's
 a multi-turn chat workload is prefilled remotely when a decode engine misses a long prefix and locally
 when it misses a short suffix; a seed-gated rolling restart of the routers under it fails no request;
 an engine rolling update to a new revision under it never pairs a prefill and a decode engine of two
-revisions (the fake engines refuse such KV, as a connector's handshake does).
+revisions (the fake engines refuse such KV, as a connector's handshake does). Then llm-d's way: one
+Service over both pools, each engine's role read from its pod's label.
 
     .venv/bin/python -m e2e.cluster pytest -q tests/e2e/test_pd_fleet.py
 """
@@ -40,18 +41,24 @@ operator = test_operator.operator
 PREFILL = f"{ENGINE}-prefill"
 DECODE = f"{ENGINE}-decode"
 REVISION = {"app.kubernetes.io/version": "v1"}
+ROLE_LABEL = "llm-d.ai/role"  # llm-d's
+POOLS = "routerfleet.e2e/pool"  # both pools' pods, with a role label
+BOTH_POOLS = f"{ENGINE}-pd"
 
 pytestmark = pytest.mark.timeout(900)
 
 
-def deploy_pools(cluster, ns: str) -> None:
-    """The fake engine's Deployment and Service twice, renamed per role, both of revision v1."""
+def deploy_pools(cluster, ns: str, role_label: str | None = None) -> None:
+    """The fake engine's Deployment and Service twice, renamed per role, both of revision v1; with
+    ``role_label``, each pool's pods also say their role under it, and a third Service (BOTH_POOLS)
+    selects the pods of both."""
     docs = load_manifests(image=getattr(cluster.provider, "image", None))
-    for name in (PREFILL, DECODE):
+    for name, role in ((PREFILL, "prefill"), (DECODE, "decode")):
         dep, svc = (dict(find(docs, kind, ENGINE)) for kind in ("Deployment", "Service"))
         labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "routerfleet"}
         template = {**dep["spec"]["template"]}
-        template["metadata"] = {"labels": {**labels, **REVISION}}
+        roles = {role_label: role, POOLS: "pd"} if role_label else {}
+        template["metadata"] = {"labels": {**labels, **REVISION, **roles}}
         spec = template["spec"] = {**template["spec"]}
         engine = {**spec["containers"][0]}
         engine["args"] = [*engine["args"], "--kv-transfer", "--transfer-us-per-block=50", "--revision=v1"]
@@ -64,6 +71,12 @@ def deploy_pools(cluster, ns: str) -> None:
             "spec": {**svc["spec"], "selector": labels},
         }
         apply(cluster.api, ns, [dep, svc])
+    if role_label:
+        apply(
+            cluster.api,
+            ns,
+            [{**svc, "metadata": {"name": BOTH_POOLS}, "spec": {**svc["spec"], "selector": {POOLS: "pd"}}}],
+        )
 
 
 def to_revision(cluster, ns: str, revision: str) -> None:
@@ -93,6 +106,26 @@ def rolled_out(cluster, ns: str) -> bool:
         if (s.replicas or 0) != want or (s.ready_replicas or 0) < want:
             return False
     return True
+
+
+def fleet_token(cluster, ns: str) -> str:
+    secret = cluster.core.read_namespaced_secret(f"{FLEET}-internal-token", ns)
+    return base64.b64decode(secret.data["token"]).decode()
+
+
+async def chats(cluster, ns: str, token: str, seconds: float) -> T.Traffic:
+    """The chat workload through the routers for ``seconds``."""
+    traffic = T.Traffic(T.Kube(str(cluster.kubeconfig)), ns, FLEET, token, seed=13)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        await traffic.refresh(session)
+        tasks = [asyncio.create_task(traffic.monitor(session))]
+        tasks += [asyncio.create_task(traffic.worker(session)) for _ in range(T.WORKERS)]
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            traffic.stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return traffic
 
 
 async def engine_rollout_under_traffic(cluster, ns: str, token: str) -> T.Traffic:
@@ -188,9 +221,7 @@ def test_a_disaggregated_fleet_prefills_where_it_pays_and_rolls_out_under_traffi
     assert said["short_suffix"] > 0 and said["prefill_failed"] == 0, said
 
     # ---- an engine rolling update to revision v2 under the workload
-    secret = cluster.core.read_namespaced_secret(f"{FLEET}-internal-token", ns)
-    token = base64.b64decode(secret.data["token"]).decode()
-    traffic = asyncio.run(engine_rollout_under_traffic(cluster, ns, token))
+    traffic = asyncio.run(engine_rollout_under_traffic(cluster, ns, fleet_token(cluster, ns)))
     during = [r for r in traffic.reqs if traffic.trigger <= r.t < traffic.done]
     after = [r for r in traffic.reqs if r.t >= traffic.done]
     print(
@@ -211,3 +242,42 @@ def test_a_disaggregated_fleet_prefills_where_it_pays_and_rolls_out_under_traffi
     on_prefill, on_decode = asyncio.run(v2_figures())
     print(f"[disaggregated] v2 prefill engines {on_prefill}, v2 decode engines {on_decode}")
     assert on_decode["cross"] == 0 and on_prefill["prefill"] > 0
+
+
+def test_one_services_engines_split_by_their_pods_role_label(cluster, namespace, crd, operator):
+    """llm-d's way: one Service over both pools, each pod labelled with its role (llm-d.ai/role). The
+    routers read each engine's role from its pod: a long uncached prefix is prefilled on a prefill
+    engine, and no client request is ever sent to one (it would answer one token and stop)."""
+    _local_only(cluster)
+    ns = namespace
+    deploy_pools(cluster, ns, role_label=ROLE_LABEL)
+    for name in (PREFILL, DECODE):
+        cluster.wait_pods_ready(ns, f"app.kubernetes.io/name={name}", 2)
+    manifest = fleet_manifest(cluster, ns, replicas=2)
+    manifest["spec"]["engines"]["serviceName"] = BOTH_POOLS
+    manifest["spec"]["engines"]["disaggregation"] = {"roleLabel": ROLE_LABEL}
+    crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
+    wait_fleet_ready(cluster, crd, ns, "a role-labelled fleet of 2 Ready", timeout=240)
+
+    traffic = asyncio.run(chats(cluster, ns, fleet_token(cluster, ns), 15))
+    core = cluster.core
+    prefill = core.list_namespaced_pod(ns, label_selector=f"app.kubernetes.io/name={PREFILL}").items
+    decode = core.list_namespaced_pod(ns, label_selector=f"app.kubernetes.io/name={DECODE}").items
+    routers = core.list_namespaced_pod(ns, label_selector=f"routerfleet.io/fleet={FLEET}").items
+
+    async def figures():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            return (
+                await engine_legs(s, prefill),
+                await engine_legs(s, decode),
+                await verdicts(s, [p for p in routers if p.status.pod_ip]),
+            )
+
+    on_prefill, on_decode, said = asyncio.run(figures())
+    print(
+        f"[role label] {len(traffic.reqs)} requests; prefill engines {on_prefill}, decode {on_decode}; {said}"
+    )
+    assert traffic.errors == 0 and len(traffic.reqs) > 20, dict(traffic.error_texts)
+    assert on_prefill["prefill"] > 0 and on_prefill["requests"] == on_prefill["prefill"], on_prefill
+    assert on_decode["decode"] > 0 and on_decode["prefill"] == 0, on_decode
+    assert said.get("remote", 0) > 0 and said.get("whole_engine", 0) == 0, said

@@ -421,6 +421,10 @@ def test_a_disaggregated_fleet_renders_its_prefill_service_and_protocol(tmp_path
     d = router_config(f, tmp_path)
     assert (d.disaggregation.protocol, d.disaggregation.threshold_tokens) == ("sglang", 0)
     assert "--k8s-prefill-selector" not in router_args(fleet())  # off unless asked
-    bad = fleet_obj({"engines": {"disaggregation": {"protocol": "vllm"}}})
-    with pytest.raises(ValueError, match="prefillServiceName"):
-        Fleet.parse(bad)
+    for bad in ({"protocol": "vllm"}, {"prefillServiceName": "p", "roleLabel": "llm-d.ai/role"}):
+        with pytest.raises(ValueError, match=r"exactly one of prefillServiceName .* and roleLabel"):
+            Fleet.parse(fleet_obj({"engines": {"disaggregation": bad}}))
+    # One Service's engines split by their pods' role label, as llm-d labels them.
+    d = router_config(fleet({"engines": {"disaggregation": {"roleLabel": "llm-d.ai/role"}}}), tmp_path)
+    assert (d.discovery.role_label, d.discovery.prefill_selector) == ("llm-d.ai/role", None)
+    assert d.discovery.selector == "kubernetes.io/service-name=vllm" and d.discovery.disaggregated
