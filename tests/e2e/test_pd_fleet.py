@@ -180,6 +180,20 @@ async def verdicts(session: aiohttp.ClientSession, pods) -> dict[str, float]:
     return out
 
 
+async def pool_figures(cluster, ns: str) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """The prefill pool's legs, the decode pool's, and the routers' remote prefill verdicts."""
+    core = cluster.core
+    prefill = core.list_namespaced_pod(ns, label_selector=f"app.kubernetes.io/name={PREFILL}").items
+    decode = core.list_namespaced_pod(ns, label_selector=f"app.kubernetes.io/name={DECODE}").items
+    routers = core.list_namespaced_pod(ns, label_selector=f"routerfleet.io/fleet={FLEET}").items
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        return (
+            await engine_legs(s, prefill),
+            await engine_legs(s, decode),
+            await verdicts(s, [p for p in routers if p.status.pod_ip]),
+        )
+
+
 def test_a_disaggregated_fleet_prefills_where_it_pays_and_rolls_out_under_traffic(
     cluster, namespace, crd, operator
 ):
@@ -197,20 +211,7 @@ def test_a_disaggregated_fleet_prefills_where_it_pays_and_rolls_out_under_traffi
 
     rolled_under_traffic(cluster, crd, ns, "disaggregated", port=ROUTER_PORT)
 
-    core = cluster.core
-    prefill = core.list_namespaced_pod(ns, label_selector=f"app.kubernetes.io/name={PREFILL}").items
-    decode = core.list_namespaced_pod(ns, label_selector=f"app.kubernetes.io/name={DECODE}").items
-    routers = core.list_namespaced_pod(ns, label_selector=f"routerfleet.io/fleet={FLEET}").items
-
-    async def figures():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-            return (
-                await engine_legs(s, prefill),
-                await engine_legs(s, decode),
-                await verdicts(s, [p for p in routers if p.status.pod_ip]),
-            )
-
-    on_prefill, on_decode, said = asyncio.run(figures())
+    on_prefill, on_decode, said = asyncio.run(pool_figures(cluster, ns))
     print(f"[disaggregated] prefill engines {on_prefill}, decode engines {on_decode}, routers now {said}")
     # Long uncached prefixes (a new system prompt) went to the prefill pool, their KV to the decode
     # pool; the short suffixes of later turns were prefilled where they were decoded.
@@ -232,14 +233,7 @@ def test_a_disaggregated_fleet_prefills_where_it_pays_and_rolls_out_under_traffi
     assert not refused, refused  # no prefill and decode engine of two revisions were ever paired
     assert len(during) > 20 and len(after) > 10
     # Engines of one revision pair again once both pools are rolled: remote prefills on v2.
-    prefill = core.list_namespaced_pod(ns, label_selector=f"app.kubernetes.io/name={PREFILL}").items
-    decode = core.list_namespaced_pod(ns, label_selector=f"app.kubernetes.io/name={DECODE}").items
-
-    async def v2_figures():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-            return await engine_legs(s, prefill), await engine_legs(s, decode)
-
-    on_prefill, on_decode = asyncio.run(v2_figures())
+    on_prefill, on_decode, _said = asyncio.run(pool_figures(cluster, ns))
     print(f"[disaggregated] v2 prefill engines {on_prefill}, v2 decode engines {on_decode}")
     assert on_decode["cross"] == 0 and on_prefill["prefill"] > 0
 
@@ -260,20 +254,7 @@ def test_one_services_engines_split_by_their_pods_role_label(cluster, namespace,
     wait_fleet_ready(cluster, crd, ns, "a role-labelled fleet of 2 Ready", timeout=240)
 
     traffic = asyncio.run(chats(cluster, ns, fleet_token(cluster, ns), 15))
-    core = cluster.core
-    prefill = core.list_namespaced_pod(ns, label_selector=f"app.kubernetes.io/name={PREFILL}").items
-    decode = core.list_namespaced_pod(ns, label_selector=f"app.kubernetes.io/name={DECODE}").items
-    routers = core.list_namespaced_pod(ns, label_selector=f"routerfleet.io/fleet={FLEET}").items
-
-    async def figures():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-            return (
-                await engine_legs(s, prefill),
-                await engine_legs(s, decode),
-                await verdicts(s, [p for p in routers if p.status.pod_ip]),
-            )
-
-    on_prefill, on_decode, said = asyncio.run(figures())
+    on_prefill, on_decode, said = asyncio.run(pool_figures(cluster, ns))
     print(
         f"[role label] {len(traffic.reqs)} requests; prefill engines {on_prefill}, decode {on_decode}; {said}"
     )
