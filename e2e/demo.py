@@ -678,11 +678,8 @@ async def cluster_demo(demo: Demo) -> int:
     token = base64.b64decode(sec.data["token"]).decode()
     traffic = T.Traffic(demo.kube, demo.ns, FLEET, token, seed=7, port=GATEWAY_PORT)
     ok = True
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        await traffic.refresh(session)
-        tasks = [asyncio.create_task(traffic.monitor(session))]
-        tasks += [asyncio.create_task(traffic.worker(session)) for _ in range(T.WORKERS)]
-        try:
+    async with aiohttp.ClientSession(timeout=T.SESSION_TIMEOUT) as session:
+        async with T.running(traffic, session):
             chats = f"{T.CONVERSATIONS} conversations, {T.WORKERS} in flight"
             through = f"through the Envoys (port {GATEWAY_PORT})"
             say(f"4. multi-turn chats ({chats}) for {STEADY_S:.0f} s, {through}")
@@ -717,9 +714,6 @@ async def cluster_demo(demo: Demo) -> int:
                 " before it went Ready.\n"
             )
             ok &= on["after"][0] > off["after"][0]
-        finally:
-            traffic.stop.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
         if demo.vllm:
             say("7. (an engine's disk tier re-adopted after a kill: fake engines only; the vLLM CPU build")
             say("   here has none. tests/e2e/test_vllm.py kills and restarts a vLLM engine: no false hit)")

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import random
 import shutil
 import subprocess
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +32,7 @@ SEEDED = "routerfleet.io/seeded"
 
 CONVERSATIONS = 48  # live conversations, each visited in turn
 WORKERS = 4  # requests in flight
+SESSION_TIMEOUT = aiohttp.ClientTimeout(total=60)  # a chat turn, whatever the fleet is doing
 PAUSE_S = 0.1  # between a worker's requests
 TURNS = 10  # a conversation restarts (fresh text) after this many user turns
 SYSTEM_PROMPTS = 4
@@ -317,3 +320,17 @@ def hit(reqs: list[Req]) -> tuple[float, int, float]:
     p = sum(r.prompt for r in reqs)
     c = sum(r.cached for r in reqs)
     return (c / p if p else float("nan"), len(reqs), 1000 * F.percentile([r.ttft for r in reqs], 50))
+
+
+@contextlib.asynccontextmanager
+async def running(traffic: Traffic, session: aiohttp.ClientSession) -> AsyncIterator[None]:
+    """``traffic``'s monitor and WORKERS workers, on ``session``, run during the block; stopped and
+    awaited after it."""
+    await traffic.refresh(session)
+    tasks = [asyncio.create_task(traffic.monitor(session))]
+    tasks += [asyncio.create_task(traffic.worker(session)) for _ in range(WORKERS)]
+    try:
+        yield
+    finally:
+        traffic.stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -99,28 +99,19 @@ async def rolling_restart_under_traffic(
     secret = cluster.core.read_namespaced_secret(f"{FLEET}-internal-token", ns)
     token = base64.b64decode(secret.data["token"]).decode()
     traffic = T.Traffic(kube, ns, FLEET, token, seed=11, port=port, via=via)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        await traffic.refresh(session)
-        traffic.old_rev = get_fleet(crd, ns)["status"]["currentRevision"]
-        tasks = [asyncio.create_task(traffic.monitor(session))]
-        tasks += [asyncio.create_task(traffic.worker(session)) for _ in range(T.WORKERS)]
-        try:
-            await asyncio.sleep(15)
-            traffic.old_pods = [pod for pod, _ip, _rev in traffic.ready]
-            traffic.trigger = time.monotonic()
-            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            patch = {"metadata": {"annotations": {ANNOTATION_RESTARTED_AT: stamp}}}
-            await asyncio.to_thread(
-                crd.patch_namespaced_custom_object, GROUP, VERSION, ns, PLURAL, FLEET, patch
-            )
-            deadline = time.monotonic() + 300
-            while traffic.done is None:
-                assert time.monotonic() < deadline, "the rolling restart did not complete within 300 s"
-                await asyncio.sleep(0.5)
-            await asyncio.sleep(10)
-        finally:
-            traffic.stop.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
+    traffic.old_rev = get_fleet(crd, ns)["status"]["currentRevision"]
+    async with aiohttp.ClientSession(timeout=T.SESSION_TIMEOUT) as session, T.running(traffic, session):
+        await asyncio.sleep(15)
+        traffic.old_pods = [pod for pod, _ip, _rev in traffic.ready]
+        traffic.trigger = time.monotonic()
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        patch = {"metadata": {"annotations": {ANNOTATION_RESTARTED_AT: stamp}}}
+        await asyncio.to_thread(crd.patch_namespaced_custom_object, GROUP, VERSION, ns, PLURAL, FLEET, patch)
+        deadline = time.monotonic() + 300
+        while traffic.done is None:
+            assert time.monotonic() < deadline, "the rolling restart did not complete within 300 s"
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(10)
     return traffic, traffic.trigger
 
 

@@ -116,38 +116,24 @@ def fleet_token(cluster, ns: str) -> str:
 async def chats(cluster, ns: str, token: str, seconds: float) -> T.Traffic:
     """The chat workload through the routers for ``seconds``."""
     traffic = T.Traffic(T.Kube(str(cluster.kubeconfig)), ns, FLEET, token, seed=13)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        await traffic.refresh(session)
-        tasks = [asyncio.create_task(traffic.monitor(session))]
-        tasks += [asyncio.create_task(traffic.worker(session)) for _ in range(T.WORKERS)]
-        try:
-            await asyncio.sleep(seconds)
-        finally:
-            traffic.stop.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
+    async with aiohttp.ClientSession(timeout=T.SESSION_TIMEOUT) as session, T.running(traffic, session):
+        await asyncio.sleep(seconds)
     return traffic
 
 
 async def engine_rollout_under_traffic(cluster, ns: str, token: str) -> T.Traffic:
     """Chats through the routers for 10 s, then both pools rolled to revision v2, then 5 s more."""
     traffic = T.Traffic(T.Kube(str(cluster.kubeconfig)), ns, FLEET, token, seed=12)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        await traffic.refresh(session)
-        tasks = [asyncio.create_task(traffic.monitor(session))]
-        tasks += [asyncio.create_task(traffic.worker(session)) for _ in range(T.WORKERS)]
-        try:
-            await asyncio.sleep(10)
-            await asyncio.to_thread(to_revision, cluster, ns, "v2")
-            traffic.trigger = time.monotonic()
-            deadline = time.monotonic() + 240
-            while not await asyncio.to_thread(rolled_out, cluster, ns):
-                assert time.monotonic() < deadline, "the engines' rolling update did not end within 240 s"
-                await asyncio.sleep(1)
-            traffic.done = time.monotonic()
-            await asyncio.sleep(5)
-        finally:
-            traffic.stop.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
+    async with aiohttp.ClientSession(timeout=T.SESSION_TIMEOUT) as session, T.running(traffic, session):
+        await asyncio.sleep(10)
+        await asyncio.to_thread(to_revision, cluster, ns, "v2")
+        traffic.trigger = time.monotonic()
+        deadline = time.monotonic() + 240
+        while not await asyncio.to_thread(rolled_out, cluster, ns):
+            assert time.monotonic() < deadline, "the engines' rolling update did not end within 240 s"
+            await asyncio.sleep(1)
+        traffic.done = time.monotonic()
+        await asyncio.sleep(5)
     return traffic
 
 
