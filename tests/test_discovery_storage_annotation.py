@@ -352,9 +352,10 @@ async def test_a_disaggregated_fleet_reads_each_engines_revision_from_its_pods_l
         assert results(h)["found"] == 0  # no storage annotation asked for: none counted
 
 
-async def test_a_role_labelled_fleet_reads_each_engines_role_and_revision_from_its_pod():
-    """One Service, its engines split by a pod label (llm-d's): a pod whose label says nothing usable,
-    or that could not be read, is a whole engine, never paired."""
+async def test_a_role_labelled_fleet_reads_each_engines_role_and_revision_from_its_pod(caplog):
+    """One Service, its engines split by a pod label (llm-d's): a pod whose label says nothing usable is
+    a whole engine, never paired; one that could not be read is not routed at all (it may be a prefill
+    engine, which must never get a client's request) until a later publication reads it."""
     role, version = "llm-d.ai/role", "app.kubernetes.io/version"
     pods = {name: pod(name) for name in "abc"}
     for name, labels in (
@@ -365,17 +366,23 @@ async def test_a_role_labelled_fleet_reads_each_engines_role_and_revision_from_i
         pods[name]["metadata"]["labels"] = labels
     endpoints = [ep(n, f"10.0.0.{i}") for i, n in enumerate("abcd", 1)]
     api = PodApi([sl("s1", *endpoints, rv="11")], pods)  # d's pod cannot be read
-    async with Harness(api, revision_label=version, role_label=role) as h:
-        await eventually(lambda: api.watching, what="watch")
-        a, b, c, d = (spec(n, f"10.0.0.{i}") for i, n in enumerate("abcd", 1))
-        assert h.calls == [
-            [
+    with caplog.at_level(logging.WARNING, logger=kubernetes_discovery.__name__):
+        async with Harness(api, revision_label=version, role_label=role) as h:
+            await eventually(lambda: api.watching, what="watch")
+            a, b, c, d = (spec(n, f"10.0.0.{i}") for i, n in enumerate("abcd", 1))
+            read = [
                 replace(a, revision="v7", role=Role.PREFILL),
                 replace(b, revision="v7", role=Role.DECODE),
                 replace(c, revision="v7", role=Role.BOTH),
-                replace(d, revision="unread:uid-d", role=Role.BOTH),
             ]
-        ]
+            assert h.calls == [read]
+            api.pods["d"] = pod("d")
+            api.pods["d"]["metadata"]["labels"] = {role: "prefill", version: "v7"}
+            await api.events.put(ev("ADDED", sl("s2", rv="12")))  # any change publishes again
+            await eventually(lambda: len(h.calls) == 2, what="published again")
+            assert h.calls[-1] == [*read, replace(d, revision="v7", role=Role.PREFILL)]
+    lines = [r.getMessage() for r in caplog.records if "not routed" in r.getMessage()]
+    assert len(lines) == 1 and f"engine {NS}/d not routed" in lines[0], lines
 
 
 async def test_the_router_splits_one_services_engines_by_their_role_label():

@@ -346,9 +346,6 @@ async def test_a_body_larger_than_one_streamed_answer_reaches_the_engine_whole_i
             assert (await r.json())["usage"]["prompt_tokens"] == len(prompt)
 
 
-# ---- the protocol's shapes, without I/O ------------------------------------------------------------
-
-
 @BODY_MODES
 async def test_the_picker_renews_a_gateways_connection_without_losing_a_pick(tmp_path, duplex):
     """A gateway keeps one connection to the picker, which a Service pins to one replica: the picker tells
@@ -373,6 +370,9 @@ async def test_the_picker_renews_a_gateways_connection_without_losing_a_pick(tmp
             served = await asyncio.gather(*(client(s, i) for i in range(4)))
         assert sum(served) >= 40, served
         assert await envoy_counter(tmp_path, "cluster.picker.upstream_cx_total") >= 4
+
+
+# ---- the protocol's shapes, without I/O ------------------------------------------------------------
 
 
 def test_a_pick_names_the_engine_in_the_header_and_the_lb_metadata_and_pins_a_rank():

@@ -16,6 +16,7 @@ def test_nothing_arriving_drains_the_minimum():
     assert d.remaining(100.0) == approx(5.0)
     assert d.remaining(104.5) == approx(0.5)
     assert d.remaining(105.0) == approx(0.0)
+    assert Drain(minimum=0.0, maximum=12.0, began=100.0).remaining(100.0) == 0.0  # 0: no drain
 
 
 def test_an_arrival_late_in_the_drain_holds_it_a_quiet_second_longer():

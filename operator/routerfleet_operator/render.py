@@ -514,10 +514,10 @@ def _engines_meta(fleet: Fleet, name: str) -> dict[str, Any]:
 
 def render_role(fleet: Fleet) -> dict[str, Any]:
     """Read access to EndpointSlices in the engines' namespace (engines and peers), and ``get`` on pods
-    there, nothing more. The pods rule serves only ``--k8s-storage-annotation`` (set through
-    ``spec.router.extraArgs``): one GET per new engine pod, never list/watch. It is unconditional so
-    enabling that flag needs no RBAC change. A gateway's picker also follows its pool's
-    InferenceObjectives (list and watch)."""
+    there, nothing more. The pods rule serves ``--k8s-storage-annotation`` (set through
+    ``spec.router.extraArgs``) and a disaggregated fleet's revision and role labels: one GET per new
+    engine pod, never list/watch. It is unconditional so enabling that flag needs no RBAC change. A
+    gateway's picker also follows its pool's InferenceObjectives (list and watch)."""
     rules: list[dict[str, Any]] = [
         {
             "apiGroups": ["discovery.k8s.io"],

@@ -206,6 +206,7 @@ class PodReadings:
         self.readings: dict[str, PodReading] = {}  # pod UID -> what its read said
         self._last_warned: dict[Result, float] = {}
         self._unwarned: Counter[Result] = Counter()
+        self._unrouted: set[str] = set()  # pod UIDs not published for want of their role (logged once)
 
     async def apply(self, workers: list[WorkerSpec]) -> list[WorkerSpec]:
         """``workers`` with what each pod declares merged in; reads the pods not seen yet first."""
@@ -227,7 +228,25 @@ class PodReadings:
                 w = replace(w, revision=f"unread:{w.incarnation}")
             elif reading.revision:
                 w = replace(w, revision=reading.revision)
-            if self.role_label:  # an unread pod's role is unknown: a whole engine (pod_role says why)
+            if self.role_label and not reading.read:
+                # Its role is unknown, and a prefill engine routed as a whole one would get clients'
+                # requests: not published, and read again at the next publication (never published
+                # before, so a later reading changes no spec).
+                del self.readings[w.incarnation]
+                if w.incarnation not in self._unrouted:
+                    self._unrouted.add(w.incarnation)
+                    failed = reading.storage  # a failed read says why there
+                    why = failed.why if failed is not None else "another incarnation answered"
+                    forbidden = failed is not None and failed.result is Result.FORBIDDEN
+                    log.warning(
+                        "discovery: engine %s not routed: its pod's role label %s could not be read (%s)%s",
+                        w.engine,
+                        self.role_label,
+                        why[:300],
+                        "; the router's Role needs get on pods" if forbidden else "",
+                    )
+                continue
+            if self.role_label:
                 w = replace(w, role=reading.role)
             out.append(w)
         return out
@@ -236,6 +255,7 @@ class PodReadings:
         """Forget the pods no longer in any watched slice."""
         for uid in self.readings.keys() - uids:
             del self.readings[uid]
+        self._unrouted &= uids
 
     async def _read_all(self, workers: list[WorkerSpec]) -> None:
         gate = asyncio.Semaphore(self.concurrency)

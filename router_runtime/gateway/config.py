@@ -32,10 +32,11 @@ class PickerConfig:
     # there while the replica drains: a server stop under that traffic cancels the picks that race it
     # (the gateway answers 500). So each connection is told to go away (a graceful GOAWAY, while the
     # server still takes the streams sent before it) once this old: the gateway reconnects through the
-    # Service, which by then leads to a Ready replica, and the drain sees the picks stop well inside
-    # its maximum (proxy/drain.py). Streams in flight finish on the old connection; the gRPC core adds
-    # its own jitter (+-10 %), so a fleet's connections do not all renew at once.
-    connection_age_s: float = 5.0
+    # Service, which by then leads to a Ready replica. Below the drain's minimum (--shutdown-drain-ms,
+    # 5 s) by the gRPC core's jitter (+10 %) and the second a Service takes to drop a terminating pod,
+    # so every connection that can still bring a pick has been told to go away before the drain can
+    # end (proxy/drain.py). Streams in flight finish on the old connection.
+    connection_age_s: float = 3.0
 
 
 FLAGS = (

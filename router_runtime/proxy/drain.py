@@ -38,9 +38,10 @@ class Drain:
         self.last = time.monotonic()
 
     def remaining(self, now: float) -> float:
-        """How much longer to drain (0: done), by the rule in the module's docstring."""
-        since_last = now - self.last if self.last is not None else now - self.began
-        wait = max(self.began + self.minimum - now, self.quiet - since_last, 0.0)
+        """How much longer to drain (0: done), by the rule in the module's docstring. With nothing
+        arrived, the minimum alone (0: no drain)."""
+        quiet = self.quiet - (now - self.last) if self.last is not None else 0.0
+        wait = max(self.began + self.minimum - now, quiet, 0.0)
         return min(wait, max(self.began + self.maximum - now, 0.0))
 
     def summary(self, now: float) -> str:

@@ -135,6 +135,7 @@ def rolled_under_traffic(
     assert len(new) == 3 and all(r.verdict in ("warm", "warm_unwitnessed", "from_origin") for r in new), new
     # Each old replica's drain ended once nothing arrived any more, not at its maximum: its gateways
     # and clients had moved off before its servers stopped (a stop under traffic cancels what races it).
+    # (The standalone gateway's routers drain a fixed 12 s, minimum and maximum: there it checks nothing.)
     old = traffic.old_pods
     cluster.wait_for(
         "the old replicas gone (their drains logged)",
