@@ -51,8 +51,11 @@ def test_a_pools_engines_take_their_role_and_revision_from_their_pods_labels():
     pods = [
         pod("a", "10.0.0.1", labels={"app": "vllm", role: "prefill", version: "v2"}),
         pod("b", "10.0.0.2", labels={"app": "vllm", role: "decode", version: "v2"}),
-        pod("c", "10.0.0.3", labels={"app": "vllm", role: "Decode"}),  # not a role: a whole engine
-        pod("d", "10.0.0.4"),
+        pod("c", "10.0.0.3", labels={"app": "vllm", role: "prefill-decode"}),  # llm-d's "both"
+        pod("d", "10.0.0.4"),  # unlabelled: a whole engine, as llm-d's decode filter keeps it
+        pod("e", "10.0.0.5", labels={"app": "vllm", role: "encode-prefill"}),
+        pod("f", "10.0.0.6", labels={"app": "vllm", role: "encode"}),  # answers no client: not routed
+        pod("g", "10.0.0.7", labels={"app": "vllm", role: "Decode"}),  # no role it knows: not routed
     ]
     m = map_pool_pods(pool_shape(pool()), pods, EngineDiscoveryConfig(), version, role)
     assert [(w.engine, w.role, w.revision) for w in m.workers] == [
@@ -60,7 +63,9 @@ def test_a_pools_engines_take_their_role_and_revision_from_their_pods_labels():
         ("llm/b", Role.DECODE, "v2"),
         ("llm/c", Role.BOTH, ""),
         ("llm/d", Role.BOTH, ""),
+        ("llm/e", Role.PREFILL, ""),
     ]
+    assert dict(m.states) == {"routable": 5, "role_unknown": 2}
     # Without the label asked for, every engine is whole, whatever its pod says.
     assert {w.role for w in map_pool_pods(pool_shape(pool()), pods, EngineDiscoveryConfig()).workers} == {
         Role.BOTH

@@ -353,36 +353,41 @@ async def test_a_disaggregated_fleet_reads_each_engines_revision_from_its_pods_l
 
 
 async def test_a_role_labelled_fleet_reads_each_engines_role_and_revision_from_its_pod(caplog):
-    """One Service, its engines split by a pod label (llm-d's): a pod whose label says nothing usable is
-    a whole engine, never paired; one that could not be read is not routed at all (it may be a prefill
-    engine, which must never get a client's request) until a later publication reads it."""
+    """One Service, its engines split by a pod label (llm-d's): a pod without it is a whole engine,
+    never paired; one whose label names no role the router serves, or that could not be read, is not
+    routed at all (it may be a prefill or an encode engine, which must never get a client's request);
+    the unread one is read again at a later publication."""
     role, version = "llm-d.ai/role", "app.kubernetes.io/version"
-    pods = {name: pod(name) for name in "abc"}
+    pods = {name: pod(name) for name in "abce"}
     for name, labels in (
         ("a", {role: "prefill", version: "v7"}),
         ("b", {role: "decode", version: "v7"}),
-        ("c", {role: "prefill-and-more", version: "v7"}),
+        ("c", {role: "encode", version: "v7"}),
+        ("e", {version: "v7"}),
     ):
         pods[name]["metadata"]["labels"] = labels
-    endpoints = [ep(n, f"10.0.0.{i}") for i, n in enumerate("abcd", 1)]
+    endpoints = [ep(n, f"10.0.0.{i}") for i, n in enumerate("abcde", 1)]
     api = PodApi([sl("s1", *endpoints, rv="11")], pods)  # d's pod cannot be read
     with caplog.at_level(logging.WARNING, logger=kubernetes_discovery.__name__):
         async with Harness(api, revision_label=version, role_label=role) as h:
             await eventually(lambda: api.watching, what="watch")
-            a, b, c, d = (spec(n, f"10.0.0.{i}") for i, n in enumerate("abcd", 1))
+            a, b, _c, d, e = (spec(n, f"10.0.0.{i}") for i, n in enumerate("abcde", 1))
             read = [
                 replace(a, revision="v7", role=Role.PREFILL),
                 replace(b, revision="v7", role=Role.DECODE),
-                replace(c, revision="v7", role=Role.BOTH),
+                replace(e, revision="v7", role=Role.BOTH),
             ]
             assert h.calls == [read]
             api.pods["d"] = pod("d")
             api.pods["d"]["metadata"]["labels"] = {role: "prefill", version: "v7"}
             await api.events.put(ev("ADDED", sl("s2", rv="12")))  # any change publishes again
             await eventually(lambda: len(h.calls) == 2, what="published again")
-            assert h.calls[-1] == [*read, replace(d, revision="v7", role=Role.PREFILL)]
+            d = replace(d, revision="v7", role=Role.PREFILL)
+            assert sorted(h.calls[-1], key=lambda w: w.engine) == [*read[:2], d, read[2]]
     lines = [r.getMessage() for r in caplog.records if "not routed" in r.getMessage()]
-    assert len(lines) == 1 and f"engine {NS}/d not routed" in lines[0], lines
+    assert len(lines) == 2, lines  # once each, however often published
+    assert f"engine {NS}/c not routed" in lines[0] and "names no role" in lines[0], lines
+    assert f"engine {NS}/d not routed" in lines[1] and "could not be read" in lines[1], lines
 
 
 async def test_the_router_splits_one_services_engines_by_their_role_label():

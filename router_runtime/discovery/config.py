@@ -83,9 +83,9 @@ FLAGS = (
         "discovery.role_label",
         Text(),
         metavar="KEY",
-        help="the engine pods' label naming each one's role (prefill, decode or both; llm-d's is"
+        help="the engine pods' label naming each one's role, in llm-d's values (its label is"
         " llm-d.ai/role): --k8s-selector's or the pool's engines split by it, instead of a second Service"
-        " (docs/disaggregation.md); a pod without a valid one is a whole engine (get on pods)",
+        " (docs/disaggregation.md); a pod without it is a whole engine (get on pods)",
     ),
     Flag(
         "--k8s-revision-label",

@@ -106,16 +106,25 @@ def pod_revision(meta: Mapping[str, Any], label: str = REVISION_LABEL) -> str:
     return value if isinstance(value, str) else ""
 
 
-def pod_role(meta: Mapping[str, Any], label: str) -> Role:
-    """The role a pod's ``label`` names in a disaggregated fleet (llm-d's ``llm-d.ai/role``: prefill,
-    decode or both). A pod without one, or with another value, is a whole engine: it serves its own
-    requests and is never paired, so a missing label costs a remote prefill, never a request sent to
-    an engine that cannot answer it."""
+# llm-d's role label values (its filters' own list): what each can serve here. Its encoders (multimodal
+# inputs) answer no client and prefill no text, so a pod that only encodes is not an engine here.
+ROLES = {
+    "decode": Role.DECODE,
+    "prefill": Role.PREFILL,
+    "encode-prefill": Role.PREFILL,
+    "both": Role.BOTH,
+    "prefill-decode": Role.BOTH,
+    "encode-prefill-decode": Role.BOTH,
+}
+
+
+def pod_role(meta: Mapping[str, Any], label: str) -> Role | None:
+    """The role a pod's ``label`` names in a disaggregated fleet (llm-d's ``llm-d.ai/role``; ROLES). A
+    pod without the label is a whole engine (serves its own requests, never paired, as llm-d's decode
+    filter keeps it); a value that names no role here (``encode``, or one this router does not know)
+    is None: not routed, since the engine might not answer a client's request."""
     value = (meta.get("labels") or {}).get(label)
-    try:
-        return Role(value) if isinstance(value, str) else Role.BOTH
-    except ValueError:
-        return Role.BOTH
+    return Role.BOTH if value is None else ROLES.get(value) if isinstance(value, str) else None
 
 
 def map_pool_pods(
@@ -128,7 +137,8 @@ def map_pool_pods(
     """One WorkerSpec per routable pod the pool selects and per target port, sorted by engine; pods the
     pool does not select are not counted. States as ``endpointslices.map_slices`` names them, and
     ``port_missing:<name>`` for a configured KV port name a pod's containers do not declare. With
-    ``role_label``, each engine's role is its pod's (``pod_role``)."""
+    ``role_label``, each engine's role is its pod's (``pod_role``; ``role_unknown``: none it can serve).
+    """
     states: Counter[str] = Counter()
     workers: list[WorkerSpec] = []
     several = len(shape.target_ports) > 1
@@ -141,6 +151,9 @@ def map_pool_pods(
         missing = [r for r in (config.kv_port, config.replay_port) if isinstance(r, str) and r not in named]
         if state == "routable" and missing:
             state = f"port_missing:{missing[0]}"
+        role = pod_role(meta, role_label) if role_label else Role.BOTH
+        if state == "routable" and role is None:
+            state = "role_unknown"
         states[state] += 1
         if state != "routable":
             continue
@@ -158,7 +171,7 @@ def map_pool_pods(
                     topic=config.topic.encode(),
                     incarnation=meta.get("uid") or "",
                     revision=pod_revision(meta, revision_label),
-                    role=pod_role(meta, role_label) if role_label else Role.BOTH,
+                    role=role,
                 )
             )
     return SliceMapping(sorted(workers, key=lambda w: w.engine), states)

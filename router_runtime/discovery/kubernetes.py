@@ -167,7 +167,7 @@ class PodReading:
     storage: Reading | None
     revision: str = ""
     read: bool = False  # the pod was read, and was this incarnation
-    role: Role = Role.BOTH
+    role: Role | None = Role.BOTH  # None: its role label names none this router can serve
 
 
 class PodReadings:
@@ -228,6 +228,16 @@ class PodReadings:
                 w = replace(w, revision=f"unread:{w.incarnation}")
             elif reading.revision:
                 w = replace(w, revision=reading.revision)
+            if self.role_label and reading.read and reading.role is None:
+                if w.incarnation not in self._unrouted:  # labelled with a role it cannot serve here
+                    self._unrouted.add(w.incarnation)
+                    log.warning(
+                        "discovery: engine %s not routed: its pod's role label %s names no role this"
+                        " router serves (docs/disaggregation.md)",
+                        w.engine,
+                        self.role_label,
+                    )
+                continue
             if self.role_label and not reading.read:
                 # Its role is unknown, and a prefill engine routed as a whole one would get clients'
                 # requests: not published, and read again at the next publication (never published
