@@ -181,7 +181,8 @@ class PodReadings:
     came after the set was published, a retried failure) would look to the KV plane like the engine
     leaving and coming back. So a pod that could not be read within ``timeout_s`` (the most a
     publication waits) runs without that identity (and revision) until it is replaced; its /server_info
-    identity, if any, still counts."""
+    identity, if any, still counts. The exception is a role label's pod: unread, it is not published at
+    all, and read again at the next publication."""
 
     def __init__(
         self,
@@ -228,38 +229,39 @@ class PodReadings:
                 w = replace(w, revision=f"unread:{w.incarnation}")
             elif reading.revision:
                 w = replace(w, revision=reading.revision)
-            if self.role_label and reading.read and reading.role is None:
-                if w.incarnation not in self._unrouted:  # labelled with a role it cannot serve here
-                    self._unrouted.add(w.incarnation)
-                    log.warning(
-                        "discovery: engine %s not routed: its pod's role label %s names no role this"
-                        " router serves (docs/disaggregation.md)",
-                        w.engine,
-                        self.role_label,
-                    )
-                continue
-            if self.role_label and not reading.read:
-                # Its role is unknown, and a prefill engine routed as a whole one would get clients'
-                # requests: not published, and read again at the next publication (never published
-                # before, so a later reading changes no spec).
-                del self.readings[w.incarnation]
-                if w.incarnation not in self._unrouted:
-                    self._unrouted.add(w.incarnation)
-                    failed = reading.storage  # a failed read says why there
-                    why = failed.why if failed is not None else "another incarnation answered"
-                    forbidden = failed is not None and failed.result is Result.FORBIDDEN
-                    log.warning(
-                        "discovery: engine %s not routed: its pod's role label %s could not be read (%s)%s",
-                        w.engine,
-                        self.role_label,
-                        why[:300],
-                        "; the router's Role needs get on pods" if forbidden else "",
-                    )
+            if self.role_label and (not reading.read or reading.role is None):
+                # A role unknown, or not served here: a prefill engine routed as a whole one would get
+                # clients' requests. Not published; an unread pod is read again at the next
+                # publication (never published before, so a later reading changes no spec).
+                if not reading.read:
+                    del self.readings[w.incarnation]
+                self._not_routed(w, reading)
                 continue
             if self.role_label:
                 w = replace(w, role=reading.role)
             out.append(w)
         return out
+
+    def _not_routed(self, w: WorkerSpec, reading: PodReading) -> None:
+        """One log line per pod left out for its role."""
+        if w.incarnation in self._unrouted:
+            return
+        self._unrouted.add(w.incarnation)
+        if reading.read:
+            why, hint = "names no role this router serves (docs/disaggregation.md)", ""
+        else:
+            failed = reading.storage  # a failed read says why there
+            cause = failed.why if failed is not None else "another incarnation answered"
+            why = f"could not be read ({cause[:300]})"
+            forbidden = failed is not None and failed.result is Result.FORBIDDEN
+            hint = "; the router's Role needs get on pods" if forbidden else ""
+        log.warning(
+            "discovery: engine %s not routed: its pod's role label %s %s%s",
+            w.engine,
+            self.role_label,
+            why,
+            hint,
+        )
 
     def retain(self, uids: set[str]) -> None:
         """Forget the pods no longer in any watched slice."""
