@@ -287,6 +287,7 @@ class EngineOpts:
     kv_transfer: bool = False  # serve disaggregated prefill legs (vLLM's kv_transfer_params)
     transfer_us_per_block: float = 0.0  # what a decode leg's pull costs per block
     disaggregation_mode: str = ""  # SGLang's: "prefill" or "decode" (a bootstrap room's leg)
+    pd_sidecar: bool = False  # llm-d's routing sidecar in front (a picker's x-prefiller-host-port)
 
 
 @dataclass
@@ -327,6 +328,7 @@ def start_engines(n: int, opts: EngineOpts, logdir: str, *, cpus: set[int] | Non
                 *("--max-loras", str(opts.max_loras), "--lora-load-ms", str(opts.lora_load_ms)),
                 *("--publish-delay-ms", str(opts.publish_delay_ms)),
                 *(["--kv-transfer"] if opts.kv_transfer else []),
+                *(["--pd-sidecar"] if opts.pd_sidecar else []),
                 *("--transfer-us-per-block", str(opts.transfer_us_per_block)),
                 *(("--disaggregation-mode", opts.disaggregation_mode) if opts.disaggregation_mode else ()),
             ]
@@ -522,10 +524,14 @@ def start_pickers(
     label: str,
     cpus: set[int] | None,
     wait: bool = True,
+    worker_keys: Sequence[str] | None = None,
+    pool: Sequence[Engine] | None = None,
 ) -> list[Router]:
     """Our routers as a Gateway's endpoint picker (TLS, its default), one per ``extras`` (its own extra
     flags), with one real Envoy in front of them all (e2e/gateway/envoy.yaml): each request's ext_proc
-    stream goes to one replica. Every Router's ``port`` is Envoy's; the first carries Envoy's process."""
+    stream goes to one replica. Every Router's ``port`` is Envoy's; the first carries Envoy's process.
+    ``worker_keys``: as ``ours_argv``'s; ``pool``: the engines Envoy sends requests to (default all: a
+    disaggregated fleet's pool is its decode engines)."""
     from e2e.gateway import envoy_argv, envoy_config  # the Envoy binary is a test extra
 
     port = free_ports(1)[0]
@@ -535,14 +541,16 @@ def start_pickers(
         for i, extra in enumerate(extras):
             own, epp, metrics = ports[3 * i : 3 * i + 3]
             name = label if len(extras) == 1 else f"{label}-{i}"
-            argv = ours_argv(engines, own, metrics, policy, [*extra, "--epp-port", str(epp)])
+            argv = ours_argv(
+                engines, own, metrics, policy, [*extra, "--epp-port", str(epp)], worker_keys=worker_keys
+            )
             proc = Proc(name, argv, logdir, cpus=cpus)
             flags = shown_flags(argv, engines)
             routers.append(Router("ours-epp", name, proc, port, flags, own_port=own, metrics_port=metrics))
         config = os.path.join(logdir, f"{label}-envoy.yaml")
         pickers = [f"{HOST}:{ports[3 * i + 1]}" for i in range(len(extras))]
         with open(config, "w") as f:
-            f.write(envoy_config(port, pickers, [e.url for e in engines]))
+            f.write(envoy_config(port, pickers, [e.url for e in (engines if pool is None else pool)]))
         routers[0].sidecar = Proc(f"{label}-envoy", envoy_argv(config), logdir, cpus=cpus)
         if wait:
             for r in routers:

@@ -15,6 +15,10 @@ streamed completions), ``--concurrency`` conversations at a time. Rows (fresh en
   suffix reaches ``--pd-threshold-tokens`` (the default 512);
 - ``ours, always remote``: the same with ``--pd-threshold-tokens 0`` (every request prefilled remotely,
   as a router without the decider does);
+- ``Envoy + ours (picker)``: the ``ours`` fleet behind real Envoy, our router its endpoint picker: the
+  pick names the decode engine and, when it pays, the prefill engine (``x-prefiller-host-port``) for
+  the decode engines' fake playing llm-d's routing sidecar (``--pd-sidecar``), which runs the prefill
+  leg first;
 - ``vllm-router``: vllm-router in its P/D mode (``--vllm-pd-disaggregation``, NIXL's flow, cache_aware
   for both roles) over the same prefill and decode engines;
 - SGLang: ours (``--pd-protocol sglang``: every request prefilled remotely, both engines by what they
@@ -65,6 +69,7 @@ ROWS = (
     Row("colocated", ""),
     Row("vLLM: ours", "vllm"),
     Row("vLLM: ours, always remote", "vllm", ("--pd-threshold-tokens", "0")),
+    Row("vLLM: Envoy + ours (picker), llm-d's sidecar", "vllm", kind="ours-epp"),
     Row("vLLM: vllm-router", "vllm", kind="vllm-router"),
     Row("SGLang: ours", "sglang", ("--pd-protocol", "sglang")),
     Row("SGLang: sglang-router", "sglang", kind="sglang-router"),
@@ -99,8 +104,9 @@ def start_engines(row: Row, opts: h.EngineOpts, logdir: str) -> tuple[list[h.Eng
     try:
         for role, n in (("prefill", ENGINES // 2), ("decode", ENGINES - ENGINES // 2)):
             mode = role if sglang else ""
+            sidecar = role == "decode" and row.kind == "ours-epp"  # the picker names the prefill to it
             started += h.start_engines(
-                n, replace(opts, kv_transfer=not sglang, disaggregation_mode=mode), logdir
+                n, replace(opts, kv_transfer=not sglang, disaggregation_mode=mode, pd_sidecar=sidecar), logdir
             )
     except BaseException:
         h.stop_all(started)
@@ -110,12 +116,23 @@ def start_engines(row: Row, opts: h.EngineOpts, logdir: str) -> tuple[list[h.Eng
 
 def start(row: Row, prefill: list[h.Engine], decode: list[h.Engine], logdir: str, label: str) -> h.Router:
     engines = [*prefill, *decode]
+    keys = [f"role=prefill,bootstrap={e.port}" for e in prefill]
+    keys += ["role=decode" if prefill else ""] * len(decode)
     if row.kind == "ours":
-        keys = [f"role=prefill,bootstrap={e.port}" for e in prefill]
-        keys += ["role=decode" if prefill else ""] * len(decode)
         return h.start_router(
             "ours", engines, logdir, label=label, extra=list(row.extra), block_size=BLOCK, worker_keys=keys
         )
+    if row.kind == "ours-epp":  # Envoy sends each request to the decode engine the picker names
+        return h.start_pickers(  # ours_argv's block size is BLOCK
+            engines,
+            logdir,
+            [list(row.extra)],
+            policy="kv_aware",
+            label=label,
+            cpus=None,
+            worker_keys=keys,
+            pool=decode,
+        )[0]
     port, metrics = h.free_ports(2)
     argv = anchor_argv(row.kind, prefill, decode, port, metrics)
     proc = h.Proc(label, argv, logdir, env=h.ANCHOR_ENV)

@@ -779,6 +779,7 @@ async def run_router(
                 tracer=router.tracer,
                 conformance_test=gateway.conformance_test,
                 arrived=router.picked,
+                prefill=router.proxy.prefill,
             )
             epp_host = gateway.host or config.host
             tls = (

@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         " make it a prefill or a decode leg",
     )
     p.add_argument(
+        "--pd-sidecar",
+        action="store_true",
+        help="play llm-d's routing sidecar in front of this decode engine (vLLM's flow, with --kv-transfer):"
+        " a request with x-prefiller-host-port is prefilled on that engine first",
+    )
+    p.add_argument(
         "--transfer-us-per-block",
         type=Real(0).parse,
         default=d.transfer_us_per_block,
@@ -180,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> FakeEngineConfig:
         max_concurrency=args.max_concurrency,
         kv_transfer=args.kv_transfer,
         transfer_us_per_block=args.transfer_us_per_block,
+        pd_sidecar=args.pd_sidecar,
         disaggregation_mode=args.disaggregation_mode or "",
         revision=args.revision,
         max_loras=args.max_loras,

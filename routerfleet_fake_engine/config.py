@@ -61,6 +61,9 @@ class FakeEngineConfig:
     # the prefill engine costs this long.
     kv_transfer: bool = False
     transfer_us_per_block: float = 0.0
+    # llm-d's routing sidecar in front of this (decode) engine, its vLLM flow: a completion or chat
+    # request with ``x-prefiller-host-port`` is prefilled there first (transfer.py, ``sidecar_*``).
+    pd_sidecar: bool = False
     # SGLang's --disaggregation-mode ("prefill", "decode"; "": neither): a request with a bootstrap room
     # is that leg (transfer.py); a decode leg waits at most room_timeout_s for its room.
     disaggregation_mode: str = ""

@@ -149,6 +149,7 @@ class FakeEngine:
         # The W3C trace context of the latest generation requests, as they arrived (a tracing test
         # reads which span was the engine's parent; vLLM itself continues the trace with its own).
         self.traceparents: collections.deque[str | None] = collections.deque(maxlen=64)
+        self.sidecar_prefills = 0  # requests its sidecar (--pd-sidecar) prefilled on another engine
         # SGLang's bootstrap rooms this engine prefilled (transfer.py): room -> (ready, full blocks).
         self.rooms: collections.OrderedDict[int, tuple[asyncio.Event, list[int]]] = collections.OrderedDict()
         self.responses = ResponseStore()  # the Responses API's stored responses (lost on restart)
@@ -404,6 +405,27 @@ class FakeEngine:
             return web.json_response({"error": "the room was never prefilled"}, status=504)
         return web.json_response({"blocks": blocks[0], transfer.REVISION: self.config.revision})
 
+    async def _sidecar_prefill(
+        self, prefiller: str, path: str, doc: dict[str, Any]
+    ) -> tuple[dict[str, Any], web.Response | None]:
+        """llm-d's sidecar: the prefill leg on ``prefiller`` (ip:port), then the request with its transfer
+        parameters; or the prefill's failure as the answer (its status, as the sidecar passes it on)."""
+        self.sidecar_prefills += 1
+        timeout = aiohttp.ClientTimeout(total=60)
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=timeout) as s,
+                s.post(f"http://{prefiller}{path}", json=transfer.sidecar_prefill_body(doc)) as r,
+            ):
+                if r.status != 200:
+                    return doc, web.Response(status=r.status, text=await r.text())
+                answer = await r.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            failed = {"error": f"prefill on {prefiller}: {type(e).__name__}"}
+            return doc, web.json_response(failed, status=502)
+        params = answer.get(transfer.PARAMS) if isinstance(answer, dict) else None
+        return ({**doc, transfer.PARAMS: params} if params is not None else doc), None
+
     async def _await_room(self, room: transfer.Room) -> tuple[int, str]:
         """The full blocks the prefill engine of ``room`` offers, once it has prefilled the prompt, and
         that engine's revision."""
@@ -604,6 +626,11 @@ class FakeEngine:
         self.traceparents.append(request.headers.get("traceparent"))
         try:
             doc = parse_json_body(await request.read())
+            prefiller = request.headers.get(transfer.SIDECAR_HEADER) if self.config.pd_sidecar else None
+            if prefiller and request.path in transfer.SIDECAR_PATHS and isinstance(doc, dict):
+                doc, failed = await self._sidecar_prefill(prefiller, request.path, doc)
+                if failed is not None:
+                    return failed
             req = parse(doc)
             try:
                 remote = transfer.remote_of(doc) if self.config.kv_transfer else None

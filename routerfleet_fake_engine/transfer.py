@@ -11,6 +11,11 @@ by ``kv_transfer_params`` in a completion or chat request (pure):
 
 An engine without the connector ignores the field, as vLLM does.
 
+llm-d's routing sidecar (``--pd-sidecar``), in front of a decode engine, runs vLLM's flow itself: a
+request with ``SIDECAR_HEADER`` (set by an endpoint picker) goes to that prefill engine first as the
+prefill leg (``sidecar_prefill_body``), then here with the answer's ``kv_transfer_params``; a prefill
+that fails answers the client with its status. Without the header the engine prefills the prompt itself.
+
 SGLang's flow (``--disaggregation-mode``, ``Room``): the same request goes to the prefill and the decode
 engine at once with a ``bootstrap_room``; the prefill engine computes the prompt and marks the room
 ready; the decode engine waits for the room on the prefill engine's bootstrap port (here its HTTP port,
@@ -37,6 +42,19 @@ class Remote:
     prefill_blocks: int | None  # a decode leg: the full blocks the prefill engine offers (None: not one)
     engine_id: str | None = None
     revision: str = ""  # the prefill engine's (REVISION)
+
+
+SIDECAR_HEADER = "x-prefiller-host-port"
+SIDECAR_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def sidecar_prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The sidecar's prefill leg: the request, not streamed, one token, held for a remote decode."""
+    leg = {k: v for k, v in body.items() if k != "stream_options"}
+    leg[PARAMS] = {"do_remote_decode": True, "do_remote_prefill": False}
+    leg["stream"] = False
+    leg["max_tokens"] = 1
+    return leg
 
 
 class TransferError(ValueError):

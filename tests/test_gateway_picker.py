@@ -26,9 +26,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from e2e.gateway import envoy_argv, envoy_config
 from router_runtime.app import run_router
 from router_runtime.config import RouterConfig
+from router_runtime.disaggregation.config import DisaggregationConfig, Protocol
 from router_runtime.gateway.config import PickerConfig
 from router_runtime.gateway.protocol import (
     DESTINATION,
+    PREFILLER,
+    PREFILLER_HEADERS,
     SERVED,
     STREAMED_CHUNK,
     TEST_SELECTION,
@@ -47,7 +50,7 @@ from router_runtime.proxy.headers import ENGINE_HEADER
 from router_runtime.proxy.health import BreakerState, HealthConfig
 from router_runtime.scheduling.types import Target
 from router_runtime.tracing.config import TracingConfig
-from router_runtime.worker import WorkerSpec
+from router_runtime.worker import Role, WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
 from tests.support import (
     LOCAL_METRICS,
@@ -387,9 +390,15 @@ def test_a_pick_names_the_engine_in_the_header_and_the_lb_metadata_and_pins_a_ra
     assert dict(answer.dynamic_metadata["envoy.lb"]) == {DESTINATION: "10.0.0.5:8000"}
     whole = picked(Target("e", "http://10.0.0.5:8000"), phase="request_headers")
     assert len(whole.request_headers.response.header_mutation.set_headers) == 1
-    # A pick that pins no rank takes a client's own rank header out; a pinned one sets it.
-    assert list(whole.request_headers.response.header_mutation.remove_headers) == ["x-data-parallel-rank"]
-    assert not answer.request_body.response.header_mutation.remove_headers
+    # A pick that pins no rank takes a client's own rank header out; a pinned one sets it. A client's own
+    # prefiller headers are taken out, unless the pick names a remote prefill.
+    removed = whole.request_headers.response.header_mutation.remove_headers
+    assert list(removed) == ["x-data-parallel-rank", *PREFILLER_HEADERS]
+    assert list(answer.request_body.response.header_mutation.remove_headers) == list(PREFILLER_HEADERS)
+    remote = picked(Target("e", "http://10.0.0.5:8000"), phase="request_body", headers={PREFILLER: "p:1"})
+    mutation = remote.request_body.response.header_mutation
+    assert {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}[PREFILLER] == "p:1"
+    assert list(mutation.remove_headers) == ["x-data-parallel-rank", "x-prefiller-url"]
     sent = ep.HttpHeaders(
         headers=base_pb2.HeaderMap(
             headers=[
@@ -538,6 +547,113 @@ async def test_a_pick_that_refuses_connections_fails_over_and_the_engine_that_se
         assert audited(router, "exact") == 5 and audited(router, "false_hit") == 0
         await eventually(lambda: router.load.total == 0, timeout=10, what="the picks released")
         assert predicted_blocks(router) == 0  # the failed-over picks' predictions ended with them too
+
+
+@BODY_MODES
+async def test_a_disaggregated_fleets_pick_names_the_prefill_engine_for_the_decode_engines_sidecar(
+    tmp_path, duplex
+):
+    """Decode engines behind llm-d's routing sidecar (the fake plays it): the picker names a remote
+    prefill in ``x-prefiller-host-port`` when the decode engine's uncached suffix is long, none when it
+    is short, and a client's own never reaches a sidecar."""
+    async with contextlib.AsyncExitStack() as stack:
+        decoders = [
+            await stack.enter_async_context(run_fake_engine(block_size=BS, kv_transfer=True, pd_sidecar=True))
+            for _ in range(2)
+        ]
+        prefillers = [
+            await stack.enter_async_context(run_fake_engine(block_size=BS, kv_transfer=True))
+            for _ in range(2)
+        ]
+        engines = [*decoders, *prefillers]
+        workers = [
+            dataclasses.replace(w, role=Role.DECODE if i < 2 else Role.PREFILL)
+            for i, w in enumerate(static_workers(engines))
+        ]
+        cfg = RouterConfig(
+            port=0,
+            metrics=LOCAL_METRICS,
+            proxy=ProxyConfig(engine_header=True),
+            workers=tuple(workers),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            gateway=PickerConfig(port=0),
+            disaggregation=DisaggregationConfig(threshold_tokens=16),
+        )
+        router, _url = await stack.enter_async_context(run_router(cfg))
+        await join_all(router, engines)
+        pool = [d.http_url for d in decoders]  # the InferencePool: the engines that answer clients
+        base = await stack.enter_async_context(envoy(router.epp_address, pool, tmp_path, duplex=duplex))
+        s = await stack.enter_async_context(aiohttp.ClientSession())
+
+        def verdict(v: str) -> float:
+            return sample(router, "routerfleet_pd_prefills_total", verdict=v)
+
+        async def complete(prompt: list[int], **headers: str) -> tuple[str, dict]:
+            body = {
+                "model": "m",
+                "prompt": prompt,
+                "max_tokens": 3,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            async with s.post(base + "/v1/completions", json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                chunks = [json.loads(line[6:]) for line in (await r.text()).splitlines() if line[6:7] == "{"]
+                return r.headers[ENGINE_HEADER], chunks[-1]["usage"]
+
+        prompt = list(range(100, 166))  # 66 tokens: 16 full blocks, none cached anywhere
+        engine, usage = await complete(prompt)
+        decoder = next(d for d in decoders if d.http_url == engine)
+        assert decoder.sidecar_prefills == 1 and sum(p.rank_stats[0].prefill_legs for p in prefillers) == 1
+        # The decode engine took every full block from the prefill engine, and reported them cached: the
+        # transfer the pick expected, beyond the decode engine's own (empty) prefix.
+        assert (decoder.rank_stats[0].received_blocks, usage["prompt_tokens_details"]["cached_tokens"]) == (
+            16,
+            64,
+        )
+        assert verdict("remote") == 1
+        assert sample(router, "routerfleet_pd_remote_prefill_tokens_total") == 66
+        assert audited(router, "exact") == 1 and audited(router, "false_hit") == 0
+        # The next turn's suffix on that decode engine is short: no remote prefill named, and a client's
+        # own prefiller header (a closed port: a sidecar that obeyed it would fail) taken out.
+        await asyncio.sleep(0.2)
+        closed = closed_port_url().removeprefix("http://")
+        again, _ = await complete([*prompt, 7, 7, 7, 7], **{"x-prefiller-host-port": closed})
+        assert again == engine and decoder.sidecar_prefills == 1
+        assert verdict("short_suffix") == 1
+        await eventually(lambda: router.load.total == 0, timeout=10, what="the picks and prefills released")
+        assert predicted_blocks(router) == 0
+
+
+async def test_an_sglang_fleet_without_a_prefill_engine_to_pair_is_refused_at_the_pick(tmp_path):
+    """SGLang's decode engines cannot prefill alone: with no prefill engine of the decode engine's
+    revision, the picker answers 503 as the proxy does, rather than send the request to wait for KV."""
+    async with contextlib.AsyncExitStack() as stack:
+        decoder = await stack.enter_async_context(
+            run_fake_engine(block_size=BS, disaggregation_mode="decode")
+        )
+        (worker,) = static_workers([decoder])
+        cfg = RouterConfig(
+            port=0,
+            metrics=LOCAL_METRICS,
+            workers=(dataclasses.replace(worker, role=Role.DECODE),),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            gateway=PickerConfig(port=0),
+            disaggregation=DisaggregationConfig(protocol=Protocol.SGLANG),
+        )
+        router, _url = await stack.enter_async_context(run_router(cfg))
+        await join_all(router, [decoder])
+        base = await stack.enter_async_context(envoy(router.epp_address, [decoder.http_url], tmp_path))
+        s = await stack.enter_async_context(aiohttp.ClientSession())
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
+        async with s.post(base + "/v1/completions", json=body) as r:
+            assert r.status == 503
+            assert "no prefill engine" in (await r.json())["error"]["message"]
+        assert sample(router, "routerfleet_pd_prefills_total", verdict="no_prefill_engine") == 1
+        assert decoder.rank_stats[0].requests == {}  # never reached the engine
+        await eventually(lambda: router.load.total == 0, timeout=10, what="nothing held")
 
 
 @pytest.mark.parametrize("fail_open", [True, False])

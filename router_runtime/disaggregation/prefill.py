@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -75,6 +75,16 @@ class DecodeLeg:
 
 
 @dataclass(frozen=True, slots=True)
+class Planned:
+    """A decode decision's prefill: ``verdict``, and when it is ``REMOTE`` the prefill engine's decision
+    and the tokens it hands the decode engine (its uncached suffix, by the index)."""
+
+    verdict: Verdict
+    chosen: Decision | None = None
+    moved: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Prompt:
     """The request as both legs need it: its API, the body as the router sends it (raw and parsed), the
     client's headers to pass on, the profile's view of it and the index it was scheduled on."""
@@ -128,53 +138,89 @@ class RemotePrefill:
         headers = {REQUEST_ID: uuid.uuid4().hex}
         if self.config.protocol == Protocol.SGLANG:
             return self._sglang(prompt, decision, path, headers, trace)
-        if self.targets.role(engine) is Role.BOTH:  # a whole engine: prefills its own
-            verdict, params, prefill, moved = Verdict.WHOLE_ENGINE, None, None, 0
-        else:
-            verdict, params, prefill, moved = await self._vllm(prompt, decision, path, headers, trace)
+        verdict, params, prefill, moved = await self._vllm(prompt, decision, path, headers, trace)
         self.metrics.verdict(verdict)
         # Never the client's own parameters, whatever the API.
         body = vllm.decode_body(prompt.raw, prompt.body, params)
         return DecodeLeg(body, headers, verdict, prefill, moved, revision=revision)
 
-    def _wanted(self, prompt: Prompt, decision: Decision) -> Need:
-        tokens, index = prompt.route.tokens, prompt.index
+    def _wanted(self, route: RouteRequest, index: RadixIndex | None, decision: Decision) -> Need:
+        tokens = route.tokens
         n = len(tokens) if tokens is not None and index is not None else None
         block_size = index.block_size if index is not None else 1
         return need(decision, n, block_size, self.config.threshold_tokens)
 
-    def _choose(self, prompt: Prompt, candidates: Sequence[Target]) -> Decision | None:
-        route = replace(prompt.route, prefer=None, prefer_vouched=False, pinned=None, subset=None)
+    def _choose(
+        self, route: RouteRequest, index: RadixIndex | None, candidates: Sequence[Target]
+    ) -> Decision | None:
+        route = replace(route, prefer=None, prefer_vouched=False, pinned=None, subset=None)
         try:
-            return self.profile.choose(route, candidates, self.loads, prompt.index)
+            return self.profile.choose(route, candidates, self.loads, index)
         except Unschedulable:
             return None
+
+    def plan(
+        self,
+        kind: Kind,
+        route: RouteRequest,
+        index: RadixIndex | None,
+        decision: Decision,
+        skip: Collection[str] = (),
+    ) -> Planned:
+        """Whether ``decision``'s decode engine takes a remote prefill, and from which prefill engine
+        (its decision made: the prefill profile counts it until ``ended``), none of ``skip``'s engines.
+        vLLM's flow: by the decider; SGLang's: always (its decode engines cannot prefill alone)."""
+        if self.targets.role(decision.target.engine) is Role.BOTH:  # a whole engine: prefills its own
+            return Planned(Verdict.WHOLE_ENGINE)
+        sglang_ = self.config.protocol == Protocol.SGLANG
+        if kind not in (sglang.KINDS if sglang_ else vllm.KINDS):
+            return Planned(Verdict.UNSUPPORTED_API)
+        wanted = self._wanted(route, index, decision)
+        if not wanted.remote and not sglang_:
+            return Planned(wanted.verdict or Verdict.SHORT_SUFFIX)
+        candidates = paired(self.targets.prefill_candidates(), decision.target, self.targets.revision)
+        candidates = tuple(t for t in candidates if t.engine not in skip)
+        chosen = self._choose(route, index, candidates) if candidates else None
+        if chosen is None:
+            return Planned(Verdict.NO_PREFILL_ENGINE)
+        return Planned(Verdict.REMOTE, chosen, wanted.uncached_tokens or 0)
+
+    def named(self, kind: Kind, route: RouteRequest, index: RadixIndex | None, decision: Decision) -> Planned:
+        """The gateway's remote prefill (gateway/picker.py): the plan, counted, its prefill engine loaded
+        until ``ended`` (a sidecar beside the decode engine runs the legs: docs/disaggregation.md)."""
+        planned = self.plan(kind, route, index, decision)
+        self.metrics.verdict(planned.verdict)
+        if self.config.protocol == Protocol.SGLANG:  # its decode engines cannot prefill alone
+            _sglang_servable(planned)
+        if planned.chosen is not None:
+            self.metrics.remote_tokens.inc(planned.moved)
+            self._acquire(planned.chosen.target, len(route.tokens or ()))
+        return planned
+
+    def ended(self, planned: Planned, route: RouteRequest) -> None:
+        """A ``named`` remote prefill is over (the decode engine answered, or the request ended)."""
+        if planned.chosen is not None:
+            self._release(planned.chosen.target, len(route.tokens or ()))
+            self.profile.ended(planned.chosen)
 
     async def _vllm(
         self, prompt: Prompt, decision: Decision, path: str, headers: Mapping[str, str], trace: Trace
     ) -> tuple[Verdict, vllm.TransferParams | None, Target | None, int]:
-        """vLLM's flow: the prefill leg first; its transfer parameters go to the decode leg."""
-        if prompt.kind not in vllm.KINDS:
-            return Verdict.UNSUPPORTED_API, None, None, 0
-        wanted = self._wanted(prompt, decision)
-        if not wanted.remote:
-            return wanted.verdict or Verdict.SHORT_SUFFIX, None, None, 0
-        candidates = paired(self.targets.prefill_candidates(), decision.target, self.targets.revision)
-        if not candidates:
-            return Verdict.NO_PREFILL_ENGINE, None, None, 0
-        body = vllm.prefill_body(prompt.body)
+        """vLLM's flow: the prefill leg first; its transfer parameters go to the decode leg. A failed leg
+        is retried once on another prefill engine."""
+        body: bytes | None = None
+        failed: list[str] = []
         for _attempt in (0, 1):
-            chosen = self._choose(prompt, candidates)
+            planned = self.plan(prompt.kind, prompt.route, prompt.index, decision, failed)
+            chosen = planned.chosen
             if chosen is None:
-                break
+                return (Verdict.PREFILL_FAILED if failed else planned.verdict), None, None, 0
+            body = body or vllm.prefill_body(prompt.body)
             params = await self._leg(prompt, chosen, path, body, headers, trace, vllm.vet_answer, keep=True)
             if params is not None:
-                moved = wanted.uncached_tokens or 0
-                self.metrics.remote_tokens.inc(moved)
-                return Verdict.REMOTE, params, chosen.target, moved
-            candidates = tuple(t for t in candidates if t.engine != chosen.target.engine)
-            if not candidates:
-                break
+                self.metrics.remote_tokens.inc(planned.moved)
+                return Verdict.REMOTE, params, chosen.target, planned.moved
+            failed.append(chosen.target.engine)
         return Verdict.PREFILL_FAILED, None, None, 0
 
     def _sglang(
@@ -186,22 +232,17 @@ class RemotePrefill:
         when its leg has ended (remote, or prefill_failed)."""
         raw, body = sglang.without_bootstrap(prompt.raw, prompt.body)
         revision = self.targets.revision(decision.target.engine)
-        if self.targets.role(decision.target.engine) is Role.BOTH:
-            self.metrics.verdict(Verdict.WHOLE_ENGINE)
-            return DecodeLeg(raw, headers, Verdict.WHOLE_ENGINE, revision=revision)
-        if prompt.kind not in sglang.KINDS:
-            self.metrics.verdict(Verdict.UNSUPPORTED_API)
-            raise Unservable("a disaggregated SGLang fleet serves completions, chat and /generate only")
-        candidates = paired(self.targets.prefill_candidates(), decision.target, self.targets.revision)
-        chosen = self._choose(prompt, candidates) if candidates else None
+        planned = self.plan(prompt.kind, prompt.route, prompt.index, decision)
+        chosen, moved = planned.chosen, planned.moved
         if chosen is None:
-            self.metrics.verdict(Verdict.NO_PREFILL_ENGINE)
-            raise PrefillFailed("no prefill engine of the decode engine's revision")
+            self.metrics.verdict(planned.verdict)
+        _sglang_servable(planned)
+        if chosen is None:  # a whole engine
+            return DecodeLeg(raw, headers, Verdict.WHOLE_ENGINE, revision=revision)
         target = chosen.target
         port = self.targets.bootstrap_port(target.engine) or sglang.DEFAULT_BOOTSTRAP_PORT
         room = sglang.Room.new(_host(target), port)
         both = sglang.with_room(raw, body, room)
-        moved = self._wanted(prompt, decision).uncached_tokens or 0
 
         async def prefilled() -> None:
             if await self._leg(prompt, chosen, path, both, headers, trace, _drained) is None:
@@ -285,6 +326,15 @@ class RemotePrefill:
         if result is not None and scan.cached_tokens is not None and tokens is not None and index is not None:
             self._audit(chosen, scan.cached_tokens, index.block_size)
         return result
+
+
+def _sglang_servable(planned: Planned) -> None:
+    """An SGLang fleet's request goes to a whole engine, or with a prefill engine to pair with; raises
+    why not (its decode engines cannot prefill by themselves)."""
+    if planned.verdict is Verdict.UNSUPPORTED_API:
+        raise Unservable("a disaggregated SGLang fleet serves completions, chat and /generate only")
+    if planned.chosen is None and planned.verdict is not Verdict.WHOLE_ENGINE:
+        raise PrefillFailed("no prefill engine of the decode engine's revision")
 
 
 def _drained(_answer: bytes) -> bool:

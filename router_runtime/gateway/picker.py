@@ -10,7 +10,9 @@
                       the picker's own answer)
 
 The chosen target counts in the fleet's load from the pick until the stream ends (Envoy ends it with
-the request). The stream's request and body are never logged.
+the request). In a disaggregated fleet the pick may also name a remote prefill (``x-prefiller-host-port``)
+for the sidecar beside the decode engine, decided as the proxy decides it (docs/disaggregation.md). The
+stream's request and body are never logged.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
 from grpc_health.v1 import health_pb2_grpc
 from multidict import CIMultiDict
 
+from ..disaggregation.prefill import PrefillFailed, RemotePrefill, Unservable
 from ..fleet.inflight import LoadTracker
 from ..proxy.audit import USAGE_OPTION_KINDS, request_usage
 from ..proxy.bodies import Bodies, Share
@@ -37,19 +40,20 @@ from ..proxy.errors import ProxyError, bad_request, no_engine, not_found, too_la
 from ..proxy.headers import ENGINE_HEADER
 from ..proxy.health import HealthBoard
 from ..proxy.salting import salted
-from ..proxy.scheduler import Inbound, Scheduler, unschedulable
+from ..proxy.scheduler import Inbound, Scheduled, Scheduler, unschedulable
 from ..proxy.targets import TargetBook
 from ..scheduling.filters import within
 from ..scheduling.framework import Unschedulable
 from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch, chunk_watchers, watching
 from ..scheduling.pickers import fallbacks
 from ..scheduling.presets import make_policy
-from ..scheduling.types import Decision, RouteRequest, Target
+from ..scheduling.types import Decision, Kind, RouteRequest, Target
 from ..sessions.keys import tenant_of
 from ..tracing.attributes import upstream as upstream_attributes
 from ..tracing.spans import NO_SPAN, NO_TRACE, OFF, Span, SpanKind, Trace, Tracer, server_error
 from .health import PickerHealth
 from .protocol import (
+    PREFILLER,
     TEST_SELECTION,
     TEST_SERVED,
     duplex_of,
@@ -87,6 +91,8 @@ class _Stream:
         "held",
         "held_size",
         "outcome",
+        "prefilled",
+        "prefiller",
         "share",
         "size",
         "status",
@@ -114,6 +120,10 @@ class _Stream:
         self.share = share  # of the router's body budget, until the request is picked
         self.target: Target | None = None  # counted in the load until the stream ends
         self.ended: Callable[[], None] | None = None  # tells the scheduler the picked request is over
+        # A remote prefill the picker named (a disaggregated fleet): the prefill engine's ip:port, and
+        # what ends its count once the decode engine answers (its sidecar ran the prefill leg first).
+        self.prefiller: str | None = None
+        self.prefilled: Callable[[], None] | None = None
         self.watches: Sequence[ResponseWatch] = ()
         self.chunks: Sequence[ResponseWatch] = ()  # the watches that look at body chunks
         self.exchange: Exchange | None = None
@@ -138,8 +148,10 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         tracer: Tracer = OFF,
         conformance_test: bool = False,
         arrived: Callable[[], None] = lambda: None,
+        prefill: RemotePrefill | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.prefill = prefill  # a disaggregated fleet's remote prefill step (the proxy's)
         self.arrived = arrived  # each stream, as it opens (the router's drain counts them)
         # TEST ONLY (--epp-conformance-test): requests name their endpoints (protocol.TEST_SELECTION).
         self.conformance_test = conformance_test
@@ -176,6 +188,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
                     return
         finally:
             stream.share.release()
+            _prefill_over(stream)
             if stream.target is not None:
                 self.load.release(stream.target)
             if stream.ended is not None:
@@ -270,6 +283,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         message = request.response_headers
         headers = headers_of(message)
         stream.status = status_of(headers)
+        _prefill_over(stream)
         if stream.upstream.recording:
             stream.upstream.set("http.response.status_code", stream.status)
             stream.upstream.set("routerfleet.time_to_headers_ms", _ms_since(stream.upstream))
@@ -335,6 +349,8 @@ class EndpointPicker(epg.ExternalProcessorServicer):
                 asked = request_usage(raw, body)
             decision = scheduled.decide(candidates, 0)
             stream.ended = partial(scheduled.ended, decision)
+            if self.prefill is not None and self.targets.disaggregated:
+                self._plan_prefill(stream, kind, scheduled, decision)
             prediction = scheduled.prediction(decision)
             x = Exchange(
                 decision.target,
@@ -370,6 +386,26 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             )
         return decision, Exchange(decision.target, start, headers, tenant, None), None
 
+    def _plan_prefill(self, stream: _Stream, kind: Kind, scheduled: Scheduled, decision: Decision) -> None:
+        """A disaggregated fleet: whether the decode engine's sidecar prefills remotely, and where (the
+        proxy's own decision: disaggregation/prefill.py); the decode engine's prediction expects what the
+        transfer hands it."""
+        assert self.prefill is not None
+        with stream.trace.span("prefill_plan") as span:
+            try:
+                planned = self.prefill.named(kind, scheduled.route, scheduled.index, decision)
+            except PrefillFailed as e:  # as the proxy answers: nowhere to prefill, and the engine cannot
+                raise no_engine(f"no engine can take the request: {e}") from None
+            except Unservable as e:
+                raise bad_request(str(e)) from None
+            span.set("routerfleet.pd.verdict", planned.verdict.value)
+            if planned.chosen is None:
+                return
+            span.set("routerfleet.engine", planned.chosen.target.engine)
+        stream.prefiller = planned.chosen.target.endpoint
+        stream.prefilled = partial(self.prefill.ended, planned, scheduled.route)
+        scheduled.transferred(decision, planned.moved)
+
     def _decided(
         self, stream: _Stream, decision: Decision, x: Exchange, body: bytes | None, phase: str
     ) -> ep.ProcessingResponse:
@@ -381,18 +417,16 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         if stream.upstream.recording:
             stream.upstream.update(upstream_attributes(decision.target))
         # Another engine where the gateway may retry; not for a rank pinned on a data-parallel engine
-        # (the rank header names one engine's rank).
+        # (the rank header names one engine's rank), nor with a remote prefill (paired with the pick's
+        # revision: a fallback's may differ).
         others: Sequence[Target] = ()
-        if self.fallbacks and decision.target.rank is None:
+        if self.fallbacks and decision.target.rank is None and stream.prefiller is None:
             allowed = within(self.targets.candidates(), stream.subset)
             others = fallbacks(decision.target, allowed, self.scheduler.loads, self.fallbacks)
-        return picked(
-            decision.target,
-            phase=phase,
-            body=body,
-            fallbacks=others,
-            headers=stream.trace.headers(stream.upstream),
-        )
+        headers = stream.trace.headers(stream.upstream)
+        if stream.prefiller is not None:
+            headers = {**headers, PREFILLER: stream.prefiller}
+        return picked(decision.target, phase=phase, body=body, fallbacks=others, headers=headers)
 
     def _watch(self, stream: _Stream, x: Exchange) -> None:
         stream.exchange = x
@@ -418,6 +452,14 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         self.load.acquire(target)
         stream.target = target
         self._watch(stream, replace(x, target=target, prediction=None, usage_asked=False))
+
+
+def _prefill_over(stream: _Stream) -> None:
+    """The remote prefill the picker named is over (once): the decode engine answered, or the stream
+    ended without an answer."""
+    if stream.prefilled is not None:
+        stream.prefilled()
+        stream.prefilled = None
 
 
 def _route(headers: Mapping[str, str]) -> str:

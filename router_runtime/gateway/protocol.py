@@ -30,6 +30,11 @@ SERVED = "x-gateway-destination-endpoint-served"
 LB_NAMESPACE = "envoy.lb"
 SUBSET = "x-gateway-destination-endpoint-subset"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+# A disaggregated fleet's remote prefill, as llm-d's routing sidecar beside a decode engine reads it: the
+# prefill engine's ip:port (its older name, a URL, is read when this one is absent). Only the picker
+# sets either: a client's own would point the sidecar at any address.
+PREFILLER = "x-prefiller-host-port"
+PREFILLER_HEADERS = (PREFILLER, "x-prefiller-url")
 # At most this much body per streamed answer, as the reference picker splits a body.
 STREAMED_CHUNK = 62_000
 # TEST ONLY (--epp-conformance-test), as the extension's conformance suite drives a picker: the
@@ -104,7 +109,8 @@ def picked(
     retry (``ip:port,ip:port``), to the ``phase`` the pick is answered in (``request_headers`` for a
     request without a body, and for every FULL_DUPLEX_STREAMED one; else the BUFFERED ``request_body``,
     with ``body`` instead of the one sent, None: as sent). ``headers``: set on the request too (a
-    traced request's ``traceparent``)."""
+    traced request's ``traceparent``, a remote prefill's ``PREFILLER``; a client's own prefiller headers
+    are removed)."""
     where = ",".join(t.endpoint for t in (target, *fallbacks))
     mutation = [header(DESTINATION, where)]
     mutation += [header(k, v) for k, v in (headers or {}).items()]
@@ -113,6 +119,7 @@ def picked(
         mutation.append(header(RANK_HEADER, str(target.rank)))
     else:  # a client's own rank would reach the engine, as the proxy never lets it
         removed.append(RANK_HEADER.lower())
+    removed += [h for h in PREFILLER_HEADERS if h not in (headers or {})]
     if body is not None:  # Envoy refuses a buffered body whose Content-Length no longer says its size
         mutation.append(header("content-length", str(len(body))))
     common = ep.CommonResponse(
