@@ -6,7 +6,8 @@ a multi-turn chat workload is prefilled remotely when a decode engine misses a l
 when it misses a short suffix; a seed-gated rolling restart of the routers under it fails no request;
 an engine rolling update to a new revision under it never pairs a prefill and a decode engine of two
 revisions (the fake engines refuse such KV, as a connector's handshake does). Then llm-d's way: one
-Service over both pools, each engine's role read from its pod's label.
+Service over both pools, each engine's role read from its pod's label, through the routers' proxy and
+through the standalone gateway (the picker names the prefill engine to the decode engine's sidecar).
 
     .venv/bin/python -m e2e.cluster pytest -q tests/e2e/test_pd_fleet.py
 """
@@ -19,6 +20,7 @@ import time
 
 import aiohttp
 import pytest
+import test_gateway
 import test_operator
 from test_gateway import rolled_under_traffic
 from test_operator import FLEET, GROUP, PLURAL, VERSION, _local_only, fleet_manifest, wait_fleet_ready
@@ -35,9 +37,11 @@ from e2e.fleet import (
     parse_metrics,
     pod_url,
 )
+from routerfleet_operator.model import GATEWAY_PORT
 
 crd = test_operator.crd  # the fixtures: the RouterFleet CRD applied, and the operator as a subprocess
 operator = test_operator.operator
+pool_crds = test_gateway.pool_crds  # the extension's CRDs, for the gateway's pool
 PREFILL = f"{ENGINE}-prefill"
 DECODE = f"{ENGINE}-decode"
 REVISION = {"app.kubernetes.io/version": "v1"}
@@ -48,10 +52,11 @@ BOTH_POOLS = f"{ENGINE}-pd"
 pytestmark = pytest.mark.timeout(900)
 
 
-def deploy_pools(cluster, ns: str, role_label: str | None = None) -> None:
+def deploy_pools(cluster, ns: str, role_label: str | None = None, sidecar: bool = False) -> None:
     """The fake engine's Deployment and Service twice, renamed per role, both of revision v1; with
     ``role_label``, each pool's pods also say their role under it, and a third Service (BOTH_POOLS)
-    selects the pods of both."""
+    selects the pods of both. ``sidecar``: the decode engines play llm-d's routing sidecar (a gateway's
+    picker names the prefill engine to it)."""
     docs = load_manifests(image=getattr(cluster.provider, "image", None))
     for name, role in ((PREFILL, "prefill"), (DECODE, "decode")):
         dep, svc = (dict(find(docs, kind, ENGINE)) for kind in ("Deployment", "Service"))
@@ -62,6 +67,8 @@ def deploy_pools(cluster, ns: str, role_label: str | None = None) -> None:
         spec = template["spec"] = {**template["spec"]}
         engine = {**spec["containers"][0]}
         engine["args"] = [*engine["args"], "--kv-transfer", "--transfer-us-per-block=50", "--revision=v1"]
+        if sidecar and role == "decode":
+            engine["args"].append("--pd-sidecar")
         spec["containers"] = [engine]
         dep = {**dep, "metadata": {"name": name, "labels": labels}}
         dep["spec"] = {**dep["spec"], "selector": {"matchLabels": labels}, "template": template}
@@ -113,9 +120,10 @@ def fleet_token(cluster, ns: str) -> str:
     return base64.b64decode(secret.data["token"]).decode()
 
 
-async def chats(cluster, ns: str, token: str, seconds: float) -> T.Traffic:
-    """The chat workload through the routers for ``seconds``."""
-    traffic = T.Traffic(T.Kube(str(cluster.kubeconfig)), ns, FLEET, token, seed=13)
+async def chats(cluster, ns: str, token: str, seconds: float, port: int = ROUTER_PORT) -> T.Traffic:
+    """The chat workload through the routers (at ``port``: their proxy, or the gateway beside each) for
+    ``seconds``."""
+    traffic = T.Traffic(T.Kube(str(cluster.kubeconfig)), ns, FLEET, token, seed=13, port=port)
     async with aiohttp.ClientSession(timeout=T.SESSION_TIMEOUT) as session, T.running(traffic, session):
         await asyncio.sleep(seconds)
     return traffic
@@ -224,25 +232,35 @@ def test_a_disaggregated_fleet_prefills_where_it_pays_and_rolls_out_under_traffi
     assert on_decode["cross"] == 0 and on_prefill["prefill"] > 0
 
 
-def test_one_services_engines_split_by_their_pods_role_label(cluster, namespace, crd, operator):
+@pytest.mark.parametrize("door", ["proxy", "gateway"])
+def test_one_services_engines_split_by_their_pods_role_label(
+    cluster, namespace, crd, pool_crds, operator, door
+):
     """llm-d's way: one Service over both pools, each pod labelled with its role (llm-d.ai/role). The
     routers read each engine's role from its pod: a long uncached prefix is prefilled on a prefill
-    engine, and no client request is ever sent to one (it would answer one token and stop)."""
+    engine, and no client request is ever sent to one (it would answer one token and stop). Through the
+    routers' proxy, or through the standalone gateway: there the picker names the prefill engine to the
+    decode engine's sidecar (llm-d's, played by the fake), which runs the prefill leg."""
     _local_only(cluster)
     ns = namespace
-    deploy_pools(cluster, ns, role_label=ROLE_LABEL)
+    gateway = door == "gateway"
+    deploy_pools(cluster, ns, role_label=ROLE_LABEL, sidecar=gateway)
     for name in (PREFILL, DECODE):
         cluster.wait_pods_ready(ns, f"app.kubernetes.io/name={name}", 2)
     manifest = fleet_manifest(cluster, ns, replicas=2)
     manifest["spec"]["engines"]["serviceName"] = BOTH_POOLS
     manifest["spec"]["engines"]["disaggregation"] = {"roleLabel": ROLE_LABEL}
+    if gateway:
+        manifest["spec"]["gateway"] = {"enabled": True, "standalone": {"enabled": True}}
     crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
     wait_fleet_ready(cluster, crd, ns, "a role-labelled fleet of 2 Ready", timeout=240)
 
-    traffic = asyncio.run(chats(cluster, ns, fleet_token(cluster, ns), 15))
+    port = GATEWAY_PORT if gateway else ROUTER_PORT
+    traffic = asyncio.run(chats(cluster, ns, fleet_token(cluster, ns), 15, port))
     on_prefill, on_decode, said = asyncio.run(pool_figures(cluster, ns))
     print(
-        f"[role label] {len(traffic.reqs)} requests; prefill engines {on_prefill}, decode {on_decode}; {said}"
+        f"[role label, {door}] {len(traffic.reqs)} requests; prefill engines {on_prefill}, decode"
+        f" {on_decode}; {said}"
     )
     assert traffic.errors == 0 and len(traffic.reqs) > 20, dict(traffic.error_texts)
     assert on_prefill["prefill"] > 0 and on_prefill["requests"] == on_prefill["prefill"], on_prefill
