@@ -69,7 +69,9 @@ from .proxy.targets import TargetBook
 from .scheduling.admission import Admission
 from .scheduling.framework import Profile
 from .scheduling.hooks import RequestHook
+from .scheduling.inflight_prefix import in_one_report
 from .scheduling.presets import make_policy
+from .scheduling.types import Shared
 from .sessions.affinity import RememberSession, SessionAffinity
 from .sessions.bindings import BindingMetrics, BindResponseId, ResponseBindings
 from .sessions.metrics import SessionMetrics
@@ -375,7 +377,7 @@ class Router:
             self.gossip = LoadGossip(
                 self.token,
                 peer_urls,
-                lambda: self.fleet.report(self.policy.shared()),
+                lambda: self.fleet.report(self._shared()),
                 config.fleet.gossip,
                 on_sent=lambda outcome: self.fleet_metrics.sends.labels(outcome).inc(),
             )
@@ -407,13 +409,31 @@ class Router:
         if sample is not None:
             self.policy.adapters_read(engine, sample.adapters)
 
+    def _profiles(self, *, deciding: bool = True) -> tuple[Profile, ...]:
+        """The profiles that decide here (``deciding`` False: that may hold state): the policy's, and
+        the prefill profile while the fleet is disaggregated (its remote prefills:
+        disaggregation/prefill.py)."""
+        prefill = self.proxy.prefill
+        if prefill is None or (deciding and not self.targets.disaggregated):
+            return (self.policy,)
+        return (prefill.profile, self.policy)
+
+    def _shared(self) -> Shared:
+        """What this replica's profiles tell its siblings with each load report: the prefill profile's
+        predictions first (one per remote prefill in flight: fewer than the decode side's)."""
+        profiles = self._profiles()
+        if len(profiles) == 1:
+            return self.policy.shared()
+        return in_one_report(*(p.shared() for p in profiles))
+
     def accept_load_report(self, report: PeerReport | None) -> None:
         """A sibling's report off the internal port (None: it failed vetting)."""
         outcome = ReportOutcome.REJECTED if report is None else self.fleet.accept(report)
         self.fleet_metrics.reports.labels(outcome).inc()
         if report is not None and outcome is ReportOutcome.ACCEPTED:
             sender = (report.replica, report.incarnation)
-            self.policy.accept_peer(sender, report.shared, self.fleet.bounds.peer_max_age_s)
+            for profile in self._profiles():  # each counts the predictions on its own candidates
+                profile.accept_peer(sender, report.shared, self.fleet.bounds.peer_max_age_s)
 
     def accept_notice(self, notice: KvNotice) -> None:
         """A sibling's KV notice off the internal port, vetted; ranks we do not follow are ignored."""
@@ -535,7 +555,8 @@ class Router:
         self.sessions.set_workers(specs)
         after = self.targets.all_targets()
         for t in before - after:
-            self.policy.remove_target(t)
+            for profile in self._profiles(deciding=False):
+                profile.remove_target(t)
         self.metrics.forget_engines({s.engine for s in specs} | set(self.load.engines()))
         self.fleet.forget_engines({s.engine for s in specs})
 

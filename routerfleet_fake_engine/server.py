@@ -406,16 +406,20 @@ class FakeEngine:
         return web.json_response({"blocks": blocks[0], transfer.REVISION: self.config.revision})
 
     async def _sidecar_prefill(
-        self, prefiller: str, path: str, doc: dict[str, Any]
+        self, prefiller: str, path: str, doc: dict[str, Any], rank: str | None
     ) -> tuple[dict[str, Any], web.Response | None]:
         """llm-d's sidecar: the prefill leg on ``prefiller`` (ip:port), then the request with its transfer
-        parameters; or the prefill's failure as the answer (its status, as the sidecar passes it on)."""
+        parameters; or the prefill's failure as the answer (its status, as the sidecar passes it on).
+        The prefill leg carries the request's data-parallel ``rank`` header, as the sidecar's copy of
+        the request's headers does."""
         self.sidecar_prefills += 1
         timeout = aiohttp.ClientTimeout(total=60)
+        headers = {RANK_HEADER: rank} if rank is not None else {}
+        body = transfer.sidecar_prefill_body(doc)
         try:
             async with (
                 aiohttp.ClientSession(timeout=timeout) as s,
-                s.post(f"http://{prefiller}{path}", json=transfer.sidecar_prefill_body(doc)) as r,
+                s.post(f"http://{prefiller}{path}", json=body, headers=headers) as r,
             ):
                 if r.status != 200:
                     return doc, web.Response(status=r.status, text=await r.text())
@@ -628,7 +632,8 @@ class FakeEngine:
             doc = parse_json_body(await request.read())
             prefiller = request.headers.get(transfer.SIDECAR_HEADER) if self.config.pd_sidecar else None
             if prefiller and request.path in transfer.SIDECAR_PATHS and isinstance(doc, dict):
-                doc, failed = await self._sidecar_prefill(prefiller, request.path, doc)
+                rank_header = request.headers.get(RANK_HEADER)
+                doc, failed = await self._sidecar_prefill(prefiller, request.path, doc, rank_header)
                 if failed is not None:
                     return failed
             req = parse(doc)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import time
 
 import aiohttp
 import pytest
@@ -19,7 +20,7 @@ from router_runtime.disaggregation.config import DisaggregationConfig, Protocol
 from router_runtime.disaggregation.decider import Verdict, need, paired
 from router_runtime.discovery.static import parse_worker
 from router_runtime.kv.config import KvConfig
-from router_runtime.proxy.config import ProxyConfig
+from router_runtime.proxy.config import ProxyConfig, Timeouts
 from router_runtime.proxy.health import HealthConfig
 from router_runtime.scheduling.types import Decision, Reason, Target
 from router_runtime.worker import Role
@@ -152,6 +153,7 @@ async def pd_fleet(
     protocol=Protocol.VLLM,
     engine_kw=None,
     engine_revisions=None,
+    first_byte_s=600.0,
 ):
     """``decode`` and ``prefill`` fake engines serving ``protocol``'s disaggregated prefill, as static
     workers of one kv_aware router (``extra``: more WorkerSpecs; ``revisions``: per engine, decode ones
@@ -186,7 +188,7 @@ async def pd_fleet(
             workers=(*workers, *extra),
             kv=KvConfig(block_size=BS),
             health=HealthConfig(interval_s=0),
-            proxy=ProxyConfig(engine_header=True),
+            proxy=ProxyConfig(engine_header=True, timeouts=Timeouts(first_byte_s=first_byte_s)),
             disaggregation=DisaggregationConfig(
                 protocol=protocol, threshold_tokens=threshold, prefill_timeout_s=timeout_s
             ),
@@ -289,6 +291,29 @@ async def test_a_prefill_leg_that_errs_or_stalls_is_bounded_and_the_request_stil
                 get = f.router.registry.get_sample_value
                 assert get("routerfleet_pd_prefill_leg_failures_total", {"reason": reason}) == 1
             released.set()
+
+
+async def test_the_first_bytes_deadline_holds_across_a_stalled_prefill_leg():
+    """The first-byte timeout runs from dispatch, the prefill leg's time in it: a prefill engine that
+    stalls past it (inside its own longer timeout) leaves the request a 504 at the deadline, not later."""
+    released = asyncio.Event()
+
+    async def stalling(_request: web.Request) -> web.Response:
+        await released.wait()
+        return web.json_response({})
+
+    async with loopback_app(web.post("/v1/completions", stalling)) as bad:
+        worker = dataclasses.replace(parse_worker(bad), role=Role.PREFILL)
+        async with pd_fleet(prefill=0, extra=(worker,), timeout_s=30.0, first_byte_s=0.5) as f:
+            t0 = time.monotonic()
+            body = {"prompt": list(range(50, 90)), "max_tokens": 4}
+            async with f.session.post(f.url + "/v1/completions", json=body) as r:
+                assert r.status == 504, await r.text()
+                assert (await r.json())["error"]["code"] == "first_byte_timeout"
+            assert time.monotonic() - t0 < 3
+            get = f.router.registry.get_sample_value
+            assert get("routerfleet_pd_prefill_leg_failures_total", {"reason": "timeout"}) == 1
+        released.set()
 
 
 async def test_no_prefill_engine_of_the_decode_engines_revision_means_no_remote_prefill():

@@ -17,6 +17,7 @@ from router_runtime.app import run_router
 from router_runtime.bootstrap.config import InternalConfig
 from router_runtime.bootstrap.peers import Peer
 from router_runtime.config import RouterConfig
+from router_runtime.disaggregation.config import DisaggregationConfig
 from router_runtime.fleet.config import FleetConfig
 from router_runtime.fleet.engine_metrics import ScrapeConfig
 from router_runtime.fleet.gossip import GossipConfig
@@ -25,8 +26,9 @@ from router_runtime.kv.config import KvConfig
 from router_runtime.proxy.config import ProxyConfig
 from router_runtime.proxy.health import HealthConfig
 from router_runtime.scheduling.config import SchedulingConfig
+from router_runtime.scheduling.inflight_prefix import InflightPrefix
 from router_runtime.scheduling.presets import PolicyConfig
-from router_runtime.worker import Carrier, WorkerSpec
+from router_runtime.worker import Carrier, Role, WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
 from tests.support import LOCAL_METRICS
 
@@ -50,6 +52,7 @@ async def replicas(
     *,
     engines: int = 2,
     engine_kw=None,
+    roles=None,
     gossip: bool = True,
     scrape_s: float = 0.0,
     heartbeat_s: float = 0.5,
@@ -58,7 +61,8 @@ async def replicas(
 ):
     """``engines`` fake engines and ``n_routers`` kv_aware replicas over them, each listing the others as
     peers (as peer discovery would), every KV subscription joined; engines' metrics read every
-    ``scrape_s`` (0: not read); ``sections``: RouterConfig sections in place of these defaults."""
+    ``scrape_s`` (0: not read); ``roles``: each engine's (a disaggregated fleet); ``sections``:
+    RouterConfig sections in place of these defaults."""
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
     async with contextlib.AsyncExitStack() as stack:
@@ -67,7 +71,14 @@ async def replicas(
             for _ in range(engines)
         ]
         workers = tuple(
-            WorkerSpec(e.http_url, e.http_url, kv=e.kv_endpoint(0), replay=e.replay_endpoint(0)) for e in es
+            WorkerSpec(
+                e.http_url,
+                e.http_url,
+                kv=e.kv_endpoint(0),
+                replay=e.replay_endpoint(0),
+                role=roles[i] if roles else Role.BOTH,
+            )
+            for i, e in enumerate(es)
         )
         defaults = {
             "internal": InternalConfig(port=0, token_file=str(token)),
@@ -196,6 +207,60 @@ async def test_a_fan_outs_copies_through_different_replicas_meet_on_one_engine(t
         finally:
             for r in holds:
                 r.close()
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "local"])
+async def test_a_fan_outs_remote_prefills_through_different_replicas_meet_on_one_prefill_engine(
+    tmp_path, share
+):
+    """A disaggregated fleet: one long prompt's copies, one through each replica, the second sent while
+    the first's prefill leg still runs (and no engine publishes a block). With predictions shared, the
+    second replica's prefill profile credits what the first's prefill leg will store and sends its leg
+    to the same prefill engine; kept local, the load view sends it to the idle one."""
+    roles = [Role.DECODE, Role.DECODE, Role.PREFILL, Role.PREFILL]
+    tuning = SchedulingConfig(tuning=PolicyConfig(load_cost_tokens=16 * BS, inflight_share=share))
+    slow_prefill = {"kv_transfer": True, "prefill_us_per_token": 2000}  # a 516-token prompt: ~1 s
+    async with replicas(
+        tmp_path,
+        2,
+        engines=4,
+        engine_kw=slow_prefill,
+        roles=roles,
+        scheduling=tuning,
+        disaggregation=DisaggregationConfig(threshold_tokens=16),
+    ) as (es, routers, s):
+        prefillers = es[2:]
+        for e in es:  # nothing stored is published: only predictions and loads say where a copy is
+            async with s.post(e.http_url + "/admin/mute", json={"rank": 0}) as r:
+                assert r.status == 200
+        prompt = list(range(100, 100 + 128 * BS + 4))
+        (_, url_a), (second, url_b) = routers
+
+        async def complete(url: str) -> None:
+            body = {"prompt": prompt, "max_tokens": 2}
+            async with s.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+
+        def prefill_load(router) -> float:
+            return sum(
+                v for (engine, _), v in _fleet(router).items() if engine in {p.http_url for p in prefillers}
+            )
+
+        one = asyncio.create_task(complete(url_a))
+        await eventually(lambda: prefill_load(second) == 1, what="the sibling sees the prefill leg's load")
+        if share:
+            await eventually(lambda: prefill_predicted(second) > 0, what="the sibling's prefill prediction")
+        await complete(url_b)
+        await one
+        legs = sorted(p.rank_stats[0].prefill_legs for p in prefillers)
+        assert legs == ([0, 2] if share else [1, 1]), legs
+        assert all(sample(r, "routerfleet_pd_prefills_total", verdict="remote") == 1 for r, _ in routers)
+
+
+def prefill_predicted(router) -> int:
+    """Blocks the router's prefill profile credits as predicted on its prefill engines."""
+    scorers = [p for p in router.proxy.prefill.profile.scorers if isinstance(p, InflightPrefix)]
+    return sum(p.predicted_blocks(t.carrier) for p in scorers for t in router.targets.prefill_candidates())
 
 
 def _fleet(router) -> dict:

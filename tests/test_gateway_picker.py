@@ -622,8 +622,57 @@ async def test_a_disaggregated_fleets_pick_names_the_prefill_engine_for_the_deco
         again, _ = await complete([*prompt, 7, 7, 7, 7], **{"x-prefiller-host-port": closed})
         assert again == engine and decoder.sidecar_prefills == 1
         assert verdict("short_suffix") == 1
+        # Nor do a client's own transfer parameters reach the engine (they would have it pull KV from
+        # where the client says: a second decode leg).
+        forged = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_block_ids": [1, 2]}
+        async with s.post(
+            base + "/v1/completions",
+            json={
+                "model": "m",
+                "prompt": [*prompt, 7, 7, 7, 7, 8],
+                "max_tokens": 2,
+                "kv_transfer_params": forged,
+            },
+        ) as r:
+            assert r.status == 200, await r.text()
+        assert decoder.rank_stats[0].decode_legs == 1 and verdict("short_suffix") == 2
         await eventually(lambda: router.load.total == 0, timeout=10, what="the picks and prefills released")
         assert predicted_blocks(router) == 0
+
+
+async def test_a_remote_prefill_runs_on_the_decode_legs_data_parallel_rank(tmp_path):
+    """The sidecar names a prefill engine by address alone and passes the decode leg's rank header on
+    to it: the picker names a prefill engine only where it has a rank of that number. Two decode ranks,
+    one prefill rank: rank 0's long prompts are prefilled remotely, rank 1's locally (none fails on a
+    rank the prefill engine lacks)."""
+    async with contextlib.AsyncExitStack() as stack:
+        decoder, prefiller = [
+            await stack.enter_async_context(run_fake_engine(block_size=BS, kv_transfer=True, **kw))
+            for kw in ({"pd_sidecar": True, "dp_size": 2}, {})
+        ]
+        d, p = static_workers([decoder, prefiller])
+        cfg = RouterConfig(
+            port=0,
+            metrics=LOCAL_METRICS,
+            workers=(dataclasses.replace(d, role=Role.DECODE), dataclasses.replace(p, role=Role.PREFILL)),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            gateway=PickerConfig(port=0),
+            disaggregation=DisaggregationConfig(threshold_tokens=16),
+        )
+        router, _url = await stack.enter_async_context(run_router(cfg))
+        await join_all(router, [decoder, prefiller])
+        base = await stack.enter_async_context(envoy(router.epp_address, [decoder.http_url], tmp_path))
+        s = await stack.enter_async_context(aiohttp.ClientSession())
+        for k in range(6):  # new prompts: spread over both decode ranks
+            body = {"model": "m", "prompt": [k + 1] * (16 * BS + 2), "max_tokens": 2}
+            async with s.post(base + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+        on_rank = [sum(decoder.rank_stats[rank].requests.values()) for rank in (0, 1)]
+        assert all(on_rank), on_rank
+        assert sample(router, "routerfleet_pd_prefills_total", verdict="remote") == on_rank[0]
+        assert sample(router, "routerfleet_pd_prefills_total", verdict="no_prefill_engine") == on_rank[1]
+        assert prefiller.rank_stats[0].prefill_legs == decoder.rank_stats[0].decode_legs == on_rank[0]
 
 
 async def test_an_sglang_fleet_without_a_prefill_engine_to_pair_is_refused_at_the_pick(tmp_path):
@@ -652,6 +701,10 @@ async def test_an_sglang_fleet_without_a_prefill_engine_to_pair_is_refused_at_th
             assert r.status == 503
             assert "no prefill engine" in (await r.json())["error"]["message"]
         assert sample(router, "routerfleet_pd_prefills_total", verdict="no_prefill_engine") == 1
+        # /generate takes a room from the proxy, but llm-d's sidecar serves completions and chat only.
+        async with s.post(base + "/generate", json={"input_ids": PROMPT, "sampling_params": {}}) as r:
+            assert r.status == 400
+            assert "completions and chat only" in (await r.json())["error"]["message"]
         assert decoder.rank_stats[0].requests == {}  # never reached the engine
         await eventually(lambda: router.load.total == 0, timeout=10, what="nothing held")
 

@@ -15,7 +15,7 @@ from router_runtime.kv.events import BlockStored, EventBatch
 from router_runtime.kv.index import RadixIndex
 from router_runtime.proxy.audit import AuditOutcome, Prediction, judge
 from router_runtime.scheduling.framework import Cycle, Profile
-from router_runtime.scheduling.inflight_prefix import MAX_SHARED_KEYS, InflightPrefix
+from router_runtime.scheduling.inflight_prefix import MAX_SHARED_KEYS, InflightPrefix, in_one_report
 from router_runtime.scheduling.presets import PolicyConfig, make_policy
 from router_runtime.scheduling.types import Prediction as Predicted
 from router_runtime.scheduling.types import Reason, RouteRequest, Shared, Target
@@ -215,6 +215,20 @@ def test_a_siblings_predictions_draw_the_copies_it_did_not_send():
     clock.now += 2.1
     assert inflight_b.predicted_blocks(again.target.carrier) == 0
     assert b.choose(RouteRequest(tokens=PROMPT), TARGETS, {}, index_b).reason is Reason.NO_MATCH
+
+
+def test_two_profiles_shares_fit_one_report_a_sibling_accepts():
+    """A disaggregated replica shares its prefill profile's predictions and its decode side's in one
+    report: in order, cut at a report's bounds (a sibling refuses a larger report whole)."""
+    on = Carrier("p", 0)
+    prefill = Shared(tuple(Predicted(on, 0, [i]) for i in range(3)))
+    decode = Shared(tuple(Predicted(Carrier("d", 0), 0, list(range(1000))) for _ in range(10)), {"d": ("x",)})
+    both = in_one_report(prefill, decode)
+    assert both.predictions[:3] == prefill.predictions and both.adapters == {"d": ("x",)}
+    assert sum(len(p.keys) for p in both.predictions) <= MAX_SHARED_KEYS
+    assert len(both.predictions) == 3 + MAX_SHARED_KEYS // 1000
+    raw = encode_report("r", "i", 1, (), both)  # and a sibling's vetting takes it
+    assert len(vet_report(raw).shared.predictions) == len(both.predictions)
 
 
 def test_a_lying_sibling_credits_only_the_requests_own_blocks_at_the_prediction_weight():

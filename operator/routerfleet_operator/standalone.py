@@ -22,8 +22,9 @@ ADMIN_PORT = 9901  # loopback only: the pod's own
 BUFFER_LIMIT_BYTES = 32 << 20
 DESTINATION = "x-gateway-destination-endpoint"
 # Headers only the picker may set: a client's own would steer the request (to any address, through the
-# ORIGINAL_DST cluster) wherever the picker sets none.
-PICKER_HEADERS = (DESTINATION, "x-data-parallel-rank")
+# ORIGINAL_DST cluster, or a decode engine's sidecar to a prefill engine of its choosing) wherever the
+# picker sets none.
+PICKER_HEADERS = (DESTINATION, "x-data-parallel-rank", "x-prefiller-host-port", "x-prefiller-url")
 
 _T = "type.googleapis.com/envoy."
 

@@ -26,6 +26,7 @@ from ..kv.index import RadixIndex
 from ..proxy.audit import Prediction, UsageScan, judge
 from ..proxy.headers import RANK_HEADER
 from ..proxy.health import HealthBoard
+from ..proxy.rewrite import without_member
 from ..proxy.targets import TargetBook
 from ..scheduling.framework import Profile, Unschedulable
 from ..scheduling.types import Decision, Kind, RouteRequest, Target
@@ -37,6 +38,7 @@ from .decider import Need, Verdict, need, paired
 from .metrics import PdMetrics
 
 REQUEST_ID = "X-Request-Id"
+SIDECAR_KINDS = frozenset({Kind.COMPLETION, Kind.CHAT})  # the paths llm-d's routing sidecar serves
 _ANSWER_CAP = 1 << 20  # a one-token answer with its transfer parameters (vLLM's; SGLang's is drained)
 
 
@@ -128,17 +130,19 @@ class RemotePrefill:
         path: str,
         trace: Trace = NO_TRACE,
         previous: DecodeLeg | None = None,
+        deadline: float | None = None,
     ) -> DecodeLeg:
         """The decode request for ``decision`` (the decode engine already chosen); ``previous``: the leg
-        of an attempt whose decode engine could not be reached, reused when it still holds."""
+        of an attempt whose decode engine could not be reached, reused when it still holds;
+        ``deadline``: the request's first byte's (the event loop's clock), which a prefill leg ends by."""
         engine = decision.target.engine
         revision = self.targets.revision(engine)
         if previous is not None and previous.serves(revision):
             return previous
         headers = {REQUEST_ID: uuid.uuid4().hex}
         if self.config.protocol == Protocol.SGLANG:
-            return self._sglang(prompt, decision, path, headers, trace)
-        verdict, params, prefill, moved = await self._vllm(prompt, decision, path, headers, trace)
+            return self._sglang(prompt, decision, path, headers, trace, deadline)
+        verdict, params, prefill, moved = await self._vllm(prompt, decision, path, headers, trace, deadline)
         self.metrics.verdict(verdict)
         # Never the client's own parameters, whatever the API.
         body = vllm.decode_body(prompt.raw, prompt.body, params)
@@ -166,10 +170,13 @@ class RemotePrefill:
         index: RadixIndex | None,
         decision: Decision,
         skip: Collection[str] = (),
+        *,
+        same_rank: bool = False,
     ) -> Planned:
         """Whether ``decision``'s decode engine takes a remote prefill, and from which prefill engine
-        (its decision made: the prefill profile counts it until ``ended``), none of ``skip``'s engines.
-        vLLM's flow: by the decider; SGLang's: always (its decode engines cannot prefill alone)."""
+        (its decision made: the prefill profile counts it until ``ended``), none of ``skip``'s engines
+        (``same_rank``: only targets the decode target's rank header reaches). vLLM's flow: by the
+        decider; SGLang's: always (its decode engines cannot prefill alone)."""
         if self.targets.role(decision.target.engine) is Role.BOTH:  # a whole engine: prefills its own
             return Planned(Verdict.WHOLE_ENGINE)
         sglang_ = self.config.protocol == Protocol.SGLANG
@@ -179,23 +186,41 @@ class RemotePrefill:
         if not wanted.remote and not sglang_:
             return Planned(wanted.verdict or Verdict.SHORT_SUFFIX)
         candidates = paired(self.targets.prefill_candidates(), decision.target, self.targets.revision)
-        candidates = tuple(t for t in candidates if t.engine not in skip)
+        rank = decision.target.rank
+        candidates = tuple(
+            t for t in candidates if t.engine not in skip and (not same_rank or _runs_rank(t, rank))
+        )
         chosen = self._choose(route, index, candidates) if candidates else None
         if chosen is None:
             return Planned(Verdict.NO_PREFILL_ENGINE)
         return Planned(Verdict.REMOTE, chosen, wanted.uncached_tokens or 0)
 
     def named(self, kind: Kind, route: RouteRequest, index: RadixIndex | None, decision: Decision) -> Planned:
-        """The gateway's remote prefill (gateway/picker.py): the plan, counted, its prefill engine loaded
-        until ``ended`` (a sidecar beside the decode engine runs the legs: docs/disaggregation.md)."""
-        planned = self.plan(kind, route, index, decision)
+        """The gateway's remote prefill (gateway/picker.py): the plan, counted when named (the legs are
+        the sidecar's beside the decode engine: docs/disaggregation.md), its prefill engine loaded until
+        ``ended``. The sidecar serves completions and chat only, and names a prefill engine by address
+        alone, passing the decode leg's rank header on to it: the prefill leg runs on the decode leg's
+        rank, so the prefill engine is chosen among the targets that header reaches."""
+        if kind not in SIDECAR_KINDS:
+            planned = Planned(Verdict.UNSUPPORTED_API)
+        else:
+            planned = self.plan(kind, route, index, decision, same_rank=True)
         self.metrics.verdict(planned.verdict)
         if self.config.protocol == Protocol.SGLANG:  # its decode engines cannot prefill alone
-            _sglang_servable(planned)
+            _sglang_servable(
+                planned, "behind a gateway, a disaggregated SGLang fleet serves completions and chat only"
+            )
         if planned.chosen is not None:
             self.metrics.remote_tokens.inc(planned.moved)
             self._acquire(planned.chosen.target, len(route.tokens or ()))
         return planned
+
+    def without_clients_fields(self, raw: bytes, body: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+        """A client's request without its own transfer or bootstrap fields (they would tell a decode
+        engine where to take KV from), as the picker passes it on; unchanged when it has none."""
+        if self.config.protocol == Protocol.SGLANG:
+            return sglang.without_bootstrap(raw, body)
+        return without_member(raw, body, vllm.PARAMS)
 
     def ended(self, planned: Planned, route: RouteRequest) -> None:
         """A ``named`` remote prefill is over (the decode engine answered, or the request ended)."""
@@ -204,7 +229,13 @@ class RemotePrefill:
             self.profile.ended(planned.chosen)
 
     async def _vllm(
-        self, prompt: Prompt, decision: Decision, path: str, headers: Mapping[str, str], trace: Trace
+        self,
+        prompt: Prompt,
+        decision: Decision,
+        path: str,
+        headers: Mapping[str, str],
+        trace: Trace,
+        deadline: float | None,
     ) -> tuple[Verdict, vllm.TransferParams | None, Target | None, int]:
         """vLLM's flow: the prefill leg first; its transfer parameters go to the decode leg. A failed leg
         is retried once on another prefill engine."""
@@ -216,7 +247,9 @@ class RemotePrefill:
             if chosen is None:
                 return (Verdict.PREFILL_FAILED if failed else planned.verdict), None, None, 0
             body = body or vllm.prefill_body(prompt.body)
-            params = await self._leg(prompt, chosen, path, body, headers, trace, vllm.vet_answer, keep=True)
+            params = await self._leg(
+                prompt, chosen, path, body, headers, trace, vllm.vet_answer, keep=True, deadline=deadline
+            )
             if params is not None:
                 self.metrics.remote_tokens.inc(planned.moved)
                 return Verdict.REMOTE, params, chosen.target, planned.moved
@@ -224,7 +257,13 @@ class RemotePrefill:
         return Verdict.PREFILL_FAILED, None, None, 0
 
     def _sglang(
-        self, prompt: Prompt, decision: Decision, path: str, headers: dict[str, str], trace: Trace
+        self,
+        prompt: Prompt,
+        decision: Decision,
+        path: str,
+        headers: dict[str, str],
+        trace: Trace,
+        deadline: float | None,
     ) -> DecodeLeg:
         """SGLang's flow: both legs at once, paired by a bootstrap room. A decode engine cannot prefill by
         itself, so a request without a paired prefill engine, or on an API that carries no room, fails
@@ -245,7 +284,10 @@ class RemotePrefill:
         both = sglang.with_room(raw, body, room)
 
         async def prefilled() -> None:
-            if await self._leg(prompt, chosen, path, both, headers, trace, _drained) is None:
+            if (
+                await self._leg(prompt, chosen, path, both, headers, trace, _drained, deadline=deadline)
+                is None
+            ):
                 self.metrics.verdict(Verdict.PREFILL_FAILED)
                 raise PrefillFailed("no answer")
             self.metrics.verdict(Verdict.REMOTE)
@@ -271,10 +313,12 @@ class RemotePrefill:
         accept: Callable[[bytes], Any],
         *,
         keep: bool = False,
+        deadline: float | None = None,
     ) -> Any:
-        """One prefill request, bounded by the prefill timeout: ``accept`` of its answer (kept whole
-        with ``keep``, else drained: b""), or None; counted by outcome, and audited against the prefill
-        decision when the answer reports its cached tokens."""
+        """One prefill request, bounded by the prefill timeout and by ``deadline`` (the request's first
+        byte's, the event loop's clock): ``accept`` of its answer (kept whole with ``keep``, else
+        drained: b""), or None; counted by outcome, and audited against the prefill decision when the
+        answer reports its cached tokens."""
         target = chosen.target
         tokens, index = prompt.route.tokens, prompt.index
         headers = CIMultiDict(prompt.headers)  # already what an engine may see (proxy/headers.py)
@@ -294,7 +338,9 @@ class RemotePrefill:
                 span.update({"routerfleet.engine": target.engine, "routerfleet.rank": target.rank})
                 headers.update(trace.headers(span))
                 answer = bytearray()
-                async with asyncio.timeout(self.config.prefill_timeout_s):
+                loop = asyncio.get_running_loop()
+                until = loop.time() + self.config.prefill_timeout_s
+                async with asyncio.timeout_at(until if deadline is None else min(until, deadline)):
                     async with self._session().post(target.url + path, data=body, headers=headers) as up:
                         if up.status != 200:
                             reason = f"status_{up.status // 100}xx"
@@ -328,11 +374,21 @@ class RemotePrefill:
         return result
 
 
-def _sglang_servable(planned: Planned) -> None:
+def _runs_rank(target: Target, rank: int | None) -> bool:
+    """Whether a prefill leg sent with the decode leg's data-parallel ``rank`` header (None: none) runs
+    on ``target``: its rank of that number, or a single-rank engine's only one (rank 0). Without a
+    header the engine balances its own ranks: any of them may."""
+    return rank is None or target.rank == rank or (target.rank is None and rank == 0)
+
+
+def _sglang_servable(
+    planned: Planned,
+    unsupported: str = "a disaggregated SGLang fleet serves completions, chat and /generate only",
+) -> None:
     """An SGLang fleet's request goes to a whole engine, or with a prefill engine to pair with; raises
     why not (its decode engines cannot prefill by themselves)."""
     if planned.verdict is Verdict.UNSUPPORTED_API:
-        raise Unservable("a disaggregated SGLang fleet serves completions, chat and /generate only")
+        raise Unservable(unsupported)
     if planned.chosen is None and planned.verdict is not Verdict.WHOLE_ENGINE:
         raise PrefillFailed("no prefill engine of the decode engine's revision")
 

@@ -338,9 +338,11 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             with stream.trace.span("parse") as span:
                 body = await self.bodies.parse(stream.share, raw)
                 span.set("routerfleet.request.bytes", len(raw))
-            salt = self.config.tenant_cache_salt
-            if salt:
+            sent = raw
+            if self.config.tenant_cache_salt:
                 raw, body = salted(raw, body, tenant)
+            if self.prefill is not None and self.targets.disaggregated and isinstance(body, dict):
+                raw, body = self.prefill.without_clients_fields(raw, body)
             scheduled = await self.scheduler.prepare(
                 Inbound(kind, headers, body, len(raw), tenant, stream.subset, stream.trace), candidates
             )
@@ -363,7 +365,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
                 asked is not None,
                 stream.trace if stream.trace.recording else None,
             )
-            return decision, x, asked if asked is not None else (raw if salt else None)
+            return decision, x, asked if asked is not None else (raw if raw is not sent else None)
         # Not prompt-bearing: a stored response's own paths go to its engine, the rest by load.
         if path.startswith(_RESPONSE_ITEM) and self.scheduler.responses is not None:
             response_id = path[len(_RESPONSE_ITEM) :].split("/", 1)[0]
@@ -457,9 +459,9 @@ class EndpointPicker(epg.ExternalProcessorServicer):
 def _prefill_over(stream: _Stream) -> None:
     """The remote prefill the picker named is over (once): the decode engine answered, or the stream
     ended without an answer."""
-    if stream.prefilled is not None:
-        stream.prefilled()
-        stream.prefilled = None
+    over, stream.prefilled = stream.prefilled, None
+    if over is not None:
+        over()
 
 
 def _route(headers: Mapping[str, str]) -> str:

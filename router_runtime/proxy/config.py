@@ -12,7 +12,7 @@ from .endpoints import allowed_path
 @dataclass(frozen=True, slots=True)
 class Timeouts:
     connect_s: float = 5.0  # TCP connect to an engine
-    first_byte_s: float = 600.0  # dispatch to the engine's response headers
+    first_byte_s: float = 600.0  # dispatch to the engine's response headers (a remote prefill's time in it)
     total_s: float = 3600.0  # dispatch to the end of the response
     idle_s: float = 300.0  # between two chunks of a response body
 
@@ -70,7 +70,7 @@ FLAGS = (
         "--first-byte-timeout-ms",
         "proxy.timeouts.first_byte_s",
         Ms(1),
-        "dispatch to the engine's response headers",
+        "dispatch to the engine's response headers (a remote prefill leg's time counts in it)",
     ),
     Flag("--total-timeout-ms", "proxy.timeouts.total_s", Ms(1), "dispatch to the end of the response"),
     Flag("--idle-timeout-ms", "proxy.timeouts.idle_s", Ms(1), "silence between two chunks of a response"),

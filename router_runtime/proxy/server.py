@@ -79,7 +79,7 @@ log = logging.getLogger(__name__)
 
 # The decode request for a chosen target: its body, headers, and any prefill it waits on
 # (disaggregation/prefill.py).
-Legs = Callable[[Decision], Awaitable[DecodeLeg]]
+Legs = Callable[[Decision, float], Awaitable[DecodeLeg]]  # the decision, and the first byte's deadline
 
 
 class _ConnectFailed(Exception):
@@ -290,10 +290,10 @@ class Proxy:
 
         previous: DecodeLeg | None = None  # an attempt's leg, for a retry on another decode engine
 
-        async def legs(decision: Decision) -> DecodeLeg:
+        async def legs(decision: Decision, deadline: float) -> DecodeLeg:
             nonlocal previous
             try:
-                leg = await prefill.decode_leg(prompt, decision, request.path_qs, trace, previous)
+                leg = await prefill.decode_leg(prompt, decision, request.path_qs, trace, previous, deadline)
             except PrefillFailed as e:  # nowhere to prefill, and the decode engine cannot
                 raise no_engine(f"no engine can take the request: {e}") from None
             except Unservable as e:
@@ -379,7 +379,9 @@ class Proxy:
             leg: DecodeLeg | None = None
             try:
                 start = loop.time()
-                leg = None if legs is None else await legs(decision)
+                # The first byte's deadline holds from dispatch: a remote prefill leg's time counts in it.
+                deadline = start + min(self.timeouts.first_byte_s, self.timeouts.total_s)
+                leg = None if legs is None else await legs(decision, deadline)
                 sent, added = (body, {}) if leg is None else (leg.body, leg.headers)
                 x = exchange(decision, start)
                 watches = watching(self.hooks, x)
@@ -387,7 +389,8 @@ class Proxy:
                     span.update(upstream_attributes(target))
                     span.set("routerfleet.attempt", attempt)
                 try:
-                    opening = self._open(request, target, sent, {**ctx.trace.headers(span), **added})
+                    headers = {**ctx.trace.headers(span), **added}
+                    opening = self._open(request, target, sent, headers, deadline)
                     upstream = await (opening if leg is None else _paired(opening, leg))
                 except ProxyError as e:  # no answer in time, or a connection lost before one
                     span.fail(e.outcome)
@@ -450,20 +453,20 @@ class Proxy:
         self.metrics.set_inflight(target.engine, self.load.release(target, tokens))
 
     async def _open(
-        self, request: web.Request, target: Target, raw: bytes, trace_headers: dict[str, str]
+        self, request: web.Request, target: Target, raw: bytes, trace_headers: dict[str, str], deadline: float
     ) -> aiohttp.ClientResponse:
         """Send the request (its method, path and query, ``raw`` as the body) to the engine and wait
-        for its response headers. ``trace_headers``: the engine's parent span, when traced (else a
-        client's own trace context passes on as it came), and any header the router adds."""
+        for its response headers, until ``deadline`` (the event loop's clock). ``trace_headers``: the
+        engine's parent span, when traced (else a client's own trace context passes on as it came), and
+        any header the router adds."""
         headers = request_headers(request.headers, self._strip)
         headers.update(trace_headers)
         if raw and "Content-Type" not in headers:  # a body that parsed as JSON (FastAPI servers insist)
             headers["Content-Type"] = "application/json"
         if target.rank is not None:
             headers[RANK_HEADER] = str(target.rank)
-        t = self.timeouts
         try:
-            async with asyncio.timeout(min(t.first_byte_s, t.total_s)):
+            async with asyncio.timeout_at(deadline):
                 return await self.session.request(
                     request.method, target.url + request.path_qs, data=raw, headers=headers
                 )

@@ -259,6 +259,20 @@ class InflightPrefix:
         return keys
 
 
+def in_one_report(*parts: Shared) -> Shared:
+    """Several profiles' shares as one load report carries them: the predictions in the parts' order, as
+    many as a report holds (a sibling refuses a report with more: fleet/gossip.py), the adapters by
+    engine."""
+    out: list[Prediction] = []
+    keys = 0
+    for p in (p for part in parts for p in part.predictions):
+        keys += len(p.keys)
+        if len(out) == MAX_SHARED or keys > MAX_SHARED_KEYS:
+            break
+        out.append(p)
+    return Shared(tuple(out), {engine: names for part in parts for engine, names in part.adapters.items()})
+
+
 def _run(made: Iterable[_Made], keys: Sequence[int], start: int) -> int:
     """Where the predicted run along ``keys`` from ``start`` ends: each prediction covers its own part
     of its prompt ([its start, where its prompt and ``keys`` part)); parts that meet chain on."""
