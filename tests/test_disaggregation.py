@@ -295,16 +295,22 @@ async def test_a_prefill_leg_that_errs_or_stalls_is_bounded_and_the_request_stil
 
 async def test_the_first_bytes_deadline_holds_across_a_stalled_prefill_leg():
     """The first-byte timeout runs from dispatch, the prefill leg's time in it: a prefill engine that
-    stalls past it (inside its own longer timeout) leaves the request a 504 at the deadline, not later."""
+    stalls past it (inside its own longer timeout) leaves the request a 504 at the deadline, not later,
+    and no second leg is started on the other prefill engine once it has passed."""
     released = asyncio.Event()
+    asked = []
 
     async def stalling(_request: web.Request) -> web.Response:
+        asked.append(1)
         await released.wait()
         return web.json_response({})
 
-    async with loopback_app(web.post("/v1/completions", stalling)) as bad:
-        worker = dataclasses.replace(parse_worker(bad), role=Role.PREFILL)
-        async with pd_fleet(prefill=0, extra=(worker,), timeout_s=30.0, first_byte_s=0.5) as f:
+    async with (
+        loopback_app(web.post("/v1/completions", stalling)) as bad,
+        loopback_app(web.post("/v1/completions", stalling)) as worse,
+    ):
+        workers = tuple(dataclasses.replace(parse_worker(u), role=Role.PREFILL) for u in (bad, worse))
+        async with pd_fleet(prefill=0, extra=workers, timeout_s=30.0, first_byte_s=0.5) as f:
             t0 = time.monotonic()
             body = {"prompt": list(range(50, 90)), "max_tokens": 4}
             async with f.session.post(f.url + "/v1/completions", json=body) as r:
@@ -312,7 +318,8 @@ async def test_the_first_bytes_deadline_holds_across_a_stalled_prefill_leg():
                 assert (await r.json())["error"]["code"] == "first_byte_timeout"
             assert time.monotonic() - t0 < 3
             get = f.router.registry.get_sample_value
-            assert get("routerfleet_pd_prefill_leg_failures_total", {"reason": "timeout"}) == 1
+            assert get("routerfleet_pd_prefill_leg_failures_total", {"reason": "deadline"}) == 1
+            assert len(asked) == 1
         released.set()
 
 

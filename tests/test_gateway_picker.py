@@ -709,6 +709,36 @@ async def test_an_sglang_fleet_without_a_prefill_engine_to_pair_is_refused_at_th
         await eventually(lambda: router.load.total == 0, timeout=10, what="nothing held")
 
 
+async def test_a_whole_engine_in_a_disaggregated_fleet_takes_any_api_behind_the_gateway(tmp_path):
+    """A whole engine (role both) prefills its own, whatever the API: no prefill engine named, and an
+    SGLang fleet's /generate, which the sidecar would not serve, goes through to it."""
+    async with contextlib.AsyncExitStack() as stack:
+        whole = await stack.enter_async_context(run_fake_engine(block_size=BS))
+        prefiller = await stack.enter_async_context(
+            run_fake_engine(block_size=BS, disaggregation_mode="prefill")
+        )
+        w, p = static_workers([whole, prefiller])
+        cfg = RouterConfig(
+            port=0,
+            metrics=LOCAL_METRICS,
+            workers=(dataclasses.replace(w, role=Role.BOTH), dataclasses.replace(p, role=Role.PREFILL)),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            gateway=PickerConfig(port=0),
+            disaggregation=DisaggregationConfig(protocol=Protocol.SGLANG),
+        )
+        router, _url = await stack.enter_async_context(run_router(cfg))
+        await join_all(router, [whole, prefiller])
+        base = await stack.enter_async_context(envoy(router.epp_address, [whole.http_url], tmp_path))
+        s = await stack.enter_async_context(aiohttp.ClientSession())
+        async with s.post(base + "/generate", json={"input_ids": PROMPT, "sampling_params": {}}) as r:
+            assert r.status == 200, await r.text()
+        async with s.post(base + "/v1/completions", json={"model": "m", "prompt": PROMPT}) as r:
+            assert r.status == 200, await r.text()
+        assert sample(router, "routerfleet_pd_prefills_total", verdict="whole_engine") == 2
+        assert prefiller.rank_stats[0].requests == {}
+
+
 @pytest.mark.parametrize("fail_open", [True, False])
 async def test_a_gateway_without_its_picker_fails_open_or_closed_as_configured(tmp_path, fail_open):
     async with (

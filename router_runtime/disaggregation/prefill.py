@@ -199,12 +199,14 @@ class RemotePrefill:
         """The gateway's remote prefill (gateway/picker.py): the plan, counted when named (the legs are
         the sidecar's beside the decode engine: docs/disaggregation.md), its prefill engine loaded until
         ``ended``. The sidecar serves completions and chat only, and names a prefill engine by address
-        alone, passing the decode leg's rank header on to it: the prefill leg runs on the decode leg's
-        rank, so the prefill engine is chosen among the targets that header reaches."""
-        if kind not in SIDECAR_KINDS:
+        alone, passing the decode leg's rank header on to it: in vLLM's flow the prefill leg runs on the
+        decode leg's rank, so the prefill engine is chosen among the targets that header reaches."""
+        if self.targets.role(decision.target.engine) is Role.BOTH:  # a whole engine: any API, its own
+            planned = Planned(Verdict.WHOLE_ENGINE)
+        elif kind not in SIDECAR_KINDS:
             planned = Planned(Verdict.UNSUPPORTED_API)
-        else:
-            planned = self.plan(kind, route, index, decision, same_rank=True)
+        else:  # the rank header is vLLM's (an SGLang decode engine cannot prefill alone: any rank)
+            planned = self.plan(kind, route, index, decision, same_rank=self.config.protocol == Protocol.VLLM)
         self.metrics.verdict(planned.verdict)
         if self.config.protocol == Protocol.SGLANG:  # its decode engines cannot prefill alone
             _sglang_servable(
@@ -254,6 +256,8 @@ class RemotePrefill:
                 self.metrics.remote_tokens.inc(planned.moved)
                 return Verdict.REMOTE, params, chosen.target, planned.moved
             failed.append(chosen.target.engine)
+            if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+                break  # the request's first byte is due: no second leg
         return Verdict.PREFILL_FAILED, None, None, 0
 
     def _sglang(
@@ -330,6 +334,7 @@ class RemotePrefill:
         self._acquire(target, n)
         t0 = time.perf_counter()
         reason = "cancelled"  # until it ends otherwise (the request went away, or its decode leg did)
+        cut = "timeout"  # what a TimeoutError means: the leg's own timeout, or the request's deadline
         scan = UsageScan()
         result = None
         span = trace.span("prefill", SpanKind.CLIENT)
@@ -338,9 +343,10 @@ class RemotePrefill:
                 span.update({"routerfleet.engine": target.engine, "routerfleet.rank": target.rank})
                 headers.update(trace.headers(span))
                 answer = bytearray()
-                loop = asyncio.get_running_loop()
-                until = loop.time() + self.config.prefill_timeout_s
-                async with asyncio.timeout_at(until if deadline is None else min(until, deadline)):
+                until = asyncio.get_running_loop().time() + self.config.prefill_timeout_s
+                if deadline is not None and deadline < until:
+                    until, cut = deadline, "deadline"  # the request's first byte comes first
+                async with asyncio.timeout_at(until):
                     async with self._session().post(target.url + path, data=body, headers=headers) as up:
                         if up.status != 200:
                             reason = f"status_{up.status // 100}xx"
@@ -356,7 +362,7 @@ class RemotePrefill:
                 reason = "ok" if result is not None else "no_transfer_params"
                 span.set("routerfleet.pd.prefill_ok", result is not None)
         except TimeoutError:
-            reason = "timeout"
+            reason = cut
         except aiohttp.ClientConnectorError:
             reason = "connect"
             self.health.failure(target.engine)
