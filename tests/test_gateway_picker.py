@@ -11,7 +11,7 @@ import json
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -108,23 +108,32 @@ async def picking(
     proxy: ProxyConfig | None = None,
     tracing: TracingConfig | None = None,
     picker: PickerConfig | None = None,
+    roles: Sequence[tuple[dict, Role]] | None = None,
+    disaggregation: DisaggregationConfig | None = None,
     **engine,
 ):
     """Fake engines and a router serving the picker beside them, joined (``proxy``: its request plane;
     it names the engines that served; ``tracing``: where its traces go; ``picker``: the picker's own
-    section): (engines, router)."""
+    section; ``roles``: a disaggregated fleet's engines, each its own overrides and role, in place of
+    ``n_engines``): (engines, router)."""
+    specs = roles if roles is not None else [({}, None)] * n_engines
     engines = [
-        await stack.enter_async_context(run_fake_engine(block_size=BS, **engine)) for _ in range(n_engines)
+        await stack.enter_async_context(run_fake_engine(block_size=BS, **{**engine, **kw})) for kw, _ in specs
     ]
+    workers = tuple(
+        w if role is None else dataclasses.replace(w, role=role)
+        for w, (_, role) in zip(static_workers(engines), specs, strict=True)
+    )
     cfg = RouterConfig(
         port=0,
         metrics=LOCAL_METRICS,
         proxy=dataclasses.replace(proxy or ProxyConfig(), engine_header=True),
-        workers=static_workers(engines),
+        workers=workers,
         kv=KvConfig(block_size=BS),
         health=HealthConfig(interval_s=0),
         gateway=picker or PickerConfig(port=0),
         tracing=tracing or TracingConfig(),
+        disaggregation=disaggregation or DisaggregationConfig(),
     )
     router, _url = await stack.enter_async_context(run_router(cfg))
     await join_all(router, engines)
@@ -549,6 +558,22 @@ async def test_a_pick_that_refuses_connections_fails_over_and_the_engine_that_se
         assert predicted_blocks(router) == 0  # the failed-over picks' predictions ended with them too
 
 
+async def pd_gateway(
+    stack: contextlib.AsyncExitStack,
+    tmp_path: Path,
+    roles: Sequence[tuple[dict, Role]],
+    disaggregation: DisaggregationConfig,
+    duplex: bool = False,
+):
+    """A disaggregated fleet behind Envoy (``picking``'s ``roles``), Envoy's pool the engines that answer
+    clients (every role but prefill): (engines, router, Envoy's base URL, a client session)."""
+    engines, router = await picking(stack, roles=roles, disaggregation=disaggregation)
+    pool = [e.http_url for e, (_, role) in zip(engines, roles, strict=True) if role is not Role.PREFILL]
+    base = await stack.enter_async_context(envoy(router.epp_address, pool, tmp_path, duplex=duplex))
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+    return engines, router, base, session
+
+
 @BODY_MODES
 async def test_a_disaggregated_fleets_pick_names_the_prefill_engine_for_the_decode_engines_sidecar(
     tmp_path, duplex
@@ -557,34 +582,18 @@ async def test_a_disaggregated_fleets_pick_names_the_prefill_engine_for_the_deco
     prefill in ``x-prefiller-host-port`` when the decode engine's uncached suffix is long, none when it
     is short, and a client's own never reaches a sidecar."""
     async with contextlib.AsyncExitStack() as stack:
-        decoders = [
-            await stack.enter_async_context(run_fake_engine(block_size=BS, kv_transfer=True, pd_sidecar=True))
-            for _ in range(2)
-        ]
-        prefillers = [
-            await stack.enter_async_context(run_fake_engine(block_size=BS, kv_transfer=True))
-            for _ in range(2)
-        ]
-        engines = [*decoders, *prefillers]
-        workers = [
-            dataclasses.replace(w, role=Role.DECODE if i < 2 else Role.PREFILL)
-            for i, w in enumerate(static_workers(engines))
-        ]
-        cfg = RouterConfig(
-            port=0,
-            metrics=LOCAL_METRICS,
-            proxy=ProxyConfig(engine_header=True),
-            workers=tuple(workers),
-            kv=KvConfig(block_size=BS),
-            health=HealthConfig(interval_s=0),
-            gateway=PickerConfig(port=0),
-            disaggregation=DisaggregationConfig(threshold_tokens=16),
+        decode, prefill = (
+            ({"kv_transfer": True, "pd_sidecar": True}, Role.DECODE),
+            ({"kv_transfer": True}, Role.PREFILL),
         )
-        router, _url = await stack.enter_async_context(run_router(cfg))
-        await join_all(router, engines)
-        pool = [d.http_url for d in decoders]  # the InferencePool: the engines that answer clients
-        base = await stack.enter_async_context(envoy(router.epp_address, pool, tmp_path, duplex=duplex))
-        s = await stack.enter_async_context(aiohttp.ClientSession())
+        es, router, base, s = await pd_gateway(
+            stack,
+            tmp_path,
+            [decode, decode, prefill, prefill],
+            DisaggregationConfig(threshold_tokens=16),
+            duplex,
+        )
+        decoders, prefillers = es[:2], es[2:]
 
         def verdict(v: str) -> float:
             return sample(router, "routerfleet_pd_prefills_total", verdict=v)
@@ -646,24 +655,15 @@ async def test_a_remote_prefill_runs_on_the_decode_legs_data_parallel_rank(tmp_p
     one prefill rank: rank 0's long prompts are prefilled remotely, rank 1's locally (none fails on a
     rank the prefill engine lacks)."""
     async with contextlib.AsyncExitStack() as stack:
-        decoder, prefiller = [
-            await stack.enter_async_context(run_fake_engine(block_size=BS, kv_transfer=True, **kw))
-            for kw in ({"pd_sidecar": True, "dp_size": 2}, {})
-        ]
-        d, p = static_workers([decoder, prefiller])
-        cfg = RouterConfig(
-            port=0,
-            metrics=LOCAL_METRICS,
-            workers=(dataclasses.replace(d, role=Role.DECODE), dataclasses.replace(p, role=Role.PREFILL)),
-            kv=KvConfig(block_size=BS),
-            health=HealthConfig(interval_s=0),
-            gateway=PickerConfig(port=0),
-            disaggregation=DisaggregationConfig(threshold_tokens=16),
+        (decoder, prefiller), router, base, s = await pd_gateway(
+            stack,
+            tmp_path,
+            [
+                ({"kv_transfer": True, "pd_sidecar": True, "dp_size": 2}, Role.DECODE),
+                ({"kv_transfer": True}, Role.PREFILL),
+            ],
+            DisaggregationConfig(threshold_tokens=16),
         )
-        router, _url = await stack.enter_async_context(run_router(cfg))
-        await join_all(router, [decoder, prefiller])
-        base = await stack.enter_async_context(envoy(router.epp_address, [decoder.http_url], tmp_path))
-        s = await stack.enter_async_context(aiohttp.ClientSession())
         for k in range(6):  # new prompts: spread over both decode ranks
             body = {"model": "m", "prompt": [k + 1] * (16 * BS + 2), "max_tokens": 2}
             async with s.post(base + "/v1/completions", json=body) as r:
@@ -679,23 +679,12 @@ async def test_an_sglang_fleet_without_a_prefill_engine_to_pair_is_refused_at_th
     """SGLang's decode engines cannot prefill alone: with no prefill engine of the decode engine's
     revision, the picker answers 503 as the proxy does, rather than send the request to wait for KV."""
     async with contextlib.AsyncExitStack() as stack:
-        decoder = await stack.enter_async_context(
-            run_fake_engine(block_size=BS, disaggregation_mode="decode")
+        (decoder,), router, base, s = await pd_gateway(
+            stack,
+            tmp_path,
+            [({"disaggregation_mode": "decode"}, Role.DECODE)],
+            DisaggregationConfig(protocol=Protocol.SGLANG),
         )
-        (worker,) = static_workers([decoder])
-        cfg = RouterConfig(
-            port=0,
-            metrics=LOCAL_METRICS,
-            workers=(dataclasses.replace(worker, role=Role.DECODE),),
-            kv=KvConfig(block_size=BS),
-            health=HealthConfig(interval_s=0),
-            gateway=PickerConfig(port=0),
-            disaggregation=DisaggregationConfig(protocol=Protocol.SGLANG),
-        )
-        router, _url = await stack.enter_async_context(run_router(cfg))
-        await join_all(router, [decoder])
-        base = await stack.enter_async_context(envoy(router.epp_address, [decoder.http_url], tmp_path))
-        s = await stack.enter_async_context(aiohttp.ClientSession())
         body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
         async with s.post(base + "/v1/completions", json=body) as r:
             assert r.status == 503
@@ -713,24 +702,12 @@ async def test_a_whole_engine_in_a_disaggregated_fleet_takes_any_api_behind_the_
     """A whole engine (role both) prefills its own, whatever the API: no prefill engine named, and an
     SGLang fleet's /generate, which the sidecar would not serve, goes through to it."""
     async with contextlib.AsyncExitStack() as stack:
-        whole = await stack.enter_async_context(run_fake_engine(block_size=BS))
-        prefiller = await stack.enter_async_context(
-            run_fake_engine(block_size=BS, disaggregation_mode="prefill")
+        (_whole, prefiller), router, base, s = await pd_gateway(
+            stack,
+            tmp_path,
+            [({}, Role.BOTH), ({"disaggregation_mode": "prefill"}, Role.PREFILL)],
+            DisaggregationConfig(protocol=Protocol.SGLANG),
         )
-        w, p = static_workers([whole, prefiller])
-        cfg = RouterConfig(
-            port=0,
-            metrics=LOCAL_METRICS,
-            workers=(dataclasses.replace(w, role=Role.BOTH), dataclasses.replace(p, role=Role.PREFILL)),
-            kv=KvConfig(block_size=BS),
-            health=HealthConfig(interval_s=0),
-            gateway=PickerConfig(port=0),
-            disaggregation=DisaggregationConfig(protocol=Protocol.SGLANG),
-        )
-        router, _url = await stack.enter_async_context(run_router(cfg))
-        await join_all(router, [whole, prefiller])
-        base = await stack.enter_async_context(envoy(router.epp_address, [whole.http_url], tmp_path))
-        s = await stack.enter_async_context(aiohttp.ClientSession())
         async with s.post(base + "/generate", json={"input_ids": PROMPT, "sampling_params": {}}) as r:
             assert r.status == 200, await r.text()
         async with s.post(base + "/v1/completions", json={"model": "m", "prompt": PROMPT}) as r:
