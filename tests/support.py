@@ -117,13 +117,15 @@ def closed_port_url() -> str:
 LOCAL_METRICS = MetricsConfig(port=0)
 
 
-def predicted_blocks(router) -> int:
+def predicted_blocks(router, *, prefill: bool = False) -> int:
     """Blocks the router's in-flight predictions hold over all its candidates (0: every request that made
-    one has ended)."""
+    one has ended); ``prefill``: its prefill profile's, over its prefill engines."""
     from router_runtime.scheduling.inflight_prefix import InflightPrefix
 
-    plugins = [p for p in router.scheduler.profile.scorers if isinstance(p, InflightPrefix)]
-    return sum(p.predicted_blocks(t.carrier) for p in plugins for t in router.targets.candidates())
+    profile = router.proxy.prefill.profile if prefill else router.scheduler.profile
+    targets = router.targets.prefill_candidates() if prefill else router.targets.candidates()
+    plugins = [p for p in profile.scorers if isinstance(p, InflightPrefix)]
+    return sum(p.predicted_blocks(t.carrier) for p in plugins for t in targets)
 
 
 @contextlib.asynccontextmanager

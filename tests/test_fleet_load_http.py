@@ -26,13 +26,12 @@ from router_runtime.kv.config import KvConfig
 from router_runtime.proxy.config import ProxyConfig
 from router_runtime.proxy.health import HealthConfig
 from router_runtime.scheduling.config import SchedulingConfig
-from router_runtime.scheduling.inflight_prefix import InflightPrefix
 from router_runtime.scheduling.presets import PolicyConfig
 from router_runtime.worker import Carrier, Role, WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
 from tests.support import LOCAL_METRICS
 
-from .support import eventually, join_stream
+from .support import eventually, join_stream, predicted_blocks
 
 BS = 4
 TOKEN = "fleet-s3cret"
@@ -249,18 +248,14 @@ async def test_a_fan_outs_remote_prefills_through_different_replicas_meet_on_one
         one = asyncio.create_task(complete(url_a))
         await eventually(lambda: prefill_load(second) == 1, what="the sibling sees the prefill leg's load")
         if share:
-            await eventually(lambda: prefill_predicted(second) > 0, what="the sibling's prefill prediction")
+            await eventually(
+                lambda: predicted_blocks(second, prefill=True) > 0, what="the sibling's prefill prediction"
+            )
         await complete(url_b)
         await one
         legs = sorted(p.rank_stats[0].prefill_legs for p in prefillers)
         assert legs == ([0, 2] if share else [1, 1]), legs
         assert all(sample(r, "routerfleet_pd_prefills_total", verdict="remote") == 1 for r, _ in routers)
-
-
-def prefill_predicted(router) -> int:
-    """Blocks the router's prefill profile credits as predicted on its prefill engines."""
-    scorers = [p for p in router.proxy.prefill.profile.scorers if isinstance(p, InflightPrefix)]
-    return sum(p.predicted_blocks(t.carrier) for p in scorers for t in router.targets.prefill_candidates())
 
 
 def _fleet(router) -> dict:

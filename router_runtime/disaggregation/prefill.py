@@ -171,16 +171,18 @@ class RemotePrefill:
         decision: Decision,
         skip: Collection[str] = (),
         *,
+        kinds: Collection[Kind] | None = None,
         same_rank: bool = False,
     ) -> Planned:
         """Whether ``decision``'s decode engine takes a remote prefill, and from which prefill engine
         (its decision made: the prefill profile counts it until ``ended``), none of ``skip``'s engines
-        (``same_rank``: only targets the decode target's rank header reaches). vLLM's flow: by the
-        decider; SGLang's: always (its decode engines cannot prefill alone)."""
+        (``kinds``: the APIs a remote prefill can carry, the protocol's by default; ``same_rank``: only
+        targets the decode target's rank header reaches). vLLM's flow: by the decider; SGLang's: always
+        (its decode engines cannot prefill alone)."""
         if self.targets.role(decision.target.engine) is Role.BOTH:  # a whole engine: prefills its own
             return Planned(Verdict.WHOLE_ENGINE)
         sglang_ = self.config.protocol == Protocol.SGLANG
-        if kind not in (sglang.KINDS if sglang_ else vllm.KINDS):
+        if kind not in (kinds if kinds is not None else sglang.KINDS if sglang_ else vllm.KINDS):
             return Planned(Verdict.UNSUPPORTED_API)
         wanted = self._wanted(route, index, decision)
         if not wanted.remote and not sglang_:
@@ -201,14 +203,11 @@ class RemotePrefill:
         ``ended``. The sidecar serves completions and chat only, and names a prefill engine by address
         alone, passing the decode leg's rank header on to it: in vLLM's flow the prefill leg runs on the
         decode leg's rank, so the prefill engine is chosen among the targets that header reaches."""
-        if self.targets.role(decision.target.engine) is Role.BOTH:  # a whole engine: any API, its own
-            planned = Planned(Verdict.WHOLE_ENGINE)
-        elif kind not in SIDECAR_KINDS:
-            planned = Planned(Verdict.UNSUPPORTED_API)
-        else:  # the rank header is vLLM's (an SGLang decode engine cannot prefill alone: any rank)
-            planned = self.plan(kind, route, index, decision, same_rank=self.config.protocol == Protocol.VLLM)
+        # The rank header is vLLM's flow's (an SGLang decode engine cannot prefill alone: any rank).
+        vllm_ = self.config.protocol == Protocol.VLLM
+        planned = self.plan(kind, route, index, decision, kinds=SIDECAR_KINDS, same_rank=vllm_)
         self.metrics.verdict(planned.verdict)
-        if self.config.protocol == Protocol.SGLANG:  # its decode engines cannot prefill alone
+        if not vllm_:  # SGLang's decode engines cannot prefill alone
             _sglang_servable(
                 planned, "behind a gateway, a disaggregated SGLang fleet serves completions and chat only"
             )
@@ -288,10 +287,10 @@ class RemotePrefill:
         both = sglang.with_room(raw, body, room)
 
         async def prefilled() -> None:
-            if (
-                await self._leg(prompt, chosen, path, both, headers, trace, _drained, deadline=deadline)
-                is None
-            ):
+            answered = await self._leg(
+                prompt, chosen, path, both, headers, trace, _drained, deadline=deadline
+            )
+            if answered is None:
                 self.metrics.verdict(Verdict.PREFILL_FAILED)
                 raise PrefillFailed("no answer")
             self.metrics.verdict(Verdict.REMOTE)

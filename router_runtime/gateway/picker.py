@@ -341,8 +341,9 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             sent = raw
             if self.config.tenant_cache_salt:
                 raw, body = salted(raw, body, tenant)
-            if self.prefill is not None and self.targets.disaggregated and isinstance(body, dict):
-                raw, body = self.prefill.without_clients_fields(raw, body)
+            prefill = self.prefill if self.targets.disaggregated else None  # the remote prefill step
+            if prefill is not None and isinstance(body, dict):
+                raw, body = prefill.without_clients_fields(raw, body)
             scheduled = await self.scheduler.prepare(
                 Inbound(kind, headers, body, len(raw), tenant, stream.subset, stream.trace), candidates
             )
@@ -351,8 +352,8 @@ class EndpointPicker(epg.ExternalProcessorServicer):
                 asked = request_usage(raw, body)
             decision = scheduled.decide(candidates, 0)
             stream.ended = partial(scheduled.ended, decision)
-            if self.prefill is not None and self.targets.disaggregated:
-                self._plan_prefill(stream, kind, scheduled, decision)
+            if prefill is not None:
+                self._plan_prefill(stream, prefill, kind, scheduled, decision)
             prediction = scheduled.prediction(decision)
             x = Exchange(
                 decision.target,
@@ -388,14 +389,16 @@ class EndpointPicker(epg.ExternalProcessorServicer):
             )
         return decision, Exchange(decision.target, start, headers, tenant, None), None
 
-    def _plan_prefill(self, stream: _Stream, kind: Kind, scheduled: Scheduled, decision: Decision) -> None:
+    @staticmethod
+    def _plan_prefill(
+        stream: _Stream, prefill: RemotePrefill, kind: Kind, scheduled: Scheduled, decision: Decision
+    ) -> None:
         """A disaggregated fleet: whether the decode engine's sidecar prefills remotely, and where (the
         proxy's own decision: disaggregation/prefill.py); the decode engine's prediction expects what the
         transfer hands it."""
-        assert self.prefill is not None
         with stream.trace.span("prefill_plan") as span:
             try:
-                planned = self.prefill.named(kind, scheduled.route, scheduled.index, decision)
+                planned = prefill.named(kind, scheduled.route, scheduled.index, decision)
             except PrefillFailed as e:  # as the proxy answers: nowhere to prefill, and the engine cannot
                 raise no_engine(f"no engine can take the request: {e}") from None
             except Unservable as e:
@@ -405,7 +408,7 @@ class EndpointPicker(epg.ExternalProcessorServicer):
                 return
             span.set("routerfleet.engine", planned.chosen.target.engine)
         stream.prefiller = planned.chosen.target.endpoint
-        stream.prefilled = partial(self.prefill.ended, planned, scheduled.route)
+        stream.prefilled = partial(prefill.ended, planned, scheduled.route)
         scheduled.transferred(decision, planned.moved)
 
     def _decided(
