@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -45,10 +44,10 @@ from .fleet.inflight import LoadTracker
 from .fleet.metrics import FleetMetrics
 from .fleet.notices import KvNotice, NoticeKind, Notices
 from .fleet.view import EngineSample
-from .gateway.health import serve_health
 from .gateway.objectives import Objectives
-from .gateway.picker import EndpointPicker, serve
-from .gateway.tls import server_credentials
+from .gateway.picker import EndpointPicker
+from .gateway.tls import server_identity
+from .gateway.transport import PickerServer, serve, serve_health
 from .kv.hashing import SCHEME, hash_set_digest
 from .kv.index import TIER_ORDER
 from .kv.plane import KVPlane
@@ -104,7 +103,7 @@ class Router:
         self.internal_url: str | None = None
         self.metrics_url: str | None = None  # the metrics port's base URL, once it listens
         self.epp_address: str | None = None  # host:port of the gateway's endpoint picker, when served
-        self.epp_server: grpc.aio.Server | None = None
+        self.epp_server: PickerServer | None = None
         self.epp_health_address: str | None = None  # its plaintext gRPC health (--epp-health-port)
         self.registry = CollectorRegistry()
         # Who this replica is to its siblings (snapshot producer, load reports).
@@ -804,20 +803,22 @@ async def run_router(
             )
             epp_host = gateway.host or config.host
             tls = (
-                None
-                if gateway.plaintext
-                else server_credentials(epp_host, gateway.cert_file, gateway.key_file)
+                None if gateway.plaintext else server_identity(epp_host, gateway.cert_file, gateway.key_file)
             )
 
             def ready() -> bool:
                 return router.probed_ready()[0]
 
-            epp, epp_port = await serve(picker, epp_host, gateway.port, ready, tls, gateway.connection_age_s)
-            router.epp_address = f"{epp_host}:{epp_port}"
+            # A message may carry a whole buffered body: the body cap plus room for headers.
+            cap = config.proxy.max_body_bytes + (1 << 20)
+            epp = await serve(
+                picker.process, epp_host, gateway.port, ready, tls, gateway.connection_age_s, cap
+            )
+            router.epp_address = f"{epp_host}:{epp.port}"
             router.epp_server = epp
             if gateway.health_port is not None:
-                epp_health, health_port = await serve_health(epp_host, gateway.health_port, ready)
-                router.epp_health_address = f"{epp_host}:{health_port}"
+                epp_health = await serve_health(epp_host, gateway.health_port, ready)
+                router.epp_health_address = f"{epp_host}:{epp_health.port}"
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()

@@ -9,6 +9,7 @@ pub mod arena;
 pub mod decode;
 pub mod envelope;
 pub mod events;
+pub mod extproc;
 pub mod index;
 pub mod keys;
 pub mod msgpack;
@@ -824,6 +825,7 @@ fn store_skip(ev: &Bound<'_, PyAny>, block_size: i64, full_attention_group: i64)
 #[pymodule]
 fn routerfleet_index(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyIndex>()?;
+    m.add_class::<extproc::PyExtProcServer>()?;
     m.add_class::<PyExporter>()?;
     m.add_class::<PyGrafter>()?;
     m.add_class::<PyColumns>()?;

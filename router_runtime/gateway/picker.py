@@ -1,4 +1,4 @@
-"""The endpoint picker's gRPC shell: one ext_proc stream per HTTP request Envoy processes.
+"""The endpoint picker: one ext_proc stream per HTTP request Envoy processes (transport.py serves them).
 
     request_headers   the path says which API (proxy/endpoints.py); a request without a body (a
                       stored response's GET, DELETE) is picked at once, else Envoy sends the body
@@ -24,10 +24,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 
-import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
-from grpc_health.v1 import health_pb2_grpc
 from multidict import CIMultiDict
 
 from ..disaggregation.prefill import PrefillFailed, RemotePrefill, Unservable
@@ -51,7 +48,6 @@ from ..scheduling.types import Decision, Kind, RouteRequest, Target
 from ..sessions.keys import tenant_of
 from ..tracing.attributes import upstream as upstream_attributes
 from ..tracing.spans import NO_SPAN, NO_TRACE, OFF, Span, SpanKind, Trace, Tracer, server_error
-from .health import PickerHealth
 from .protocol import (
     PREFILLER,
     TEST_SELECTION,
@@ -133,7 +129,7 @@ class _Stream:
         self.outcome = "cancelled"  # as the proxy's metrics name how a request ended
 
 
-class EndpointPicker(epg.ExternalProcessorServicer):
+class EndpointPicker:
     def __init__(
         self,
         scheduler: Scheduler,
@@ -167,13 +163,14 @@ class EndpointPicker(epg.ExternalProcessorServicer):
         self.fallbacks = fallbacks  # endpoints named after the pick, for the gateway's retries
         self._by_load = make_policy("least_loaded")
 
-    async def Process(
-        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+    async def process(
+        self, requests: AsyncIterator[ep.ProcessingRequest]
     ) -> AsyncIterator[ep.ProcessingResponse]:
+        """One ext_proc stream: the answers to its messages (transport.py relays both ways)."""
         self.arrived()
         stream = _Stream(self.bodies.share())
         try:
-            async for message in request_iterator:
+            async for message in requests:
                 if message.HasField("protocol_config"):  # with the stream's first message
                     stream.duplex_in, stream.duplex_out = duplex_of(message)
                 phase = message.WhichOneof("request")
@@ -496,34 +493,3 @@ def _end_trace(stream: _Stream) -> None:
     if stream.upstream.recording and not stream.status:  # no response passed: Envoy gave up on it
         stream.upstream.fail("no_response")
     stream.trace.end()
-
-
-async def serve(
-    picker: EndpointPicker,
-    host: str,
-    port: int,
-    ready: Callable[[], bool],
-    credentials: grpc.ServerCredentials | None,
-    connection_age_s: float,
-) -> tuple[grpc.aio.Server, int]:
-    """The picker, and its gRPC health (``ready``: as ``/readyz``), on a started gRPC server at
-    ``host:port``, over TLS with ``credentials`` (None: plaintext); returns it and the port bound. A
-    message may carry a whole buffered body, so the size cap is the body cap plus room for headers.
-    Each connection is told to go away once ``connection_age_s`` old (PickerConfig says why)."""
-    cap = picker.config.max_body_bytes + (1 << 20)
-    options = [
-        ("grpc.max_receive_message_length", cap),
-        ("grpc.max_send_message_length", cap),
-        ("grpc.max_connection_age_ms", int(connection_age_s * 1000)),
-    ]
-    server = grpc.aio.server(options=options)
-    epg.add_ExternalProcessorServicer_to_server(picker, server)
-    health_pb2_grpc.add_HealthServicer_to_server(PickerHealth(ready), server)
-    address = f"{host}:{port}"
-    bound = (
-        server.add_insecure_port(address)
-        if credentials is None
-        else server.add_secure_port(address, credentials)
-    )
-    await server.start()
-    return server, bound

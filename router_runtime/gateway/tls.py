@@ -8,7 +8,6 @@ import datetime as dt
 import ipaddress
 from pathlib import Path
 
-import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -45,10 +44,10 @@ def self_signed(host: str) -> tuple[bytes, bytes]:
     return key_pem, cert.public_bytes(serialization.Encoding.PEM)
 
 
-def server_credentials(host: str, cert_file: str | None, key_file: str | None) -> grpc.ServerCredentials:
-    """The mounted pair when given (both, vetted by the config), else a self-signed one."""
+def server_identity(host: str, cert_file: str | None, key_file: str | None) -> tuple[bytes, bytes]:
+    """The (certificate, key) PEM pair: the mounted one when given (both, vetted by the config), else a
+    self-signed one."""
     if cert_file and key_file:
-        pair = (Path(key_file).read_bytes(), Path(cert_file).read_bytes())
-    else:
-        pair = self_signed(host)
-    return grpc.ssl_server_credentials([pair])
+        return Path(cert_file).read_bytes(), Path(key_file).read_bytes()
+    key, cert = self_signed(host)
+    return cert, key

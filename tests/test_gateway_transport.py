@@ -1,0 +1,141 @@
+"""The picker's gRPC transport (router_runtime/gateway/transport.py over native/src/extproc.rs): real
+gRPC clients (grpcio) against the native server, with a small ``process`` in place of the picker, so
+each test sees what the transport alone does with a stream: relays it in order, cancels it when the
+client goes away, refuses what is not a message or too big, and stops within its grace. The picker
+behind real Envoy is tests/test_gateway_picker.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
+
+from router_runtime.gateway.transport import serve
+from tests.support import eventually
+
+HOST = "127.0.0.1"
+
+
+def headers(end: bool = False) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(request_headers=ep.HttpHeaders(end_of_stream=end))
+
+
+class Echo:
+    """A ``process`` that answers each message with a headers answer, and records how streams end."""
+
+    def __init__(self, hold: asyncio.Event | None = None) -> None:
+        self.hold = hold  # when set: each answer waits for it
+        self.seen = 0
+        self.ended: list[str] = []
+
+    async def __call__(
+        self, requests: AsyncIterator[ep.ProcessingRequest]
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        try:
+            async for _ in requests:
+                self.seen += 1
+                if self.hold is not None:
+                    await self.hold.wait()
+                yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+            self.ended.append("done")
+        except asyncio.CancelledError:
+            self.ended.append("cancelled")
+            raise
+
+
+@contextlib.asynccontextmanager
+async def served(process, *, max_message: int = 1 << 20):
+    server = await serve(process, HOST, 0, lambda: True, None, 60.0, max_message)
+    try:
+        async with grpc.aio.insecure_channel(f"{HOST}:{server.port}") as channel:
+            yield server, epg.ExternalProcessorStub(channel)
+    finally:
+        await server.stop(0)
+
+
+async def test_a_streams_messages_are_answered_in_order_and_it_ends_with_the_clients_side():
+    echo = Echo()
+    async with served(echo) as (_, stub):
+        answers = [a async for a in stub.Process(iter([headers(), headers(), headers(end=True)]), timeout=5)]
+    assert len(answers) == 3 and echo.seen == 3
+    assert echo.ended == ["done"]
+
+
+async def test_a_client_that_goes_away_cancels_its_stream():
+    hold = asyncio.Event()  # never set: the answer is pending when the client leaves
+    echo = Echo(hold)
+    async with served(echo) as (server, stub):
+        call = stub.Process()
+        await call.write(headers())
+        await eventually(lambda: echo.seen == 1, 5, "the message relayed")
+        call.cancel()
+        await eventually(lambda: echo.ended == ["cancelled"], 5, "the stream cancelled")
+        assert server._native.open_streams() == 0
+
+
+async def test_bytes_that_are_no_message_end_the_stream_invalid_argument():
+    async with served(Echo()) as (server, _), grpc.aio.insecure_channel(f"{HOST}:{server.port}") as channel:
+        raw = channel.stream_stream(
+            "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in raw(iter([b"\xff\xff\xff"]), timeout=5):
+                pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_message_over_the_cap_is_refused_and_its_stream_is_gone():
+    echo = Echo()
+    async with served(echo, max_message=1024) as (server, stub):
+        big = ep.ProcessingRequest(request_body=ep.HttpBody(body=b"x" * 4096))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.Process(iter([big]), timeout=5):
+                pass
+        assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE  # "decoded message length too large"
+        await eventually(lambda: server._native.open_streams() == 0, 5, "the stream gone")
+    assert echo.seen == 0
+
+
+async def test_stop_lets_open_streams_finish_within_the_grace_then_cancels_them():
+    hold = asyncio.Event()
+    echo = Echo(hold)
+    server = await serve(echo, HOST, 0, lambda: True, None, 60.0, 1 << 20)
+    async with grpc.aio.insecure_channel(f"{HOST}:{server.port}") as channel:
+        stub = epg.ExternalProcessorStub(channel)
+        finishing = stub.Process()
+        await finishing.write(headers())
+        await eventually(lambda: echo.seen == 1, 5, "the first stream open")
+        stopping = asyncio.create_task(server.stop(5))
+        await asyncio.sleep(0.2)
+        hold.set()  # the open stream answers within the grace
+        await finishing.write(headers(end=True))
+        await finishing.done_writing()
+        assert len([a async for a in finishing]) == 2
+        await asyncio.wait_for(stopping, 5)
+    assert echo.ended == ["done"]
+
+    hold = asyncio.Event()  # never set: the stream outlives a short grace
+    echo = Echo(hold)
+    server = await serve(echo, HOST, 0, lambda: True, None, 60.0, 1 << 20)
+    async with grpc.aio.insecure_channel(f"{HOST}:{server.port}") as channel:
+        call = epg.ExternalProcessorStub(channel).Process()
+        await call.write(headers())
+        await eventually(lambda: echo.seen == 1, 5, "the stream open")
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(server.stop(0.3), 5)
+        assert asyncio.get_running_loop().time() - started < 3
+        call.cancel()
+    assert echo.ended == ["cancelled"]
+
+
+async def test_a_port_in_use_fails_at_start_naming_it():
+    async with served(Echo()) as (server, _):
+        with pytest.raises(OSError, match=f"picker port {HOST}:{server.port}"):
+            await serve(Echo(), HOST, server.port, lambda: True, None, 60.0, 1 << 20)
