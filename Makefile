@@ -17,7 +17,7 @@ $(VENV)/.created:
 # project, which depends on it. The image's wheelhouse takes the same wheel (e2e/image/build.sh).
 NATIVE_SRC := native/Cargo.toml native/Cargo.lock native/pyproject.toml $(wildcard native/src/*.rs)
 $(VENV)/.native: $(NATIVE_SRC) | $(VENV)/.created
-	@command -v cargo >/dev/null || { echo "make: cargo not found: install Rust 1.80+ (apt-get install cargo, or https://rustup.rs)" >&2; exit 1; }
+	@command -v cargo >/dev/null || { echo "make: cargo not found: install Rust 1.88+ (https://rustup.rs, or a distribution's cargo that new)" >&2; exit 1; }
 	$(BIN)/pip install -q 'maturin>=1.7,<2'
 	rm -f native/target/wheels/*.whl
 	$(BIN)/maturin build --quiet --release --manifest-path native/Cargo.toml --interpreter $(BIN)/python --out native/target/wheels

@@ -103,6 +103,29 @@ async def test_a_message_over_the_cap_is_refused_and_its_stream_is_gone():
     assert echo.seen == 0
 
 
+async def test_a_client_sending_faster_than_the_picker_reads_is_held_to_one_message_cap():
+    hold = asyncio.Event()
+    echo = Echo(hold)
+    chunk = ep.ProcessingRequest(request_body=ep.HttpBody(body=b"x" * 30_000))
+    async with served(echo, max_message=64 * 1024) as (server, stub):
+        call = stub.Process()
+
+        async def send() -> None:
+            for _ in range(40):  # 1.2 MB, far past the cap, while the picker is busy on the first
+                await call.write(chunk)
+            await call.done_writing()
+
+        sending = asyncio.create_task(send())
+        await eventually(lambda: echo.seen == 1, 5, "the first message relayed")
+        await asyncio.sleep(0.5)
+        ((queued, _),) = server._relays.values()
+        assert queued.qsize() <= 2  # 64 KiB of credit: two 30 KB messages wait, the rest stay unread
+        hold.set()
+        assert len([a async for a in call]) == 40
+        await sending
+    assert echo.seen == 40 and echo.ended == ["done"]
+
+
 async def test_stop_lets_open_streams_finish_within_the_grace_then_cancels_them():
     hold = asyncio.Event()
     echo = Echo(hold)
@@ -133,6 +156,31 @@ async def test_stop_lets_open_streams_finish_within_the_grace_then_cancels_them(
         assert asyncio.get_running_loop().time() - started < 3
         call.cancel()
     assert echo.ended == ["cancelled"]
+
+
+async def test_stop_delivers_the_answers_of_streams_already_finished():
+    big = b"y" * (8 << 20)  # more than the connection's flow-control window: still in flight at stop
+    answer = ep.ProcessingResponse(
+        request_body=ep.BodyResponse(response=ep.CommonResponse(body_mutation=ep.BodyMutation(body=big)))
+    )
+
+    answered: list[bool] = []
+
+    async def once(requests: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
+        async for _ in requests:
+            yield answer
+            answered.append(True)  # the answer handed to the transport
+            return
+
+    server = await serve(once, HOST, 0, lambda: True, None, 60.0, 16 << 20)
+    options = [("grpc.max_receive_message_length", 16 << 20)]
+    async with grpc.aio.insecure_channel(f"{HOST}:{server.port}", options=options) as channel:
+        call = epg.ExternalProcessorStub(channel).Process(iter([headers()]))
+        await eventually(lambda: answered and server._native.open_streams() == 0, 5, "the stream finished")
+        stopping = asyncio.create_task(server.stop(5))
+        answers = [a async for a in call]
+        await asyncio.wait_for(stopping, 5)
+    assert [len(a.request_body.response.body_mutation.body) for a in answers] == [len(big)]
 
 
 async def test_a_port_in_use_fails_at_start_naming_it():

@@ -26,7 +26,7 @@ use http_body_util::BodyExt;
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::server::{Grpc, StreamingService, UnaryService};
 use tonic::transport::server::TcpIncoming;
@@ -55,13 +55,34 @@ struct Inbox {
     notified: bool,
 }
 
+/// One open Process stream, as both sides see it until Python finishes it (or it is reset).
+struct Open {
+    answers: mpsc::UnboundedSender<Answer>,
+    /// Bytes the stream may still have queued for Python: its reader waits for credit, so a client
+    /// cannot queue more than one message cap per stream however fast it sends (`consumed` returns it).
+    credit: Arc<Semaphore>,
+    /// Told when the stream is over for Python: its reader stops reading and drops the request side.
+    over: Arc<Notify>,
+}
+
+impl Open {
+    fn end(self, status: Option<Status>) {
+        if let Some(s) = status {
+            let _ = self.answers.send(Err(s));
+        }
+        self.credit.close();
+        self.over.notify_one();
+    }
+}
+
 struct Shared {
     inbox: Mutex<Inbox>,
     wake: UnixStream,
-    streams: Mutex<HashMap<u64, mpsc::UnboundedSender<Answer>>>,
+    streams: Mutex<HashMap<u64, Open>>,
     checks: Mutex<HashMap<u64, oneshot::Sender<Answer>>>,
     next: AtomicU64,
     process: bool,
+    max_message: usize,
 }
 
 impl Shared {
@@ -69,10 +90,22 @@ impl Shared {
         let mut inbox = self.inbox.lock().unwrap();
         inbox.events.push_back((id, kind, payload));
         if !inbox.notified {
-            inbox.notified = true;
-            // Non-blocking; one byte outstanding per drain, so the buffer never fills.
-            let _ = (&self.wake).write(&[1]);
+            // Non-blocking; one byte outstanding per drain, so the buffer never fills. A write that
+            // fails leaves `notified` false: the next push tries again.
+            inbox.notified = loop {
+                match (&self.wake).write(&[1]) {
+                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                    Err(e) if e.kind() != ErrorKind::WouldBlock => break false,
+                    _ => break true,
+                }
+            };
         }
+    }
+
+    /// Ends stream `id` for both sides (with `status`, if any); false when it was not open.
+    fn end(&self, id: u64, status: Option<Status>) -> bool {
+        let open = self.streams.lock().unwrap().remove(&id);
+        open.map(|o| o.end(status)).is_some()
     }
 }
 
@@ -127,7 +160,7 @@ impl tokio_stream::Stream for Answers {
 
 impl Drop for Answers {
     fn drop(&mut self) {
-        if self.shared.streams.lock().unwrap().remove(&self.id).is_some() {
+        if self.shared.end(self.id, None) {
             self.shared.push(self.id, RESET, None);
         }
     }
@@ -143,33 +176,65 @@ impl StreamingService<Bytes> for ProcessSvc {
     fn call(&mut self, request: Request<Streaming<Bytes>>) -> Self::Future {
         let shared = self.0.clone();
         let id = shared.next.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::unbounded_channel();
-        shared.streams.lock().unwrap().insert(id, tx);
+        let (answers, rx) = mpsc::unbounded_channel();
+        let credit = Arc::new(Semaphore::new(shared.max_message.min(Semaphore::MAX_PERMITS)));
+        let over = Arc::new(Notify::new());
+        let open = Open {
+            answers,
+            credit: credit.clone(),
+            over: over.clone(),
+        };
+        shared.streams.lock().unwrap().insert(id, open);
         shared.push(id, OPENED, None);
-        let mut inbound = request.into_inner();
-        let reader = shared.clone();
-        tokio::spawn(async move {
-            loop {
-                match inbound.message().await {
-                    Ok(Some(m)) => reader.push(id, MESSAGE, Some(m)),
-                    Ok(None) => break reader.push(id, ENDED, None),
-                    Err(status) => {
-                        // A message over the cap, or the client gone: the stream ends with the error.
-                        let tx = reader.streams.lock().unwrap().remove(&id);
-                        if let Some(tx) = tx {
-                            let _ = tx.send(Err(status));
-                            reader.push(id, RESET, None);
-                        }
-                        break;
-                    }
-                }
-            }
-        });
+        let inbound = request.into_inner();
+        tokio::spawn(read(shared.clone(), id, inbound, credit, over));
         std::future::ready(Ok(Response::new(Answers { id, rx, shared })))
     }
 }
 
+/// Stream `id`'s messages into the inbox, each once the stream has credit for it, until the client
+/// ends its side, the stream fails, or Python is done with it.
+async fn read(shared: Arc<Shared>, id: u64, mut inbound: Streaming<Bytes>, credit: Arc<Semaphore>, over: Arc<Notify>) {
+    loop {
+        let next = tokio::select! {
+            next = inbound.message() => next,
+            _ = over.notified() => return,
+        };
+        match next {
+            Ok(Some(m)) => {
+                let size = u32::try_from(m.len().max(1)).unwrap_or(u32::MAX);
+                let granted = tokio::select! {
+                    granted = credit.acquire_many(size) => granted,
+                    _ = over.notified() => return,
+                };
+                match granted {
+                    Ok(permit) => permit.forget(), // returned by `consumed`
+                    Err(_) => return,              // the stream ended meanwhile
+                }
+                shared.push(id, MESSAGE, Some(m));
+            }
+            Ok(None) => return shared.push(id, ENDED, None),
+            Err(status) => {
+                // A message over the cap, or the client gone: the stream ends with the error.
+                if shared.end(id, Some(status)) {
+                    shared.push(id, RESET, None);
+                }
+                return;
+            }
+        }
+    }
+}
+
 struct CheckSvc(Arc<Shared>);
+
+/// A health check's entry, removed however its call ends.
+struct Forget(Arc<Shared>, u64);
+
+impl Drop for Forget {
+    fn drop(&mut self) {
+        self.0.checks.lock().unwrap().remove(&self.1);
+    }
+}
 
 impl UnaryService<Bytes> for CheckSvc {
     type Response = Bytes;
@@ -181,10 +246,9 @@ impl UnaryService<Bytes> for CheckSvc {
             let id = shared.next.fetch_add(1, Ordering::Relaxed);
             let (tx, rx) = oneshot::channel();
             shared.checks.lock().unwrap().insert(id, tx);
+            let _forget = Forget(shared.clone(), id); // also when the client gives up first
             shared.push(id, CHECK_ASKED, Some(request.into_inner()));
-            let answered = tokio::time::timeout(CHECK_TIMEOUT, rx).await;
-            shared.checks.lock().unwrap().remove(&id);
-            match answered {
+            match tokio::time::timeout(CHECK_TIMEOUT, rx).await {
                 Ok(Ok(answer)) => answer.map(Response::new),
                 _ => Err(Status::unavailable("the picker did not answer")),
             }
@@ -195,7 +259,6 @@ impl UnaryService<Bytes> for CheckSvc {
 #[derive(Clone)]
 struct Svc {
     shared: Arc<Shared>,
-    max_message: usize,
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = Result<T, Infallible>> + Send>>;
@@ -215,7 +278,7 @@ where
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let shared = self.shared.clone();
-        let max = Some(self.max_message);
+        let max = Some(shared.max_message);
         match req.uri().path() {
             PROCESS if shared.process => Box::pin(async move {
                 let mut grpc = Grpc::new(Raw).apply_max_message_size_config(max, max);
@@ -228,7 +291,11 @@ where
             _ => Box::pin(async move {
                 // Read what the client sends first (bounded): a gRPC client still sending takes an
                 // early answer as a failed send, not as the status.
-                let _ = tokio::time::timeout(UNSERVED_READ, req.into_body().collect()).await;
+                let mut body = Box::pin(req.into_body());
+                let _ = tokio::time::timeout(UNSERVED_READ, async {
+                    while let Some(Ok(_)) = body.frame().await {} // read and dropped
+                })
+                .await;
                 Ok(Status::unimplemented("not served here").into_http())
             }),
         }
@@ -240,15 +307,26 @@ impl tonic::server::NamedService for Svc {
 }
 
 /// The picker's gRPC server (`routerfleet_index.ExtProcServer`), serving on its own thread.
-#[pyclass(name = "ExtProcServer")]
+#[pyclass(name = "ExtProcServer", frozen)]
 pub struct PyExtProcServer {
     shared: Arc<Shared>,
     wakeup: UnixStream,
     port: u16,
+    lifetime: Mutex<Lifetime>,
+}
+
+/// What stops the server: a graceful shutdown, an abort, and the thread to join.
+struct Lifetime {
     graceful: Option<oneshot::Sender<()>>,
     abort: Option<oneshot::Sender<()>>,
+    done: Option<std::sync::mpsc::Receiver<()>>,
     thread: Option<JoinHandle<()>>,
 }
+
+/// The longest connection age taken (a day); longer is a mistake, not a setting.
+const MAX_CONNECTION_AGE_S: f64 = 86_400.0;
+/// A client that has not finished its TLS handshake in this long is dropped.
+const TLS_HANDSHAKE: Duration = Duration::from_secs(10);
 
 fn bind(host: &str, port: u16) -> PyResult<StdListener> {
     let addresses: Vec<_> = (host, port)
@@ -275,14 +353,19 @@ impl PyExtProcServer {
         connection_age_s: f64,
         process: bool,
     ) -> PyResult<Self> {
-        if connection_age_s.is_nan() || connection_age_s <= 0.0 {
-            return Err(PyValueError::new_err("connection_age_s must be positive"));
+        if !(connection_age_s > 0.0 && connection_age_s <= MAX_CONNECTION_AGE_S) {
+            return Err(PyValueError::new_err("connection_age_s: more than 0, at most a day"));
+        }
+        if max_message == 0 {
+            return Err(PyValueError::new_err("max_message must be positive"));
         }
         let listener = bind(host, port)?;
         let bound = listener.local_addr()?.port();
         let mut builder = Server::builder().max_connection_age(Duration::from_secs_f64(connection_age_s));
         if let Some((cert, key)) = tls {
-            let config = ServerTlsConfig::new().identity(Identity::from_pem(cert, key));
+            let config = ServerTlsConfig::new()
+                .identity(Identity::from_pem(cert, key))
+                .timeout(TLS_HANDSHAKE);
             builder = builder
                 .tls_config(config)
                 .map_err(|e| PyValueError::new_err(format!("the picker's TLS certificate: {e}")))?;
@@ -300,13 +383,12 @@ impl PyExtProcServer {
             checks: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
             process,
-        });
-        let svc = Svc {
-            shared: shared.clone(),
             max_message,
-        };
+        });
+        let svc = Svc { shared: shared.clone() };
         let (graceful, graceful_rx) = oneshot::channel::<()>();
         let (abort, abort_rx) = oneshot::channel::<()>();
+        let (done_tx, done) = std::sync::mpsc::channel::<()>();
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let incoming = {
             let _entered = runtime.enter();
@@ -315,6 +397,7 @@ impl PyExtProcServer {
         let thread = std::thread::Builder::new()
             .name("routerfleet-epp".into())
             .spawn(move || {
+                let _done = done_tx; // dropped as the thread ends: `close` stops waiting
                 runtime.block_on(async move {
                     // Either sender dropped (the object gone without close) stops the server too.
                     let serving = builder.serve_with_incoming_shutdown(svc, incoming, async {
@@ -331,9 +414,12 @@ impl PyExtProcServer {
             shared,
             wakeup,
             port: bound,
-            graceful: Some(graceful),
-            abort: Some(abort),
-            thread: Some(thread),
+            lifetime: Mutex::new(Lifetime {
+                graceful: Some(graceful),
+                abort: Some(abort),
+                done: Some(done),
+                thread: Some(thread),
+            }),
         })
     }
 
@@ -368,22 +454,24 @@ impl PyExtProcServer {
                 Some(b) => PyBytes::new(py, &b).into_any(),
                 None => py.None().into_bound(py),
             };
-            out.append(PyTuple::new(
-                py,
-                [
-                    id.into_pyobject(py)?.into_any(),
-                    kind.into_pyobject(py)?.into_any(),
-                    payload,
-                ],
-            )?)?;
+            let id = id.into_pyobject(py)?.into_any();
+            let kind = kind.into_pyobject(py)?.into_any();
+            out.append(PyTuple::new(py, [id, kind, payload])?)?;
         }
         Ok(out)
     }
 
+    /// Python has taken `size` bytes of stream `id`'s messages off its queue: the reader may read on.
+    fn consumed(&self, id: u64, size: usize) {
+        if let Some(open) = self.shared.streams.lock().unwrap().get(&id) {
+            open.credit.add_permits(size.max(1));
+        }
+    }
+
     /// One answer on stream (or health check) `id`; false when it is gone.
     fn send(&self, id: u64, data: &[u8]) -> bool {
-        if let Some(tx) = self.shared.streams.lock().unwrap().get(&id) {
-            return tx.send(Ok(Bytes::copy_from_slice(data))).is_ok();
+        if let Some(open) = self.shared.streams.lock().unwrap().get(&id) {
+            return open.answers.send(Ok(Bytes::copy_from_slice(data))).is_ok();
         }
         if let Some(tx) = self.shared.checks.lock().unwrap().remove(&id) {
             return tx.send(Ok(Bytes::copy_from_slice(data))).is_ok();
@@ -394,12 +482,10 @@ impl PyExtProcServer {
     /// Ends `id`: OK after its answers (`code` 0), else with that gRPC status code and message.
     fn finish(&self, id: u64, code: i32, message: &str) {
         let status = (code != 0).then(|| Status::new(Code::from_i32(code), message));
-        if let Some(tx) = self.shared.streams.lock().unwrap().remove(&id) {
-            if let Some(s) = status {
-                let _ = tx.send(Err(s));
+        if !self.shared.end(id, status.clone()) {
+            if let Some(tx) = self.shared.checks.lock().unwrap().remove(&id) {
+                let _ = tx.send(Err(status.unwrap_or_else(|| Status::internal("no answer"))));
             }
-        } else if let Some(tx) = self.shared.checks.lock().unwrap().remove(&id) {
-            let _ = tx.send(Err(status.unwrap_or_else(|| Status::internal("no answer"))));
         }
     }
 
@@ -408,25 +494,44 @@ impl PyExtProcServer {
         self.shared.streams.lock().unwrap().len()
     }
 
-    /// Stop taking connections and streams; the open ones go on until `close`.
-    fn shutdown(&mut self) {
-        if let Some(graceful) = self.graceful.take() {
+    /// Stop taking connections and streams; the open ones go on until they end or `close`.
+    fn shutdown(&self) {
+        if let Some(graceful) = self.lifetime.lock().unwrap().graceful.take() {
             let _ = graceful.send(());
         }
     }
 
-    /// Drop every connection and join the server's thread (bounded: its runtime gets 1 s).
-    fn close(&mut self, py: Python<'_>) {
-        if let Some(abort) = self.abort.take() {
-            let _ = abort.send(());
+    /// Ends what is still open (UNAVAILABLE), lets the connections close on their own for up to
+    /// `grace_s` seconds (answers already sent still reach their clients), then drops them and joins
+    /// the server's thread (its runtime gets 1 s more).
+    fn close(&self, py: Python<'_>, grace_s: f64) {
+        let mut lifetime = self.lifetime.lock().unwrap();
+        if let Some(graceful) = lifetime.graceful.take() {
+            let _ = graceful.send(());
         }
-        self.graceful.take();
-        self.shared.streams.lock().unwrap().clear();
+        let open: Vec<Open> = self.shared.streams.lock().unwrap().drain().map(|(_, o)| o).collect();
+        for o in open {
+            o.end(Some(Status::unavailable("the endpoint picker is stopping")));
+        }
         self.shared.checks.lock().unwrap().clear();
-        if let Some(thread) = self.thread.take() {
-            py.detach(|| {
+        let (done, abort, thread) = (lifetime.done.take(), lifetime.abort.take(), lifetime.thread.take());
+        drop(lifetime);
+        py.detach(move || {
+            if let Some(done) = done {
+                let grace_s = if grace_s.is_nan() {
+                    0.0
+                } else {
+                    grace_s.clamp(0.0, MAX_CONNECTION_AGE_S)
+                };
+                let grace = Duration::from_secs_f64(grace_s);
+                let _ = done.recv_timeout(grace);
+            }
+            if let Some(abort) = abort {
+                let _ = abort.send(());
+            }
+            if let Some(thread) = thread {
                 let _ = thread.join();
-            });
-        }
+            }
+        });
     }
 }

@@ -33,9 +33,9 @@ class PickerConfig:
     # (the gateway answers 500). So each connection is told to go away (a graceful GOAWAY, while the
     # server still takes the streams sent before it) once this old: the gateway reconnects through the
     # Service, which by then leads to a Ready replica. Below the drain's minimum (--shutdown-drain-ms,
-    # 5 s) by the gRPC core's jitter (+10 %) and the second a Service takes to drop a terminating pod,
-    # so every connection that can still bring a pick has been told to go away before the drain can
-    # end (proxy/drain.py). Streams in flight finish on the old connection.
+    # 5 s) by the second a Service takes to drop a terminating pod, with a margin, so every connection
+    # that can still bring a pick has been told to go away before the drain can end (proxy/drain.py).
+    # Streams in flight finish on the old connection (no deadline: a stream lasts as its request).
     connection_age_s: float = 3.0
 
 

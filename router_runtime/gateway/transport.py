@@ -34,6 +34,7 @@ class Code(enum.IntEnum):
     INVALID_ARGUMENT = 3
     NOT_FOUND = 5
     INTERNAL = 13
+    UNAVAILABLE = 14
 
 
 class PickerServer:
@@ -52,37 +53,52 @@ class PickerServer:
 
     def _drain(self) -> None:
         for sid, kind, payload in self._native.drain():
-            if kind in (MESSAGE, ENDED):
-                relay = self._relays.get(sid)
-                if relay is not None:  # else finished already (an immediate response): nothing to say
-                    relay[0].put_nowait(payload)
-            elif kind == OPENED:  # only where a picker is served (process=True)
-                inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
-                self._relays[sid] = (inbox, self._loop.create_task(self._relay(sid, inbox)))
-            elif kind == RESET:
-                relay = self._relays.pop(sid, None)
-                if relay is not None:
-                    relay[1].cancel()
-            elif kind == CHECK_ASKED:
-                try:
-                    self._native.send(sid, check(payload, self._ready()))
-                except LookupError as e:
-                    self._native.finish(sid, Code.NOT_FOUND, str(e))
-                except DecodeError:
-                    self._native.finish(sid, Code.INVALID_ARGUMENT, "not a HealthCheckRequest")
+            try:
+                self._take(sid, kind, payload)
+            except Exception:  # one event's failure must not lose the others drained with it
+                log.exception("the endpoint picker's transport failed on an event")
+                self._native.finish(sid, Code.INTERNAL, "the endpoint picker failed")
+
+    def _take(self, sid: int, kind: int, payload: bytes | None) -> None:
+        if kind in (MESSAGE, ENDED):
+            relay = self._relays.get(sid)
+            if relay is not None:  # else finished already (an immediate response): nothing to say
+                relay[0].put_nowait(payload)
+        elif kind == OPENED:  # only where a picker is served (process=True)
+            if self._closed:
+                self._native.finish(sid, Code.UNAVAILABLE, "the endpoint picker is stopping")
+                return
+            inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+            self._relays[sid] = (inbox, self._loop.create_task(self._relay(sid, inbox)))
+        elif kind == RESET:
+            relay = self._relays.pop(sid, None)
+            if relay is not None:
+                relay[1].cancel()
+        elif kind == CHECK_ASKED:
+            try:
+                self._native.send(sid, check(payload, self._ready()))
+            except LookupError as e:
+                self._native.finish(sid, Code.NOT_FOUND, str(e))
+            except DecodeError:
+                self._native.finish(sid, Code.INVALID_ARGUMENT, "not a HealthCheckRequest")
 
     async def _relay(self, sid: int, inbox: asyncio.Queue[bytes | None]) -> None:
         assert self._process is not None
 
         async def requests() -> AsyncIterator[ep.ProcessingRequest]:
             while (raw := await inbox.get()) is not None:
-                yield ep.ProcessingRequest.FromString(raw)
+                self._native.consumed(sid, len(raw))  # the Rust side may read the stream on
+                try:
+                    message = ep.ProcessingRequest.FromString(raw)
+                except DecodeError:
+                    raise NotAMessage from None
+                yield message
 
         code, message = Code.OK, ""
         try:
             async for answer in self._process(requests()):
                 self._native.send(sid, answer.SerializeToString())
-        except DecodeError:
+        except NotAMessage:
             code, message = Code.INVALID_ARGUMENT, "not a ProcessingRequest"
         except Exception:
             log.exception("the endpoint picker failed on a stream")
@@ -92,7 +108,8 @@ class PickerServer:
         self._native.finish(sid, code, message)
 
     async def stop(self, grace: float | None) -> None:
-        """No new streams; the open ones get ``grace`` seconds (None: none), then are cancelled."""
+        """No new streams; the open ones get ``grace`` seconds (None: none), then are cancelled (their
+        clients told UNAVAILABLE); the connections then get what is left of it to close."""
         if self._closed:
             return
         self._closed = True
@@ -100,12 +117,17 @@ class PickerServer:
         deadline = self._loop.time() + (grace or 0.0)
         while self._relays and self._loop.time() < deadline:
             await asyncio.sleep(0.05)
-        tasks = [task for _, task in self._relays.values()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        while self._relays:  # a stream opened while the others were being cancelled is cancelled too
+            tasks = [task for _, task in self._relays.values()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         self._loop.remove_reader(self._native.fileno())
-        await asyncio.to_thread(self._native.close)
+        await asyncio.to_thread(self._native.close, max(0.0, deadline - self._loop.time()))
+
+
+class NotAMessage(Exception):
+    """A stream's bytes that are no ProcessingRequest."""
 
 
 async def serve(
