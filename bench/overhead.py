@@ -83,6 +83,7 @@ class Thr:
     client_cpu: float
     router_cpu_us_per_req: float
     errors: int
+    gateway_cpu_us_per_req: float = float("nan")  # of router_cpu_us_per_req: the gateway Envoy's, if any
 
 
 def prompts(seed: int = 3) -> list[list[int]]:
@@ -170,6 +171,8 @@ async def throughput(
     tasks = [asyncio.create_task(worker(k)) for k in range(conns)]
     await asyncio.sleep(warm_s)
     r0 = target.router.cpu_seconds() if target.router else 0.0
+    sidecar = target.router.sidecar if target.router else None
+    g0 = sidecar.cpu_seconds() if sidecar else 0.0
     e0 = engine.proc.cpu_seconds()
     c0 = sum(os.times()[:2])
     t0 = time.perf_counter()
@@ -179,6 +182,7 @@ async def throughput(
     dt = time.perf_counter() - t0
     done = counter[0]
     r1 = target.router.cpu_seconds() if target.router else 0.0
+    g1 = sidecar.cpu_seconds() if sidecar else 0.0
     e1 = engine.proc.cpu_seconds()
     c1 = sum(os.times()[:2])
     state["stop"] = True
@@ -194,6 +198,7 @@ async def throughput(
         client_cpu=(c1 - c0) / dt,
         router_cpu_us_per_req=(r1 - r0) / done * 1e6 if done and target.router else float("nan"),
         errors=errors,
+        gateway_cpu_us_per_req=(g1 - g0) / done * 1e6 if done and sidecar else float("nan"),
     )
 
 
@@ -650,6 +655,16 @@ def report(
                 h.med([x.router_cpu_us_per_req for x in o]), h.med([x.router_cpu_us_per_req for x in v])
             )
             print(f"  ours/vllm-router: max req/s {rps}, router CPU per request {cpu}")
+        if "ours-epp" in by_name:
+            # The picker row's CPU counts Envoy's (its gateway) with the router's: apart here.
+            e = thr["ours-epp", shape]
+            gateway = h.med([x.gateway_cpu_us_per_req for x in e])
+            alone = h.med([x.router_cpu_us_per_req - x.gateway_cpu_us_per_req for x in e])
+            versus = ""
+            if "vllm" in by_name:
+                vllm = h.med([x.router_cpu_us_per_req for x in thr["vllm", shape]])
+                versus = f" ({h.ratio(alone, vllm)} vllm-router's)"
+            print(f"  picker row: the router process {alone:.0f} us/req{versus}, Envoy {gateway:.0f} us/req")
         traced = [n for n in ("ours-trace0", "ours-trace10", "ours-trace100") if n in by_name]
         if "ours" in by_name and traced:
             # One request at a time (the latency phase's): the router's CPU per request without the
