@@ -15,7 +15,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
 
-from router_runtime.gateway.transport import serve
+from router_runtime.gateway.transport import OPENED, serve
 from tests.support import eventually
 
 HOST = "127.0.0.1"
@@ -181,6 +181,39 @@ async def test_stop_delivers_the_answers_of_streams_already_finished():
         answers = [a async for a in call]
         await asyncio.wait_for(stopping, 5)
     assert [len(a.request_body.response.body_mutation.body) for a in answers] == [len(big)]
+
+
+async def test_a_client_that_does_not_read_its_answers_loses_its_stream_not_memory():
+    answer = ep.ProcessingResponse(
+        request_body=ep.BodyResponse(
+            response=ep.CommonResponse(body_mutation=ep.BodyMutation(body=b"z" * 60_000))
+        )
+    )
+    sent: list[bool] = []
+
+    async def flood(requests: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
+        async for _ in requests:
+            while True:  # a duplex body passed on, chunk after chunk, to a client that never reads
+                yield answer
+                sent.append(True)
+                await asyncio.sleep(0)
+
+    async with served(flood, max_message=64 * 1024) as (server, stub):
+        call = stub.Process()
+        await call.write(headers())
+        # Two caps (128 KiB) of unread answers past the windows' worth: the stream is ended, the picker
+        # told as if the client had gone.
+        await eventually(lambda: not server._relays and server._native.open_streams() == 0, 10, "the end")
+        assert len(sent) < 200  # ~2 MB of windows plus 128 KiB, not an unbounded queue
+        call.cancel()
+
+
+async def test_stop_right_after_a_stream_opens_ends_it():
+    echo = Echo()
+    server = await serve(echo, HOST, 0, lambda: True, None, 60.0, 1 << 20)
+    server._take(10**9, OPENED, None)  # a stream id the native side does not know: its calls are no-ops
+    await asyncio.wait_for(server.stop(0), 5)  # cancelled before its first step, it is gone all the same
+    assert not server._relays
 
 
 async def test_a_port_in_use_fails_at_start_naming_it():

@@ -15,7 +15,7 @@ use std::net::{TcpListener as StdListener, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
@@ -36,6 +36,8 @@ use tonic::{Code, Request, Response, Status, Streaming};
 const PROCESS: &str = "/envoy.service.ext_proc.v3.ExternalProcessor/Process";
 const CHECK: &str = "/grpc.health.v1.Health/Check";
 
+/// How many message caps of answers a stream may have waiting for its client to read them.
+const UNREAD_CAPS: usize = 2;
 /// A health check Python has not answered in this long fails UNAVAILABLE (the loop is stuck).
 const CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a call to a method not served here is read before it is refused.
@@ -63,6 +65,9 @@ struct Open {
     credit: Arc<Semaphore>,
     /// Told when the stream is over for Python: its reader stops reading and drops the request side.
     over: Arc<Notify>,
+    /// Answer bytes given but not yet taken by the connection: a client that does not read its
+    /// answers ends its stream once they pass `UNREAD_CAPS` message caps, rather than hold memory.
+    unread: Arc<AtomicUsize>,
 }
 
 impl Open {
@@ -148,13 +153,18 @@ impl Decoder for Raw {
 struct Answers {
     id: u64,
     rx: mpsc::UnboundedReceiver<Answer>,
+    unread: Arc<AtomicUsize>,
     shared: Arc<Shared>,
 }
 
 impl tokio_stream::Stream for Answers {
     type Item = Answer;
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Answer>> {
-        self.rx.poll_recv(cx)
+        let next = self.rx.poll_recv(cx);
+        if let Poll::Ready(Some(Ok(answer))) = &next {
+            self.unread.fetch_sub(answer.len(), Ordering::Relaxed);
+        }
+        next
     }
 }
 
@@ -179,16 +189,18 @@ impl StreamingService<Bytes> for ProcessSvc {
         let (answers, rx) = mpsc::unbounded_channel();
         let credit = Arc::new(Semaphore::new(shared.max_message.min(Semaphore::MAX_PERMITS)));
         let over = Arc::new(Notify::new());
+        let unread = Arc::new(AtomicUsize::new(0));
         let open = Open {
             answers,
             credit: credit.clone(),
             over: over.clone(),
+            unread: unread.clone(),
         };
         shared.streams.lock().unwrap().insert(id, open);
         shared.push(id, OPENED, None);
         let inbound = request.into_inner();
         tokio::spawn(read(shared.clone(), id, inbound, credit, over));
-        std::future::ready(Ok(Response::new(Answers { id, rx, shared })))
+        std::future::ready(Ok(Response::new(Answers { id, rx, unread, shared })))
     }
 }
 
@@ -325,6 +337,9 @@ struct Lifetime {
 
 /// The longest connection age taken (a day); longer is a mistake, not a setting.
 const MAX_CONNECTION_AGE_S: f64 = 86_400.0;
+/// HTTP/2 flow-control windows: a stream's, and a connection's (room for 64 stalled streams).
+const STREAM_WINDOW: u32 = 1 << 20;
+const CONNECTION_WINDOW: u32 = 64 << 20;
 /// A client that has not finished its TLS handshake in this long is dropped.
 const TLS_HANDSHAKE: Duration = Duration::from_secs(10);
 
@@ -361,7 +376,12 @@ impl PyExtProcServer {
         }
         let listener = bind(host, port)?;
         let bound = listener.local_addr()?.port();
-        let mut builder = Server::builder().max_connection_age(Duration::from_secs_f64(connection_age_s));
+        // A stream waiting for credit stops reading: its unread bytes hold its own window, not the
+        // connection's, so other streams on the connection go on.
+        let mut builder = Server::builder()
+            .max_connection_age(Duration::from_secs_f64(connection_age_s))
+            .initial_stream_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW);
         if let Some((cert, key)) = tls {
             let config = ServerTlsConfig::new()
                 .identity(Identity::from_pem(cert, key))
@@ -470,9 +490,20 @@ impl PyExtProcServer {
 
     /// One answer on stream (or health check) `id`; false when it is gone.
     fn send(&self, id: u64, data: &[u8]) -> bool {
-        if let Some(open) = self.shared.streams.lock().unwrap().get(&id) {
-            return open.answers.send(Ok(Bytes::copy_from_slice(data))).is_ok();
+        let streams = self.shared.streams.lock().unwrap();
+        if let Some(open) = streams.get(&id) {
+            let unread = open.unread.fetch_add(data.len(), Ordering::Relaxed) + data.len();
+            if unread <= UNREAD_CAPS * self.shared.max_message {
+                return open.answers.send(Ok(Bytes::copy_from_slice(data))).is_ok();
+            }
+            drop(streams);
+            let status = Status::resource_exhausted("the client does not read its answers");
+            if self.shared.end(id, Some(status)) {
+                self.shared.push(id, RESET, None);
+            }
+            return false;
         }
+        drop(streams);
         if let Some(tx) = self.shared.checks.lock().unwrap().remove(&id) {
             return tx.send(Ok(Bytes::copy_from_slice(data))).is_ok();
         }

@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 OPENED, MESSAGE, ENDED, RESET, CHECK_ASKED = range(5)
 
 HEALTH_ONLY_CONNECTION_AGE_S = 3600.0  # a probe's connection carries no load to rebalance
+CANCEL_WAIT_S = 2.0  # how long stop waits for cancelled streams to unwind
+FINAL_STATUS_S = 0.2  # what stop leaves the connections at least, to carry the streams' last statuses
 
 Process = Callable[[AsyncIterator[ep.ProcessingRequest]], AsyncIterator[ep.ProcessingResponse]]
 
@@ -46,6 +48,7 @@ class PickerServer:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(native.fileno(), self._drain)
         self._closed = False
+        self._stopping: asyncio.Task[None] | None = None
 
     @property
     def port(self) -> int:
@@ -69,7 +72,10 @@ class PickerServer:
                 self._native.finish(sid, Code.UNAVAILABLE, "the endpoint picker is stopping")
                 return
             inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
-            self._relays[sid] = (inbox, self._loop.create_task(self._relay(sid, inbox)))
+            task = self._loop.create_task(self._relay(sid, inbox))
+            # Gone from the relays however it ends, even cancelled before its first step.
+            task.add_done_callback(lambda _, sid=sid: self._relays.pop(sid, None))
+            self._relays[sid] = (inbox, task)
         elif kind == RESET:
             relay = self._relays.pop(sid, None)
             if relay is not None:
@@ -100,30 +106,38 @@ class PickerServer:
                 self._native.send(sid, answer.SerializeToString())
         except NotAMessage:
             code, message = Code.INVALID_ARGUMENT, "not a ProcessingRequest"
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # cancelled: its client went away, or the server is stopping
+            log.error("the endpoint picker's stream was cancelled from within")
+            code, message = Code.INTERNAL, "the endpoint picker failed"
         except Exception:
             log.exception("the endpoint picker failed on a stream")
             code, message = Code.INTERNAL, "the endpoint picker failed"
-        finally:
-            self._relays.pop(sid, None)
         self._native.finish(sid, code, message)
 
     async def stop(self, grace: float | None) -> None:
         """No new streams; the open ones get ``grace`` seconds (None: none), then are cancelled (their
-        clients told UNAVAILABLE); the connections then get what is left of it to close."""
-        if self._closed:
-            return
-        self._closed = True
+        clients told UNAVAILABLE); the connections then get what is left of it to close (at least
+        FINAL_STATUS_S, for the statuses to reach them). A second call waits for the first."""
+        if self._stopping is None:
+            self._closed = True  # from now on a new stream is refused
+            self._stopping = self._loop.create_task(self._stop(grace or 0.0))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace: float) -> None:
         self._native.shutdown()
-        deadline = self._loop.time() + (grace or 0.0)
+        deadline = self._loop.time() + grace
         while self._relays and self._loop.time() < deadline:
             await asyncio.sleep(0.05)
-        while self._relays:  # a stream opened while the others were being cancelled is cancelled too
-            tasks = [task for _, task in self._relays.values()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        tasks = [task for _, task in self._relays.values()]
+        for task in tasks:
+            task.cancel()
+        if tasks:  # bounded: a relay that ignores its cancel is left behind, its stream ended below
+            await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
         self._loop.remove_reader(self._native.fileno())
-        await asyncio.to_thread(self._native.close, max(0.0, deadline - self._loop.time()))
+        await asyncio.to_thread(self._native.close, max(FINAL_STATUS_S, deadline - self._loop.time()))
 
 
 class NotAMessage(Exception):
