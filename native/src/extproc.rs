@@ -314,10 +314,6 @@ where
     }
 }
 
-impl tonic::server::NamedService for Svc {
-    const NAME: &'static str = "";
-}
-
 /// The picker's gRPC server (`routerfleet_index.ExtProcServer`), serving on its own thread.
 #[pyclass(name = "ExtProcServer", frozen)]
 pub struct PyExtProcServer {

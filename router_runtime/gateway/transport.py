@@ -47,7 +47,6 @@ class PickerServer:
         self._relays: dict[int, tuple[asyncio.Queue[bytes | None], asyncio.Task[None]]] = {}
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(native.fileno(), self._drain)
-        self._closed = False
         self._stopping: asyncio.Task[None] | None = None
 
     @property
@@ -68,7 +67,7 @@ class PickerServer:
             if relay is not None:  # else finished already (an immediate response): nothing to say
                 relay[0].put_nowait(payload)
         elif kind == OPENED:  # only where a picker is served (process=True)
-            if self._closed:
+            if self._stopping is not None:
                 self._native.finish(sid, Code.UNAVAILABLE, "the endpoint picker is stopping")
                 return
             inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
@@ -121,8 +120,7 @@ class PickerServer:
         """No new streams; the open ones get ``grace`` seconds (None: none), then are cancelled (their
         clients told UNAVAILABLE); the connections then get what is left of it to close (at least
         FINAL_STATUS_S, for the statuses to reach them). A second call waits for the first."""
-        if self._stopping is None:
-            self._closed = True  # from now on a new stream is refused
+        if self._stopping is None:  # from now on a new stream is refused
             self._stopping = self._loop.create_task(self._stop(grace or 0.0))
         await asyncio.shield(self._stopping)
 
