@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router_runtime.gateway.transport import OPENED, serve
 from tests.support import eventually
@@ -220,3 +225,57 @@ async def test_a_port_in_use_fails_at_start_naming_it():
     async with served(Echo()) as (server, _):
         with pytest.raises(OSError, match=f"picker port {HOST}:{server.port}"):
             await serve(Echo(), HOST, server.port, lambda: True, None, 60.0, 1 << 20)
+
+
+# A picker out of file descriptors: it holds every one it can open until the test names a file.
+_OUT_OF_DESCRIPTORS = """
+import asyncio, os, resource, sys
+from router_runtime.gateway.transport import serve_health
+
+async def main(release):
+    server = await serve_health("127.0.0.1", 0, lambda: True)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    held = []
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    print(server.port, flush=True)
+    while not os.path.exists(release):
+        await asyncio.sleep(0.05)
+    for fd in held:
+        os.close(fd)
+    await asyncio.sleep(30)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+async def test_a_picker_out_of_file_descriptors_waits_for_them_without_spinning(tmp_path):
+    release = tmp_path / "release"
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _OUT_OF_DESCRIPTORS, str(release), stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        port = int(await asyncio.wait_for(child.stdout.readline(), 30))
+        waiting = socket.create_connection((HOST, port), timeout=5)  # queued: the picker cannot accept it
+        await asyncio.sleep(0.5)
+        before = _cpu_seconds(child.pid)
+        await asyncio.sleep(2)
+        spent = _cpu_seconds(child.pid) - before
+        assert spent < 0.5, f"{spent:.2f} s of CPU in 2 s while out of descriptors"
+        release.touch()  # descriptors free again: connections are taken as before
+        async with grpc.aio.insecure_channel(f"{HOST}:{port}") as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            answer = await check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        waiting.close()
+    finally:
+        child.kill()
+        await child.wait()

@@ -11,7 +11,7 @@ use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::future::Future;
 use std::io::{ErrorKind, Read, Write};
-use std::net::{TcpListener as StdListener, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener as StdListener, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::pin::Pin;
@@ -26,10 +26,14 @@ use http_body_util::BodyExt;
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
+use tokio::time::Sleep;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::server::{Grpc, StreamingService, UnaryService};
-use tonic::transport::server::TcpIncoming;
+use tonic::transport::server::{Connected, TcpConnectInfo};
 use tonic::transport::{Identity, Server, ServerTlsConfig};
 use tonic::{Code, Request, Response, Status, Streaming};
 
@@ -339,15 +343,122 @@ const CONNECTION_WINDOW: u32 = 64 << 20;
 /// A client that has not finished its TLS handshake in this long is dropped.
 const TLS_HANDSHAKE: Duration = Duration::from_secs(10);
 
-fn bind(host: &str, port: u16) -> PyResult<StdListener> {
+/// Bound on every address `host` names (as the proxy's port is: `localhost` may be 127.0.0.1 and ::1),
+/// all on one port: the first's, when `port` is 0.
+fn bind(host: &str, port: u16) -> PyResult<Vec<StdListener>> {
     let addresses: Vec<_> = (host, port)
         .to_socket_addrs()
         .map_err(|e| PyOSError::new_err(format!("picker address {host}:{port}: {e}")))?
         .collect();
-    let listener =
-        StdListener::bind(&addresses[..]).map_err(|e| PyOSError::new_err(format!("picker port {host}:{port}: {e}")))?;
-    listener.set_nonblocking(true)?;
-    Ok(listener)
+    bind_all(&addresses).map_err(|e| PyOSError::new_err(format!("picker port {host}:{port}: {e}")))
+}
+
+fn bind_all(addresses: &[SocketAddr]) -> std::io::Result<Vec<StdListener>> {
+    let mut listeners: Vec<StdListener> = Vec::new();
+    for address in addresses {
+        let mut address = *address;
+        if let Some(first) = listeners.first() {
+            address.set_port(first.local_addr()?.port());
+        }
+        if listeners.iter().any(|l| l.local_addr().ok() == Some(address)) {
+            continue; // named twice
+        }
+        let listener = StdListener::bind(address)?;
+        listener.set_nonblocking(true)?;
+        listeners.push(listener);
+    }
+    if listeners.is_empty() {
+        return Err(std::io::Error::new(ErrorKind::AddrNotAvailable, "no address to bind"));
+    }
+    Ok(listeners)
+}
+
+/// How long accepting pauses after an error that is not the client's (out of file descriptors, of
+/// memory): retrying at once would spin a core until descriptors free up.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// How long a closing connection reads out what its client still sends.
+const LINGER: Duration = Duration::from_secs(1);
+
+/// A connection that, as the server closes it, first reads out what its client still sends (its flow
+/// control updates, its acknowledgements) until the client closes too, for up to LINGER: a socket
+/// closed with unread bytes is reset, and the reset can destroy answers its client has not yet read.
+struct Lingering {
+    io: TcpStream,
+    closed: bool,
+    linger: Option<Pin<Box<Sleep>>>,
+}
+
+impl Connected for Lingering {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+impl AsyncRead for Lingering {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Lingering {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if !self.closed {
+            std::task::ready!(Pin::new(&mut self.io).poll_shutdown(cx))?; // our side ends: the client reads to the end
+            self.closed = true;
+        }
+        let this = &mut *self;
+        let linger = this.linger.get_or_insert_with(|| Box::pin(tokio::time::sleep(LINGER)));
+        let mut sink = [0u8; 4096];
+        loop {
+            if linger.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Ok(()));
+            }
+            let mut read = ReadBuf::new(&mut sink);
+            match Pin::new(&mut this.io).poll_read(cx, &mut read) {
+                Poll::Ready(Ok(())) if !read.filled().is_empty() => continue,
+                Poll::Ready(_) => return Poll::Ready(Ok(())), // the client closed (or failed): done
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}
+
+/// Accepts connections into `tx` until its receiver is gone (the server stopped taking connections:
+/// the listener closes then).
+async fn accept_into(listener: TcpListener, tx: mpsc::Sender<std::io::Result<Lingering>>) {
+    loop {
+        let accepted = tokio::select! {
+            _ = tx.closed() => return,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, _)) => {
+                let _ = stream.set_nodelay(true);
+                let stream = Lingering {
+                    io: stream,
+                    closed: false,
+                    linger: None,
+                };
+                if tx.send(Ok(stream)).await.is_err() {
+                    return;
+                }
+            }
+            // The connection's own failure: the next one may be fine.
+            Err(e) if matches!(e.kind(), ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset) => {}
+            Err(_) => tokio::time::sleep(ACCEPT_BACKOFF).await,
+        }
+    }
 }
 
 #[pymethods]
@@ -370,8 +481,8 @@ impl PyExtProcServer {
         if max_message == 0 {
             return Err(PyValueError::new_err("max_message must be positive"));
         }
-        let listener = bind(host, port)?;
-        let bound = listener.local_addr()?.port();
+        let listeners = bind(host, port)?;
+        let bound = listeners[0].local_addr()?.port();
         // A stream waiting for credit stops reading: its unread bytes hold its own window, not the
         // connection's, so other streams on the connection go on.
         let mut builder = Server::builder()
@@ -408,7 +519,11 @@ impl PyExtProcServer {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let incoming = {
             let _entered = runtime.enter();
-            TcpIncoming::from(tokio::net::TcpListener::from_std(listener)?).with_nodelay(Some(true))
+            let (tx, rx) = mpsc::channel(1);
+            for listener in listeners {
+                runtime.spawn(accept_into(TcpListener::from_std(listener)?, tx.clone()));
+            }
+            ReceiverStream::new(rx)
         };
         let thread = std::thread::Builder::new()
             .name("routerfleet-epp".into())
@@ -560,5 +675,22 @@ impl PyExtProcServer {
                 let _ = thread.join();
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_address_is_bound_on_one_port() {
+        let addresses: Vec<SocketAddr> = vec!["127.0.0.1:0".parse().unwrap(), "[::1]:0".parse().unwrap()];
+        let listeners = bind_all(&addresses).unwrap();
+        let bound: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        assert_eq!(bound.len(), 2);
+        assert_eq!(bound[0].port(), bound[1].port());
+        assert!(bound[0].is_ipv4() && bound[1].is_ipv6());
+        let twice = bind_all(&[addresses[0], addresses[0]]).unwrap();
+        assert_eq!(twice.len(), 1);
     }
 }
