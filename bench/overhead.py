@@ -673,7 +673,8 @@ def report(
             if "vllm" in by_name:
                 vllm = h.med([x.router_cpu_us_per_req for x in thr["vllm", shape]])
                 versus = f" ({h.ratio(alone, vllm)} vllm-router's)"
-            print(f"  {picker} row: the router process {alone:.0f} us/req{versus}, Envoy {gateway:.0f}")
+            apart = f"the router process {alone:.0f} us/req{versus}, Envoy {gateway:.0f} us/req"
+            print(f"  {picker} row: {apart}")
         traced = [n for n in ("ours-trace0", "ours-trace10", "ours-trace100") if n in by_name]
         if "ours" in by_name and traced:
             # One request at a time (the latency phase's): the router's CPU per request without the
