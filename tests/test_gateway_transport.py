@@ -1,8 +1,8 @@
 """The picker's gRPC transport (router_runtime/gateway/transport.py over native/src/extproc.rs): real
-gRPC clients (grpcio) against the native server, with a small ``process`` in place of the picker, so
-each test sees what the transport alone does with a stream: relays it in order, cancels it when the
-client goes away, refuses what is not a message or too big, and stops within its grace. The picker
-behind real Envoy is tests/test_gateway_picker.py."""
+gRPC clients (grpcio) against the native server, with small streams in place of the picker's, so each
+test sees what the transport alone does with a stream: relays it in order, cancels it when the client
+goes away, refuses what is not a message or too big, and stops within its grace. The picker behind
+real Envoy is tests/test_gateway_picker.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import contextlib
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 
 import grpc
@@ -20,7 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router_runtime.gateway.transport import OPENED, serve
+from router_runtime.gateway.transport import MESSAGE, OPENED, RESET, serve
 from tests.support import eventually
 
 HOST = "127.0.0.1"
@@ -30,27 +30,61 @@ def headers(end: bool = False) -> ep.ProcessingRequest:
     return ep.ProcessingRequest(request_headers=ep.HttpHeaders(end_of_stream=end))
 
 
+ANSWER = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+
+
 class Echo:
-    """A ``process`` that answers each message with a headers answer, and records how streams end."""
+    """Streams that answer each message with a headers answer (``hold``: once it is set; later messages
+    wait behind the step that waits for it), recording how each stream ends."""
 
     def __init__(self, hold: asyncio.Event | None = None) -> None:
-        self.hold = hold  # when set: each answer waits for it
+        self.hold = hold
         self.seen = 0
         self.ended: list[str] = []
 
-    async def __call__(
-        self, requests: AsyncIterator[ep.ProcessingRequest]
-    ) -> AsyncIterator[ep.ProcessingResponse]:
+    def __call__(self) -> EchoStream:
+        return EchoStream(self)
+
+
+class EchoStream:
+    finished = False
+
+    def __init__(self, echo: Echo) -> None:
+        self.echo = echo
+
+    def step(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse] | Awaitable:
+        self.echo.seen += 1
+        return [ANSWER] if self.echo.hold is None else self._held(self.echo.hold)
+
+    async def _held(self, hold: asyncio.Event) -> Sequence[ep.ProcessingResponse]:
         try:
-            async for _ in requests:
-                self.seen += 1
-                if self.hold is not None:
-                    await self.hold.wait()
-                yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
-            self.ended.append("done")
+            await hold.wait()
         except asyncio.CancelledError:
-            self.ended.append("cancelled")
+            self.echo.ended.append("cancelled")
             raise
+        return [ANSWER]
+
+    def close(self) -> None:
+        self.echo.ended.append("closed")
+
+
+class Answering:
+    """Streams whose first message is answered with ``answers``, and that are then over."""
+
+    def __init__(self, answers: Sequence[ep.ProcessingResponse]) -> None:
+        self.answers = answers
+        self.closed = 0
+        self.finished = False
+
+    def __call__(self) -> Answering:
+        return self
+
+    def step(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse]:
+        self.finished = True
+        return self.answers
+
+    def close(self) -> None:
+        self.closed += 1  # after the answers are handed to the transport
 
 
 @contextlib.asynccontextmanager
@@ -68,7 +102,7 @@ async def test_a_streams_messages_are_answered_in_order_and_it_ends_with_the_cli
     async with served(echo) as (_, stub):
         answers = [a async for a in stub.Process(iter([headers(), headers(), headers(end=True)]), timeout=5)]
     assert len(answers) == 3 and echo.seen == 3
-    assert echo.ended == ["done"]
+    assert echo.ended == ["closed"]
 
 
 async def test_a_client_that_goes_away_cancels_its_stream():
@@ -79,7 +113,7 @@ async def test_a_client_that_goes_away_cancels_its_stream():
         await call.write(headers())
         await eventually(lambda: echo.seen == 1, 5, "the message relayed")
         call.cancel()
-        await eventually(lambda: echo.ended == ["cancelled"], 5, "the stream cancelled")
+        await eventually(lambda: echo.ended == ["cancelled", "closed"], 5, "the stream cancelled")
         assert server._native.open_streams() == 0
 
 
@@ -123,12 +157,12 @@ async def test_a_client_sending_faster_than_the_picker_reads_is_held_to_one_mess
         sending = asyncio.create_task(send())
         await eventually(lambda: echo.seen == 1, 5, "the first message relayed")
         await asyncio.sleep(0.5)
-        ((queued, _),) = server._relays.values()
-        assert queued.qsize() <= 2  # 64 KiB of credit: two 30 KB messages wait, the rest stay unread
+        (relay,) = server._relays.values()
+        assert len(relay.waiting) <= 2  # 64 KiB of credit: two 30 KB messages wait, the rest stay unread
         hold.set()
         assert len([a async for a in call]) == 40
         await sending
-    assert echo.seen == 40 and echo.ended == ["done"]
+    assert echo.seen == 40 and echo.ended == ["closed"]
 
 
 async def test_stop_lets_open_streams_finish_within_the_grace_then_cancels_them():
@@ -147,7 +181,7 @@ async def test_stop_lets_open_streams_finish_within_the_grace_then_cancels_them(
         await finishing.done_writing()
         assert len([a async for a in finishing]) == 2
         await asyncio.wait_for(stopping, 5)
-    assert echo.ended == ["done"]
+    assert echo.ended == ["closed"]
 
     hold = asyncio.Event()  # never set: the stream outlives a short grace
     echo = Echo(hold)
@@ -160,7 +194,7 @@ async def test_stop_lets_open_streams_finish_within_the_grace_then_cancels_them(
         await asyncio.wait_for(server.stop(0.3), 5)
         assert asyncio.get_running_loop().time() - started < 3
         call.cancel()
-    assert echo.ended == ["cancelled"]
+    assert echo.ended == ["cancelled", "closed"]
 
 
 async def test_stop_delivers_the_answers_of_streams_already_finished():
@@ -169,19 +203,12 @@ async def test_stop_delivers_the_answers_of_streams_already_finished():
         request_body=ep.BodyResponse(response=ep.CommonResponse(body_mutation=ep.BodyMutation(body=big)))
     )
 
-    answered: list[bool] = []
-
-    async def once(requests: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
-        async for _ in requests:
-            yield answer
-            answered.append(True)  # the answer handed to the transport
-            return
-
+    once = Answering([answer])
     server = await serve(once, HOST, 0, lambda: True, None, 60.0, 16 << 20)
     options = [("grpc.max_receive_message_length", 16 << 20)]
     async with grpc.aio.insecure_channel(f"{HOST}:{server.port}", options=options) as channel:
         call = epg.ExternalProcessorStub(channel).Process(iter([headers()]))
-        await eventually(lambda: answered and server._native.open_streams() == 0, 5, "the stream finished")
+        await eventually(lambda: once.closed and server._native.open_streams() == 0, 5, "the stream finished")
         stopping = asyncio.create_task(server.stop(5))
         answers = [a async for a in call]
         await asyncio.wait_for(stopping, 5)
@@ -194,23 +221,33 @@ async def test_a_client_that_does_not_read_its_answers_loses_its_stream_not_memo
             response=ep.CommonResponse(body_mutation=ep.BodyMutation(body=b"z" * 60_000))
         )
     )
-    sent: list[bool] = []
-
-    async def flood(requests: AsyncIterator[ep.ProcessingRequest]) -> AsyncIterator[ep.ProcessingResponse]:
-        async for _ in requests:
-            while True:  # a duplex body passed on, chunk after chunk, to a client that never reads
-                yield answer
-                sent.append(True)
-                await asyncio.sleep(0)
+    flood = Answering([answer] * 400)  # 24 MB for a client that never reads
 
     async with served(flood, max_message=64 * 1024) as (server, stub):
+        server._native = sends = Counting(server._native)
         call = stub.Process()
         await call.write(headers())
-        # Two caps (128 KiB) of unread answers past the windows' worth: the stream is ended, the picker
-        # told as if the client had gone.
-        await eventually(lambda: not server._relays and server._native.open_streams() == 0, 10, "the end")
-        assert len(sent) < 200  # ~2 MB of windows plus 128 KiB, not an unbounded queue
+        # Two caps (128 KiB) of unread answers past what the windows hold: the stream is ended, the picker
+        # told as if the client had gone, and no more is sent.
+        await eventually(lambda: not server._relays and flood.closed == 1, 10, "the end")
+        assert sends.refused == 1 and sends.sent < 200  # not an unbounded queue
         call.cancel()
+
+
+class Counting:
+    """The native server, its ``send``s counted: those taken, and those refused (the stream gone)."""
+
+    def __init__(self, native) -> None:
+        self.native, self.sent, self.refused = native, 0, 0
+
+    def send(self, sid: int, data: bytes) -> bool:
+        taken = self.native.send(sid, data)
+        self.sent += taken
+        self.refused += not taken
+        return taken
+
+    def __getattr__(self, name: str):
+        return getattr(self.native, name)
 
 
 async def test_stop_right_after_a_stream_opens_ends_it():
@@ -279,3 +316,42 @@ async def test_a_picker_out_of_file_descriptors_waits_for_them_without_spinning(
     finally:
         child.kill()
         await child.wait()
+
+
+async def test_a_stream_reset_in_the_batch_that_started_its_awaiting_step_is_closed():
+    echo = Echo(asyncio.Event())  # never set: the step awaits
+    server = await serve(echo, HOST, 0, lambda: True, None, 60.0, 1 << 20)
+    sid = 10**9  # a stream id the native side does not know: its calls are no-ops
+    # One drained batch: the message whose step awaits, then the client's reset, before the step's task
+    # ever ran (so its own code never does).
+    for kind, payload in ((OPENED, None), (MESSAGE, headers().SerializeToString()), (RESET, None)):
+        server._take(sid, kind, payload)
+    await eventually(lambda: echo.ended == ["closed"], 5, "the stream closed")
+    assert not server._relays
+    await server.stop(0)
+
+
+class Unanswerable:
+    """A stream whose step, once it has awaited, answers with something that is no message."""
+
+    finished = False
+    closed = 0
+
+    def step(self, message: ep.ProcessingRequest) -> Awaitable:
+        async def later() -> list:
+            await asyncio.sleep(0)
+            return [object()]
+
+        return later()
+
+    def close(self) -> None:
+        Unanswerable.closed += 1
+
+
+async def test_a_step_failing_after_its_await_ends_its_stream_internal():
+    async with served(Unanswerable) as (server, stub):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.Process(iter([headers()]), timeout=5):
+                pass
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert Unanswerable.closed == 1 and not server._relays

@@ -20,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
+from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from multidict import CIMultiDict
@@ -68,25 +69,31 @@ from .protocol import (
     with_headers,
 )
 
+if TYPE_CHECKING:
+    from .transport import Answers
+
 log = logging.getLogger(__name__)
 
 _RESPONSE_ITEM = "/v1/responses/"
 
 
 class _Stream:
-    """One HTTP request's state across its ext_proc messages."""
+    """One HTTP request's state across its ext_proc messages (transport.py's ``Stream``)."""
 
     __slots__ = (
         "body",
         "chunks",
+        "closed",
         "duplex_in",
         "duplex_out",
         "ended",
         "exchange",
+        "finished",
         "headers",
         "held",
         "held_size",
         "outcome",
+        "picker",
         "prefilled",
         "prefiller",
         "share",
@@ -99,7 +106,10 @@ class _Stream:
         "watches",
     )
 
-    def __init__(self, share: Share) -> None:
+    def __init__(self, picker: EndpointPicker, share: Share) -> None:
+        self.picker = picker
+        self.finished = False  # answered for good (an immediate response)
+        self.closed = False
         # Whether the request's and the response's bodies come FULL_DUPLEX_STREAMED (Envoy says so
         # with the stream's first message).
         self.duplex_in = self.duplex_out = False
@@ -127,6 +137,12 @@ class _Stream:
         self.upstream: Span = NO_SPAN  # from the pick to the response's end (traced requests)
         self.status = 0  # the engine's status, once its response headers pass (or the picker's refusal)
         self.outcome = "cancelled"  # as the proxy's metrics name how a request ended
+
+    def step(self, message: ep.ProcessingRequest) -> Answers | Awaitable[Answers]:
+        return self.picker._message(self, message)
+
+    def close(self) -> None:
+        self.picker._closed(self)
 
 
 class EndpointPicker:
@@ -163,41 +179,50 @@ class EndpointPicker:
         self.fallbacks = fallbacks  # endpoints named after the pick, for the gateway's retries
         self._by_load = make_policy("least_loaded")
 
-    async def process(
-        self, requests: AsyncIterator[ep.ProcessingRequest]
-    ) -> AsyncIterator[ep.ProcessingResponse]:
-        """One ext_proc stream: the answers to its messages (transport.py relays both ways)."""
+    def open(self) -> _Stream:
+        """A new ext_proc stream's ``Stream`` (transport.py relays its messages and closes it)."""
         self.arrived()
-        stream = _Stream(self.bodies.share())
-        try:
-            async for message in requests:
-                if message.HasField("protocol_config"):  # with the stream's first message
-                    stream.duplex_in, stream.duplex_out = duplex_of(message)
-                phase = message.WhichOneof("request")
-                try:
-                    answers = await self._step(stream, phase, message)
-                except ProxyError as e:
-                    stream.status, stream.outcome = e.status, e.outcome
-                    answers = [refused(e)]
-                for answer in answers:
-                    yield answer
-                if answers and answers[-1].HasField("immediate_response"):
-                    return
-        finally:
-            stream.share.release()
-            _prefill_over(stream)
-            if stream.target is not None:
-                self.load.release(stream.target)
-            if stream.ended is not None:
-                stream.ended()
-            if stream.trace.recording:
-                _end_trace(stream)
+        return _Stream(self, self.bodies.share())
 
-    async def _step(
+    def _message(self, stream: _Stream, message: ep.ProcessingRequest) -> Answers | Awaitable[Answers]:
+        if message.HasField("protocol_config"):  # with the stream's first message
+            stream.duplex_in, stream.duplex_out = duplex_of(message)
+        try:
+            answers = self._step(stream, message.WhichOneof("request"), message)
+        except ProxyError as e:
+            return _refused(stream, e)
+        if isinstance(answers, list):
+            return _answered(stream, answers)
+        return self._answers_when_done(stream, answers)
+
+    @staticmethod
+    async def _answers_when_done(stream: _Stream, pending: Awaitable[list[ep.ProcessingResponse]]) -> Answers:
+        try:
+            answers = await pending
+        except ProxyError as e:
+            return _refused(stream, e)
+        return _answered(stream, answers)
+
+    def _closed(self, stream: _Stream) -> None:
+        """The stream is over, however it ended: what it held goes back (once)."""
+        if stream.closed:
+            return
+        stream.closed = True
+        stream.share.release()
+        _prefill_over(stream)
+        if stream.target is not None:
+            self.load.release(stream.target)
+        if stream.ended is not None:
+            stream.ended()
+        if stream.trace.recording:
+            _end_trace(stream)
+
+    def _step(
         self, stream: _Stream, phase: str, message: ep.ProcessingRequest
-    ) -> list[ep.ProcessingResponse]:
-        """The answers to one message, in order: one each, except in FULL_DUPLEX_STREAMED mode, where
-        the request's headers are answered once its body is whole, then its body goes on as answers."""
+    ) -> list[ep.ProcessingResponse] | Awaitable[list[ep.ProcessingResponse]]:
+        """The answers to one message, in order (awaitable where the step waits: a pick, the body
+        budget, a hook): one each, except in FULL_DUPLEX_STREAMED mode, where the request's headers are
+        answered once its body is whole, then its body goes on as answers."""
         if phase == "request_headers":
             # a repeated header's first value, as the proxy reads it (the tenant is the same at both doors)
             stream.headers = CIMultiDict(header_pairs(message.request_headers))
@@ -207,45 +232,76 @@ class EndpointPicker:
                 headers, lambda: f"{headers.get(':method', '?')} {_route(headers)}"
             )
             if message.request_headers.end_of_stream:
-                decision, x, _ = await self._pick(stream, None)
-                return [self._decided(stream, decision, x, None, phase)]
+                return self._picked_without_body(stream, phase)
             return [] if stream.duplex_in else [proceed(phase)]
         if phase == "request_body":
             part = message.request_body
             stream.size += len(part.body)
             if stream.size > self.config.max_body_bytes:
                 raise too_large(self.config.max_body_bytes)
-            await stream.share.grow_to(stream.size)
-            stream.body.append(part.body)
-            if not part.end_of_stream:
-                return [] if stream.duplex_in else [proceed(phase)]
-            return await self._request_ended(stream, phase, trailers=False)
+            if not stream.share.grow_now(stream.size):
+                return self._body_once_budgeted(stream, phase, part)
+            return self._body(stream, phase, part)
         if phase == "request_trailers":
             if stream.duplex_in and stream.target is None:  # the trailers end a body not yet answered
-                return await self._request_ended(stream, phase, trailers=True)
+                return self._request_ended(stream, phase, trailers=True)
             return [proceed(phase)]
         if phase == "response_headers":
             return [self._response_headers(stream, message)]
         if phase == "response_body":
             part = message.response_body
-            chunk = part.body
             if (
                 stream.upstream.recording
                 and "routerfleet.time_to_first_chunk_ms" not in stream.upstream.attributes
             ):
                 stream.upstream.set("routerfleet.time_to_first_chunk_ms", _ms_since(stream.upstream))
-            for w in stream.chunks:
-                chunk = await w.response_streaming(chunk)
-            if part.end_of_stream:
-                chunk += self._response_ended(stream)
-            if stream.duplex_out:
-                return self._passed_on(stream, chunk, part.end_of_stream)
-            return [proceed(phase) if chunk == part.body else rewritten(phase, chunk)]
+            return self._chunk(stream, part, part.body, 0)
         if phase == "response_trailers":  # the trailers end the body: what the hooks add goes before
             extra = self._response_ended(stream)
             body = streamed("response_body", extra, end=False) if stream.duplex_out and extra else []
             return [*body, proceed(phase)]
         return [proceed(phase)]
+
+    async def _picked_without_body(self, stream: _Stream, phase: str) -> list[ep.ProcessingResponse]:
+        decision, x, _ = await self._pick(stream, None)
+        return [self._decided(stream, decision, x, None, phase)]
+
+    def _body(
+        self, stream: _Stream, phase: str, part: ep.HttpBody
+    ) -> list[ep.ProcessingResponse] | Awaitable[list[ep.ProcessingResponse]]:
+        """A request body's part, its bytes held in the budget: gathered, and the pick once it is whole."""
+        stream.body.append(part.body)
+        if not part.end_of_stream:
+            return [] if stream.duplex_in else [proceed(phase)]
+        return self._request_ended(stream, phase, trailers=False)
+
+    async def _body_once_budgeted(
+        self, stream: _Stream, phase: str, part: ep.HttpBody
+    ) -> list[ep.ProcessingResponse]:
+        await stream.share.grow_to(stream.size)  # others give theirs back first (or a 503)
+        return await _settled(self._body(stream, phase, part))
+
+    def _chunk(
+        self, stream: _Stream, part: ep.HttpBody, chunk: bytes, start: int
+    ) -> list[ep.ProcessingResponse] | Awaitable[list[ep.ProcessingResponse]]:
+        """A response chunk through the hooks that watch chunks, from the ``start``-th on (the ones
+        before it have seen it: the chunk went on once the one before awaited), then answered."""
+        watchers = stream.chunks
+        for i in range(start, len(watchers)):
+            out = watchers[i].response_streaming(chunk)
+            if not isinstance(out, bytes):
+                return self._chunk_awaited(stream, part, out, i + 1)
+            chunk = out
+        if part.end_of_stream:
+            chunk += self._response_ended(stream)
+        if stream.duplex_out:
+            return self._passed_on(stream, chunk, part.end_of_stream)
+        return [proceed("response_body") if chunk == part.body else rewritten("response_body", chunk)]
+
+    async def _chunk_awaited(
+        self, stream: _Stream, part: ep.HttpBody, pending: Awaitable[bytes], start: int
+    ) -> list[ep.ProcessingResponse]:
+        return await _settled(self._chunk(stream, part, await pending, start))
 
     async def _request_ended(
         self, stream: _Stream, phase: str, *, trailers: bool
@@ -454,6 +510,25 @@ class EndpointPicker:
         self.load.acquire(target)
         stream.target = target
         self._watch(stream, replace(x, target=target, prediction=None, usage_asked=False))
+
+
+def _refused(stream: _Stream, error: ProxyError) -> Answers:
+    """The picker answers the client itself (an immediate response): the stream is over."""
+    stream.status, stream.outcome = error.status, error.outcome
+    stream.finished = True
+    return [refused(error)]
+
+
+def _answered(stream: _Stream, answers: list[ep.ProcessingResponse]) -> Answers:
+    if answers and answers[-1].HasField("immediate_response"):
+        stream.finished = True
+    return answers
+
+
+async def _settled(
+    answers: list[ep.ProcessingResponse] | Awaitable[list[ep.ProcessingResponse]],
+) -> list[ep.ProcessingResponse]:
+    return answers if isinstance(answers, list) else await answers
 
 
 def _prefill_over(stream: _Stream) -> None:

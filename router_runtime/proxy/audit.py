@@ -270,7 +270,7 @@ class _Audited(ResponseWatch):
         else:
             self.scan = UsageScan()
 
-    async def response_streaming(self, chunk: bytes) -> bytes:
+    def response_streaming(self, chunk: bytes) -> bytes:
         if self.strip is not None:
             return self.strip.feed(chunk)
         if self.scan is not None:

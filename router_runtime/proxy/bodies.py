@@ -135,21 +135,30 @@ class Share:
             self.bodies._give_back(self.size)
             self.size = 0
 
-    async def grow_to(self, n: int) -> None:
-        """Hold ``n`` bytes in all: at once if they fit, else after others give theirs back (a 503
-        if that takes longer than the budget's wait, a 413 if ``n`` alone exceeds it)."""
+    def grow_now(self, n: int) -> bool:
+        """``grow_to`` when it needs no wait: True once the share holds ``n`` bytes (or there is no
+        budget), False if others must give theirs back first; a 413 if ``n`` alone exceeds the budget."""
         b = self.bodies
         if not b.cap or n <= self.size:
-            return
+            return True
         if n > b.cap:
             raise too_complex(n, b.cap)
         need = n - self.size
         if b.held + need > b.cap:
-            try:
-                async with asyncio.timeout(b.wait_s):
-                    while b.held + need > b.cap:
-                        await b._freed.wait()
-            except TimeoutError:
-                raise over_budget(b.wait_s) from None
+            return False
         b.held += need
         self.size = n
+        return True
+
+    async def grow_to(self, n: int) -> None:
+        """Hold ``n`` bytes in all: at once if they fit, else after others give theirs back (a 503
+        if that takes longer than the budget's wait, a 413 if ``n`` alone exceeds it)."""
+        if self.grow_now(n):
+            return
+        b = self.bodies
+        try:
+            async with asyncio.timeout(b.wait_s):
+                while not self.grow_now(n):
+                    await b._freed.wait()
+        except TimeoutError:
+            raise over_budget(b.wait_s) from None

@@ -539,7 +539,8 @@ class Proxy:
                             )
                         cm.reschedule(deadline)  # a slow client is not an idle engine
                         for w in streaming:
-                            chunk = await w.response_streaming(chunk)
+                            out = w.response_streaming(chunk)
+                            chunk = out if isinstance(out, bytes) else await out
                         writing = True
                         if chunk:
                             await resp.write(chunk)

@@ -6,7 +6,9 @@ is sent). A ``ResponseWatch`` then sees the response pass, in order:
 
     response_received(status, headers)  the engine's status and headers; may add headers (the client
                                         has seen nothing yet)
-    response_streaming(chunk) -> chunk  each body chunk, before the client gets it; may rewrite it
+    response_streaming(chunk) -> chunk  each body chunk, before the client gets it; may rewrite it; the
+                                        chunk as ``bytes``, or an awaitable of it when the watch must
+                                        wait (a binding stored)
     response_ended() -> bytes           the engine's body ended: anything still to pass on
     response_complete()                 the client has it all (not called on a cut or a timeout)
 
@@ -17,7 +19,7 @@ response-id binding (sessions/bindings.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Awaitable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -52,7 +54,7 @@ class ResponseWatch:
     def response_received(self, status: int, headers: MutableMapping[str, str]) -> None:
         return None
 
-    async def response_streaming(self, chunk: bytes) -> bytes:
+    def response_streaming(self, chunk: bytes) -> bytes | Awaitable[bytes]:
         return chunk
 
     def response_ended(self) -> bytes:

@@ -21,7 +21,7 @@ import enum
 import logging
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -261,7 +261,11 @@ class _Bind(ResponseWatch):
         if not 200 <= status < 300:
             self.scan = None  # an error stores nothing
 
-    async def response_streaming(self, chunk: bytes) -> bytes:
+    def response_streaming(self, chunk: bytes) -> bytes | Awaitable[bytes]:
         if self.scan is not None and (rid := self.scan.feed(chunk)) is not None:
-            await self.bindings.bind(rid, self.exchange.target, self.exchange.tenant)
+            return self._bound(rid, chunk)  # the id reaches the client once its binding is stored
+        return chunk
+
+    async def _bound(self, rid: str, chunk: bytes) -> bytes:
+        await self.bindings.bind(rid, self.exchange.target, self.exchange.tenant)
         return chunk
