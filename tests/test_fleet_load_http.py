@@ -1,7 +1,7 @@
 """The fleet's load view over real HTTP and ZMQ: router replicas tell each other what they have in flight
-(``POST /internal/load``, fleet token), read the engines' own queues from their ``/metrics``, and balance
-on the sum, so a fleet of replicas trips the imbalance guard where one replica alone (seeing a third of
-the load) would not."""
+(a stream of reports per sibling, fleet token: tests/test_fleet_load_stream.py), read the engines' own
+queues from their ``/metrics``, and balance on the sum, so a fleet of replicas trips the imbalance guard
+where one replica alone (seeing a third of the load) would not."""
 
 from __future__ import annotations
 
@@ -160,6 +160,12 @@ async def test_replicas_share_their_load_and_balance_a_skewed_workload(tmp_path)
             assert all(
                 sample(r, "routerfleet_fleet_peer_reports_total", outcome="accepted") > 0 for r, _ in routers
             )
+            for r, _ in routers:  # over a stream to each sibling, not a POST per report
+                siblings = sorted(o.internal_url for o, _ in routers if o is not r)
+                await eventually(
+                    lambda r=r, siblings=siblings: sorted(r.gossip.streaming_to()) == siblings,
+                    what="a stream to each sibling",
+                )
         finally:
             for r in holds:
                 r.close()

@@ -1,21 +1,32 @@
 """The internal port: ``GET /internal/kv_snapshot`` (the producer), ``GET /internal/bootstrap`` (the
-verdict the operator reads), ``POST /internal/load`` (a sibling's load report, fleet/gossip.py),
+verdict the operator reads), ``GET /internal/load/stream`` (a sibling's load reports, a WebSocket) and
+``POST /internal/load`` (one report, from a sibling of an older release; fleet/gossip.py),
 ``POST /internal/kv_notice`` (a sibling's KV notice, fleet/notices.py) and ``POST /internal/flush_cache``
 (a fleet-wide cache flush, fleet/flush.py). Separate from the public proxy port and authenticated with
 the fleet's bearer token: a request without it gets 401."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from aiohttp import web
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from ..fleet import notices
 from ..fleet.flush import FlushResult
-from ..fleet.gossip import MAX_BODY_BYTES, GossipRejected, PeerReport, vet_report
+from ..fleet.gossip import (
+    MAX_BODY_BYTES,
+    REFUSED,
+    STREAM_PATH,
+    TAKEN,
+    GossipRejected,
+    PeerReport,
+    vet_report,
+)
 from ..fleet.notices import KvNotice, NoticeRejected, vet_notice
 from .producer import SnapshotProducer
 from .sweep import Bootstrapper
@@ -29,6 +40,11 @@ def read_token(path: str) -> str:
         raise ValueError(f"the token file {path} is empty")
     return token
 
+
+# A sibling's report stream: closed after this long without a report (its sender reports at least every
+# heartbeat, 0.5 s by default) or without taking an answer; a close waits this long for the sender's.
+STREAM_IDLE_S = 10.0
+STREAM_CLOSE_S = 1.0
 
 # A snapshot body goes out a slice at a time: one write of hundreds of MiB is copied whole into the
 # transport's buffer, on the loop, where every live event waits behind it.
@@ -149,6 +165,58 @@ def internal_app(
         load_report(report)
         return web.Response(status=204)
 
+    streams: set[web.WebSocketResponse] = set()
+    stopping = False
+
+    async def load_stream(request: web.Request) -> web.StreamResponse:
+        """A sibling's reports, one per binary message, each vetted and taken as a POSTed one is, and
+        answered (``TAKEN``, or ``REFUSED``: counted, and the stream goes on, as a 400 leaves a
+        connection open). Its sender waits for each answer, so nothing queues here. A stream idle for
+        ``STREAM_IDLE_S`` is closed (its sender opens another at its next report)."""
+        if load_report is None:
+            return _error(404, "this router takes no load reports", "no_fleet_load")
+        if stopping:
+            return _error(503, "this router is stopping", "stopping")
+        ws = web.WebSocketResponse(
+            max_msg_size=MAX_BODY_BYTES + 1, autoping=False, timeout=STREAM_CLOSE_S, compress=False
+        )
+        await ws.prepare(request)
+        streams.add(ws)
+        try:
+            while not stopping:  # a stop that came while this one was opening: closed below
+                try:
+                    msg = await ws.receive(timeout=STREAM_IDLE_S)
+                except TimeoutError:
+                    break
+                if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+                    break
+                report = None
+                if msg.type is WSMsgType.BINARY:
+                    with contextlib.suppress(GossipRejected):
+                        report = vet_report(msg.data)
+                load_report(report)  # None (text, a control frame, an error, a refused one): counted
+                if msg.type is WSMsgType.ERROR:  # a message over the bound: aiohttp closes the stream
+                    break
+                async with asyncio.timeout(STREAM_IDLE_S):  # a sender that reads no answer: cut
+                    await ws.send_bytes(REFUSED if report is None else TAKEN)
+        except (TimeoutError, ConnectionError):  # an answer the sender no longer reads
+            pass
+        finally:
+            streams.discard(ws)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STREAM_CLOSE_S):
+                    await ws.close(code=WSCloseCode.GOING_AWAY)
+        return ws
+
+    async def close_streams(_app: web.Application) -> None:
+        # At the stop, before the server waits for its handlers (a stream's would wait out its bound);
+        # sent twice at a GuardedRunner's stop, so it must do nothing the second time.
+        nonlocal stopping
+        stopping = True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STREAM_CLOSE_S):
+                await asyncio.gather(*(ws.close(code=WSCloseCode.GOING_AWAY) for ws in list(streams)))
+
     async def kv_notice(request: web.Request) -> web.Response:
         if notice is None:
             return _error(404, "this router keeps no KV index", "no_index")
@@ -185,6 +253,8 @@ def internal_app(
     app.router.add_get("/internal/kv_snapshot", kv_snapshot)
     app.router.add_get("/internal/bootstrap", bootstrap)
     app.router.add_post("/internal/load", load)
+    app.router.add_get(STREAM_PATH, load_stream)
+    app.on_shutdown.append(close_streams)
     app.router.add_post("/internal/kv_notice", kv_notice)
     app.router.add_post("/internal/flush_cache", flush_cache)
     return app

@@ -1,5 +1,9 @@
-"""Sibling replicas tell each other their in-flight load: ``POST /internal/load`` on the internal port,
-with the fleet token, to every peer the bootstrap's peer discovery lists.
+"""Sibling replicas tell each other their in-flight load over the internal port, with the fleet token, to
+every peer the bootstrap's peer discovery lists: one WebSocket per peer (``GET /internal/load/stream``),
+each binary message a report. A sibling of an older release, which serves no stream, gets each report as
+a ``POST /internal/load``, as before. Why a stream: under load a replica reports every few milliseconds
+to every sibling, and an HTTP request per report cost both ends about 220 us of CPU, a message and its
+one-byte answer on an open stream about 60 us (docs/fleet-load.md has what it does to the fleet).
 
 A report is small and bounded (one entry per target this replica has in flight), sent a coalescing
 window after the load changes and at least every heartbeat. ``vet_report`` is the only way a body off
@@ -25,10 +29,12 @@ import enum
 import json
 import logging
 import struct
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
+from aiohttp import WSMsgType
 
 from ..scheduling.inflight_prefix import MAX_SHARED, MAX_SHARED_KEYS
 from ..scheduling.lora_affinity import MAX_ADAPTERS_SHARED
@@ -47,6 +53,14 @@ _MAX_INFLIGHT = 1 << 20
 _MAX_TOKENS = 1 << 40
 _MAX_SEQ = (1 << 63) - 1
 _MAX_START = 1 << 24  # a prediction's first block: a prompt of ~16M blocks
+STREAM_PATH = "/internal/load/stream"
+STREAM_RETRY_S = 30.0  # a peer that served no stream (an older release) is asked for one again after this
+# A stream's answer to each report, one byte: taken (vetted), or refused (counted as the POST's 400 was).
+TAKEN = b"\x00"
+REFUSED = b"\x01"
+_ANSWERS = {TAKEN: "ok", REFUSED: "refused"}
+_ANSWER_BYTES = 16  # a peer's message past this ends the stream
+_ENDED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR)
 
 
 class GossipRejected(ValueError):
@@ -231,11 +245,12 @@ def _vet_predictions(raw: object) -> tuple[Prediction, ...]:
     return tuple(out)
 
 
-def peer_session(timeout_s: float) -> aiohttp.ClientSession:
-    """A session for posting to siblings, whose answers are read for their status alone: a body is never
-    read, nor inflated (a peer, or anything peer discovery points at, could answer a gzip bomb)."""
+def peer_session(timeout_s: float, limit: int = 100) -> aiohttp.ClientSession:
+    """A session for telling siblings, whose answers are read for their status alone (a stream's, one
+    byte each): a body is never read, nor inflated (a peer, or anything peer discovery points at, could
+    answer a gzip bomb). ``limit``: connections at once (0: no cap)."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(keepalive_timeout=4.0),
+        connector=aiohttp.TCPConnector(keepalive_timeout=4.0, limit=limit),
         timeout=aiohttp.ClientTimeout(total=timeout_s),
         auto_decompress=False,
     )
@@ -245,12 +260,15 @@ def peer_session(timeout_s: float) -> aiohttp.ClientSession:
 class GossipConfig:
     window_s: float = 0.002  # after a change, wait this long for more before sending (0: gossip off)
     heartbeat_s: float = 0.5  # send at least this often, changed or not
-    timeout_s: float = 0.5  # one POST to one peer
+    timeout_s: float = 0.5  # one report to one peer, until its answer (a stream's open: its own as much)
 
 
 class LoadGossip:
-    """Sends this replica's report to every peer. One POST in flight per peer: a slow peer is skipped
-    until its last POST ends (it then gets the newest report), so it never delays the others."""
+    """Sends this replica's report to every peer. One send in flight per peer, until the peer answers
+    it: a slow peer is skipped (``busy``) until then, and gets the newest report, so it never delays
+    the others and never has a backlog of old reports to read. Each peer gets its reports over one
+    stream, opened on its first report and again after it breaks; a peer that serves none (an older
+    release) gets them posted, and is asked for a stream again after ``STREAM_RETRY_S``."""
 
     def __init__(
         self,
@@ -259,20 +277,30 @@ class LoadGossip:
         report: Callable[[], bytes],
         config: GossipConfig,
         on_sent: Callable[[str], None] = lambda outcome: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._auth = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         self.peer_urls = peer_urls
         self.report = report
         self.config = config
         self.on_sent = on_sent
+        self._clock = clock
         self.changed = asyncio.Event()
         self._posts: dict[str, asyncio.Task] = {}
         self._behind: set[str] = set()  # peers skipped while busy: owed the newest report
+        self._streams: dict[str, aiohttp.ClientWebSocketResponse] = {}
+        self._closing: dict[str, asyncio.Task] = {}  # a dropped stream's close, one per peer at most
+        self._posting: dict[str, float] = {}  # peers that serve no stream -> when to ask again
         self._session: aiohttp.ClientSession | None = None
+        self._stopped = False
+
+    def streaming_to(self) -> list[str]:
+        """The peers this replica's reports go to over an open stream (tests, debugging)."""
+        return [url for url, ws in self._streams.items() if not ws.closed]
 
     async def run(self) -> None:
         cfg = self.config
-        self._session = peer_session(cfg.timeout_s)
+        self._session = peer_session(cfg.timeout_s, limit=0)  # a stream holds a connection per peer
         try:
             while True:
                 with contextlib.suppress(TimeoutError):
@@ -282,17 +310,25 @@ class LoadGossip:
                 self.changed.clear()
                 self.send_round()
         finally:
-            for task in self._posts.values():
+            self._stopped = True
+            tasks = [*self._posts.values(), *self._closing.values()]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*self._posts.values(), return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             self._posts.clear()
-            await self._session.close()
+            self._closing.clear()
+            self._streams.clear()
+            await self._session.close()  # the streams' connections too
 
     def send_round(self) -> None:
         urls = self.peer_urls()
         for url in list(self._posts):
             if url not in urls and self._posts[url].done():
                 del self._posts[url]
+        for url in [u for u in self._streams if u not in urls]:  # a peer gone: its stream too
+            self._drop(url)
+        for url in [u for u in self._posting if u not in urls]:
+            del self._posting[url]
         body = None
         for url in urls:
             task = self._posts.get(url)
@@ -302,18 +338,106 @@ class LoadGossip:
                 continue
             if body is None:
                 body = self.report()
-            self._posts[url] = asyncio.create_task(self._post(url, body), name=f"gossip-{url}")
+            self._posts[url] = asyncio.create_task(self._send(url, body), name=f"gossip-{url}")
 
-    async def _post(self, url: str, body: bytes) -> None:
-        assert self._session is not None
+    async def _send(self, url: str, body: bytes) -> None:
         try:
-            async with self._session.post(url + "/internal/load", data=body, headers=self._auth) as r:
-                self.on_sent("ok" if r.status == 204 else f"http_{r.status // 100}xx")
+            if len(body) > MAX_BODY_BYTES:  # a sibling would refuse it (a POST's 413)
+                self.on_sent("too_large")
+                return
+            for _ in range(2):  # a stream the peer closed while idle: once more on a new one
+                ws = await self._stream(url)
+                if ws is None:
+                    await self._post(url, body)
+                    return
+                outcome = await self._over(url, ws, body)
+                if outcome is not None:
+                    self.on_sent(outcome)
+                    return
+            self.on_sent("error")
+        except aiohttp.WSServerHandshakeError as e:
+            self.on_sent(f"http_{e.status // 100}xx")
         except TimeoutError:
             self.on_sent("timeout")
-        except aiohttp.ClientError:
+        except (aiohttp.ClientError, ConnectionError):
             self.on_sent("error")
         finally:
             if url in self._behind:  # a round skipped it: another round now, not at the next change
                 self._behind.discard(url)
                 self.changed.set()
+
+    async def _over(self, url: str, ws: aiohttp.ClientWebSocketResponse, body: bytes) -> str | None:
+        """``body`` over ``ws`` and the peer's answer to it, within the send timeout: the outcome, or None
+        when the stream had ended (the peer closed it: nothing reads it between reports, so that shows
+        only now); it is dropped either way, and the caller may open another."""
+        try:
+            async with asyncio.timeout(self.config.timeout_s):
+                try:
+                    await ws.send_bytes(body)
+                except ConnectionError:
+                    self._drop(url)
+                    return None
+                answer = await ws.receive()
+        except BaseException:
+            self._drop(url)
+            raise
+        outcome = _ANSWERS.get(answer.data) if answer.type is WSMsgType.BINARY else None
+        if outcome is None:  # the peer's close, or anything but an answer: this stream is done
+            self._drop(url)
+            return None if answer.type in _ENDED else "error"
+        return outcome
+
+    async def _stream(self, url: str) -> aiohttp.ClientWebSocketResponse | None:
+        """The open stream to ``url``, opened now if need be; None for a peer that serves none. The peer's
+        last stream is closed first (within the send timeout, else this raises), so that a peer that
+        holds its connections open costs one at a time."""
+        ws = self._streams.get(url)
+        if ws is not None and not ws.closed:
+            return ws
+        self._streams.pop(url, None)
+        if self._clock() < self._posting.get(url, 0.0):
+            return None
+        closing = self._closing.get(url)
+        if closing is not None:
+            await asyncio.wait({closing}, timeout=self.config.timeout_s)
+            if not closing.done():
+                raise ConnectionError("the last stream to this peer is still closing")
+        assert self._session is not None
+        try:
+            ws = await self._session.ws_connect(
+                url + STREAM_PATH,
+                headers=self._auth,
+                timeout=aiohttp.ClientWSTimeout(ws_close=self.config.timeout_s),
+                autoping=False,  # a peer sends answers and its close; anything else ends the stream
+                max_msg_size=_ANSWER_BYTES,
+            )
+        except aiohttp.WSServerHandshakeError as e:
+            if e.status not in (404, 405):  # the token, an overloaded or stopping peer: said, retried
+                raise
+            self._posting[url] = self._clock() + STREAM_RETRY_S  # an older release: posts, for now
+            return None
+        self._posting.pop(url, None)
+        self._streams[url] = ws
+        return ws
+
+    def _drop(self, url: str) -> None:
+        """Forget the stream to ``url`` and close it, in the background and within the send timeout."""
+        ws = self._streams.pop(url, None)
+        if ws is None or ws.closed or self._stopped:  # stopped: the session's close ends them all
+            return
+
+        async def close() -> None:
+            try:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(self.config.timeout_s):
+                        await ws.close()
+            finally:
+                if self._closing.get(url) is asyncio.current_task():
+                    del self._closing[url]
+
+        self._closing[url] = asyncio.create_task(close(), name=f"gossip-close-{url}")
+
+    async def _post(self, url: str, body: bytes) -> None:
+        assert self._session is not None
+        async with self._session.post(url + "/internal/load", data=body, headers=self._auth) as r:
+            self.on_sent("ok" if r.status == 204 else f"http_{r.status // 100}xx")

@@ -167,6 +167,13 @@ class GuardedRunner(web.AppRunner):
     async def cleanup(self) -> None:
         for site in list(self.sites):
             await site.stop()
+        # The app's on_shutdown first: it ends its long-lived handlers (a sibling's report stream), which
+        # would otherwise hold the wait below to its end. aiohttp's own cleanup sends it again.
+        if self.server is not None:  # set up (an app's signals are frozen then)
+            try:
+                await self.shutdown()
+            except Exception:  # a handler's bug: the stop goes on, bounded as ever
+                log.exception("the HTTP server's on_shutdown failed")
         if self._inflight:
             await asyncio.wait(set(self._inflight), timeout=self.shutdown_timeout_s)
         await end_tasks(self._inflight, "HTTP server")  # cut what is still in flight
