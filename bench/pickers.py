@@ -26,7 +26,9 @@ seconds. Hit rate = cached over prompt tokens (``usage.prompt_tokens_details``).
 in step (each visited in turn), so a window's hit rate depends on their phase as well as on the picker:
 with caches that evict, a window the late turns fill hits little under any picker. The rows "during" and
 "after" the rollout cover different spans per picker (its rollout's length); ``--window`` seconds from
-the rollout's start cover the same phase for each and are the row to compare.
+the rollout's start cover the same phase for each and are the row to compare. Before the chats, the
+gateway's added latency over calling an engine directly (``--latency`` tiny requests each way, one at a
+time).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -68,6 +71,9 @@ ENGINE_ARGS = {
 # Blocks per engine: 40000 holds a whole run (misses come from routing only); a smaller cache evicts,
 # which a picker learns only from the engines' KV events (ours) or not at all (an approximate index).
 CAPACITY_BLOCKS = 40000
+# The added latency: tiny requests each way, in alternating blocks (bench.overhead's method).
+LATENCY_REQUESTS = 1000
+LATENCY_BLOCK = 100
 # The reference chart's default plugins (config/charts/inferencepool, epp-config.yaml).
 REFERENCE_CONFIG = """apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
@@ -210,14 +216,14 @@ def deploy_engines(kube: Kube, ns: str, capacity_blocks: int) -> None:
     F.apply(kube.api, ns, [engine, F.find(docs, "Service", F.ENGINE)])
 
 
-def ours(ns: str, replicas: int = REPLICAS) -> dict:
+def ours(ns: str, replicas: int = REPLICAS, extra_args: tuple[str, ...] = ()) -> dict:
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "RouterFleet",
         "metadata": {"name": "rf", "namespace": ns},
         "spec": {
             "replicas": replicas,
-            "router": {"image": IMAGE},
+            "router": {"image": IMAGE, "extraArgs": list(extra_args)},
             "engines": {"serviceName": F.ENGINE, "kvPort": "kv", "replayPort": "replay", "dpSize": 1},
             "bootstrap": {"timeout": "30s"},
             "gateway": {"enabled": True},
@@ -322,10 +328,40 @@ class Row:
     rollout_s: float
     errors: int
     per_engine: list[int]
+    added: tuple[float, float]  # added latency p50, p99 in us (nan: --latency 0)
 
 
 def p99(reqs) -> float:
     return 1000 * F.percentile([r.ttft for r in reqs], 99)
+
+
+async def added_latency(session: aiohttp.ClientSession, kube: Kube, ns: str, listen: int, n: int):
+    """The gateway's added latency over calling an engine directly, one tiny request at a time (the
+    bench.overhead method): ``n`` requests each way, in alternating blocks of ``LATENCY_BLOCK`` so that
+    drift hits both alike; direct calls cycle over the engines the picker chooses among. Returns the
+    p50 and p99 of the gateway's minus the direct calls', in us."""
+    body = {"model": "m", "prompt": "what is the added latency of this gateway", "max_tokens": 1}
+    engines = [F.pod_url(p, 8000) + "/v1/completions" for p in kube.pods(ns, F.ENGINE_LABELS)]
+    gateway = f"http://127.0.0.1:{listen}/v1/completions"
+
+    async def one(url: str) -> float:
+        t = time.perf_counter()
+        async with session.post(url, json=body) as r:
+            await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"{url}: {r.status}")
+        return time.perf_counter() - t
+
+    for url in [*engines, gateway] * 10:  # connections open, the prompt cached on every engine
+        await one(url)
+    direct: list[float] = []
+    through: list[float] = []
+    for i in range(0, n, LATENCY_BLOCK):
+        for _ in range(min(LATENCY_BLOCK, n - i)):
+            direct.append(await one(engines[len(direct) % len(engines)]))
+        for _ in range(min(LATENCY_BLOCK, n - i)):
+            through.append(await one(gateway))
+    return tuple(1e6 * (F.percentile(through, q) - F.percentile(direct, q)) for q in (50, 99))
 
 
 async def engine_requests(session: aiohttp.ClientSession, kube: Kube, ns: str) -> list[int]:
@@ -359,7 +395,8 @@ async def run_picker(kube: Kube, name: str, args, workdir: Path, listen: int) ->
         )
         if op is not None:
             op.start()
-            kube.crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, ours(ns, args.replicas))
+            fleet = ours(ns, args.replicas, tuple(args.router_args.split()))
+            kube.crd.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, fleet)
             kube.wait("the fleet Ready", lambda: fleet_ready(kube.fleet(ns, "rf")), 180, 0.5)
             service = "rf-epp"
         else:
@@ -377,6 +414,10 @@ async def run_picker(kube: Kube, name: str, args, workdir: Path, listen: int) ->
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             follow = asyncio.create_task(gateway.follow(kube, ns, service, stop))
             await wait_for_gateway(session, listen, gateway)
+            added = (math.nan, math.nan)
+            if args.latency:
+                say(f"[{name}] added latency: {args.latency} tiny requests each way, one at a time ...")
+                added = await added_latency(session, kube, ns, listen, args.latency)
             await traffic.refresh(session)
             workers = [asyncio.create_task(traffic.worker(session)) for _ in range(WORKERS)]
             say(f"[{name}] {args.steady:.0f} s of chats through the gateway ...")
@@ -432,6 +473,7 @@ async def run_picker(kube: Kube, name: str, args, workdir: Path, listen: int) ->
             rollout_s=done - trigger,
             errors=traffic.errors,
             per_engine=per_engine,
+            added=added,
         )
     finally:
         gateway.stop()
@@ -485,6 +527,8 @@ def report(runs: dict[str, list[Row]]) -> None:
         ("from its start, --window s", lambda rs: med(rs, lambda r: 100 * r.window[0], "{:.1f}", "%")),
         ("rollout took", lambda rs: med(rs, lambda r: r.rollout_s, "{:.1f}", " s")),
         ("failed requests", lambda rs: med(rs, lambda r: r.errors, "{:.0f}")),
+        ("added latency p50", lambda rs: med(rs, lambda r: r.added[0], "{:+,.0f}", " us")),
+        ("added latency p99", lambda rs: med(rs, lambda r: r.added[1], "{:+,.0f}", " us")),
         ("requests per engine (run 1)", lambda rs: " / ".join(map(str, rs[0].per_engine))),
     ]
     for label, f in lines:
@@ -532,7 +576,19 @@ def main(argv: list[str] | None = None) -> int:
         help=f"each engine's cache, in blocks ({CAPACITY_BLOCKS}: no eviction; smaller evicts)",
     )
     ap.add_argument(
+        "--latency",
+        type=int,
+        default=LATENCY_REQUESTS,
+        help=f"tiny requests each way (gateway, direct) for the added latency, one at a time, before the\n"
+        f"chats ({LATENCY_REQUESTS}; 0: skip)",
+    )
+    ap.add_argument(
         "--replicas", type=int, default=REPLICAS, help=f"our fleet's replicas ({REPLICAS}, as deployed)"
+    )
+    ap.add_argument(
+        "--router-args",
+        default="",
+        help="more flags for our routers (spec.router.extraArgs), space-separated",
     )
     args = ap.parse_args(argv)
     if args.replicas < 1:
@@ -540,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     args.pickers = [p.strip() for p in args.pickers.split(",") if p.strip()]
     if args.runs < 1:
         ap.error("argument --runs: expected at least 1")
+    if args.latency < 0:
+        ap.error("argument --latency: expected at least 0")
     if args.capacity_blocks < 1:
         ap.error("argument --capacity-blocks: expected at least 1")
     bad = [p for p in args.pickers if p not in ("ours", "reference")]
