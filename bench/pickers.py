@@ -364,15 +364,15 @@ async def added_latency(session: aiohttp.ClientSession, kube: Kube, ns: str, lis
     return tuple(1e6 * (F.percentile(through, q) - F.percentile(direct, q)) for q in (50, 99))
 
 
-async def engine_requests(session: aiohttp.ClientSession, kube: Kube, ns: str) -> list[int]:
-    out = []
+async def engine_requests(session: aiohttp.ClientSession, kube: Kube, ns: str) -> dict[str, int]:
+    """Requests each engine has served so far, by pod."""
+    out = {}
     for p in kube.pods(ns, F.ENGINE_LABELS):
         async with session.get(F.pod_url(p, 8000) + "/metrics") as r:
             page = F.parse_metrics(await r.text())
-        out.append(
-            int(sum(v for k, v in page.items() if k.startswith("routerfleet_fake_engine_requests_total")))
-        )
-    return sorted(out, reverse=True)
+        total = sum(v for k, v in page.items() if k.startswith("routerfleet_fake_engine_requests_total"))
+        out[p.metadata.name] = int(total)
+    return out
 
 
 async def run_picker(kube: Kube, name: str, args, workdir: Path, listen: int) -> Row:
@@ -418,6 +418,7 @@ async def run_picker(kube: Kube, name: str, args, workdir: Path, listen: int) ->
             if args.latency:
                 say(f"[{name}] added latency: {args.latency} tiny requests each way, one at a time ...")
                 added = await added_latency(session, kube, ns, listen, args.latency)
+            before = await engine_requests(session, kube, ns)  # the chats' own count starts here
             await traffic.refresh(session)
             workers = [asyncio.create_task(traffic.worker(session)) for _ in range(WORKERS)]
             say(f"[{name}] {args.steady:.0f} s of chats through the gateway ...")
@@ -458,7 +459,8 @@ async def run_picker(kube: Kube, name: str, args, workdir: Path, listen: int) ->
             traffic.stop.set()
             stop.set()
             await asyncio.gather(*workers, follow, return_exceptions=True)
-            per_engine = await engine_requests(session, kube, ns)
+            after = await engine_requests(session, kube, ns)
+            per_engine = sorted((n - before.get(pod, 0) for pod, n in after.items()), reverse=True)
         if traffic.errors:
             say(f"[{name}] {traffic.errors} failed requests; the last: {traffic.last_error}")
         reqs = traffic.reqs

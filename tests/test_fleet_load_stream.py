@@ -19,6 +19,7 @@ from router_runtime.bootstrap import http as internal_http
 from router_runtime.bootstrap.http import internal_app
 from router_runtime.fleet.gossip import (
     MAX_BODY_BYTES,
+    REFUSAL_HOLD_S,
     REFUSED,
     STREAM_PATH,
     STREAM_RETRY_S,
@@ -182,7 +183,7 @@ async def test_a_sibling_of_an_older_release_gets_its_reports_posted_and_is_aske
 
 async def test_a_sibling_refusing_the_stream_for_a_while_is_asked_again_and_never_posted_to():
     """A 503 to the upgrade (a sibling stopping, or at its connection cap) is not an older release: it
-    is counted, and the next report asks for a stream again."""
+    is counted for each report, and asked again after REFUSAL_HOLD_S (not a connection per round)."""
     upgrades = 0
 
     async def busy(request: web.Request) -> web.Response:
@@ -193,13 +194,18 @@ async def test_a_sibling_refusing_the_stream_for_a_while_is_asked_again_and_neve
     async def load(request: web.Request) -> web.Response:
         raise AssertionError("posted to a sibling that serves streams")
 
+    clock = Clock()
     async with (
         loopback_app(web.get(STREAM_PATH, busy), web.post("/internal/load", load)) as url,
-        gossiping(url) as (gossip, outcomes),
+        gossiping(url, clock=clock) as (gossip, outcomes),
     ):
-        await changes(gossip, 5)
-        await eventually(lambda: upgrades >= 3, what="the stream asked for again")
-    assert set(outcomes) <= {"http_5xx", "busy"} and "http_5xx" in outcomes
+        await changes(gossip, 10)
+        await eventually(lambda: outcomes.count("http_5xx") >= 5, what="5 reports counted refused")
+        assert upgrades == 1
+        clock.now += REFUSAL_HOLD_S
+        await changes(gossip, 3)
+        await eventually(lambda: upgrades == 2, what="the stream asked for again")
+    assert set(outcomes) <= {"http_5xx", "busy"}
 
 
 async def test_a_wrong_token_opens_no_stream_and_says_so():
@@ -208,8 +214,9 @@ async def test_a_wrong_token_opens_no_stream_and_says_so():
     try:
         async with gossiping(url) as (gossip, outcomes):
             await changes(gossip, 5)
-            await eventually(lambda: "http_4xx" in outcomes, what="a refused upgrade")
+            await eventually(lambda: outcomes.count("http_4xx") >= 3, what="3 reports refused")
         assert sibling.taken == []
+        assert sibling.asked == [("GET", STREAM_PATH)]  # one connection, then the refusal held
         assert ("POST", "/internal/load") not in sibling.asked  # no fallback: the token is wrong
     finally:
         await sibling.stop()

@@ -184,10 +184,9 @@ def internal_app(
         streams.add(ws)
         try:
             while not stopping:  # a stop that came while this one was opening: closed below
-                try:
+                # Bounded whole: aiohttp's own close after a bad frame drains without a bound.
+                async with asyncio.timeout(STREAM_IDLE_S + STREAM_CLOSE_S):
                     msg = await ws.receive(timeout=STREAM_IDLE_S)
-                except TimeoutError:
-                    break
                 if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
                     break
                 report = None
@@ -195,17 +194,21 @@ def internal_app(
                     with contextlib.suppress(GossipRejected):
                         report = vet_report(msg.data)
                 load_report(report)  # None (text, a control frame, an error, a refused one): counted
-                if msg.type is WSMsgType.ERROR:  # a message over the bound: aiohttp closes the stream
-                    break
+                if msg.type not in (WSMsgType.BINARY, WSMsgType.TEXT):  # no answer (an error ends it)
+                    if msg.type is WSMsgType.ERROR:  # a message over the bound: aiohttp closes the stream
+                        break
+                    continue
                 async with asyncio.timeout(STREAM_IDLE_S):  # a sender that reads no answer: cut
                     await ws.send_bytes(REFUSED if report is None else TAKEN)
-        except (TimeoutError, ConnectionError):  # an answer the sender no longer reads
+        except (TimeoutError, ConnectionError):  # idle, or an answer the sender no longer reads
             pass
         finally:
             streams.discard(ws)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(STREAM_CLOSE_S):
                     await ws.close(code=WSCloseCode.GOING_AWAY)
+            if request.transport is not None:  # a sender that reads nothing keeps no socket here
+                request.transport.abort()
         return ws
 
     async def close_streams(_app: web.Application) -> None:

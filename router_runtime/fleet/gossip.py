@@ -55,11 +55,14 @@ _MAX_SEQ = (1 << 63) - 1
 _MAX_START = 1 << 24  # a prediction's first block: a prompt of ~16M blocks
 STREAM_PATH = "/internal/load/stream"
 STREAM_RETRY_S = 30.0  # a peer that served no stream (an older release) is asked for one again after this
+# A peer that refused the stream otherwise (a wrong token, overloaded, stopping): its refusal stands this
+# long, counted per report without a connection each (a connection per round would churn sockets).
+REFUSAL_HOLD_S = 2.0
 # A stream's answer to each report, one byte: taken (vetted), or refused (counted as the POST's 400 was).
 TAKEN = b"\x00"
 REFUSED = b"\x01"
 _ANSWERS = {TAKEN: "ok", REFUSED: "refused"}
-_ANSWER_BYTES = 16  # a peer's message past this ends the stream
+_ANSWER_BYTES = 16  # a message from the peer of this many bytes or more ends the stream
 _ENDED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR)
 
 
@@ -256,6 +259,14 @@ def peer_session(timeout_s: float, limit: int = 100) -> aiohttp.ClientSession:
     )
 
 
+class _Refused(Exception):
+    """A peer refused the stream with ``status`` (not as an older release does: that one gets POSTs)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
 @dataclass(frozen=True, slots=True)
 class GossipConfig:
     window_s: float = 0.002  # after a change, wait this long for more before sending (0: gossip off)
@@ -291,6 +302,7 @@ class LoadGossip:
         self._streams: dict[str, aiohttp.ClientWebSocketResponse] = {}
         self._closing: dict[str, asyncio.Task] = {}  # a dropped stream's close, one per peer at most
         self._posting: dict[str, float] = {}  # peers that serve no stream -> when to ask again
+        self._refused: dict[str, tuple[float, int]] = {}  # peers that refused a stream -> (until, status)
         self._session: aiohttp.ClientSession | None = None
         self._stopped = False
 
@@ -318,7 +330,11 @@ class LoadGossip:
             self._posts.clear()
             self._closing.clear()
             self._streams.clear()
-            await self._session.close()  # the streams' connections too
+            # The streams' connections too; bounded: a connection with unsent bytes to a peer that
+            # reads nothing would wait for them (the loop's end closes it then).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(cfg.timeout_s):
+                    await self._session.close()
 
     def send_round(self) -> None:
         urls = self.peer_urls()
@@ -327,8 +343,9 @@ class LoadGossip:
                 del self._posts[url]
         for url in [u for u in self._streams if u not in urls]:  # a peer gone: its stream too
             self._drop(url)
-        for url in [u for u in self._posting if u not in urls]:
-            del self._posting[url]
+        for held in (self._posting, self._refused):
+            for url in [u for u in held if u not in urls]:
+                del held[url]
         body = None
         for url in urls:
             task = self._posts.get(url)
@@ -345,7 +362,9 @@ class LoadGossip:
             if len(body) > MAX_BODY_BYTES:  # a sibling would refuse it (a POST's 413)
                 self.on_sent("too_large")
                 return
-            for _ in range(2):  # a stream the peer closed while idle: once more on a new one
+            for attempt in range(2):  # a stream the peer closed while idle: once more on a new one
+                if attempt and url not in self.peer_urls():  # it left meanwhile: its stream was dropped
+                    return
                 ws = await self._stream(url)
                 if ws is None:
                     await self._post(url, body)
@@ -355,7 +374,7 @@ class LoadGossip:
                     self.on_sent(outcome)
                     return
             self.on_sent("error")
-        except aiohttp.WSServerHandshakeError as e:
+        except _Refused as e:
             self.on_sent(f"http_{e.status // 100}xx")
         except TimeoutError:
             self.on_sent("timeout")
@@ -395,8 +414,12 @@ class LoadGossip:
         if ws is not None and not ws.closed:
             return ws
         self._streams.pop(url, None)
-        if self._clock() < self._posting.get(url, 0.0):
+        now = self._clock()
+        if now < self._posting.get(url, 0.0):
             return None
+        until, status = self._refused.get(url, (0.0, 0))
+        if now < until:
+            raise _Refused(status)
         closing = self._closing.get(url)
         if closing is not None:
             await asyncio.wait({closing}, timeout=self.config.timeout_s)
@@ -412,11 +435,13 @@ class LoadGossip:
                 max_msg_size=_ANSWER_BYTES,
             )
         except aiohttp.WSServerHandshakeError as e:
-            if e.status not in (404, 405):  # the token, an overloaded or stopping peer: said, retried
-                raise
+            if e.status not in (404, 405):  # the token, an overloaded or stopping peer: said, asked again
+                self._refused[url] = (self._clock() + REFUSAL_HOLD_S, e.status)
+                raise _Refused(e.status) from None
             self._posting[url] = self._clock() + STREAM_RETRY_S  # an older release: posts, for now
             return None
         self._posting.pop(url, None)
+        self._refused.pop(url, None)
         self._streams[url] = ws
         return ws
 
