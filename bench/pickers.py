@@ -352,7 +352,7 @@ async def added_latency(session: aiohttp.ClientSession, kube: Kube, ns: str, lis
                 raise RuntimeError(f"{url}: {r.status}")
         return time.perf_counter() - t
 
-    for url in [*engines, gateway] * 10:  # connections open, the prompt cached on every engine
+    for url in [*engines, gateway] * 10:  # connections open, the prompt's full blocks cached everywhere
         await one(url)
     direct: list[float] = []
     through: list[float] = []
