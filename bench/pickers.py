@@ -22,9 +22,10 @@ cluster on the picker's header), whose picker cluster follows the picker Service
 a Gateway's control plane would (EDS from a file this bench rewrites). The workload: ``WORKERS`` chats in
 flight over ``CONVERSATIONS`` live multi-turn conversations sharing system prompts
 (``e2e.fleet_traffic``), for ``--steady`` seconds, then a rolling update of the pickers, then ``--after``
-seconds. Hit rate = cached over prompt tokens (``usage.prompt_tokens_details``). The conversations move
-in step (each visited in turn), so a window's hit rate depends on their phase as well as on the picker:
-with caches that evict, a window the late turns fill hits little under any picker. The rows "during" and
+seconds. Hit rate = cached over prompt tokens (``usage.prompt_tokens_details``). By default the
+conversations move in step (each visited in turn), so a window's hit rate depends on their phase as well
+as on the picker: with caches that evict, a window the late turns fill hits little under any picker, and
+a working set larger than the caches thrashes every LRU; ``--order random`` visits them at random. The rows "during" and
 "after" the rollout cover different spans per picker (its rollout's length); ``--window`` seconds from
 the rollout's start cover the same phase for each and are the row to compare. Before the chats, the
 gateway's added latency over calling an engine directly (``--latency`` tiny requests each way, one at a
@@ -53,7 +54,18 @@ from kubernetes.client.exceptions import ApiException
 
 from bench.rollout import Operator
 from e2e import fleet as F
-from e2e.fleet_traffic import GROUP, PLURAL, VERSION, WORKERS, Kube, Traffic, fleet_ready, hit, pod_ready
+from e2e.fleet_traffic import (
+    GROUP,
+    ORDERS,
+    PLURAL,
+    VERSION,
+    WORKERS,
+    Kube,
+    Traffic,
+    fleet_ready,
+    hit,
+    pod_ready,
+)
 from e2e.gateway import ENVOY
 from routerfleet_operator.model import ANNOTATION_RESTARTED_AT, EPP_PORT
 from routerfleet_operator.spec import Fleet
@@ -191,8 +203,8 @@ class Gateway:
 class Through(Traffic):
     """The chat workload, every request to the gateway (one address), not round-robin over pods."""
 
-    def __init__(self, kube: Kube, ns: str, listen: int, seed: int):
-        super().__init__(kube, ns, "none", "", seed, port=listen)
+    def __init__(self, kube: Kube, ns: str, listen: int, seed: int, order: str):
+        super().__init__(kube, ns, "none", "", seed, port=listen, order=order)
         self.model = "m"  # the reference picker refuses a body without one
 
     async def refresh(self, session: aiohttp.ClientSession) -> None:
@@ -409,7 +421,7 @@ async def run_picker(kube: Kube, name: str, args, workdir: Path, listen: int) ->
             )
             service = "ref-epp"
         gateway.start()
-        traffic = Through(kube, ns, listen, seed=args.seed)
+        traffic = Through(kube, ns, listen, seed=args.seed, order=args.order)
         stop = asyncio.Event()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             follow = asyncio.create_task(gateway.follow(kube, ns, service, stop))
@@ -533,7 +545,10 @@ def report(runs: dict[str, list[Row]]) -> None:
         ("added latency p99", lambda rs: med(rs, lambda r: r.added[1], "{:+,.0f}", " us")),
         ("requests per engine (run 1)", lambda rs: " / ".join(map(str, rs[0].per_engine))),
     ]
+    measured = any(not math.isnan(r.added[0]) for rows in runs.values() for r in rows)
     for label, f in lines:
+        if label.startswith("added latency") and not measured:  # --latency 0
+            continue
         print(f"{'':2}{label:<30}" + "".join(f"{f(rows):<34}" for rows in runs.values()))
     print()
 
@@ -569,6 +584,12 @@ def main(argv: list[str] | None = None) -> int:
         "phase is then the same for each, whatever its rollout takes",
     )
     ap.add_argument("--seed", type=int, default=5, help="the workload's seed (5)")
+    ap.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="cyclic",
+        help="the conversations' order (cyclic: in step, each in turn; random: the next idle one at random)",
+    )
     ap.add_argument("--port", type=int, default=18088, help="the gateway's loopback port (18088)")
     ap.add_argument("--runs", type=int, default=3, help="runs of each picker, medians reported (3)")
     ap.add_argument(

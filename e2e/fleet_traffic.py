@@ -36,6 +36,9 @@ SESSION_TIMEOUT = aiohttp.ClientTimeout(total=60)  # a chat turn, whatever the f
 PAUSE_S = 0.1  # between a worker's requests
 TURNS = 10  # a conversation restarts (fresh text) after this many user turns
 SYSTEM_PROMPTS = 4
+# The order conversations are visited in: each in turn (they move in step: a window's prompts are all of
+# one phase, and a working set larger than the caches thrashes every LRU), or the next one at random.
+ORDERS = ("cyclic", "random")
 
 
 class Kube:
@@ -195,6 +198,7 @@ class Traffic:
         seed: int,
         port: int = F.ROUTER_PORT,
         via: str | None = None,
+        order: str = "cyclic",
     ):
         self.kube, self.ns, self.fleet, self.token = kube, ns, fleet, token
         self.port = port  # the routers' own proxy, or the standalone gateway's Envoy beside each
@@ -209,9 +213,11 @@ class Traffic:
         self.model: str | None = None  # the body's model, when the path needs one
         self.stop = asyncio.Event()
         self.texts = Texts(seed)
-        self.convs: asyncio.Queue[Conv] = asyncio.Queue()
-        for _ in range(CONVERSATIONS):
-            self.convs.put_nowait(self.texts.conv())
+        if order not in ORDERS:
+            raise ValueError(f"conversation order {order!r}: expected one of {', '.join(ORDERS)}")
+        self.order = order
+        self.pick = random.Random(seed + 1)  # the random order's own: the texts stay those of the seed
+        self.idle = collections.deque(self.texts.conv() for _ in range(CONVERSATIONS))
         self.rr = 0
         self.old_rev: str | None = None
         self.old_pods: list[str] = []  # the Ready pods when the restart was asked for (a test's record)
@@ -282,7 +288,7 @@ class Traffic:
             if not self.ready:
                 await asyncio.sleep(0.2)
                 continue
-            conv = await self.convs.get()
+            conv = self.take()
             try:
                 if conv.i >= TURNS:
                     conv = self.texts.conv()
@@ -311,8 +317,15 @@ class Traffic:
                 else:
                     conv.messages.pop()
             finally:
-                self.convs.put_nowait(conv)
+                self.idle.append(conv)
             await asyncio.sleep(PAUSE_S)
+
+    def take(self) -> Conv:
+        """The next idle conversation (there are more than workers): the one idle longest, so the
+        conversations move in step (``cyclic``), or any idle one (``random``), each at its own pace."""
+        if self.order == "random":
+            self.idle.rotate(-self.pick.randrange(len(self.idle)))
+        return self.idle.popleft()
 
 
 def hit(reqs: list[Req]) -> tuple[float, int, float]:
