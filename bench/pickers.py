@@ -7,9 +7,9 @@ update of the pickers.
     .venv/bin/python -m e2e.cluster run --node-agent node-1 -- .venv/bin/python -m bench.pickers
 
 Runs inside the local e2e cluster (``KUBECONFIG`` set by ``e2e.cluster run``, pod IPs reachable), one
-picker at a time, each in a namespace of its own with fresh engines (3 fake engines, one rank each: the
-reference picker knows pods, not ranks; by default a cache that holds the whole run, so misses come from
-routing only, ``--capacity-blocks`` for one that evicts):
+picker at a time, each in a namespace of its own with fresh engines (3 fake engines, ``--engines``; one
+rank each: the reference picker knows pods, not ranks; by default a cache that holds the whole run, so
+misses come from routing only, ``--capacity-blocks`` for one that evicts):
 
 - ours: the operator (a subprocess) and a 3-replica RouterFleet with ``spec.gateway`` (the pool's
   picker Service ``rf-epp``); a rolling update is a restart annotation (seed-gated);
@@ -25,11 +25,11 @@ flight over ``CONVERSATIONS`` live multi-turn conversations sharing system promp
 seconds. Hit rate = cached over prompt tokens (``usage.prompt_tokens_details``). By default the
 conversations move in step (each visited in turn), so a window's hit rate depends on their phase as well
 as on the picker: with caches that evict, a window the late turns fill hits little under any picker, and
-a working set larger than the caches thrashes every LRU; ``--order random`` visits them at random. The rows "during" and
-"after" the rollout cover different spans per picker (its rollout's length); ``--window`` seconds from
-the rollout's start cover the same phase for each and are the row to compare. Before the chats, the
-gateway's added latency over calling an engine directly (``--latency`` tiny requests each way, one at a
-time).
+a working set larger than the caches thrashes every LRU; ``--order random`` visits them at random. The
+rows "during" and "after" the rollout cover different spans per picker (its rollout's length);
+``--window`` seconds from the rollout's start cover the same phase for each and are the row to compare.
+Before the chats, the gateway's added latency over calling an engine directly (``--latency`` tiny
+requests each way, one at a time).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -52,6 +53,7 @@ from pathlib import Path
 import aiohttp
 from kubernetes.client.exceptions import ApiException
 
+from bench import routing_quality as RQ
 from bench.rollout import Operator
 from e2e import fleet as F
 from e2e.fleet_traffic import (
@@ -61,6 +63,7 @@ from e2e.fleet_traffic import (
     VERSION,
     WORKERS,
     Kube,
+    Req,
     Traffic,
     fleet_ready,
     hit,
@@ -83,6 +86,15 @@ ENGINE_ARGS = {
 # Blocks per engine: 40000 holds a whole run (misses come from routing only); a smaller cache evicts,
 # which a picker learns only from the engines' KV events (ours) or not at all (an approximate index).
 CAPACITY_BLOCKS = 40000
+# The quality workload's engines, as bench.routing_quality runs them (RQ.Params; the rest as above).
+QUALITY = RQ.Params()
+QUALITY_ENGINE_ARGS = {
+    "--prefill-us-per-token": str(QUALITY.prefill_us_per_token),
+    "--decode-tokens-per-s": str(QUALITY.decode_tokens_per_s),
+    "--max-concurrency": str(QUALITY.engine_slots),
+}
+# Its schedule: conversations enough to outlast a run (about 4 turns each; running out is an error).
+QUALITY_CONVERSATIONS = 6000
 # The added latency: tiny requests each way, in alternating blocks (bench.overhead's method).
 LATENCY_REQUESTS = 1000
 LATENCY_BLOCK = 100
@@ -210,6 +222,82 @@ class Through(Traffic):
     async def refresh(self, session: aiohttp.ClientSession) -> None:
         self.ready = [("gateway", "127.0.0.1", "")]
 
+    async def start(self, session: aiohttp.ClientSession) -> list[asyncio.Task]:
+        await self.refresh(session)
+        return [asyncio.create_task(self.worker(session)) for _ in range(WORKERS)]
+
+
+class Replay:
+    """``bench.routing_quality``'s workload through the gateway: its schedule (conversations in
+    system-prompt groups, each turn sent once the previous one is answered, ``concurrency`` in flight),
+    each turn a streamed completion. The schedule is built to outlast the run; running out raises
+    (a window would cover less than it says)."""
+
+    def __init__(self, listen: int, seed: int):
+        self.url = f"http://127.0.0.1:{listen}/v1/completions"
+        self.params = dataclasses.replace(QUALITY, convs=QUALITY_CONVERSATIONS, seed=seed)
+        self.schedule = RQ.build_workload(self.params)
+        self.reqs: list[Req] = []
+        self.errors = 0
+        self.last_error = ""
+        self.stop = asyncio.Event()
+
+    async def start(self, session: aiohttp.ClientSession) -> list[asyncio.Task]:
+        return [asyncio.create_task(self._dispatch(session))]
+
+    async def _dispatch(self, session: aiohttp.ClientSession) -> None:
+        done = [asyncio.Event() for _ in self.schedule]
+        slots = asyncio.Semaphore(self.params.concurrency)
+        sent: set[asyncio.Task] = set()
+        for pos, turn in enumerate(self.schedule):
+            if turn.prev >= 0:
+                await done[turn.prev].wait()
+            await slots.acquire()
+            if self.stop.is_set():
+                break
+            task = asyncio.create_task(self._one(session, turn, done[pos], slots))
+            sent.add(task)
+            task.add_done_callback(sent.discard)
+        else:
+            raise RuntimeError(f"the schedule ({len(self.schedule)} turns) ran out before the run ended")
+        await asyncio.gather(*sent)
+
+    async def _one(
+        self, session: aiohttp.ClientSession, turn: RQ.Turn, done: asyncio.Event, slots: asyncio.Semaphore
+    ) -> None:
+        body = {
+            "model": "m",
+            "prompt": turn.prompt,
+            "max_tokens": self.params.reply_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        t0 = time.monotonic()
+        first = usage = None
+        try:
+            async with session.post(self.url, json=body) as r:
+                if r.status != 200:
+                    raise AssertionError(f"{r.status} {(await r.text())[:300]}")
+                async for line in r.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if first is None and chunk.get("choices"):
+                        first = time.monotonic()
+                    usage = chunk.get("usage") or usage
+            if usage is None:
+                raise AssertionError("no usage in the stream")
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+        except (TimeoutError, aiohttp.ClientError, AssertionError, OSError, ValueError, KeyError) as e:
+            self.errors += 1
+            self.last_error = f"{type(e).__name__}: {e}"[:500]
+            return
+        finally:
+            slots.release()
+            done.set()
+        now = time.monotonic()
+        self.reqs.append(Req(now, "gateway", "", usage["prompt_tokens"], cached, (first or now) - t0, t0))
+
     async def monitor(self, session: aiohttp.ClientSession) -> None:
         await self.refresh(session)
 
@@ -217,12 +305,13 @@ class Through(Traffic):
 # ------------------------------------------------------------------------------------------ the pickers
 
 
-def deploy_engines(kube: Kube, ns: str, capacity_blocks: int) -> None:
+def deploy_engines(kube: Kube, ns: str, engines: int, capacity_blocks: int, workload: str) -> None:
     docs = F.load_manifests(image=IMAGE)
     engine = F.find(docs, "Deployment", F.ENGINE)
-    engine["spec"]["replicas"] = ENGINES
+    engine["spec"]["replicas"] = engines
     c = engine["spec"]["template"]["spec"]["containers"][0]
-    given = {**ENGINE_ARGS, "--capacity-blocks": str(capacity_blocks)}
+    given = {**ENGINE_ARGS, **(QUALITY_ENGINE_ARGS if workload == "quality" else {})}
+    given["--capacity-blocks"] = str(capacity_blocks)
     args = [a for a in c["args"] if a.split("=", 1)[0] not in given]
     c["args"] = args + [f"{k}={v}" for k, v in given.items()]
     F.apply(kube.api, ns, [engine, F.find(docs, "Service", F.ENGINE)])
@@ -399,10 +488,10 @@ async def run_picker(kube: Kube, name: str, args, workdir: Path, listen: int) ->
     op = Operator(kube, ns, workdir / f"operator-{name}.log") if name == "ours" else None
     gateway = Gateway(workdir / name, listen)
     try:
-        deploy_engines(kube, ns, args.capacity_blocks)
+        deploy_engines(kube, ns, args.engines, args.capacity_blocks, args.workload)
         kube.wait(
-            f"{ENGINES} engines Ready",
-            lambda: len([p for p in kube.pods(ns, F.ENGINE_LABELS) if pod_ready(p)]) == ENGINES,
+            f"{args.engines} engines Ready",
+            lambda: len([p for p in kube.pods(ns, F.ENGINE_LABELS) if pod_ready(p)]) == args.engines,
             90,
         )
         if op is not None:
@@ -421,7 +510,10 @@ async def run_picker(kube: Kube, name: str, args, workdir: Path, listen: int) ->
             )
             service = "ref-epp"
         gateway.start()
-        traffic = Through(kube, ns, listen, seed=args.seed, order=args.order)
+        if args.workload == "quality":
+            traffic: Through | Replay = Replay(listen, seed=args.seed)
+        else:
+            traffic = Through(kube, ns, listen, seed=args.seed, order=args.order)
         stop = asyncio.Event()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             follow = asyncio.create_task(gateway.follow(kube, ns, service, stop))
@@ -431,9 +523,8 @@ async def run_picker(kube: Kube, name: str, args, workdir: Path, listen: int) ->
                 say(f"[{name}] added latency: {args.latency} tiny requests each way, one at a time ...")
                 added = await added_latency(session, kube, ns, listen, args.latency)
             before = await engine_requests(session, kube, ns)  # the chats' own count starts here
-            await traffic.refresh(session)
-            workers = [asyncio.create_task(traffic.worker(session)) for _ in range(WORKERS)]
-            say(f"[{name}] {args.steady:.0f} s of chats through the gateway ...")
+            workers = await traffic.start(session)
+            say(f"[{name}] {args.steady:.0f} s of {args.workload} through the gateway ...")
             t0 = time.monotonic()
             await asyncio.sleep(args.steady)
             trigger = time.monotonic()
@@ -470,7 +561,9 @@ async def run_picker(kube: Kube, name: str, args, workdir: Path, listen: int) ->
             await asyncio.sleep(more)
             traffic.stop.set()
             stop.set()
-            await asyncio.gather(*workers, follow, return_exceptions=True)
+            for ended in await asyncio.gather(*workers, follow, return_exceptions=True):
+                if isinstance(ended, RuntimeError):  # the workload ran out: its windows would be short
+                    raise ended
             after = await engine_requests(session, kube, ns)
             per_engine = sorted((n - before.get(pod, 0) for pod, n in after.items()), reverse=True)
         if traffic.errors:
@@ -585,18 +678,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seed", type=int, default=5, help="the workload's seed (5)")
     ap.add_argument(
+        "--workload",
+        choices=("chats", "quality"),
+        default="chats",
+        help="chats: e2e.fleet_traffic's live chats; quality: bench.routing_quality's schedule\n"
+        f"(its engines: {QUALITY.engines}, {QUALITY.capacity_blocks} blocks each; "
+        f"{QUALITY.concurrency} in flight)",
+    )
+    ap.add_argument(
         "--order",
         choices=ORDERS,
         default="cyclic",
-        help="the conversations' order (cyclic: in step, each in turn; random: the next idle one at random)",
+        help="the chats' order (cyclic: in step, each in turn; random: the next idle one at random)",
     )
     ap.add_argument("--port", type=int, default=18088, help="the gateway's loopback port (18088)")
     ap.add_argument("--runs", type=int, default=3, help="runs of each picker, medians reported (3)")
     ap.add_argument(
         "--capacity-blocks",
         type=int,
-        default=CAPACITY_BLOCKS,
-        help=f"each engine's cache, in blocks ({CAPACITY_BLOCKS}: no eviction; smaller evicts)",
+        help=f"each engine's cache, in blocks (chats: {CAPACITY_BLOCKS}, no eviction; smaller evicts;\n"
+        f"quality: {QUALITY.capacity_blocks})",
     )
     ap.add_argument(
         "--latency",
@@ -604,6 +705,12 @@ def main(argv: list[str] | None = None) -> int:
         default=LATENCY_REQUESTS,
         help=f"tiny requests each way (gateway, direct) for the added latency, one at a time, before the\n"
         f"chats ({LATENCY_REQUESTS}; 0: skip)",
+    )
+    ap.add_argument(
+        "--engines",
+        type=int,
+        help=f"fake engines (chats: {ENGINES}, quality: {QUALITY.engines}; 1: the workload's ceiling, every\n"
+        "prompt on one cache)",
     )
     ap.add_argument(
         "--replicas", type=int, default=REPLICAS, help=f"our fleet's replicas ({REPLICAS}, as deployed)"
@@ -616,6 +723,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.replicas < 1:
         ap.error("argument --replicas: expected at least 1")
+    quality = args.workload == "quality"
+    if args.engines is None:
+        args.engines = QUALITY.engines if quality else ENGINES
+    if args.capacity_blocks is None:
+        args.capacity_blocks = QUALITY.capacity_blocks if quality else CAPACITY_BLOCKS
+    if args.engines < 1:
+        ap.error("argument --engines: expected at least 1")
     args.pickers = [p.strip() for p in args.pickers.split(",") if p.strip()]
     if args.runs < 1:
         ap.error("argument --runs: expected at least 1")
