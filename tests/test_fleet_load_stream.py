@@ -7,8 +7,10 @@ end as the POSTs did, and an open stream never holds the receiver's stop."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import itertools
+import socket
 import time
 
 import aiohttp
@@ -300,3 +302,106 @@ async def test_a_refused_report_is_counted_as_refused_by_its_sender():
         assert sibling.reports() == [] and sibling.taken[0] is None
     finally:
         await sibling.stop()
+
+
+def _connections_to(port: int) -> int:
+    """Sockets in this network namespace connected to ``port`` from elsewhere (the sender's side of each
+    connection to a server listening there), in any state but TIME_WAIT (nothing is held then)."""
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for line in list(f)[1:]:
+                local, remote, state = line.split()[1:4]
+                if int(remote.rsplit(":", 1)[1], 16) == port and int(local.rsplit(":", 1)[1], 16) != port:
+                    n += state != "06"  # TIME_WAIT
+    return n
+
+
+async def test_a_sibling_that_reads_nothing_keeps_no_dropped_stream_of_the_sender():
+    """A peer that takes the stream, answers ahead and reads nothing: the sender's reports fill the
+    connection until a send times out and the stream is dropped. Each dropped stream's connection is let
+    go (reset), not kept with its unsent bytes, so the sender holds at most the open stream and the one
+    closing, however many it drops, and none after its stop."""
+    held: list[web.WebSocketResponse] = []
+    done = asyncio.Event()
+
+    async def hoarder(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        held.append(ws)
+        for _ in range(2000):  # answers ahead: each report is "taken" while nothing reads it
+            await ws.send_bytes(TAKEN)
+        await done.wait()
+        return ws
+
+    body = b" " * (MAX_BODY_BYTES - 1)
+    config = GossipConfig(window_s=0.001, heartbeat_s=0.005, timeout_s=0.2)
+    async with loopback_app(web.get(STREAM_PATH, hoarder)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        gossip = LoadGossip(TOKEN, lambda: [url], lambda: body, config, on_sent=(outcomes := []).append)
+        task = asyncio.create_task(gossip.run())
+        try:
+            most = 0
+            deadline = time.monotonic() + 20
+            while len(held) < 4 and time.monotonic() < deadline:
+                most = max(most, _connections_to(port))
+                await asyncio.sleep(0.01)
+            assert len(held) >= 4, f"streams opened: {len(held)}; outcomes: {set(outcomes)}"
+            assert "timeout" in outcomes
+            assert most <= 2, f"the sender held {most} connections to a peer that reads nothing"
+            n = outcomes.count("busy")  # a send blocked on the full connection: the stop comes then
+            await eventually(lambda: outcomes.count("busy") > n + 2, what="a blocked send")
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await eventually(lambda: _connections_to(port) == 0, what="no connection left after the stop")
+        finally:
+            task.cancel()
+            done.set()  # the server's stop waits for its handlers
+
+
+async def test_a_sender_that_reads_no_answer_does_not_hold_the_siblings_stop():
+    """A sender that sends and never reads the answers (a raw socket with a small receive buffer):
+    once they fill its connection, the sibling's handler waits to answer (bounded by the idle bound,
+    10 s). The sibling's stop closes that stream within its close bound (1 s) rather than waiting."""
+    sibling = Sibling()
+    await sibling.start()
+    assert sibling.runner is not None
+    for site in sibling.runner.sites:  # small send buffers (accepted sockets inherit them): blocked sooner
+        for listening in site._server.sockets:
+            listening.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", sibling.port))
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+        key = base64.b64encode(b"0123456789abcdef").decode()
+        headers = {
+            "Host": "127.0.0.1",
+            "Upgrade": "websocket",
+            "Connection": "Upgrade",
+            "Sec-WebSocket-Key": key,
+            "Sec-WebSocket-Version": "13",
+            "Authorization": f"Bearer {TOKEN}",
+        }
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        writer.write(f"GET {STREAM_PATH} HTTP/1.1\r\n{head}\r\n".encode())
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 101")
+        frame = b"\x82\x81\x00\x00\x00\x00x"  # a masked one-byte binary message (a zero mask), refused
+        sent = 0
+        async with asyncio.timeout(20):
+            while True:  # until the sibling stops taking them: its answers are blocked
+                writer.write(frame * 1000)
+                sent += 1000
+                n = len(sibling.taken)
+                await asyncio.sleep(0.05)
+                if len(sibling.taken) == n < sent:
+                    break
+        t = time.monotonic()
+        await sibling.stop()  # its shutdown_timeout is 10 s, as the idle bound
+        assert time.monotonic() - t < 3
+    finally:
+        sock.close()
+        if sibling.runner is not None:
+            await sibling.stop()

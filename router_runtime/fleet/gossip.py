@@ -28,6 +28,7 @@ import contextlib
 import enum
 import json
 import logging
+import socket
 import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -259,6 +260,21 @@ def peer_session(timeout_s: float, limit: int = 100) -> aiohttp.ClientSession:
     )
 
 
+def _let_go(sock: socket.socket | None, shut: bool) -> None:
+    """A dropped stream's connection, released whatever the peer does. aiohttp closes a connection
+    gracefully: the socket, and the bytes not yet sent, wait for the peer to read them, in asyncio's
+    transport or, once its file is closed, in the kernel; a peer that reads nothing would keep every
+    dropped stream's. With no linger its close resets it at once; one whose close did not finish is also
+    ``shut``, which wakes the transport waiting to write so that it closes. A socket already closed
+    raises, and is left."""
+    if sock is None:
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        if shut:
+            sock.shutdown(socket.SHUT_RDWR)
+
+
 class _Refused(Exception):
     """A peer refused the stream with ``status`` (not as an older release does: that one gets POSTs)."""
 
@@ -323,6 +339,10 @@ class LoadGossip:
                 self.send_round()
         finally:
             self._stopped = True
+            # Taken first (a send cancelled below forgets its stream), and let go of as a dropped one is.
+            sockets = [ws.get_extra_info("socket") for ws in self._streams.values() if not ws.closed]
+            for sock in sockets:
+                _let_go(sock, shut=False)
             tasks = [*self._posts.values(), *self._closing.values()]
             for task in tasks:
                 task.cancel()
@@ -330,11 +350,15 @@ class LoadGossip:
             self._posts.clear()
             self._closing.clear()
             self._streams.clear()
-            # The streams' connections too; bounded: a connection with unsent bytes to a peer that
-            # reads nothing would wait for them (the loop's end closes it then).
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(cfg.timeout_s):
-                    await self._session.close()
+            # The streams' connections too, within the send timeout; one still closing after it (unsent
+            # bytes to a peer that reads nothing) is reset.
+            try:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(cfg.timeout_s):
+                        await self._session.close()
+            finally:
+                for sock in sockets:
+                    _let_go(sock, shut=True)
 
     def send_round(self) -> None:
         urls = self.peer_urls()
@@ -450,13 +474,18 @@ class LoadGossip:
         ws = self._streams.pop(url, None)
         if ws is None or ws.closed or self._stopped:  # stopped: the session's close ends them all
             return
+        sock = ws.get_extra_info("socket")  # while the stream still holds its connection
+        _let_go(sock, shut=False)  # no linger, before its close can leave it to the kernel
 
         async def close() -> None:
+            closed = False
             try:
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(self.config.timeout_s):
                         await ws.close()
+                        closed = True
             finally:
+                _let_go(sock, shut=not closed)
                 if self._closing.get(url) is asyncio.current_task():
                     del self._closing[url]
 
