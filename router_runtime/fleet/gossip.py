@@ -28,6 +28,7 @@ import contextlib
 import enum
 import json
 import logging
+import os
 import socket
 import struct
 import time
@@ -262,17 +263,22 @@ def peer_session(timeout_s: float, limit: int = 100) -> aiohttp.ClientSession:
 
 def _let_go(sock: socket.socket | None, shut: bool) -> None:
     """A dropped stream's connection, released whatever the peer does. aiohttp closes a connection
-    gracefully: the socket, and the bytes not yet sent, wait for the peer to read them, in asyncio's
+    gracefully: the socket, and the bytes not yet sent, wait for the peer to read them, in the loop's
     transport or, once its file is closed, in the kernel; a peer that reads nothing would keep every
     dropped stream's. With no linger its close resets it at once; one whose close did not finish is also
-    ``shut``, which wakes the transport waiting to write so that it closes. A socket already closed
-    raises, and is left."""
+    ``shut``, which wakes the transport waiting to write so that it closes. Done on a duplicate of its
+    file: the loop's socket object may refuse both (uvloop's), and socket options and a shutdown are the
+    socket's, whichever file names it. A socket already closed (its file -1) is left."""
     if sock is None:
         return
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        if shut:
-            sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        fd = sock.fileno()
+        if fd < 0:
+            return
+        with socket.socket(fileno=os.dup(fd)) as dup:
+            dup.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            if shut:
+                dup.shutdown(socket.SHUT_RDWR)
 
 
 class _Refused(Exception):
@@ -316,6 +322,8 @@ class LoadGossip:
         self._posts: dict[str, asyncio.Task] = {}
         self._behind: set[str] = set()  # peers skipped while busy: owed the newest report
         self._streams: dict[str, aiohttp.ClientWebSocketResponse] = {}
+        # Each stream's socket, taken at its open: its connection may outlive the stream's own view of it.
+        self._sockets: dict[str, socket.socket | None] = {}
         self._closing: dict[str, asyncio.Task] = {}  # a dropped stream's close, one per peer at most
         self._posting: dict[str, float] = {}  # peers that serve no stream -> when to ask again
         self._refused: dict[str, tuple[float, int]] = {}  # peers that refused a stream -> (until, status)
@@ -339,8 +347,8 @@ class LoadGossip:
                 self.send_round()
         finally:
             self._stopped = True
-            # Taken first (a send cancelled below forgets its stream), and let go of as a dropped one is.
-            sockets = [ws.get_extra_info("socket") for ws in self._streams.values() if not ws.closed]
+            sockets = list(self._sockets.values())  # first: a send cancelled below forgets its stream
+            self._sockets.clear()
             for sock in sockets:
                 _let_go(sock, shut=False)
             tasks = [*self._posts.values(), *self._closing.values()]
@@ -437,7 +445,7 @@ class LoadGossip:
         ws = self._streams.get(url)
         if ws is not None and not ws.closed:
             return ws
-        self._streams.pop(url, None)
+        self._drop(url)  # one the peer closed meanwhile
         now = self._clock()
         if now < self._posting.get(url, 0.0):
             return None
@@ -467,14 +475,18 @@ class LoadGossip:
         self._posting.pop(url, None)
         self._refused.pop(url, None)
         self._streams[url] = ws
+        self._sockets[url] = ws.get_extra_info("socket")
         return ws
 
     def _drop(self, url: str) -> None:
         """Forget the stream to ``url`` and close it, in the background and within the send timeout."""
         ws = self._streams.pop(url, None)
-        if ws is None or ws.closed or self._stopped:  # stopped: the session's close ends them all
+        sock = self._sockets.pop(url, None)
+        if ws is None or self._stopped:  # stopped: the stop lets go of them all
             return
-        sock = ws.get_extra_info("socket")  # while the stream still holds its connection
+        if ws.closed:  # closed as a WebSocket, its connection perhaps not (a close frame unsent)
+            _let_go(sock, shut=True)
+            return
         _let_go(sock, shut=False)  # no linger, before its close can leave it to the kernel
 
         async def close() -> None:
