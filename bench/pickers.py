@@ -227,6 +227,9 @@ class Through(Traffic):
         return [asyncio.create_task(self.worker(session)) for _ in range(WORKERS)]
 
 
+ANSWER_ERRORS = (ValueError, LookupError, TypeError)  # a stream chunk or usage not as the engines send it
+
+
 class Replay:
     """``bench.routing_quality``'s workload through the gateway: its schedule (conversations in
     system-prompt groups, each turn sent once the previous one is answered, ``concurrency`` in flight),
@@ -287,16 +290,15 @@ class Replay:
                     usage = chunk.get("usage") or usage
             if usage is None:
                 raise AssertionError("no usage in the stream")
-            cached = usage["prompt_tokens_details"]["cached_tokens"]
-        except (TimeoutError, aiohttp.ClientError, AssertionError, OSError, ValueError, KeyError) as e:
+            prompt, cached = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+            now = time.monotonic()
+            self.reqs.append(Req(now, "gateway", "", prompt, cached, (first or now) - t0, t0))
+        except (TimeoutError, aiohttp.ClientError, OSError, AssertionError, *ANSWER_ERRORS) as e:
             self.errors += 1
             self.last_error = f"{type(e).__name__}: {e}"[:500]
-            return
         finally:
             slots.release()
             done.set()
-        now = time.monotonic()
-        self.reqs.append(Req(now, "gateway", "", usage["prompt_tokens"], cached, (first or now) - t0, t0))
 
     async def monitor(self, session: aiohttp.ClientSession) -> None:
         await self.refresh(session)
