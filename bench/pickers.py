@@ -276,23 +276,17 @@ class Replay:
             "stream_options": {"include_usage": True},
         }
         t0 = time.monotonic()
-        first = usage = None
         try:
             async with session.post(self.url, json=body) as r:
                 if r.status != 200:
                     raise AssertionError(f"{r.status} {(await r.text())[:300]}")
-                async for line in r.content:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if first is None and chunk.get("choices"):
-                        first = time.monotonic()
-                    usage = chunk.get("usage") or usage
-            if usage is None:
-                raise AssertionError("no usage in the stream")
+                answer = await F.read_chat_stream(r)
+            if answer.error is not None or not answer.usage:
+                raise AssertionError(f"an error in the stream, or no usage: {answer.error}")
+            usage = answer.usage
             prompt, cached = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
             now = time.monotonic()
-            self.reqs.append(Req(now, "gateway", "", prompt, cached, (first or now) - t0, t0))
+            self.reqs.append(Req(now, "gateway", "", prompt, cached, (answer.first_content or now) - t0, t0))
         except (TimeoutError, aiohttp.ClientError, OSError, AssertionError, *ANSWER_ERRORS) as e:
             self.errors += 1
             self.last_error = f"{type(e).__name__}: {e}"[:500]

@@ -254,7 +254,7 @@ def chat_body(messages: list[dict], max_tokens: int = 16, model: str | None = No
 
 @dataclass
 class StreamedChat:
-    """What a streamed chat response carried, read to its end."""
+    """What a streamed chat (or text) completion carried, read to its end."""
 
     text: str = ""
     usage: dict = field(default_factory=dict)
@@ -287,7 +287,7 @@ async def read_chat_stream(r: aiohttp.ClientResponse) -> StreamedChat:
         if isinstance(chunk.get("error"), dict):
             out.error = chunk["error"]
         for choice in chunk.get("choices") or []:
-            if piece := (choice.get("delta") or {}).get("content"):
+            if piece := (choice.get("delta") or {}).get("content") or choice.get("text"):
                 if out.first_content is None:
                     out.first_content = time.monotonic()
                 text.append(piece)

@@ -347,10 +347,9 @@ class LoadGossip:
                 self.send_round()
         finally:
             self._stopped = True
-            sockets = list(self._sockets.values())  # first: a send cancelled below forgets its stream
+            for sock in self._sockets.values():  # first: a send cancelled below forgets its stream
+                _let_go(sock, shut=True)
             self._sockets.clear()
-            for sock in sockets:
-                _let_go(sock, shut=False)
             tasks = [*self._posts.values(), *self._closing.values()]
             for task in tasks:
                 task.cancel()
@@ -358,15 +357,9 @@ class LoadGossip:
             self._posts.clear()
             self._closing.clear()
             self._streams.clear()
-            # The streams' connections too, within the send timeout; one still closing after it (unsent
-            # bytes to a peer that reads nothing) is reset.
-            try:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(cfg.timeout_s):
-                        await self._session.close()
-            finally:
-                for sock in sockets:
-                    _let_go(sock, shut=True)
+            with contextlib.suppress(TimeoutError):  # the POSTs' connections
+                async with asyncio.timeout(cfg.timeout_s):
+                    await self._session.close()
 
     def send_round(self) -> None:
         urls = self.peer_urls()
