@@ -19,9 +19,12 @@
 //     so each pool's picker picks its share.
 //
 // It is test infrastructure for the local cluster (e2e/gateway/envoy_gateway.py), built against the
-// Envoy Gateway release the cluster runs. Not done: a pool whose failureMode is FailOpen has no
-// fallback cluster (Envoy AI Gateway routes to the pool's endpoints when the picker is down), so with
-// its picker gone a request still fails (ORIGINAL_DST without the picker's header has no host).
+// Envoy Gateway release the cluster runs.
+//
+// Every pool fails closed, whatever its failureMode: failing open needs the pool's endpoints to fall
+// back to, and this cluster has none (ORIGINAL_DST on the picker's header: without the header it has
+// no host, and Envoy answers 503). Envoy AI Gateway's extension also runs every pool's picker with
+// failure_mode_allow false.
 package main
 
 import (
@@ -72,7 +75,6 @@ type pool struct {
 	Name      string
 	Picker    string // the picker's Service
 	Port      uint32
-	FailOpen  bool
 }
 
 func (p pool) key() string        { return p.Namespace + "/" + p.Name }
@@ -96,7 +98,6 @@ func poolFrom(raw []byte) (pool, bool) {
 				Port struct {
 					Number uint32 `json:"number"`
 				} `json:"port"`
-				FailureMode string `json:"failureMode"`
 			} `json:"endpointPickerRef"`
 		} `json:"spec"`
 	}
@@ -108,12 +109,12 @@ func poolFrom(raw []byte) (pool, bool) {
 	if port == 0 {
 		port = 9002 // the protocol's default picker port
 	}
-	return pool{obj.Metadata.Namespace, obj.Metadata.Name, ref.Name, port, ref.FailureMode == "FailOpen"}, true
+	return pool{obj.Metadata.Namespace, obj.Metadata.Name, ref.Name, port}, true
 }
 
 func (p pool) metadata() *structpb.Struct {
 	s, _ := structpb.NewStruct(map[string]any{
-		"namespace": p.Namespace, "name": p.Name, "picker": p.Picker, "port": float64(p.Port), "failOpen": p.FailOpen,
+		"namespace": p.Namespace, "name": p.Name, "picker": p.Picker, "port": float64(p.Port),
 	})
 	return s
 }
@@ -129,7 +130,6 @@ func poolOfCluster(c *clusterv3.Cluster) (pool, bool) {
 		Name:      f["name"].GetStringValue(),
 		Picker:    f["picker"].GetStringValue(),
 		Port:      uint32(f["port"].GetNumberValue()),
-		FailOpen:  f["failOpen"].GetBoolValue(),
 	}, true
 }
 
@@ -352,7 +352,7 @@ func extProc(p pool) (*hcmv3.HttpFilter, error) {
 			}},
 			Timeout: durationpb.New(10 * time.Second),
 		},
-		FailureModeAllow:   p.FailOpen,
+		FailureModeAllow:   false, // fails closed: see the package comment
 		MessageTimeout:     durationpb.New(10 * time.Second),
 		ResponseAttributes: []string{"upstream.address"},
 		MetadataOptions: &extprocv3.MetadataOptions{
