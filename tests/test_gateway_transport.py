@@ -11,6 +11,7 @@ import contextlib
 import os
 import socket
 import sys
+import threading
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
 
@@ -256,6 +257,21 @@ async def test_stop_right_after_a_stream_opens_ends_it():
     server._take(10**9, OPENED, None)  # a stream id the native side does not know: its calls are no-ops
     await asyncio.wait_for(server.stop(0), 5)  # cancelled before its first step, it is gone all the same
     assert not server._relays
+
+
+def _policy(tid: str) -> int:
+    return int(Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[38])
+
+
+async def test_the_transport_thread_does_not_preempt_the_event_loop_when_an_answer_wakes_it():
+    # SCHED_BATCH (extproc.rs, batch_scheduling): otherwise, where the two share a core, every answer
+    # handed over switches the loop out mid-drain and back.
+    async with served(Echo()):
+        threads = {
+            Path(f"/proc/self/task/{t}/comm").read_text().strip(): t for t in os.listdir("/proc/self/task")
+        }
+        assert _policy(threads["routerfleet-epp"]) == os.SCHED_BATCH
+        assert _policy(str(threading.get_native_id())) == os.SCHED_OTHER  # the loop's own is untouched
 
 
 async def test_a_port_in_use_fails_at_start_naming_it():

@@ -461,6 +461,19 @@ async fn accept_into(listener: TcpListener, tx: mpsc::Sender<std::io::Result<Lin
     }
 }
 
+/// The transport's thread asks the kernel not to run it the moment it is woken (SCHED_BATCH: no
+/// wakeup preemption). Each answer Python hands over wakes this thread; where the two share a core,
+/// the event loop was otherwise switched out mid-drain at every answer and back (bench/README.md, the
+/// endpoint picker's path, set 8: what that cost). Now the answers go out when the loop waits, or at
+/// once from another core. Best effort: refused, the thread runs as any other.
+fn batch_scheduling() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: plain syscall on the calling thread (pid 0) with a valid, initialized parameter.
+    unsafe {
+        libc::sched_setscheduler(0, libc::SCHED_BATCH, &param);
+    }
+}
+
 #[pymethods]
 impl PyExtProcServer {
     /// Bound now (an address in use fails here), serving from the start: `tls` a (cert, key) PEM
@@ -529,6 +542,7 @@ impl PyExtProcServer {
             .name("routerfleet-epp".into())
             .spawn(move || {
                 let _done = done_tx; // dropped as the thread ends: `close` stops waiting
+                batch_scheduling();
                 runtime.block_on(async move {
                     // Either sender dropped (the object gone without close) stops the server too.
                     let serving = builder.serve_with_incoming_shutdown(svc, incoming, async {
