@@ -465,14 +465,24 @@ async fn accept_into(listener: TcpListener, tx: mpsc::Sender<std::io::Result<Lin
 /// wakeup preemption). Each answer Python hands over wakes this thread; where the two share a core,
 /// the event loop was otherwise switched out mid-drain at every answer and back (bench/README.md, the
 /// endpoint picker's path, set 8: what that cost). Now the answers go out when the loop waits, or at
-/// once from another core. Best effort: refused, the thread runs as any other.
+/// once from another core. Best effort: refused, the thread runs as any other. Linux only (pid 0 is
+/// the calling thread there); the raw syscall, since musl's wrapper refuses by design.
+#[cfg(target_os = "linux")]
 fn batch_scheduling() {
     let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: plain syscall on the calling thread (pid 0) with a valid, initialized parameter.
+    // SAFETY: the syscall reads a valid, initialized sched_param and changes only this thread.
     unsafe {
-        libc::sched_setscheduler(0, libc::SCHED_BATCH, &param);
+        libc::syscall(
+            libc::SYS_sched_setscheduler,
+            0,
+            libc::SCHED_BATCH,
+            &param as *const libc::sched_param,
+        );
     }
 }
+
+#[cfg(not(target_os = "linux"))]
+fn batch_scheduling() {}
 
 #[pymethods]
 impl PyExtProcServer {
