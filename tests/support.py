@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import subprocess
 import time
@@ -99,6 +100,17 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def threads_named(prefix: str) -> list[int]:
+    """This process's threads whose name starts with ``prefix`` (thread ids; one that ends meanwhile is
+    left out)."""
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().startswith(prefix):
+                out.append(int(tid))
+    return out
 
 
 def free_port() -> int:

@@ -22,7 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router_runtime.gateway.transport import MESSAGE, OPENED, RESET, serve
-from tests.support import eventually
+from tests.support import eventually, threads_named
 
 HOST = "127.0.0.1"
 
@@ -259,22 +259,13 @@ async def test_stop_right_after_a_stream_opens_ends_it():
     assert not server._relays
 
 
-def _threads_named(name: str) -> list[int]:
-    out = []
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
-            if Path(f"/proc/self/task/{tid}/comm").read_text().strip() == name:
-                out.append(int(tid))
-    return out
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="SCHED_BATCH is Linux's")
 async def test_the_transport_thread_runs_sched_batch_and_the_event_loop_does_not():
     # Waking a SCHED_BATCH thread does not preempt the waker (extproc.rs, batch_scheduling): otherwise,
     # where the two share a core, every answer handed over switches the loop out mid-drain and back.
     loop_policy = os.sched_getscheduler(threading.get_native_id())
     async with served(Echo()):
-        epp = _threads_named("routerfleet-epp")
+        epp = threads_named("routerfleet-epp")
         assert epp
         assert {os.sched_getscheduler(t) for t in epp} == {os.SCHED_BATCH}
         assert os.sched_getscheduler(threading.get_native_id()) == loop_policy  # the loop's own untouched

@@ -34,7 +34,7 @@ from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.cache import PLAIN
 from routerfleet_fake_engine.config import FakeEngineConfig
 from routerfleet_fake_engine.server import FakeEngine
-from tests.support import LOCAL_METRICS
+from tests.support import LOCAL_METRICS, threads_named
 
 from .support import eventually, loopback_app
 
@@ -46,11 +46,7 @@ STEPS = ("store", "gap", "leave", "return", "restart", "unreachable", "reachable
 
 def zmq_threads() -> int:
     """libzmq's own threads in this process (I/O and reaper, one set per live context)."""
-    n = 0
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as f:
-            n += f.read().startswith("ZMQbg")
-    return n
+    return len(threads_named("ZMQbg"))
 
 
 def router_tasks() -> list[str]:
