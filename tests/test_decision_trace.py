@@ -1,5 +1,6 @@
-"""Every policy makes the decisions recorded before the scheduler became plugins (bench/decision_trace.py
-says how the trace is driven; re-record it only for a change meant to alter decisions)."""
+"""Every policy makes the recorded decisions (bench/decision_trace.py says how the trace is driven;
+re-record it only for a change meant to alter decisions, once the old trace replays with that change
+turned off)."""
 
 from __future__ import annotations
 

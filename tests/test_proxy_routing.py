@@ -160,6 +160,30 @@ async def test_a_hugging_face_tokenizer_drives_matching(tmp_path):
         )
 
 
+async def test_a_full_engine_is_charged_for_what_a_request_would_evict_there():
+    """Over real HTTP and ZMQ: engine A's 12-block cache holds a system prompt's first 4 blocks and is
+    full (it evicted, and the router learned its size from that); B is empty. A request sharing those 4
+    blocks and adding 6 would evict 6 of A's: it goes to B, unless evictions are not priced."""
+    system = list(range(1000, 1000 + 12 * BS))
+    for weight, expect in ((1.0, 1), (0.0, 0)):
+        tuning = SchedulingConfig(tuning=PolicyConfig(eviction_weight=weight))
+        async with kv_fleet(2, {"capacity_blocks": 12}, scheduling=tuning) as (engines, router, url, s):
+            a = engines[0]
+            for tokens in (system, system[: 4 * BS] + list(range(5000, 5000 + 8 * BS))):
+                async with s.post(a.http_url + "/admin/store", json={"token_ids": tokens}) as r:
+                    assert r.status == 200
+            capacity = {"engine": a.http_url, "rank": "0"}
+            await eventually(
+                lambda c=capacity: sample(router, "routerfleet_kv_device_capacity_blocks", **c) == 12,
+                what="A's cache size learned from its evictions",
+            )
+            assert router.kv.index.device_free(Carrier(a.http_url, 0)) == 0
+            assert router.kv.index.device_capacity(Carrier(engines[1].http_url, 0)) is None
+            prompt = system[: 4 * BS] + list(range(7000, 7000 + 6 * BS + 3))
+            assert cached_blocks(router, a, prompt) == 4
+            assert await routed_to(s, url, {"prompt": prompt, "max_tokens": 2}) == engines[expect].http_url
+
+
 async def test_load_skew_trips_the_imbalance_guard():
     policy = PolicyConfig(balance_abs_threshold=2, balance_rel_threshold=1.5, load_cost_tokens=0)
     async with kv_fleet(

@@ -11,10 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router_runtime.kv.events import BlockStored, EventBatch
+from router_runtime.kv.events import ALL_TIERS, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Tier
 from router_runtime.kv.index import RadixIndex
 from router_runtime.proxy.request import Kind, parse_request
-from router_runtime.scheduling.framework import Profile
+from router_runtime.scheduling.eviction_cost import EvictionCost
+from router_runtime.scheduling.framework import Cycle, Profile
 from router_runtime.scheduling.presets import POLICY_NAMES, PolicyConfig, make_policy
 from router_runtime.scheduling.text_tree import TextTree
 from router_runtime.scheduling.types import Reason, RouteRequest, Target
@@ -170,6 +171,109 @@ def test_default_load_cost_keeps_a_long_conversation_sticky_and_lets_short_promp
     assert pol.choose(req(long_p), [A, B], {A: 14, B: 2}, index).target == B  # 224 - 187 > 32
     assert pol.choose(req(short_p), [A, B], {A: 1, B: 1}, index).target == A
     assert pol.choose(req(short_p), [A, B], {A: 2, B: 1}, index).target == B
+
+
+def fill(index: RadixIndex, target: Target, tokens: list[int] | None = None) -> None:
+    """``target`` caches ``tokens`` (if any) and then evicts as it stores: its cache is full at what it
+    holds now."""
+    if tokens:
+        store(index, target, tokens)
+    junk = prompt(1, base=next(_hashes) * 1000, tail=0)
+    store(index, target, junk)
+    gone = next(_hashes) - 1  # the hash store() just gave the junk block
+    ev = BlockStored((next(_hashes),), None, tuple(prompt(1, base=next(_hashes) * 1000, tail=0)), BS)
+    index.apply_batch(target.carrier, EventBatch(0.0, (BlockRemoved((gone,)), ev)))
+
+
+def test_the_index_learns_a_device_capacity_from_device_evictions_only():
+    index = RadixIndex(BS)
+    store(index, A, prompt(6))
+    sixth = next(_hashes) - 1  # the hash of its sixth block, then its fifth
+    fifth = sixth - 1
+    assert (index.device_capacity(A.carrier), index.device_free(A.carrier)) == (None, None)
+    # A host tier's eviction says nothing of the device's size; nor does one in a medium we do not know
+    # (it clears the device copy too: never credit what the engine may not hold).
+    store(index, A, prompt(1, base=7000), medium="CPU")
+    index.apply_batch(A.carrier, EventBatch(0.0, (BlockRemoved((next(_hashes) - 1,), medium="CPU"),)))
+    index.apply_batch(A.carrier, EventBatch(0.0, (BlockRemoved((sixth,), medium="NVME"),)))
+    assert (index.carrier_blocks(A.carrier)[Tier.DEVICE], index.device_capacity(A.carrier)) == (5, None)
+    # A device eviction: what it held before (5) and after (4) bounds the cache from below.
+    index.apply_batch(A.carrier, EventBatch(0.0, (BlockRemoved((fifth,), medium="GPU"),)))
+    assert (index.device_capacity(A.carrier), index.device_free(A.carrier)) == (5, 1)
+    # While its credit is withheld, or its device tier hidden, what it holds is in doubt: read as cold.
+    index.withheld.add(A.carrier)
+    assert index.device_free(A.carrier) is None
+    index.withheld.clear()
+    index.set_visible(A.carrier, Tier.HOST)
+    assert index.device_free(A.carrier) is None
+    index.set_visible(A.carrier, ALL_TIERS)
+    assert index.device_free(A.carrier) == 1
+    # An untagged eviction is a device one. A clear, or a device tier dropped, may be a new process of
+    # another size: unknown until it evicts again; so is an engine gone.
+    fill(index, B, prompt(3))
+    assert (index.device_capacity(B.carrier), index.device_free(B.carrier)) == (4, 0)
+    index.clear_carrier(B.carrier)
+    assert index.device_capacity(B.carrier) is None
+    fill(index, B, prompt(3))
+    index.apply_batch(B.carrier, EventBatch(0.0, (AllBlocksCleared(),)))
+    assert index.device_capacity(B.carrier) is None
+    fill(index, B, prompt(3))
+    index.drop_tiers(B.carrier, Tier.HOST)
+    assert index.device_capacity(B.carrier) == 4
+    index.drop_tiers(B.carrier, Tier.DEVICE)
+    assert index.device_capacity(B.carrier) is None
+    index.remove_carrier(A.carrier)
+    assert index.device_capacity(A.carrier) is None
+
+
+def test_a_full_cache_pays_for_what_it_evicts_so_an_empty_engine_warms():
+    index = RadixIndex(BS)
+    group = prompt(4)  # a system prompt both busy engines hold
+    fill(index, A, group)
+    fill(index, B, group)
+    p = group[:-1] + list(range(9000, 9000 + 5 * BS + 1))  # + 5 blocks of a new conversation
+    decide = lambda pol: pol.choose(req(p), ABC, {}, index)  # noqa: E731
+    # Credit alone keeps the new conversation off C (-4 < 0) however full A and B are.
+    assert decide(kv(eviction_weight=0.0, spread_ties=False)).target == A
+    # Priced: A and B would evict 5 blocks (-4 + 5 = 1); C has never evicted: nothing known to be full.
+    d = decide(kv(spread_ties=False, **NO_GUARD))
+    assert (d.target, d.matched_blocks) == (C, 0)
+    # Where it fits, storing evicts nothing.
+    roomy = RadixIndex(BS)
+    store(roomy, A, group)
+    assert kv(spread_ties=False).choose(req(p), [A, C], {}, roomy).target == A
+
+
+def test_the_eviction_cost_is_what_does_not_fit_in_the_free_blocks():
+    index = RadixIndex(BS)
+    fill(index, A, prompt(4))  # holds 5 (the prompt's 4 blocks and another) of 5
+    fill(index, B)
+    store(index, B, prompt(1, base=8000))
+    index.apply_batch(B.carrier, EventBatch(0.0, (BlockRemoved((next(_hashes) - 1,)),)))  # holds 1 of 2
+    assert [index.device_free(t.carrier) for t in ABC] == [0, 1, None]
+    p = prompt(4)[:-1] + list(range(9000, 9000 + 3 * BS + 1))  # 4 held on A, then 3 more: 7 full blocks
+
+    def costs(**kw) -> list[float]:
+        return list(EvictionCost().score(Cycle.of(req(p, **kw), ABC, {}, index)).costs)
+
+    # A stores 3 into no free block; B stores 7 into 1; C's size is unknown: nothing known to evict.
+    assert costs() == [3, 6, 0]
+    # A vouched returning session's target is taken to hold its whole reusable prefix (all 7 blocks).
+    assert costs(prefer=B, prefer_vouched=True) == [3, 0, 0]
+    assert costs(prefer=B) == [3, 6, 0]
+
+
+def test_among_full_caches_a_held_prefix_also_spares_an_eviction():
+    index = RadixIndex(BS)
+    p = prompt(6)
+    fill(index, A, p[: 4 * BS])
+    fill(index, B, p[: 2 * BS])
+    # One in-flight request = one block. Unpriced: A -4 + 3 = -1 against B's -2: B.
+    loads = {A: 3}
+    unpriced = kv(eviction_weight=0.0, load_cost_tokens=BS, **NO_GUARD)
+    assert unpriced.choose(req(p), [A, B], loads, index).target == B
+    # Priced at one block per eviction: A -4 + 2 + 3 = 1 against B -2 + 4 = 2: A.
+    assert kv(load_cost_tokens=BS, **NO_GUARD).choose(req(p), [A, B], loads, index).target == A
 
 
 def test_imbalance_guard_needs_both_thresholds():
@@ -513,6 +617,7 @@ def test_config_defaults_are_frozen_and_validated():
         {"cache_threshold": 2.0},
         {"max_tree_size": 0},
         {"load_cost_tokens": float("nan")},
+        {"eviction_weight": -1.0},
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             PolicyConfig(**bad)

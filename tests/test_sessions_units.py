@@ -21,7 +21,8 @@ from router_runtime.bootstrap.wire import (
     encode,
 )
 from router_runtime.config import parse_args
-from router_runtime.kv.index import CarrierMatch
+from router_runtime.kv.events import BlockStored, EventBatch
+from router_runtime.kv.index import RadixIndex
 from router_runtime.scheduling.presets import PolicyConfig, make_policy
 from router_runtime.scheduling.types import Reason, RouteRequest, Target
 from router_runtime.sessions.affinity import SessionAffinity, SessionCtx, engine_id
@@ -193,19 +194,14 @@ def test_kv_aware_credits_the_remembered_target_and_keeps_its_guards():
         PolicyConfig(balance_abs_threshold=2, load_cost_tokens=0, spread_ties=False, inflight_ttl_s=0),
     )
     req = RouteRequest(tokens=list(range(64)), prefer=B, prefer_vouched=True)
-
-    class Empty:
-        block_size = 4
-
-        def match(self, *_a, **_k):
-            return {}
+    empty = RadixIndex(4)
 
     # The index sees nothing (events off): the session's memory puts the prefix on B.
-    d = pol.choose(req, [B, A], {}, Empty())
+    d = pol.choose(req, [B, A], {}, empty)
     assert d.target == B and d.reason is Reason.SESSION
-    assert pol.choose(RouteRequest(tokens=list(range(64))), [A, B], {}, Empty()).target == A
+    assert pol.choose(RouteRequest(tokens=list(range(64))), [A, B], {}, empty).target == A
     # Imbalanced: the guard goes least loaded; B is not forced.
-    d = pol.choose(req, [B, A], {B: 3}, Empty())
+    d = pol.choose(req, [B, A], {B: 3}, empty)
     assert d.target == A and d.reason is Reason.IMBALANCED
     # No index at all: a tie on load goes to B.
     assert pol.choose(RouteRequest(prefer=B), [B, A], {}, None).target == B
@@ -216,7 +212,7 @@ def test_kv_aware_credits_the_remembered_target_and_keeps_its_guards():
             balance_abs_threshold=100, load_cost_tokens=4 * 100, spread_ties=False, inflight_ttl_s=0
         ),
     )
-    assert priced.choose(req, [B, A], {B: 1}, Empty()).target == A
+    assert priced.choose(req, [B, A], {B: 1}, empty).target == A
 
 
 def test_kv_aware_trusts_the_index_over_a_remembered_target_that_evicted():
@@ -227,24 +223,22 @@ def test_kv_aware_trusts_the_index_over_a_remembered_target_that_evicted():
     )
     tokens = list(range(64))
 
-    class Shows:
-        block_size = 4
+    def holding(blocks: dict[Target, int]) -> RadixIndex:
+        index = RadixIndex(4)
+        for t, n in blocks.items():
+            stored = BlockStored(tuple(range(1, n + 1)), None, tuple(tokens[: 4 * n]), 4)
+            index.apply_batch(t.carrier, EventBatch(0.0, (stored,)))
+        return index
 
-        def match(self, *_a, **_k):
-            return {A.carrier: CarrierMatch(12, (12, 0, 0, 0)), B.carrier: CarrierMatch(4, (4, 0, 0, 0))}
-
+    shows = holding({A: 12, B: 4})
     # Vouched (nothing evicted since the last turn): the index is lagging, B holds the whole prefix.
-    d = pol.choose(RouteRequest(tokens=tokens, prefer=B, prefer_vouched=True), [B, A], {}, Shows())
+    d = pol.choose(RouteRequest(tokens=tokens, prefer=B, prefer_vouched=True), [B, A], {}, shows)
     assert d.target == B and d.reason is Reason.PREFIX
     # Not vouched: what the index shows wins; the preference only breaks ties.
-    d = pol.choose(RouteRequest(tokens=tokens, prefer=B), [B, A], {}, Shows())
+    d = pol.choose(RouteRequest(tokens=tokens, prefer=B), [B, A], {}, shows)
     assert d.target == A and d.reason is Reason.PREFIX
-
-    class Even(Shows):
-        def match(self, *_a, **_k):
-            return {A.carrier: CarrierMatch(4, (4, 0, 0, 0)), B.carrier: CarrierMatch(4, (4, 0, 0, 0))}
-
-    assert pol.choose(RouteRequest(tokens=tokens, prefer=B), [A, B], {}, Even()).target == B
+    even = holding({A: 4, B: 4})
+    assert pol.choose(RouteRequest(tokens=tokens, prefer=B), [A, B], {}, even).target == B
 
 
 async def test_the_shell_vouches_from_the_store_write_time_and_the_writers_eviction_record():

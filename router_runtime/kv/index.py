@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import routerfleet_index
 
 from ..worker import Carrier
-from .events import BlockStored, EventBatch, Tier
+from .events import MEDIUM_TIERS, BlockStored, EventBatch, Tier
 from .hashing import extra_key_bytes
 
 ROOT = -1  # parent key of the first block of every chain (block keys are u64, never negative)
@@ -83,9 +83,16 @@ class CarrierMatch:
         return self.tier_blocks[0]
 
 
+def _on_device(medium: str) -> bool:
+    """Whether a removal in ``medium`` (``""``: untagged) is a device eviction, one that shows the cache
+    full. An unknown medium also clears the device copy (native/src/events.rs), but names some other
+    tier's eviction: it says nothing of the device's size."""
+    return not medium or MEDIUM_TIERS.get(medium) == Tier.DEVICE
+
+
 class RadixIndex:
     """The index. Mutations: ``apply_batch``, ``clear_carrier``, ``remove_carrier``, ``drop_tiers``,
-    ``set_visible``; reads: ``match``, ``match_keys``, ``carrier_blocks``, ``node_count``,
+    ``set_visible``; reads: ``match``, ``match_keys``, ``carrier_blocks``, ``device_free``, ``node_count``,
     ``carrier_engine_hashes``, ``visible_tiers``. Reads that hand carriers out (``match``, the snapshot
     export) see only visible tiers; the bookkeeping reads see everything."""
 
@@ -98,6 +105,11 @@ class RadixIndex:
         # Carriers whose credit is withheld (kv/withhold.py): a read filter on ``match``, not index
         # content, so it is set on the loop and holds from the very next match.
         self.withheld: set[Carrier] = set()
+        # Each carrier's device capacity in blocks, as its evictions show it: an engine evicts a cached
+        # block only when no free one is left, so what it held around an eviction is what fits. Unknown
+        # (absent) until it evicts, and again after a clear or a dropped device tier (a new process may
+        # have another size; an emptied cache costs nothing to fill until it evicts again).
+        self._capacity: dict[Carrier, int] = {}
 
     # ---- carriers -------------------------------------------------------------------------------
 
@@ -128,6 +140,22 @@ class RadixIndex:
         counts = self.native.carrier_blocks(cid) if cid is not None else (0, 0, 0, 0)
         return dict(zip(TIER_ORDER, counts, strict=True))
 
+    def device_capacity(self, carrier: Carrier) -> int | None:
+        """How many blocks this carrier's device cache holds, as its evictions showed (at least what
+        it held around one); None until it has evicted: not known to be full."""
+        return self._capacity.get(carrier)
+
+    def device_free(self, carrier: Carrier) -> int | None:
+        """How many more blocks this carrier can store on its device before it evicts one (its learned
+        capacity less what it holds); None while its capacity is unknown, or while ``match`` does not
+        show its device tier (withheld, hidden): what it holds is in doubt, so it is read as cold."""
+        capacity = self._capacity.get(carrier)
+        if capacity is None or carrier in self.withheld or not self.visible_tiers(carrier) & Tier.DEVICE:
+            return None
+        cid = self._cid.get(carrier)
+        held = self.native.carrier_blocks(cid)[0] if cid is not None else 0
+        return max(capacity - held, 0)
+
     def carrier_engine_hashes(self, carrier: Carrier) -> dict[Tier, set[int]]:
         """The engine hashes this carrier holds, per tier: what the index believes the engine holds,
         in the engine's own terms, so it can be compared with the engine's state."""
@@ -139,24 +167,36 @@ class RadixIndex:
     # ---- mutations (writer only) ---------------------------------------------------------------
 
     def apply_batch(self, carrier: Carrier, batch: EventBatch | routerfleet_index.Batch) -> ApplyStats:
-        row = self.native.apply_batch(self.cid(carrier), as_native(batch))
+        cid = self.cid(carrier)
+        held = self.native.carrier_blocks(cid)[0]
+        row = self.native.apply_batch(cid, as_native(batch))
         stored, removed, cleared, events, skipped = row
-        return ApplyStats(
+        stats = ApplyStats(
             stored,
             removed,
             cleared,
             {(kind, medium): n for kind, medium, n in events},
             {Skip(reason): n for reason, n in skipped} if skipped else {},
         )
+        if cleared:  # AllBlocksCleared: as clear_carrier
+            self._capacity.pop(carrier, None)
+        if removed and any(kind == "BlockRemoved" and _on_device(medium) for kind, medium in stats.events):
+            # The batch's peak is at least the larger of before and after (an estimate from below).
+            held = max(held, self.native.carrier_blocks(cid)[0])
+            if held > self._capacity.get(carrier, 0):
+                self._capacity[carrier] = held
+        return stats
 
     def clear_carrier(self, carrier: Carrier) -> int:
         """Forget every block of a carrier (AllBlocksCleared, a gap replay could not cover, a restart).
         Returns how many blocks it held."""
+        self._capacity.pop(carrier, None)
         cid = self._cid.get(carrier)
         return self.native.clear_carrier(cid) if cid is not None else 0
 
     def remove_carrier(self, carrier: Carrier) -> int:
         """Forget a carrier entirely (its engine left discovery or restarted as a new incarnation)."""
+        self._capacity.pop(carrier, None)
         cid = self._cid.pop(carrier, None)
         if cid is None:
             return 0
@@ -177,6 +217,8 @@ class RadixIndex:
         """Forget ``tiers`` of every block this carrier holds (a device tier that did not survive a
         restart); blocks left in no tier are forgotten. O(blocks), writer only. Returns the blocks that
         lost a tier."""
+        if tiers & Tier.DEVICE:
+            self._capacity.pop(carrier, None)
         cid = self._cid.get(carrier)
         return self.native.drop_tiers(cid, int(tiers) & 0xF) if cid is not None else 0
 

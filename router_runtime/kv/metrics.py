@@ -62,6 +62,12 @@ class KVMetrics:
             ["engine", "rank", "tier"],
             registry=registry,
         )
+        self.device_capacity = Gauge(
+            p + "device_capacity_blocks",
+            "Device cache size per engine and rank, as its evictions showed (absent until one evicts)",
+            ["engine", "rank"],
+            registry=registry,
+        )
         self.subscriptions_live = Gauge(
             p + "subscriptions_live", "Rank subscriptions receiving events", registry=registry
         )

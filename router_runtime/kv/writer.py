@@ -274,4 +274,10 @@ class IndexWriter:
                 else:
                     with contextlib.suppress(KeyError):
                         m.index_blocks.remove(*labels)
+            capacity = self.index.device_capacity(carrier) if carrier in known else None
+            if capacity is not None:
+                m.device_capacity.labels(carrier.engine, str(carrier.rank)).set(capacity)
+            else:
+                with contextlib.suppress(KeyError):
+                    m.device_capacity.remove(carrier.engine, str(carrier.rank))
         self._touched.clear()

@@ -56,6 +56,14 @@ FLAGS = (
         "kv_aware: one in-flight request costs as much as prefilling this many tokens",
     ),
     Flag(
+        "--eviction-weight",
+        "scheduling.tuning.eviction_weight",
+        Real(0.0),
+        "kv_aware: each block a placement would evict from a full cache (one that has evicted before)"
+        " costs this much of a device block's credit",
+        zero="evictions not priced",
+    ),
+    Flag(
         "--inflight-weight",
         "scheduling.tuning.inflight_weight",
         Real(0.0, hi=1.0),

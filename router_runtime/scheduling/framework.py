@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Protocol, runtime_checkable
 
-from ..kv.index import RadixIndex
+from ..kv.index import CarrierMatch, RadixIndex
+from ..worker import Carrier
+from .reuse import reusable_tokens
 from .siblings import Sender
 from .types import Adapters, Candidate, Decision, Reason, RouteRequest, Shared, Target
 
@@ -39,6 +41,26 @@ class Cycle:
     loads: Sequence[float]
     index: RadixIndex | None
     prefer: int | None
+    # prefix_matches' answer, once computed
+    _matched: list[tuple[int, Mapping[Carrier, CarrierMatch]]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+
+    def prefix_matches(self) -> tuple[int, Mapping[Carrier, CarrierMatch]]:
+        """The request's reusable prefix in full blocks (reuse.py: what an engine would serve from its
+        cache), and what the index matches of it per carrier: computed once per decision, for every
+        scorer that reads it. Needs the index and the request's tokens."""
+        if not self._matched:
+            request, index = self.request, self.index
+            assert index is not None and request.tokens, "prefix_matches needs an index and tokens"
+            usable = reusable_tokens(len(request.tokens), request.logprobs_from)
+            total = usable // index.block_size
+            matches = {}
+            if total:
+                tokens = request.tokens[:usable]
+                matches = index.match(tokens, lora_name=request.lora_name, cache_salt=request.cache_salt)
+            self._matched.append((total, matches))
+        return self._matched[0]
 
     @classmethod
     def of(

@@ -92,7 +92,8 @@ def _settle(cycle: Cycle, tied: Sequence[int], ties: Ties) -> int:
 class LowestCost:
     """The lowest summed cost wins; among equal costs the least loaded, then the session's target, then
     ``ties``. Skewed loads (``guard``): the least loaded, whatever the costs. The reason says what won:
-    a cached prefix, the session's memory alone, load over someone else's prefix, or no prefix anywhere."""
+    a cached prefix, the session's memory alone, a lower cost (load, evictions) over someone else's
+    prefix, or no prefix anywhere."""
 
     name = "lowest_cost"
 

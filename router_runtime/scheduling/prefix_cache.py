@@ -15,7 +15,6 @@ Once it has evicted, the index is the better witness of what is left.
 from __future__ import annotations
 
 from .framework import Cycle, Evidence, Measure, Scores
-from .reuse import reusable_tokens
 from .types import Target
 
 
@@ -29,16 +28,13 @@ class PrefixCache:
 
     def score(self, cycle: Cycle) -> Scores:
         request, index, targets = cycle.request, cycle.index, cycle.targets
-        tokens = request.tokens
-        if index is None or not tokens:
+        if index is None or not request.tokens:
             return Scores()
         # Only what the engine will reuse counts (its own rules: never the last token); ``total`` is in
         # full blocks of that, so a match is a prediction of the engine's cached tokens.
-        usable = reusable_tokens(len(tokens), request.logprobs_from)
-        total = usable // index.block_size
+        total, matches = cycle.prefix_matches()
         if not total:
             return Scores(measure=lambda _t: Measure())
-        matches = index.match(tokens[:usable], lora_name=request.lora_name, cache_salt=request.cache_salt)
 
         def measure(t: Target) -> Measure:
             m = matches.get(t.carrier)

@@ -3,7 +3,7 @@ every routing tunable. Defaults and their reasoning are in docs/routing.md. A ne
 one line in a preset here.
 
     every preset   subset, pinned, preferred_first (filters.py), then:
-    kv_aware       prefix_cache + inflight_prefix + load_cost + lora_affinity
+    kv_aware       prefix_cache + inflight_prefix + eviction_cost + load_cost + lora_affinity
                                             -> lowest_cost (guard, ties spread by request hash)
     approx_prefix  text_prefix              -> lowest_cost (guard, ties by target order)
     round_robin                             -> round_robin (the guard for returning sessions)
@@ -17,6 +17,7 @@ import math
 import random
 from dataclasses import dataclass, fields
 
+from .eviction_cost import EvictionCost
 from .filters import EndpointSubset, PinnedTarget, PreferredFirst
 from .framework import Profile
 from .inflight_prefix import InflightPrefix
@@ -41,6 +42,8 @@ class PolicyConfig:
     external_weight: float = 0.1
     # kv_aware: one in-flight request costs as much as prefilling this many uncached tokens.
     load_cost_tokens: float = 256.0
+    # kv_aware: each block a placement would evict from a full cache costs this much of a device block.
+    eviction_weight: float = 1.0
     # kv_aware: a block predicted by a request this router just sent (not yet stored) is credited this
     # much of a device block, for this long at most (0: no predictions).
     inflight_weight: float = 0.9
@@ -75,6 +78,8 @@ class PolicyConfig:
             raise bad("inflight_ttl_s", "must be >= 0")
         if self.load_cost_tokens < 0:
             raise bad("load_cost_tokens", "must be >= 0")
+        if self.eviction_weight < 0:
+            raise bad("eviction_weight", "must be >= 0")
         if self.lora_load_cost_tokens < 0:
             raise bad("lora_load_cost_tokens", "must be >= 0")
         if not 0 <= self.cache_threshold <= 1:
@@ -98,6 +103,7 @@ def make_policy(name: str, config: PolicyConfig | None = None) -> Profile:
             scorers=(
                 prefix,
                 inflight,
+                EvictionCost(c.eviction_weight),
                 LoadCost(c.load_cost_tokens),
                 LoraAffinity(load_cost_tokens=c.lora_load_cost_tokens),
             ),
