@@ -238,7 +238,7 @@ def test_a_full_cache_pays_for_what_it_evicts_so_an_empty_engine_warms():
     # Priced: A and B would evict 5 blocks (-4 + 5 = 1); C has never evicted: nothing known to be full.
     d = decide(kv(spread_ties=False, **NO_GUARD))
     assert (d.target, d.matched_blocks) == (C, 0)
-    # Where it fits, storing evicts nothing.
+    # An engine that never evicted is not known to be full: storing there is free, and the credit wins.
     roomy = RadixIndex(BS)
     store(roomy, A, group)
     assert kv(spread_ties=False).choose(req(p), [A, C], {}, roomy).target == A
