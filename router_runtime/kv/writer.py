@@ -274,7 +274,7 @@ class IndexWriter:
                 else:
                     with contextlib.suppress(KeyError):
                         m.index_blocks.remove(*labels)
-            capacity = self.index.device_capacity(carrier) if carrier in known else None
+            capacity = self.index.device_capacity(carrier)  # None once the carrier is removed
             if capacity is not None:
                 m.device_capacity.labels(carrier.engine, str(carrier.rank)).set(capacity)
             else:
