@@ -140,8 +140,17 @@ async def latency(target: Target, raws: list[bytes], n: int, shape: str, quickac
 
 
 async def throughput(
-    target: Target, raws: list[bytes], conns: int, warm_s: float, secs: float, engine: h.Engine
+    target: Target,
+    raws: list[bytes],
+    conns: int,
+    warm_s: float,
+    secs: float,
+    engine: h.Engine,
+    rate: float | None = None,
 ) -> Thr:
+    """``conns`` connections, each sending its next request when the last is answered; with ``rate``,
+    not before its turn at that many requests per second in all (an open loop, while the target keeps
+    up)."""
     client = h.HttpClient(target.url, quickack=True)
     raws = [client.request_bytes("/v1/completions", b) for b in raws]
     lat: list[float] = []
@@ -152,7 +161,13 @@ async def throughput(
     async def worker(k: int) -> None:
         nonlocal errors
         i = k
+        due = time.perf_counter() + k / rate if rate else 0.0
         while not state["stop"]:
+            if rate:
+                now = time.perf_counter()
+                if due > now:
+                    await asyncio.sleep(due - now)
+                due = max(due, now) + conns / rate  # a turn missed is not made up for in a burst
             raw = raws[i % len(raws)]
             i += conns
             try:
@@ -170,9 +185,9 @@ async def throughput(
 
     tasks = [asyncio.create_task(worker(k)) for k in range(conns)]
     await asyncio.sleep(warm_s)
-    r0 = target.router.cpu_seconds() if target.router else 0.0
+    r0 = target.router.run_seconds() if target.router else 0.0  # to the nanosecond: ticks are 10 ms
     sidecar = target.router.sidecar if target.router else None
-    g0 = sidecar.cpu_seconds() if sidecar else 0.0
+    g0 = sidecar.run_seconds() if sidecar else 0.0
     e0 = engine.proc.cpu_seconds()
     c0 = sum(os.times()[:2])
     t0 = time.perf_counter()
@@ -181,8 +196,8 @@ async def throughput(
     state["measuring"] = False
     dt = time.perf_counter() - t0
     done = counter[0]
-    r1 = target.router.cpu_seconds() if target.router else 0.0
-    g1 = sidecar.cpu_seconds() if sidecar else 0.0
+    r1 = target.router.run_seconds() if target.router else 0.0
+    g1 = sidecar.run_seconds() if sidecar else 0.0
     e1 = engine.proc.cpu_seconds()
     c1 = sum(os.times()[:2])
     state["stop"] = True
@@ -232,6 +247,7 @@ def start_all(
         # Request tracing to a real OpenTelemetry Collector (docs/tracing.md), 10% and every request.
         # 0%: an exporter running, only clients' sampled requests traced (none here).
         "ours-trace0": ("ours kv_aware, 0% traced", "ours", "kv_aware", False),
+        "ours-trace1": ("ours kv_aware, 1% traced", "ours", "kv_aware", False),
         "ours-trace10": ("ours kv_aware, 10% traced", "ours", "kv_aware", False),
         "ours-trace100": ("ours kv_aware, 100% traced", "ours", "kv_aware", False),
         "vllm": ("vllm-router kv_aware", "vllm-router", "kv_aware", False),
@@ -267,32 +283,44 @@ def start_all(
     return engine, targets, routers, skipped
 
 
-def alternate(
+def side_by_side(
     targets: list[Target],
     raws: list[bytes],
-    pairs: int,
+    phases: int,
     conns: int,
     warm_s: float,
     secs: float,
     engine: h.Engine,
     max_wait: float,
-) -> dict[str, list[float]]:
-    """Per tracing row: ``pairs`` of tiny throughput phases, ours (tracing off) and the row one right
-    after the other, the order alternating; each pair's router CPU per request, in % over ours'."""
+    rate: float | None,
+) -> dict[str, list[tuple[float, float]]]:
+    """Per tracing row: ``phases`` tiny throughput phases in which ours (tracing off) and the row take the
+    load at once, half the connections each (and ``rate`` requests per second each, if given), on the
+    routers' one core; each phase's router CPU per request, ours' and the row's (us). Both share the
+    machine's every moment, so the drift between phases (20-40% on this VM) cancels out of their ratio."""
     off = next((t for t in targets if t.name == "ours"), None)
     traced = [t for t in targets if t.name.startswith("ours-trace")]
-    if off is None or not pairs:
+    if off is None or not phases:
         return {}
-    out: dict[str, list[float]] = {}
+
+    async def both(first: Target, second: Target) -> list[Thr]:
+        half = max(conns // 2, 1)
+        return await asyncio.gather(
+            throughput(first, raws, half, warm_s, secs, engine, rate),
+            throughput(second, raws, half, warm_s, secs, engine, rate),
+        )
+
+    out: dict[str, list[tuple[float, float]]] = {}
     for t in traced:
-        for i in range(pairs):
-            got: dict[str, float] = {}
-            for x in (off, t) if i % 2 == 0 else (t, off):
-                h.wait_quiet(max_wait)
-                got[x.name] = asyncio.run(
-                    throughput(x, raws, conns, warm_s, secs, engine)
-                ).router_cpu_us_per_req
-            out.setdefault(t.name, []).append(100 * (got[t.name] / got[off.name] - 1))
+        for i in range(phases):
+            h.wait_quiet(max_wait)
+            if i % 2 == 0:  # which one's client starts first alternates
+                a, b = asyncio.run(both(off, t))
+            else:
+                b, a = asyncio.run(both(t, off))
+            if rate and min(a.rps, b.rps) < 0.95 * rate:
+                print(f"# side by side: {a.rps:.0f} and {b.rps:.0f} req/s, under the {rate:g} offered")
+            out.setdefault(t.name, []).append((a.router_cpu_us_per_req, b.router_cpu_us_per_req))
     return out
 
 
@@ -310,24 +338,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rows",
         default="ours,ours-noaudit,ours-rr,ours-epp,vllm,sglang",
-        help="routers, from ours,ours-noaudit,ours-rr,ours-epp,ours-epp-duplex,ours-trace0,ours-trace10,"
-        "ours-trace100,vllm,sglang (default all but the tracing rows and ours-epp-duplex)",
+        help="routers, from ours,ours-noaudit,ours-rr,ours-epp,ours-epp-duplex,ours-trace0,ours-trace1,"
+        "ours-trace10,ours-trace100,vllm,sglang (default all but the tracing rows and ours-epp-duplex)",
     )
     ap.add_argument("--conns", type=int, default=32, help="connections in the throughput loop (default 32)")
     ap.add_argument(
         "--max-wait", type=float, help="wait up to this many seconds for an idle machine before each phase"
     )
     ap.add_argument(
-        "--alternate",
+        "--side-by-side",
         type=int,
         default=0,
         metavar="N",
-        help="after the runs, N pairs of tiny throughput phases, ours then each tracing row (the order"
-        " alternating), their ratio's median: the tracing rows' cost without the drift between runs",
+        help="after the runs, N tiny throughput phases in which ours and each tracing row take the load at"
+        " once; the median of their CPU ratios: the tracing rows' cost without the drift between runs",
+    )
+    ap.add_argument(
+        "--rate",
+        type=float,
+        metavar="R",
+        help="in the side-by-side phases, offer each router R requests per second (default: as fast as"
+        " it answers), so both are compared at one throughput",
     )
     ap.add_argument("--no-pin", action="store_true", help="do not pin routers / engine + client to CPUs")
     ap.add_argument("--json", help="also write the raw per-run figures to this file")
     args = ap.parse_args(argv)
+    if args.rate is not None and (args.rate <= 0 or not args.side_by_side):
+        ap.error("--rate: requests per second above 0, with --side-by-side")
     runs = args.runs or (1 if args.quick else 3)
     n_tiny, n_stream = (200, 60) if args.quick else (1500, 400)
     block = 200 if args.quick else 250  # sequential requests per target before moving to the next
@@ -404,8 +441,9 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             idle_seen.clear()
-        alternated = alternate(
-            targets, raws["tiny", False], args.alternate, args.conns, warm_s, secs, engine, max_wait
+        tiny = raws["tiny", False]
+        paired = side_by_side(
+            targets, tiny, args.side_by_side, args.conns, warm_s, secs, engine, max_wait, args.rate
         )
         dead = [r.label for r in routers if not r.alive()]
         flags = {r.label: r.flags for r in routers}
@@ -414,12 +452,16 @@ def main(argv: list[str] | None = None) -> int:
         stack.close()
 
     report(targets, lat, thr, errors)
-    if alternated:
-        parts = [
-            f"{n.removeprefix('ours-trace')}% traced {h.med(p):+.1f}%{h.spread(p, '+.1f')}"
-            for n, p in alternated.items()
-        ]
-        print(f"  router CPU per request, {args.alternate} alternated pairs: {', '.join(parts)}")
+    if paired:
+        parts = []
+        for n, cpu in paired.items():
+            pct = [100 * (b / a - 1) for a, b in cpu]
+            parts.append(
+                f"{n.removeprefix('ours-trace')}% traced {h.med(pct):+.1f}%{h.spread(pct, '+.1f')}"
+                f" ({h.med([b for _, b in cpu]):.0f} us against {h.med([a for a, _ in cpu]):.0f})"
+            )
+        each = f" at {args.rate:g} req/s each" if args.rate else ""
+        print(f"  router CPU per request, {args.side_by_side} phases side by side{each}: {', '.join(parts)}")
     costs = [audit_cost() for _ in range(3)]
     tiny_us, stream_us = h.med([c[0] for c in costs]), h.med([c[1] for c in costs])
     print(
@@ -675,7 +717,7 @@ def report(
                 versus = f" ({h.ratio(alone, vllm)} vllm-router's)"
             apart = f"the router process {alone:.0f} us/req{versus}, Envoy {gateway:.0f} us/req"
             print(f"  {picker} row: {apart}")
-        traced = [n for n in ("ours-trace0", "ours-trace10", "ours-trace100") if n in by_name]
+        traced = [n for n in by_name if n.startswith("ours-trace")]
         if "ours" in by_name and traced:
             # One request at a time (the latency phase's): the router's CPU per request without the
             # batching a saturated loop gets, whose figure moves 10-20% from run to run on a shared VM.

@@ -13,15 +13,7 @@ from router_runtime.scheduling.types import RouteRequest, Target
 from router_runtime.tracing.config import TracingConfig, _endpoint
 from router_runtime.tracing.context import parse_traceparent, sampled, traceparent
 from router_runtime.tracing.spans import NO_TRACE, SpanKind, Trace, Tracer
-from router_runtime.tracing.wire import (
-    any_value,
-    attribute,
-    encode_trace,
-    export_request,
-    fields,
-    key_value,
-    rejected_spans,
-)
+from router_runtime.tracing.wire import attributes, encode_trace, export_request, fields, rejected_spans
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 SPAN = "00f067aa0ba902b7"
@@ -89,6 +81,9 @@ def test_a_tracer_follows_the_client_and_names_its_own_span_to_the_engine():
     assert upstream.end_ns == t.root.end_ns and upstream.error == "cancelled"  # still open at the end
     headers["tracestate"] = "k=" + "v" * 600  # past the W3C limit: dropped, not cut
     assert "tracestate" not in tracer.start(headers, name).headers(upstream)
+    headers["tracestate"] = "k=v\udcff"  # a byte that is not UTF-8, as aiohttp reads it: dropped
+    odd = tracer.start(headers, name)
+    assert odd.recording and "tracestate" not in odd.headers(upstream)
     off = Tracer(TracingConfig(), finished.append)
     assert off.start(CIMultiDict(traceparent=f"00-{TRACE}-{SPAN}-01"), name) is NO_TRACE
 
@@ -154,17 +149,19 @@ def test_spans_encode_as_otlp():
     # Span: trace_id 1, span_id 2, trace_state 3, parent_span_id 4, name 5, kind 6, start 7, end 8,
     # attributes 9, events 11, status 15.
     assert root[1][0].hex() == TRACE and root[4][0].hex() == SPAN and root[3][0] == b"k=v"
+    assert 3 not in sched and 3 not in upstream  # the client's tracestate is the root's alone
     assert root[5][0] == b"POST /v1/chat/completions" and root[6][0] == 2 and upstream[6][0] == 3
     assert sched[4][0] == root[2][0]
-    lone = Trace(1, "x", SpanKind.SERVER, 0, None, lambda _: None)  # no client's parent
+    lone = Trace(1, "x", SpanKind.SERVER, 0, "", lambda _: None)  # no client's parent, an empty state
     lone.end()
     (only,) = message(encode_trace(lone))[2]
-    assert 4 not in message(only)
+    assert 4 not in message(only) and 3 not in message(only)
     start, end = (struct.unpack("<Q", sched[n][0])[0] for n in (7, 8))
     assert end >= start > 0
     assert span_attributes(sched) == {"s": "x", "b": True, "i": -3, "f": 0.5, "l": [1, 2], "ls": ["a"]}
     (event,) = (message(e) for e in sched[11])
     assert event[2][0] == b"failed_over" and span_attributes(event, 3) == {"routerfleet.engine": "e1"}
+    assert start <= struct.unpack("<Q", event[1][0])[0] <= end
     assert message(upstream[15][0]) == {3: [2]}  # status.code STATUS_CODE_ERROR
     assert span_attributes(upstream)["error.type"] == "timeout" and 15 not in sched
 
@@ -181,19 +178,46 @@ def test_an_explained_decision_lists_every_candidate_it_weighed():
 
 def test_an_odd_attribute_value_is_encoded_never_raised():
     def value(v):
-        return decoded(any_value(v))
+        return span_attributes(message(attributes(0x4A, {"k": v})))["k"]  # 0x4a: Span.attributes (9)
 
     assert value([1, None, 2]) == [1, 2]
     assert value(-5) == -5 and value(0.25) == 0.25 and value(False) is False
-    assert value(1 << 70) == str(1 << 70)
-    assert value((True,)) == [True]
+    assert value(-(1 << 63)) == -(1 << 63) and value((1 << 63) - 1) == (1 << 63) - 1
+    assert value(1 << 70) == str(1 << 70) and value([1 << 64]) == [str(1 << 64)]
+    assert value((True,)) == [True] and value([[1], ["a"]]) == [[1], ["a"]]
     assert value(object()).startswith("<object")
+    itself: list = [1]
+    itself.append(itself)  # deeper than eight lists: their text
+    assert value(itself) == [1, [1, [1, [1, [1, [1, [1, [1, "[1, [...]]"]]]]]]]]
     assert value("\u00e9t\u00e9") == "\u00e9t\u00e9" and value("x" * 300) == "x" * 300
-    # Text values are remembered encoded; a list of them too, by its contents.
-    kv = message(key_value("routerfleet.candidates.engine", ["a", "b"]))
-    assert kv[1] == [b"routerfleet.candidates.engine"] and decoded(kv[2][0]) == ["a", "b"]
-    assert attribute(b"\x4a", "k", ["a"]) is attribute(b"\x4a", "k", ["a"])
-    assert attribute(b"\x4a", "k", True) != attribute(b"\x4a", "k", 1) != attribute(b"\x4a", "k", [1])
+    assert value(["y" * 200] * 100) == ["y" * 200] * 100  # lengths of two and three bytes
+    assert attributes(0x4A, {"a": None}) == b""  # None: the message does not have it
+    with pytest.raises(TypeError):
+        attributes(0x4A, {1: "a key that is not text"})
+    with pytest.raises(ValueError):
+        attributes(0x48, {"k": 1})  # a varint field's tag
+
+    class Growing:  # a value whose text changes the dict being written: no panic past the exporter
+        def __str__(self):
+            grown["more"] = 1
+            return "grown"
+
+    grown: dict = {"a": Growing(), "b": 2}
+    assert span_attributes(message(attributes(0x4A, grown))) == {"a": "grown", "b": 2}
+
+
+def test_a_failed_spans_error_type_takes_the_place_of_one_it_set():
+    t = Trace(1, "x", SpanKind.SERVER, 0, None, lambda _: None)
+    with t.span("upstream") as up:
+        up.update({"a": 1, "error.type": None, "b": 2})
+        up.fail("timeout")
+    with t.span("schedule") as plain:
+        plain.set("error.type", "set by hand")  # not failed: no status, the value as set
+    t.end()
+    _, up_span, plain_span = (message(x) for x in message(encode_trace(t))[2])
+    keys = [message(kv)[1][0] for kv in up_span[9]]
+    assert keys == [b"a", b"error.type", b"b"] and span_attributes(up_span)["error.type"] == "timeout"
+    assert span_attributes(plain_span) == {"error.type": "set by hand"} and 15 not in plain_span
 
 
 def test_the_collectors_answer_says_how_many_spans_it_refused():

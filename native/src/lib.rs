@@ -1,7 +1,7 @@
 //! RouterFleet's native index core, and its Python bindings (the `routerfleet_index` module).
 //!
 //! The pure-Rust core (`keys`, `events`, `index`, `snapshot`) knows nothing of Python; this file is
-//! the shell that converts. Python keeps the sockets, the single writer task and carrier identity
+//! the shell that converts (`extproc` and `otlp` carry their own shells). Python keeps the sockets, the single writer task and carrier identity
 //! (`router_runtime/kv/index.py` wraps `Index`); every call here runs under the GIL on that writer or
 //! on a reader of the same loop, so a match never observes a half-applied batch.
 
@@ -13,6 +13,7 @@ pub mod extproc;
 pub mod index;
 pub mod keys;
 pub mod msgpack;
+pub mod otlp;
 pub mod snapshot;
 
 use pyo3::exceptions::PyValueError;
@@ -841,6 +842,8 @@ fn routerfleet_index(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(vet_columns, m)?)?;
     m.add("ColumnsRefused", m.py().get_type::<ColumnsRefused>())?;
     m.add_function(wrap_pyfunction!(store_skip, m)?)?;
+    m.add_function(wrap_pyfunction!(otlp::encode_spans, m)?)?;
+    m.add_function(wrap_pyfunction!(otlp::encode_attributes, m)?)?;
     m.add("SCHEME", keys::SCHEME)?;
     let media = PyDict::new(m.py());
     for (medium, tier) in events::MEDIUM_TIERS {

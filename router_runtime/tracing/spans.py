@@ -203,7 +203,8 @@ class _Declined(_NoTrace):
         return {TRACEPARENT: traceparent(self._trace_id, new_id(64), sampled=False)}
 
 
-# The W3C limit on tracestate: a longer one is dropped rather than cut mid-entry.
+# The W3C limit on tracestate: a longer one is dropped rather than cut mid-entry. So is one that is not
+# ASCII, which the W3C grammar never is (bytes that are not UTF-8 could not be encoded: the trace lost).
 MAX_TRACESTATE = 512
 
 
@@ -237,7 +238,7 @@ class Tracer:
         if not parent.sampled:
             return NO_TRACE  # the client's own traceparent reaches the engine, with its headers
         state = ",".join(headers.getall(TRACESTATE, ()))
-        state = state if len(state) <= MAX_TRACESTATE else ""
+        state = state if len(state) <= MAX_TRACESTATE and state.isascii() else ""
         return Trace(parent.trace_id, name(), kind, parent.span_id, state or None, sink)
 
 
