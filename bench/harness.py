@@ -481,12 +481,14 @@ def start_router(
     model: str = MODEL,
     worker_keys: Sequence[str] | None = None,
     duplex: bool = False,
+    command: Sequence[str] | None = None,
 ) -> Router:
     """Start one router in front of ``engines`` and wait until it answers. For ours that is /readyz
     (an engine known and healthy and, for kv_aware, its subscriptions connected); for the anchors
     their /health, then one completion through them. ``block_size`` and ``model``: the engines';
     ``worker_keys``: more keys of each engine's ``--worker`` (ours only); ``duplex``: "ours-epp"'s
-    Envoy sends bodies FULL_DUPLEX_STREAMED (as Envoy Gateway does), not BUFFERED / STREAMED."""
+    Envoy sends bodies FULL_DUPLEX_STREAMED (as Envoy Gateway does), not BUFFERED / STREAMED;
+    ``command``: what runs ours in place of ``routerfleet-router`` (its arguments the same)."""
     port, metrics_port = free_ports(2)
     name = label or (kind if kind != "ours" else f"ours-{policy}")
     if kind == "ours-epp":
@@ -499,6 +501,8 @@ def start_router(
         argv = ours_argv(
             engines, port, metrics_port, policy, extra, events=events, block_size=block_size, worker_keys=keys
         )
+        if command is not None:
+            argv = [*command, *argv[1:]]
         env = None
         ready_path = "/readyz"
     elif kind == "vllm-router":

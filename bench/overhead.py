@@ -250,6 +250,8 @@ def start_all(
         "ours-trace1": ("ours kv_aware, 1% traced", "ours", "kv_aware", False),
         "ours-trace10": ("ours kv_aware, 10% traced", "ours", "kv_aware", False),
         "ours-trace100": ("ours kv_aware, 100% traced", "ours", "kv_aware", False),
+        # CPython's default young-generation threshold in place of the router's (router_runtime/cli.py).
+        "ours-gc700": ("ours kv_aware, GC threshold 700", "ours", "kv_aware", False),
         "vllm": ("vllm-router kv_aware", "vllm-router", "kv_aware", False),
         "sglang": ("sglang-router cache_aware", "sglang-router", "", True),
     }
@@ -274,6 +276,7 @@ def start_all(
                 cpus=router_cpus,
                 extra=extra,
                 duplex=name == "ours-epp-duplex",
+                command=[sys.executable, "-m", "bench.gc_baseline"] if name == "ours-gc700" else None,
             )
             routers.append(r)
             targets.append(Target(name, label, r.url, text, "direct-text" if text else "direct", r))
@@ -294,12 +297,13 @@ def side_by_side(
     max_wait: float,
     rate: float | None,
 ) -> dict[str, list[tuple[float, float]]]:
-    """Per tracing row: ``phases`` tiny throughput phases in which ours (tracing off) and the row take the
-    load at once, half the connections each (and ``rate`` requests per second each, if given), on the
-    routers' one core; each phase's router CPU per request, ours' and the row's (us). Both share the
-    machine's every moment, so the drift between phases (20-40% on this VM) cancels out of their ratio."""
+    """Per row that varies ours (the tracing rows, ``ours-gc700``): ``phases`` tiny throughput phases in
+    which ours and the row take the load at once, half the connections each (and ``rate`` requests per
+    second each, if given), on the routers' one core; each phase's router CPU per request, ours' and the
+    row's (us). Both share the machine's every moment, so the drift between phases (20-40% on this VM)
+    cancels out of their ratio."""
     off = next((t for t in targets if t.name == "ours"), None)
-    traced = [t for t in targets if t.name.startswith("ours-trace")]
+    variants = [t for t in targets if t.name.startswith("ours-trace") or t.name == "ours-gc700"]
     if off is None or not phases:
         return {}
 
@@ -311,7 +315,7 @@ def side_by_side(
         )
 
     out: dict[str, list[tuple[float, float]]] = {}
-    for t in traced:
+    for t in variants:
         for i in range(phases):
             h.wait_quiet(max_wait)
             if i % 2 == 0:  # which one's client starts first alternates
@@ -339,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         "--rows",
         default="ours,ours-noaudit,ours-rr,ours-epp,vllm,sglang",
         help="routers, from ours,ours-noaudit,ours-rr,ours-epp,ours-epp-duplex,ours-trace0,ours-trace1,"
-        "ours-trace10,ours-trace100,vllm,sglang (default all but the tracing rows and ours-epp-duplex)",
+        "ours-trace10,ours-trace100,ours-gc700,vllm,sglang (default all but the tracing rows, ours-gc700"
+        " and ours-epp-duplex)",
     )
     ap.add_argument("--conns", type=int, default=32, help="connections in the throughput loop (default 32)")
     ap.add_argument(
@@ -350,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         metavar="N",
-        help="after the runs, N tiny throughput phases in which ours and each tracing row take the load at"
-        " once; the median of their CPU ratios: the tracing rows' cost without the drift between runs",
+        help="after the runs, N tiny throughput phases in which ours and each tracing row (and ours-gc700)"
+        " take the load at once; the median of their CPU ratios: a row's cost without the drift between runs",
     )
     ap.add_argument(
         "--rate",
@@ -454,10 +459,11 @@ def main(argv: list[str] | None = None) -> int:
     report(targets, lat, thr, errors)
     if paired:
         parts = []
+        labels = {t.name: t.label.removeprefix("ours kv_aware, ") for t in targets}
         for n, cpu in paired.items():
             pct = [100 * (b / a - 1) for a, b in cpu]
             parts.append(
-                f"{n.removeprefix('ours-trace')}% traced {h.med(pct):+.1f}%{h.spread(pct, '+.1f')}"
+                f"{labels[n]} {h.med(pct):+.1f}%{h.spread(pct, '+.1f')}"
                 f" ({h.med([b for _, b in cpu]):.0f} us against {h.med([a for a, _ in cpu]):.0f})"
             )
         each = f" at {args.rate:g} req/s each" if args.rate else ""
