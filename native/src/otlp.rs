@@ -141,10 +141,7 @@ fn attributes(out: &mut Vec<u8>, tag: u8, attrs: &Bound<'_, PyDict>, error: Opti
         if v.is_none() {
             continue;
         }
-        put_nested(out, tag, |out| {
-            put_bytes(out, 0x0a, key.as_bytes());
-            put_nested(out, 0x12, |out| any_value(out, &v, 0))
-        })?;
+        key_value(out, tag, key, |out| any_value(out, &v, 0))?;
     }
     if let Some(e) = error {
         key_value(out, tag, "error.type", |out| any_str(out, e));
