@@ -218,9 +218,10 @@ async def throughput(
 
 
 def start_all(
-    logdir: str, rows: list[str], pin: bool, collector: str | None = None
+    logdir: str, rows: list[str], all_cpus: list[int], pin: bool, collector: str | None = None
 ) -> tuple[h.Engine, list[Target], list[h.Router], dict[str, str]]:
-    all_cpus = h.cpus()
+    """The engine, the direct targets and ``rows``' routers; pinned (``pin``): the routers on the last of
+    ``all_cpus`` (the machine's, read before this process narrowed its own), the engine on the rest."""
     router_cpus = {all_cpus[-1]} if pin and len(all_cpus) > 1 else None
     other_cpus = set(all_cpus[:-1]) if router_cpus else None
     if other_cpus:
@@ -398,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         collector = stack.enter_context(running_collector(Path(logdir)))
         print(f"# tracing rows export to a real OpenTelemetry Collector at {collector.endpoint}")
     engine, targets, routers, skipped = start_all(
-        logdir, rows, not args.no_pin, collector.endpoint if collector else None
+        logdir, rows, cpus, not args.no_pin, collector.endpoint if collector else None
     )
     try:
         for name, why in skipped.items():
