@@ -128,7 +128,7 @@ class Scheduled:
         standing (parallel arrays, in the order the picker saw them)."""
         s = self._scheduler
         rows = decision.candidates
-        prediction = self.prediction(decision)
+        credited = self._credited(decision) if self.predicts else None
         session = self.session.classified if self.session is not None else None
         attributes: dict[str, Attr | None] = {
             "routerfleet.profile": s.profile.name,
@@ -140,9 +140,9 @@ class Scheduled:
             "routerfleet.matched.blocks": decision.matched_blocks,
             "routerfleet.session.state": session.state.value if session is not None else None,
             "routerfleet.session.preferred": route.prefer.engine if route.prefer is not None else None,
-            "routerfleet.prediction.cached_tokens": prediction.tokens if prediction is not None else None,
-            "routerfleet.prediction.doubtful": prediction.doubtful if prediction is not None else None,
-            "routerfleet.prediction.inflight_tokens": prediction.inflight_tokens if prediction else None,
+            "routerfleet.prediction.cached_tokens": credited[0] if credited is not None else None,
+            "routerfleet.prediction.doubtful": credited[1] if credited is not None else None,
+            "routerfleet.prediction.inflight_tokens": credited[2] if credited is not None else None,
             "routerfleet.candidates.engine": [c.target.engine for c in rows],
             "routerfleet.candidates.rank": [-1 if c.target.rank is None else c.target.rank for c in rows],
             "routerfleet.candidates.load": [float(c.load) for c in rows],
@@ -163,11 +163,10 @@ class Scheduled:
         if not self.predicts:
             return None
         s, route, index = self._scheduler, self.route, self.index
-        doubtful = s.doubt_fn(decision.target.carrier) if s.doubt_fn is not None else False
+        cached, doubtful, inflight = self._credited(decision)
         bs = index.block_size
         tiers = tuple(n * bs for n in decision.tier_blocks)
         reusable = reusable_tokens(len(route.tokens), route.logprobs_from)
-        inflight = decision.inflight_blocks * bs
         watch, watches = self._credits.get(id(decision)), s.credit_watches
         if watch is None and watches is not None and decision.matched_blocks and route.tokens is not None:
             credited = route.tokens[: decision.matched_blocks * bs]
@@ -177,9 +176,15 @@ class Scheduled:
             self._credits[id(decision)] = watches.watch_credit(watch)
         evicted = (lambda: watch.evicted) if watch is not None else None
         moved = self._transfers.get(id(decision), 0)
-        return Prediction(
-            decision.matched_blocks * bs, doubtful, tiers, reusable, bs, inflight, moved, evicted
-        )
+        return Prediction(cached, doubtful, tiers, reusable, bs, inflight, moved, evicted)
+
+    def _credited(self, decision: Decision) -> tuple[int, bool, int]:
+        """Of ``prediction``: the cached tokens credited, whether in doubt, the in-flight tokens beyond
+        them (what a trace's schedule span says, without the watch and the audit's figures)."""
+        assert self.index is not None
+        s, bs = self._scheduler, self.index.block_size
+        doubtful = s.doubt_fn(decision.target.carrier) if s.doubt_fn is not None else False
+        return decision.matched_blocks * bs, doubtful, decision.inflight_blocks * bs
 
 
 class Scheduler:

@@ -51,12 +51,15 @@ def encode_trace(trace: Trace) -> bytes:
 
 def export_request(traces: Sequence[bytes], resource: Mapping[str, Attr], scope: str, version: str) -> bytes:
     """ExportTraceServiceRequest{resource_spans: [{resource, scope_spans: [{scope, spans}]}]} of
-    ``traces`` (each ``encode_trace``'s): one resource (this router) and one instrumentation scope."""
-    spans = b"".join(traces)
+    ``traces`` (each ``encode_trace``'s): one resource (this router) and one instrumentation scope. The
+    envelopes' lengths are summed from their parts, so the batch's spans are copied once."""
     scope_msg = field(b"\x0a", field(b"\x0a", scope.encode()) + field(b"\x12", version.encode()))
-    scope_spans = field(b"\x12", scope_msg + spans)
+    scope_spans_len = len(scope_msg) + sum(len(t) for t in traces)
+    scope_spans_head = b"\x12" + _varint(scope_spans_len)
     resource_msg = field(b"\x0a", attributes(0x0A, resource))
-    return field(b"\x0a", resource_msg + scope_spans)
+    resource_spans_len = len(resource_msg) + len(scope_spans_head) + scope_spans_len
+    head = b"\x0a" + _varint(resource_spans_len) + resource_msg + scope_spans_head + scope_msg
+    return b"".join((head, *traces))
 
 
 def fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
