@@ -39,6 +39,11 @@ def sample(plane: KVPlane, name: str, **labels) -> float:
     return plane.registry.get_sample_value(name, labels) or 0.0
 
 
+def blocks(plane: KVPlane, tier: str, engine: str = "e") -> float:
+    """What the index-blocks gauge says rank 0 of ``engine`` holds in ``tier``."""
+    return sample(plane, "routerfleet_kv_index_blocks", engine=engine, rank="0", tier=tier)
+
+
 def outcome(plane: KVPlane, o: str) -> float:
     return sample(plane, "routerfleet_kv_adoption_attempts_total", outcome=o)
 
@@ -151,10 +156,14 @@ async def test_restart_with_the_same_storage_drops_device_and_keeps_disk(tmp_pat
         leave(plane)
         engine.restart()  # a new incarnation on the same storage: re-announces nothing
         assert engine.caches[0].disk_hashes() and not engine.caches[0].device_hashes()
+        await plane.writer.drain()
+        assert blocks(plane, "device") == 2 and blocks(plane, "disk") == 2
         await back(plane, spec(engine))
         assert outcome(plane, "success") == 1
         assert tiers(plane, DEV) is None  # GPU memory is gone
         assert tiers(plane, DISK) == (0, 0, 2, 0)  # the disk survived and is adopted
+        # The gauges say so too, though no event batch came after the drop.
+        assert blocks(plane, "device") == 0 and blocks(plane, "disk") == 2
         # The new incarnation's stream works on top of it: a disk hit is promoted, by engine hash.
         await join(plane, engine)
         engine.admit(0, DISK, engine.caches[0].chain(DISK)[0].namespace)

@@ -201,6 +201,9 @@ class IndexWriter:
             else:
                 if not item.done.done():
                     item.done.set_result(result)
+            # A call may change any carrier (a graft's step, tiers dropped on a re-adoption): every
+            # carrier's gauges are read again, not left as the last event batch set them.
+            self._touched.update(index.carriers)
             return
         self._touched.add(item.carrier)
         if item.batch is not None:
