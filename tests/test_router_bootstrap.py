@@ -12,6 +12,7 @@ import pytest
 from router_runtime.app import run_router
 from router_runtime.bootstrap.config import PeerConfig
 from router_runtime.config import parse_args
+from router_runtime.kv.events import Tier
 from routerfleet_fake_engine.cache import PLAIN
 from routerfleet_fake_engine.server import run_fake_engine
 from tests.support import LOCAL_METRICS
@@ -88,6 +89,11 @@ async def test_a_second_router_is_seeded_through_the_internal_port(token_file):
                 assert r.status == 200
             for p in prompts(1, 60):
                 assert b.kv.index.match(p) == a.kv.index.match(p) != {}
+            # Its gauges count the grafted blocks, though no event batch came after the graft.
+            c = b.kv.index.carriers[0]
+            gauge = {"engine": c.engine, "rank": str(c.rank), "tier": "device"}
+            held = b.kv.index.carrier_blocks(c)[Tier.DEVICE]
+            assert held and b.kv.registry.get_sample_value("routerfleet_kv_index_blocks", gauge) == held
             # What the engine evicted before the graft was never seen by b: no session memory older
             # than the graft is vouched for there.
             assert set(b.kv.writer.evicted_at) == set(b.kv.index.carriers)

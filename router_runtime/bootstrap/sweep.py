@@ -567,7 +567,7 @@ class Bootstrapper:
             None, Grafter, self.plane.index, vetted.columns, carriers, admit
         )
         chunk = self.config.graft_chunk
-        while not await self.plane.writer.call(lambda _index: grafter.step(chunk)):
+        while not await self.plane.writer.call(lambda _index: grafter.step(chunk), touches=ours):
             pass
         writer = self.plane.writer
         for c in ours:
@@ -713,7 +713,7 @@ class Bootstrapper:
         for b in rest:  # re-held while the graft lands; released right after it
             sub.hold.add(b)
         chunk = cfg.graft_chunk
-        while not await self.plane.writer.call(lambda _index: grafter.step(chunk)):
+        while not await self.plane.writer.call(lambda _index: grafter.step(chunk), touches=(c,)):
             pass
         if not admit(c):
             return

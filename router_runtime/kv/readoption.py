@@ -443,7 +443,7 @@ class Readoption:
             return
         evictions = routerfleet_index.Batch.evictions([as_native(b.batch) for b in batches])
         if len(evictions):
-            self.writer.call(lambda idx: idx.apply_batch(c, evictions))
+            self.writer.call(lambda idx: idx.apply_batch(c, evictions), touches=(c,))
             self.writer.note_eviction(c)
 
     # ---- holds ---------------------------------------------------------------------------------
@@ -754,7 +754,7 @@ class Readoption:
 
         # Drop, then the held batches, then show: a reader never sees a block the new stream had
         # already evicted (the writer yields to readers between batches).
-        self.writer.call(drop)
+        self.writer.call(drop, touches=[*live, *kept])
         released = all([sub.release() if (sub := subs.get(c.rank)) else True for c in live])
         self.writer.call(lambda idx: [idx.set_visible(c, ALL) for c in live])
         self._record_outcome(d.outcome if released else Outcome.REJECTED, rec)

@@ -14,7 +14,7 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from ..worker import Carrier
@@ -48,6 +48,7 @@ class _Item:
     remove: bool = False
     call: Callable[[RadixIndex], object] | None = None
     done: asyncio.Future | None = None
+    touches: tuple[Carrier, ...] = ()  # the carriers a call changes: their gauges are read again
 
 
 # How long the eviction record of a carrier that left the index is kept: longer than any sensible
@@ -156,10 +157,11 @@ class IndexWriter:
     def submit_remove(self, carrier: Carrier) -> None:
         self._push(_Item(carrier, remove=True, clear=ClearReason.WORKER_REMOVED))
 
-    def call(self, fn: Callable[[RadixIndex], object]) -> asyncio.Future:
-        """Run ``fn(index)`` on the writer, in order with everything queued before it."""
+    def call(self, fn: Callable[[RadixIndex], object], touches: Iterable[Carrier] = ()) -> asyncio.Future:
+        """Run ``fn(index)`` on the writer, in order with everything queued before it. ``touches``: the
+        carriers whose blocks it may change (their gauges are read again after it)."""
         fut = asyncio.get_running_loop().create_future()
-        self._push(_Item(Carrier(""), call=fn, done=fut))
+        self._push(_Item(Carrier(""), call=fn, done=fut, touches=tuple(touches)))
         return fut
 
     async def drain(self) -> None:
@@ -201,9 +203,7 @@ class IndexWriter:
             else:
                 if not item.done.done():
                     item.done.set_result(result)
-            # A call may change any carrier (a graft's step, tiers dropped on a re-adoption): every
-            # carrier's gauges are read again, not left as the last event batch set them.
-            self._touched.update(index.carriers)
+            self._touched.update(item.touches)
             return
         self._touched.add(item.carrier)
         if item.batch is not None:
