@@ -253,6 +253,8 @@ def start_all(
         "ours-trace100": ("ours kv_aware, 100% traced", "ours", "kv_aware", False),
         # CPython's default young-generation threshold in place of the router's (router_runtime/cli.py).
         "ours-gc700": ("ours kv_aware, GC threshold 700", "ours", "kv_aware", False),
+        # Ours again, the same flags: side by side with ours, what the method reads where nothing differs.
+        "ours-again": ("ours kv_aware, again", "ours", "kv_aware", False),
         "vllm": ("vllm-router kv_aware", "vllm-router", "kv_aware", False),
         "sglang": ("sglang-router cache_aware", "sglang-router", "", True),
     }
@@ -287,6 +289,11 @@ def start_all(
     return engine, targets, routers, skipped
 
 
+def paired_row(name: str) -> bool:
+    """Whether row ``name`` varies ours (or is its control), to be compared with it side by side."""
+    return name.startswith("ours-trace") or name in ("ours-gc700", "ours-again")
+
+
 def side_by_side(
     targets: list[Target],
     raws: list[bytes],
@@ -298,13 +305,14 @@ def side_by_side(
     max_wait: float,
     rate: float | None,
 ) -> dict[str, list[tuple[float, float]]]:
-    """Per row that varies ours (the tracing rows, ``ours-gc700``): ``phases`` tiny throughput phases in
-    which ours and the row take the load at once, half the connections each (and ``rate`` requests per
-    second each, if given), on the routers' one core; each phase's router CPU per request, ours' and the
-    row's (us). Both share the machine's every moment, so the drift between phases (20-40% on this VM)
-    cancels out of their ratio."""
+    """Per row that varies ours (the tracing rows, ``ours-gc700``; ``ours-again``, the control): ``phases``
+    tiny throughput phases in which ours and the row take the load at once, half the connections each
+    (and ``rate`` requests per second each, if given), on the routers' one core; each phase's router CPU
+    per request, ours' and the row's (us). Both share the machine's every moment, so the drift between
+    phases (20-40% on this VM) cancels out of their ratio. Two processes of the same code still differ by
+    up to 2% per request (``ours-again`` measures it in the same run)."""
     off = next((t for t in targets if t.name == "ours"), None)
-    variants = [t for t in targets if t.name.startswith("ours-trace") or t.name == "ours-gc700"]
+    variants = [t for t in targets if paired_row(t.name)]
     if off is None or not phases:
         return {}
 
@@ -344,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         "--rows",
         default="ours,ours-noaudit,ours-rr,ours-epp,vllm,sglang",
         help="routers, from ours,ours-noaudit,ours-rr,ours-epp,ours-epp-duplex,ours-trace0,ours-trace1,"
-        "ours-trace10,ours-trace100,ours-gc700,vllm,sglang (default all but the tracing rows, ours-gc700"
-        " and ours-epp-duplex)",
+        "ours-trace10,ours-trace100,ours-gc700,ours-again,vllm,sglang (default all but the tracing rows,"
+        " ours-gc700, ours-again and ours-epp-duplex)",
     )
     ap.add_argument("--conns", type=int, default=32, help="connections in the throughput loop (default 32)")
     ap.add_argument(
@@ -356,8 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         metavar="N",
-        help="after the runs, N tiny throughput phases in which ours and each tracing row (and ours-gc700)"
-        " take the load at once; the median of their CPU ratios: a row's cost without the drift between runs",
+        help="after the runs, N tiny throughput phases in which ours and each tracing row (and ours-gc700;"
+        " ours-again, the control, added) take the load at once; the median of their CPU ratios: a row's"
+        " cost without the drift between runs",
     )
     ap.add_argument(
         "--rate",
@@ -376,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     block = 200 if args.quick else 250  # sequential requests per target before moving to the next
     warm_s, secs = (0.5, 1.0) if args.quick else (1.0, 4.0)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    if args.side_by_side and "ours" in rows and any(paired_row(r) for r in rows) and "ours-again" not in rows:
+        rows.insert(rows.index("ours") + 1, "ours-again")  # the side-by-side phases' control
     max_wait = args.max_wait if args.max_wait is not None else (0.0 if args.quick else 10.0)
     idle_seen: list[float] = []
 
@@ -388,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
         ok, why = h.anchor_status(kind)
         print(f"# {kind}: {why if ok else 'NOT AVAILABLE: ' + why}")
     cpus = h.cpus()
+    # Every router of the run hashes alike (inherited): two processes of the same code differ by a
+    # percent or two per request, and the hash seed is one cause the side-by-side rows need not carry.
+    os.environ.setdefault("PYTHONHASHSEED", "0")
     stack = contextlib.ExitStack()
     collector = None
     if any(r.startswith("ours-trace") for r in rows):
