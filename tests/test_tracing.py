@@ -23,7 +23,14 @@ from router_runtime.tokens.config import TokenizerConfig
 from router_runtime.tokens.tokenizer import ENGINE_TOKENIZER
 from router_runtime.tracing.config import TracingConfig
 from router_runtime.tracing.context import parse_traceparent
-from router_runtime.tracing.export import FLUSH_TIMEOUT_S, MAX_QUEUED_TRACES, OtlpExporter, TraceMetrics
+from router_runtime.tracing.export import (
+    BATCH_TRACES,
+    FLUSH_TIMEOUT_S,
+    INTERVAL_S,
+    MAX_QUEUED_TRACES,
+    OtlpExporter,
+    TraceMetrics,
+)
 from router_runtime.tracing.spans import SpanKind, Trace
 from tests.support import eventually, router_over_fakes
 
@@ -125,6 +132,7 @@ async def test_a_chat_requests_trace_has_the_decision_and_reaches_the_engine(tmp
         assert device[winner] == sched["routerfleet.matched.blocks"] > 0 and sum(device) == device[winner]
         assert sched["routerfleet.candidates.cost"][winner] == min(sched["routerfleet.candidates.cost"])
         assert len(sched["routerfleet.candidates.load"]) == 2 and sched["routerfleet.load.fresh_peers"] == 0
+        assert "routerfleet.candidates.matched_blocks.host" not in sched  # no candidate holds blocks there
         tok = named["tokenize"]["attributes"]
         assert tok["routerfleet.tokenizer"] == "router" and tok["routerfleet.tokens.count"] > 0
 
@@ -276,6 +284,43 @@ async def test_the_exporter_counts_what_the_collector_took_and_what_it_could_not
         await exporter.stop()
         assert spans_counted(registry) == (0, 2, 0)
     finally:
+        await runner.cleanup()
+
+
+async def test_a_batch_goes_full_or_at_the_interval_never_just_what_queued_during_an_export():
+    # A collector that takes 0.2 s per export: traces queued meanwhile wait for a full batch or the
+    # interval, rather than going as a batch of their own as soon as the export ends.
+    exports: list[int] = []
+
+    async def slow(request: web.Request) -> web.Response:
+        body = await request.read()
+        await asyncio.sleep(0.2)
+        exports.append(body.count(b"\x2a\x05route"))  # each trace's one span, its root "route"
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", slow)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    exporter, registry = exporter_to(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    try:
+        exporter.start()
+        started = asyncio.get_running_loop().time()
+        for _ in range(BATCH_TRACES):
+            exporter.submit(finished_trace(0))
+        await asyncio.sleep(0.05)  # the full batch is on its way
+        for _ in range(5):
+            exporter.submit(finished_trace(0))
+        await asyncio.sleep(0.6 - (asyncio.get_running_loop().time() - started))
+        assert exports == [BATCH_TRACES]  # the 5 wait for the interval
+        await eventually(lambda: len(exports) == 2, INTERVAL_S + 2, "the interval's batch")
+        assert exports == [BATCH_TRACES, 5]
+        await exporter.stop()
+        assert spans_counted(registry) == (BATCH_TRACES + 5, 0, 0)
+    finally:
+        await exporter.stop()  # again, after a failed assertion: a stopped exporter's stop does nothing
         await runner.cleanup()
 
 

@@ -124,10 +124,10 @@ fn any_value(out: &mut Vec<u8>, v: &Bound<'_, PyAny>, depth: u32) -> PyResult<()
 /// `error`, if given, as `error.type` (in that key's place if the span set one, else last).
 fn attributes(out: &mut Vec<u8>, tag: u8, attrs: &Bound<'_, PyDict>, error: Option<&str>) -> PyResult<()> {
     let mut error = error;
-    // A snapshot of the entries: a value's `__str__` may run Python that changes the dict, and PyO3's
-    // dict iterator panics on that (a PanicException is no Exception: it would reach the request).
-    for item in attrs.items().iter() {
-        let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+    // A private copy to walk: a value's `__str__` may run Python that changes the dict, and PyO3's
+    // dict iterator panics on that (a PanicException is no Exception: it would reach the request). A
+    // copy, not `items()`: no tuple per entry.
+    for (k, v) in attrs.copy()?.iter() {
         let key = k
             .cast::<PyString>()
             .map_err(|_| PyTypeError::new_err("an attribute's key is not text"))?;
@@ -204,7 +204,7 @@ pub fn encode_spans<'py>(
 ) -> PyResult<Bound<'py, PyBytes>> {
     let trace_id = trace_id.to_be_bytes();
     let tracestate = tracestate.filter(|s| !s.is_empty());
-    let mut out = Vec::with_capacity(256 * spans.len());
+    let mut out = Vec::with_capacity(512 * spans.len());
     for s in spans.iter() {
         let state = if s.is(root) { tracestate } else { None };
         put_nested(&mut out, 0x12, |out| span(out, &trace_id, state, &s))?;

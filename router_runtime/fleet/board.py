@@ -176,12 +176,17 @@ class LoadBoard:
         """For a trace's schedule span: each candidate's load by source, and how many siblings' reports
         are fresh (0: this replica decides on its own counts and the engines' alone)."""
         r, own = self.remote(), self.own
-        keys = [key(t) for t in targets]
+        mine, peers, unseen = [], [], []
+        for t in targets:
+            k = key(t)
+            mine.append(own.get(t))
+            peers.append(r.peers.get(k, 0))
+            unseen.append(float(r.engines.get(k, 0.0)))
         return {
             "routerfleet.load.fresh_peers": self.fresh_peers(),
-            "routerfleet.candidates.load.own": [own.get(t) for t in targets],
-            "routerfleet.candidates.load.peers": [r.peers.get(k, 0) for k in keys],
-            "routerfleet.candidates.load.unseen": [float(r.engines.get(k, 0.0)) for k in keys],
+            "routerfleet.candidates.load.own": mine,
+            "routerfleet.candidates.load.peers": peers,
+            "routerfleet.candidates.load.unseen": unseen,
         }
 
     def summary(self) -> dict:

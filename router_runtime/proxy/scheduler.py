@@ -41,6 +41,8 @@ from .responses import ResponseRouter, response_error
 
 # The APIs rendered as a chat request, and how their body becomes one (tokens/shapes.py).
 _AS_CHAT = {Kind.RESPONSES: responses_chat, Kind.MESSAGES: messages_chat}
+# The schedule span's per-tier arrays, device first (audit.TIERS' order).
+_TIER_KEYS = tuple(f"routerfleet.candidates.matched_blocks.{tier}" for tier in TIERS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +61,17 @@ class Inbound:
 class Scheduled:
     """One request's scheduling, across its attempts."""
 
-    __slots__ = ("_credits", "_scheduler", "_transfers", "index", "parsed", "route", "session", "trace")
+    __slots__ = (
+        "_credit",
+        "_credits",
+        "_scheduler",
+        "_transfers",
+        "index",
+        "parsed",
+        "route",
+        "session",
+        "trace",
+    )
 
     def __init__(
         self,
@@ -78,6 +90,7 @@ class Scheduled:
         self.index = index  # as it stood when the request came: every attempt decides on it
         self._credits: dict[int, CreditWatch] = {}  # id(decision) -> its credited prefix, watched
         self._transfers: dict[int, int] = {}  # id(decision) -> tokens a remote prefill hands its target
+        self._credit: tuple[Decision, tuple[int, bool, int]] | None = None  # the latest decision's
 
     @property
     def predicts(self) -> bool:
@@ -125,11 +138,22 @@ class Scheduled:
 
     def _explained(self, decision: Decision, route: RouteRequest, attempt: int) -> dict[str, Attr | None]:
         """The schedule span's attributes: the winner and why, what it credits, and every candidate's
-        standing (parallel arrays, in the order the picker saw them)."""
+        standing (parallel arrays, in the order the picker saw them; a tier's matched blocks only when
+        some candidate holds blocks there, the device tier always)."""
         s = self._scheduler
         rows = decision.candidates
         credited = self._credited(decision) if self.predicts else None
         session = self.session.classified if self.session is not None else None
+        engines, ranks, loads, costs = [], [], [], []
+        tiers: list[list[int]] = [[], [], [], []]
+        for c in rows:
+            t = c.target
+            engines.append(t.engine)
+            ranks.append(-1 if t.rank is None else t.rank)
+            loads.append(float(c.load))
+            costs.append(c.cost)
+            for i, n in enumerate(c.tier_blocks):
+                tiers[i].append(n)
         attributes: dict[str, Attr | None] = {
             "routerfleet.profile": s.profile.name,
             "routerfleet.attempt": attempt,
@@ -143,16 +167,15 @@ class Scheduled:
             "routerfleet.prediction.cached_tokens": credited[0] if credited is not None else None,
             "routerfleet.prediction.doubtful": credited[1] if credited is not None else None,
             "routerfleet.prediction.inflight_tokens": credited[2] if credited is not None else None,
-            "routerfleet.candidates.engine": [c.target.engine for c in rows],
-            "routerfleet.candidates.rank": [-1 if c.target.rank is None else c.target.rank for c in rows],
-            "routerfleet.candidates.load": [float(c.load) for c in rows],
+            "routerfleet.candidates.engine": engines,
+            "routerfleet.candidates.rank": ranks,
+            "routerfleet.candidates.load": loads,
             # The scorers' summed cost, in blocks (absent: no scorer spoke, as for round robin).
-            "routerfleet.candidates.cost": [c.cost for c in rows]
-            if rows and rows[0].cost is not None
-            else None,
+            "routerfleet.candidates.cost": costs if rows and costs[0] is not None else None,
         }
-        for i, tier in enumerate(TIERS):
-            attributes[f"routerfleet.candidates.matched_blocks.{tier}"] = [c.tier_blocks[i] for c in rows]
+        for i, blocks in enumerate(tiers):
+            if i == 0 or any(blocks):
+                attributes[_TIER_KEYS[i]] = blocks
         if s.describe_load is not None and rows:  # parallel to the rows (none: a filter decided)
             attributes.update(s.describe_load([c.target for c in rows]))
         return attributes
@@ -180,11 +203,17 @@ class Scheduled:
 
     def _credited(self, decision: Decision) -> tuple[int, bool, int]:
         """Of ``prediction``: the cached tokens credited, whether in doubt, the in-flight tokens beyond
-        them (what a trace's schedule span says, without the watch and the audit's figures)."""
+        them (what a trace's schedule span says, without the watch and the audit's figures). Judged
+        once per decision, when it is made: a traced one's span and its prediction say the same."""
+        known = self._credit
+        if known is not None and known[0] is decision:
+            return known[1]
         assert self.index is not None
         s, bs = self._scheduler, self.index.block_size
         doubtful = s.doubt_fn(decision.target.carrier) if s.doubt_fn is not None else False
-        return decision.matched_blocks * bs, doubtful, decision.inflight_blocks * bs
+        credited = decision.matched_blocks * bs, doubtful, decision.inflight_blocks * bs
+        self._credit = (decision, credited)
+        return credited
 
 
 class Scheduler:

@@ -264,7 +264,7 @@ class Profile:
             m.matched_chars,
             m.total_chars,
             m.inflight_blocks,
-            _explained(cycle, scored, measure) if explain else (),
+            _explained(cycle, scored, measure, choice.index, m) if explain else (),
         )
         for hook in self._pre_request:
             hook.pre_request(cycle, decision)
@@ -314,13 +314,16 @@ def _measured(measures: Sequence[Callable[[Target], Measure]], target: Target) -
 
 
 def _explained(
-    cycle: Cycle, scored: Scored, measure: Callable[[Target], Measure] | None
+    cycle: Cycle, scored: Scored, measure: Callable[[Target], Measure] | None, chosen: int, measured: Measure
 ) -> tuple[Candidate, ...]:
+    """Every candidate's standing; the chosen one's ``measured`` already (measuring is not free)."""
     out = []
+    costs, loads = scored.costs, cycle.loads
     for i, t in enumerate(cycle.targets):
-        m = measure(t) if measure is not None else _NO_MEASURE
-        cost = scored.costs[i] if scored.costs is not None else None
-        out.append(Candidate(t, cycle.loads[i], cost, m.matched_blocks, m.tier_blocks))
+        m = measured if i == chosen or measure is None else measure(t)
+        out.append(
+            Candidate(t, loads[i], costs[i] if costs is not None else None, m.matched_blocks, m.tier_blocks)
+        )
     return tuple(out)
 
 

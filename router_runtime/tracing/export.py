@@ -123,13 +123,22 @@ class OtlpExporter:
                 self._session = None
 
     async def _run(self) -> None:
+        # A batch goes when it is full, or when INTERVAL_S has passed since the last went: never just
+        # what queued during the previous export (at full sampling a few dozen traces, which each paid
+        # a share of that export's fixed cost).
+        loop = asyncio.get_running_loop()
+        due = loop.time() + INTERVAL_S
         while True:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(INTERVAL_S):
+                async with asyncio.timeout_at(due):
                     await self._wake.wait()
             self._wake.clear()
-            while self._queue:
+            while len(self._queue) >= BATCH_TRACES:
                 await self._export_batch()
+            if loop.time() >= due:
+                if self._queue:
+                    await self._export_batch()
+                due = loop.time() + INTERVAL_S
 
     async def _export_batch(self) -> None:
         """Send up to BATCH_TRACES queued traces; whatever fails is counted and logged, never raised
