@@ -501,24 +501,25 @@ def start_router(
         argv = ours_argv(
             engines, port, metrics_port, policy, extra, events=events, block_size=block_size, worker_keys=keys
         )
+        shown = shown_flags(argv, engines)  # ours' flags, whatever runs it
         if command is not None:
             argv = [*command, *argv[1:]]
         env = None
         ready_path = "/readyz"
     elif kind == "vllm-router":
         argv = vllm_router_argv(engines, port, metrics_port, block_size, extra, model)
+        shown = shown_flags(argv, engines)
         env = ANCHOR_ENV
         ready_path = "/health"
     elif kind == "sglang-router":
         argv = sglang_router_argv(engines, port, metrics_port, extra)
+        shown = shown_flags(argv, engines)
         env = ANCHOR_ENV
         ready_path = "/health"
     else:
         raise ValueError(kind)
     proc = Proc(name, argv, logdir, cpus=cpus, env=env)
-    router = Router(
-        kind, name, proc, port, shown_flags(argv, engines), ready_path, model=model, metrics_port=metrics_port
-    )
+    router = Router(kind, name, proc, port, shown, ready_path, model=model, metrics_port=metrics_port)
     if wait:
         await_router(router)
     return router

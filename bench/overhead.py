@@ -43,6 +43,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -253,7 +254,7 @@ def start_all(
         "ours-trace100": ("ours kv_aware, 100% traced", "ours", "kv_aware", False),
         # CPython's default young-generation threshold in place of the router's (router_runtime/cli.py).
         "ours-gc700": ("ours kv_aware, GC threshold 700", "ours", "kv_aware", False),
-        # Ours again, the same flags: side by side with ours, what the method reads where nothing differs.
+        # Ours again, the same flags: paired with ours, what the method reads where nothing differs.
         "ours-again": ("ours kv_aware, again", "ours", "kv_aware", False),
         "vllm": ("vllm-router kv_aware", "vllm-router", "kv_aware", False),
         "sglang": ("sglang-router cache_aware", "sglang-router", "", True),
@@ -279,7 +280,7 @@ def start_all(
                 cpus=router_cpus,
                 extra=extra,
                 duplex=name == "ours-epp-duplex",
-                command=[sys.executable, "-m", "bench.gc_baseline"] if name == "ours-gc700" else None,
+                command=[*SAME_LAYOUT, *ours_command(name)] if kind == "ours" else None,
             )
             routers.append(r)
             targets.append(Target(name, label, r.url, text, "direct-text" if text else "direct", r))
@@ -289,15 +290,27 @@ def start_all(
     return engine, targets, routers, skipped
 
 
+# Ours without address-space randomisation (util-linux's setarch, where present): two processes of the
+# same code read -1.4% to +1.9% apart per request with it, -0.3% to +0.6% without (bench/README.md).
+SAME_LAYOUT = ("setarch", "-R") if shutil.which("setarch") else ()
+
+
+def ours_command(name: str) -> list[str]:
+    """What runs row ``name``'s router (``routerfleet-router``'s arguments follow)."""
+    if name == "ours-gc700":
+        return [sys.executable, "-m", "bench.gc_baseline"]
+    return [str(h.BIN / "routerfleet-router")]
+
+
 def paired_row(name: str) -> bool:
-    """Whether row ``name`` varies ours (or is its control), to be compared with it side by side."""
+    """Whether row ``name`` varies ours (or is its control), to be compared with it in ``paired`` rounds."""
     return name.startswith("ours-trace") or name in ("ours-gc700", "ours-again")
 
 
-def side_by_side(
+def paired(
     targets: list[Target],
     raws: list[bytes],
-    phases: int,
+    rounds: int,
     conns: int,
     warm_s: float,
     secs: float,
@@ -305,35 +318,32 @@ def side_by_side(
     max_wait: float,
     rate: float | None,
 ) -> dict[str, list[tuple[float, float]]]:
-    """Per row that varies ours (the tracing rows, ``ours-gc700``; ``ours-again``, the control): ``phases``
-    tiny throughput phases in which ours and the row take the load at once, half the connections each
-    (and ``rate`` requests per second each, if given), on the routers' one core; each phase's router CPU
-    per request, ours' and the row's (us). Both share the machine's every moment, so the drift between
-    phases (20-40% on this VM) cancels out of their ratio. Two processes of the same code still differ by
-    up to 2% per request (``ours-again`` measures it in the same run)."""
+    """Per row that varies ours (the tracing rows, ``ours-gc700``; ``ours-again``, the control):
+    ``rounds`` in which ours and the row take the tiny throughput load in turn, each alone on the
+    routers' core (who goes first alternates), and ``rate`` requests per second if given; each round's
+    router CPU per request, ours' and the row's (us). Adjacent phases share most of the machine's drift
+    (20-40% between phases on this VM), so their ratio is read, round by round. Alone, not at once: two
+    routers sharing one core share its caches, which counts a bigger working set's cost about 1.4 times
+    (100% traced: +18-19% at once, +13% in turn)."""
     off = next((t for t in targets if t.name == "ours"), None)
     variants = [t for t in targets if paired_row(t.name)]
-    if off is None or not phases:
+    if off is None or not rounds:
         return {}
 
-    async def both(first: Target, second: Target) -> list[Thr]:
-        half = max(conns // 2, 1)
-        return await asyncio.gather(
-            throughput(first, raws, half, warm_s, secs, engine, rate),
-            throughput(second, raws, half, warm_s, secs, engine, rate),
-        )
+    def phase(t: Target) -> float:
+        h.wait_quiet(max_wait)
+        return asyncio.run(throughput(t, raws, conns, warm_s, secs, engine, rate)).router_cpu_us_per_req
 
     out: dict[str, list[tuple[float, float]]] = {}
-    for t in variants:
-        for i in range(phases):
-            h.wait_quiet(max_wait)
-            if i % 2 == 0:  # which one's client starts first alternates
-                a, b = asyncio.run(both(off, t))
+    for i in range(rounds):
+        for t in variants:
+            if i % 2 == 0:
+                a = phase(off)
+                b = phase(t)
             else:
-                b, a = asyncio.run(both(t, off))
-            if rate and min(a.rps, b.rps) < 0.95 * rate:
-                print(f"# side by side: {a.rps:.0f} and {b.rps:.0f} req/s, under the {rate:g} offered")
-            out.setdefault(t.name, []).append((a.router_cpu_us_per_req, b.router_cpu_us_per_req))
+                b = phase(t)
+                a = phase(off)
+            out.setdefault(t.name, []).append((a, b))
     return out
 
 
@@ -360,33 +370,33 @@ def main(argv: list[str] | None = None) -> int:
         "--max-wait", type=float, help="wait up to this many seconds for an idle machine before each phase"
     )
     ap.add_argument(
-        "--side-by-side",
+        "--paired",
         type=int,
         default=0,
         metavar="N",
-        help="after the runs, N tiny throughput phases in which ours and each tracing row (and ours-gc700;"
-        " ours-again, the control, added) take the load at once; the median of their CPU ratios: a row's"
-        " cost without the drift between runs",
+        help="after the runs, N rounds in which ours and each tracing row (and ours-gc700; ours-again, the"
+        " control, added) take the tiny load in turn, alone; the median of their CPU ratios: a row's cost"
+        " without the drift between runs",
     )
     ap.add_argument(
         "--rate",
         type=float,
         metavar="R",
-        help="in the side-by-side phases, offer each router R requests per second (default: as fast as"
-        " it answers), so both are compared at one throughput",
+        help="in the paired rounds, offer each router R requests per second (default: as fast as it"
+        " answers), so both are compared at one throughput",
     )
     ap.add_argument("--no-pin", action="store_true", help="do not pin routers / engine + client to CPUs")
     ap.add_argument("--json", help="also write the raw per-run figures to this file")
     args = ap.parse_args(argv)
-    if args.rate is not None and (args.rate <= 0 or not args.side_by_side):
-        ap.error("--rate: requests per second above 0, with --side-by-side")
+    if args.rate is not None and (args.rate <= 0 or not args.paired):
+        ap.error("--rate: requests per second above 0, with --paired")
     runs = args.runs or (1 if args.quick else 3)
     n_tiny, n_stream = (200, 60) if args.quick else (1500, 400)
     block = 200 if args.quick else 250  # sequential requests per target before moving to the next
     warm_s, secs = (0.5, 1.0) if args.quick else (1.0, 4.0)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    if args.side_by_side and "ours" in rows and any(paired_row(r) for r in rows) and "ours-again" not in rows:
-        rows.insert(rows.index("ours") + 1, "ours-again")  # the side-by-side phases' control
+    if args.paired and "ours" in rows and any(paired_row(r) for r in rows) and "ours-again" not in rows:
+        rows.insert(rows.index("ours") + 1, "ours-again")  # the paired rounds' control
     max_wait = args.max_wait if args.max_wait is not None else (0.0 if args.quick else 10.0)
     idle_seen: list[float] = []
 
@@ -399,9 +409,11 @@ def main(argv: list[str] | None = None) -> int:
         ok, why = h.anchor_status(kind)
         print(f"# {kind}: {why if ok else 'NOT AVAILABLE: ' + why}")
     cpus = h.cpus()
-    # Every router of the run hashes alike (inherited): two processes of the same code differ by a
-    # percent or two per request, and the hash seed is one cause the side-by-side rows need not carry.
+    # Every router of the run hashes alike (inherited), and ours lays out its memory alike (start_all):
+    # two processes of the same code otherwise differ by up to 2% per request, in the paired rounds too.
     os.environ.setdefault("PYTHONHASHSEED", "0")
+    layout = "without address-space randomisation" if SAME_LAYOUT else "randomised (no setarch here)"
+    print(f"# ours: one hash seed, its memory layout {layout}")
     stack = contextlib.ExitStack()
     collector = None
     if any(r.startswith("ours-trace") for r in rows):
@@ -462,9 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             idle_seen.clear()
         tiny = raws["tiny", False]
-        paired = side_by_side(
-            targets, tiny, args.side_by_side, args.conns, warm_s, secs, engine, max_wait, args.rate
-        )
+        pairs = paired(targets, tiny, args.paired, args.conns, warm_s, secs, engine, max_wait, args.rate)
         dead = [r.label for r in routers if not r.alive()]
         flags = {r.label: r.flags for r in routers}
     finally:
@@ -472,17 +482,18 @@ def main(argv: list[str] | None = None) -> int:
         stack.close()
 
     report(targets, lat, thr, errors)
-    if paired:
+    if pairs:
         parts = []
         labels = {t.name: t.label.removeprefix("ours kv_aware, ") for t in targets}
-        for n, cpu in paired.items():
-            pct = [100 * (b / a - 1) for a, b in cpu]
+        for n, cpu in pairs.items():
+            pct = sorted(100 * (b / a - 1) for a, b in cpu)
+            q = len(pct) // 4
             parts.append(
-                f"{labels[n]} {h.med(pct):+.1f}%{h.spread(pct, '+.1f')}"
+                f"{labels[n]} {h.med(pct):+.1f}% (middle half {pct[q]:+.1f} to {pct[-1 - q]:+.1f})"
                 f" ({h.med([b for _, b in cpu]):.0f} us against {h.med([a for a, _ in cpu]):.0f})"
             )
         each = f" at {args.rate:g} req/s each" if args.rate else ""
-        print(f"  router CPU per request, {args.side_by_side} phases side by side{each}: {', '.join(parts)}")
+        print(f"  router CPU per request, {args.paired} rounds in turn{each}: {', '.join(parts)}")
     costs = [audit_cost() for _ in range(3)]
     tiny_us, stream_us = h.med([c[0] for c in costs]), h.med([c[1] for c in costs])
     print(
