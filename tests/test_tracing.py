@@ -32,7 +32,7 @@ from router_runtime.tracing.export import (
     TraceMetrics,
 )
 from router_runtime.tracing.spans import SpanKind, Trace
-from tests.support import eventually, router_over_fakes
+from tests.support import eventually, loopback_app, router_over_fakes
 
 from .test_gateway_picker import gateway
 
@@ -270,21 +270,12 @@ async def test_the_exporter_counts_what_the_collector_took_and_what_it_could_not
     async def overloaded(_: web.Request) -> web.Response:
         return web.Response(status=503)
 
-    app = web.Application()
-    app.router.add_post("/v1/traces", overloaded)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        port = runner.addresses[0][1]
-        exporter, registry = exporter_to(f"http://127.0.0.1:{port}")
+    async with loopback_app(web.post("/v1/traces", overloaded)) as url:
+        exporter, registry = exporter_to(url)
         exporter.start()
         exporter.submit(finished_trace())
         await exporter.stop()
         assert spans_counted(registry) == (0, 2, 0)
-    finally:
-        await runner.cleanup()
 
 
 async def test_a_batch_goes_full_or_at_the_interval_never_just_what_queued_during_an_export():
@@ -298,30 +289,23 @@ async def test_a_batch_goes_full_or_at_the_interval_never_just_what_queued_durin
         exports.append(body.count(b"\x2a\x05route"))  # each trace's one span, its root "route"
         return web.Response(body=b"", content_type="application/x-protobuf")
 
-    app = web.Application()
-    app.router.add_post("/v1/traces", slow)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    exporter, registry = exporter_to(f"http://127.0.0.1:{runner.addresses[0][1]}")
-    try:
+    async with loopback_app(web.post("/v1/traces", slow)) as url:
+        exporter, registry = exporter_to(url)
         exporter.start()
-        started = asyncio.get_running_loop().time()
-        for _ in range(BATCH_TRACES):
-            exporter.submit(finished_trace(0))
-        await asyncio.sleep(0.05)  # the full batch is on its way
-        for _ in range(5):
-            exporter.submit(finished_trace(0))
-        await asyncio.sleep(0.6 - (asyncio.get_running_loop().time() - started))
-        assert exports == [BATCH_TRACES]  # the 5 wait for the interval
-        await eventually(lambda: len(exports) == 2, INTERVAL_S + 2, "the interval's batch")
-        assert exports == [BATCH_TRACES, 5]
-        await exporter.stop()
+        try:
+            started = asyncio.get_running_loop().time()
+            for _ in range(BATCH_TRACES):
+                exporter.submit(finished_trace(0))
+            await asyncio.sleep(0.05)  # the full batch is on its way
+            for _ in range(5):
+                exporter.submit(finished_trace(0))
+            await asyncio.sleep(0.6 - (asyncio.get_running_loop().time() - started))
+            assert exports == [BATCH_TRACES]  # the 5 wait for the interval
+            await eventually(lambda: len(exports) == 2, INTERVAL_S + 2, "the interval's batch")
+            assert exports == [BATCH_TRACES, 5]
+        finally:
+            await exporter.stop()
         assert spans_counted(registry) == (BATCH_TRACES + 5, 0, 0)
-    finally:
-        await exporter.stop()  # again, after a failed assertion: a stopped exporter's stop does nothing
-        await runner.cleanup()
 
 
 def test_a_full_queue_drops_new_traces_and_counts_their_spans():
