@@ -332,7 +332,10 @@ def paired(
 
     def phase(t: Target) -> float:
         h.wait_quiet(max_wait)
-        return asyncio.run(throughput(t, raws, conns, warm_s, secs, engine, rate)).router_cpu_us_per_req
+        thr = asyncio.run(throughput(t, raws, conns, warm_s, secs, engine, rate))
+        if rate and thr.rps < 0.95 * rate:
+            print(f"# paired: {t.name} served {thr.rps:.0f} req/s, under the {rate:g} offered")
+        return thr.router_cpu_us_per_req
 
     out: dict[str, list[tuple[float, float]]] = {}
     for i in range(rounds):

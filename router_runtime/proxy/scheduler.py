@@ -204,7 +204,7 @@ class Scheduled:
     def _credited(self, decision: Decision) -> tuple[int, bool, int]:
         """Of ``prediction``: the cached tokens credited, whether in doubt, the in-flight tokens beyond
         them (what a trace's schedule span says, without the watch and the audit's figures). Judged
-        once per decision, when it is made: a traced one's span and its prediction say the same."""
+        once per decision, when first asked: a traced one's span and its prediction say the same."""
         known = self._credit
         if known is not None and known[0] is decision:
             return known[1]
