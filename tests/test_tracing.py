@@ -305,6 +305,7 @@ async def test_a_batch_goes_full_or_at_the_interval_never_just_what_queued_durin
             taken = BATCH_TRACES + 5
             await eventually(lambda: spans_counted(registry)[0] == taken, INTERVAL_S + 5, "both batches")
             assert [n for _, n in exports] == [BATCH_TRACES, 5]
+            assert exports[0][0] - started < INTERVAL_S  # the full batch did not wait for it
             assert exports[1][0] - started >= INTERVAL_S  # the 5 waited for the interval
         finally:
             await exporter.stop()

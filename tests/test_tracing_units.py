@@ -11,7 +11,7 @@ from multidict import CIMultiDict
 from router_runtime.scheduling.presets import make_policy
 from router_runtime.scheduling.types import RouteRequest, Target
 from router_runtime.tracing.config import TracingConfig, _endpoint
-from router_runtime.tracing.context import parse_traceparent, sampled, traceparent
+from router_runtime.tracing.context import parse_traceparent, sampled, sampling_bound, traceparent
 from router_runtime.tracing.spans import NO_TRACE, SpanKind, Trace, Tracer
 from router_runtime.tracing.wire import attributes, encode_trace, export_request, fields, rejected_spans
 
@@ -43,12 +43,13 @@ def test_traceparent_is_parsed_as_the_w3c_spec_says():
 def test_sampling_is_parent_based_then_by_trace_id_ratio():
     parent = parse_traceparent(f"00-{TRACE}-{SPAN}-01")
     unsampled = parse_traceparent(f"00-{TRACE}-{SPAN}-00")
-    assert sampled(parent, 0, 0.0) and not sampled(unsampled, 0, 1.0)
+    none, half, all_ = sampling_bound(0.0), sampling_bound(0.5), sampling_bound(1.0)
+    assert sampled(parent, 0, none) and not sampled(unsampled, 0, all_)
     low, high = 1, (1 << 64) - 1  # the trace id's low 64 bits decide
-    assert sampled(None, low, 0.5) and not sampled(None, high, 0.5)
-    assert not sampled(None, low, 0.0) and sampled(None, high, 1.0)
+    assert sampled(None, low, half) and not sampled(None, high, half)
+    assert not sampled(None, low, none) and sampled(None, high, all_)
     ids = range(1, 1 << 64, (1 << 64) // 1000)
-    assert 90 <= sum(sampled(None, i, 0.1) for i in ids) <= 110
+    assert 90 <= sum(sampled(None, i, sampling_bound(0.1)) for i in ids) <= 110
 
 
 def name() -> str:

@@ -48,7 +48,10 @@ def parse_traceparent(value: str | None) -> Parent | None:
 
 def traceparent(trace_id: int, span_id: int, *, sampled: bool = True) -> str:
     """The header naming ``span_id`` of a trace as the parent of what the receiver does."""
-    return f"00-{trace_id:032x}-{span_id:016x}-{'01' if sampled else '00'}"
+    # Bytes' hex, not the ints' padded formats: a third of the cost, and every request pays it while
+    # tracing is on (a declined one tells the engine so).
+    trace, span = trace_id.to_bytes(16, "big").hex(), span_id.to_bytes(8, "big").hex()
+    return f"00-{trace}-{span}-{'01' if sampled else '00'}"
 
 
 def new_id(bits: int) -> int:
@@ -58,8 +61,14 @@ def new_id(bits: int) -> int:
     return v
 
 
-def sampled(parent: Parent | None, trace_id: int, ratio: float) -> bool:
-    """Whether a request is traced: as its parent decided, else by its trace id's low 64 bits."""
+def sampling_bound(ratio: float) -> int:
+    """What a trace id's low 64 bits are under when a request is traced at ``ratio``."""
+    return int(ratio * (1 << 64))
+
+
+def sampled(parent: Parent | None, trace_id: int, bound: int) -> bool:
+    """Whether a request is traced: as its parent decided, else by its trace id's low 64 bits against
+    ``bound`` (``sampling_bound``'s)."""
     if parent is not None:
         return parent.sampled
-    return (trace_id & 0xFFFF_FFFF_FFFF_FFFF) < int(ratio * (1 << 64))
+    return (trace_id & 0xFFFF_FFFF_FFFF_FFFF) < bound

@@ -20,7 +20,16 @@ from typing import Any
 from multidict import MultiMapping
 
 from .config import TracingConfig
-from .context import TRACEPARENT, TRACESTATE, Parent, new_id, parse_traceparent, sampled, traceparent
+from .context import (
+    TRACEPARENT,
+    TRACESTATE,
+    Parent,
+    new_id,
+    parse_traceparent,
+    sampled,
+    sampling_bound,
+    traceparent,
+)
 
 Attr = str | bool | int | float | list
 
@@ -219,7 +228,7 @@ class Tracer:
     exporter)."""
 
     def __init__(self, config: TracingConfig, sink: Callable[[Trace], None] | None) -> None:
-        self.ratio = config.sample_ratio
+        self.bound = sampling_bound(config.sample_ratio)
         self.sink = sink if config.enabled else None
 
     def start(
@@ -232,7 +241,7 @@ class Tracer:
         parent: Parent | None = parse_traceparent(headers.get(TRACEPARENT))
         if parent is None:
             trace_id = new_id(128)
-            if not sampled(None, trace_id, self.ratio):
+            if not sampled(None, trace_id, self.bound):
                 return _Declined(trace_id)
             return Trace(trace_id, name(), kind, 0, None, sink)
         if not parent.sampled:
