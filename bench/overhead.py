@@ -314,40 +314,108 @@ def paired(
     conns: int,
     warm_s: float,
     secs: float,
-    engine: h.Engine,
     max_wait: float,
     rate: float | None,
 ) -> dict[str, list[tuple[float, float]]]:
     """Per row that varies ours (the tracing rows, ``ours-gc700``; ``ours-again``, the control):
-    ``rounds`` in which ours and the row take the tiny throughput load in turn, each alone on the
-    routers' core (who goes first alternates), and ``rate`` requests per second if given; each round's
-    router CPU per request, ours' and the row's (us). Adjacent phases share most of the machine's drift
-    (20-40% between phases on this VM), so their ratio is read, round by round. Alone, not at once: two
-    routers sharing one core share its caches, which counts a bigger working set's cost about 1.4 times
-    (100% traced: +18-19% at once, +13% in turn)."""
+    ``rounds`` in which ours and the row share the tiny throughput load by turns (``alternating``: who
+    starts alternates by round), and ``rate`` requests per second if given; each round's router CPU per
+    request, ours' and the row's (us). By turns of a quarter second, the two see the same machine:
+    phases of 5 s one after the other drift apart 20-40% on this VM (controls read -8% to +11% in their
+    middle half), turns within 1%. Never both loaded at once: two routers sharing one core share its
+    caches, which counts a bigger working set's cost about 1.4 times (100% traced: +18-19% at once, +13%
+    in turn)."""
     off = next((t for t in targets if t.name == "ours"), None)
     variants = [t for t in targets if paired_row(t.name)]
     if off is None or not rounds:
         return {}
 
-    def phase(t: Target) -> float:
-        h.wait_quiet(max_wait)
-        thr = asyncio.run(throughput(t, raws, conns, warm_s, secs, engine, rate))
-        if rate and thr.rps < 0.95 * rate:
-            print(f"# paired: {t.name} served {thr.rps:.0f} req/s, under the {rate:g} offered")
-        return thr.router_cpu_us_per_req
-
     out: dict[str, list[tuple[float, float]]] = {}
     for i in range(rounds):
         for t in variants:
-            if i % 2 == 0:
-                a = phase(off)
-                b = phase(t)
-            else:
-                b = phase(t)
-                a = phase(off)
+            h.wait_quiet(max_wait)
+            first, second = (off, t) if i % 2 == 0 else (t, off)
+            us_first, us_second, rps_first, rps_second = asyncio.run(
+                alternating(first, second, raws, conns, warm_s, secs, rate)
+            )
+            for who, rps in ((first, rps_first), (second, rps_second)):
+                if rate and rps < 0.95 * rate:
+                    print(f"# paired: {who.name} served {rps:.0f} req/s, under the {rate:g} offered")
+            a, b = (us_first, us_second) if first is off else (us_second, us_first)
             out.setdefault(t.name, []).append((a, b))
     return out
+
+
+# How long each router has the load before it passes to the other in an alternating phase: short
+# against the machine's drift (20-40% between 5 s phases on this VM), long against the caches' warm-up
+# after the other router ran (~800 requests a slice).
+SLICE_S = 0.25
+
+
+async def alternating(
+    a: Target,
+    b: Target,
+    raws: list[bytes],
+    conns: int,
+    warm_s: float,
+    secs: float,
+    rate: float | None = None,
+) -> tuple[float, float, float, float]:
+    """``throughput``'s closed (or, with ``rate``, open) loop, handed between ``a`` and ``b`` every
+    SLICE_S, ``a`` first: each is alone on the routers' core while it has the load, and both see the
+    same machine, slice by slice. Each router's CPU per request (us) and requests per second while it
+    had the load, over ``secs`` of it each."""
+    targets = (a, b)
+    clients = [h.HttpClient(t.url, quickack=True) for t in targets]
+    wires = [[c.request_bytes("/v1/completions", r) for r in raws] for c in clients]
+    done = [0, 0]
+    state = {"active": 0, "measuring": False, "stop": False}
+    turn = [asyncio.Event(), asyncio.Event()]
+    turn[0].set()
+
+    async def worker(side: int, k: int) -> None:
+        i = k
+        due = 0.0
+        while not state["stop"]:
+            if state["active"] != side:
+                await turn[side].wait()
+                continue
+            if rate:
+                now = time.perf_counter()
+                if due > now:
+                    await asyncio.sleep(due - now)
+                due = max(due, now) + conns / rate
+            try:
+                _, reply = await clients[side].send(wires[side][i % len(raws)])
+            except (h.HttpError, OSError):
+                await asyncio.sleep(0.001)
+                continue
+            i += conns
+            done[side] += state["measuring"] and reply.status == 200
+
+    async def hand_over(slices: int) -> None:
+        for _ in range(slices):
+            await asyncio.sleep(SLICE_S)
+            was = state["active"]
+            turn[was].clear()
+            state["active"] = 1 - was
+            turn[1 - was].set()
+
+    tasks = [asyncio.create_task(worker(side, k)) for side in (0, 1) for k in range(conns)]
+    await hand_over(2 * max(1, round(warm_s / SLICE_S / 2)))
+    r0 = [t.router.run_seconds() for t in targets]
+    state["measuring"] = True
+    await hand_over(2 * max(1, round(secs / SLICE_S)))
+    state["measuring"] = False
+    r1 = [t.router.run_seconds() for t in targets]
+    state["stop"] = True
+    for e in turn:
+        e.set()
+    await asyncio.gather(*tasks)
+    for c in clients:
+        c.close()
+    us = [(r1[i] - r0[i]) / done[i] * 1e6 if done[i] else float("nan") for i in (0, 1)]
+    return us[0], us[1], done[0] / secs, done[1] / secs
 
 
 async def warm(targets: list[Target], raws: dict[tuple[str, bool], list[bytes]]) -> None:
@@ -378,8 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="N",
         help="after the runs, N rounds in which ours and each tracing row (and ours-gc700; ours-again, the"
-        " control, added) take the tiny load in turn, alone; the median of their CPU ratios: a row's cost"
-        " without the drift between runs",
+        " control, added) share the tiny load by quarter-second turns, each alone while it has it; the"
+        " median of their CPU ratios: a row's cost without the machine's drift",
     )
     ap.add_argument(
         "--rate",
@@ -477,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             idle_seen.clear()
         tiny = raws["tiny", False]
-        pairs = paired(targets, tiny, args.paired, args.conns, warm_s, secs, engine, max_wait, args.rate)
+        pairs = paired(targets, tiny, args.paired, args.conns, warm_s, secs, max_wait, args.rate)
         dead = [r.label for r in routers if not r.alive()]
         flags = {r.label: r.flags for r in routers}
     finally:
@@ -496,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
                 f" ({h.med([b for _, b in cpu]):.0f} us against {h.med([a for a, _ in cpu]):.0f})"
             )
         each = f" at {args.rate:g} req/s each" if args.rate else ""
-        print(f"  router CPU per request, {args.paired} rounds in turn{each}: {', '.join(parts)}")
+        print(f"  router CPU per request, {args.paired} rounds by turns{each}: {', '.join(parts)}")
     costs = [audit_cost() for _ in range(3)]
     tiny_us, stream_us = h.med([c[0] for c in costs]), h.med([c[1] for c in costs])
     print(
