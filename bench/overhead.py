@@ -321,10 +321,9 @@ def paired(
     ``rounds`` in which ours and the row share the tiny throughput load by turns (``alternating``: who
     starts alternates by round), and ``rate`` requests per second if given; each round's router CPU per
     request, ours' and the row's (us). By turns of a quarter second, the two see the same machine:
-    phases of 5 s one after the other drift apart 20-40% on this VM (controls read -8% to +11% in their
-    middle half), turns within 1%. Never both loaded at once: two routers sharing one core share its
-    caches, which counts a bigger working set's cost about 1.4 times (100% traced: +18-19% at once, +13%
-    in turn)."""
+    phases of 5 s one after the other drift apart 20-40% on this VM (their controls' middle halves
+    13-19 points wide on 2026-12-07, the turns' 1-6). Never both loaded at once: two routers busy on
+    one core share its caches, and each pays for the other's working set."""
     off = next((t for t in targets if t.name == "ours"), None)
     variants = [t for t in targets if paired_row(t.name)]
     if off is None or not rounds:
@@ -391,7 +390,8 @@ async def alternating(
                 await asyncio.sleep(0.001)
                 continue
             i += conns
-            done[side] += state["measuring"] and reply.status == 200
+            if state["measuring"] and reply.status == 200:
+                done[side] += 1
 
     async def hand_over(slices: int) -> None:
         for _ in range(slices):
