@@ -46,6 +46,7 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -140,6 +141,35 @@ async def latency(target: Target, raws: list[bytes], n: int, shape: str, quickac
     return errors
 
 
+async def connection(
+    k: int,
+    conns: int,
+    rate: float | None,
+    stopped: Callable[[], bool],
+    send: Callable[[int], Awaitable[bool]],
+    turn: asyncio.Event | None = None,
+) -> None:
+    """One of a load's ``conns`` connections: request ``k``, then every ``conns``-th after it, each sent
+    (``send(i)``: False when the request was lost) when the last is answered; with ``rate``, not before
+    its turn at that many requests per second in all (an open loop, while the target keeps up).
+    ``turn``: it sends only while that is set (``alternating``'s hand-over)."""
+    i = k
+    due = time.perf_counter() + k / rate if rate else 0.0
+    while not stopped():
+        if turn is not None and not turn.is_set():
+            await turn.wait()
+            continue
+        if rate:
+            now = time.perf_counter()
+            if due > now:
+                await asyncio.sleep(due - now)
+            due = max(due, now) + conns / rate  # a turn missed is not made up for in a burst
+        sent = await send(i)
+        i += conns
+        if not sent:
+            await asyncio.sleep(0.001)
+
+
 async def throughput(
     target: Target,
     raws: list[bytes],
@@ -159,32 +189,24 @@ async def throughput(
     state = {"measuring": False, "stop": False}
     counter = [0]
 
-    async def worker(k: int) -> None:
+    async def send(i: int) -> bool:
         nonlocal errors
-        i = k
-        due = time.perf_counter() + k / rate if rate else 0.0
-        while not state["stop"]:
-            if rate:
-                now = time.perf_counter()
-                if due > now:
-                    await asyncio.sleep(due - now)
-                due = max(due, now) + conns / rate  # a turn missed is not made up for in a burst
-            raw = raws[i % len(raws)]
-            i += conns
-            try:
-                t0, reply = await client.send(raw)
-            except (h.HttpError, OSError):
-                errors += state["measuring"]
-                await asyncio.sleep(0.001)
-                continue
-            if state["measuring"]:
-                if reply.status == 200:
-                    lat.append((reply.t_end - t0) * 1e3)
-                    counter[0] += 1
-                else:
-                    errors += 1
+        try:
+            t0, reply = await client.send(raws[i % len(raws)])
+        except (h.HttpError, OSError):
+            errors += state["measuring"]
+            return False
+        if state["measuring"]:
+            if reply.status == 200:
+                lat.append((reply.t_end - t0) * 1e3)
+                counter[0] += 1
+            else:
+                errors += 1
+        return True
 
-    tasks = [asyncio.create_task(worker(k)) for k in range(conns)]
+    tasks = [
+        asyncio.create_task(connection(k, conns, rate, lambda: state["stop"], send)) for k in range(conns)
+    ]
     await asyncio.sleep(warm_s)
     r0 = target.router.run_seconds() if target.router else 0.0  # to the nanosecond: ticks are 10 ms
     sidecar = target.router.sidecar if target.router else None
@@ -372,26 +394,17 @@ async def alternating(
     turn = [asyncio.Event(), asyncio.Event()]
     turn[0].set()
 
-    async def worker(side: int, k: int) -> None:
-        i = k
-        due = 0.0
-        while not state["stop"]:
-            if state["active"] != side:
-                await turn[side].wait()
-                continue
-            if rate:
-                now = time.perf_counter()
-                if due > now:
-                    await asyncio.sleep(due - now)
-                due = max(due, now) + conns / rate
+    def sender(side: int) -> Callable[[int], Awaitable[bool]]:
+        async def send(i: int) -> bool:
             try:
                 _, reply = await clients[side].send(wires[side][i % len(raws)])
             except (h.HttpError, OSError):
-                await asyncio.sleep(0.001)
-                continue
-            i += conns
+                return False
             if state["measuring"] and reply.status == 200:
                 done[side] += 1
+            return True
+
+        return send
 
     async def hand_over(slices: int) -> None:
         for _ in range(slices):
@@ -401,7 +414,11 @@ async def alternating(
             state["active"] = 1 - was
             turn[1 - was].set()
 
-    tasks = [asyncio.create_task(worker(side, k)) for side in (0, 1) for k in range(conns)]
+    tasks = [
+        asyncio.create_task(connection(k, conns, rate, lambda: state["stop"], sender(side), turn[side]))
+        for side in (0, 1)
+        for k in range(conns)
+    ]
     await hand_over(2 * max(1, round(warm_s / SLICE_S / 2)))
     r0 = [t.router.run_seconds() for t in targets]
     state["measuring"] = True
