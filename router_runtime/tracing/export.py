@@ -2,9 +2,8 @@
 batches by one task (``OtlpExporter``). Bounded everywhere: a queue of traces (past it, new ones are
 dropped and counted), one export at a time with a deadline, and a last flush at the stop with its own.
 
-OTLP/HTTP, not OTLP/gRPC: the router's own HTTP client costs nothing between exports, while a connected
-``grpc.aio`` channel in the proxy's process cost 5-18% of its CPU per request however few traces it sent
-(bench/README.md, "The cost of tracing")."""
+OTLP/HTTP, not OTLP/gRPC: the router's own HTTP client, not a second network stack with threads of its
+own in the process (bench/README.md, "The cost of tracing")."""
 
 from __future__ import annotations
 
