@@ -474,6 +474,29 @@ async def test_a_retry_on_another_decode_engine_reuses_the_prefill():
         assert f.decoders[0].rank_stats[0].decode_legs == sent
 
 
+async def test_a_retry_on_a_whole_engine_prefills_there_not_from_the_leg_made_for_a_decode_engine():
+    dead = dataclasses.replace(parse_worker(closed_port_url()), role=Role.DECODE)
+    async with run_fake_engine(block_size=BS, kv_transfer=True) as whole:
+        (spec,) = static_workers([whole])
+        spec = dataclasses.replace(spec, kv=None, replay=None)  # its events unfollowed: no join to wait for
+        async with pd_fleet(decode=0, prefill=1, extra=(dead, spec)) as f:
+
+            def retried() -> float | None:
+                return f.router.registry.get_sample_value("routerfleet_retries_total", {"reason": "connect"})
+
+            sent = 0
+            while not retried() and sent < 16:  # until a request tries the dead decode engine first
+                sent += 1
+                engine, _ = await chat_stream(f.session, f.url, list(range(1000 * sent, 1000 * sent + 40)))
+                assert engine == whole.http_url
+            assert retried() == 1
+            # The retried request's prefill leg ran for the dead engine; the whole engine was never sent
+            # its transfer parameters (it would have pulled the blocks), and prefilled every request.
+            assert legs(f.prefillers, "prefill_legs") == [1]
+            assert (whole.rank_stats[0].decode_legs, whole.rank_stats[0].received_blocks) == (0, 0)
+            assert verdicts(f.router)["whole_engine"] == sent
+
+
 async def test_an_sglang_decode_engine_that_refuses_a_request_answers_for_itself():
     async with pd_fleet(protocol=Protocol.SGLANG, engine_kw={"max_model_len": 100}) as f:
         body = {"prompt": list(range(50, 90)), "max_tokens": 80}  # the prefill leg's one token fits

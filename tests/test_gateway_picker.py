@@ -716,6 +716,50 @@ async def test_a_whole_engine_in_a_disaggregated_fleet_takes_any_api_behind_the_
         assert prefiller.rank_stats[0].requests == {}
 
 
+@pytest.mark.parametrize("protocol", [Protocol.SGLANG, Protocol.VLLM])
+async def test_a_whole_engines_fallbacks_are_engines_that_serve_a_request_alone(protocol):
+    """A pick with no remote prefill names, for the gateway's retries, only engines that can serve the
+    request as it goes: in an SGLang fleet never a decode engine (it waits for a prefill engine in a
+    bootstrap room no fallback has); in vLLM's flow a decode engine prefills the prompt itself."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
+
+    sglang_ = protocol == Protocol.SGLANG
+    decode = {"disaggregation_mode": "decode"} if sglang_ else {"kv_transfer": True}
+    prefill = {"disaggregation_mode": "prefill"} if sglang_ else {"kv_transfer": True}
+    fields = [(":method", b"POST"), (":path", b"/v1/completions"), ("content-type", b"application/json")]
+    headers = ep.HttpHeaders(
+        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in fields])
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        (whole, decoder, _), router = await picking(
+            stack,
+            roles=[({}, Role.BOTH), (decode, Role.DECODE), (prefill, Role.PREFILL)],
+            disaggregation=DisaggregationConfig(protocol=protocol),
+            picker=PickerConfig(port=0, plaintext=True, fallbacks=2),
+        )
+        channel = await stack.enter_async_context(grpc.aio.insecure_channel(router.epp_address))
+        stub = epg.ExternalProcessorStub(channel)
+        named: list[list[str]] = []
+        for k in range(12):  # new prompts, until the whole engine has been picked a few times
+            body = json.dumps({"model": "m", "prompt": [k + 1] * (6 * BS), "max_tokens": 2}).encode()
+            messages = [
+                ep.ProcessingRequest(request_headers=headers),
+                ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True)),
+            ]
+            answers = [a async for a in stub.Process(iter(messages), timeout=5)]
+            mutation = answers[-1].request_body.response.header_mutation
+            (where,) = [
+                h.header.raw_value.decode() for h in mutation.set_headers if h.header.key == DESTINATION
+            ]
+            if where.split(",")[0] == whole.http_url.removeprefix("http://"):
+                named.append(where.split(",")[1:])
+            if len(named) == 3:
+                break
+        assert named, "the whole engine was never picked"
+        expected = [] if sglang_ else [decoder.http_url.removeprefix("http://")]
+        assert all(fallbacks == expected for fallbacks in named), named
+
+
 @pytest.mark.parametrize("fail_open", [True, False])
 async def test_a_gateway_without_its_picker_fails_open_or_closed_as_configured(tmp_path, fail_open):
     async with (

@@ -137,7 +137,8 @@ class RemotePrefill:
         ``deadline``: the request's first byte's (the event loop's clock), which a prefill leg ends by."""
         engine = decision.target.engine
         revision = self.targets.revision(engine)
-        if previous is not None and previous.serves(revision):
+        # A whole engine prefills its own (``plan``): a leg made for a decode engine never goes to one.
+        if previous is not None and self.targets.role(engine) is not Role.BOTH and previous.serves(revision):
             return previous
         headers = {REQUEST_ID: uuid.uuid4().hex}
         if self.config.protocol == Protocol.SGLANG:
@@ -215,6 +216,12 @@ class RemotePrefill:
             self.metrics.remote_tokens.inc(planned.moved)
             self._acquire(planned.chosen.target, len(route.tokens or ()))
         return planned
+
+    def serves_alone(self, target: Target) -> bool:
+        """Whether ``target`` can serve a request sent with no remote prefill (a gateway's fallback): a
+        whole engine, or in vLLM's flow a decode engine (it prefills the prompt itself); never an SGLang
+        decode engine, which waits for a prefill engine in its bootstrap room."""
+        return self.config.protocol == Protocol.VLLM or self.targets.role(target.engine) is Role.BOTH
 
     def without_clients_fields(self, raw: bytes, body: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
         """A client's request without its own transfer or bootstrap fields (they would tell a decode

@@ -476,10 +476,12 @@ class EndpointPicker:
             stream.upstream.update(upstream_attributes(decision.target))
         # Another engine where the gateway may retry; not for a rank pinned on a data-parallel engine
         # (the rank header names one engine's rank), nor with a remote prefill (paired with the pick's
-        # revision: a fallback's may differ).
+        # revision: a fallback's may differ), and only one that can serve the request alone.
         others: Sequence[Target] = ()
         if self.fallbacks and decision.target.rank is None and stream.prefiller is None:
             allowed = within(self.targets.candidates(), stream.subset)
+            if self.prefill is not None:
+                allowed = [t for t in allowed if self.prefill.serves_alone(t)]
             others = fallbacks(decision.target, allowed, self.scheduler.loads, self.fallbacks)
         headers = stream.trace.headers(stream.upstream)
         if stream.prefiller is not None:
