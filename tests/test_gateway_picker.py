@@ -860,6 +860,59 @@ async def test_the_picker_holds_bodies_in_the_routers_one_budget(tmp_path):
             assert router.proxy.bodies.held == 0
 
 
+async def test_a_held_response_ended_by_trailers_goes_on_whole_before_them():
+    """FULL_DUPLEX_STREAMED: a response that is not an event stream is held until it is whole (the
+    hooks may rewrite its end); when trailers end it, not its last chunk, what was held goes on before
+    the trailers' answer."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
+
+    def header_map(pairs: list[tuple[str, bytes]]) -> base_pb2.HeaderMap:
+        return base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in pairs])
+
+    duplex = ProcessingMode.FULL_DUPLEX_STREAMED
+    answer = b'{"object": "list", "data": [], "the": "whole answer"}'
+    messages = [
+        ep.ProcessingRequest(
+            protocol_config=ep.ProtocolConfiguration(request_body_mode=duplex, response_body_mode=duplex),
+            request_headers=ep.HttpHeaders(
+                headers=header_map([(":method", b"POST"), (":path", b"/v1/embeddings")])
+            ),
+        ),
+        ep.ProcessingRequest(
+            request_body=ep.HttpBody(body=b'{"model": "m", "input": "hi"}', end_of_stream=True)
+        ),
+        ep.ProcessingRequest(
+            response_headers=ep.HttpHeaders(
+                headers=header_map([(":status", b"200"), ("content-type", b"application/json")])
+            )
+        ),
+        ep.ProcessingRequest(response_body=ep.HttpBody(body=answer[:20], end_of_stream=False)),
+        ep.ProcessingRequest(response_body=ep.HttpBody(body=answer[20:], end_of_stream=False)),
+        ep.ProcessingRequest(response_trailers=ep.HttpTrailers(trailers=header_map([("grpc-status", b"0")]))),
+    ]
+    async with run_fake_engine(block_size=BS) as engine:
+        cfg = RouterConfig(
+            port=0,
+            metrics=LOCAL_METRICS,
+            workers=static_workers([engine]),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            gateway=PickerConfig(port=0, plaintext=True),
+        )
+        async with (
+            run_router(cfg) as (router, _url),
+            grpc.aio.insecure_channel(router.epp_address) as channel,
+        ):
+            stub = epg.ExternalProcessorStub(channel)
+            answers = [a async for a in stub.Process(iter(messages), timeout=5)]
+            kinds = [a.WhichOneof("response") for a in answers]
+            assert kinds[-1] == "response_trailers", kinds
+            sent = [a.response_body.response.body_mutation.streamed_response for a in answers[:-1]]
+            assert b"".join(p.body for p in sent if p.body) == answer, kinds
+            assert not any(p.end_of_stream for p in sent)  # the trailers end it
+            await eventually(lambda: router.load.total == 0, what="the pick released")
+
+
 # ---- the operator's standalone gateway (its rendered Envoy configuration) ------------------------------
 
 

@@ -256,8 +256,10 @@ class EndpointPicker:
             ):
                 stream.upstream.set("routerfleet.time_to_first_chunk_ms", _ms_since(stream.upstream))
             return self._chunk(stream, part, part.body, 0)
-        if phase == "response_trailers":  # the trailers end the body: what the hooks add goes before
-            extra = self._response_ended(stream)
+        if phase == "response_trailers":  # the trailers end the body: what is held and what the hooks add
+            extra = self._response_ended(stream)  # go before them
+            if stream.held is not None:
+                extra, stream.held = b"".join(stream.held) + extra, None
             body = streamed("response_body", extra, end=False) if stream.duplex_out and extra else []
             return [*body, proceed(phase)]
         return [proceed(phase)]
