@@ -811,7 +811,16 @@ async def run_router(
 
             # A message may carry a whole buffered body: the body cap plus room for headers.
             cap = config.proxy.max_body_bytes + (1 << 20)
-            epp = await serve(picker.open, epp_host, gateway.port, ready, tls, gateway.connection_age_s, cap)
+            epp = await serve(
+                picker.open,
+                epp_host,
+                gateway.port,
+                ready,
+                tls,
+                connection_age_s=gateway.connection_age_s,
+                max_message=cap,
+                keepalive_s=gateway.keepalive_s,
+            )
             router.epp_address = f"{epp_host}:{epp.port}"
             router.epp_server = epp
             if gateway.health_port is not None:

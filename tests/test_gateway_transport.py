@@ -25,6 +25,7 @@ from router_runtime.gateway.transport import MESSAGE, OPENED, RESET, serve
 from tests.support import eventually, threads_named
 
 HOST = "127.0.0.1"
+KEEPALIVE_S = 60.0  # a ping a minute: never in these tests but the one about pings
 
 
 def headers(end: bool = False) -> ep.ProcessingRequest:
@@ -90,7 +91,7 @@ class Answering:
 
 @contextlib.asynccontextmanager
 async def served(process, *, max_message: int = 1 << 20):
-    server = await serve(process, HOST, 0, lambda: True, None, 60.0, max_message)
+    server = await serve(process, HOST, 0, lambda: True, None, 60.0, max_message, KEEPALIVE_S)
     try:
         async with grpc.aio.insecure_channel(f"{HOST}:{server.port}") as channel:
             yield server, epg.ExternalProcessorStub(channel)
@@ -116,6 +117,47 @@ async def test_a_client_that_goes_away_cancels_its_stream():
         call.cancel()
         await eventually(lambda: echo.ended == ["cancelled", "closed"], 5, "the stream cancelled")
         assert server._native.open_streams() == 0
+
+
+async def test_a_client_gone_without_closing_its_connection_loses_its_stream_to_an_unanswered_ping():
+    """A gateway that vanishes without a FIN (its node lost, a partition) stops answering: the server's
+    ping goes unanswered, the connection closes, and its stream is cancelled, so what it held goes back."""
+    keepalive_s = 0.5
+    hold = asyncio.Event()  # never set: the stream waits for its answer when the client vanishes
+    echo = Echo(hold)
+    server = await serve(echo, HOST, 0, lambda: True, None, 60.0, 1 << 20, keepalive_s)
+    vanished = asyncio.Event()
+    held: list[asyncio.StreamWriter] = []  # the relay's sockets, never closed while the test runs
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(1 << 16):
+                if not vanished.is_set():  # after: every byte lost, as on a dead link
+                    writer.write(data)
+                    await writer.drain()
+
+    async def relay(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await asyncio.open_connection(HOST, server.port)
+        held.extend([client_writer, server_writer])
+        await asyncio.gather(pipe(client_reader, server_writer), pipe(server_reader, client_writer))
+
+    front = await asyncio.start_server(relay, HOST, 0)
+    try:
+        async with grpc.aio.insecure_channel(f"{HOST}:{front.sockets[0].getsockname()[1]}") as channel:
+            call = epg.ExternalProcessorStub(channel).Process()
+            await call.write(headers())
+            await eventually(lambda: echo.seen == 1, 5, "the message relayed")
+            vanished.set()
+            await eventually(
+                lambda: echo.ended == ["cancelled", "closed"], 10 * keepalive_s, "the stream ended"
+            )
+            assert server._native.open_streams() == 0
+            call.cancel()
+    finally:
+        for w in held:
+            w.close()
+        front.close()
+        await server.stop(0)
 
 
 async def test_bytes_that_are_no_message_end_the_stream_invalid_argument():
@@ -169,7 +211,7 @@ async def test_a_client_sending_faster_than_the_picker_reads_is_held_to_one_mess
 async def test_stop_lets_open_streams_finish_within_the_grace_then_cancels_them():
     hold = asyncio.Event()
     echo = Echo(hold)
-    server = await serve(echo, HOST, 0, lambda: True, None, 60.0, 1 << 20)
+    server = await serve(echo, HOST, 0, lambda: True, None, 60.0, 1 << 20, KEEPALIVE_S)
     async with grpc.aio.insecure_channel(f"{HOST}:{server.port}") as channel:
         stub = epg.ExternalProcessorStub(channel)
         finishing = stub.Process()
@@ -186,7 +228,7 @@ async def test_stop_lets_open_streams_finish_within_the_grace_then_cancels_them(
 
     hold = asyncio.Event()  # never set: the stream outlives a short grace
     echo = Echo(hold)
-    server = await serve(echo, HOST, 0, lambda: True, None, 60.0, 1 << 20)
+    server = await serve(echo, HOST, 0, lambda: True, None, 60.0, 1 << 20, KEEPALIVE_S)
     async with grpc.aio.insecure_channel(f"{HOST}:{server.port}") as channel:
         call = epg.ExternalProcessorStub(channel).Process()
         await call.write(headers())
@@ -205,7 +247,7 @@ async def test_stop_delivers_the_answers_of_streams_already_finished():
     )
 
     once = Answering([answer])
-    server = await serve(once, HOST, 0, lambda: True, None, 60.0, 16 << 20)
+    server = await serve(once, HOST, 0, lambda: True, None, 60.0, 16 << 20, KEEPALIVE_S)
     options = [("grpc.max_receive_message_length", 16 << 20)]
     async with grpc.aio.insecure_channel(f"{HOST}:{server.port}", options=options) as channel:
         call = epg.ExternalProcessorStub(channel).Process(iter([headers()]))
@@ -253,7 +295,7 @@ class Counting:
 
 async def test_stop_right_after_a_stream_opens_ends_it():
     echo = Echo()
-    server = await serve(echo, HOST, 0, lambda: True, None, 60.0, 1 << 20)
+    server = await serve(echo, HOST, 0, lambda: True, None, 60.0, 1 << 20, KEEPALIVE_S)
     server._take(10**9, OPENED, None)  # a stream id the native side does not know: its calls are no-ops
     await asyncio.wait_for(server.stop(0), 5)  # cancelled before its first step, it is gone all the same
     assert not server._relays
@@ -274,7 +316,7 @@ async def test_the_transport_thread_runs_sched_batch_and_the_event_loop_does_not
 async def test_a_port_in_use_fails_at_start_naming_it():
     async with served(Echo()) as (server, _):
         with pytest.raises(OSError, match=f"picker port {HOST}:{server.port}"):
-            await serve(Echo(), HOST, server.port, lambda: True, None, 60.0, 1 << 20)
+            await serve(Echo(), HOST, server.port, lambda: True, None, 60.0, 1 << 20, KEEPALIVE_S)
 
 
 # A picker out of file descriptors: it holds every one it can open until the test names a file.
@@ -333,7 +375,7 @@ async def test_a_picker_out_of_file_descriptors_waits_for_them_without_spinning(
 
 async def test_a_stream_reset_in_the_batch_that_started_its_awaiting_step_is_closed():
     echo = Echo(asyncio.Event())  # never set: the step awaits
-    server = await serve(echo, HOST, 0, lambda: True, None, 60.0, 1 << 20)
+    server = await serve(echo, HOST, 0, lambda: True, None, 60.0, 1 << 20, KEEPALIVE_S)
     sid = 10**9  # a stream id the native side does not know: its calls are no-ops
     # One drained batch: the message whose step awaits, then the client's reset, before the step's task
     # ever ran (so its own code never does).

@@ -489,17 +489,22 @@ impl PyExtProcServer {
     /// Bound now (an address in use fails here), serving from the start: `tls` a (cert, key) PEM
     /// pair or None for plaintext; `process` false serves health alone (a kubelet's plaintext probe).
     #[new]
-    #[pyo3(signature = (host, port, *, tls, max_message, connection_age_s, process))]
+    #[pyo3(signature = (host, port, *, tls, max_message, connection_age_s, keepalive_s, process))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         host: &str,
         port: u16,
         tls: Option<(Vec<u8>, Vec<u8>)>,
         max_message: usize,
         connection_age_s: f64,
+        keepalive_s: f64,
         process: bool,
     ) -> PyResult<Self> {
         if !(connection_age_s > 0.0 && connection_age_s <= MAX_CONNECTION_AGE_S) {
             return Err(PyValueError::new_err("connection_age_s: more than 0, at most a day"));
+        }
+        if !(keepalive_s > 0.0 && keepalive_s <= MAX_CONNECTION_AGE_S) {
+            return Err(PyValueError::new_err("keepalive_s: more than 0, at most a day"));
         }
         if max_message == 0 {
             return Err(PyValueError::new_err("max_message must be positive"));
@@ -508,8 +513,14 @@ impl PyExtProcServer {
         let bound = listeners[0].local_addr()?.port();
         // A stream waiting for credit stops reading: its unread bytes hold its own window, not the
         // connection's, so other streams on the connection go on.
+        // A peer gone without a FIN (a node lost, a partition) is found by pings: unanswered, its
+        // connection closes and its streams reset, so what they hold goes back (a GOAWAY alone waits for
+        // them without end).
+        let keepalive = Duration::from_secs_f64(keepalive_s);
         let mut builder = Server::builder()
             .max_connection_age(Duration::from_secs_f64(connection_age_s))
+            .http2_keepalive_interval(Some(keepalive))
+            .http2_keepalive_timeout(Some(keepalive))
             .initial_stream_window_size(STREAM_WINDOW)
             .initial_connection_window_size(CONNECTION_WINDOW);
         if let Some((cert, key)) = tls {

@@ -37,6 +37,10 @@ class PickerConfig:
     # that can still bring a pick has been told to go away before the drain can end (proxy/drain.py).
     # Streams in flight finish on the old connection (no deadline: a stream lasts as its request).
     connection_age_s: float = 3.0
+    # A gateway gone without closing its connection (its node lost, a partition) would hold its streams'
+    # picks, load and predictions until TCP gives up (~15 min): the picker pings each connection this
+    # often and closes it when a ping goes unanswered this long, so its streams end and give them back.
+    keepalive_s: float = 20.0
 
 
 FLAGS = (

@@ -263,13 +263,21 @@ async def serve(
     tls: tuple[bytes, bytes] | None,
     connection_age_s: float,
     max_message: int,
+    keepalive_s: float,
 ) -> PickerServer:
     """The picker's streams (``open_stream`` makes each one's ``Stream``) and its gRPC health (``ready``:
     as ``/readyz``), served at ``host:port`` over TLS with the (cert, key) PEM pair ``tls`` (None:
     plaintext). ``max_message`` bounds a message (one may carry a whole buffered body). Each connection
-    is told to go away once ``connection_age_s`` old (PickerConfig says why)."""
+    is told to go away once ``connection_age_s`` old, and closed when a ping sent every ``keepalive_s``
+    goes unanswered that long (PickerConfig says why)."""
     native = ExtProcServer(
-        host, port, tls=tls, max_message=max_message, connection_age_s=connection_age_s, process=True
+        host,
+        port,
+        tls=tls,
+        max_message=max_message,
+        connection_age_s=connection_age_s,
+        keepalive_s=keepalive_s,
+        process=True,
     )
     return PickerServer(native, open_stream, ready)
 
@@ -282,6 +290,7 @@ async def serve_health(host: str, port: int, ready: Callable[[], bool]) -> Picke
         tls=None,
         max_message=1 << 16,
         connection_age_s=HEALTH_ONLY_CONNECTION_AGE_S,
+        keepalive_s=HEALTH_ONLY_CONNECTION_AGE_S,  # a probe carries no stream to give back
         process=False,
     )
     return PickerServer(native, None, ready)
