@@ -316,7 +316,13 @@ def test_server_info_variants():
     assert info.spec.kv is None and info.block_size is None and info.dialect is None
     assert parse_server_info("http://e:1", {}).spec == WorkerSpec(engine="http://e:1", url="http://e:1")
     assert parse_server_info("http://e:1", {"kv_events": ""}).spec.kv is None
-    for bad in ({"endpoint_port_base": "x"}, {"endpoint_port_base": True}, {"dp_size": -1}):
+    bad_ports = (
+        {"endpoint_port_base": 0},
+        {"endpoint_port_base": 70000},
+        {"endpoint_port_base": 5557, "replay_port_base": -1},
+        {"endpoint_port_base": 65535, "dp_size": 2},  # rank 1 would be past the last port
+    )
+    for bad in ({"endpoint_port_base": "x"}, {"endpoint_port_base": True}, {"dp_size": -1}, *bad_ports):
         with pytest.raises(ValueError):
             parse_server_info("http://e:1", {"kv_events": {"endpoint_host": "*", **bad}})
     with pytest.raises(ValueError):

@@ -55,7 +55,9 @@ async def setup(dialect=Dialect.VLLM_033, dp=1, replay_buffer=10_000, replay_end
                 ENGINE,
                 ENGINE,
                 kv=pub.kv_endpoint(0),
-                replay=pub.replay_endpoint(0) if replay_endpoint else "tcp://127.0.0.1:1",
+                replay=pub.replay_endpoint(0)
+                if replay_endpoint is True
+                else replay_endpoint or "tcp://127.0.0.1:1",
                 dp_size=dp,
                 topic=b"kv-topic",
             ),
@@ -138,6 +140,66 @@ async def test_a_publisher_restart_clears_the_rank():
         await eventually(lambda: matched(plane, [7, 7, 7, 7]), what="store after the restart")
         assert matched(plane, [1, 2, 3, 4]) == {} and matched(plane, [5, 6, 7, 8]) == {}
         assert sample(plane, "routerfleet_kv_ranks_cleared_total", reason="publisher_restart") == 1
+
+
+async def test_a_subscription_that_fails_clears_its_rank_and_follows_it_again():
+    """A rank's subscription that fails (here the replay endpoint ZMQ refuses, at the first gap) never
+    leaves its blocks credited while their removals go unheard: the rank is cleared, counted, and
+    followed again."""
+    async with setup(replay_endpoint="tcp://127.0.0.1:-1") as (pub, plane):
+        pub.publish(0, [store(1, [1, 2, 3, 4])])
+        await eventually(lambda: matched(plane, [1, 2, 3, 4]), what="the first store")
+        pub.publish(0, [BlockRemoved((1,), None)], drop=Drop.PUB)  # a gap: its replay fails
+        pub.publish(0, [store(2, [5, 6, 7, 8])])
+        await eventually(
+            lambda: sample(plane, "routerfleet_kv_ranks_cleared_total", reason="subscription_failed") == 1,
+            what="the rank cleared",
+        )
+        await plane.writer.drain()
+        assert matched(plane, [1, 2, 3, 4]) == {}
+        sub = plane.subscriptions()[0]
+        await eventually(lambda: sub.connected, timeout=10, what="the rank followed again")
+        pub.publish(0, [store(3, [9, 9, 9, 9])])
+        await eventually(lambda: matched(plane, [9, 9, 9, 9]), timeout=10, what="a store after it")
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+async def test_a_restarted_publisher_whose_sequence_passed_ours_is_found_by_our_cursors_batch(ahead):
+    """An engine restarts on the same ports and publishes while our SUB reconnects (those batches are
+    lost): its first live batch we see is past our cursor, next to it (``ahead`` 1) or beyond (3), so the
+    sequence alone looks like a stream that went on. The batch the new process holds at our cursor is
+    another than the one we applied: the rank is cleared and follows the new process from its start."""
+    async with setup() as (pub, plane):
+        pub.publish(0, [store(1, [1, 2, 3, 4])])
+        pub.publish(0, [store(2, [5, 6, 7, 8])])
+        await eventually(lambda: matched(plane, [5, 6, 7, 8]), what="the old process's stores")
+        sub = plane.subscriptions()[0]
+        cursor = sub.cursor
+        kv_port, replay_port = pub.kv_port_base, pub.replay_port_base
+        await pub.close()  # the engine's process ends: our SUB sees its connection go
+        await eventually(lambda: not sub.connected, what="the SUB disconnected")
+        new = KvPublisher(
+            dialect=Dialect.VLLM_033,
+            dp_size=1,
+            host="127.0.0.1",
+            kv_port=kv_port,
+            replay_port=replay_port,
+            topic="kv-topic",
+        )
+        new.start()
+        try:
+            for k in range(cursor + ahead):  # published before our SUB is back: lost to us, buffered
+                new.publish(0, [store(100 + k, [k + 1] * 4)], drop=Drop.PUB)
+            await eventually(lambda: sub.connected, timeout=10, what="the SUB reconnected")
+            new.publish(0, [store(9, [9, 9, 9, 9])])
+            await eventually(lambda: matched(plane, [9, 9, 9, 9]), what="the new process's live store")
+            await plane.writer.drain()
+            assert matched(plane, [1, 2, 3, 4]) == {} and matched(plane, [5, 6, 7, 8]) == {}
+            assert sample(plane, "routerfleet_kv_ranks_cleared_total", reason="publisher_restart") == 1
+            assert matched(plane, [1, 1, 1, 1]) == {Carrier(ENGINE, 0): 1}  # replayed from its start
+            assert sub.cursor == new.last_seq(0)
+        finally:
+            await new.close()
 
 
 async def test_a_publisher_restart_under_a_hold_that_judges_it_is_held_not_cleared():

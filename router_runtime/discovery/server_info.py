@@ -44,6 +44,16 @@ def _int(value: Any, what: str) -> int:
         raise ValueError(f"server_info {what} must be an integer, got {value!r}") from None
 
 
+def _port(value: Any, what: str, dp: int) -> int:
+    """A port base, its ``dp`` ranks' ports all TCP ports."""
+    port = _int(value, what)
+    if not 1 <= port <= 65536 - dp:
+        raise ValueError(
+            f"server_info {what} must be a TCP port (1-65535 for each of {dp} ranks), got {port}"
+        )
+    return port
+
+
 def parse_server_info(
     url: str, info: Mapping[str, Any], *, engine: str | None = None, incarnation: str | None = None
 ) -> ServerInfo:
@@ -68,9 +78,9 @@ def parse_server_info(
     if ev.get("publisher", "zmq") == "zmq" and base is not None:
         host = str(host or "").strip()
         host = _url_host(url) if host in _WILDCARDS else (f"[{host}]" if ":" in host else host)
-        kv = f"tcp://{host}:{_int(base, 'endpoint_port_base')}"
+        kv = f"tcp://{host}:{_port(base, 'endpoint_port_base', dp)}"
         if ev.get("replay_port_base") is not None:
-            replay = f"tcp://{host}:{_int(ev['replay_port_base'], 'replay_port_base')}"
+            replay = f"tcp://{host}:{_port(ev['replay_port_base'], 'replay_port_base', dp)}"
     block_size = ev.get("block_size", info.get("page_size"))
     spec = WorkerSpec(
         engine=engine or url,

@@ -152,7 +152,7 @@ class KVPlane:
                     sub.attach(hold)
             elif self.rank_listener is not None:
                 self.rank_listener.rank_added(sub)  # before the socket exists: nothing escapes the hold
-            task = asyncio.create_task(sub.run(), name=f"kv-sub-{carrier}")
+            task = asyncio.create_task(sub.follow(), name=f"kv-sub-{carrier}")
             self._subs[carrier] = (sub, task)
             subs[rank] = sub
         log.info("subscribed to engine %s (%d ranks)", spec.engine, spec.dp_size)

@@ -60,6 +60,8 @@ class Fill(enum.Enum):
     STALE = "stale"  # the answering publisher did not send the live batch in hand
 
 
+# After a rank's subscription failed: the pause before it is followed again.
+RESUBSCRIBE_S = 1.0
 RECENT_HASHES = 4096  # applied batches whose payload hash a rank remembers (about 100 KiB)
 # After a graft, batches at or below its cursor are already in it, but only the few a sibling can be
 # ahead of our own stream (published between our subscribe and its export). A batch further below
@@ -113,6 +115,10 @@ class RankSubscription:
         self.cursor_hash: int | None = None  # xxh3 of that batch's payload (None: not known)
         self.live_last: int | None = None  # last sequence seen on the live stream
         self.connected = False
+        # The connection went since the last live batch: the publisher there may be another process,
+        # whose sequence has passed ours (what it sent while we reconnected was lost): the next batch
+        # in sequence is not taken on trust (``on_live``).
+        self.reconnected = False
         self.last_event_at: float | None = None
         # A gap seen and being replayed: until it is filled (or the rank cleared), the index lacks
         # batches the engine sent (a prediction now is doubtful).
@@ -185,6 +191,27 @@ class RankSubscription:
 
     # ---- the live loop -------------------------------------------------------------------------
 
+    async def follow(self) -> None:
+        """``run``, for as long as the rank is followed. A failure (a bug, an endpoint ZMQ refuses) must
+        not end it while the index keeps the rank's blocks and their removals go unheard: the rank is
+        cleared (cold, and counted) and followed again, from its stream's next batch."""
+        while True:
+            try:
+                await self.run()
+                return
+            except Exception as e:
+                # libzmq's own words name the endpoint; any other error's text might carry a batch's.
+                detail = str(e) if isinstance(e, zmq.ZMQError) else type(e).__name__
+                log.error(
+                    "rank %s: its subscription failed (%s): cleared, followed again in %g s",
+                    self.carrier,
+                    detail,
+                    RESUBSCRIBE_S,
+                )
+                self.clear(ClearReason.SUBSCRIPTION_FAILED)
+                self.resume(None)
+            await asyncio.sleep(RESUBSCRIBE_S)
+
     async def run(self) -> None:
         name = f"rank {self.carrier}"
         watch: asyncio.Task | None = None
@@ -219,6 +246,8 @@ class RankSubscription:
         while True:
             msg = parse_monitor_message(await monitor.recv_multipart())
             self.connected = msg["event"] == zmq.EVENT_CONNECTED
+            if msg["event"] == zmq.EVENT_DISCONNECTED:
+                self.reconnected = True
             log.info("rank %s %s", self.carrier, "connected" if self.connected else "disconnected")
 
     async def on_live(self, frames: list[bytes]) -> None:
@@ -245,8 +274,13 @@ class RankSubscription:
                 self.clear(ClearReason.PUBLISHER_RESTART)
             self.resume(StreamPosition(-1, seq))  # the new publisher's stream begins at 0
             arrival = classify(self.cursor, seq)
-        if arrival is Arrival.GAP:
-            self.metrics.gaps.inc()
+        # After a reconnect even the next batch in sequence is checked, by a replay from our cursor's
+        # (a gap's replay always starts there).
+        checked = self.reconnected and arrival is Arrival.NEXT
+        self.reconnected = False
+        if arrival is Arrival.GAP or checked:
+            if arrival is Arrival.GAP:
+                self.metrics.gaps.inc()
             self.filling = True
             try:
                 while (fill := await self._fill_gap(seq)) is Fill.RESET:
@@ -329,27 +363,39 @@ class RankSubscription:
 
     async def _fill_gap(self, live_seq: int) -> Fill:
         """Replay what lies between our cursor and ``live_seq``. RESET, having changed nothing, when our
-        position was reset (``resume``) while the replay was out: its answer filled the old cursor.
-        STALE when the answer ended before ``live_seq``: a publisher buffers a batch before it sends
-        it, so the one that answered did not send the live batch in hand; a dead process did."""
+        position was reset (``resume``) while the replay was out: its answer filled the old cursor; or
+        having cleared the rank, when the publisher holds another batch at our cursor than the one we
+        applied (a restarted process whose sequence passed ours): ask again, from its start. STALE
+        when the answer ended before ``live_seq``: a publisher buffers a batch before it sends it, so
+        the one that answered did not send the live batch in hand; a dead process did."""
         start = self.cursor + 1
         if self.endpoints.replay is None:
             self.metrics.replays.labels("unavailable").inc()
             return Fill.DONE
+        # From our cursor's own batch when we know its hash (not after a graft or an uncovered gap).
+        checks = start > 0 and self.cursor_hash is not None
         resumes = self._resumes
         result = await replay(
             self.sockets,
             self.endpoints.replay,
-            start,
+            start - 1 if checks else start,
             self.timeouts,
             f"gap replay of rank {self.carrier}",
             stop_at=live_seq,
+            need=start,
         )
         if self._resumes != resumes:
             return Fill.RESET
         self.metrics.replays.labels(str(result.outcome)).inc()
         log.info("rank %s replay from %d: %s", self.carrier, start, result.outcome.value)
         got = result.batches
+        if checks and got and got[0][0] == start - 1:
+            if payload_hash(got[0][1]) != self.cursor_hash:
+                log.info("rank %s: another publisher's batch at our cursor: a restarted engine", self.carrier)
+                self.clear(ClearReason.PUBLISHER_RESTART)
+                self.resume(StreamPosition(-1, self.live_last))
+                return Fill.RESET
+            got = got[1:]
         answered = result.outcome in (ReplayOutcome.FILLED, ReplayOutcome.UNCOVERED)
         stale = answered and (not got or got[-1][0] < live_seq)
         if stale:
@@ -377,10 +423,13 @@ async def replay(
     *,
     stop_at: int | None = None,
     max_bytes: int | None = None,
+    need: int | None = None,
 ) -> ReplayResult:
     """Ask a replay ROUTER for every buffered batch from ``start``; collect until the end marker, or
     (once ``stop_at`` is reached) stop early. Past ``max_bytes`` of payload it stops as truncated.
-    Returns the contiguous run it got and how it ended. ``name`` names its DEALER (``Sockets``)."""
+    Returns the contiguous run it got and how it ended: UNCOVERED when it begins after ``need`` (the
+    first sequence the caller cannot do without; ``start`` by default). ``name`` names its DEALER
+    (``Sockets``)."""
     got: list[tuple[int, bytes]] = []
     size = 0
     outcome = ReplayOutcome.TIMEOUT
@@ -415,7 +464,7 @@ async def replay(
             if stop_at is not None and seq >= stop_at:
                 outcome = ReplayOutcome.FILLED
                 break
-    if got and got[0][0] != start:
+    if got and got[0][0] > (start if need is None else need):
         outcome = ReplayOutcome.UNCOVERED
     elif not got and outcome is ReplayOutcome.FILLED:
         outcome = ReplayOutcome.UNCOVERED  # an empty buffer past our cursor covers nothing

@@ -38,6 +38,7 @@ class ClearReason(enum.StrEnum):
     BOOTSTRAP_HELD = "bootstrap_held"  # its health returned while its bootstrap held it: unprovable
     FLUSH = "flush"  # a flush through the router reset its engine (kv/withhold.py)
     WITHHOLD_EXPIRED = "withhold_expired"  # its credit was withheld and nothing proved it in time
+    SUBSCRIPTION_FAILED = "subscription_failed"  # its subscription failed (a bug, a refused endpoint)
 
 
 @dataclass(slots=True)
