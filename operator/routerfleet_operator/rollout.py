@@ -142,6 +142,9 @@ class BootstrapReport:
         )
 
 
+_ENDED = ("Failed", "Succeeded")  # a pod's phases it never leaves
+
+
 @dataclass(frozen=True)
 class PodView:
     """What the decision needs of one router pod."""
@@ -152,7 +155,9 @@ class PodView:
     gate: bool = False  # routerfleet.io/seeded is True
     ready: bool = False  # the pod's Ready condition (containers ready and the gate)
     ready_since: datetime | None = None
-    terminating: bool = False
+    # Deleted, or ended for good (phase Failed or Succeeded): an evicted pod stays, with its owner, until
+    # the garbage collector takes it, and must not count as a replica of its revision meanwhile.
+    gone: bool = False
     report: BootstrapReport | None = None  # None: not fetched (not up yet, or unreachable)
     # The member's history, kept on the pod by its gate condition: the verdict it was seeded with, and
     # when. Its live verdict (``report``) may change afterwards; this never does.
@@ -176,7 +181,7 @@ class PodView:
             gate=gate.get("status") == "True",
             ready=is_ready,
             ready_since=parse_ts(ready.get("lastTransitionTime")) if is_ready else None,
-            terminating=bool(meta.get("deletionTimestamp")),
+            gone=bool(meta.get("deletionTimestamp")) or (pod.get("status") or {}).get("phase") in _ENDED,
             report=report,
         )
 
@@ -328,8 +333,9 @@ def decide(
     s = fleet.spec
     update = revision_of(fleet)
     events: list[Event] = []
-    live = sorted((p for p in pods if not p.terminating), key=lambda p: (p.created, p.name))
+    live = sorted((p for p in pods if not p.gone), key=lambda p: (p.created, p.name))
     state = _begin(RolloutState.from_status(prior), update, now, events)
+    state = _resumed(fleet, state, prior, now)
     state, delete = _retry(fleet, state, update, {p.name: p for p in live}, now, events)
     deploy = state.current_revision if (state.rolled_back == update and state.current_revision) else update
     admitted: list[PodView] = []
@@ -346,14 +352,16 @@ def decide(
     if phase is Phase.PROGRESSING:
         since = parse_ts(state.progress_at) or now
         deadline_exceeded = (now - since).total_seconds() > s.rollout.progress_deadline_s
-        if deadline_exceeded and _condition_reason(prior, "Stalled") != "ProgressDeadlineExceeded":
+        unseeded = [p for p in live if p.name not in gated]
+        blocked = _discovery_blocked(unseeded, state, NO_ENGINES_STALL_S, now)
+        # Said once, as the Stalled condition takes the reason (a block outranks the deadline there).
+        was = _condition_reason(prior, "Stalled")
+        if blocked is not None and was != blocked[0]:
+            events.append(Event("Warning", blocked[0], blocked[1]))
+        elif blocked is None and deadline_exceeded and was != "ProgressDeadlineExceeded":
             deadline = format_duration(s.rollout.progress_deadline_s)
             text = f"no replica of {update} seeded for {deadline}"
             events.append(Event("Warning", "ProgressDeadlineExceeded", text))
-        unseeded = [p for p in live if p.name not in gated]
-        blocked = _discovery_blocked(unseeded, state, NO_ENGINES_STALL_S, now)
-        if blocked is not None and _condition_reason(prior, "Stalled") != blocked[0]:
-            events.append(Event("Warning", blocked[0], blocked[1]))
 
     status = _status(
         Facts(
@@ -409,6 +417,14 @@ def _begin(state: RolloutState, update: str, now: datetime, events: list[Event])
     if state.current_revision is not None and state.current_revision != update:
         text = f"rolling out revision {update} (from {state.current_revision})"
         events.append(Event("Normal", "RolloutStarted", text))
+    return state
+
+
+def _resumed(fleet: Fleet, state: RolloutState, prior: Mapping[str, Any], now: datetime) -> RolloutState:
+    """A rollout the user paused starts its progress clock again when resumed, as a Deployment's does:
+    the time it was paused is not time it failed to progress."""
+    if not fleet.spec.paused and (prior.get("rollout") or {}).get("pauseReason") == PauseReason.USER:
+        return replace(state, progress_at=ts(now))
     return state
 
 

@@ -88,7 +88,7 @@ def check_decision(obj, pods: list[PodView], d) -> None:
     f = Fleet.parse(obj)
     s = f.spec
     prior = obj.get("status") or {}
-    live = {p.name: p for p in pods if not p.terminating}
+    live = {p.name: p for p in pods if not p.gone}
     update = revision_of(f)
     assert d.update_revision == update
     assert len(set(d.admit)) == len(d.admit)
@@ -183,7 +183,7 @@ pod_states = st.tuples(
     st.sampled_from(["aaaaaaaaaa", "bbbbbbbbbb", "new"]),  # revision ("new": the spec's)
     st.booleans(),  # gate
     st.booleans(),  # container ready
-    st.booleans(),  # terminating
+    st.booleans(),  # gone
     st.sampled_from(REPORTS),
 )
 
@@ -208,7 +208,7 @@ def test_random_fleets_keep_the_rules(states, policy, paused, current, replicas,
     for i, (r, gate, ready, term, rep) in enumerate(states):
         r = rev if r == "new" else r
         pods.append(
-            PodView(f"p{i}", r, f"{i:03d}", gate=gate, ready=gate and ready, terminating=term, report=rep)
+            PodView(f"p{i}", r, f"{i:03d}", gate=gate, ready=gate and ready, gone=term, report=rep)
         )
     if current is not None:
         cur = rev if current == "new" else current
@@ -227,13 +227,13 @@ def test_random_fleets_keep_the_rules(states, policy, paused, current, replicas,
             }
     d = decide(obj, pods, T0)
     check_decision(obj, pods, d)
-    if not paused and not any(p.gate for p in pods if not p.terminating):
+    if not paused and not any(p.gate for p in pods if not p.gone):
         # Nobody serves: nothing settled may be held back (that is the deadlock).
         held_pods = set((obj.get("status") or {}).get("rollout", {}).get("hold", {}).get("pods", ()))
         stuck = [
             p
             for p in settled_eligible_unadmitted(obj, pods, d)
-            if not p.terminating and p.name not in held_pods
+            if not p.gone and p.name not in held_pods
         ]
         assert stuck == []
 
@@ -422,6 +422,18 @@ def test_spec_paused_pauses_everything():
     assert c.revisions() == {new: 3} and c.condition("Ready")[0] == "True"
 
 
+def test_a_rollout_resumed_after_a_long_pause_has_its_whole_progress_deadline():
+    c = first_deploy()
+    c.set_spec(paused=True)
+    c.set_spec(router={"image": "v2"})
+    c.run(2)
+    c.now += timedelta(hours=2)  # paused far longer than the progress deadline (10 min by default)
+    c.set_spec(paused=False)
+    c.reconcile()
+    assert c.condition("Stalled")[0] == "False", c.status["conditions"]
+    assert c.events("ProgressDeadlineExceeded") == []
+
+
 def test_scale_up_pods_are_seeded_warm():
     c = first_deploy(replicas=2)
     c.set_spec(replicas=4)
@@ -584,10 +596,12 @@ def test_pod_view_from_a_pod():
         },
     }
     v = PodView.from_pod(pod)
-    assert (v.name, v.revision, v.gate, v.ready, v.terminating) == ("rf-abc", "r1", True, True, False)
+    assert (v.name, v.revision, v.gate, v.ready, v.gone) == ("rf-abc", "r1", True, True, False)
     assert v.ready_since == T0 + timedelta(minutes=1)
+    evicted = {**pod, "status": {**pod["status"], "phase": "Failed", "reason": "Evicted"}}
+    assert PodView.from_pod(evicted).gone  # left in place until garbage-collected
     pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:02:00Z"
-    assert PodView.from_pod(pod).terminating
+    assert PodView.from_pod(pod).gone
 
 
 # ---- the status says what the routers know (causes, mismatch, history) -----------------------------------
@@ -697,6 +711,11 @@ def test_a_fleet_whose_engines_cannot_be_discovered_stalls_after_the_bound_and_r
     assert len(c.events("NoEnginesDiscovered")) == 1
     c.reconcile()
     assert len(c.events("NoEnginesDiscovered")) == 1  # said once
+    c.now += timedelta(hours=1)  # past the progress deadline too: the condition's reason stays
+    for _ in range(3):
+        c.reconcile()
+    assert c.condition("Stalled") == ("True", "NoEnginesDiscovered")
+    assert len(c.events("NoEnginesDiscovered")) == 1 and c.events("ProgressDeadlineExceeded") == []
     # Not a hold: the engines appear and the rollout goes on by itself.
     engines_found = True
     for p in c.pods.values():
