@@ -35,12 +35,14 @@ from .render import (
     render_secret,
     seeded_condition,
 )
-from .rollout import Decision, Event, PodView, decide
+from .rollout import Decision, Event, PodView, decide, refused
 from .spec import Fleet, SpecError, validate
 from .verdicts import fetch_reports
 
 log = logging.getLogger(__name__)
 REVISION_HISTORY = 10  # ControllerRevisions kept per fleet (besides the current and update ones)
+# An apply the API server refuses for what it says (400 BadRequest, 422 Invalid): the spec's doing.
+SPEC_REFUSED = (400, 422)
 POLL_BUSY_S = 2.0  # while a rollout is not Complete
 POLL_IDLE_S = 60.0  # Complete: pod and fleet events wake the loop anyway
 
@@ -357,8 +359,14 @@ async def _reconcile(
     decision = decide(obj, views, now, pool)
 
     # 1. the owned objects and the Deployment (an invalid spec changes nothing)
+    result = "ok" if fleet is not None else "invalid"
     if fleet is not None and decision.deploy_revision is not None:
-        events += await apply_owned(kube, fleet, obj, decision, token, operator)
+        try:
+            events += await apply_owned(kube, fleet, obj, decision, token, operator)
+        except ApiError as e:
+            if e.status not in SPEC_REFUSED:  # not the spec's doing (the API away, a conflict): retried
+                raise
+            decision, result = refused(obj, str(e), now), "invalid"  # nothing more this pass
     # 2. pod deletions (by UID: a recreated pod of the same name is not ours to delete)
     uids = {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods}
     for pod in decision.delete:
@@ -395,7 +403,7 @@ async def _reconcile(
                 return 0.2, "conflict"
     await post_events(kube, obj, events, now)
     _observe(metrics, namespace, name, obj, fleet, decision, by_name, decision.status)
-    return next_delay(decision), ("ok" if fleet is not None else "invalid")
+    return next_delay(decision), result
 
 
 async def release_foreign(kube: KubeClient, obj: Mapping[str, Any]) -> list[str]:

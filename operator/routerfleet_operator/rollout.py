@@ -628,6 +628,14 @@ def merge_conditions(
     return out
 
 
+def refused(obj: Mapping[str, Any], message: str, now: datetime) -> Decision:
+    """What a valid spec renders, refused by the API server (a quantity it cannot parse, a mount of a
+    volume it does not define): said as an invalid spec is, for this generation."""
+    status = obj.get("status") or {}
+    generation = int(obj["metadata"].get("generation") or 0)
+    return _invalid(status, generation, [f"the API server refused what the spec renders: {message}"], now)
+
+
 def _invalid(prior: Mapping[str, Any], generation: int, problems: list[str], now: datetime) -> Decision:
     """An invalid spec: touch nothing, say why (Stalled, kstatus Failed)."""
     message = "; ".join(problems)

@@ -111,6 +111,8 @@ class FakeKube:
             self.objs[("RouterFleet", obj["metadata"]["name"])] = obj
         self.conflict = False
         self.fail_list = False
+        self.refuse: str | None = None  # a kind whose apply the API server refuses (422 Invalid)
+        self.status_patches: list[dict] = []
 
     async def get(self, kind: str, namespace: str, name: str) -> dict | None:
         o = self.objs.get((kind, name))
@@ -126,6 +128,8 @@ class FakeKube:
         return manifest
 
     async def apply(self, manifest: dict) -> dict:
+        if manifest["kind"] == self.refuse:
+            raise ApiError(422, f'{manifest["kind"]} "rf" is invalid: spec.template...limits[cpu]: quantity')
         return await self.create(manifest)
 
     async def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool:
@@ -134,6 +138,8 @@ class FakeKube:
     async def patch(self, kind: str, namespace: str, name: str, body: Any, *, ctype: str, sub=None) -> Any:
         if self.conflict:
             raise ApiError(409, "patch")
+        if kind == "RouterFleet" and sub == "status":
+            self.status_patches.append(body)
         return body
 
 
@@ -161,11 +167,19 @@ async def test_reconcile_results_and_durations():
     assert sample(reg, "routerfleet_operator_reconciles_total", result="error") == 1
     assert sample(reg, "routerfleet_operator_reconcile_duration_seconds_count", result="error") == 1
 
-    kube.fail_list = False
+    kube.fail_list, kube.refuse = False, "Deployment"  # a valid spec whose Deployment the API refuses
+    await reconcile(kube, "ns", "rf", metrics=m)  # type: ignore[arg-type]
+    assert sample(reg, "routerfleet_operator_reconciles_total", result="invalid") == 1
+    conditions = {c["type"]: c for c in kube.status_patches[-1]["status"]["conditions"]}
+    assert (conditions["Stalled"]["status"], conditions["Stalled"]["reason"]) == ("True", "InvalidSpec")
+    assert "limits[cpu]" in conditions["Stalled"]["message"] and conditions["Ready"]["status"] == "False"
+    assert ("Event", "rf.") in {(k, n[:3]) for k, n in kube.objs}  # said as an event too
+
+    kube.refuse = None
     bad = fleet_obj({"bootstrap": {"passVerdicts": ["warm"]}}, resourceVersion="2")
     kube.objs[("RouterFleet", "rf")] = bad
     await reconcile(kube, "ns", "rf", metrics=m)  # type: ignore[arg-type]
-    assert sample(reg, "routerfleet_operator_reconciles_total", result="invalid") == 1
+    assert sample(reg, "routerfleet_operator_reconciles_total", result="invalid") == 2
 
     del kube.objs[("RouterFleet", "rf")]
     assert await reconcile(kube, "ns", "rf", metrics=m) is None  # type: ignore[arg-type]
