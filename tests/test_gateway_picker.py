@@ -446,6 +446,11 @@ async def ep_stub(channel) -> None:
         pass
 
 
+def header_map(pairs: Sequence[tuple[str, bytes]]) -> base_pb2.HeaderMap:
+    """Headers as Envoy sends them to a picker (raw values)."""
+    return base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in pairs])
+
+
 def struct(fields: dict):
     from google.protobuf import struct_pb2
 
@@ -727,9 +732,7 @@ async def test_a_whole_engines_fallbacks_are_engines_that_serve_a_request_alone(
     decode = {"disaggregation_mode": "decode"} if sglang_ else {"kv_transfer": True}
     prefill = {"disaggregation_mode": "prefill"} if sglang_ else {"kv_transfer": True}
     fields = [(":method", b"POST"), (":path", b"/v1/completions"), ("content-type", b"application/json")]
-    headers = ep.HttpHeaders(
-        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in fields])
-    )
+    headers = ep.HttpHeaders(headers=header_map(fields))
     async with contextlib.AsyncExitStack() as stack:
         (whole, decoder, _), router = await picking(
             stack,
@@ -803,11 +806,7 @@ async def test_the_picker_holds_bodies_in_the_routers_one_budget(tmp_path):
 
     def headers() -> ep.ProcessingRequest:
         h = [(":method", b"POST"), (":path", b"/v1/completions"), ("content-type", b"application/json")]
-        return ep.ProcessingRequest(
-            request_headers=ep.HttpHeaders(
-                headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in h])
-            )
-        )
+        return ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=header_map(h)))
 
     def body(data: bytes, end: bool) -> ep.ProcessingRequest:
         return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=end))
@@ -866,9 +865,6 @@ async def test_a_held_response_ended_by_trailers_goes_on_whole_before_them():
     the trailers' answer."""
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
 
-    def header_map(pairs: list[tuple[str, bytes]]) -> base_pb2.HeaderMap:
-        return base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in pairs])
-
     duplex = ProcessingMode.FULL_DUPLEX_STREAMED
     answer = b'{"object": "list", "data": [], "the": "whole answer"}'
     messages = [
@@ -890,27 +886,16 @@ async def test_a_held_response_ended_by_trailers_goes_on_whole_before_them():
         ep.ProcessingRequest(response_body=ep.HttpBody(body=answer[20:], end_of_stream=False)),
         ep.ProcessingRequest(response_trailers=ep.HttpTrailers(trailers=header_map([("grpc-status", b"0")]))),
     ]
-    async with run_fake_engine(block_size=BS) as engine:
-        cfg = RouterConfig(
-            port=0,
-            metrics=LOCAL_METRICS,
-            workers=static_workers([engine]),
-            kv=KvConfig(block_size=BS),
-            health=HealthConfig(interval_s=0),
-            gateway=PickerConfig(port=0, plaintext=True),
-        )
-        async with (
-            run_router(cfg) as (router, _url),
-            grpc.aio.insecure_channel(router.epp_address) as channel,
-        ):
-            stub = epg.ExternalProcessorStub(channel)
-            answers = [a async for a in stub.Process(iter(messages), timeout=5)]
-            kinds = [a.WhichOneof("response") for a in answers]
-            assert kinds[-1] == "response_trailers", kinds
-            sent = [a.response_body.response.body_mutation.streamed_response for a in answers[:-1]]
-            assert b"".join(p.body for p in sent if p.body) == answer, kinds
-            assert not any(p.end_of_stream for p in sent)  # the trailers end it
-            await eventually(lambda: router.load.total == 0, what="the pick released")
+    async with contextlib.AsyncExitStack() as stack:
+        _, router = await picking(stack, n_engines=1, picker=PickerConfig(port=0, plaintext=True))
+        channel = await stack.enter_async_context(grpc.aio.insecure_channel(router.epp_address))
+        answers = [a async for a in epg.ExternalProcessorStub(channel).Process(iter(messages), timeout=5)]
+        kinds = [a.WhichOneof("response") for a in answers]
+        assert kinds[-1] == "response_trailers", kinds
+        sent = [a.response_body.response.body_mutation.streamed_response for a in answers[:-1]]
+        assert b"".join(p.body for p in sent if p.body) == answer, kinds
+        assert not any(p.end_of_stream for p in sent)  # the trailers end it
+        await eventually(lambda: router.load.total == 0, what="the pick released")
 
 
 # ---- the operator's standalone gateway (its rendered Envoy configuration) ------------------------------

@@ -269,10 +269,7 @@ class RankSubscription:
             if known is not None and known != payload_hash(payload):
                 arrival = Arrival.RESTART
         if arrival is Arrival.RESTART:
-            hold = self.hold
-            if hold is None or not hold.active or not hold.take_over_restart():
-                self.clear(ClearReason.PUBLISHER_RESTART)
-            self.resume(StreamPosition(-1, seq))  # the new publisher's stream begins at 0
+            self._restarted(seq)
             arrival = classify(self.cursor, seq)
         # After a reconnect even the next batch in sequence is checked, by a replay from our cursor's
         # (a gap's replay always starts there).
@@ -295,6 +292,15 @@ class RankSubscription:
                 arrival = Arrival.FIRST
         if arrival is not Arrival.DUPLICATE:
             self._accept(seq, payload)
+
+    def _restarted(self, live_last: int | None) -> None:
+        """Another process publishes now: the rank goes cold, unless a hold that judges a new process
+        itself takes the restart over (warm re-adoption), and the new stream is followed from its
+        sequence 0."""
+        hold = self.hold
+        if hold is None or not hold.active or not hold.take_over_restart():
+            self.clear(ClearReason.PUBLISHER_RESTART)
+        self.resume(StreamPosition(-1, live_last))
 
     def expect_batch(self, since: float) -> None:
         """A request dispatched at ``since`` made the engine store new blocks: a batch is due."""
@@ -392,8 +398,7 @@ class RankSubscription:
         if checks and got and got[0][0] == start - 1:
             if payload_hash(got[0][1]) != self.cursor_hash:
                 log.info("rank %s: another publisher's batch at our cursor: a restarted engine", self.carrier)
-                self.clear(ClearReason.PUBLISHER_RESTART)
-                self.resume(StreamPosition(-1, self.live_last))
+                self._restarted(self.live_last)
                 return Fill.RESET
             got = got[1:]
         answered = result.outcome in (ReplayOutcome.FILLED, ReplayOutcome.UNCOVERED)
