@@ -531,8 +531,8 @@ def _progress(
     nothing of another revision left."""
     s = fleet.spec
     step = sum(1 for p in live if p.revision == update and p.name in gated)
-    if step > state.step:
-        state = replace(state, step=step, progress_at=ts(now))
+    if step != state.step:  # down too (a rollback, a retry, a seeded replica lost): the next seed counts
+        state = replace(state, step=step, progress_at=ts(now) if step > state.step else state.progress_at)
     if deploy == update and state.hold is None and not s.paused and state.current_revision != update:
         others = [p for p in live if p.revision != update]
         serving = [p for p in live if p.revision == update and p.gate and p.ready]

@@ -381,6 +381,32 @@ def test_seed_failure_rollback_then_retry_tries_again():
     assert c.revisions() == {new: 3} and c.status["currentRevision"] == new
 
 
+def test_the_step_counts_the_update_replicas_seeded_now_through_a_rollback_and_a_retry():
+    c = first_deploy(rollout={"onSeedFailure": "Rollback"})
+    new = c.set_spec(router={"image": "v2"})
+    seeded: list[str] = []
+
+    def first_only(p: SimPod, c_: Cluster) -> BootstrapReport:  # the update's first replica seeds, no other
+        if p.revision != new:
+            return natural(p, c_)
+        if not seeded or seeded == [p.name]:
+            seeded[:] = [p.name]
+            return report(Verdict.WARM)
+        return report(Verdict.TIMED_OUT, seed_failed=True, nodes=0)
+
+    c.script = first_only
+    c.run(30)
+    assert c.status["rollout"]["phase"] == "RolledBack" and c.revisions() == {c.deploy_revision: 3}
+    assert c.status["rollout"]["step"] == 0  # its seeded replica went with the rollback
+    c.script = natural
+    c.retry()
+    c.run(4)
+    before = c.status["rollout"]["progressAt"]
+    c.run(30)
+    assert c.status["currentRevision"] == new and c.status["rollout"]["step"] == 3
+    assert c.status["rollout"]["progressAt"] > before  # each seed after the retry counted as progress
+
+
 def test_seed_failure_proceed_admits_cold():
     c, _old, new = seed_failure(OnSeedFailure.PROCEED)
     c.run(20)
