@@ -207,9 +207,7 @@ def test_random_fleets_keep_the_rules(states, policy, paused, current, replicas,
     pods = []
     for i, (r, gate, ready, term, rep) in enumerate(states):
         r = rev if r == "new" else r
-        pods.append(
-            PodView(f"p{i}", r, f"{i:03d}", gate=gate, ready=gate and ready, gone=term, report=rep)
-        )
+        pods.append(PodView(f"p{i}", r, f"{i:03d}", gate=gate, ready=gate and ready, gone=term, report=rep))
     if current is not None:
         cur = rev if current == "new" else current
         obj["status"] = {
@@ -231,9 +229,7 @@ def test_random_fleets_keep_the_rules(states, policy, paused, current, replicas,
         # Nobody serves: nothing settled may be held back (that is the deadlock).
         held_pods = set((obj.get("status") or {}).get("rollout", {}).get("hold", {}).get("pods", ()))
         stuck = [
-            p
-            for p in settled_eligible_unadmitted(obj, pods, d)
-            if not p.gone and p.name not in held_pods
+            p for p in settled_eligible_unadmitted(obj, pods, d) if not p.gone and p.name not in held_pods
         ]
         assert stuck == []
 
