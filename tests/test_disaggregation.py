@@ -23,6 +23,8 @@ from router_runtime.kv.config import KvConfig
 from router_runtime.proxy.config import ProxyConfig, Timeouts
 from router_runtime.proxy.health import HealthConfig
 from router_runtime.scheduling.types import Decision, Reason, Target
+from router_runtime.tracing.config import TracingConfig
+from router_runtime.tracing.spans import Trace, Tracer
 from router_runtime.worker import Role
 from routerfleet_fake_engine import transfer
 from routerfleet_fake_engine.server import FakeEngine, run_fake_engine
@@ -285,11 +287,15 @@ async def test_a_prefill_leg_that_errs_or_stalls_is_bounded_and_the_request_stil
         async with loopback_app(web.post("/v1/completions", handler)) as bad:
             worker = dataclasses.replace(parse_worker(bad), role=Role.PREFILL)
             async with pd_fleet(prefill=0, extra=(worker,), timeout_s=0.3) as f:
+                traces: list[Trace] = []
+                f.router.proxy.tracer = Tracer(TracingConfig(endpoint="http://127.0.0.1:9"), traces.append)
                 async with asyncio.timeout(10):
                     await chat_stream(f.session, f.url, list(range(50, 90)))
                 assert verdicts(f.router)["prefill_failed"] == 1
                 get = f.router.registry.get_sample_value
                 assert get("routerfleet_pd_prefill_leg_failures_total", {"reason": reason}) == 1
+                (leg,) = [s for s in traces[0].spans if s.name == "prefill"]  # its span says so too
+                assert leg.error == reason and leg.attributes["routerfleet.pd.prefill_ok"] is False
             released.set()
 
 

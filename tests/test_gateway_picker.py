@@ -408,6 +408,12 @@ def test_a_pick_names_the_engine_in_the_header_and_the_lb_metadata_and_pins_a_ra
     mutation = remote.request_body.response.header_mutation
     assert {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}[PREFILLER] == "p:1"
     assert list(mutation.remove_headers) == ["x-data-parallel-rank", "x-prefiller-url"]
+    # The router's traceparent takes the client's tracestate out, unless it carries it on.
+    pinned = Target("e", "http://10.0.0.5:8000", 1)
+    traced = picked(pinned, phase="request_body", headers={"traceparent": "t"})
+    assert list(traced.request_body.response.header_mutation.remove_headers)[-1] == "tracestate"
+    kept = picked(pinned, phase="request_body", headers={"traceparent": "t", "tracestate": "k=v"})
+    assert "tracestate" not in kept.request_body.response.header_mutation.remove_headers
     sent = ep.HttpHeaders(
         headers=base_pb2.HeaderMap(
             headers=[

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 
 from e2e.tracing.collector import Collector, free_port, running_collector
@@ -188,6 +189,13 @@ async def test_the_pickers_trace_names_its_span_as_the_engines_parent(tmp_path, 
                 assert r.status == 200, await r.text()
                 await r.read()
             got = await traces(collector, 5)
+            (served,) = [e for e in engines if e.traceparents]
+            parent = parse_traceparent(served.traceparents[-1])
+            # A client's tracestate without the traceparent it belongs to does not ride on the router's.
+            async with s.post(base + "/v1/chat/completions", json=CHAT, headers={"tracestate": "k=v"}) as r:
+                assert r.status == 200, await r.text()
+            contexts = [[k for k, _ in c] for e in engines for c in e.trace_contexts]
+            assert contexts == [["traceparent"]] * 2
         spans = got[CLIENT_TRACE]
         named = by_name(spans)
         assert {"POST /v1/chat/completions", "parse", "tokenize", "schedule", "upstream"} <= set(named)
@@ -196,10 +204,36 @@ async def test_the_pickers_trace_names_its_span_as_the_engines_parent(tmp_path, 
         assert root["attributes"]["routerfleet.audit.outcome"] in ("exact", "missed_hit")
         assert up["attributes"]["http.response.status_code"] == 200
         assert not up["status"] and not root["status"]  # ended with the response, not cut by the stream's end
-        (served,) = [e for e in engines if e.traceparents]
-        parent = parse_traceparent(served.traceparents[-1])
         assert parent is not None and f"{parent.span_id:016x}" == up["spanId"]
         assert SECRET not in collector.spans_file.read_text()
+
+
+UNSAMPLED = f"00-{'1' * 32}-{'2' * 16}-00"
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0], ids=["declined", "traced"])
+async def test_the_engine_gets_one_trace_context_the_clients_as_it_came_or_the_routers_whole(tmp_path, ratio):
+    tp = ("traceparent", SAMPLED["traceparent"])
+    theirs = [
+        [("tracestate", "k=orphan")],  # no traceparent: the router starts its own, without it
+        [("traceparent", "ff" + tp[1][2:]), ("tracestate", "k=v")],  # an invalid one: the same
+        [("traceparent", UNSAMPLED), tp, ("tracestate", "k=v")],  # several: invalid (W3C)
+        [tp, ("tracestate", "k=" + "v" * 600)],  # a tracestate past the W3C limit: dropped
+    ]
+    async with traced(tmp_path, ratio, n_engines=1) as (_collector, (engine,), _router, url, s):
+        for sent in theirs:
+            await chat(s, url, CIMultiDict(sent))
+            got = engine.trace_contexts[-1]
+            assert [k for k, _ in got] == ["traceparent"], (sent, got)
+            assert got[0][1] not in [v for _, v in sent] and parse_traceparent(got[0][1]) is not None
+        # A sampled parent's tracestate goes on beside the router's own span; an unsampled parent's
+        # context reaches the engine as it came.
+        await chat(s, url, CIMultiDict([tp, ("tracestate", "k=v")]))
+        got = dict(engine.trace_contexts[-1])
+        assert got["tracestate"] == "k=v" and got["traceparent"] != tp[1]
+        assert parse_traceparent(got["traceparent"]).trace_id == int(CLIENT_TRACE, 16)
+        await chat(s, url, CIMultiDict([("traceparent", UNSAMPLED), ("tracestate", "k=v")]))
+        assert sorted(engine.trace_contexts[-1]) == [("traceparent", UNSAMPLED), ("tracestate", "k=v")]
 
 
 def sample(router, name: str) -> float:
@@ -276,6 +310,20 @@ async def test_the_exporter_counts_what_the_collector_took_and_what_it_could_not
         exporter.submit(finished_trace())
         await exporter.stop()
         assert spans_counted(registry) == (0, 2, 0)
+
+    # One that says it refused more spans than it was sent (5 of 2): all of them refused, and the
+    # exporter goes on.
+    async def nonsense(_: web.Request) -> web.Response:
+        return web.Response(body=b"\x0a\x02\x08\x05", content_type="application/x-protobuf")
+
+    async with loopback_app(web.post("/v1/traces", nonsense)) as url:
+        exporter, registry = exporter_to(url)
+        exporter.start()
+        exporter.submit(finished_trace())
+        await eventually(lambda: spans_counted(registry) == (0, 2, 0), 10, "the first batch refused")
+        exporter.submit(finished_trace())
+        await exporter.stop()
+        assert spans_counted(registry) == (0, 4, 0)
 
 
 async def test_a_batch_goes_full_or_at_the_interval_never_just_what_queued_during_an_export():

@@ -30,6 +30,7 @@ from ..proxy.rewrite import without_member
 from ..proxy.targets import TargetBook
 from ..scheduling.framework import Profile, Unschedulable
 from ..scheduling.types import Decision, Kind, RouteRequest, Target
+from ..tracing.context import put_context
 from ..tracing.spans import NO_TRACE, SpanKind, Trace
 from ..worker import Role
 from . import sglang, vllm
@@ -347,7 +348,7 @@ class RemotePrefill:
         try:
             with span:
                 span.update({"routerfleet.engine": target.engine, "routerfleet.rank": target.rank})
-                headers.update(trace.headers(span))
+                put_context(headers, trace.headers(span))
                 answer = bytearray()
                 until = asyncio.get_running_loop().time() + self.config.prefill_timeout_s
                 if deadline is not None and deadline < until:
@@ -381,6 +382,8 @@ class RemotePrefill:
                 self.metrics.leg_seconds.observe(time.perf_counter() - t0)
             else:
                 self.metrics.leg_failures.labels(reason).inc()
+                span.set("routerfleet.pd.prefill_ok", False)  # the metric's reason, raised or not
+                span.fail(reason)
         if result is not None and scan.cached_tokens is not None and tokens is not None and index is not None:
             self._audit(chosen, scan.cached_tokens, index.block_size)
         return result

@@ -24,6 +24,7 @@ from google.protobuf import struct_pb2
 from ..proxy.errors import ProxyError
 from ..proxy.headers import RANK_HEADER
 from ..scheduling.types import Target
+from ..tracing.context import TRACEPARENT, TRACESTATE
 
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
@@ -110,7 +111,7 @@ def picked(
     request without a body, and for every FULL_DUPLEX_STREAMED one; else the BUFFERED ``request_body``,
     with ``body`` instead of the one sent, None: as sent). ``headers``: set on the request too (a
     traced request's ``traceparent``, a remote prefill's ``PREFILLER``; a client's own prefiller headers
-    are removed)."""
+    are removed, and its ``tracestate`` where the router sets a ``traceparent``: ``put_context``)."""
     where = ",".join(t.endpoint for t in (target, *fallbacks))
     mutation = [header(DESTINATION, where)]
     mutation += [header(k, v) for k, v in (headers or {}).items()]
@@ -120,6 +121,8 @@ def picked(
     else:  # a client's own rank would reach the engine, as the proxy never lets it
         removed.append(RANK_HEADER.lower())
     removed += [h for h in PREFILLER_HEADERS if h not in (headers or {})]
+    if headers and TRACEPARENT in headers and TRACESTATE not in headers:
+        removed.append(TRACESTATE)  # the client's, which belongs to the traceparent it came with
     if body is not None:  # Envoy refuses a buffered body whose Content-Length no longer says its size
         mutation.append(header("content-length", str(len(body))))
     common = ep.CommonResponse(

@@ -45,6 +45,7 @@ from ..sessions.affinity import SessionCtx
 from ..sessions.bindings import Verdict
 from ..sessions.keys import tenant_of
 from ..tracing.attributes import upstream as upstream_attributes
+from ..tracing.context import put_context
 from ..tracing.spans import OFF, Span, SpanKind, Trace, Tracer, server_error
 from .audit import USAGE_OPTION_KINDS, request_usage
 from .bodies import Bodies, Share
@@ -460,7 +461,7 @@ class Proxy:
         engine's parent span, when traced (else a client's own trace context passes on as it came), and
         any header the router adds."""
         headers = request_headers(request.headers, self._strip)
-        headers.update(trace_headers)
+        put_context(headers, trace_headers)
         if raw and "Content-Type" not in headers:  # a body that parsed as JSON (FastAPI servers insist)
             headers["Content-Type"] = "application/json"
         if target.rank is not None:

@@ -11,8 +11,11 @@ ratio agrees on the same trace). A malformed header is treated as absent, as the
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from random import getrandbits
+
+from multidict import MutableMultiMapping
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
@@ -52,6 +55,15 @@ def traceparent(trace_id: int, span_id: int, *, sampled: bool = True) -> str:
     # tracing is on (a declined one tells the engine so).
     trace, span = trace_id.to_bytes(16, "big").hex(), span_id.to_bytes(8, "big").hex()
     return f"00-{trace}-{span}-{'01' if sampled else '00'}"
+
+
+def put_context(headers: MutableMultiMapping[str], context: Mapping[str, str]) -> None:
+    """Set a trace's ``context`` for the engine (``Trace.headers``') on a request's ``headers``. A
+    ``tracestate`` belongs to the ``traceparent`` it came with (W3C), so where the router names its own
+    parent, the client's goes unless the trace carries it on; and a repeated traceparent goes whole."""
+    if TRACEPARENT in context:
+        headers.popall(TRACESTATE, None)
+    headers.update(context)
 
 
 def new_id(bits: int) -> int:

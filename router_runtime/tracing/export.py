@@ -173,6 +173,9 @@ class OtlpExporter:
             self.metrics.dropped.labels("export_failed").inc(spans)
             log.warning("trace export to %s: the answer is not OTLP protobuf", self.endpoint)
             return
+        if rejected > spans:  # more than were sent (or a negative int64): the answer is nonsense
+            log.warning("trace export to %s: %d of %d spans rejected", self.endpoint, rejected, spans)
+            rejected = spans
         if rejected:
             self.metrics.dropped.labels("export_failed").inc(rejected)
         self.metrics.spans.inc(spans - rejected)

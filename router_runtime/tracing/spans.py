@@ -238,7 +238,8 @@ class Tracer:
         sink = self.sink
         if sink is None:
             return NO_TRACE
-        parent: Parent | None = parse_traceparent(headers.get(TRACEPARENT))
+        given = headers.getall(TRACEPARENT, ())
+        parent: Parent | None = parse_traceparent(given[0]) if len(given) == 1 else None  # several: invalid
         if parent is None:
             trace_id = new_id(128)
             if not sampled(None, trace_id, self.bound):
