@@ -10,6 +10,8 @@ import pytest
 import yaml
 
 from e2e import chart
+from routerfleet_kube.client import KINDS
+from routerfleet_operator.apply import OPTIONAL_KINDS
 from routerfleet_operator.cli import parser
 
 
@@ -47,6 +49,20 @@ def test_manifests_operator_is_the_charts_current_rendering():
     assert {d["kind"] for d in objs} == {
         "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering", "Deployment", "Service",
     }  # fmt: skip
+
+
+def test_the_cluster_role_lets_the_operator_prune_what_a_spec_turned_off():
+    (role,) = find(docs(chart.KUSTOMIZE_MANIFEST.read_text()), "ClusterRole")
+
+    def allowed(kind: str, verb: str) -> bool:
+        prefix, plural = KINDS[kind]
+        group = "" if prefix == "/api/v1" else prefix.split("/")[2]
+        return any(
+            group in r["apiGroups"] and plural in r["resources"] and verb in r["verbs"] for r in role["rules"]
+        )
+
+    missing = [(verb, kind) for kind in OPTIONAL_KINDS for verb in ("list", "delete") if not allowed(kind, verb)]
+    assert not missing, missing
 
 
 def test_defaults_run_two_replicas_cluster_wide_under_the_cluster_peering():
