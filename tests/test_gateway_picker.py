@@ -390,6 +390,7 @@ async def test_the_picker_renews_a_gateways_connection_without_losing_a_pick(tmp
 def test_a_pick_names_the_engine_in_the_header_and_the_lb_metadata_and_pins_a_rank():
     assert Target("e", "http://10.0.0.5:8000").endpoint == "10.0.0.5:8000"
     assert Target("e", "http://engine.local").endpoint == "engine.local:80"
+    assert Target("e", "http://[fd00::1]:8000").endpoint == "[fd00::1]:8000"  # as Envoy parses it
     answer = picked(Target("e", "http://10.0.0.5:8000", 1), phase="request_body")
     got = {
         h.header.key: h.header.raw_value.decode()

@@ -76,7 +76,7 @@ def parse_server_info(
         head, _, port = ev["endpoint"].rpartition(":")
         host, base = head.removeprefix("tcp://"), port
     if ev.get("publisher", "zmq") == "zmq" and base is not None:
-        host = str(host or "").strip()
+        host = str(host or "").strip().removeprefix("[").removesuffix("]")
         host = _url_host(url) if host in _WILDCARDS else (f"[{host}]" if ":" in host else host)
         kv = f"tcp://{host}:{_port(base, 'endpoint_port_base', dp)}"
         if ev.get("replay_port_base") is not None:

@@ -38,9 +38,11 @@ class Target:
 
     @property
     def endpoint(self) -> str:
-        """``host:port`` of the engine's URL, as a gateway names endpoints."""
+        """``host:port`` of the engine's URL, as a gateway names endpoints (an IPv6 host in brackets)."""
         parts = urlsplit(self.url)
-        return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+        host = parts.hostname or ""
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass(frozen=True, slots=True)
