@@ -310,7 +310,10 @@ def test_server_info_variants():
         "http://e:1", {"kv_events": {"endpoint_host": "fd00::9", "endpoint_port_base": "7"}}
     ).spec
     assert (s.kv, s.replay, s.dp_size, s.topic) == ("tcp://[fd00::9]:7", None, 1, b"")
-    for bracketed in ({"endpoint_host": "[fd00::9]", "endpoint_port_base": 7}, {"endpoint": "tcp://[fd00::9]:7"}):
+    for bracketed in (
+        {"endpoint_host": "[fd00::9]", "endpoint_port_base": 7},
+        {"endpoint": "tcp://[fd00::9]:7"},
+    ):
         assert parse_server_info("http://e:1", {"kv_events": bracketed}).spec.kv == "tcp://[fd00::9]:7"
     s = parse_server_info("http://e:1", {"kv_events": '{"endpoint": "tcp://*:5557"}', "dp_size": 4}).spec
     assert (s.kv, s.dp_size) == ("tcp://e:5557", 4)
