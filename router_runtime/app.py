@@ -800,6 +800,7 @@ async def run_router(
                 conformance_test=gateway.conformance_test,
                 arrived=router.picked,
                 prefill=router.proxy.prefill,
+                strip_headers=router.sessions.strip,
             )
             epp_host = gateway.host or config.host
             tls = (

@@ -80,7 +80,6 @@ log = logging.getLogger(__name__)
 
 RANK_HEADER = "X-Data-Parallel-Rank"
 INCARNATION_HEADER = "X-Engine-Incarnation"
-_TRACE = ("traceparent", "tracestate")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -150,8 +149,8 @@ class FakeEngine:
         # The W3C trace context of the latest generation requests, as they arrived (a tracing test
         # reads which span was the engine's parent; vLLM itself continues the trace with its own).
         self.traceparents: collections.deque[str | None] = collections.deque(maxlen=64)
-        # ... and every trace context header, repeated ones each: ((name, value), ...) per request.
-        self.trace_contexts: collections.deque[tuple[tuple[str, str], ...]] = collections.deque(maxlen=64)
+        # ... and all their headers as they arrived, repeated ones each: ((lower-case name, value), ...).
+        self.received_headers: collections.deque[tuple[tuple[str, str], ...]] = collections.deque(maxlen=64)
         self.sidecar_prefills = 0  # requests its sidecar (--pd-sidecar) prefilled on another engine
         # SGLang's bootstrap rooms this engine prefilled (transfer.py): room -> (ready, full blocks).
         self.rooms: collections.OrderedDict[int, tuple[asyncio.Event, list[int]]] = collections.OrderedDict()
@@ -631,8 +630,7 @@ class FakeEngine:
         errors: Callable[[RequestError], dict[str, Any]] = RequestError.to_json,
     ) -> web.StreamResponse:
         self.traceparents.append(request.headers.get("traceparent"))
-        context = tuple((k.lower(), v) for k, v in request.headers.items() if k.lower() in _TRACE)
-        self.trace_contexts.append(context)
+        self.received_headers.append(tuple((k.lower(), v) for k, v in request.headers.items()))
         try:
             doc = parse_json_body(await request.read())
             prefiller = request.headers.get(transfer.SIDECAR_HEADER) if self.config.pd_sidecar else None

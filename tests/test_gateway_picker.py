@@ -32,6 +32,7 @@ from router_runtime.gateway.protocol import (
     DESTINATION,
     PREFILLER,
     PREFILLER_HEADERS,
+    ROUTER_ONLY,
     SERVED,
     STREAMED_CHUNK,
     TEST_SELECTION,
@@ -211,13 +212,22 @@ async def test_envoy_sends_a_repeated_prompt_where_the_picker_knows_it_is_cached
 
 
 @BODY_MODES
-async def test_a_clients_own_rank_never_reaches_the_engine(tmp_path, duplex):
+async def test_a_clients_own_rank_and_the_routers_own_headers_never_reach_the_engine(tmp_path, duplex):
     """The engines have one rank each, so the picks pin none: a rank a client names itself would reach
-    the engine through the gateway (which passes headers on) and be refused there, were it not taken out."""
-    async with gateway(tmp_path, duplex=duplex) as (_engines, _router, base), aiohttp.ClientSession() as s:
+    the engine through the gateway (which passes headers on) and be refused there, were it not taken out.
+    Nor do the router's own request headers (the debug header, whose value is the fleet token; a session
+    hint) go on, as the proxy never forwards them."""
+    own = {
+        "X-Data-Parallel-Rank": "5",
+        "X-RouterFleet-Debug-Prediction": "t",
+        "X-RouterFleet-Last-Engine": "e",
+    }
+    async with gateway(tmp_path, duplex=duplex) as (engines, _router, base), aiohttp.ClientSession() as s:
         body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
-        async with s.post(base + "/v1/completions", json=body, headers={"X-Data-Parallel-Rank": "5"}) as r:
+        async with s.post(base + "/v1/completions", json=body, headers={**own, "X-Other": "kept"}) as r:
             assert r.status == 200, await r.text()
+        (got,) = [dict(e.received_headers[-1]) for e in engines if e.received_headers]
+        assert got["x-other"] == "kept" and not {h.lower() for h in own} & set(got), got
 
 
 @BODY_MODES
@@ -403,12 +413,15 @@ def test_a_pick_names_the_engine_in_the_header_and_the_lb_metadata_and_pins_a_ra
     # A pick that pins no rank takes a client's own rank header out; a pinned one sets it. A client's own
     # prefiller headers are taken out, unless the pick names a remote prefill.
     removed = whole.request_headers.response.header_mutation.remove_headers
-    assert list(removed) == ["x-data-parallel-rank", *PREFILLER_HEADERS]
-    assert list(answer.request_body.response.header_mutation.remove_headers) == list(PREFILLER_HEADERS)
+    assert list(removed) == [*ROUTER_ONLY, "x-data-parallel-rank", *PREFILLER_HEADERS]
+    assert list(answer.request_body.response.header_mutation.remove_headers) == [
+        *ROUTER_ONLY,
+        *PREFILLER_HEADERS,
+    ]
     remote = picked(Target("e", "http://10.0.0.5:8000"), phase="request_body", headers={PREFILLER: "p:1"})
     mutation = remote.request_body.response.header_mutation
     assert {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}[PREFILLER] == "p:1"
-    assert list(mutation.remove_headers) == ["x-data-parallel-rank", "x-prefiller-url"]
+    assert list(mutation.remove_headers) == [*ROUTER_ONLY, "x-data-parallel-rank", "x-prefiller-url"]
     # The router's traceparent takes the client's tracestate out, unless it carries it on.
     pinned = Target("e", "http://10.0.0.5:8000", 1)
     traced = picked(pinned, phase="request_body", headers={"traceparent": "t"})

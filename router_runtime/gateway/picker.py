@@ -51,6 +51,7 @@ from ..tracing.attributes import upstream as upstream_attributes
 from ..tracing.spans import NO_SPAN, NO_TRACE, OFF, Span, SpanKind, Trace, Tracer, server_error
 from .protocol import (
     PREFILLER,
+    ROUTER_ONLY,
     TEST_SELECTION,
     TEST_SERVED,
     duplex_of,
@@ -161,8 +162,12 @@ class EndpointPicker:
         conformance_test: bool = False,
         arrived: Callable[[], None] = lambda: None,
         prefill: RemotePrefill | None = None,
+        strip_headers: frozenset[str] = frozenset(),
     ) -> None:
         self.scheduler = scheduler
+        # The router's own request headers (the debug header, a session hint): taken out of each
+        # request it picks for, as the proxy never forwards them.
+        self.strip = (*ROUTER_ONLY, *sorted(strip_headers - set(ROUTER_ONLY)))
         self.prefill = prefill  # a disaggregated fleet's remote prefill step (the proxy's)
         self.arrived = arrived  # each stream, as it opens (the router's drain counts them)
         # TEST ONLY (--epp-conformance-test): requests name their endpoints (protocol.TEST_SELECTION).
@@ -488,7 +493,9 @@ class EndpointPicker:
         headers = stream.trace.headers(stream.upstream)
         if stream.prefiller is not None:
             headers = {**headers, PREFILLER: stream.prefiller}
-        return picked(decision.target, phase=phase, body=body, fallbacks=others, headers=headers)
+        return picked(
+            decision.target, phase=phase, body=body, fallbacks=others, headers=headers, drop=self.strip
+        )
 
     def _watch(self, stream: _Stream, x: Exchange) -> None:
         stream.exchange = x

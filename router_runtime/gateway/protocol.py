@@ -22,7 +22,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from ..proxy.errors import ProxyError
-from ..proxy.headers import RANK_HEADER
+from ..proxy.headers import DEBUG_PREDICTION_HEADER, RANK_HEADER
 from ..scheduling.types import Target
 from ..tracing.context import TRACEPARENT, TRACESTATE
 
@@ -36,6 +36,8 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 # sets either: a client's own would point the sidecar at any address.
 PREFILLER = "x-prefiller-host-port"
 PREFILLER_HEADERS = (PREFILLER, "x-prefiller-url")
+# The router's own request headers that a client may send it (the proxy never forwards them).
+ROUTER_ONLY = (DEBUG_PREDICTION_HEADER.lower(),)
 # At most this much body per streamed answer, as the reference picker splits a body.
 STREAMED_CHUNK = 62_000
 # TEST ONLY (--epp-conformance-test), as the extension's conformance suite drives a picker: the
@@ -105,17 +107,19 @@ def picked(
     body: bytes | None = None,
     fallbacks: Sequence[Target] = (),
     headers: Mapping[str, str] | None = None,
+    drop: Sequence[str] = ROUTER_ONLY,
 ) -> ep.ProcessingResponse:
     """The answer that sends the request to ``target``, then to ``fallbacks`` in order on a gateway's
     retry (``ip:port,ip:port``), to the ``phase`` the pick is answered in (``request_headers`` for a
     request without a body, and for every FULL_DUPLEX_STREAMED one; else the BUFFERED ``request_body``,
     with ``body`` instead of the one sent, None: as sent). ``headers``: set on the request too (a
     traced request's ``traceparent``, a remote prefill's ``PREFILLER``; a client's own prefiller headers
-    are removed, and its ``tracestate`` where the router sets a ``traceparent``: ``put_context``)."""
+    are removed, and its ``tracestate`` where the router sets a ``traceparent``: ``put_context``).
+    ``drop``: the router's own request headers (lower-case), removed as the proxy never forwards them."""
     where = ",".join(t.endpoint for t in (target, *fallbacks))
     mutation = [header(DESTINATION, where)]
     mutation += [header(k, v) for k, v in (headers or {}).items()]
-    removed = []
+    removed = list(drop)
     if target.rank is not None:
         mutation.append(header(RANK_HEADER, str(target.rank)))
     else:  # a client's own rank would reach the engine, as the proxy never lets it
