@@ -181,3 +181,35 @@ async def test_requests_route_to_the_engine_holding_their_engine_computed_prefix
                 assert predicted == (len(v["token_ids"]) - 1) // 4 * 4, v["case"]
         counted = sum(sample(router, "routerfleet_untokenized_requests_total", reason=x) for x in Reason)
         assert counted == refused > 0
+
+
+async def test_a_prompt_the_engine_may_truncate_predicts_nothing(tmp_path):
+    """vLLM keeps only a prompt's end under ``truncate_prompt_tokens`` (a token-in generate's in its
+    ``sampling_params``): what it caches is then another sequence, so a request asking for it is
+    routed without tokens and counted, however much of its prompt's own tokens the index holds."""
+    tok = _tokenizer("qwen3")
+    async with kv_fleet(n=1, with_tokenizer=tok, **debugging(tmp_path)) as ((engine,), router, url, s):
+        prompt = list(range(3000, 3024))
+        headers = {DEBUG_PREDICTION_HEADER: TOKEN}
+        plain = {"prompt": prompt, "max_tokens": 1}
+        cut = [
+            ("/v1/completions", {**plain, "truncate_prompt_tokens": 5}),
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": 5},
+            ),
+            (
+                "/inference/v1/generate",
+                {"token_ids": prompt, "sampling_params": {"truncate_prompt_tokens": 5}},
+            ),
+        ]
+        async with s.post(url + "/v1/completions", json=plain, headers=headers) as r:
+            assert r.status == 200, await r.text()
+        await eventually(lambda: cached_blocks(router, engine, prompt) == len(prompt) // 4, what="indexed")
+        async with s.post(url + "/v1/completions", json=plain, headers=headers) as r:
+            assert int(r.headers[PREDICTED_HEADER]) > 0  # the same prompt whole: predicted
+        for path, body in cut:
+            async with s.post(url + path, json=body, headers=headers) as r:
+                await r.read()
+                assert int(r.headers.get(PREDICTED_HEADER, "0")) == 0, (path, r.status)
+        assert sample(router, "routerfleet_untokenized_requests_total", reason="unsupported") == len(cut)

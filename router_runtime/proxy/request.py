@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from array import array
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +171,15 @@ def _logprobs_from(body: dict, kind: Kind) -> int | None:
         echoed = body.get("logprobs") if kind is Kind.COMPLETION else body.get("top_logprobs", 0)
         return 0 if echoed is not None and kind in (Kind.COMPLETION, Kind.CHAT) else None
     return None
+
+
+def truncated(body: Mapping[str, Any], kind: Kind) -> bool:
+    """Whether the engine may cut the prompt's start (vLLM's ``truncate_prompt_tokens``; a token-in
+    generate's, in its ``sampling_params``): what it caches is then not the prompt's prefix, so the
+    prompt's tokens predict nothing (SGLang ignores the field; the router cannot tell the two apart
+    here, and routing cold is never wrong)."""
+    where = body.get("sampling_params") if kind is Kind.TOKEN_GENERATE else body
+    return isinstance(where, dict) and where.get("truncate_prompt_tokens") is not None
 
 
 def parse_request(body: Any, kind: Kind) -> ParsedRequest:

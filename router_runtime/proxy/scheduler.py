@@ -36,7 +36,7 @@ from ..worker import Carrier
 from .audit import TIERS, Prediction
 from .errors import ProxyError, bad_request, no_engine, shed
 from .metrics import ProxyMetrics
-from .request import ParsedRequest, parse_request
+from .request import ParsedRequest, parse_request, truncated
 from .responses import ResponseRouter, response_error
 
 # The APIs rendered as a chat request, and how their body becomes one (tokens/shapes.py).
@@ -321,7 +321,10 @@ class Scheduler:
                     refused = e.reason
             if needs_tokens:
                 if parsed.tokens is not None:
-                    tokens = parsed.tokens
+                    if truncated(parsed.body, parsed.kind):
+                        refused = Reason.UNSUPPORTED
+                    else:
+                        tokens = parsed.tokens
                 elif parsed.text is not None:
                     try:
                         tokens = await self.tokenizer.prompt(parsed.text, parsed.body, size)

@@ -334,6 +334,8 @@ _VLLM_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", 
 
 def prepare_vllm(body: Mapping[str, Any], template: ChatTemplate, specials: Mapping[str, str]) -> ChatPrompt:
     """A chat completion request as vLLM 0.33 hands it to its template and tokenizer."""
+    if body.get("truncate_prompt_tokens") is not None:
+        raise Untokenizable(Reason.UNSUPPORTED, "'truncate_prompt_tokens' keeps the prompt's end")
     kwargs = _template_kwargs(body)
     _no_request_template(body, kwargs)
     add_generation = _bool(body, "add_generation_prompt", True)
