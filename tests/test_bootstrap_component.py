@@ -21,11 +21,14 @@ from router_runtime.bootstrap.producer import SnapshotProducer
 from router_runtime.bootstrap.state import Verdict
 from router_runtime.bootstrap.sweep import BootstrapConfig, Bootstrapper
 from router_runtime.bootstrap.vetting import HashingConfig
+from router_runtime.bootstrap.wire import encode
 from router_runtime.kv.adoption import CarrierState
 from router_runtime.kv.config import KvConfig
 from router_runtime.kv.hashing import SCHEME
 from router_runtime.kv.plane import KVPlane
+from router_runtime.kv.snapshot import Exporter
 from router_runtime.kv.subscription import ReplayTimeouts
+from router_runtime.kv.withhold import WithholdReason
 from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.cache import PLAIN
 from routerfleet_fake_engine.server import FakeEngine, run_fake_engine
@@ -512,3 +515,62 @@ async def test_a_rank_is_doubtful_while_its_bootstrap_holds_and_not_after():
         release.set()
         await eventually(lambda: b.boot.settled, timeout=10, what="settled")
         assert not b.plane.doubtful(carrier)
+
+
+async def test_a_withheld_rank_is_not_exported():
+    """A rank whose credit a replica withholds (its blocks in doubt) is left out of its snapshot: a
+    sibling booting from it starts that rank cold, never crediting what the producer doubts."""
+    async with run_fake_engine(block_size=BS) as e1, replica("a", [e1], peers=[]) as a:
+        await connected(a)
+        old = prompts(1, 100)
+        load([e1], old, seed=1)
+        await caught_up(a, [e1])
+        (c,) = spec(e1).carriers()
+        a.plane.withholds.withhold(c, WithholdReason.FALSE_HIT)  # the audit doubts this rank
+        assert not any(a.plane.index.match(p) for p in old)
+        async with replica("b", [e1], peers=[a.url], probe_interval_s=0.05, max_unknown_probes=1) as b:
+            await eventually(lambda: b.boot.settled, timeout=10, what="b settled")
+            assert not any(b.plane.index.match(p) for p in old)
+
+
+async def test_a_rank_restarted_during_the_walk_is_not_exported_under_its_new_name(monkeypatch):
+    """The producer's walk spans writer turns. An engine replaced meanwhile (a new incarnation) must not
+    have its old process's blocks and cursor exported under the new process's name: a sibling that knows
+    the new one would graft them and skip the new stream up to the old cursor."""
+    steps = []
+    step = Exporter.step
+    monkeypatch.setattr(Exporter, "step", lambda ex, budget=4096: steps.append(budget) or step(ex, budget))
+    async with run_fake_engine(block_size=BS) as e1, replica("a", [e1], peers=[]) as a:
+        await connected(a)
+        old = prompts(1, 100)
+        load([e1], old, seed=1)
+        await caught_up(a, [e1])
+        await eventually(lambda: a.boot.settled, what="a settled")
+        producer = SnapshotProducer(
+            a.plane, HashingConfig(BS, SCHEME), producer_id="a", producer_incarnation="a",
+            ready=lambda: True, include=a.boot.exportable, chunk=16,
+        )  # fmt: skip
+        building = asyncio.create_task(producer.get(0))
+        async with asyncio.timeout(10):
+            while len(steps) < 2:  # the walk under way (each turn, not a poll: it would end meanwhile)
+                await asyncio.sleep(0)
+        assert not building.done()
+        e1.restart()  # the pod replaced under the same name: its new process caches nothing yet
+        a.plane.set_workers([spec(e1)])  # ... and discovery sees its new incarnation, mid-walk
+        body = encode((await building).snapshot)
+
+        async def answer(_: web.Request) -> web.Response:
+            return web.Response(body=body, content_type="application/vnd.routerfleet.kv-snapshot.v2")
+
+        async with (
+            snapshot_peer(answer) as url,
+            replica("b", [e1], peers=[url], probe_interval_s=0.05, max_unknown_probes=1) as b,
+        ):
+            await eventually(lambda: b.boot.settled, timeout=10, what="b settled")
+            await connected(b)
+            new = prompts(7, 5)
+            load([e1], new, seed=7)
+            await eventually(
+                lambda: all(b.plane.index.match(p) for p in new), what="the new process's blocks"
+            )
+            assert not any(b.plane.index.match(p) for p in old)

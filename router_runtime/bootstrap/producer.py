@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import gzip
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ..kv.plane import KVPlane
@@ -21,6 +21,10 @@ from ..kv.snapshot import Columns, Exporter
 from ..worker import Carrier
 from .vetting import HashingConfig
 from .wire import FORMAT, LEGACY_FORMAT, WireSession, WireSnapshot, WireWorker, encode
+
+
+# Walks of the index per build before giving up (not ready: the sibling asks another peer, or the origin).
+_WALKS = 3
 
 
 @dataclass(slots=True)
@@ -125,14 +129,31 @@ class SnapshotProducer:
             return built
         writer = self.plane.writer
 
-        def start(index):
-            applied = {c: s for c, s in writer.applied.items() if self._include(c)}
-            return applied, Exporter(index, include=lambda c: c in applied)
+        def state(index, carriers) -> dict[Carrier, tuple[str, int]]:
+            """What must not change under a walk, per carrier we may export: its engine's incarnation
+            and how often it was cleared; a rank withheld (its blocks in doubt) is not exported."""
+            return {
+                c: (self._incarnation(c), writer.resets.get(c, 0))
+                for c in carriers
+                if self._include(c) and c not in index.withheld
+            }
 
-        applied, ex = await writer.call(start)
-        while not await writer.call(lambda _index: ex.step(self.chunk)):
-            pass
-        built = Built(at, self._snapshot(ex.workers, applied, ex.columns, True, self._tables()))
+        def start(index):
+            applied = {c: s for c, s in writer.applied.items() if c in state(index, writer.applied)}
+            return applied, state(index, applied), Exporter(index, include=lambda c: c in applied)
+
+        for _ in range(_WALKS):
+            applied, before, ex = await writer.call(start)
+            while not await writer.call(lambda _index: ex.step(self.chunk)):
+                pass
+            # A rank cleared, restarted or withheld during the walk: its blocks may be the old process's
+            # under the new one's name. Walk again (a boot herd waits on this one build).
+            if await writer.call(lambda index: state(index, applied) == before):
+                names = {c: incarnation for c, (incarnation, _) in before.items()}
+                built = Built(at, self._snapshot(ex.workers, applied, ex.columns, True, self._tables(), names))
+                break
+        else:
+            built = Built(at, self._snapshot([], {}, Columns(), ready=False))
         self._cached = built
         return built
 
@@ -143,7 +164,10 @@ class SnapshotProducer:
         cols: Columns,
         ready: bool,
         tables: dict[str, list[WireSession]] | None = None,
+        incarnations: Mapping[Carrier, str] | None = None,
     ) -> WireSnapshot:
+        """``incarnations``: each exported worker's, as the walk saw them (else read now)."""
+        named = incarnations or {}
         return WireSnapshot(
             format=FORMAT,
             producer_id=self.producer_id,
@@ -151,7 +175,7 @@ class SnapshotProducer:
             producer_ready=ready,
             block_size=self.hashing.block_size,
             scheme=self.hashing.scheme,
-            workers=[WireWorker(c.engine, c.rank, self._incarnation(c)) for c in workers],
+            workers=[WireWorker(c.engine, c.rank, named.get(c, self._incarnation(c))) for c in workers],
             cursors=[(i, applied[c]) for i, c in enumerate(workers) if c in applied],
             built_ms=int(self._wall() * 1000),
             columns=cols,

@@ -100,6 +100,9 @@ class IndexWriter:
         # The last sequence applied per carrier: the cursors a snapshot export reports. A cleared or
         # removed carrier has none until its next batch (nothing could prove continuity for it).
         self.applied: dict[Carrier, int] = {}
+        # How many times each carrier was cleared or removed: a snapshot's walk spans writer turns, and
+        # a carrier cleared meanwhile (a restart, under the same incarnation or a new one) is left out.
+        self.resets: dict[Carrier, int] = {}
         # When each carrier last lost blocks, or may have lost some we did not see (monotonic): a
         # removal, a clear, tiers dropped on adoption, a graft, the carrier removed, and its first
         # batch after joining or a clear (what it evicted before is unknown to us). Session affinity
@@ -226,6 +229,7 @@ class IndexWriter:
                 self.on_applied(item.carrier, stats)
             return
         self.applied.pop(item.carrier, None)
+        self.resets[item.carrier] = self.resets.get(item.carrier, 0) + 1
         self.note_eviction(item.carrier)
         self._watched.discard(item.carrier)
         if item.remove:
