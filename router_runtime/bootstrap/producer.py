@@ -22,7 +22,6 @@ from ..worker import Carrier
 from .vetting import HashingConfig
 from .wire import FORMAT, LEGACY_FORMAT, WireSession, WireSnapshot, WireWorker, encode
 
-
 # Walks of the index per build before giving up (not ready: the sibling asks another peer, or the origin).
 _WALKS = 3
 
@@ -144,13 +143,14 @@ class SnapshotProducer:
 
         for _ in range(_WALKS):
             applied, before, ex = await writer.call(start)
-            while not await writer.call(lambda _index: ex.step(self.chunk)):
+            while not await writer.call(lambda _index, ex=ex: ex.step(self.chunk)):
                 pass
             # A rank cleared, restarted or withheld during the walk: its blocks may be the old process's
             # under the new one's name. Walk again (a boot herd waits on this one build).
-            if await writer.call(lambda index: state(index, applied) == before):
+            if await writer.call(lambda index, was=applied, then=before: state(index, was) == then):
                 names = {c: incarnation for c, (incarnation, _) in before.items()}
-                built = Built(at, self._snapshot(ex.workers, applied, ex.columns, True, self._tables(), names))
+                snap = self._snapshot(ex.workers, applied, ex.columns, True, self._tables(), names)
+                built = Built(at, snap)
                 break
         else:
             built = Built(at, self._snapshot([], {}, Columns(), ready=False))
