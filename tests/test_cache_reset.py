@@ -21,7 +21,7 @@ from router_runtime.proxy.audit import Audit, AuditOutcome, Prediction, denies
 from router_runtime.proxy.config import ProxyConfig
 from router_runtime.worker import Carrier
 
-from .support import eventually
+from .support import eventually, static_workers
 from .test_fleet_load_http import BS as FLEET_BS
 from .test_fleet_load_http import TOKEN, replicas, sample
 
@@ -116,6 +116,22 @@ async def test_a_flush_through_the_router_routes_no_request_on_the_dropped_block
         await warm(session, routers, engines)
         body = await complete(session, routers[1][1], PROMPTS[0])
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 5 * BS
+        assert await again(session, routers) == 0
+
+
+async def test_a_flushed_notice_clears_a_rank_this_replica_did_not_withhold(tmp_path):
+    """A replica that missed a flush's first notice (it timed out, or the replica joined between the
+    two) still clears the ranks when told the engines have reset: their caches are gone either way."""
+    async with replicas(tmp_path, 1, engine_kw={"lazy_clear": True}) as (engines, routers, session):
+        await warm(session, routers, engines)
+        for e in engines:
+            async with session.post(e.http_url + "/reset_prefix_cache") as r:
+                assert r.status == 200
+        (router, _), ranks = routers[0], tuple(c for e in engines for c in static_workers([e])[0].carriers())
+        notice = encode_notice(KvNotice(NoticeKind.FLUSHED, ranks))
+        async with session.post(router.internal_url + "/internal/kv_notice", data=notice, headers=AUTH) as r:
+            assert r.status == 204, await r.text()
+        await eventually(lambda: not any(router.kv.index.match(p) for p in PROMPTS), what="the ranks cleared")
         assert await again(session, routers) == 0
 
 

@@ -99,10 +99,14 @@ class Withholds:
 
     def flushed(self, carrier: Carrier) -> None:
         """The flush's engines have reset: clear the rank, and give its credit back once the clear is
-        applied (whatever the writer applies after it is the engine's own new state)."""
+        applied (whatever the writer applies after it is the engine's own new state). Cleared whether or
+        not this replica withheld it for the flush (it may have missed that notice, or joined between
+        the two): the engine's cache is gone either way; an audit's withhold ends on the clear."""
         w = self._ranks.get(carrier)
         if w is not None and not w.reason.ends_on_evidence:
             self._clear_and_end(carrier, ClearReason.FLUSH, WithholdEnd.FLUSHED)
+        else:
+            self.writer.submit_clear(carrier, ClearReason.FLUSH)
 
     def forget(self, carrier: Carrier) -> None:
         self._evidence_at.pop(carrier, None)
