@@ -257,6 +257,33 @@ async def test_a_peer_cursor_that_is_not_a_bounded_integer_is_a_rejected_answer(
             await fetcher.close()
 
 
+@pytest.mark.parametrize("rows", [5, 50], ids=["more_rows_than_workers", "over_the_byte_cap"])
+async def test_a_peer_cursor_table_past_its_bounds_is_a_rejected_answer(rows):
+    """The probe asks its peers while this replica serves: an answer with more rows than there can be
+    workers, or more bytes than such rows take, is refused rather than parsed."""
+    from aiohttp import web
+
+    from router_runtime.bootstrap.fetch import FetchFailed, SnapshotFetcher
+    from router_runtime.bootstrap.peers import Peer
+    from router_runtime.bootstrap.state import SnapshotOutcome
+    from router_runtime.bootstrap.wire import Limits
+
+    row = '{"engine": "e%d", "rank": 0, "incarnation": "i", "seq": 1}'
+    body = '{"format": 1, "cursors": [' + ",".join(row % i for i in range(rows)) + "]}"
+
+    async def answer(_req):
+        return web.Response(text=body, content_type="application/json")
+
+    fetcher = SnapshotFetcher(TOKEN, limits=Limits(max_workers=4))  # 2 KiB of rows at most
+    async with snapshot_peer(answer) as url:
+        try:
+            with pytest.raises(FetchFailed) as failed:
+                await fetcher.cursors(Peer(url, url))
+            assert failed.value.outcome is SnapshotOutcome.REJECTED
+        finally:
+            await fetcher.close()
+
+
 # ---- slow and idle clients (proxy/serving.py) -------------------------------------------------------
 
 FAST = {"header_timeout_s": 1.0, "idle_timeout_s": 1.5, "body_base_s": 1.0, "max_connections": 4}

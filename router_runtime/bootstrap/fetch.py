@@ -56,14 +56,21 @@ class SnapshotFetcher:
         if self._session is not None:
             await self._session.close()
 
-    async def _get(self, peer: Peer, params: dict[str, str], gzip_ok: bool) -> tuple[int, bytes, str]:
+    async def _get(
+        self,
+        peer: Peer,
+        params: dict[str, str],
+        gzip_ok: bool,
+        cap: int | None = None,
+        timeout: aiohttp.ClientTimeout | None = None,
+    ) -> tuple[int, bytes, str]:
         headers = {"Authorization": f"Bearer {self.token}"}
         if gzip_ok:
             headers["Accept-Encoding"] = "gzip"
-        cap = self.limits.max_bytes
+        cap = self.limits.max_bytes if cap is None else cap
         try:
             async with self._sess().get(
-                peer.url + "/internal/kv_snapshot", params=params, headers=headers
+                peer.url + "/internal/kv_snapshot", params=params, headers=headers, timeout=timeout
             ) as r:
                 body = await read_capped(r.content, cap)
                 if body is None:
@@ -95,13 +102,16 @@ class SnapshotFetcher:
         raise FetchFailed(SnapshotOutcome.REJECTED, kind)
 
     async def cursors(self, peer: Peer) -> dict[tuple[str, int, str], int]:
-        """A peer's live cursor table: (engine, rank, incarnation) -> last applied seq."""
-        status, body, _enc = await self._get(peer, {"cursors_only": "true"}, gzip_ok=False)
+        """A peer's live cursor table: (engine, rank, incarnation) -> last applied seq. Bounded as a
+        probe is (a replica already serving asks it): a row per rank, at most ``Limits.max_workers``
+        rows of ``CURSOR_ROW_BYTES`` each, within ``CURSORS_TOTAL_S``, and read off the event loop."""
+        cap = self.limits.max_workers * CURSOR_ROW_BYTES
+        timeout = aiohttp.ClientTimeout(total=CURSORS_TOTAL_S, sock_connect=self.bounds.connect_s)
+        status, body, _enc = await self._get(peer, {"cursors_only": "true"}, False, cap, timeout)
         if status != 200:
             raise FetchFailed(SnapshotOutcome.UNREACHABLE, f"HTTP {status}")
         try:
-            doc = json.loads(body)
-            return dict(_cursor(c) for c in doc["cursors"])
+            return await asyncio.get_running_loop().run_in_executor(None, _cursors, body, self.limits)
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise FetchFailed(SnapshotOutcome.REJECTED, type(exc).__name__) from None
 
@@ -111,6 +121,17 @@ def _open(body: bytes, encoding: str, limits: Limits) -> WireSnapshot:
 
 
 _MAX_SEQ = (1 << 63) - 1
+# A cursors_only answer's row ({"engine": ..., "rank": ..., "incarnation": ..., "seq": ...}) is about
+# 150 bytes with a URL and a pod UID; a peer answering more per row is refused by the cap.
+CURSOR_ROW_BYTES = 512
+CURSORS_TOTAL_S = 10.0
+
+
+def _cursors(body: bytes, limits: Limits) -> dict[tuple[str, int, str], int]:
+    rows = json.loads(body)["cursors"]
+    if type(rows) is not list or len(rows) > limits.max_workers:
+        raise ValueError("cursors: a list of at most max_workers rows")
+    return dict(_cursor(c) for c in rows)
 
 
 def _cursor(row: object) -> tuple[tuple[str, int, str], int]:
