@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 from dataclasses import dataclass
 
 import aiohttp
@@ -13,6 +14,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from router_runtime.bootstrap import sweep
 from router_runtime.bootstrap.fetch import FetchBounds, SnapshotFetcher
 from router_runtime.bootstrap.http import internal_app
 from router_runtime.bootstrap.metrics import BootstrapMetrics
@@ -566,6 +568,40 @@ async def test_a_rank_restarted_during_the_walk_is_not_exported_under_its_new_na
             snapshot_peer(answer) as url,
             replica("b", [e1], peers=[url], probe_interval_s=0.05, max_unknown_probes=1) as b,
         ):
+            await eventually(lambda: b.boot.settled, timeout=10, what="b settled")
+            await connected(b)
+            new = prompts(7, 5)
+            load([e1], new, seed=7)
+            await eventually(
+                lambda: all(b.plane.index.match(p) for p in new), what="the new process's blocks"
+            )
+            assert not any(b.plane.index.match(p) for p in old)
+
+
+async def test_a_graft_vetted_for_an_engine_replaced_meanwhile_is_not_applied(monkeypatch):
+    """The engine is replaced under the same id (a new incarnation; readoption off, so its rank is
+    removed and added again) while the graft for it is vetted: the graft is for a rank that no longer
+    exists, and the new process's rank must not take the old one's blocks and cursor."""
+    vetting, release = threading.Event(), threading.Event()
+    vet = sweep.vet
+
+    def slow_vet(*args, **kwargs):
+        vetted = vet(*args, **kwargs)  # against the old incarnation
+        vetting.set()
+        release.wait(10)
+        return vetted
+
+    monkeypatch.setattr(sweep, "vet", slow_vet)
+    async with run_fake_engine(block_size=BS) as e1, replica("a", [e1], peers=[]) as a:
+        await connected(a)
+        old = prompts(1, 100)
+        load([e1], old, seed=1)
+        await caught_up(a, [e1])
+        async with replica("b", [e1], peers=[a.url]) as b:
+            await eventually(vetting.is_set, timeout=10, what="b vetting a's snapshot")
+            e1.restart()  # a new process, caching nothing yet, its sequence from 0
+            b.plane.set_workers([spec(e1)])
+            release.set()
             await eventually(lambda: b.boot.settled, timeout=10, what="b settled")
             await connected(b)
             new = prompts(7, 5)

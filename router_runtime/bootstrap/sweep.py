@@ -20,6 +20,7 @@ that restarted or left meanwhile is never grafted.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -117,6 +118,9 @@ class Bootstrapper:
         self._clock = clock
         self._rng = rng or random.Random()
         self.ranks: dict[Carrier, RankBoot] = {}
+        # Epochs are drawn from one counter, never per rank: a rank removed and added again (its engine
+        # replaced under the same id) must not reuse an epoch a graft in flight was vetted under.
+        self._epochs = itertools.count(1)
         self._subs: dict[Carrier, RankSubscription] = {}
         self._queue: set[Carrier] = set()
         self._wake = asyncio.Event()
@@ -177,8 +181,7 @@ class Bootstrapper:
                 asyncio.get_running_loop().call_later(self.config.timeout_s, self._wake.set)
         if self.check_settled():
             return  # a rank added after settling (a scale-up of engines) joins live, cold
-        old = self.ranks.get(c)
-        boot = RankBoot(epoch=(old.epoch + 1) if old else 1, since=now)
+        boot = RankBoot(epoch=next(self._epochs), since=now)
         self.ranks[c] = boot
         self._subs[c] = sub
         sub.attach(self._new_hold(c, boot.epoch))
@@ -195,7 +198,7 @@ class Bootstrapper:
         self._queue.discard(carrier)
         self._origin_misfits.pop(carrier, None)
         if boot is not None:
-            boot.epoch += 1  # refuses any graft chunk still in flight for it
+            boot.epoch = next(self._epochs)  # refuses any graft chunk still in flight for it
             if boot.origin is not None:
                 boot.origin.cancel()  # its replay socket is for a rank that no longer matters
         self.metrics.forget(carrier)
@@ -212,7 +215,7 @@ class Bootstrapper:
         boot = self.ranks.get(c)
         if boot is None or boot.epoch != epoch:
             return
-        boot.epoch += 1
+        boot.epoch = next(self._epochs)
         # A graft chunk may already have landed for this rank without its watermark proved.
         self.plane.writer.submit_clear(
             c, ClearReason.OVERFLOW if why is HoldEnd.OVERFLOW else ClearReason.PUBLISHER_RESTART
@@ -436,6 +439,7 @@ class Bootstrapper:
                     # Off the loop: the column checks are one pass each over millions of records, run
                     # by the core with the GIL released, so the loop keeps applying live events.
                     local = self._local()
+                    epochs = {c: boot.epoch for c, boot in self.ranks.items()}  # as vetted: see _graft
                     vetted = await asyncio.get_running_loop().run_in_executor(
                         None, vet, wire, local, self.hashing
                     )
@@ -461,7 +465,7 @@ class Bootstrapper:
                 self.metrics.fetches.labels(SnapshotOutcome.ACCEPTED.value).inc()
                 self.last_sweep = SweepResult.FOUND
                 self.metrics.sweeps.labels(SweepResult.FOUND.value).inc()
-                await self._graft(vetted, self._pending(live))
+                await self._graft(vetted, self._pending(live), epochs)
                 self._inherit_sessions(wire)
                 return
             refused_sweeps = (
@@ -543,14 +547,17 @@ class Bootstrapper:
         if sub is not None:
             sub.release()
 
-    async def _graft(self, vetted: VettedSnapshot, live: set[Carrier]) -> None:
+    async def _graft(self, vetted: VettedSnapshot, live: set[Carrier], vetted_at: dict[Carrier, int]) -> None:
+        """Graft ``vetted`` onto the ``live`` ranks still in the epoch each had when it was vetted
+        (``vetted_at``): a rank removed and added again meanwhile (its engine replaced) is another rank,
+        whatever its name."""
         ours = {c for c in live if c in vetted.cursors}
         for c in live - ours:
             self._release(c)
             self._settle(c, RankOutcome.NOT_IN_SNAPSHOT)
         if not ours:
             return
-        epochs = {c: self.ranks[c].epoch for c in ours}
+        epochs = {c: vetted_at[c] for c in ours if c in vetted_at}
 
         def admit(c: Carrier) -> bool:
             boot = self.ranks.get(c)
@@ -628,7 +635,7 @@ class Bootstrapper:
         """The live stream does not join the graft: discard it; one more sweep, stamped now."""
         boot, sub = self.ranks[c], self._subs[c]
         self.plane.writer.submit_clear(c, ClearReason.UNCOVERED_GAP)
-        boot.epoch += 1
+        boot.epoch = next(self._epochs)
         if boot.retried:
             sub.detach()  # emptied already: rest is what it held
             sub.submit(rest)
