@@ -29,7 +29,7 @@ from router_runtime.kv.config import KvConfig
 from router_runtime.kv.hashing import SCHEME
 from router_runtime.kv.plane import KVPlane
 from router_runtime.kv.snapshot import Exporter
-from router_runtime.kv.subscription import ReplayTimeouts
+from router_runtime.kv.subscription import SPLICE_IN_FLIGHT_S, ReplayTimeouts
 from router_runtime.kv.withhold import WithholdReason
 from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.cache import PLAIN
@@ -610,3 +610,28 @@ async def test_a_graft_vetted_for_an_engine_replaced_meanwhile_is_not_applied(mo
                 lambda: all(b.plane.index.match(p) for p in new), what="the new process's blocks"
             )
             assert not any(b.plane.index.match(p) for p in old)
+
+
+async def test_an_engine_restarted_after_a_graft_with_nothing_held_turns_the_rank_cold():
+    """A graft with nothing held drops live batches at or below its cursor (already in it). An engine
+    restarted under the same identity (a static worker; a container restart keeps the pod's) starts its
+    sequence again below that cursor, on a new connection: those batches are another process's, and the
+    rank goes cold as a replica following the stream throughout does, never crediting the dead one's."""
+    async with run_fake_engine(block_size=BS) as e1, replica("a", [e1], peers=[]) as a:
+        await connected(a)
+        old = prompts(1, 100)
+        load([e1], old, seed=1)
+        await caught_up(a, [e1])
+        async with replica("b", [e1], peers=[a.url], probe_interval_s=0.05, max_unknown_probes=1) as b:
+            outcome = lambda: b.boot.report()["ranks"][0]["outcome"]  # noqa: E731
+            await eventually(
+                lambda: outcome() == "warm_unwitnessed", timeout=10, what="b grafted, unwitnessed"
+            )
+            await connected(b)
+            await asyncio.sleep(SPLICE_IN_FLIGHT_S)  # nothing of the old process can still be on its way
+            e1.restart()
+            new = prompts(7, 5)
+            load([e1], new, seed=7)
+            await caught_up(b, [e1])
+            assert all(b.plane.index.match(p) for p in new) and not any(b.plane.index.match(p) for p in old)
+            assert outcome() == "gap"

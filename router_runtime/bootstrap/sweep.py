@@ -601,13 +601,13 @@ class Bootstrapper:
         if rest or exact:
             if not rest:  # the next live batch must still join; a hole then turns the rank cold
                 boot.watermark = cursor
-                sub.splice_watermark = cursor
+                sub.arm_splice(cursor)
             self._settle(c, RankOutcome.FROM_ORIGIN if exact else RankOutcome.WARM)
             return
         # Nothing held above the cursor: the first live batch must prove the join.
         boot.state = RankState.RECOVERED
         boot.watermark = cursor
-        sub.splice_watermark = cursor
+        sub.arm_splice(cursor)
         self._export_state(c)
         self._spawn(self._probe(c, boot.epoch), f"kv-bootstrap-probe-{c}")
 

@@ -67,6 +67,8 @@ RECENT_HASHES = 4096  # applied batches whose payload hash a rank remembers (abo
 # ahead of our own stream (published between our subscribe and its export). A batch further below
 # disproves the cursor (a hostile or broken peer, or a publisher that restarted): the rank goes cold.
 SPLICE_MAX_LEAD = 65_536
+# ... and only while they can still be in flight: read within this of the splice, on the same connection.
+SPLICE_IN_FLIGHT_S = 1.0
 
 
 def payload_hash(payload: bytes) -> int:
@@ -133,6 +135,9 @@ class RankSubscription:
         # cursor: batches at or below it are already in the graft and are dropped; the first one above
         # it is reported to ``on_splice`` (proved if it is exactly watermark + 1) before it is applied.
         self.splice_watermark: int | None = None
+        # Until when a batch at or below it may still be one that was on its way when the graft was
+        # spliced (``arm_splice``); after that, or on a new connection, it is another process's.
+        self.splice_in_flight_until = 0.0
         self.on_splice: Callable[[int], None] | None = None
         self._stats = DecodeStats()
         # What the index's rule makes of this rank's stores, held or applied (a mismatch shows here
@@ -248,6 +253,7 @@ class RankSubscription:
             self.connected = msg["event"] == zmq.EVENT_CONNECTED
             if msg["event"] == zmq.EVENT_DISCONNECTED:
                 self.reconnected = True
+                self.splice_in_flight_until = 0.0  # nothing sent before comes on a new connection
             log.info("rank %s %s", self.carrier, "connected" if self.connected else "disconnected")
 
     async def on_live(self, frames: list[bytes]) -> None:
@@ -342,13 +348,22 @@ class RankSubscription:
             return
         wm = self.splice_watermark
         if wm is not None:
-            if seq <= wm and wm - seq <= SPLICE_MAX_LEAD:
+            if seq <= wm and wm - seq <= SPLICE_MAX_LEAD and time.monotonic() <= self.splice_in_flight_until:
                 return  # the graft already reflects it; re-applying an old store could undo a removal
             self.splice_watermark = None
             if self.on_splice is not None:
-                self.on_splice(seq)  # may clear the rank (a gap) before this batch is applied
+                self.on_splice(seq)  # not watermark + 1 (another process's, or a gap): the rank is cleared
         if not self.writer.submit_batch(self.carrier, sb):
             self.clear(ClearReason.OVERFLOW)
+
+    def arm_splice(self, cursor: int) -> None:
+        """A graft reflects this rank's stream up to ``cursor`` and nothing held reached past it: the
+        first batch above it must join it (``on_splice``). Batches at or below it are dropped only while
+        they can be ones already on their way (SPLICE_IN_FLIGHT_S, the same connection): the process that
+        sent them sends nothing twice, so a later one is another process's (restarted under the same
+        incarnation), and the rank is cleared rather than credited with the dead one's blocks."""
+        self.splice_watermark = cursor
+        self.splice_in_flight_until = time.monotonic() + SPLICE_IN_FLIGHT_S
 
     def clear(self, reason: ClearReason) -> None:
         """Drop the rank's blocks (it runs cold from here) and end any hold: its owner hears a reset."""
