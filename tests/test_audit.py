@@ -129,7 +129,7 @@ CHUNKS = [_chunk("a"), _chunk('"choices":[] in text', usage=None), _chunk("", "l
 USAGE_ONLY = {**{k: v for k, v in _chunk("").items() if k != "choices"}, "choices": [], "usage": USAGE}
 
 
-@pytest.mark.parametrize("end", [b"\n\n", b"\r\n\r\n"])
+@pytest.mark.parametrize("end", [b"\n\n", b"\r\n\r\n", b"\r\r"])
 @pytest.mark.parametrize("size", [1, 2, 5, 17, 1 << 20])
 def test_the_strip_gives_the_client_the_stream_it_would_have_had(end, size):
     """Across every split of the engine's bytes, the client gets exactly the stream it would have had

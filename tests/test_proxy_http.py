@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import socket
 import time
 
 import aiohttp
@@ -25,7 +26,7 @@ from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
 from tests.support import LOCAL_METRICS
 
-from .support import closed_port_url, eventually
+from .support import closed_port_url, eventually, loopback_app
 
 ENGINE_HEADER = "X-RouterFleet-Engine"
 
@@ -373,6 +374,42 @@ async def test_an_idle_stream_is_cut_not_completed():
             sample(router, "routerfleet_requests_total", policy="kv_aware", outcome="timeout", status="200")
             == 1
         )
+
+
+async def test_a_client_that_stops_reading_is_cut_at_the_deadline_even_after_the_engine_ended():
+    """The stream's end (the usage strip's held tail, then the final chunk) waits for the client's
+    socket too: a client that stopped reading holds the request, its load and its prediction no longer
+    than ``total_s``, as it does mid-stream."""
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"index":0,"text":"a"}]}\n\n')
+        # The last event, 12 MiB with no blank line after it: the strip holds it until the end.
+        tail = b'data: {"choices":[{"index":0,"text":"' + b"x" * (12 << 20) + b'"}]}'
+        for i in range(0, len(tail), 1 << 16):
+            await resp.write(tail[i : i + (1 << 16)])
+        await resp.write_eof()
+        return resp
+
+    async with (
+        loopback_app(web.post("/v1/completions", engine)) as engine_url,
+        routed([http_worker(engine_url)], proxy=timeouts(total_s=2)) as (router, url, _s),
+    ):
+        host, port = url.removeprefix("http://").split(":")
+        _reader, writer = await asyncio.open_connection(host, int(port))  # and never reads
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        body = json.dumps({"prompt": list(range(1, 40)), "stream": True}).encode()
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(head.encode() + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        try:
+            await eventually(lambda: router.load.total == 1, what="the request under way")
+            await eventually(lambda: router.load.total == 0, timeout=10, what="the request cut and released")
+            assert sample(
+                router, "routerfleet_requests_total", policy="kv_aware", outcome="timeout", status="200"
+            )
+        finally:
+            writer.close()
 
 
 # ---------------------------------------------------------------------------------- client disconnect

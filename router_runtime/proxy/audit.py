@@ -199,27 +199,34 @@ class UsageStrip:
     chunk. A partial event waits for its end (engines write one event per write, so nothing waits in
     practice)."""
 
-    __slots__ = ("_pending", "scan")
+    __slots__ = ("_pending", "_scanned", "scan")
 
     def __init__(self) -> None:
-        self._pending = b""
+        self._pending = bytearray()  # a partial event
+        self._scanned = 0  # how much of it was searched for an event's end (linear in a long event)
         self.scan = UsageScan()
 
     def feed(self, chunk: bytes) -> bytes:
-        if not self._pending and chunk.endswith(b"\n\n") and b'"usage"' not in chunk:
+        pending = self._pending
+        if not pending and chunk.endswith(b"\n\n") and b'"usage"' not in chunk:
             return chunk  # whole events without usage, the common chunk: as they are
-        data = self._pending + chunk if self._pending else chunk
+        pending += chunk
         out = []
         pos = 0
-        for end in _BOUNDARY.finditer(data):
-            out.append(self._event(data[pos : end.start()], end.group()))
+        # An event's end is at most 4 bytes: one that began in what was searched before ends here.
+        for end in _BOUNDARY.finditer(pending, max(self._scanned - 3, 0)):
+            out.append(self._event(bytes(pending[pos : end.start()]), end.group()))
             pos = end.end()
-        self._pending = data[pos:]
+        if pos:
+            del pending[:pos]
+        self._scanned = len(pending)
         return b"".join(out)
 
     def flush(self) -> bytes:
         """What is left at the stream's end (an event without its blank line)."""
-        rest, self._pending = self._pending, b""
+        rest = bytes(self._pending)
+        self._pending.clear()
+        self._scanned = 0
         return self._event(rest, b"") if rest else b""
 
     def _event(self, event: bytes, end: bytes) -> bytes:

@@ -548,10 +548,11 @@ class Proxy:
                         cm.reschedule(min(loop.time() + idle, deadline))
                 done = True  # the engine's response is complete: its connection can be reused
                 writing = True
-                for w in watches:
-                    if rest := w.response_ended():
-                        await resp.write(rest)
-                await resp.write_eof()
+                async with asyncio.timeout_at(deadline):  # each waits for a client that stopped reading
+                    for w in watches:
+                        if rest := w.response_ended():
+                            await resp.write(rest)
+                    await resp.write_eof()
             except asyncio.CancelledError:  # the client went away (handler cancellation)
                 ctx.outcome = "cancelled"
                 raise
