@@ -331,6 +331,10 @@ PARSE_SHAPES = {
     "empty objects": b"[" + b",".join([b"{}"] * 60_000) + b"]",
     "token IDs": json.dumps({"prompt": list(range(10_000, 70_000))}).encode(),
     "floats": json.dumps([1.5] * 60_000).encode(),
+    "one-member objects, unique keys": b"[" + b",".join(b'{"%08x":0}' % i for i in range(60_000)) + b"]",
+    "an object of unique keys": b"{" + b",".join(b'"%08x":0' % i for i in range(60_000)) + b"}",
+    "objects of empty objects": b"[" + b",".join(b'{"%08x":{}}' % i for i in range(60_000)) + b"]",
+    "objects of one key": b"[" + b",".join([b'{"a":0}'] * 60_000) + b"]",
 }
 
 

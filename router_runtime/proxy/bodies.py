@@ -22,6 +22,9 @@ from .request import parse_json
 # Bytes of Python objects per JSON value, at most: measured with tracemalloc on bodies of 200,000 of
 # one value each, 64 for two-character strings, 52 for [[]], 38 for {}, 34 for [], 10 for small ints.
 PER_VALUE = 64
+# And per object member, at most: its key string, the dict's slot and the decoder's memo entry for the
+# key (measured as above: 137 for one-member objects of unique 8-character keys).
+PER_MEMBER = 160
 PER_BODY = 4096  # and the parser's own, whatever the body (~2 KiB measured)
 WAIT_S = 1.0  # a share that does not fit waits this long for others before its 503
 
@@ -30,11 +33,11 @@ def parse_cost(raw: bytes) -> int:
     """An upper bound on what parsing ``raw`` holds (tests/test_proxy_units.py measures it): its bytes;
     the text they decode to and the strings parsed from it, 2 bytes per byte when pure ASCII without
     escapes, 8 otherwise (one character outside the BMP makes a string 4 bytes a character);
-    PER_VALUE per value (a body has at most one value more than its commas, brackets and braces); and
-    PER_BODY."""
+    PER_VALUE per value (a body has at most one value more than its commas, brackets and braces);
+    PER_MEMBER per object member (at most one per colon); and PER_BODY."""
     text = 2 if raw.isascii() and b"\\u" not in raw else 8
     values = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
-    return (1 + text) * len(raw) + PER_VALUE * values + PER_BODY
+    return (1 + text) * len(raw) + PER_VALUE * values + PER_MEMBER * raw.count(b":") + PER_BODY
 
 
 def over_budget(wait_s: float) -> ProxyError:
