@@ -183,9 +183,10 @@ async def test_requests_route_to_the_engine_holding_their_engine_computed_prefix
         assert counted == refused > 0
 
 
-async def test_a_prompt_the_engine_may_truncate_predicts_nothing(tmp_path):
+async def test_a_prompt_the_engine_may_truncate_or_run_on_its_own_rank_predicts_nothing(tmp_path):
     """vLLM keeps only a prompt's end under ``truncate_prompt_tokens`` (a token-in generate's in its
-    ``sampling_params``): what it caches is then another sequence, so a request asking for it is
+    ``sampling_params``): what it caches is then another sequence. SGLang runs a request on the rank its
+    body names (``data_parallel_rank``), whatever the router's header says. Either way the request is
     routed without tokens and counted, however much of its prompt's own tokens the index holds."""
     tok = _tokenizer("qwen3")
     async with kv_fleet(n=1, with_tokenizer=tok, **debugging(tmp_path)) as ((engine,), router, url, s):
@@ -202,6 +203,7 @@ async def test_a_prompt_the_engine_may_truncate_predicts_nothing(tmp_path):
                 "/inference/v1/generate",
                 {"token_ids": prompt, "sampling_params": {"truncate_prompt_tokens": 5}},
             ),
+            ("/v1/completions", {**plain, "data_parallel_rank": 0}),
         ]
         async with s.post(url + "/v1/completions", json=plain, headers=headers) as r:
             assert r.status == 200, await r.text()

@@ -182,6 +182,14 @@ def truncated(body: Mapping[str, Any], kind: Kind) -> bool:
     return isinstance(where, dict) and where.get("truncate_prompt_tokens") is not None
 
 
+def names_rank(body: Mapping[str, Any]) -> bool:
+    """Whether the body names its own data-parallel rank (``data_parallel_rank``, which SGLang follows
+    over the router's ``X-Data-Parallel-Rank``): the request may then run on another rank than the one
+    its prediction is for, so its tokens predict nothing (a client chooses no rank by the header
+    either: proxy/headers.py)."""
+    return body.get("data_parallel_rank") is not None
+
+
 def parse_request(body: Any, kind: Kind) -> ParsedRequest:
     """A decoded JSON body -> what routing needs. Raises ProxyError (400)."""
     if not isinstance(body, dict):
