@@ -61,6 +61,7 @@ def test_annotation_readings(annotations, want):
         {EPOCH: "3"},  # an epoch without an id
         {KEY: ""},
         {KEY: "pv a"},
+        {KEY: "pv-node3\n"},  # a trailing newline: not the id "pv-node3"
         {KEY: "pv-\u00e9"},
         {KEY: "x" * 254},
         {KEY: 5},
@@ -107,6 +108,7 @@ def test_valid_annotation_keys(key):
         "-storage",
         "storage-",
         "storage id",
+        "storage-id\n",
         "under_score.io/x",
         "-bad.io/x",
         "a..b/x",

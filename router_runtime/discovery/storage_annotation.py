@@ -33,7 +33,8 @@ from ..kv.adoption import StorageIdentity
 EPOCH_SUFFIX = "-epoch"
 MAX_EPOCH = 2**63 - 1
 
-# Kubernetes' qualified name (apimachinery IsQualifiedName): [DNS-1123 subdomain "/"] name.
+# Kubernetes' qualified name (apimachinery IsQualifiedName): [DNS-1123 subdomain "/"] name. Each is
+# matched whole (fullmatch: "$" alone also matches before a trailing newline).
 _NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _NAME_MAX = 63
 _PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -70,9 +71,9 @@ def validate_annotation_key(key: str) -> str:
     if "/" in prefix:
         raise ValueError(f"{key!r}: at most one '/' (an optional DNS prefix, then a name)")
     # The API server validates annotation keys lowercased, so an upper-case prefix is accepted.
-    if prefix and (len(prefix) > _PREFIX_MAX or not _PREFIX.match(prefix.lower())):
+    if prefix and (len(prefix) > _PREFIX_MAX or not _PREFIX.fullmatch(prefix.lower())):
         raise ValueError(f"{key!r}: the prefix must be a DNS subdomain of at most {_PREFIX_MAX} chars")
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise ValueError(
             f"{key!r}: the name must be alphanumerics, '-', '_' or '.', starting and ending alphanumeric"
         )
@@ -96,12 +97,12 @@ def read_storage_annotation(annotations: Mapping[str, Any] | None, key: str) -> 
         return Reading(Result.ABSENT)
     if sid is None:
         return Reading(Result.MALFORMED, why=f"{epoch_key(key)} without {key}")
-    if not isinstance(sid, str) or not _ID.match(sid):
+    if not isinstance(sid, str) or not _ID.fullmatch(sid):
         return Reading(Result.MALFORMED, why=f"{key} is not 1-253 printable ASCII characters without spaces")
     if epoch is None:
         return Reading(Result.FOUND, StorageIdentity(sid, 0))
     text = epoch.strip() if isinstance(epoch, str) else ""
-    if not _EPOCH.match(text) or int(text) > MAX_EPOCH:
+    if not _EPOCH.fullmatch(text) or int(text) > MAX_EPOCH:
         return Reading(Result.MALFORMED, why=f"{epoch_key(key)} is not an integer in [0, 2**63)")
     return Reading(Result.FOUND, StorageIdentity(sid, int(text)))
 
