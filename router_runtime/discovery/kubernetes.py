@@ -22,6 +22,7 @@ the set is published; a fetch that fails or is slow leaves that incarnation with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -44,6 +45,9 @@ from .storage_annotation import Reading, Result, read_pod_storage, validate_anno
 log = logging.getLogger(__name__)
 
 USER_AGENT = "routerfleet-router/discovery"
+# While an engine is left out because its pod could not be read for its role label: how often the
+# watcher publishes again (so reads it again), whether or not any slice changed.
+UNREAD_RETRY_S = 5.0
 # Only the metadata of a pod (its spec can be large); an API server without it sends the whole pod.
 POD_METADATA_ACCEPT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
 
@@ -208,6 +212,9 @@ class PodReadings:
         self._last_warned: dict[Result, float] = {}
         self._unwarned: Counter[Result] = Counter()
         self._unrouted: set[str] = set()  # pod UIDs not published for want of their role (logged once)
+        # Engines the last publication left out because their pod could not be read for its role: the
+        # watcher publishes again after UNREAD_RETRY_S (slice events alone may not come for hours).
+        self.left_unread = 0
 
     async def apply(self, workers: list[WorkerSpec]) -> list[WorkerSpec]:
         """``workers`` with what each pod declares merged in; reads the pods not seen yet first."""
@@ -215,6 +222,7 @@ class PodReadings:
         if new:
             await self._read_all(new)
         out = []
+        self.left_unread = 0
         for w in workers:
             reading = self.readings.get(w.incarnation)
             if reading is None:
@@ -235,6 +243,7 @@ class PodReadings:
                 # publication (never published before, so a later reading changes no spec).
                 if not reading.read:
                     del self.readings[w.incarnation]
+                    self.left_unread += 1
                 self._not_routed(w, reading)
                 continue
             if self.role_label:
@@ -291,7 +300,7 @@ class PodReadings:
             else:
                 reading = t.result()
             self.readings[w.incarnation] = reading
-            if reading.storage is not None:
+            if reading.storage is not None and self.key:  # a failed read says why there, asked or not
                 self._record(w, reading.storage)
 
     async def _read(self, w: WorkerSpec) -> PodReading:
@@ -413,6 +422,8 @@ class EndpointSliceWatcher(Reflector):
         self.role_label = role_label
         # once started, with storage_annotation, revision_label or role_label
         self.pods: PodReadings | None = None
+        self._publishing = asyncio.Lock()  # the watch's publications and the unread pods' retries
+        self._retry: asyncio.Task | None = None
 
     @property
     def workers(self) -> list[WorkerSpec] | None:
@@ -435,9 +446,15 @@ class EndpointSliceWatcher(Reflector):
                 timeout_s=self._storage_timeout_s,
             )
         self.start_loop(f"discovery-{self.namespace}-{self.label_selector}")
+        if self.role_label:
+            self._retry = asyncio.create_task(self._retry_unread(), name="discovery-unread-pods")
 
     async def stop(self) -> None:
         """Cancel the watch and close the API client's connections."""
+        if self._retry is not None:
+            self._retry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._retry
         await self.stop_loop()
         if self._api is not None:
             await self._api.close()
@@ -459,7 +476,21 @@ class EndpointSliceWatcher(Reflector):
             self.namespace, self.label_selector, resource_version=resource_version, timeout_s=timeout_s
         )
 
+    async def _retry_unread(self) -> None:
+        """Publish again while engines are left out for a pod that could not be read for its role."""
+        while True:
+            await asyncio.sleep(UNREAD_RETRY_S)
+            if self.pods is not None and self.pods.left_unread and self.synced:
+                try:
+                    await self.publish()
+                except Exception:  # the watch's own publications go on; this one is tried again
+                    log.exception("discovery: publishing again for unread pods failed")
+
     async def publish(self) -> None:
+        async with self._publishing:
+            await self._publish()
+
+    async def _publish(self) -> None:
         mapping = map_slices(self.objects.values(), self.config)
         for state, n in mapping.states.items():
             if state.startswith("port_missing:") and state not in self._warned:
