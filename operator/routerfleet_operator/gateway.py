@@ -70,21 +70,25 @@ def resolve_target(
                 " set spec.gateway.engineSelector",
             )
         selector = found[0]
+    if isinstance(e.http_port, int):
+        picked = {e.http_port}
+    else:  # the numbers the routers pick the engines on
+        picked = {
+            p["port"]
+            for s in slices
+            for p in s.get("ports") or ()
+            if p.get("name") == e.http_port and isinstance(p.get("port"), int)
+        }
     ports = g.target_ports
+    if ports and not picked <= set(ports):
+        missing = ", ".join(str(p) for p in sorted(picked - set(ports)))
+        raise PoolProblem(
+            "TargetPortsUnpicked",
+            f"spec.gateway.targetPorts does not list {missing}, the engines' port {e.http_port!r} the routers"
+            " pick them on: a pick there would go to no endpoint of the pool",
+        )
     if not ports:
-        if isinstance(e.http_port, int):
-            ports = (e.http_port,)
-        else:
-            ports = tuple(
-                sorted(
-                    {
-                        p["port"]
-                        for s in slices
-                        for p in s.get("ports") or ()
-                        if p.get("name") == e.http_port and isinstance(p.get("port"), int)
-                    }
-                )
-            )
+        ports = tuple(sorted(picked))
         if not ports:
             raise PoolProblem(
                 "EnginesNotFound",
@@ -94,7 +98,7 @@ def resolve_target(
             raise PoolProblem(
                 "EngineSelectorUnknown",
                 f"the engines' port {e.http_port!r} is {len(ports)} numbers, more than an InferencePool"
-                f" takes ({MAX_TARGET_PORTS}): set spec.gateway.targetPorts",
+                f" takes ({MAX_TARGET_PORTS})",
             )
     return PoolTarget(selector=selector, ports=tuple(ports))
 

@@ -89,6 +89,19 @@ def test_the_spec_may_say_the_selector_and_ports_outright():
     assert resolve_target(f, [], {}) == PoolTarget({"pool": "a"}, (9000, 9001))
 
 
+def test_target_ports_must_list_the_port_the_routers_pick_the_engines_on():
+    """The routers pick each engine on its httpPort: a pool that does not target it gets picks for no
+    endpoint of its own (a number: refused with the spec; a name: when the slices resolve it)."""
+    numbered = fleet({"gateway": {"enabled": True, "targetPorts": [9000]}, "engines": {"httpPort": 8000}})
+    assert any("must list spec.engines.httpPort (8000)" in p for p in validate(numbered))
+    named = fleet({"gateway": {"enabled": True, "engineSelector": {"pool": "a"}, "targetPorts": [9000]}})
+    with pytest.raises(PoolProblem) as e:
+        resolve_target(named, [slice_of("vllm", http=8000)], {})
+    assert e.value.reason == "TargetPortsUnpicked" and "8000" in e.value.message
+    both = fleet({"gateway": {"enabled": True, "engineSelector": {"pool": "a"}, "targetPorts": [8000, 9000]}})
+    assert resolve_target(both, [slice_of("vllm", http=8000)], {}).ports == (8000, 9000)
+
+
 @pytest.mark.parametrize(
     ("slices", "services", "reason"),
     [
