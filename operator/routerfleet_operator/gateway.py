@@ -125,12 +125,13 @@ class PoolView:
     @classmethod
     def of(cls, pool: Mapping[str, Any], picker_slices: Iterable[Mapping[str, Any]] = ()) -> PoolView:
         """The pool as applied, and the EndpointSlices of its picker Service."""
+        # Replicas, not addresses: a dual-stack pod is in two slices (one per family). A ready
+        # condition absent is ready, as the EndpointSlice API reads it.
         ready = {
-            address
+            (ep.get("targetRef") or {}).get("uid") or tuple(ep.get("addresses") or ())
             for s in picker_slices
             for ep in s.get("endpoints") or ()
-            if (ep.get("conditions") or {}).get("ready")
-            for address in ep.get("addresses") or ()
+            if (ep.get("conditions") or {}).get("ready") is not False
         }
         parents = []
         for p in (pool.get("status") or {}).get("parents") or ():

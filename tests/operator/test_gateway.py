@@ -204,6 +204,16 @@ def picker_slices(ready: int, not_ready: int = 0) -> list[dict]:
 ACCEPTED = parents(cond("Accepted", "True"), cond("ResolvedRefs", "True"))
 
 
+def test_the_picker_replicas_are_counted_by_pod_not_by_address():
+    """A dual-stack replica is in one slice per family; a ready condition left out means ready."""
+    pod = {"kind": "Pod", "name": "rf-0", "uid": "u0"}
+    v4 = {"endpoints": [{"addresses": ["10.0.0.1"], "conditions": {"ready": True}, "targetRef": pod}]}
+    v6 = {"endpoints": [{"addresses": ["fd00::1"], "conditions": {"ready": True}, "targetRef": pod}]}
+    unsaid = {"endpoints": [{"addresses": ["10.0.0.2"], "conditions": {}}]}
+    assert PoolView.of(ACCEPTED, [v4, v6]).pickers == 1
+    assert PoolView.of(ACCEPTED, [unsaid]).pickers == 1
+
+
 @pytest.mark.parametrize(
     ("pool", "expected"),
     [
