@@ -35,7 +35,7 @@ from router_runtime.worker import WorkerSpec
 from routerfleet_fake_engine.cache import PLAIN
 from routerfleet_fake_engine.server import FakeEngine, run_fake_engine
 
-from .support import eventually, snapshot_peer
+from .support import closed_port_url, eventually, snapshot_peer
 
 BS = 4
 TOKEN = "fleet-secret"
@@ -635,3 +635,23 @@ async def test_an_engine_restarted_after_a_graft_with_nothing_held_turns_the_ran
             await caught_up(b, [e1])
             assert all(b.plane.index.match(p) for p in new) and not any(b.plane.index.match(p) for p in old)
             assert outcome() == "gap"
+
+
+async def test_a_peer_that_refuses_beside_an_unreachable_one_is_asked_ever_less_often():
+    """Every peer refusing ends the sweeps after a few; one refusing beside one that cannot be reached
+    does not, so its snapshot (up to 1 GiB, fetched and decoded each time) is asked for at doubling
+    intervals rather than at every retry."""
+    asked = 0
+
+    async def refusing(_req):
+        nonlocal asked
+        asked += 1
+        return web.Response(status=500, text="boom")
+
+    async with (
+        snapshot_peer(refusing) as url,
+        run_fake_engine(block_size=BS) as e1,
+        replica("b", [e1], peers=[url, closed_port_url()], retry_interval_s=0.05) as b,
+    ):
+        await asyncio.sleep(2.0)  # 40 retries' worth at a steady 0.05 s
+        assert not b.boot.settled and 3 <= asked <= 8, asked

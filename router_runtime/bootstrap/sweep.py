@@ -61,6 +61,8 @@ from .wire import WireSession, WireSnapshot
 log = logging.getLogger(__name__)
 
 API_VERSION = "routerfleet.io/bootstrap/v1"
+# The longest pause between sweeps while peers refuse their snapshots (doubling from retry_interval_s).
+REFUSED_MAX_S = 30.0
 
 _ORIGIN_OUTCOME = {
     ReplayOutcome.FILLED: OriginOutcome.COMPLETE,
@@ -404,6 +406,7 @@ class Bootstrapper:
             if not self._pending(batch):
                 await self._sessions_only(deadline)  # every rank exact: only the session table is missing
         refused_sweeps = 0
+        refusing = 0  # sweeps in a row where a peer refused its snapshot: the next waits twice as long
         while True:
             self._settle_misfits(self._pending(batch))  # our own stream's evidence before any peer's
             live = self._pending(batch)
@@ -471,6 +474,10 @@ class Bootstrapper:
             refused_sweeps = (
                 refused_sweeps + 1 if outcomes and set(outcomes) == {SnapshotOutcome.REJECTED} else 0
             )
+            # A peer that refuses beside one that is unreachable never ends the sweeps (the count above
+            # is of sweeps where every peer refused), and each refusal may be a body of up to 1 GiB
+            # fetched and decoded again: back off.
+            refusing = refusing + 1 if SnapshotOutcome.REJECTED in outcomes else 0
             if outcomes and all(o in (SnapshotOutcome.COLD_PEER, SnapshotOutcome.FOREIGN) for o in outcomes):
                 # A foreign peer (another block size or key scheme) holds nothing we can use, but
                 # which side is misconfigured only our own streams can tell: give up once they do
@@ -480,7 +487,10 @@ class Bootstrapper:
                 fits = all(self._subs[c].fit.accepted for c in live if c in self._subs)
                 if SnapshotOutcome.FOREIGN not in outcomes or fits or self.misfits():
                     return self._give_up(live, SweepResult.FLEET_COLD)
-            await asyncio.sleep(min(cfg.retry_interval_s, max(0.0, deadline - self._clock())))
+            pause = max(
+                cfg.retry_interval_s, min(cfg.retry_interval_s * 2 ** min(refusing, 10), REFUSED_MAX_S)
+            )
+            await asyncio.sleep(min(pause, max(0.0, deadline - self._clock())))
 
     async def _sessions_only(self, deadline: float) -> None:
         """Ask one sibling for its session table alone (the tree came from the engines' replay)."""
