@@ -221,6 +221,7 @@ async def test_a_clients_own_rank_and_the_routers_own_headers_never_reach_the_en
         "X-Data-Parallel-Rank": "5",
         "X-RouterFleet-Debug-Prediction": "t",
         "X-RouterFleet-Last-Engine": "e",
+        "Accept-Encoding": "gzip",  # the picker reads the answer: compressed, it would pass unread
     }
     async with gateway(tmp_path, duplex=duplex) as (engines, _router, base), aiohttp.ClientSession() as s:
         body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}

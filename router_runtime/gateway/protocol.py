@@ -36,8 +36,9 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 # sets either: a client's own would point the sidecar at any address.
 PREFILLER = "x-prefiller-host-port"
 PREFILLER_HEADERS = (PREFILLER, "x-prefiller-url")
-# The router's own request headers that a client may send it (the proxy never forwards them).
-ROUTER_ONLY = (DEBUG_PREDICTION_HEADER.lower(),)
+# The request headers a pick takes out, as the proxy never forwards them: the router's own (a client
+# may send them), and Accept-Encoding (the picker reads the answer: compressed, it would pass unread).
+ROUTER_ONLY = (DEBUG_PREDICTION_HEADER.lower(), "accept-encoding")
 # At most this much body per streamed answer, as the reference picker splits a body.
 STREAMED_CHUNK = 62_000
 # TEST ONLY (--epp-conformance-test), as the extension's conformance suite drives a picker: the

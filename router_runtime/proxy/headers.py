@@ -41,8 +41,11 @@ HOP_BY_HOP = frozenset(
 )
 # Content-Encoding: the server side already inflated a gzip/deflate body (aiohttp decodes request
 # bodies), so the engine gets the decoded bytes, and must not be told they are still encoded.
+# Accept-Encoding: the router reads what the engine answers (the usage it scans and strips): an answer
+# the engine compressed would pass unread, the added usage chunk with it.
 _REQUEST_DROP = HOP_BY_HOP | {
-    "host", "content-length", "content-encoding", RANK_HEADER.lower(), DEBUG_PREDICTION_HEADER.lower()
+    "host", "content-length", "content-encoding", "accept-encoding", RANK_HEADER.lower(),
+    DEBUG_PREDICTION_HEADER.lower(),
 }  # fmt: skip
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 
