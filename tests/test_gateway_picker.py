@@ -51,6 +51,8 @@ from router_runtime.proxy.headers import ENGINE_HEADER
 from router_runtime.proxy.health import BreakerState, HealthConfig
 from router_runtime.scheduling.types import Target
 from router_runtime.tracing.config import TracingConfig
+from router_runtime.tracing.context import sampling_bound
+from router_runtime.tracing.spans import Trace
 from router_runtime.worker import Role, WorkerSpec
 from routerfleet_fake_engine.server import run_fake_engine
 from tests.support import (
@@ -568,6 +570,8 @@ async def test_a_pick_that_refuses_connections_fails_over_and_the_engine_that_se
         )
         router, _url = await stack.enter_async_context(run_router(cfg))
         await join_all(router, [engine])
+        traces: list[Trace] = []  # every request traced, kept here (its spans as recorded)
+        router.tracer.sink, router.tracer.bound = traces.append, sampling_bound(1.0)
         base = await stack.enter_async_context(envoy(router.epp_address, [engine.http_url, dead], tmp_path))
         s = await stack.enter_async_context(aiohttp.ClientSession())
         for k in range(8):  # new prompts: spread over both engines until the dead one's breaker opens
@@ -582,6 +586,14 @@ async def test_a_pick_that_refuses_connections_fails_over_and_the_engine_that_se
         assert audited(router, "exact") == 5 and audited(router, "false_hit") == 0
         await eventually(lambda: router.load.total == 0, timeout=10, what="the picks released")
         assert predicted_blocks(router) == 0  # the failed-over picks' predictions ended with them too
+        # A failed-over request's upstream span names the engine that served, and the one picked first.
+        ups = [sp for t in traces for sp in t.spans if sp.name == "upstream"]
+        over = [sp for sp in ups if any(name == "failed_over" for _, name, _ in sp.events)]
+        assert len(over) == 3 and len(ups) == 8
+        assert {
+            (sp.attributes["routerfleet.engine"], sp.attributes["routerfleet.failed_over_from"])
+            for sp in over
+        } == {(engine.http_url, dead)}
 
 
 async def pd_gateway(

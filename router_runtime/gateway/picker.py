@@ -517,6 +517,9 @@ class EndpointPicker:
         stream.upstream.event("failed_over", {"routerfleet.engine": target.engine if target else served})
         if target is None:  # not one of ours any more: nothing to count against it
             return
+        if stream.upstream.recording:  # the span is the engine's part: the one that served
+            stream.upstream.update(upstream_attributes(target))
+            stream.upstream.set("routerfleet.failed_over_from", picked_.engine)
         self.load.release(picked_)
         self.load.acquire(target)
         stream.target = target
