@@ -432,10 +432,14 @@ async def test_an_sglang_prefill_that_fails_fails_the_request_clearly_and_never_
             assert r.status == 502, await r.text()
             assert (await r.json())["error"]["code"] == "prefill_failed"
     async with pd_fleet(decode=1, prefill=1, revisions=["r1", "r2"], protocol=Protocol.SGLANG) as f:
+        traces: list[Trace] = []
+        f.router.proxy.tracer = Tracer(TracingConfig(endpoint="http://127.0.0.1:9"), traces.append)
         body = {"prompt": list(range(50, 90)), "max_tokens": 4}
         async with f.session.post(f.url + "/v1/completions", json=body) as r:
             assert r.status == 503, await r.text()
         assert verdicts(f.router)["no_prefill_engine"] == 1
+        (up,) = [sp for sp in traces[0].spans if sp.name == "upstream"]  # nothing sent: its span says why
+        assert up.error == "no_engine" and up.attributes["routerfleet.engine"] == f.decoders[0].http_url
 
 
 # ---- what a client or a half-listed fleet cannot make the router do ------------------------------

@@ -382,13 +382,17 @@ class Proxy:
                 start = loop.time()
                 # The first byte's deadline holds from dispatch: a remote prefill leg's time counts in it.
                 deadline = start + min(self.timeouts.first_byte_s, self.timeouts.total_s)
-                leg = None if legs is None else await legs(decision, deadline)
-                sent, added = (body, {}) if leg is None else (leg.body, leg.headers)
-                x = exchange(decision, start)
-                watches = watching(self.hooks, x)
                 if span.recording:
                     span.update(upstream_attributes(target))
                     span.set("routerfleet.attempt", attempt)
+                try:
+                    leg = None if legs is None else await legs(decision, deadline)
+                except ProxyError as e:  # no prefill for it (failed, or none to pair): nothing was sent
+                    span.fail(e.outcome)
+                    raise
+                sent, added = (body, {}) if leg is None else (leg.body, leg.headers)
+                x = exchange(decision, start)
+                watches = watching(self.hooks, x)
                 try:
                     headers = {**ctx.trace.headers(span), **added}
                     opening = self._open(request, target, sent, headers, deadline)
