@@ -475,9 +475,10 @@ class Bootstrapper:
                 refused_sweeps + 1 if outcomes and set(outcomes) == {SnapshotOutcome.REJECTED} else 0
             )
             # A peer that refuses beside one that is unreachable never ends the sweeps (the count above
-            # is of sweeps where every peer refused), and each refusal may be a body of up to 1 GiB
-            # fetched and decoded again: back off.
-            refusing = refusing + 1 if SnapshotOutcome.REJECTED in outcomes else 0
+            # is of sweeps where every peer refused: those end soon, at the retry interval), and each
+            # refusal may be a body of up to 1 GiB fetched and decoded again: back off.
+            mixed = SnapshotOutcome.REJECTED in outcomes and refused_sweeps == 0
+            refusing = refusing + 1 if mixed else 0
             if outcomes and all(o in (SnapshotOutcome.COLD_PEER, SnapshotOutcome.FOREIGN) for o in outcomes):
                 # A foreign peer (another block size or key scheme) holds nothing we can use, but
                 # which side is misconfigured only our own streams can tell: give up once they do
