@@ -57,6 +57,7 @@ class ResponseStore:
         self._d.clear()
 
 
+CHOSEN_ID = "request_id"  # the request's own id for the response, as vLLM takes it (not echoed)
 _ECHOED = ("instructions", "previous_response_id", "metadata", "max_output_tokens", "temperature", "top_p")
 
 
@@ -93,6 +94,11 @@ def parse_responses(body: Any, store: ResponseStore) -> GenerationRequest:
     if not isinstance(store_it, bool):
         raise RequestError("'store' must be a boolean", "store")
     fields = {k: body.get(k) for k in _ECHOED} | {"store": store_it}
+    chosen = body.get(CHOSEN_ID)  # vLLM makes it the response's id
+    if chosen is not None:
+        if not isinstance(chosen, str) or not chosen:
+            raise RequestError(f"'{CHOSEN_ID}' must be a non-empty string", CHOSEN_ID)
+        fields[CHOSEN_ID] = chosen
     return parse_generation(
         body,
         Kind.RESPONSES,
@@ -122,7 +128,7 @@ class ResponsesShape:
         self.id = response_id
         self.item_id = "msg_" + response_id.removeprefix("resp_")
         self.model = model
-        self.fields = fields
+        self.fields = {k: v for k, v in fields.items() if k != CHOSEN_ID}
         self.created_at = int(time.time())
         self._seq = 0
 

@@ -68,6 +68,7 @@ from routerfleet_fake_engine.openai_api import (
 )
 from routerfleet_fake_engine.publisher import Drop, KvPublisher
 from routerfleet_fake_engine.responses_api import (
+    CHOSEN_ID,
     ResponsesShape,
     ResponseStore,
     StoredResponse,
@@ -740,7 +741,8 @@ class FakeEngine:
         tag = f"{self.incarnation[:8]}-{serial}"
         model = req.model or self.config.model
         if req.kind is Kind.RESPONSES:
-            return ResponsesShape(f"resp_{self.incarnation}{serial:08x}", model, req.fields)
+            chosen = req.fields.get(CHOSEN_ID)  # vLLM's: the client may choose the id
+            return ResponsesShape(chosen or f"resp_{self.incarnation}{serial:08x}", model, req.fields)
         if req.kind is Kind.MESSAGES:
             return MessagesShape(f"msg_{self.incarnation}{serial:08x}", model)
         if req.kind is Kind.GENERATE:

@@ -191,6 +191,43 @@ async def test_a_tenant_never_reaches_another_tenants_stored_response(tenants):
         assert got == engine
 
 
+async def test_a_client_cannot_name_the_response_id_its_answer_is_bound_under():
+    """vLLM makes a Responses request's ``request_id`` the new response's id, and the router binds the id
+    its answer carries to the caller's tenant: a client naming another's id would read, continue and
+    delete it through its own binding. The router sends no client's ``request_id`` on, and binds only the
+    answer's own id (an id in the client's metadata, echoed later in the answer, is not it)."""
+    async with contextlib.AsyncExitStack() as stack:
+        (engine,) = [await stack.enter_async_context(run_fake_engine(block_size=BS))]
+        cfg = RouterConfig(
+            port=0,
+            metrics=LOCAL_METRICS,
+            workers=static_workers([engine]),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            proxy=ProxyConfig(tenant_header="Authorization"),
+        )
+        _router, url = await stack.enter_async_context(run_router(cfg))
+        s = await stack.enter_async_context(aiohttp.ClientSession())
+        alice, mallory = ({"Authorization": f"Bearer {k}"} for k in ("alice-key", "mallory-key"))
+
+        async def post(who: dict, **body) -> dict:
+            body = {"model": "m", "max_output_tokens": 2, **body}
+            async with s.post(url + "/v1/responses", json=body, headers=who) as r:
+                assert r.status == 200, await r.text()
+                return await r.json()
+
+        x = (await post(alice, input=LONG))["id"]
+        theirs = await post(mallory, input="hi", request_id=x, store=False)
+        assert theirs["id"] != x  # the engine chose it
+        y = (await post(alice, input=LONG + " again"))["id"]
+        await post(mallory, input="hi", request_id="m.1", metadata={"id": y}, store=False)
+        for rid in (x, y):
+            async with s.get(url + f"/v1/responses/{rid}", headers=mallory) as r:
+                assert r.status == 404 and (await r.json())["error"]["code"] == "response_not_found"
+            async with s.get(url + f"/v1/responses/{rid}", headers=alice) as r:
+                assert r.status == 200 and (await r.json())["id"] == rid
+
+
 # ---- three replicas, no shared store ---------------------------------------------------------------
 
 

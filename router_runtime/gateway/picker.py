@@ -37,6 +37,7 @@ from ..proxy.endpoints import FORWARDED, ROUTED
 from ..proxy.errors import ProxyError, bad_request, no_engine, not_found, too_large
 from ..proxy.headers import ENGINE_HEADER
 from ..proxy.health import HealthBoard
+from ..proxy.responses import without_chosen_id
 from ..proxy.salting import salted
 from ..proxy.scheduler import Inbound, Scheduled, Scheduler, unschedulable
 from ..proxy.targets import TargetBook
@@ -401,6 +402,7 @@ class EndpointPicker:
             sent = raw
             if self.config.tenant_cache_salt:
                 raw, body = salted(raw, body, tenant)
+            raw, body = without_chosen_id(raw, body, kind)
             prefill = self.prefill if self.targets.disaggregated else None  # the remote prefill step
             if prefill is not None and isinstance(body, dict):
                 raw, body = prefill.without_clients_fields(raw, body)

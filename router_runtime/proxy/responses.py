@@ -12,15 +12,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 from urllib.parse import quote
 
 import aiohttp
 
 from ..http_body import STATUS_ONLY, read_capped
-from ..scheduling.types import Target
+from ..scheduling.types import Kind, Target
 from ..sessions.bindings import ResponseBindings, Source, Verdict, resolve
 from ..sessions.store import Remembered
 from .errors import ProxyError
+from .rewrite import without_member
+
+
+# The Responses API's request field vLLM takes as the new response's id (``ResponsesResponse``'s ``id``).
+CHOSEN_ID = "request_id"
+
+
+def without_chosen_id(raw: bytes, body: Any, kind: Kind) -> tuple[bytes, Any]:
+    """A Responses request without ``request_id``: vLLM would make it the stored response's id, which the
+    router binds to the engine that served it (and to the caller's tenant). A client choosing it could
+    name another's response, and so read, continue or delete it through its own binding, or move
+    another's binding to its engine; the engine's own id is unguessable (pure: rewrite.py)."""
+    if kind is not Kind.RESPONSES or not isinstance(body, dict):
+        return raw, body
+    return without_member(raw, body, CHOSEN_ID)
 
 
 def response_error(verdict: Verdict, response_id: str, param: str) -> ProxyError:

@@ -70,7 +70,7 @@ from .headers import (
 from .health import HealthBoard
 from .metrics import ProxyMetrics
 from .request import Kind
-from .responses import response_error
+from .responses import response_error, without_chosen_id
 from .salting import salted
 from .scheduler import Inbound, Scheduled, Scheduler
 from .serving import ServerLimits
@@ -241,6 +241,7 @@ class Proxy:
         tenant = self.tenant(request)
         if self.config.tenant_cache_salt:
             raw, body = salted(raw, body, tenant)
+        raw, body = without_chosen_id(raw, body, kind)
         scheduled = await self.scheduler.prepare(
             Inbound(kind, request.headers, body, len(raw), tenant, trace=trace), targets
         )
