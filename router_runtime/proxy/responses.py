@@ -24,7 +24,6 @@ from ..sessions.store import Remembered
 from .errors import ProxyError
 from .rewrite import without_member
 
-
 # The Responses API's request field vLLM takes as the new response's id (``ResponsesResponse``'s ``id``).
 CHOSEN_ID = "request_id"
 
