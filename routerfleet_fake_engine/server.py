@@ -150,7 +150,8 @@ class FakeEngine:
         # The W3C trace context of the latest generation requests, as they arrived (a tracing test
         # reads which span was the engine's parent; vLLM itself continues the trace with its own).
         self.traceparents: collections.deque[str | None] = collections.deque(maxlen=64)
-        # ... and all their headers as they arrived, repeated ones each: ((lower-case name, value), ...).
+        # ... and all their headers as they arrived (and a stored response's GET's), repeated ones each:
+        # ((lower-case name, value), ...).
         self.received_headers: collections.deque[tuple[tuple[str, str], ...]] = collections.deque(maxlen=64)
         self.sidecar_prefills = 0  # requests its sidecar (--pd-sidecar) prefilled on another engine
         # SGLang's bootstrap rooms this engine prefilled (transfer.py): room -> (ready, full blocks).
@@ -631,7 +632,7 @@ class FakeEngine:
         errors: Callable[[RequestError], dict[str, Any]] = RequestError.to_json,
     ) -> web.StreamResponse:
         self.traceparents.append(request.headers.get("traceparent"))
-        self.received_headers.append(tuple((k.lower(), v) for k, v in request.headers.items()))
+        self._received(request)
         try:
             doc = parse_json_body(await request.read())
             prefiller = request.headers.get(transfer.SIDECAR_HEADER) if self.config.pd_sidecar else None
@@ -796,7 +797,11 @@ class FakeEngine:
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, lambda body: parse_responses(body, self.responses))
 
+    def _received(self, request: web.Request) -> None:
+        self.received_headers.append(tuple((k.lower(), v) for k, v in request.headers.items()))
+
     async def _get_response(self, request: web.Request) -> web.Response:
+        self._received(request)
         response_id = request.match_info["response_id"]
         stored = self.responses.get(response_id)
         if stored is None:

@@ -596,6 +596,42 @@ async def test_a_pick_that_refuses_connections_fails_over_and_the_engine_that_se
         } == {(engine.http_url, dead)}
 
 
+async def test_a_stored_responses_pick_names_no_fallback_and_reads_its_id_as_the_proxy_does(tmp_path):
+    """Only one engine holds a stored response: a gateway's retry on another would answer "not found"
+    for a response that exists, so its pick names no fallback, where a new request's names one. Its id
+    is read percent-decoded, as the proxy reads it."""
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(run_fake_engine(block_size=BS)) for _ in range(2)]
+        cfg = RouterConfig(
+            port=0,
+            metrics=LOCAL_METRICS,
+            proxy=ProxyConfig(engine_header=True),
+            workers=static_workers(engines),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            gateway=PickerConfig(port=0, fallbacks=1),
+        )
+        router, _url = await stack.enter_async_context(run_router(cfg))
+        await join_all(router, engines)
+        base = await stack.enter_async_context(
+            envoy(router.epp_address, [e.http_url for e in engines], tmp_path)
+        )
+        s = await stack.enter_async_context(aiohttp.ClientSession())
+        body = {"model": "m", "input": "hello there", "max_output_tokens": 2}
+        async with s.post(base + "/v1/responses", json=body) as r:
+            assert r.status == 200, await r.text()
+            rid, holder = (await r.json())["id"], r.headers[ENGINE_HEADER]
+        (engine,) = [e for e in engines if e.http_url == holder]
+
+        def named() -> str:
+            return dict(engine.received_headers[-1])[DESTINATION]
+
+        assert "," in named()  # a new request's pick: the engine, then a fallback
+        async with s.get(base + "/v1/responses/" + rid.replace("_", "%5F", 1)) as r:
+            assert r.status == 200 and r.headers[ENGINE_HEADER] == holder
+        assert named() == holder.removeprefix("http://")
+
+
 async def pd_gateway(
     stack: contextlib.AsyncExitStack,
     tmp_path: Path,

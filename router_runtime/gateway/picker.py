@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
+from urllib.parse import unquote
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from multidict import CIMultiDict
@@ -46,7 +47,7 @@ from ..scheduling.framework import Unschedulable
 from ..scheduling.hooks import Exchange, RequestHook, ResponseWatch, chunk_watchers, watching
 from ..scheduling.pickers import fallbacks
 from ..scheduling.presets import make_policy
-from ..scheduling.types import Decision, Kind, RouteRequest, Target
+from ..scheduling.types import Decision, Kind, Reason, RouteRequest, Target
 from ..sessions.keys import tenant_of
 from ..tracing.attributes import upstream as upstream_attributes
 from ..tracing.spans import NO_SPAN, NO_TRACE, OFF, Span, SpanKind, Trace, Tracer, server_error
@@ -431,7 +432,7 @@ class EndpointPicker:
             return decision, x, asked if asked is not None else (raw if raw is not sent else None)
         # Not prompt-bearing: a stored response's own paths go to its engine, the rest by load.
         if path.startswith(_RESPONSE_ITEM) and self.scheduler.responses is not None:
-            response_id = path[len(_RESPONSE_ITEM) :].split("/", 1)[0]
+            response_id = unquote(path[len(_RESPONSE_ITEM) :].split("/", 1)[0])  # as the proxy reads it
             responses = self.scheduler.responses
             with stream.trace.span("response_lookup") as span:
                 pinned = await responses.target(response_id, candidates, headers, "response_id", tenant)
@@ -485,9 +486,15 @@ class EndpointPicker:
             stream.upstream.update(upstream_attributes(decision.target))
         # Another engine where the gateway may retry; not for a rank pinned on a data-parallel engine
         # (the rank header names one engine's rank), nor with a remote prefill (paired with the pick's
-        # revision: a fallback's may differ), and only one that can serve the request alone.
+        # revision: a fallback's may differ), nor for a stored response (only its engine holds it),
+        # and only one that can serve the request alone.
         others: Sequence[Target] = ()
-        if self.fallbacks and decision.target.rank is None and stream.prefiller is None:
+        alone = (
+            decision.target.rank is None
+            and stream.prefiller is None
+            and decision.reason is not Reason.RESPONSE
+        )
+        if self.fallbacks and alone:
             allowed = within(self.targets.candidates(), stream.subset)
             if self.prefill is not None:
                 allowed = [t for t in allowed if self.prefill.serves_alone(t)]
