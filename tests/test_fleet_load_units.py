@@ -106,6 +106,16 @@ sglang:token_usage{model_name="m"} 0.5
 """
 
 
+def test_a_report_sorts_an_engines_whole_and_rank_targets_together():
+    """An engine whose data-parallel size changed has a request in flight on its whole-engine target and
+    one on a rank: the report is built (the sender's task would end on a comparison of None and 0)."""
+    own = LoadTracker()
+    own.acquire(Target("e", "http://e"))
+    own.acquire(Target("e", "http://e", 0))
+    board = LoadBoard(own, lambda: (), replica="me", incarnation="i")
+    assert board.report()
+
+
 def test_parse_vllm_per_rank_page():
     s = parse_engine_load(VLLM_PAGE, 3.0)
     assert s.at == 3.0

@@ -216,6 +216,13 @@ def test_a_siblings_predictions_draw_the_copies_it_did_not_send():
     assert inflight_b.predicted_blocks(again.target.carrier) == 0
     assert b.choose(RouteRequest(tokens=PROMPT), TARGETS, {}, index_b).reason is Reason.NO_MATCH
 
+    # Predictions off here (a ttl of 0): a sibling's count for nothing either.
+    off, _ = kv_aware(clock, inflight_ttl_s=0.0)
+    [sent] = burst(a, index_a, 1)
+    over_the_wire(inflight_a, off)
+    assert off.choose(RouteRequest(tokens=PROMPT), TARGETS, {}, index_b).reason is Reason.NO_MATCH
+    a.ended(sent)
+
 
 def test_two_profiles_shares_fit_one_report_a_sibling_accepts():
     """A disaggregated replica shares its prefill profile's predictions and its decode side's in one

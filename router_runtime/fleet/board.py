@@ -166,7 +166,13 @@ class LoadBoard:
         self._seq += 1
         own = self.own
         targets = [
-            TargetReport(t.engine, t.rank, n, own.prompt_tokens(t)) for t, n in sorted(own.view.items())
+            TargetReport(t.engine, t.rank, n, own.prompt_tokens(t))
+            # By engine, then rank (a whole engine's None first: both may be in flight when its
+            # data-parallel size changed, and None does not compare with a number).
+            for t, n in sorted(
+                own.view.items(),
+                key=lambda item: (item[0].engine, item[0].rank is not None, item[0].rank or 0),
+            )
         ]
         return encode_report(
             self.replica, self.incarnation, self._seq, targets, shared or Shared(), self._packer

@@ -104,7 +104,7 @@ class InflightPrefix:
 
     def score(self, cycle: Cycle) -> Scores:
         request, index = cycle.request, cycle.index
-        if index is None or not request.tokens:
+        if index is None or not request.tokens or self.ttl_s <= 0:  # 0: no predictions, ours or theirs
             return Scores()
         self._expire(self._clock())
         targets = cycle.targets
