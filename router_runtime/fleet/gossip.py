@@ -344,7 +344,10 @@ class LoadGossip:
                         await self.changed.wait()
                 await asyncio.sleep(cfg.window_s)  # coalesce a burst into one report
                 self.changed.clear()
-                self.send_round()
+                try:
+                    self.send_round()
+                except Exception:  # a bug: this round is lost, never the reports to come
+                    log.exception("load reports: a round failed")
         finally:
             self._stopped = True
             for sock in self._sockets.values():  # first: a send cancelled below forgets its stream
