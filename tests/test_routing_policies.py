@@ -642,3 +642,25 @@ def test_kv_aware_choose_is_fast_on_a_warm_index():
     per = (time.perf_counter() - start) / 200
     assert d.reason == Reason.PREFIX and d.total_blocks == 256
     assert per < 0.005, per  # typically ~0.1 ms: dominated by hashing 256 blocks in index.match
+
+
+def test_a_vouched_session_is_credited_its_prefix_once_and_never_on_a_withheld_rank():
+    """A returning session's vouched target is credited its whole reusable prefix: no more for a copy
+    of the request in flight there (its prefix is counted once), and nothing when its rank's credit is
+    withheld (the audit found it did not hold what the index said)."""
+    index = RadixIndex(BS)
+    p = prompt(32)
+    store(index, B, p)  # B holds it all, as the index confirms
+    pol = make_policy("kv_aware", PolicyConfig(load_cost_tokens=16 * BS, **NO_GUARD))
+    first = pol.choose(req(p, prefer=A, prefer_vouched=True), [A, B], {}, index)
+    assert (first.target, first.reason) == (A, Reason.SESSION)  # the session's engine, all else equal
+    # A copy in flight on A (a prediction there) adds nothing to its credit: A at one request's load
+    # (16 blocks) costs more than B.
+    second = pol.choose(req(p, prefer=A, prefer_vouched=True), [A, B], {A: 1}, index, explain=True)
+    costs = {c.target: c.cost for c in second.candidates}
+    assert costs == {A: -32 + 16, B: -32} and second.target == B
+    pol.ended(first)
+    pol.ended(second)
+    index.withheld.add(A.carrier)
+    withheld = kv(**NO_GUARD).choose(req(p, prefer=A, prefer_vouched=True), [A, B], {}, index)
+    assert (withheld.target, withheld.reason) == (B, Reason.PREFIX)

@@ -34,7 +34,7 @@ class EvictionCost:
         blocks = len(request.tokens) // index.block_size
         total, matches = cycle.prefix_matches()
         # A vouched returning session's target holds its whole prefix (prefix_cache.py credits it so).
-        vouched = cycle.prefer if request.prefer_vouched else None
+        vouched = cycle.vouched
         costs = []
         for i, (t, f) in enumerate(zip(cycle.targets, free, strict=True)):
             if f is None:

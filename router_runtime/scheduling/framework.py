@@ -46,6 +46,18 @@ class Cycle:
         default_factory=list, init=False, repr=False, compare=False
     )
 
+    @property
+    def vouched(self) -> int | None:
+        """Where the returning session's remembered target is, when its whole prefix is credited beyond
+        what the index shows (``RouteRequest.prefer_vouched``); never a rank whose credit is withheld
+        (kv/withhold.py: its blocks are in doubt)."""
+        p, index = self.prefer, self.index
+        if p is None or not self.request.prefer_vouched:
+            return None
+        if index is not None and self.targets[p].carrier in index.withheld:
+            return None
+        return p
+
     def prefix_matches(self) -> tuple[int, Mapping[Carrier, CarrierMatch]]:
         """The request's reusable prefix in full blocks (reuse.py: what an engine would serve from its
         cache), and what the index matches of it per carrier: computed once per decision, for every

@@ -116,9 +116,10 @@ class InflightPrefix:
             return Scores()
         confirmed = index.match_keys(keys)
         beyond: dict[Target, int] = {}
-        for t in targets:
+        vouched = cycle.vouched  # its whole prefix credited already (prefix_cache.py): nothing beyond it
+        for i, t in enumerate(targets):
             made = on.get(t.carrier)
-            if made:
+            if made and i != vouched:
                 m = confirmed.get(t.carrier)
                 stored = m.blocks if m is not None else 0
                 extra = _run(made, keys, stored) - stored

@@ -54,8 +54,8 @@ class PrefixCache:
             if max(credits) <= 0:
                 credits = None
         evidence = None if credits is None else [Evidence.CACHED if c > 0 else Evidence.NONE for c in credits]
-        p = cycle.prefer
-        if p is not None and request.prefer_vouched and (credits is None or credits[p] < total):
+        p = cycle.vouched
+        if p is not None and (credits is None or credits[p] < total):
             if credits is None:
                 credits = [0.0] * len(targets)
                 evidence = [Evidence.NONE] * len(targets)
