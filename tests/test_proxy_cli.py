@@ -151,6 +151,17 @@ def test_a_tenant_cache_salt_without_a_tenant_header_fails_with_one_line(capsys)
     )
 
 
+@pytest.mark.parametrize("name", ["X Tenant", "X-Tenant:", "X-T\u00e9nant"])
+def test_a_tenant_header_that_is_no_header_name_fails_with_one_line(capsys, name):
+    """No request carries such a header: every request would be one tenant, isolation silently gone."""
+    with pytest.raises(SystemExit):
+        parse_args(["--tenant-header", name, "--tenant-cache-salt"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("routerfleet-router: error: proxy: --tenant-header") and "header name" in last, (
+        last
+    )
+
+
 async def start_router(engine, *flags: str) -> tuple[asyncio.subprocess.Process, str, str]:
     """``routerfleet-router`` in front of ``engine``, as a process; (the process, its URL, its metrics
     port's URL)."""
