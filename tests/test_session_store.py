@@ -266,4 +266,7 @@ async def test_a_key_of_the_wrong_type_is_that_keys_bad_value_never_a_store_wide
         store_url("redis://:secret@host:6379")
     with pytest.raises(ValueError, match="redis://"):
         store_url("http://host")
+    for bad in ("redis://r:abc/0", "redis://r:99999/0", "redis://r:6379/0?socket_timeout=abc"):
+        with pytest.raises(ValueError, match="redis://r:"):  # at the flag, not a traceback at start
+            store_url(bad)
     assert _vetted(None) is None

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 import msgpack
 import redis.asyncio as aioredis
+from redis.connection import parse_url
 from redis.exceptions import ResponseError
 
 from .store import Remembered
@@ -44,6 +45,10 @@ def store_url(value: str) -> str:
         raise ValueError(f"{value[:60]!r}: no host")
     if parts.password:
         raise ValueError("put the password in --session-store-password-file, not in the URL")
+    try:
+        parse_url(value)  # as the client will read it: its port, database and query's options
+    except ValueError as e:
+        raise ValueError(f"{value[:60]!r}: {e}") from None
     return value
 
 
