@@ -213,6 +213,22 @@ def _check_tokenizer(parser: argparse.ArgumentParser, a: argparse.Namespace) -> 
         parser.error(f"argument --tokenizer: {exc}")
 
 
+def _check_ports(parser: argparse.ArgumentParser, c: RouterConfig) -> None:
+    """No two of the router's listeners on one address and port (0: any free port)."""
+    listeners = [("--port", c.host, c.port), ("--metrics-port", c.metrics.host or c.host, c.metrics.port)]
+    if c.internal.token_file:  # the internal port is on only with a token
+        listeners.append(("--internal-port", c.internal.host or c.host, c.internal.port))
+    g = c.gateway
+    if g.port is not None:
+        listeners.append(("--epp-port", g.host or c.host, g.port))
+    if g.health_port is not None:
+        listeners.append(("--epp-health-port", g.host or c.host, g.health_port))
+    taken: dict[tuple[str, int], str] = {}
+    for flag, host, port in listeners:
+        if port and (other := taken.setdefault((host, port), flag)) != flag:
+            parser.error(f"argument {flag}: the same port as {other} ({port})")
+
+
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
     parser = build_parser()
     a = parser.parse_args(argv)
@@ -221,8 +237,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     engines = [w.engine for w in c.workers]
     if len(set(engines)) != len(engines):
         parser.error("argument --worker: the same url is listed twice")
-    if c.metrics.port in (c.port, c.internal.port, c.gateway.port, c.gateway.health_port):
-        parser.error("argument --metrics-port: the same as another of the router's ports")
+    _check_ports(parser, c)
     if c.discovery.selector and c.workers:
         parser.error("argument --k8s-selector: not with --worker (one way to find engines)")
     if c.discovery.pool and (c.workers or c.discovery.selector):

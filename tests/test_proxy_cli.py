@@ -162,6 +162,34 @@ def test_a_tenant_header_that_is_no_header_name_fails_with_one_line(capsys, name
     )
 
 
+def test_two_listeners_on_one_port_fail_with_one_line_naming_both(capsys, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("t")
+    for argv, flag, other in (
+        (
+            ["--port", "18731", "--internal-port", "18731", "--internal-token-file", str(token)],
+            "--internal-port",
+            "--port",
+        ),
+        (["--port", "18731", "--epp-port", "18731"], "--epp-port", "--port"),
+        (
+            ["--metrics-port", "9099", "--epp-port", "9002", "--epp-health-port", "9099"],
+            "--epp-health-port",
+            "--metrics-port",
+        ),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(["--worker", "url=http://127.0.0.1:1", *argv])
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith(f"routerfleet-router: error: argument {flag}: the same port as {other}"), last
+    # The internal port is off without a token: its number is free for another.
+    parse_args(["--worker", "url=http://127.0.0.1:1", "--metrics-port", "8081"])
+    # On different addresses, one number is two listeners.
+    parse_args(
+        ["--worker", "url=http://127.0.0.1:1", "--metrics-host", "127.0.0.2", "--metrics-port", "8080"]
+    )
+
+
 async def start_router(engine, *flags: str) -> tuple[asyncio.subprocess.Process, str, str]:
     """``routerfleet-router`` in front of ``engine``, as a process; (the process, its URL, its metrics
     port's URL)."""
