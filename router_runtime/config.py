@@ -298,6 +298,13 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
                 read_token(path)
             except (OSError, ValueError) as exc:
                 parser.error(f"argument {flag}: {exc}")
+    scrape = c.fleet.scrape.interval_s
+    if scrape > 0 and c.fleet.bounds.engine_max_age_s <= scrape:
+        parser.error(
+            f"argument --engine-load-max-age-ms: must exceed --engine-load-interval-ms"
+            f" ({round(scrape * 1000)}), or each engine's read would age out before the next (a picker"
+            " would shed requests for engines it has no fresh read of)"
+        )
     if c.fleet.bounds.peer_max_age_s <= c.fleet.gossip.heartbeat_s:
         parser.error(
             f"argument --fleet-peer-max-age-ms: must exceed --fleet-heartbeat-ms"

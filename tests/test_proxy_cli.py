@@ -190,6 +190,23 @@ def test_two_listeners_on_one_port_fail_with_one_line_naming_both(capsys, tmp_pa
     )
 
 
+def test_engine_reads_that_age_out_before_the_next_fail_with_one_line(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--worker", "url=http://127.0.0.1:1", "--engine-load-interval-ms", "5000"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("routerfleet-router: error: argument --engine-load-max-age-ms: must exceed"), last
+    parse_args(
+        [
+            "--worker",
+            "url=http://127.0.0.1:1",
+            "--engine-load-interval-ms",
+            "5000",
+            "--engine-load-max-age-ms",
+            "8000",
+        ]
+    )
+
+
 async def start_router(engine, *flags: str) -> tuple[asyncio.subprocess.Process, str, str]:
     """``routerfleet-router`` in front of ``engine``, as a process; (the process, its URL, its metrics
     port's URL)."""
