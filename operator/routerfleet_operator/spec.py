@@ -542,6 +542,8 @@ def validate(fleet: Fleet) -> list[str]:
         problems.append(f"spec.router.policy must be one of {', '.join(POLICIES)}")
     if bool(s.engines.service_name) == bool(s.engines.selector):
         problems.append("spec.engines: set exactly one of serviceName and selector")
+    elif s.engines.selector and not s.engines.label_selector():
+        problems.append("spec.engines.selector selects nothing: name at least one label (or use serviceName)")
     if s.bootstrap.enabled:
         if s.router.policy != "kv_aware":
             problems.append(

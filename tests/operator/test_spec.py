@@ -121,6 +121,7 @@ def test_selector_string():
         ({"engines": {"kvPort": None}}, "needs spec.engines.kvPort"),
         ({"engines": {"namespace": "elsewhere"}}, "engines in the fleet's namespace"),
         ({"engines": {"selector": {"matchLabels": {"a": "b"}}}}, "exactly one of serviceName and selector"),
+        ({"engines": {"serviceName": None, "selector": {"matchLabels": {}}}}, "selects nothing"),
         (
             {"bootstrap": {"timeout": "20m", "seedRequired": True}, "rollout": {"progressDeadline": "59m"}},
             "must exceed",
