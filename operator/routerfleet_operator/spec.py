@@ -44,7 +44,13 @@ _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 # An OTLP/HTTP collector: scheme, host, maybe a port and a path (none: OTLP's /v1/traces), as the router
 # takes it; no credentials (they would show in the pod's args), query or fragment.
 # The CRD's CEL rule matches the same pattern (a test compares them).
-OTLP_ENDPOINT = re.compile(r"^https?://[^/?#@\s]+(/[^?#\s]*)?$")
+OTLP_ENDPOINT = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[^/?#@\s:\[\]]+)(:[0-9]{1,5})?(/[^?#\s]*)?$")
+
+
+def _otlp_endpoint(text: str) -> bool:
+    """The CRD's pattern, and a port in range (which the pattern cannot say): as the router reads it."""
+    m = OTLP_ENDPOINT.fullmatch(text)
+    return m is not None and (m.group(2) is None or 0 < int(m.group(2)[1:]) <= 65535)
 
 
 class SpecError(ValueError):
@@ -578,7 +584,7 @@ def validate(fleet: Fleet) -> list[str]:
         problems.append("spec.router.sessionStore.url must be a redis://, rediss:// or unix:// URL")
     tracing = s.router.tracing
     # fullmatch: CEL's (RE2's) $ is the end of the text; Python's re also matches before a final newline.
-    if tracing is not None and not OTLP_ENDPOINT.fullmatch(tracing.endpoint):
+    if tracing is not None and not _otlp_endpoint(tracing.endpoint):
         problems.append(
             "spec.router.tracing.endpoint must be an http:// or https:// URL of an OTLP/HTTP collector, with"
             " no credentials, query or fragment (e.g. http://otel-collector.observability:4318), got "

@@ -201,6 +201,9 @@ def test_tracing_endpoints_accepted(endpoint):
         "http://",
         "http://otel collector:4318",
         "http://otel-collector:4318\n",  # Python's $ allows a final newline, CEL's does not
+        "http://otel-collector:99999",  # as the router refuses them (a crash-loop, not InvalidSpec)
+        "http://otel-collector:abc",
+        "http://:4318",
     ],
 )
 def test_tracing_endpoints_refused(endpoint):
