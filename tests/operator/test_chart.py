@@ -128,6 +128,13 @@ def test_watched_namespaces_get_a_peering_each_and_the_operator_watches_only_the
             ("metrics.serviceMonitor.enabled=true",),
             lambda o: find(o, "ServiceMonitor")[0]["spec"]["endpoints"][0]["port"] == "metrics",
         ),
+        (
+            ("metrics.port=9100",),  # the scrape annotation names the port the Service serves
+            lambda o: (
+                find(o, "Service")[0]["metadata"]["annotations"]["prometheus.io/port"] == "9100"
+                and find(o, "Service")[0]["spec"]["ports"][0]["port"] == 9100
+            ),
+        ),
         (("metrics.service.enabled=false",), lambda o: not find(o, "Service")),
         (("crds.install=false",), lambda o: not find(o, "CustomResourceDefinition")),
         (
@@ -158,6 +165,7 @@ def test_watched_namespaces_get_a_peering_each_and_the_operator_watches_only_the
         "image",
         "resources",
         "service-monitor",
+        "metrics-port",
         "no-service",
         "no-crds",
         "crds-not-kept",
