@@ -119,6 +119,10 @@ def test_flags_map_onto_the_config(tmp_path):
         (["--breaker-failures", "0"], "--breaker-failures"),
         (["--breaker-cooldown-ms", "soon"], "--breaker-cooldown-ms"),
         (["--worker", "url=http://a", "--worker", "url=http://a"], "--worker"),
+        (["--worker", "url=http://h:abc"], "--worker"),
+        (["--worker", "url=http://h:99999"], "--worker"),
+        (["--worker", "url=http://user:secret@h:8000"], "--worker"),  # an engine id shows everywhere
+        (["--worker", "url=http://h:8000,kv=tcp://h:99999"], "--worker"),
         (["--epp-pool", "pool"], "--epp-pool"),  # no picker
         (["--epp-port", "0", "--epp-pool", "pool", "--engine-load-interval-ms", "0"], "--epp-pool"),
         (["--epp-saturation-kv-usage", "1.5"], "--epp-saturation-kv-usage"),

@@ -15,6 +15,10 @@ from ..worker import Role, WorkerSpec
 _KEYS = {"url", "kv", "replay", "dp", "topic", "role", "rev", "bootstrap"}
 
 
+def _port(text: str) -> bool:
+    return text.isdigit() and 0 < int(text) <= 65535
+
+
 def parse_worker(text: str) -> WorkerSpec:
     """Parse one ``--worker`` value; raises ValueError with a message fit for the command line."""
     fields: dict[str, str] = {}
@@ -29,11 +33,19 @@ def parse_worker(text: str) -> WorkerSpec:
             raise ValueError(f"unknown key {key!r} (known: {', '.join(sorted(_KEYS))})")
         fields[key] = value.strip()
     url = fields.get("url")
-    if not url or urlparse(url).scheme not in ("http", "https") or not urlparse(url).netloc:
-        raise ValueError(f"url must be an http(s) URL, got {url!r}")
+    parts = urlparse(url or "")
+    try:
+        port = parts.port  # raises on one that is not a number in range
+    except ValueError:
+        port = 0
+    if not url or parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+        raise ValueError(f"url must be an http(s) URL with a host (and a port in range), got {url!r}")
+    if parts.username is not None or parts.password is not None:
+        # The URL is the engine's id: in metrics' labels, logs and traces.
+        raise ValueError("url may not carry credentials")
     for key in ("kv", "replay"):
         ep = fields.get(key)
-        if ep is not None and not (ep.startswith("tcp://") and ep.rpartition(":")[2].isdigit()):
+        if ep is not None and not (ep.startswith("tcp://") and _port(ep.rpartition(":")[2])):
             raise ValueError(f"{key} must be tcp://host:port, got {ep!r}")
     try:
         dp = int(fields.get("dp", "1"))
@@ -42,7 +54,7 @@ def parse_worker(text: str) -> WorkerSpec:
     if dp < 1:
         raise ValueError(f"dp must be a positive integer, got {dp}")
     bootstrap = fields.get("bootstrap")
-    if bootstrap is not None and not (bootstrap.isdigit() and 1 <= int(bootstrap) <= 65535):
+    if bootstrap is not None and not _port(bootstrap):
         raise ValueError(f"bootstrap must be a port number, got {bootstrap!r}")
     try:
         role = Role(fields.get("role", Role.BOTH))
