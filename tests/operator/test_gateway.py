@@ -293,6 +293,10 @@ def test_the_standalone_gateway_is_an_envoy_beside_each_router_and_a_service_to_
     assert {"name": ENVOY_VOLUME, "configMap": {"name": plain_map}} in volumes
     # The router answers picks until after its Envoy stopped.
     assert router_config(f, tmp_path).proxy.shutdown_drain_s > STOP_DELAY_S
+    # Its Envoy dials the picker on loopback: the picker listens on every address, whatever --host the
+    # extraArgs name (docs/operator.md shows --host=$(POD_IP)).
+    on_pod_ip = fleet({**STANDALONE, "router": {"extraArgs": ["--host=10.1.2.3"]}})
+    assert router_config(on_pod_ip, tmp_path).gateway.host == "0.0.0.0"
     assert render_gateway_service(fleet(ON)) is None and render_envoy_config_map(fleet(ON)) is None
 
 
