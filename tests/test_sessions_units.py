@@ -173,7 +173,11 @@ def test_classify_new_stale_returning():
     ranked = (Target("http://a", "http://a", 0), Target("http://a", "http://a", 1))
     c = classify(Remembered("http://a", 1, "i1"), ranked, inc)
     assert c.preferred == ranked[1]
-    assert classify(Remembered("http://a", None, "i1"), ranked, inc).preferred == ranked[0]
+    assert c.vouched  # nothing evicted: its whole prefix may be credited
+    # Remembered as a whole engine, now targeted per rank: its first rank is a guess, preferred but never
+    # credited beyond what the index shows there (the prefix may be on another rank).
+    guessed = classify(Remembered("http://a", None, "i1"), ranked, inc)
+    assert guessed.preferred == ranked[0] and not guessed.vouched
     assert classify(Remembered("http://a", 5, "i1"), ranked, inc).state is SessionState.STALE
 
 

@@ -67,8 +67,8 @@ def classify(
                 # Remembered as a whole engine and now targeted per rank (or the reverse): the engine
                 # still holds the prefix on one of its ranks; its first target is the best guess.
                 fallback = t
-    if fallback is not None:
-        return Classified(SessionState.RETURNING, fallback, vouched(fallback, since, evicted_at))
+    if fallback is not None:  # a guess of the rank: preferred, never credited beyond the index
+        return Classified(SessionState.RETURNING, fallback, False)
     return Classified(SessionState.STALE)
 
 
