@@ -277,13 +277,13 @@ def in_one_report(*parts: Shared) -> Shared:
 def _run(made: Iterable[_Made], keys: Sequence[int], start: int) -> int:
     """Where the predicted run along ``keys`` from ``start`` ends: each prediction covers its own part
     of its prompt ([its start, where its prompt and ``keys`` part)); parts that meet chain on."""
-    spans = [(m.start, m.covers(keys)) for m in made]
-    end, moved = start, True
-    while moved:
-        moved = False
-        for lo, hi in spans:
-            if lo <= end < hi:
-                end, moved = hi, True
+    end = start
+    # In order of where they start, one pass: a part starting past the run's end cannot join it, nor
+    # can any after it (sorted; many siblings' parts would otherwise take a pass each).
+    for lo, hi in sorted((m.start, m.covers(keys)) for m in made):
+        if lo > end:
+            break
+        end = max(end, hi)
     return end
 
 
