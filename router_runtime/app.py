@@ -535,6 +535,7 @@ class Router:
             if self.trace_exporter is not None:  # after the servers: their last requests' traces too
                 await self.trace_exporter.stop()
             if self.shared_store is not None:
+                await self.bindings.close()
                 await self.shared_store.close()
             if isinstance(self.tokenizer, EngineTokenizer):
                 await self.tokenizer.close()

@@ -90,6 +90,17 @@ class ResponseRouter:
             if bound is not None:
                 source = Source.PROBE
         b.metrics.lookup(source)
+        if bound is None and source is Source.STORE_UNAVAILABLE:  # not known here; the store may know it
+            raise ProxyError(
+                503,
+                f"Response '{response_id[:256]}' is not known to this router and the fleet's shared store"
+                " could not be asked; retry shortly.",
+                type_="service_unavailable",
+                param=param,
+                code="response_store_unavailable",
+                outcome="no_engine",
+                headers={"Retry-After": "1"},
+            )
         verdict, target = resolve(bound, targets, b.incarnations())
         b.metrics.verdict(verdict)
         if target is None:

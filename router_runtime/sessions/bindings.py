@@ -17,6 +17,7 @@ Only digests of ids are kept; ids, prompts and answers are never logged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import math
@@ -53,6 +54,12 @@ class BindingConfig:
                 raise ValueError(f"response binding {f.name}={v!r}: must be a positive number")
 
 
+# Bindings kept for a late write while the shared store is down (the oldest go first beyond it), and the
+# longest pause between tries.
+MAX_UNWRITTEN = 10_000
+LATE_WRITE_MAX_PAUSE_S = 30.0
+
+
 class Source(enum.StrEnum):
     """Where a binding was found (``routerfleet_response_lookups_total``)."""
 
@@ -60,6 +67,7 @@ class Source(enum.StrEnum):
     STORE = "store"
     PROBE = "probe"
     NONE = "none"
+    STORE_UNAVAILABLE = "store_unavailable"  # not here, and the shared store could not be asked
 
 
 class Verdict(enum.StrEnum):
@@ -145,7 +153,8 @@ class BindingMetrics:
         )
         self._lookups = {s: self.lookups.labels(s.value) for s in Source}
         self._verdicts = {v: self.verdicts.labels(v.value) for v in Verdict}
-        self._binds = {r: self.binds.labels(r) for r in ("local", "stored", "timeout", "error")}
+        results = ("local", "stored", "timeout", "error", "stored_late")  # stored_late: after an outage
+        self._binds = {r: self.binds.labels(r) for r in results}
 
     def lookup(self, source: Source) -> None:
         self._lookups[source].inc()
@@ -173,6 +182,9 @@ class ResponseBindings:
         self.local = LocalStore(ttl_s=config.ttl_s, max_entries=config.max_entries)
         self.shared = shared
         self._warn = SampledWarnings(log, "using this replica's table only")
+        # Bindings the shared store did not take, oldest first, and the task writing them later.
+        self._unwritten: dict[bytes, tuple[float, Remembered]] = {}
+        self._writing: asyncio.Task | None = None
 
     async def find(self, response_id: str, tenant: str = "") -> tuple[Remembered | None, Source]:
         """The binding of ``response_id`` (``tenant``'s) in the local table, else the shared store (a
@@ -188,11 +200,13 @@ class ResponseBindings:
                 task.cancel()
                 task.add_done_callback(settle_quietly)
                 self._warn("the shared store did not answer a response lookup in time")
-            elif task.exception() is not None:
+                return None, Source.STORE_UNAVAILABLE
+            if task.exception() is not None:
                 self._warn(
                     f"a response lookup in the shared store failed ({type(task.exception()).__name__})"
                 )
-            elif isinstance(value := task.result(), Remembered):
+                return None, Source.STORE_UNAVAILABLE
+            if isinstance(value := task.result(), Remembered):
                 self.local.put_nowait(digest, value)
                 self._gauge()
                 return value, Source.STORE
@@ -216,12 +230,52 @@ class ResponseBindings:
         except TimeoutError:
             self.metrics.bind("timeout")
             self._warn("a response binding did not reach the shared store in time")
+            self._defer(digest, value)
         except Exception as exc:
             self.metrics.bind("error")
             self._warn(f"a response binding write to the shared store failed ({type(exc).__name__})")
+            self._defer(digest, value)
         else:
             self.metrics.bind("stored")
         return value
+
+    def _defer(self, digest: bytes, value: Remembered) -> None:
+        """A binding the shared store did not take: written later, once it answers again (until then the
+        other replicas answer 503 for it, never a 404 for a response that exists)."""
+        unwritten = self._unwritten
+        unwritten[digest] = (asyncio.get_running_loop().time(), value)
+        while len(unwritten) > MAX_UNWRITTEN:
+            del unwritten[next(iter(unwritten))]
+        if self._writing is None or self._writing.done():
+            self._writing = asyncio.create_task(self._write_later(), name="response-bindings-late")
+
+    async def _write_later(self) -> None:
+        assert self.shared is not None
+        pause = 1.0
+        loop = asyncio.get_running_loop()
+        while self._unwritten:
+            await asyncio.sleep(pause)
+            for digest, (at, value) in list(self._unwritten.items()):
+                if loop.time() - at > self.config.ttl_s:  # expired in the store by now anyway
+                    self._unwritten.pop(digest, None)
+                    continue
+                try:
+                    await asyncio.wait_for(self.shared.put(digest, value), self.config.write_timeout_s)
+                except Exception:  # still down (or in its backoff): wait longer
+                    pause = min(pause * 2, LATE_WRITE_MAX_PAUSE_S)
+                    break
+                self._unwritten.pop(digest, None)
+                self.metrics.bind("stored_late")
+            else:
+                pause = 1.0
+
+    async def close(self) -> None:
+        """Stop writing late bindings (the shared store is closing)."""
+        if self._writing is not None:
+            self._writing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writing
+            self._writing = None
 
     # ---- the peer snapshot ---------------------------------------------------------------------
 
