@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         if not problems:
             print(f"{fleet.namespace}/{fleet.name}: valid (revision {revision_of(fleet)})")
         return 1 if problems else 0
+    if not a.token:
+        print("routerfleet-operator: --token: must not be empty", file=sys.stderr)
+        return 2
     manifests = render_all(fleet, a.token, operator=OperatorRef(namespace=a.operator_namespace))
     yaml.safe_dump_all(manifests, sys.stdout, sort_keys=False)
     return 0

@@ -263,7 +263,7 @@ class Fleet:
             uid=meta.get("uid") or "",
             generation=int(meta.get("generation") or 0),
             annotations=dict(meta.get("annotations") or {}),
-            spec=parse_spec(obj.get("spec") or {}),
+            spec=_spec(obj.get("spec") or {}),
         )
 
     @property
@@ -364,6 +364,19 @@ def _tracing(tracing: Mapping[str, Any]) -> Tracing | None:
     if not isinstance(endpoint, str):
         raise SpecError(f"spec.router.tracing.endpoint must be a string, got {endpoint!r}")
     return Tracing(endpoint, ratio)
+
+
+def _spec(spec: Any) -> FleetSpec:
+    """``parse_spec``, whatever the object's shape: an object the CRD's schema would refuse (one stored
+    under an older CRD, or a file for the CLI) is a SpecError naming where, never another exception."""
+    if not isinstance(spec, Mapping):
+        raise SpecError(f"spec must be an object, got {type(spec).__name__}")
+    try:
+        return parse_spec(spec)
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        if isinstance(exc, SpecError):
+            raise
+        raise SpecError(f"spec has a field of the wrong shape ({type(exc).__name__}: {exc})") from None
 
 
 def parse_spec(spec: Mapping[str, Any]) -> FleetSpec:
