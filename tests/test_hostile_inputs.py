@@ -257,6 +257,28 @@ async def test_a_peer_cursor_that_is_not_a_bounded_integer_is_a_rejected_answer(
             await fetcher.close()
 
 
+async def test_a_peer_that_accepts_and_never_answers_is_cut_at_the_fetchers_own_bounds():
+    """Connected, and not a byte: the snapshot and the cursor table both fail at the read-idle bound."""
+    from router_runtime.bootstrap.fetch import FetchBounds, FetchFailed, SnapshotFetcher
+    from router_runtime.bootstrap.peers import Peer
+
+    async def silent(_reader, writer):
+        await asyncio.sleep(30)
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    fetcher = SnapshotFetcher(TOKEN, FetchBounds(connect_s=0.5, read_idle_s=0.5, total_s=60))
+    try:
+        for ask in (lambda: fetcher.snapshot(Peer(url, url), 0), lambda: fetcher.cursors(Peer(url, url))):
+            async with asyncio.timeout(5):
+                with pytest.raises(FetchFailed):
+                    await ask()
+    finally:
+        await fetcher.close()
+        server.close()
+
+
 @pytest.mark.parametrize("rows", [5, 50], ids=["more_rows_than_workers", "over_the_byte_cap"])
 async def test_a_peer_cursor_table_past_its_bounds_is_a_rejected_answer(rows):
     """The probe asks its peers while this replica serves: an answer with more rows than there can be

@@ -14,7 +14,7 @@ from router_runtime.kv.config import KvConfig
 from router_runtime.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Dialect
 from router_runtime.kv.hold import RankHold
 from router_runtime.kv.plane import KVPlane
-from router_runtime.kv.subscription import ReplayTimeouts
+from router_runtime.kv.subscription import SPLICE_IN_FLIGHT_S, ReplayTimeouts
 from router_runtime.worker import Carrier, WorkerSpec
 from routerfleet_fake_engine.publisher import Drop, KvPublisher
 
@@ -191,6 +191,7 @@ async def test_a_restarted_publisher_whose_sequence_passed_ours_is_found_by_our_
             for k in range(cursor + ahead):  # published before our SUB is back: lost to us, buffered
                 new.publish(0, [store(100 + k, [k + 1] * 4)], drop=Drop.PUB)
             await eventually(lambda: sub.connected, timeout=10, what="the SUB reconnected")
+            await asyncio.sleep(0.3)  # ZMQ's subscription handshake completes after the TCP connect
             new.publish(0, [store(9, [9, 9, 9, 9])])
             await eventually(lambda: matched(plane, [9, 9, 9, 9]), what="the new process's live store")
             await plane.writer.drain()
@@ -279,3 +280,22 @@ async def test_writer_overflow_is_handled_as_lost_batches():
         assert sample(plane, "routerfleet_kv_queue_overflows_total") == 3
         assert sample(plane, "routerfleet_kv_ranks_cleared_total", reason="overflow") == 3
         assert all(matched(plane, [i] * 4) == {} for i in range(5))
+
+
+async def test_a_replay_resending_what_a_graft_holds_is_dropped_and_the_join_proved():
+    """A graft with nothing held above its cursor drops live batches at or below it only while they can
+    be in flight (SPLICE_IN_FLIGHT_S); batches a gap's replay resends from our own cursor are the same
+    process's whenever they come, so they are dropped too and the next one proves the join."""
+    async with setup() as (pub, plane):
+        sub = plane.subscriptions()[0]
+        pub.publish(0, [store(1, [1, 2, 3, 4])])
+        await eventually(lambda: sub.cursor == pub.last_seq(0), what="caught up")
+        base, spliced = sub.cursor, []
+        sub.on_splice = spliced.append
+        sub.arm_splice(base + 2)  # a sibling saw two batches more than reached us
+        pub.publish(0, [store(2, [5, 6, 7, 8], parent=1)], drop=Drop.PUB)  # lost live, in the buffer
+        pub.publish(0, [store(3, [9, 9, 9, 9], parent=2)], drop=Drop.PUB)
+        await asyncio.sleep(SPLICE_IN_FLIGHT_S + 0.2)
+        pub.publish(0, [store(4, [8, 8, 8, 8], parent=3)])  # a gap: replayed from our cursor
+        await eventually(lambda: sub.cursor == pub.last_seq(0), what="replayed")
+        assert spliced == [base + 3]

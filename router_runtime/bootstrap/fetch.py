@@ -69,8 +69,9 @@ class SnapshotFetcher:
             headers["Accept-Encoding"] = "gzip"
         cap = self.limits.max_bytes if cap is None else cap
         try:
+            bounds = {} if timeout is None else {"timeout": timeout}  # None: the session's three bounds
             async with self._sess().get(
-                peer.url + "/internal/kv_snapshot", params=params, headers=headers, timeout=timeout
+                peer.url + "/internal/kv_snapshot", params=params, headers=headers, **bounds
             ) as r:
                 body = await read_capped(r.content, cap)
                 if body is None:
@@ -106,7 +107,10 @@ class SnapshotFetcher:
         probe is (a replica already serving asks it): a row per rank, at most ``Limits.max_workers``
         rows of ``CURSOR_ROW_BYTES`` each, within ``CURSORS_TOTAL_S``, and read off the event loop."""
         cap = self.limits.max_workers * CURSOR_ROW_BYTES
-        timeout = aiohttp.ClientTimeout(total=CURSORS_TOTAL_S, sock_connect=self.bounds.connect_s)
+        b = self.bounds
+        timeout = aiohttp.ClientTimeout(
+            total=CURSORS_TOTAL_S, sock_connect=b.connect_s, sock_read=b.read_idle_s
+        )
         status, body, _enc = await self._get(peer, {"cursors_only": "true"}, False, cap, timeout)
         if status != 200:
             raise FetchFailed(SnapshotOutcome.UNREACHABLE, f"HTTP {status}")

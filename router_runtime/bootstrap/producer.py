@@ -138,8 +138,9 @@ class SnapshotProducer:
             }
 
         def start(index):
-            applied = {c: s for c, s in writer.applied.items() if c in state(index, writer.applied)}
-            return applied, state(index, applied), Exporter(index, include=lambda c: c in applied)
+            now = state(index, writer.applied)
+            applied = {c: s for c, s in writer.applied.items() if c in now}
+            return applied, now, Exporter(index, include=lambda c: c in applied)
 
         for _ in range(_WALKS):
             applied, before, ex = await writer.call(start)

@@ -192,7 +192,7 @@ class RankSubscription:
         if a hold is attached); those the live loop or a gap fill took meanwhile are skipped."""
         for seq, payload in batches:
             if self.cursor is not None and seq == self.cursor + 1:
-                self._accept(seq, payload)
+                self._accept(seq, payload, replayed=True)
 
     # ---- the live loop -------------------------------------------------------------------------
 
@@ -321,7 +321,7 @@ class RankSubscription:
 
     # ---- applying ------------------------------------------------------------------------------
 
-    def _accept(self, seq: int, payload: bytes) -> None:
+    def _accept(self, seq: int, payload: bytes, *, replayed: bool = False) -> None:
         self.cursor, self.cursor_hash = seq, payload_hash(payload)
         recent = self._recent
         recent[seq] = self.cursor_hash
@@ -348,7 +348,8 @@ class RankSubscription:
             return
         wm = self.splice_watermark
         if wm is not None:
-            if seq <= wm and wm - seq <= SPLICE_MAX_LEAD and time.monotonic() <= self.splice_in_flight_until:
+            on_time = replayed or time.monotonic() <= self.splice_in_flight_until
+            if seq <= wm and wm - seq <= SPLICE_MAX_LEAD and on_time:
                 return  # the graft already reflects it; re-applying an old store could undo a removal
             self.splice_watermark = None
             if self.on_splice is not None:
@@ -358,10 +359,11 @@ class RankSubscription:
 
     def arm_splice(self, cursor: int) -> None:
         """A graft reflects this rank's stream up to ``cursor`` and nothing held reached past it: the
-        first batch above it must join it (``on_splice``). Batches at or below it are dropped only while
-        they can be ones already on their way (SPLICE_IN_FLIGHT_S, the same connection): the process that
-        sent them sends nothing twice, so a later one is another process's (restarted under the same
-        incarnation), and the rank is cleared rather than credited with the dead one's blocks."""
+        first batch above it must join it (``on_splice``). Batches at or below it are dropped (already in
+        the graft) when a replay from our cursor resends them, or while they can be live ones already on
+        their way (SPLICE_IN_FLIGHT_S, the same connection): the process that sent them sends nothing
+        twice live, so a later one is another process's (restarted under the same incarnation), and the
+        rank is cleared rather than credited with the dead one's blocks."""
         self.splice_watermark = cursor
         self.splice_in_flight_until = time.monotonic() + SPLICE_IN_FLIGHT_S
 
@@ -428,9 +430,17 @@ class RankSubscription:
             self.clear(ClearReason.UNCOVERED_GAP)
             self.cursor = got[0][0] - 1
             self.cursor_hash = None
+        # Continuing our cursor (its own batch checked first), the replay is the process the graft
+        # reflects: what it resends at or below the graft's cursor is in the graft. Otherwise the rank
+        # was cleared above, the graft with it.
+        same = not stale and result.outcome is not ReplayOutcome.UNCOVERED
+        if not same and self.splice_watermark is not None:
+            self.splice_watermark = None
+            if self.on_splice is not None and got:
+                self.on_splice(got[0][0])  # not the join: the bootstrap says the rank went cold
         for seq, payload in got:
             if classify(self.cursor, seq) is Arrival.NEXT:
-                self._accept(seq, payload)
+                self._accept(seq, payload, replayed=same)
         return Fill.STALE if stale else Fill.DONE
 
 
