@@ -223,10 +223,15 @@ def _check_ports(parser: argparse.ArgumentParser, c: RouterConfig) -> None:
         listeners.append(("--epp-port", g.host or c.host, g.port))
     if g.health_port is not None:
         listeners.append(("--epp-health-port", g.host or c.host, g.health_port))
-    taken: dict[tuple[str, int], str] = {}
-    for flag, host, port in listeners:
-        if port and (other := taken.setdefault((host, port), flag)) != flag:
-            parser.error(f"argument {flag}: the same port as {other} ({port})")
+    wildcard = ("", "0.0.0.0", "::", "[::]")  # every address of its family: any other host's too
+    for i, (flag, host, port) in enumerate(listeners):
+        for other, other_host, other_port in listeners[:i]:
+            if (
+                port
+                and port == other_port
+                and (host == other_host or host in wildcard or other_host in wildcard)
+            ):
+                parser.error(f"argument {flag}: the same port as {other} ({port})")
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:

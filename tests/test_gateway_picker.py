@@ -451,12 +451,13 @@ def test_the_served_endpoint_is_read_off_the_protocols_metadata_before_envoys_at
 
 
 def test_a_conformance_tests_header_names_addresses_or_endpoints():
-    endpoints = ["10.0.0.1:3000", "10.0.0.1:3002", "10.0.0.2:3000", "fd00::1:3000"]
+    # As Target.endpoint names them: an IPv6 host in brackets.
+    endpoints = ["10.0.0.1:3000", "10.0.0.1:3002", "10.0.0.2:3000", "[fd00::1]:3000"]
     assert named_endpoints(None, endpoints) is None and named_endpoints(" ", endpoints) is None
     assert named_endpoints("10.0.0.1", endpoints) == {"10.0.0.1:3000", "10.0.0.1:3002"}
     assert named_endpoints("10.0.0.1:3002, 10.0.0.2", endpoints) == {"10.0.0.1:3002", "10.0.0.2:3000"}
-    assert named_endpoints("[fd00::1]:3000", endpoints) == {"fd00::1:3000"}
-    assert named_endpoints("fd00::1", endpoints) == {"fd00::1:3000"}
+    assert named_endpoints("[fd00::1]:3000", endpoints) == {"[fd00::1]:3000"}
+    assert named_endpoints("fd00::1", endpoints) == {"[fd00::1]:3000"}
     assert named_endpoints("10.9.9.9", endpoints) == frozenset()  # names nothing here: nothing allowed
 
 

@@ -188,7 +188,22 @@ def test_two_listeners_on_one_port_fail_with_one_line_naming_both(capsys, tmp_pa
         assert last.startswith(f"routerfleet-router: error: argument {flag}: the same port as {other}"), last
     # The internal port is off without a token: its number is free for another.
     parse_args(["--worker", "url=http://127.0.0.1:1", "--metrics-port", "8081"])
-    # On different addresses, one number is two listeners.
+    # Every address and one of them: one port (the bind would fail).
+    with pytest.raises(SystemExit):
+        parse_args(
+            [
+                "--worker",
+                "url=http://127.0.0.1:1",
+                "--host",
+                "127.0.0.1",
+                "--metrics-host",
+                "0.0.0.0",
+                "--metrics-port",
+                "8080",
+            ]
+        )
+    assert "argument --metrics-port: the same port as --port" in capsys.readouterr().err
+    # On two different addresses, one number is two listeners.
     parse_args(
         ["--worker", "url=http://127.0.0.1:1", "--metrics-host", "127.0.0.2", "--metrics-port", "8080"]
     )

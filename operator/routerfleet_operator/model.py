@@ -136,12 +136,6 @@ OWNED_FLAGS = (
     "--k8s-replay-port",
     "--k8s-dp-size",
     "--k8s-topic",
-    "--k8s-role-label",
-    "--k8s-prefill-selector",
-    "--k8s-revision-label",
-    "--pd-protocol",
-    "--pd-threshold-tokens",
-    "--shutdown-drain-ms",
     "--kubeconfig",
     "--internal-host",
     "--internal-port",
@@ -163,11 +157,21 @@ OWNED_FLAGS = (
     "--trace-sample-ratio",
     "--help",
 )
+# Flags the operator renders only for some specs, owned then (validate refuses them in extraArgs; the
+# CRD cannot say it per spec): a disaggregated fleet's, and the standalone gateway's drain.
+DISAGGREGATION_FLAGS = (
+    "--k8s-role-label",
+    "--k8s-prefill-selector",
+    "--k8s-revision-label",
+    "--pd-protocol",
+    "--pd-threshold-tokens",
+)
+STANDALONE_FLAGS = ("--shutdown-drain-ms",)
 RESERVED_ENV = ("POD_NAME", "POD_NAMESPACE", "POD_IP")
 
 
-def owned_flag_in(arg: str) -> bool:
-    """Whether one extraArgs item would set an operator-owned flag: the CRD's CEL rule, in Python.
+def owned_flag_in(arg: str, owned: tuple[str, ...] = OWNED_FLAGS) -> bool:
+    """Whether one extraArgs item would set an ``owned`` flag: the CRD's CEL rule, in Python.
     argparse accepts any unique prefix of a long option, so "--internal-tok=x" sets
     --internal-token-file: an item is refused when its name (before "=") is a prefix of an owned flag.
     "--" (end of options) and "-h" are refused too."""
@@ -176,4 +180,4 @@ def owned_flag_in(arg: str) -> bool:
     if not arg.startswith("--"):
         return False
     name = arg.split("=", 1)[0]
-    return any(flag.startswith(name) for flag in OWNED_FLAGS)
+    return any(flag.startswith(name) for flag in owned)

@@ -244,8 +244,7 @@ def router_args(fleet: Fleet) -> list[str]:
     g = s.gateway
     if g.enabled:
         # The pool's picker: the pool's InferenceObjectives make requests sheddable (docs/gateway.md).
-        # On every address, whatever --host extraArgs name (a standalone Envoy beside it dials loopback).
-        args += ["--epp-host", "0.0.0.0", "--epp-port", str(EPP_PORT), "--epp-pool", fleet.pool_name]
+        args += ["--epp-port", str(EPP_PORT), "--epp-pool", fleet.pool_name]
         if not g.tls:
             args.append("--epp-plaintext")
     if g.standalone.enabled:

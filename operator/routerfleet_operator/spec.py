@@ -16,12 +16,14 @@ from typing import Any
 from .model import (
     API_VERSION,
     DEFAULT_PASS_VERDICTS,
+    DISAGGREGATION_FLAGS,
     KIND,
     NEVER_GATE,
     NEVER_PASS,
     OWNED_FLAGS,
     RESERVED_ENV,
     RESERVED_VOLUMES,
+    STANDALONE_FLAGS,
     OnSeedFailure,
     Verdict,
     owned_flag_in,
@@ -548,9 +550,20 @@ def validate(fleet: Fleet) -> list[str]:
     never = sorted(v.value for v in NEVER_PASS & s.bootstrap.pass_verdicts)
     if never:
         problems.append(f"spec.bootstrap.passVerdicts may not list {', '.join(never)}: it never means warm")
-    owned = [a for a in s.router.extra_args if owned_flag_in(a)]
+    rendered = OWNED_FLAGS
+    if s.engines.disaggregation is not None:
+        rendered += DISAGGREGATION_FLAGS
+    if s.gateway.standalone.enabled:
+        rendered += STANDALONE_FLAGS
+    owned = [a for a in s.router.extra_args if owned_flag_in(a, rendered)]
     if owned:
         problems.append(f"spec.router.extraArgs may not set flags the operator owns: {', '.join(owned)}")
+    host = flag_value(s.router.extra_args, "--host")
+    if s.gateway.standalone.enabled and host not in (None, "0.0.0.0", "::", "[::]"):
+        problems.append(
+            f"spec.router.extraArgs: --host {host} with spec.gateway.standalone: its Envoy asks the picker"
+            " on loopback, so the router must listen on every address (0.0.0.0 or ::)"
+        )
     reserved = [e.get("name") for e in s.router.env if e.get("name") in RESERVED_ENV]
     if reserved:
         problems.append(f"spec.router.env may not set {', '.join(reserved)} (the operator sets them)")

@@ -224,7 +224,10 @@ def named_endpoints(value: str | None, endpoints: Sequence[str]) -> frozenset[st
     header, no restriction. An item that names none of ``endpoints`` allows nothing."""
     if value is None or not value.strip():
         return None
-    split = [e.rpartition(":") for e in endpoints]
+    # Each endpoint as (host, port), an IPv6 host without its brackets (Target.endpoint has them).
+    split = [
+        (h.removeprefix("[").removesuffix("]"), p, e) for e in endpoints for h, _, p in [e.rpartition(":")]
+    ]
     allowed: set[str] = set()
     for item in (i.strip() for i in value.split(",")):
         if item.startswith("["):
@@ -234,7 +237,7 @@ def named_endpoints(value: str | None, endpoints: Sequence[str]) -> frozenset[st
             host, _, port = item.partition(":")
         else:  # an address alone (a bare IPv6 one included)
             host, port = item, ""
-        allowed.update(f"{h}:{p}" for h, _, p in split if h == host and (not port or p == port))
+        allowed.update(e for h, p, e in split if h == host and (not port or p == port))
     return frozenset(allowed)
 
 

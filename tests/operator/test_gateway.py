@@ -293,10 +293,14 @@ def test_the_standalone_gateway_is_an_envoy_beside_each_router_and_a_service_to_
     assert {"name": ENVOY_VOLUME, "configMap": {"name": plain_map}} in volumes
     # The router answers picks until after its Envoy stopped.
     assert router_config(f, tmp_path).proxy.shutdown_drain_s > STOP_DELAY_S
-    # Its Envoy dials the picker on loopback: the picker listens on every address, whatever --host the
-    # extraArgs name (docs/operator.md shows --host=$(POD_IP)).
-    on_pod_ip = fleet({**STANDALONE, "router": {"extraArgs": ["--host=10.1.2.3"]}})
-    assert router_config(on_pod_ip, tmp_path).gateway.host == "0.0.0.0"
+    # Its Envoy dials the picker on loopback: a --host of one address (docs/operator.md shows
+    # --host=$(POD_IP)) would leave it nothing to reach; every address of either family is fine.
+    for host, refused in (("$(POD_IP)", True), ("10.1.2.3", True), ("0.0.0.0", False), ("::", False)):
+        f_host = fleet({**STANDALONE, "router": {"extraArgs": [f"--host={host}"]}})
+        assert any("must listen on every address" in p for p in validate(f_host)) is refused, host
+    # The drain it relies on is the operator's then; a fleet without it may set its own.
+    assert validate(fleet({**STANDALONE, "router": {"extraArgs": ["--shutdown-drain-ms=1000"]}}))
+    assert validate(fleet({**ON, "router": {"extraArgs": ["--shutdown-drain-ms=1000"]}})) == []
     assert render_gateway_service(fleet(ON)) is None and render_envoy_config_map(fleet(ON)) is None
 
 

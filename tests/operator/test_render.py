@@ -410,6 +410,13 @@ def test_a_disaggregated_fleet_renders_its_prefill_service_and_protocol(tmp_path
     assert d.discovery.selector == "kubernetes.io/service-name=vllm"  # the decode engines
     assert d.discovery.prefill_selector == "kubernetes.io/service-name=vllm-prefill"
     assert (d.disaggregation.protocol, d.disaggregation.threshold_tokens) == ("vllm", 512)
+    # Its flags are the spec's then: extraArgs may not set them over it (a fleet without it may).
+    over = {"extraArgs": ["--pd-protocol=sglang"]}
+    pd = {"disaggregation": {"prefillServiceName": "vllm-prefill"}}
+    assert any(
+        "may not set flags the operator owns" in p for p in validate(fleet({"engines": pd, "router": over}))
+    )
+    assert validate(fleet({"router": over})) == []
     assert d.discovery.revision_label == "app.kubernetes.io/version"
     f = fleet(
         {
