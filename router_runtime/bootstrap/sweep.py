@@ -61,8 +61,9 @@ from .wire import WireSession, WireSnapshot
 log = logging.getLogger(__name__)
 
 API_VERSION = "routerfleet.io/bootstrap/v1"
-# The longest pause between sweeps while peers refuse their snapshots (doubling from retry_interval_s).
-REFUSED_MAX_S = 30.0
+# The longest pause between sweeps while a peer refuses its snapshot beside others that do not (doubling
+# from retry_interval_s): short, as readiness may be held meanwhile (a stopping sibling refuses too).
+REFUSED_MAX_S = 8.0
 
 _ORIGIN_OUTCOME = {
     ReplayOutcome.FILLED: OriginOutcome.COMPLETE,

@@ -48,6 +48,7 @@ USER_AGENT = "routerfleet-router/discovery"
 # While an engine is left out because its pod could not be read for its role label: how often the
 # watcher publishes again (so reads it again), whether or not any slice changed.
 UNREAD_RETRY_S = 5.0
+UNREAD_RETRY_MAX_S = 60.0  # ... doubling while they stay unread
 # Only the metadata of a pod (its spec can be large); an API server without it sends the whole pod.
 POD_METADATA_ACCEPT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
 
@@ -478,13 +479,16 @@ class EndpointSliceWatcher(Reflector):
 
     async def _retry_unread(self) -> None:
         """Publish again while engines are left out for a pod that could not be read for its role."""
+        pause = UNREAD_RETRY_S
         while True:
-            await asyncio.sleep(UNREAD_RETRY_S)
+            await asyncio.sleep(pause)
             if self.pods is not None and self.pods.left_unread and self.synced:
                 try:
                     await self.publish()
                 except Exception:  # the watch's own publications go on; this one is tried again
                     log.exception("discovery: publishing again for unread pods failed")
+                # Still unread (a lasting failure: the Role lacks get on pods): ask less often.
+                pause = min(pause * 2, UNREAD_RETRY_MAX_S) if self.pods.left_unread else UNREAD_RETRY_S
 
     async def publish(self) -> None:
         async with self._publishing:

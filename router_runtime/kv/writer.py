@@ -253,6 +253,7 @@ class IndexWriter:
         live = set(self.index.carriers)
         for c in [c for c, t in self.evicted_at.items() if t < horizon and c not in live]:
             del self.evicted_at[c]
+            self.resets.pop(c, None)  # long gone: no walk spans its removal
 
     def _count(self, stats: ApplyStats) -> None:
         m = self.metrics

@@ -63,9 +63,14 @@ class ProxyConfig:
         if self.tenant_cache_salt and not self.tenant_header:
             raise ValueError("--tenant-cache-salt needs --tenant-header (whose tenant is it?)")
         name = self.tenant_header
-        if name is not None and not (name and all(c.isascii() and (c.isalnum() or c in "-_") for c in name)):
+        if name is not None and not (
+            name and all(c.isascii() and (c.isalnum() or c in _TCHAR) for c in name)
+        ):
             # One no request carries would put every request in one tenant: isolation silently gone.
-            raise ValueError(f"--tenant-header {name!r}: must be a header name (letters, digits, - and _)")
+            raise ValueError(f"--tenant-header {name!r}: must be a header name (an HTTP token)")
+
+
+_TCHAR = "!#$%&'*+-.^_`|~"  # a header name's characters besides letters and digits (RFC 9110)
 
 
 FLAGS = (

@@ -188,7 +188,8 @@ class ResponseBindings:
 
     async def find(self, response_id: str, tenant: str = "") -> tuple[Remembered | None, Source]:
         """The binding of ``response_id`` (``tenant``'s) in the local table, else the shared store (a
-        timeout or an error there is a miss, warned about)."""
+        timeout or an error there is STORE_UNAVAILABLE, warned about: not known, and not known to be
+        absent)."""
         digest = response_digest(response_id, tenant)
         value = self.local.get_nowait(digest)
         if value is not None:
