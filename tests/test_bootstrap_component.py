@@ -133,6 +133,15 @@ async def caught_up(r: Replica, engines) -> None:
     await eventually(ok, timeout=10, what=f"{r.name} applied every published batch")
 
 
+async def only_the_new_process_credited(r: Replica, engine, old: list[list[int]]) -> None:
+    """``engine``'s new process stores new prompts: ``r`` indexes them, and credits none of ``old``."""
+    await connected(r)
+    new = prompts(7, 5)
+    load([engine], new, seed=7)
+    await eventually(lambda: all(r.plane.index.match(p) for p in new), what="the new process's blocks")
+    assert not any(r.plane.index.match(p) for p in old)
+
+
 def queries(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     base = prompts(1, 400) + prompts(2, 100)
@@ -569,13 +578,7 @@ async def test_a_rank_restarted_during_the_walk_is_not_exported_under_its_new_na
             replica("b", [e1], peers=[url], probe_interval_s=0.05, max_unknown_probes=1) as b,
         ):
             await eventually(lambda: b.boot.settled, timeout=10, what="b settled")
-            await connected(b)
-            new = prompts(7, 5)
-            load([e1], new, seed=7)
-            await eventually(
-                lambda: all(b.plane.index.match(p) for p in new), what="the new process's blocks"
-            )
-            assert not any(b.plane.index.match(p) for p in old)
+            await only_the_new_process_credited(b, e1, old)
 
 
 async def test_a_graft_vetted_for_an_engine_replaced_meanwhile_is_not_applied(monkeypatch):
@@ -603,13 +606,7 @@ async def test_a_graft_vetted_for_an_engine_replaced_meanwhile_is_not_applied(mo
             b.plane.set_workers([spec(e1)])
             release.set()
             await eventually(lambda: b.boot.settled, timeout=10, what="b settled")
-            await connected(b)
-            new = prompts(7, 5)
-            load([e1], new, seed=7)
-            await eventually(
-                lambda: all(b.plane.index.match(p) for p in new), what="the new process's blocks"
-            )
-            assert not any(b.plane.index.match(p) for p in old)
+            await only_the_new_process_credited(b, e1, old)
 
 
 async def test_an_engine_restarted_after_a_graft_with_nothing_held_turns_the_rank_cold():

@@ -228,26 +228,17 @@ async def test_malformed_framing_never_puts_request_bytes_or_the_token_in_any_lo
     assert MARKER not in text and TOKEN not in text
 
 
-@pytest.mark.parametrize(
-    "seq",
-    ["1e999", "true", '"7"', "1.5", str(1 << 64), "-2"],
-)
-async def test_a_peer_cursor_that_is_not_a_bounded_integer_is_a_rejected_answer(seq):
-    """The splice probe's answer (cursors_only) with a hostile seq: refused as a rejected answer, never
-    an exception that would kill the probe task (1e999 parses as infinity, whose int() overflows)."""
+async def cursors_refused(body: str, fetcher) -> None:
+    """A peer answering the splice probe (cursors_only) with ``body``: a rejected answer."""
     from aiohttp import web
 
-    from router_runtime.bootstrap.fetch import FetchFailed, SnapshotFetcher
+    from router_runtime.bootstrap.fetch import FetchFailed
     from router_runtime.bootstrap.peers import Peer
     from router_runtime.bootstrap.state import SnapshotOutcome
-
-    row = '{"engine": "e", "rank": 0, "incarnation": "i", "seq": ' + seq + "}"
-    body = '{"format": 1, "cursors": [' + row + "]}"
 
     async def answer(_req):
         return web.Response(text=body, content_type="application/json")
 
-    fetcher = SnapshotFetcher(TOKEN)
     async with snapshot_peer(answer) as url:
         try:
             with pytest.raises(FetchFailed) as failed:
@@ -255,6 +246,21 @@ async def test_a_peer_cursor_that_is_not_a_bounded_integer_is_a_rejected_answer(
             assert failed.value.outcome is SnapshotOutcome.REJECTED
         finally:
             await fetcher.close()
+
+
+@pytest.mark.parametrize(
+    "seq",
+    ["1e999", "true", '"7"', "1.5", str(1 << 64), "-2"],
+)
+async def test_a_peer_cursor_that_is_not_a_bounded_integer_is_a_rejected_answer(seq):
+    """The splice probe's answer (cursors_only) with a hostile seq: refused as a rejected answer, never
+    an exception that would kill the probe task (1e999 parses as infinity, whose int() overflows)."""
+    from router_runtime.bootstrap.fetch import SnapshotFetcher
+
+    row = '{"engine": "e", "rank": 0, "incarnation": "i", "seq": ' + seq + "}"
+    body = '{"format": 1, "cursors": [' + row + "]}"
+
+    await cursors_refused(body, SnapshotFetcher(TOKEN))
 
 
 async def test_a_peer_that_accepts_and_never_answers_is_cut_at_the_fetchers_own_bounds():
@@ -283,27 +289,13 @@ async def test_a_peer_that_accepts_and_never_answers_is_cut_at_the_fetchers_own_
 async def test_a_peer_cursor_table_past_its_bounds_is_a_rejected_answer(rows):
     """The probe asks its peers while this replica serves: an answer with more rows than there can be
     workers, or more bytes than such rows take, is refused rather than parsed."""
-    from aiohttp import web
-
-    from router_runtime.bootstrap.fetch import FetchFailed, SnapshotFetcher
-    from router_runtime.bootstrap.peers import Peer
-    from router_runtime.bootstrap.state import SnapshotOutcome
+    from router_runtime.bootstrap.fetch import SnapshotFetcher
     from router_runtime.bootstrap.wire import Limits
 
     row = '{"engine": "e%d", "rank": 0, "incarnation": "i", "seq": 1}'
     body = '{"format": 1, "cursors": [' + ",".join(row % i for i in range(rows)) + "]}"
 
-    async def answer(_req):
-        return web.Response(text=body, content_type="application/json")
-
-    fetcher = SnapshotFetcher(TOKEN, limits=Limits(max_workers=4))  # 2 KiB of rows at most
-    async with snapshot_peer(answer) as url:
-        try:
-            with pytest.raises(FetchFailed) as failed:
-                await fetcher.cursors(Peer(url, url))
-            assert failed.value.outcome is SnapshotOutcome.REJECTED
-        finally:
-            await fetcher.close()
+    await cursors_refused(body, SnapshotFetcher(TOKEN, limits=Limits(max_workers=4)))  # 2 KiB of rows at most
 
 
 # ---- slow and idle clients (proxy/serving.py) -------------------------------------------------------

@@ -39,7 +39,7 @@ from router_runtime.tokens.shapes import messages_chat, responses_chat
 from routerfleet_fake_engine.server import run_fake_engine
 from tests.support import LOCAL_METRICS
 
-from .support import eventually, join_all, static_workers
+from .support import eventually, join_all, router_over_fakes, static_workers
 from .test_proxy_routing import kv_fleet
 
 BS = 4
@@ -196,18 +196,8 @@ async def test_a_client_cannot_name_the_response_id_its_answer_is_bound_under():
     its answer carries to the caller's tenant: a client naming another's id would read, continue and
     delete it through its own binding. The router sends no client's ``request_id`` on, and binds only the
     answer's own id (an id in the client's metadata, echoed later in the answer, is not it)."""
-    async with contextlib.AsyncExitStack() as stack:
-        (engine,) = [await stack.enter_async_context(run_fake_engine(block_size=BS))]
-        cfg = RouterConfig(
-            port=0,
-            metrics=LOCAL_METRICS,
-            workers=static_workers([engine]),
-            kv=KvConfig(block_size=BS),
-            health=HealthConfig(interval_s=0),
-            proxy=ProxyConfig(tenant_header="Authorization"),
-        )
-        _router, url = await stack.enter_async_context(run_router(cfg))
-        s = await stack.enter_async_context(aiohttp.ClientSession())
+    tenants = ProxyConfig(tenant_header="Authorization")
+    async with router_over_fakes(1, BS, proxy=tenants) as (_engines, _router, url, s):
         alice, mallory = ({"Authorization": f"Bearer {k}"} for k in ("alice-key", "mallory-key"))
 
         async def post(who: dict, **body) -> dict:
