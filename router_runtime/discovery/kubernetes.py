@@ -22,7 +22,6 @@ the set is published; a fetch that fails or is slow leaves that incarnation with
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -36,6 +35,7 @@ from prometheus_client import Counter as PromCounter
 
 from routerfleet_kube import ApiError, KubeClient, path
 
+from ..tasks import end_tasks
 from ..worker import Role, WorkerSpec
 from .endpointslices import EngineDiscoveryConfig, SliceMapping, map_slices
 from .inference_pool import REVISION_LABEL, PoolShape, map_pool_pods, pod_revision, pod_role, pool_shape
@@ -452,10 +452,8 @@ class EndpointSliceWatcher(Reflector):
 
     async def stop(self) -> None:
         """Cancel the watch and close the API client's connections."""
-        if self._retry is not None:
-            self._retry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._retry
+        await end_tasks([self._retry], "discovery")
+        self._retry = None
         await self.stop_loop()
         if self._api is not None:
             await self._api.close()

@@ -353,7 +353,7 @@ class RankSubscription:
                 return  # the graft already reflects it; re-applying an old store could undo a removal
             self.splice_watermark = None
             if self.on_splice is not None:
-                self.on_splice(seq)  # not watermark + 1 (another process's, or a gap): the rank is cleared
+                self.on_splice(seq)  # proves the join at watermark + 1; anything else clears the rank
         if not self.writer.submit_batch(self.carrier, sb):
             self.clear(ClearReason.OVERFLOW)
 

@@ -17,7 +17,6 @@ Only digests of ids are kept; ids, prompts and answers are never logged.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import math
@@ -29,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ..scheduling.hooks import Exchange, ResponseWatch
 from ..scheduling.types import Kind, Target
+from ..tasks import end_tasks
 from .keys import response_digest
 from .store import Entry, LocalStore, Remembered, SampledWarnings, SessionStore, settle_quietly
 
@@ -272,11 +272,8 @@ class ResponseBindings:
 
     async def close(self) -> None:
         """Stop writing late bindings (the shared store is closing)."""
-        if self._writing is not None:
-            self._writing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writing
-            self._writing = None
+        await end_tasks([self._writing], "response bindings")
+        self._writing = None
 
     # ---- the peer snapshot ---------------------------------------------------------------------
 
