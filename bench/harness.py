@@ -280,6 +280,7 @@ class EngineOpts:
     prefill_us_per_token: float = 20.0
     decode_tokens_per_s: float = 2000.0
     max_concurrency: int = 0
+    shared_compute: bool = False  # a rank's prefills one at a time, its decodes stalled meanwhile
     cache_generated: bool = False
     max_loras: int = 0  # LoRA adapter slots (0: adapters cost nothing)
     lora_load_ms: float = 0.0
@@ -325,6 +326,7 @@ def start_engines(n: int, opts: EngineOpts, logdir: str, *, cpus: set[int] | Non
                 *("--max-concurrency", str(opts.max_concurrency), "--model", MODEL),
                 *("--log-level", "WARNING"),
                 *(["--cache-generated"] if opts.cache_generated else []),
+                *(["--shared-compute"] if opts.shared_compute else []),
                 *("--max-loras", str(opts.max_loras), "--lora-load-ms", str(opts.lora_load_ms)),
                 *("--publish-delay-ms", str(opts.publish_delay_ms)),
                 *(["--kv-transfer"] if opts.kv_transfer else []),

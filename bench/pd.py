@@ -239,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transfer-us-per-block", type=float, default=100.0, help="pull cost (default 100)")
     ap.add_argument("--decode-tokens-per-s", type=float, default=500.0, help="decode rate (default 500)")
     ap.add_argument("--max-concurrency", type=int, default=8, help="running slots per engine (default 8)")
+    ap.add_argument(
+        "--alone-compute",
+        action="store_true",
+        help="every request computes alone (the fake's default; before 2026-12-08 the bench's): no prefill"
+        " queues behind another, no decode stalls while its engine prefills",
+    )
     args = ap.parse_args(argv)
     runs = args.runs or (1 if args.quick else 3)
     w = Workload(conversations=args.conversations or (16 if args.quick else 48))
@@ -248,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill_us_per_token=args.prefill_us_per_token,
         decode_tokens_per_s=args.decode_tokens_per_s,
         max_concurrency=args.max_concurrency,
+        shared_compute=not args.alone_compute,
         transfer_us_per_block=args.transfer_us_per_block,
     )
     logdir = h.logdir("pd")
@@ -258,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         f" {w.system_tokens}-token system prompts, {w.user_tokens}-token messages, {w.answer_tokens}-token"
         f" answers, {w.concurrency} at a time; prefill {args.prefill_us_per_token:g} us/token, transfer"
         f" {args.transfer_us_per_block:g} us/block of {BLOCK}, decode {args.decode_tokens_per_s:g} tokens/s,"
-        f" {args.max_concurrency} slots per engine; runs={runs}"
+        f" {args.max_concurrency} slots per engine, {'alone' if args.alone_compute else 'shared'} compute;"
+        f" runs={runs}"
     )
     results: dict[str, list[Result]] = {r.label: [] for r in ROWS}
     t_start = time.perf_counter()

@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests running at once; the rest queue (0 = unlimited)",
     )
     p.add_argument(
+        "--shared-compute",
+        action="store_true",
+        help="a rank's prefills run one at a time, and its decodes wait while one runs (one accelerator's"
+        " steps); default: every request computes alone",
+    )
+    p.add_argument(
         "--kv-transfer",
         action="store_true",
         help="serve disaggregated prefill as vLLM with a KV connector does: a request's kv_transfer_params"
@@ -184,6 +190,7 @@ def config_from_args(args: argparse.Namespace) -> FakeEngineConfig:
         prefill_us_per_token=args.prefill_us_per_token,
         decode_tokens_per_s=args.decode_tokens_per_s,
         max_concurrency=args.max_concurrency,
+        shared_compute=args.shared_compute,
         kv_transfer=args.kv_transfer,
         transfer_us_per_block=args.transfer_us_per_block,
         pd_sidecar=args.pd_sidecar,

@@ -42,6 +42,9 @@ class FakeEngineConfig:
     prefill_us_per_token: float = 20.0  # simulated prefill cost per *uncached* prompt token
     decode_tokens_per_s: float = 2000.0  # 0 = instant
     max_concurrency: int = 0  # requests running at once per engine; the rest queue; 0 = unlimited
+    # A rank's prefills run one at a time and its decodes wait while one runs (compute.py); off: every
+    # request computes alone.
+    shared_compute: bool = False
     # LoRA adapters resident at once (vLLM's --max-loras; adapters.py); 0 = adapters cost nothing
     max_loras: int = 0
     lora_load_ms: float = 0.0  # loading an adapter that is not resident

@@ -40,6 +40,7 @@ from routerfleet_fake_engine import pooling_api, transfer
 from routerfleet_fake_engine.adapters import AdapterSlots
 from routerfleet_fake_engine.admin import admin_routes
 from routerfleet_fake_engine.cache import Admission, CacheConfig, RankCache
+from routerfleet_fake_engine.compute import Alone, Compute
 from routerfleet_fake_engine.config import FakeEngineConfig
 from routerfleet_fake_engine.generate_api import (
     GenerateShape,
@@ -158,6 +159,8 @@ class FakeEngine:
         self.rooms: collections.OrderedDict[int, tuple[asyncio.Event, list[int]]] = collections.OrderedDict()
         self.responses = ResponseStore()  # the Responses API's stored responses (lost on restart)
         self._slots: asyncio.Semaphore | None = None
+        alone = Alone()
+        self.compute = [Compute() if config.shared_compute else alone for _ in range(config.dp_size)]
         self.adapters: AdapterSlots | None = None  # LoRA slots, when modeled (--max-loras)
         if config.max_loras:
             self.adapters = AdapterSlots(config.max_loras, config.lora_load_ms / 1e3)
@@ -708,7 +711,8 @@ class FakeEngine:
             stats.cached_tokens += cached
             log.debug("request rank=%d prompt_tokens=%d cached_tokens=%d", rank, n_prompt, cached)
 
-            await _sleep((n_prompt - cached) * cfg.prefill_us_per_token / 1e6)  # prefill: uncached only
+            compute = self.compute[rank]
+            await compute.prefill((n_prompt - cached) * cfg.prefill_us_per_token / 1e6)  # uncached only
             if mode == "prefill" and room is not None:
                 ready, blocks = self._room_entry(room.room)
                 blocks[0] = n_prompt // cfg.block_size
@@ -720,9 +724,11 @@ class FakeEngine:
             headers = {RANK_HEADER: str(rank), INCARNATION_HEADER: self.incarnation}
             try:
                 if req.stream:
-                    response = await self._stream(request, req, shape, output, usage, headers)
+                    response = await self._stream(request, req, shape, output, usage, headers, compute)
                 else:
                     await _sleep(len(output) / cfg.decode_tokens_per_s if cfg.decode_tokens_per_s else 0)
+                    if len(output) > 1:  # the first token is the prefill's own step's
+                        await compute.stalled()
                     body = shape.full(text, usage)
                     if remote is not None and remote.decode:
                         body[transfer.PARAMS] = transfer.answer_params(
@@ -768,9 +774,11 @@ class FakeEngine:
         output: list[int],
         usage: Usage,
         headers: dict[str, str],
+        compute: Compute | Alone,
     ) -> web.StreamResponse:
         """SSE in the shape of the request's API, one event per generated token, paced at the decode
-        rate. As vLLM and SGLang stream: no usage in a chat stream unless asked for."""
+        rate (a token waits while the rank prefills, with shared compute). As vLLM and SGLang stream: no
+        usage in a chat stream unless asked for."""
         response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         await response.prepare(request)
         rate = self.config.decode_tokens_per_s
@@ -781,6 +789,8 @@ class FakeEngine:
             for i, token in enumerate(output):
                 if rate:
                     await _sleep(start + (i + 1) / rate - time.monotonic())
+                    if i:  # the first token is the prefill's own step's; the schedule moves with a stall
+                        start += await compute.stalled()
                 await response.write(shape.delta(decode([token]), i, i == len(output) - 1))
             text = decode(output)
             self._keep(req, shape, text, usage)

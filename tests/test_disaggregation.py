@@ -17,7 +17,8 @@ from router_runtime.app import Router, run_router
 from router_runtime.config import RouterConfig
 from router_runtime.disaggregation import sglang, vllm
 from router_runtime.disaggregation.config import DisaggregationConfig, Protocol
-from router_runtime.disaggregation.decider import Verdict, need, paired
+from router_runtime.disaggregation.decider import Verdict, need, paired, sooner
+from router_runtime.disaggregation.queues import PrefillQueues
 from router_runtime.discovery.static import parse_worker
 from router_runtime.kv.config import KvConfig
 from router_runtime.proxy.config import ProxyConfig, Timeouts
@@ -28,7 +29,7 @@ from router_runtime.tracing.spans import Trace, Tracer
 from router_runtime.worker import Role
 from routerfleet_fake_engine import transfer
 from routerfleet_fake_engine.server import FakeEngine, run_fake_engine
-from tests.support import LOCAL_METRICS, closed_port_url, join_all, loopback_app, static_workers
+from tests.support import LOCAL_METRICS, closed_port_url, eventually, join_all, loopback_app, static_workers
 
 BS = 4
 ENGINE_HEADER = "X-RouterFleet-Engine"
@@ -131,6 +132,21 @@ def test_the_fake_decode_leg_takes_the_blocks_past_its_own_prefix():
         transfer.remote_of({"kv_transfer_params": {"do_remote_prefill": True}})
 
 
+def test_a_long_prompt_goes_where_it_starts_sooner_and_each_prompt_leaves_its_queue_once():
+    d, p1, p2 = (Target(e, f"http://{e}") for e in ("d", "p1", "p2"))
+    queues = PrefillQueues()
+    assert sooner((p1, p2), d, queues.get) == (p1, p2)  # nothing queued anywhere: remote
+    first = queues.add(p1, 2048)
+    assert sooner((p1, p2), d, queues.get) == (p2,)
+    second = queues.add(p2, 100)
+    assert sooner((p1, p2), d, queues.get) == ()  # both backed up: the decode engine starts it sooner
+    local = queues.add(d, 100)
+    assert sooner((p1, p2), d, queues.get) == (p2,)  # as much queued here as there: remote
+    for q in (first, first, second, local):  # done twice counts once
+        q.done()
+    assert (queues.get(p1), queues.get(p2), queues.get(d), queues.total) == (0, 0, 0, 0)
+
+
 # ---- a router over fake engines ----------------------------------------------------------------
 
 
@@ -156,6 +172,7 @@ async def pd_fleet(
     engine_kw=None,
     engine_revisions=None,
     first_byte_s=600.0,
+    shared_compute=False,
 ):
     """``decode`` and ``prefill`` fake engines serving ``protocol``'s disaggregated prefill, as static
     workers of one kv_aware router (``extra``: more WorkerSpecs; ``revisions``: per engine, decode ones
@@ -169,6 +186,7 @@ async def pd_fleet(
                     kv_transfer=not sglang,
                     disaggregation_mode=("decode" if i < decode else "prefill") if sglang else "",
                     revision=engine_revisions[i] if engine_revisions else "",
+                    shared_compute=shared_compute,
                     **(engine_kw or {}),
                 )
             )
@@ -257,6 +275,29 @@ async def test_a_long_uncached_prompt_prefills_remotely_and_its_next_turn_on_the
         assert verdicts(f.router)["short_suffix"] == 1
         assert sum(legs(f.prefillers, "prefill_legs")) == 1 and decoder.rank_stats[0].decode_legs == 1
         assert audits(f.router, engine) == {"exact": 2}
+
+
+async def test_behind_a_backed_up_prefill_engine_the_decode_engine_prefills_a_long_prompt_itself():
+    """A long prompt waits for no prefill engine with more queued to prefill than its decode engine:
+    that engine starts it sooner. Once the queue drains, long prompts go remote again."""
+    slow = {"prefill_us_per_token": 5000.0, "decode_tokens_per_s": 10}  # 66 uncached tokens: 0.33 s
+    async with pd_fleet(decode=1, prefill=1, engine_kw=slow, shared_compute=True) as f:
+        queues = f.router.proxy.prefill.queues
+        first = asyncio.create_task(chat_stream(f.session, f.url, list(range(100, 166))))
+        await eventually(lambda: queues.total == 66, timeout=5, what="the first prompt queued remotely")
+        body = {"prompt": list(range(200, 266)), "max_tokens": 4, "stream": True}
+        async with f.session.post(f.url + "/v1/completions", json=body) as r:  # the prefill engine is busy
+            assert r.status == 200
+            await r.content.readany()  # its first token: the decode engine prefilled it
+            (decode,) = [t for t in f.router.targets.candidates() if t.engine == f.decoders[0].http_url]
+            assert queues.get(decode) == 0  # out of its queue while it decodes
+            await r.read()
+        await first
+        assert verdicts(f.router)["remote"] == 1 and verdicts(f.router)["prefill_busy"] == 1
+        assert legs(f.prefillers, "prefill_legs") == [1] and legs(f.decoders, "decode_legs") == [1]
+        assert queues.total == 0  # each prompt left its queue (the decode engine's at its first byte)
+        await chat_stream(f.session, f.url, list(range(300, 366)))
+        assert verdicts(f.router)["remote"] == 2
 
 
 async def test_a_prefill_engine_that_refuses_is_skipped_and_without_one_the_decode_engine_prefills():

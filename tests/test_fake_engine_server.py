@@ -426,6 +426,39 @@ async def test_max_concurrency_queues_requests(http) -> None:
         assert time.monotonic() - t0 >= 0.19  # 2 x 10 tokens at 100 tok/s, one at a time
 
 
+async def test_shared_compute_runs_a_ranks_prefills_one_at_a_time_and_stalls_its_decodes(http) -> None:
+    """With --shared-compute a rank prefills one prompt at a time and its streams wait while it does;
+    alone (the default), each request computes as if nothing else ran."""
+
+    async def timed(body: dict) -> float:
+        t0 = time.monotonic()
+        async with http.post(url, json=body) as r:
+            assert r.status == 200
+            await r.read()
+        return time.monotonic() - t0
+
+    for shared in (False, True):
+        async with run_fake_engine(
+            block_size=BS, prefill_us_per_token=2000.0, decode_tokens_per_s=100, shared_compute=shared
+        ) as e:
+            url = e.http_url + "/v1/completions"
+            # Two cold 100-token prompts at once (0.2 s of prefill each), one token each.
+            both = await asyncio.gather(
+                *(timed({"prompt": list(range(k, k + 100)), "max_tokens": 1}) for k in (1000, 2000))
+            )
+            # A 20-token stream (0.2 s of decode) with a 0.2 s prefill landing in the middle of it.
+            stream = asyncio.create_task(timed({"prompt": [1], "max_tokens": 20, "stream": True}))
+            await asyncio.sleep(0.05)
+            await timed({"prompt": list(range(3000, 3100)), "max_tokens": 1})
+            decoded = await stream
+        if shared:
+            assert max(both) >= 0.39  # the second waited for the first's prefill
+            assert decoded >= 0.37  # the stream stood still for the prefill
+        else:
+            assert max(both) < 0.35
+            assert decoded < 0.35
+
+
 async def test_health_fault_fails_health_and_nothing_else(engine: FakeEngine, http) -> None:
     async with http.post(engine.http_url + "/admin/health_fault", json={"ms": 60_000}) as r:
         assert r.status == 200

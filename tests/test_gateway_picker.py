@@ -722,6 +722,7 @@ async def test_a_disaggregated_fleets_pick_names_the_prefill_engine_for_the_deco
         assert decoder.rank_stats[0].decode_legs == 1 and verdict("short_suffix") == 2
         await eventually(lambda: router.load.total == 0, timeout=10, what="the picks and prefills released")
         assert predicted_blocks(router) == 0
+        assert router.proxy.prefill.queues.total == 0  # every prompt out of its prefill queue
 
 
 async def test_a_remote_prefill_runs_on_the_decode_legs_data_parallel_rank(tmp_path):

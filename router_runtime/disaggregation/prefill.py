@@ -35,8 +35,9 @@ from ..tracing.spans import NO_TRACE, SpanKind, Trace
 from ..worker import Role
 from . import sglang, vllm
 from .config import DisaggregationConfig, Protocol
-from .decider import Need, Verdict, need, paired
+from .decider import Need, Verdict, need, paired, sooner
 from .metrics import PdMetrics
+from .queues import PrefillQueues, Queued
 
 REQUEST_ID = "X-Request-Id"
 SIDECAR_KINDS = frozenset({Kind.COMPLETION, Kind.CHAT})  # the paths llm-d's routing sidecar serves
@@ -70,6 +71,8 @@ class DecodeLeg:
     transferred_tokens: int = 0  # at most what the decode engine takes from the prefill engine
     ready: asyncio.Future[None] | None = None
     revision: str = ""
+    # A prompt the decode engine prefills itself, in its queue until the decode answers its first byte.
+    queued: Queued | None = None
 
     def serves(self, revision: str) -> bool:
         """Whether a retry on a decode engine of ``revision`` can send this leg as it is (a vLLM
@@ -85,6 +88,7 @@ class Planned:
     verdict: Verdict
     chosen: Decision | None = None
     moved: int = 0
+    queued: Queued | None = None  # ``named``'s: the prompt in its prefill engine's or decode engine's queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +127,7 @@ class RemotePrefill:
         self._session = session
         self._acquire = acquire
         self._release = release
+        self.queues = PrefillQueues()  # what each target is still to prefill, as this replica sent it
 
     async def decode_leg(
         self,
@@ -148,7 +153,17 @@ class RemotePrefill:
         self.metrics.verdict(verdict)
         # Never the client's own parameters, whatever the API.
         body = vllm.decode_body(prompt.raw, prompt.body, params)
-        return DecodeLeg(body, headers, verdict, prefill, moved, revision=revision)
+        queued = None
+        if verdict is not Verdict.REMOTE and self.targets.role(engine) is Role.DECODE:
+            queued = self.queues.add(decision.target, self._uncached(prompt.route, prompt.index, decision))
+        return DecodeLeg(body, headers, verdict, prefill, moved, revision=revision, queued=queued)
+
+    @staticmethod
+    def _uncached(route: RouteRequest, index: RadixIndex | None, decision: Decision) -> int:
+        """The prompt tokens ``decision``'s target lacks, by the index (0: not tokenized)."""
+        if route.tokens is None or index is None:
+            return 0
+        return max(len(route.tokens) - decision.matched_blocks * index.block_size, 0)
 
     def _wanted(self, route: RouteRequest, index: RadixIndex | None, decision: Decision) -> Need:
         tokens = route.tokens
@@ -194,6 +209,12 @@ class RemotePrefill:
         candidates = tuple(
             t for t in candidates if t.engine not in skip and (not same_rank or _runs_rank(t, rank))
         )
+        # Behind backed-up prefill engines the decode engine starts it sooner (a threshold of 0 is always
+        # remote; SGLang's decode engines cannot prefill alone).
+        if candidates and self.config.threshold_tokens and not sglang_:
+            candidates = sooner(candidates, decision.target, self.queues.get)
+            if not candidates:
+                return Planned(Verdict.PREFILL_BUSY)
         chosen = self._choose(route, index, candidates) if candidates else None
         if chosen is None:
             return Planned(Verdict.NO_PREFILL_ENGINE)
@@ -204,7 +225,8 @@ class RemotePrefill:
         the sidecar's beside the decode engine: docs/disaggregation.md), its prefill engine loaded until
         ``ended``. The sidecar serves completions and chat only, and names a prefill engine by address
         alone, passing the decode leg's rank header on to it: in vLLM's flow the prefill leg runs on the
-        decode leg's rank, so the prefill engine is chosen among the targets that header reaches."""
+        decode leg's rank, so the prefill engine is chosen among the targets that header reaches. The prompt
+        waits in the queue of the engine that prefills it (queues.py) until ``ended`` too."""
         # The rank header is vLLM's flow's (an SGLang decode engine cannot prefill alone: any rank).
         vllm_ = self.config.protocol == Protocol.VLLM
         planned = self.plan(kind, route, index, decision, kinds=SIDECAR_KINDS, same_rank=vllm_)
@@ -216,6 +238,11 @@ class RemotePrefill:
         if planned.chosen is not None:
             self.metrics.remote_tokens.inc(planned.moved)
             self._acquire(planned.chosen.target, len(route.tokens or ()))
+            uncached = self._uncached(route, index, planned.chosen)
+            return replace(planned, queued=self.queues.add(planned.chosen.target, uncached))
+        if self.targets.role(decision.target.engine) is Role.DECODE and vllm_:
+            uncached = self._uncached(route, index, decision)
+            return replace(planned, queued=self.queues.add(decision.target, uncached))
         return planned
 
     def serves_alone(self, target: Target) -> bool:
@@ -232,7 +259,9 @@ class RemotePrefill:
         return without_member(raw, body, vllm.PARAMS)
 
     def ended(self, planned: Planned, route: RouteRequest) -> None:
-        """A ``named`` remote prefill is over (the decode engine answered, or the request ended)."""
+        """A ``named`` plan's prefill is over (the decode engine answered, or the request ended)."""
+        if planned.queued is not None:
+            planned.queued.done()
         if planned.chosen is not None:
             self._release(planned.chosen.target, len(route.tokens or ()))
             self.profile.ended(planned.chosen)
@@ -339,6 +368,7 @@ class RemotePrefill:
             headers[RANK_HEADER] = str(target.rank)
         n = len(tokens) if tokens is not None else 0
         self._acquire(target, n)
+        queued = self.queues.add(target, self._uncached(prompt.route, index, chosen))
         t0 = time.perf_counter()
         reason = "cancelled"  # until it ends otherwise (the request went away, or its decode leg did)
         cut = "timeout"  # what a TimeoutError means: the leg's own timeout, or the request's deadline
@@ -376,6 +406,7 @@ class RemotePrefill:
         except aiohttp.ClientError:
             reason = "upstream_error"
         finally:
+            queued.done()
             self._release(target, n)
             self.profile.ended(chosen)
             if reason == "ok":

@@ -130,7 +130,8 @@ class _Stream:
         self.target: Target | None = None  # counted in the load until the stream ends
         self.ended: Callable[[], None] | None = None  # tells the scheduler the picked request is over
         # A remote prefill the picker named (a disaggregated fleet): the prefill engine's ip:port, and
-        # what ends its count once the decode engine answers (its sidecar ran the prefill leg first).
+        # what ends its count once the decode engine answers (its sidecar ran the prefill leg first), or
+        # a decode engine's own prefill's place in its queue.
         self.prefiller: str | None = None
         self.prefilled: Callable[[], None] | None = None
         self.watches: Sequence[ResponseWatch] = ()
@@ -467,11 +468,13 @@ class EndpointPicker:
             except Unservable as e:
                 raise bad_request(str(e)) from None
             span.set("routerfleet.pd.verdict", planned.verdict.value)
-            if planned.chosen is None:
-                return
-            span.set("routerfleet.engine", planned.chosen.target.engine)
+            if planned.chosen is not None:
+                span.set("routerfleet.engine", planned.chosen.target.engine)
+        if planned.chosen is not None or planned.queued is not None:
+            stream.prefilled = partial(prefill.ended, planned, scheduled.route)
+        if planned.chosen is None:
+            return
         stream.prefiller = planned.chosen.target.endpoint
-        stream.prefilled = partial(prefill.ended, planned, scheduled.route)
         scheduled.transferred(decision, planned.moved)
 
     def _decided(

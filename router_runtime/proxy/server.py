@@ -412,9 +412,12 @@ class Proxy:
                     if e.reason == "connect_timeout":
                         raise gateway_timeout(e.message, "connect_timeout") from None
                     raise bad_gateway(e.message, "upstream_connect_failed") from None
-                return await self._relay(request, upstream, x, watches, ctx, span)
+                prefilled = None if leg is None or leg.queued is None else leg.queued.done
+                return await self._relay(request, upstream, x, watches, ctx, span, prefilled)
             finally:
                 span.end()
+                if leg is not None and leg.queued is not None:
+                    leg.queued.done()
                 if leg is not None and leg.ready is not None:
                     leg.ready.cancel()  # done, or no decode engine will join its room
                     if leg.ready.done() and not leg.ready.cancelled():
@@ -500,10 +503,11 @@ class Proxy:
         watches: Sequence[ResponseWatch],
         ctx: _Ctx,
         span: Span,
+        prefilled: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
         """Stream the engine's response to the client, through the hooks' ``watches``
         (scheduling/hooks.py): its status and headers, each chunk before the client gets it, the end,
-        and completion."""
+        and completion. ``prefilled``: told at the first chunk (the engine has prefilled the prompt)."""
         loop = asyncio.get_running_loop()
         start = x.started
         done = False
@@ -538,6 +542,9 @@ class Proxy:
                         chunk = await content.readany()
                         if not chunk:
                             break
+                        if prefilled is not None:
+                            prefilled()
+                            prefilled = None
                         if first_chunk:  # for a stream, the time to its first token
                             first_chunk = False
                             span.set(
