@@ -18,12 +18,13 @@ from router_runtime.config import RouterConfig
 from router_runtime.disaggregation import sglang, vllm
 from router_runtime.disaggregation.config import DisaggregationConfig, Protocol
 from router_runtime.disaggregation.decider import Verdict, need, paired, sooner
+from router_runtime.disaggregation.prefill import Prompt
 from router_runtime.disaggregation.queues import PrefillQueues
 from router_runtime.discovery.static import parse_worker
 from router_runtime.kv.config import KvConfig
 from router_runtime.proxy.config import ProxyConfig, Timeouts
 from router_runtime.proxy.health import HealthConfig
-from router_runtime.scheduling.types import Decision, Reason, Target
+from router_runtime.scheduling.types import Decision, Kind, Reason, RouteRequest, Target
 from router_runtime.tracing.config import TracingConfig
 from router_runtime.tracing.spans import Trace, Tracer
 from router_runtime.worker import Role
@@ -463,6 +464,31 @@ async def test_sglang_prefills_every_request_remotely_in_one_room_with_the_decod
         async with f.session.post(f.url + "/generate", json=body) as r:  # SGLang's own API, a forged room
             assert r.status == 200, await r.text()
         assert verdicts(f.router)["remote"] == 3 and sum(legs(f.prefillers, "prefill_legs")) == 3
+
+
+async def test_sglang_prefill_legs_planned_back_to_back_each_count_before_either_runs():
+    """SGLang's prefill leg runs beside its decode leg, in a task of its own: it counts in its engine's
+    load and prefill queue from its plan, not from when its task first runs, or a burst of requests
+    planned before any leg started would all pick the same idle-looking prefill engine."""
+    async with pd_fleet(protocol=Protocol.SGLANG) as f:
+        prefill = f.router.proxy.prefill
+        (decode, *_) = [t for t in f.router.targets.candidates() if t.engine == f.decoders[0].http_url]
+        legs_ = []
+        for k in (1000, 2000):  # planned back to back, as a burst's handlers may run
+            tokens = list(range(k, k + 66))
+            body = {"prompt": tokens, "max_tokens": 1}
+            prompt = Prompt(
+                Kind.COMPLETION, json.dumps(body).encode(), body, {}, RouteRequest(tokens), f.router.kv.index
+            )
+            legs_.append(
+                await prefill.decode_leg(prompt, Decision(decode, Reason.NO_MATCH), "/v1/completions")
+            )
+        assert prefill.queues.total == 2 * 66 and f.router.load.total == 2  # neither task has run yet
+        assert {leg.prefill.engine for leg in legs_} == {e.http_url for e in f.prefillers}
+        for leg in legs_:
+            leg.ready.cancel()  # never run: what the legs held is let go all the same
+        await asyncio.gather(*(leg.ready for leg in legs_), return_exceptions=True)
+        assert prefill.queues.total == 0 and f.router.load.total == 0
 
 
 async def test_an_sglang_prefill_that_fails_fails_the_request_clearly_and_never_holds_it():

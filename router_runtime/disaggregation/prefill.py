@@ -323,9 +323,13 @@ class RemotePrefill:
         room = sglang.Room.new(_host(target), port)
         both = sglang.with_room(raw, body, room)
 
+        # Counted now, not when the leg's task first runs: the next request's plan, which may come first,
+        # sees it (a burst would pile onto one prefill engine); ended even if the task never runs.
+        held = self._hold(prompt, chosen)
+
         async def prefilled() -> None:
             answered = await self._leg(
-                prompt, chosen, path, both, headers, trace, _drained, deadline=deadline
+                prompt, chosen, path, both, headers, trace, _drained, deadline=deadline, held=held
             )
             if answered is None:
                 self.metrics.verdict(Verdict.PREFILL_FAILED)
@@ -334,6 +338,7 @@ class RemotePrefill:
             self.metrics.remote_tokens.inc(moved)
 
         ready = asyncio.ensure_future(prefilled())
+        ready.add_done_callback(lambda _: held())
         return DecodeLeg(both, headers, Verdict.REMOTE, target, moved, ready, revision)
 
     def _audit(self, chosen: Decision, cached: int, block_size: int) -> None:
@@ -341,6 +346,25 @@ class RemotePrefill:
         credited (the decode leg's is the proxy's, with the transfer expected: proxy/audit.py)."""
         audit = judge(Prediction(chosen.matched_blocks * block_size, block_size=block_size), cached)
         self.metrics.prefill_audit(audit)
+
+    def _hold(self, prompt: Prompt, chosen: Decision) -> Callable[[], None]:
+        """Count ``chosen``'s prefill leg from now, in its engine's load and prefill queue; the call
+        returned ends it, once, with the profile's count of the decision."""
+        target, tokens = chosen.target, prompt.route.tokens
+        n = len(tokens) if tokens is not None else 0
+        self._acquire(target, n)
+        queued = self.queues.add(target, self._uncached(prompt.route, prompt.index, chosen))
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                queued.done()
+                self._release(target, n)
+                self.profile.ended(chosen)
+
+        return end
 
     async def _leg(
         self,
@@ -354,11 +378,13 @@ class RemotePrefill:
         *,
         keep: bool = False,
         deadline: float | None = None,
+        held: Callable[[], None] | None = None,
     ) -> Any:
         """One prefill request, bounded by the prefill timeout and by ``deadline`` (the request's first
         byte's, the event loop's clock): ``accept`` of its answer (kept whole with ``keep``, else
         drained: b""), or None; counted by outcome, and audited against the prefill decision when the
-        answer reports its cached tokens."""
+        answer reports its cached tokens. ``held``: the leg already counted (``_hold``)."""
+        end = held or self._hold(prompt, chosen)
         target = chosen.target
         tokens, index = prompt.route.tokens, prompt.index
         headers = CIMultiDict(prompt.headers)  # already what an engine may see (proxy/headers.py)
@@ -366,9 +392,6 @@ class RemotePrefill:
         headers["Content-Type"] = "application/json"
         if target.rank is not None:
             headers[RANK_HEADER] = str(target.rank)
-        n = len(tokens) if tokens is not None else 0
-        self._acquire(target, n)
-        queued = self.queues.add(target, self._uncached(prompt.route, index, chosen))
         t0 = time.perf_counter()
         reason = "cancelled"  # until it ends otherwise (the request went away, or its decode leg did)
         cut = "timeout"  # what a TimeoutError means: the leg's own timeout, or the request's deadline
@@ -406,9 +429,7 @@ class RemotePrefill:
         except aiohttp.ClientError:
             reason = "upstream_error"
         finally:
-            queued.done()
-            self._release(target, n)
-            self.profile.ended(chosen)
+            end()
             if reason == "ok":
                 self.metrics.leg_seconds.observe(time.perf_counter() - t0)
             else:
