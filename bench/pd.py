@@ -12,7 +12,8 @@ streamed completions), ``--concurrency`` conversations at a time. Rows (fresh en
 
 - ``colocated``: the same number of engines, every one whole (no disaggregation), our kv_aware router;
 - ``ours``: half prefill, half decode engines; a remote prefill only when the decode engine's uncached
-  suffix reaches ``--pd-threshold-tokens`` (the default 512);
+  suffix reaches ``--pd-threshold-tokens`` (the default 512) and a prefill engine would start it no
+  later than the decode engine;
 - ``ours, always remote``: the same with ``--pd-threshold-tokens 0`` (every request prefilled remotely,
   as a router without the decider does);
 - ``Envoy + ours (picker)``: the ``ours`` fleet behind real Envoy, our router its endpoint picker: the
@@ -24,8 +25,10 @@ streamed completions), ``--concurrency`` conversations at a time. Rows (fresh en
 - SGLang: ours (``--pd-protocol sglang``: every request prefilled remotely, both engines by what they
   hold) and sglang-router in its P/D mode (``--pd-disaggregation``, cache_aware).
 
-Figures, medians over runs (min-max): TTFT p50/p99 client-side (send to the first streamed byte),
-output tokens/s, remote prefills per request and blocks transferred (the engines' own counters).
+The engines share their compute (``--shared-compute``: a rank prefills one prompt at a time and its
+streams wait while it does; ``--alone-compute`` turns it off). Figures, medians over runs (min-max):
+TTFT p50/p99 client-side (send to the first streamed byte), output tokens/s, remote prefills per
+request and blocks transferred (the engines' own counters).
 """
 
 from __future__ import annotations
