@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 
 class Compute:
@@ -58,3 +59,18 @@ class Alone:
 
     async def stalled(self) -> float:
         return 0.0
+
+
+async def paced(tokens: int, rate: float, compute: Compute | Alone) -> AsyncIterator[int]:
+    """Each of ``tokens`` output tokens' index once it is decoded, at ``rate`` per second (0: at once).
+    With shared compute a token after the first (the prefill step's own) waits while the rank prefills,
+    and the rest of the schedule moves with it."""
+    start = time.monotonic()
+    for i in range(tokens):
+        if rate:
+            wait = start + (i + 1) / rate - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if i:
+                start += await compute.stalled()
+        yield i

@@ -40,7 +40,7 @@ from routerfleet_fake_engine import pooling_api, transfer
 from routerfleet_fake_engine.adapters import AdapterSlots
 from routerfleet_fake_engine.admin import admin_routes
 from routerfleet_fake_engine.cache import Admission, CacheConfig, RankCache
-from routerfleet_fake_engine.compute import Alone, Compute
+from routerfleet_fake_engine.compute import Alone, Compute, paced
 from routerfleet_fake_engine.config import FakeEngineConfig
 from routerfleet_fake_engine.generate_api import (
     GenerateShape,
@@ -726,9 +726,8 @@ class FakeEngine:
                 if req.stream:
                     response = await self._stream(request, req, shape, output, usage, headers, compute)
                 else:
-                    await _sleep(len(output) / cfg.decode_tokens_per_s if cfg.decode_tokens_per_s else 0)
-                    if len(output) > 1:  # the first token is the prefill's own step's
-                        await compute.stalled()
+                    async for _ in paced(len(output), cfg.decode_tokens_per_s, compute):
+                        pass
                     body = shape.full(text, usage)
                     if remote is not None and remote.decode:
                         body[transfer.PARAMS] = transfer.answer_params(
@@ -781,17 +780,11 @@ class FakeEngine:
         usage in a chat stream unless asked for."""
         response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         await response.prepare(request)
-        rate = self.config.decode_tokens_per_s
-        start = time.monotonic()
         try:
             for event in shape.opening(usage):
                 await response.write(event)
-            for i, token in enumerate(output):
-                if rate:
-                    await _sleep(start + (i + 1) / rate - time.monotonic())
-                    if i:  # the first token is the prefill's own step's; the schedule moves with a stall
-                        start += await compute.stalled()
-                await response.write(shape.delta(decode([token]), i, i == len(output) - 1))
+            async for i in paced(len(output), self.config.decode_tokens_per_s, compute):
+                await response.write(shape.delta(decode([output[i]]), i, i == len(output) - 1))
             text = decode(output)
             self._keep(req, shape, text, usage)
             for event in shape.closing(text, usage):

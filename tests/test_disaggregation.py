@@ -133,16 +133,17 @@ def test_the_fake_decode_leg_takes_the_blocks_past_its_own_prefix():
         transfer.remote_of({"kv_transfer_params": {"do_remote_prefill": True}})
 
 
-def test_a_long_prompt_goes_where_it_starts_sooner_and_each_prompt_leaves_its_queue_once():
+def test_a_long_prompt_goes_where_it_starts_soon_enough_and_each_prompt_leaves_its_queue_once():
     d, p1, p2 = (Target(e, f"http://{e}") for e in ("d", "p1", "p2"))
     queues = PrefillQueues()
-    assert sooner((p1, p2), d, queues.get) == (p1, p2)  # nothing queued anywhere: remote
+    assert sooner((p1, p2), d, queues.get, 0) == (p1, p2)  # nothing queued anywhere: remote
     first = queues.add(p1, 2048)
-    assert sooner((p1, p2), d, queues.get) == (p2,)
+    assert sooner((p1, p2), d, queues.get, 0) == (p2,)
     second = queues.add(p2, 100)
-    assert sooner((p1, p2), d, queues.get) == ()  # both backed up: the decode engine starts it sooner
+    assert sooner((p1, p2), d, queues.get, 0) == ()  # both backed up: the decode engine starts it sooner
+    assert sooner((p1, p2), d, queues.get, 100) == (p2,)  # within the margin: worth the wait
     local = queues.add(d, 100)
-    assert sooner((p1, p2), d, queues.get) == (p2,)  # as much queued here as there: remote
+    assert sooner((p1, p2), d, queues.get, 0) == (p2,)  # as much queued here as there: remote
     for q in (first, first, second, local):  # done twice counts once
         q.done()
     assert (queues.get(p1), queues.get(p2), queues.get(d), queues.total) == (0, 0, 0, 0)
@@ -299,6 +300,33 @@ async def test_behind_a_backed_up_prefill_engine_the_decode_engine_prefills_a_lo
         assert queues.total == 0  # each prompt left its queue (the decode engine's at its first byte)
         await chat_stream(f.session, f.url, list(range(300, 366)))
         assert verdicts(f.router)["remote"] == 2
+
+
+async def test_only_a_streamed_prompt_waits_in_its_decode_engines_queue():
+    """A prompt counts in its decode engine's queue until its first byte says it is prefilled: a whole
+    answer's first byte comes after the generation, so a prompt answered whole is not counted."""
+    async with pd_fleet(decode=1, prefill=1) as f:
+        prefill = f.router.proxy.prefill
+        candidates = f.router.targets.candidates()
+        (decode,) = [t for t in candidates if t.engine == f.decoders[0].http_url]
+        (busy,) = prefill.targets.prefill_candidates()
+        backlog = prefill.queues.add(busy, 1000)  # the prefill engine backed up
+        legs_ = []
+        for streamed in (True, False):
+            tokens = list(range(100, 166))
+            body = {"prompt": tokens, "max_tokens": 1, "stream": streamed}
+            prompt = Prompt(
+                Kind.COMPLETION, json.dumps(body).encode(), body, {}, RouteRequest(tokens), f.router.kv.index
+            )
+            legs_.append(
+                await prefill.decode_leg(prompt, Decision(decode, Reason.NO_MATCH), "/v1/completions")
+            )
+        assert [leg.verdict for leg in legs_] == [Verdict.PREFILL_BUSY] * 2
+        assert legs_[0].queued is not None and legs_[1].queued is None
+        assert prefill.queues.get(decode) == 66
+        legs_[0].queued.done()
+        backlog.done()
+        assert prefill.queues.total == 0
 
 
 async def test_a_prefill_engine_that_refuses_is_skipped_and_without_one_the_decode_engine_prefills():

@@ -4,7 +4,7 @@
     suffix < threshold                   -> the decode engine prefills it itself (no transfer)
     every paired prefill engine has more -> the decode engine prefills it itself (it starts sooner:
     queued to prefill than the decode       queues.py; a threshold of 0 is always remote)
-    rank
+    rank, by more than the threshold
     else                                 -> a prefill engine of the decode engine's revision, chosen by
                                             the prefill profile (prefix held, load); its KV goes to the
                                             decode engine
@@ -30,7 +30,7 @@ class Verdict(enum.StrEnum):
     REMOTE = "remote"  # on a prefill engine, its KV sent to the decode engine
     SHORT_SUFFIX = "short_suffix"  # the decode engine's uncached suffix is under the threshold
     NO_PREFILL_ENGINE = "no_prefill_engine"  # none healthy of the decode engine's revision
-    PREFILL_BUSY = "prefill_busy"  # every prefill engine paired with it has more queued to prefill
+    PREFILL_BUSY = "prefill_busy"  # every prefill engine paired with it is backed up (``sooner``)
     UNSUPPORTED_API = "unsupported_api"  # an API whose body carries no transfer parameters
     PREFILL_FAILED = "prefill_failed"  # the prefill engines asked failed or timed out
     WHOLE_ENGINE = "whole_engine"  # the chosen engine is a whole one (role both): it prefills its own
@@ -56,13 +56,16 @@ def need(decision: Decision, n_tokens: int | None, block_size: int, threshold_to
     return Need(True, uncached)
 
 
-def sooner(prefill: Sequence[Target], decode: Target, queued: Callable[[Target], int]) -> tuple[Target, ...]:
-    """The prefill targets that would start the prompt no later than ``decode`` would: no more prompt
-    tokens ``queued`` to prefill there than on the decode target. Behind a backed-up prefill engine a
-    long prompt starts sooner on its decode engine (Dynamo's conditional disaggregation also asks how
+def sooner(
+    prefill: Sequence[Target], decode: Target, queued: Callable[[Target], int], margin: int
+) -> tuple[Target, ...]:
+    """The prefill targets that would start the prompt soon enough: at most ``margin`` more prompt tokens
+    ``queued`` to prefill there than on the decode target (the threshold: a local prefill that long
+    would stall the decode rank's streams, worth that much of a wait). Behind a backed-up prefill engine
+    a long prompt starts sooner on its decode engine (Dynamo's conditional disaggregation also asks how
     long the prefill queue is); while they keep up, every prefill engine qualifies."""
-    mine = queued(decode)
-    return tuple(t for t in prefill if queued(t) <= mine)
+    bound = queued(decode) + margin
+    return tuple(t for t in prefill if queued(t) <= bound)
 
 
 def paired(prefill: Sequence[Target], decode: Target, revision: Callable[[str], str]) -> tuple[Target, ...]:

@@ -154,7 +154,11 @@ class RemotePrefill:
         # Never the client's own parameters, whatever the API.
         body = vllm.decode_body(prompt.raw, prompt.body, params)
         queued = None
-        if verdict is not Verdict.REMOTE and self.targets.role(engine) is Role.DECODE:
+        if (
+            verdict is not Verdict.REMOTE
+            and self.targets.role(engine) is Role.DECODE
+            and streams(prompt.body)
+        ):
             queued = self.queues.add(decision.target, self._uncached(prompt.route, prompt.index, decision))
         return DecodeLeg(body, headers, verdict, prefill, moved, revision=revision, queued=queued)
 
@@ -212,7 +216,7 @@ class RemotePrefill:
         # Behind backed-up prefill engines the decode engine starts it sooner (a threshold of 0 is always
         # remote; SGLang's decode engines cannot prefill alone).
         if candidates and self.config.threshold_tokens and not sglang_:
-            candidates = sooner(candidates, decision.target, self.queues.get)
+            candidates = sooner(candidates, decision.target, self.queues.get, self.config.threshold_tokens)
             if not candidates:
                 return Planned(Verdict.PREFILL_BUSY)
         chosen = self._choose(route, index, candidates) if candidates else None
@@ -220,13 +224,16 @@ class RemotePrefill:
             return Planned(Verdict.NO_PREFILL_ENGINE)
         return Planned(Verdict.REMOTE, chosen, wanted.uncached_tokens or 0)
 
-    def named(self, kind: Kind, route: RouteRequest, index: RadixIndex | None, decision: Decision) -> Planned:
+    def named(
+        self, kind: Kind, route: RouteRequest, index: RadixIndex | None, decision: Decision, streamed: bool
+    ) -> Planned:
         """The gateway's remote prefill (gateway/picker.py): the plan, counted when named (the legs are
         the sidecar's beside the decode engine: docs/disaggregation.md), its prefill engine loaded until
         ``ended``. The sidecar serves completions and chat only, and names a prefill engine by address
         alone, passing the decode leg's rank header on to it: in vLLM's flow the prefill leg runs on the
-        decode leg's rank, so the prefill engine is chosen among the targets that header reaches. The prompt
-        waits in the queue of the engine that prefills it (queues.py) until ``ended`` too."""
+        decode leg's rank, so the prefill engine is chosen among the targets that header reaches. A
+        ``streamed`` request's prompt waits in the queue of the engine that prefills it (queues.py) until
+        the picker takes it out (``Planned.queued``) at the answer's first byte."""
         # The rank header is vLLM's flow's (an SGLang decode engine cannot prefill alone: any rank).
         vllm_ = self.config.protocol == Protocol.VLLM
         planned = self.plan(kind, route, index, decision, kinds=SIDECAR_KINDS, same_rank=vllm_)
@@ -238,6 +245,11 @@ class RemotePrefill:
         if planned.chosen is not None:
             self.metrics.remote_tokens.inc(planned.moved)
             self._acquire(planned.chosen.target, len(route.tokens or ()))
+        # Queued only where its first streamed byte will tell that the prompt is prefilled (the sidecar
+        # runs the prefill leg before the decode's): a whole answer comes only after the generation.
+        if not streamed:
+            return planned
+        if planned.chosen is not None:
             uncached = self._uncached(route, index, planned.chosen)
             return replace(planned, queued=self.queues.add(planned.chosen.target, uncached))
         if self.targets.role(decision.target.engine) is Role.DECODE and vllm_:
@@ -259,9 +271,7 @@ class RemotePrefill:
         return without_member(raw, body, vllm.PARAMS)
 
     def ended(self, planned: Planned, route: RouteRequest) -> None:
-        """A ``named`` plan's prefill is over (the decode engine answered, or the request ended)."""
-        if planned.queued is not None:
-            planned.queued.done()
+        """A ``named`` remote prefill is over (the decode engine answered, or the request ended)."""
         if planned.chosen is not None:
             self._release(planned.chosen.target, len(route.tokens or ()))
             self.profile.ended(planned.chosen)
@@ -439,6 +449,12 @@ class RemotePrefill:
         if result is not None and scan.cached_tokens is not None and tokens is not None and index is not None:
             self._audit(chosen, scan.cached_tokens, index.block_size)
         return result
+
+
+def streams(body: Mapping[str, Any]) -> bool:
+    """Whether a request's answer streams (its first byte follows the prefill; a whole answer's, the
+    generation)."""
+    return body.get("stream") is True
 
 
 def _runs_rank(target: Target, rank: int | None) -> bool:

@@ -29,7 +29,8 @@ from urllib.parse import unquote
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from multidict import CIMultiDict
 
-from ..disaggregation.prefill import PrefillFailed, RemotePrefill, Unservable
+from ..disaggregation.prefill import PrefillFailed, RemotePrefill, Unservable, streams
+from ..disaggregation.queues import Queued
 from ..fleet.inflight import LoadTracker
 from ..proxy.audit import USAGE_OPTION_KINDS, request_usage
 from ..proxy.bodies import Bodies, Share
@@ -99,6 +100,7 @@ class _Stream:
         "picker",
         "prefilled",
         "prefiller",
+        "queued",
         "share",
         "size",
         "status",
@@ -130,10 +132,11 @@ class _Stream:
         self.target: Target | None = None  # counted in the load until the stream ends
         self.ended: Callable[[], None] | None = None  # tells the scheduler the picked request is over
         # A remote prefill the picker named (a disaggregated fleet): the prefill engine's ip:port, and
-        # what ends its count once the decode engine answers (its sidecar ran the prefill leg first), or
-        # a decode engine's own prefill's place in its queue.
+        # what ends its count once the decode engine answers (its sidecar ran the prefill leg first);
+        # and the prompt's place in the queue of the engine that prefills it, until the first byte.
         self.prefiller: str | None = None
         self.prefilled: Callable[[], None] | None = None
+        self.queued: Queued | None = None
         self.watches: Sequence[ResponseWatch] = ()
         self.chunks: Sequence[ResponseWatch] = ()  # the watches that look at body chunks
         self.exchange: Exchange | None = None
@@ -218,6 +221,7 @@ class EndpointPicker:
         stream.closed = True
         stream.share.release()
         _prefill_over(stream)
+        _prefilled(stream)
         if stream.target is not None:
             self.load.release(stream.target)
         if stream.ended is not None:
@@ -257,6 +261,7 @@ class EndpointPicker:
         if phase == "response_headers":
             return [self._response_headers(stream, message)]
         if phase == "response_body":
+            _prefilled(stream)
             part = message.response_body
             if (
                 stream.upstream.recording
@@ -417,7 +422,8 @@ class EndpointPicker:
             decision = scheduled.decide(candidates, 0)
             stream.ended = partial(scheduled.ended, decision)
             if prefill is not None:
-                self._plan_prefill(stream, prefill, kind, scheduled, decision)
+                streamed = isinstance(body, dict) and streams(body)
+                self._plan_prefill(stream, prefill, kind, scheduled, decision, streamed)
             prediction = scheduled.prediction(decision)
             x = Exchange(
                 decision.target,
@@ -455,14 +461,20 @@ class EndpointPicker:
 
     @staticmethod
     def _plan_prefill(
-        stream: _Stream, prefill: RemotePrefill, kind: Kind, scheduled: Scheduled, decision: Decision
+        stream: _Stream,
+        prefill: RemotePrefill,
+        kind: Kind,
+        scheduled: Scheduled,
+        decision: Decision,
+        streamed: bool,
     ) -> None:
         """A disaggregated fleet: whether the decode engine's sidecar prefills remotely, and where (the
         proxy's own decision: disaggregation/prefill.py); the decode engine's prediction expects what the
-        transfer hands it."""
+        transfer hands it. ``streamed``: the answer streams (its first byte says the prompt is
+        prefilled)."""
         with stream.trace.span("prefill_plan") as span:
             try:
-                planned = prefill.named(kind, scheduled.route, scheduled.index, decision)
+                planned = prefill.named(kind, scheduled.route, scheduled.index, decision, streamed)
             except PrefillFailed as e:  # as the proxy answers: nowhere to prefill, and the engine cannot
                 raise no_engine(f"no engine can take the request: {e}") from None
             except Unservable as e:
@@ -470,11 +482,11 @@ class EndpointPicker:
             span.set("routerfleet.pd.verdict", planned.verdict.value)
             if planned.chosen is not None:
                 span.set("routerfleet.engine", planned.chosen.target.engine)
-        if planned.chosen is not None or planned.queued is not None:
-            stream.prefilled = partial(prefill.ended, planned, scheduled.route)
+        stream.queued = planned.queued
         if planned.chosen is None:
             return
         stream.prefiller = planned.chosen.target.endpoint
+        stream.prefilled = partial(prefill.ended, planned, scheduled.route)
         scheduled.transferred(decision, planned.moved)
 
     def _decided(
@@ -555,6 +567,13 @@ async def _settled(
     answers: list[ep.ProcessingResponse] | Awaitable[list[ep.ProcessingResponse]],
 ) -> list[ep.ProcessingResponse]:
     return answers if isinstance(answers, list) else await answers
+
+
+def _prefilled(stream: _Stream) -> None:
+    """The answer's first byte: the prompt is prefilled, out of its engine's queue (once)."""
+    queued, stream.queued = stream.queued, None
+    if queued is not None:
+        queued.done()
 
 
 def _prefill_over(stream: _Stream) -> None:
