@@ -638,7 +638,7 @@ def validate(fleet: Fleet) -> list[str]:
     if len(set(g.target_ports)) != len(g.target_ports):
         problems.append("spec.gateway.targetPorts must not repeat a port")
     http = s.engines.http_port
-    if g.target_ports and isinstance(http, int) and http not in g.target_ports:
+    if g.enabled and g.target_ports and isinstance(http, int) and http not in g.target_ports:
         problems.append(
             f"spec.gateway.targetPorts must list spec.engines.httpPort ({http}): the routers pick the"
             " engines on it, and a pick on a port the pool does not target goes nowhere"

@@ -94,6 +94,8 @@ def test_target_ports_must_list_the_port_the_routers_pick_the_engines_on():
     endpoint of its own (a number: refused with the spec; a name: when the slices resolve it)."""
     numbered = fleet({"gateway": {"enabled": True, "targetPorts": [9000]}, "engines": {"httpPort": 8000}})
     assert any("must list spec.engines.httpPort (8000)" in p for p in validate(numbered))
+    off = fleet({"gateway": {"enabled": False, "targetPorts": [9000]}, "engines": {"httpPort": 8000}})
+    assert not any("targetPorts" in p for p in validate(off))  # no pool rendered: nothing to refuse
     named = fleet({"gateway": {"enabled": True, "engineSelector": {"pool": "a"}, "targetPorts": [9000]}})
     with pytest.raises(PoolProblem) as e:
         resolve_target(named, [slice_of("vllm", http=8000)], {})
