@@ -218,6 +218,21 @@ async def test_a_client_cannot_name_the_response_id_its_answer_is_bound_under():
                 assert r.status == 200 and (await r.json())["id"] == rid
 
 
+async def test_an_answer_stored_nowhere_is_bound_to_no_engine():
+    """``store: false`` keeps the answer nowhere: binding its id would only push a live binding out of
+    the store. A stored answer's id is bound (streamed or whole)."""
+    async with router_over_fakes(1, BS) as (_engines, router, url, s):
+        ids = {}
+        for store in (False, True):
+            body = {"model": "m", "input": LONG, "max_output_tokens": 2, "store": store}
+            async with s.post(url + "/v1/responses", json=body) as r:
+                assert r.status == 200, await r.text()
+                ids[store] = (await r.json())["id"]
+        assert len(router.bindings.export()) == 1
+        assert (await router.bindings.find(ids[True]))[0] is not None
+        assert (await router.bindings.find(ids[False]))[0] is None
+
+
 # ---- three replicas, no shared store ---------------------------------------------------------------
 
 

@@ -39,7 +39,7 @@ from ..proxy.endpoints import FORWARDED, ROUTED
 from ..proxy.errors import ProxyError, bad_request, no_engine, not_found, too_large
 from ..proxy.headers import ENGINE_HEADER
 from ..proxy.health import HealthBoard
-from ..proxy.responses import without_chosen_id
+from ..proxy.responses import unstored, without_chosen_id
 from ..proxy.salting import salted
 from ..proxy.scheduler import Inbound, Scheduled, Scheduler, unschedulable
 from ..proxy.targets import TargetBook
@@ -435,6 +435,7 @@ class EndpointPicker:
                 prediction,
                 asked is not None,
                 stream.trace if stream.trace.recording else None,
+                unstored(body, kind),
             )
             return decision, x, asked if asked is not None else (raw if raw is not sent else None)
         # Not prompt-bearing: a stored response's own paths go to its engine, the rest by load.

@@ -38,6 +38,12 @@ def without_chosen_id(raw: bytes, body: Any, kind: Kind) -> tuple[bytes, Any]:
     return without_member(raw, body, CHOSEN_ID)
 
 
+def unstored(body: Any, kind: Kind) -> bool:
+    """A Responses request with ``store: false``: its answer is kept nowhere, so its id is bound to no
+    engine (a binding would only push a live one out of the store)."""
+    return kind is Kind.RESPONSES and isinstance(body, dict) and body.get("store") is False
+
+
 def response_error(verdict: Verdict, response_id: str, param: str) -> ProxyError:
     """What a request naming ``response_id`` is answered when it cannot go to its engine."""
     rid = response_id[:256]

@@ -70,7 +70,7 @@ from .headers import (
 from .health import HealthBoard
 from .metrics import ProxyMetrics
 from .request import Kind
-from .responses import response_error, without_chosen_id
+from .responses import response_error, unstored, without_chosen_id
 from .salting import salted
 from .scheduler import Inbound, Scheduled, Scheduler
 from .serving import ServerLimits
@@ -266,6 +266,7 @@ class Proxy:
                 prediction,
                 asked is not None,
                 trace if trace.recording else None,
+                unstored(body, kind),
             )
 
         return await self._forward(

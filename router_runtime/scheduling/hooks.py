@@ -44,6 +44,7 @@ class Exchange:
     prediction: Prediction | None = None  # what the decision credits the target with (KV policies)
     usage_asked: bool = False  # the router asked the engine for stream usage the client did not
     trace: Trace | None = None  # the request's trace, when it is sampled (tracing/)
+    unstored: bool = False  # a Responses request with store: false (its answer is kept nowhere)
 
 
 class ResponseWatch:

@@ -301,7 +301,9 @@ class BindResponseId:
         self.bindings = bindings
 
     def pre_request(self, exchange: Exchange) -> ResponseWatch | None:
-        return _Bind(self.bindings, exchange) if exchange.kind is Kind.RESPONSES else None
+        if exchange.kind is not Kind.RESPONSES or exchange.unstored:
+            return None
+        return _Bind(self.bindings, exchange)
 
 
 class _Bind(ResponseWatch):
