@@ -368,6 +368,32 @@ async def test_a_batch_goes_full_or_at_the_interval_never_just_what_queued_durin
         assert spans_counted(registry) == (taken, 0, 0)
 
 
+async def test_a_collectors_later_is_honoured_and_the_batch_sent_again():
+    """OTLP/HTTP's 429 and 502-504 mean "retry later": the batch goes again once the collector's
+    Retry-After has passed, nothing lost; the stop's last flush does not wait for it."""
+    loop = asyncio.get_running_loop()
+    arrivals: list[float] = []
+
+    async def busy_once(request: web.Request) -> web.Response:
+        await request.read()
+        arrivals.append(loop.time())
+        if len(arrivals) == 1:
+            return web.Response(status=429, headers={"Retry-After": "1"})
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    async with loopback_app(web.post("/v1/traces", busy_once)) as url:
+        exporter, registry = exporter_to(url)
+        exporter.start()
+        try:
+            for _ in range(BATCH_TRACES):
+                exporter.submit(finished_trace(0))
+            await eventually(lambda: spans_counted(registry)[0] == BATCH_TRACES, 10, "the batch again")
+            assert len(arrivals) == 2 and arrivals[1] - arrivals[0] >= 0.95  # after its Retry-After
+        finally:
+            await exporter.stop()
+        assert spans_counted(registry) == (BATCH_TRACES, 0, 0)
+
+
 def test_a_full_queue_drops_new_traces_and_counts_their_spans():
     exporter, registry = exporter_to("http://127.0.0.1:4318")  # never started: nothing is sent
     for _ in range(MAX_QUEUED_TRACES):

@@ -1,6 +1,7 @@
 """Finished traces to a collector: encoded as OTLP (``wire.py``, pure) and POSTed over OTLP/HTTP in
 batches by one task (``OtlpExporter``). Bounded everywhere: a queue of traces (past it, new ones are
-dropped and counted), one export at a time with a deadline, and a last flush at the stop with its own.
+dropped and counted), one export at a time with a deadline, a collector's "later" (429, 502-504) honoured
+with a bounded backoff, and a last flush at the stop with its own deadline.
 
 OTLP/HTTP, not OTLP/gRPC: the router's own HTTP client, not a second network stack with threads of its
 own in the process (bench/README.md, "The cost of tracing")."""
@@ -31,6 +32,10 @@ BATCH_TRACES = 256  # per export request
 INTERVAL_S = 1.0  # a batch goes at least this often while traces wait
 EXPORT_TIMEOUT_S = 5.0
 FLUSH_TIMEOUT_S = 2.0  # what the stop gives the traces still queued
+# OTLP/HTTP's answers that say "later": the batch goes again after the collector's Retry-After, or a
+# backoff doubling from INTERVAL_S up to MAX_BACKOFF_S (the queue's bound holds meanwhile).
+RETRYABLE = frozenset({429, 502, 503, 504})
+MAX_BACKOFF_S = 30.0
 
 
 def resource_of(config: TracingConfig, version: str) -> dict[str, Attr]:
@@ -73,6 +78,8 @@ class OtlpExporter:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._backoff_s = 0.0  # while the collector says "later" (0: it does not)
+        self._resume_at = 0.0  # no export before this (the event loop's clock)
 
     def submit(self, trace: Trace) -> None:
         """Queue a finished trace, encoded now; never raises into the request that made it."""
@@ -110,7 +117,7 @@ class OtlpExporter:
         try:
             async with asyncio.timeout(FLUSH_TIMEOUT_S):
                 while self._queue:
-                    await self._export_batch()
+                    await self._export_batch(retry=False)
         except TimeoutError:
             pass
         finally:
@@ -132,16 +139,18 @@ class OtlpExporter:
                 async with asyncio.timeout_at(due):
                     await self._wake.wait()
             self._wake.clear()
-            while len(self._queue) >= BATCH_TRACES:
+            if loop.time() < self._resume_at:  # the collector asked for a pause
+                await asyncio.sleep(self._resume_at - loop.time())
+            while len(self._queue) >= BATCH_TRACES and loop.time() >= self._resume_at:
                 await self._export_batch()
             if loop.time() >= due:
-                if self._queue:
+                if self._queue and loop.time() >= self._resume_at:
                     await self._export_batch()
                 due = loop.time() + INTERVAL_S
 
-    async def _export_batch(self) -> None:
+    async def _export_batch(self, retry: bool = True) -> None:
         """Send up to BATCH_TRACES queued traces; whatever fails is counted and logged, never raised
-        (the task sending them must outlive any one batch)."""
+        (the task sending them must outlive any one batch). A "later" puts the batch back (``retry``)."""
         n = min(len(self._queue), BATCH_TRACES)
         batch = [self._queue.popleft() for _ in range(n)]
         spans = sum(n for _, n in batch)
@@ -151,6 +160,7 @@ class OtlpExporter:
             async with self._session.post(self.url, data=request) as answer:
                 body = await read_capped(answer.content, STATUS_ONLY)
                 status = answer.status
+                retry_after = answer.headers.get("Retry-After")
         except asyncio.CancelledError:  # the stop, mid-export: the batch is not coming back
             self.metrics.dropped.labels("export_failed").inc(spans)
             raise
@@ -162,6 +172,10 @@ class OtlpExporter:
             self.metrics.dropped.labels("export_failed").inc(spans)
             log.error("trace export to %s failed: %r", self.endpoint, e)
             return
+        if status in RETRYABLE and retry:
+            self._later(batch, retry_after)
+            return
+        self._backoff_s = 0.0
         if status != 200 or body is None:
             self.metrics.dropped.labels("export_failed").inc(spans)
             log.warning("trace export to %s failed: HTTP %d", self.endpoint, status)
@@ -179,3 +193,19 @@ class OtlpExporter:
         if rejected:
             self.metrics.dropped.labels("export_failed").inc(rejected)
         self.metrics.spans.inc(spans - rejected)
+
+    def _later(self, batch: list[tuple[bytes, int]], retry_after: str | None) -> None:
+        """The collector said "later": ``batch`` goes back to the queue's head (what no longer fits is
+        dropped and counted), and no export is sent before its Retry-After (seconds) or the backoff."""
+        if not self._backoff_s:
+            log.warning("trace export to %s: the collector asks to retry later; backing off", self.endpoint)
+        self._backoff_s = min(max(self._backoff_s * 2, INTERVAL_S), MAX_BACKOFF_S)
+        delay = self._backoff_s
+        if retry_after is not None and retry_after.isdigit():  # seconds (a date form: the backoff)
+            delay = min(float(retry_after), MAX_BACKOFF_S)
+        self._resume_at = asyncio.get_running_loop().time() + delay
+        room = max(MAX_QUEUED_TRACES - len(self._queue), 0)
+        kept, lost = batch[:room], batch[room:]
+        self._queue.extendleft(reversed(kept))
+        if lost:
+            self.metrics.dropped.labels("queue_full").inc(sum(n for _, n in lost))
