@@ -187,7 +187,8 @@ async def test_a_prompt_the_engine_may_truncate_or_run_on_its_own_rank_predicts_
     """vLLM keeps only a prompt's end under ``truncate_prompt_tokens`` (a token-in generate's in its
     ``sampling_params``): what it caches is then another sequence. SGLang runs a request on the rank its
     body names (``data_parallel_rank``), whatever the router's header says. Either way the request is
-    routed without tokens and counted, however much of its prompt's own tokens the index holds."""
+    routed without tokens and counted, however much of its prompt's own tokens the index holds. So is
+    one naming an adapter by SGLang's ``lora_path``, which vLLM ignores (two namespaces)."""
     tok = _tokenizer("qwen3")
     async with kv_fleet(n=1, with_tokenizer=tok, **debugging(tmp_path)) as ((engine,), router, url, s):
         prompt = list(range(3000, 3024))
@@ -204,6 +205,7 @@ async def test_a_prompt_the_engine_may_truncate_or_run_on_its_own_rank_predicts_
                 {"token_ids": prompt, "sampling_params": {"truncate_prompt_tokens": 5}},
             ),
             ("/v1/completions", {**plain, "data_parallel_rank": 0}),
+            ("/v1/completions", {**plain, "lora_path": "sql-adapter"}),  # SGLang's: its own namespace
         ]
         async with s.post(url + "/v1/completions", json=plain, headers=headers) as r:
             assert r.status == 200, await r.text()

@@ -190,6 +190,15 @@ def names_rank(body: Mapping[str, Any]) -> bool:
     return body.get("data_parallel_rank") is not None
 
 
+def other_adapter(body: Mapping[str, Any], kind: Kind) -> bool:
+    """Whether an OpenAI-shaped request names an adapter by SGLang's ``lora_path`` (other than its
+    ``lora_name``): SGLang runs it under that adapter, whose blocks are another namespace, and vLLM
+    ignores the field; which kind of engine takes it is not known here, so its tokens predict nothing.
+    (On SGLang's ``/generate`` it is the adapter, read as such.)"""
+    path = body.get("lora_path")
+    return kind is not Kind.GENERATE and path is not None and path != body.get("lora_name")
+
+
 def parse_request(body: Any, kind: Kind) -> ParsedRequest:
     """A decoded JSON body -> what routing needs. Raises ProxyError (400)."""
     if not isinstance(body, dict):

@@ -36,7 +36,7 @@ from ..worker import Carrier
 from .audit import TIERS, Prediction
 from .errors import ProxyError, bad_request, no_engine, shed
 from .metrics import ProxyMetrics
-from .request import ParsedRequest, names_rank, parse_request, truncated
+from .request import ParsedRequest, names_rank, other_adapter, parse_request, truncated
 from .responses import ResponseRouter, response_error
 
 # The APIs rendered as a chat request, and how their body becomes one (tokens/shapes.py).
@@ -320,7 +320,7 @@ class Scheduler:
                 except Untokenizable as e:
                     refused = e.reason
             if needs_tokens:
-                if names_rank(parsed.body):
+                if names_rank(parsed.body) or other_adapter(parsed.body, parsed.kind):
                     refused = Reason.UNSUPPORTED
                 elif parsed.tokens is not None:
                     if truncated(parsed.body, parsed.kind):
