@@ -56,7 +56,7 @@ from .proxy import log_redaction
 from .proxy.audit import PredictionAudit
 from .proxy.debug import DebugPrediction
 from .proxy.drain import Drain
-from .proxy.endpoints import FORWARDED
+from .proxy.endpoints import FORWARDED, RESPONSE_ITEM
 from .proxy.errors import ProxyError, openai_errors
 from .proxy.health import AnswerProvesUp, BreakerState, HealthBoard, HealthChecker
 from .proxy.metrics import ProxyMetrics
@@ -660,11 +660,13 @@ class Router:
         app.router.add_post("/v1/chat/completions", self.proxy.chat_completions)
         app.router.add_get("/v1/models", self.proxy.models)
         app.router.add_post("/v1/responses", self.proxy.responses_create)
-        item = "/v1/responses/{response_id}"
-        app.router.add_get(item, self.proxy.response_item)
-        app.router.add_delete(item, self.proxy.response_item)
-        app.router.add_post(item + "/cancel", self.proxy.response_item)
-        app.router.add_get(item + "/input_items", self.proxy.response_item)
+        for rest, methods in RESPONSE_ITEM.items():
+            item = "/v1/responses/{response_id}" + rest
+            for method in methods:
+                if method == "GET":
+                    app.router.add_get(item, self.proxy.response_item)  # and HEAD
+                else:
+                    app.router.add_route(method, item, self.proxy.response_item)
         app.router.add_post("/v1/messages", self.proxy.messages)
         app.router.add_post("/generate", self.proxy.generate)
         app.router.add_post("/inference/v1/generate", self.proxy.token_generate)

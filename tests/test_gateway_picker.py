@@ -631,6 +631,11 @@ async def test_a_stored_responses_pick_names_no_fallback_and_reads_its_id_as_the
         async with s.get(base + "/v1/responses/" + rid.replace("_", "%5F", 1)) as r:
             assert r.status == 200 and r.headers[ENGINE_HEADER] == holder
         assert named() == holder.removeprefix("http://")
+        # A method or a path neither serves under it is refused as the proxy refuses it, never relayed.
+        for method, path, status in (("PUT", "", 405), ("GET", "/nonsense", 404), ("DELETE", "/cancel", 405)):
+            async with s.request(method, base + "/v1/responses/" + rid + path) as r:
+                error = (await r.json())["error"]
+                assert r.status == status and error["code"] in ("method_not_allowed", "not_found"), error
 
 
 async def pd_gateway(

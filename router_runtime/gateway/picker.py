@@ -35,8 +35,8 @@ from ..fleet.inflight import LoadTracker
 from ..proxy.audit import USAGE_OPTION_KINDS, request_usage
 from ..proxy.bodies import Bodies, Share
 from ..proxy.config import ProxyConfig
-from ..proxy.endpoints import FORWARDED, ROUTED
-from ..proxy.errors import ProxyError, bad_request, no_engine, not_found, too_large
+from ..proxy.endpoints import FORWARDED, RESPONSE_ITEM, ROUTED
+from ..proxy.errors import ProxyError, bad_request, method_not_allowed, no_engine, not_found, too_large
 from ..proxy.headers import ENGINE_HEADER
 from ..proxy.health import HealthBoard
 from ..proxy.responses import unstored, without_chosen_id
@@ -440,7 +440,9 @@ class EndpointPicker:
             return decision, x, asked if asked is not None else (raw if raw is not sent else None)
         # Not prompt-bearing: a stored response's own paths go to its engine, the rest by load.
         if path.startswith(_RESPONSE_ITEM) and self.scheduler.responses is not None:
-            response_id = unquote(path[len(_RESPONSE_ITEM) :].split("/", 1)[0])  # as the proxy reads it
+            item, _, rest = path[len(_RESPONSE_ITEM) :].partition("/")
+            _served_on_response_item(headers.get(":method", "?"), path, rest)
+            response_id = unquote(item)  # as the proxy reads it
             responses = self.scheduler.responses
             with stream.trace.span("response_lookup") as span:
                 pinned = await responses.target(response_id, candidates, headers, "response_id", tenant)
@@ -568,6 +570,17 @@ async def _settled(
     answers: list[ep.ProcessingResponse] | Awaitable[list[ep.ProcessingResponse]],
 ) -> list[ep.ProcessingResponse]:
     return answers if isinstance(answers, list) else await answers
+
+
+def _served_on_response_item(method: str, path: str, rest: str) -> None:
+    """Refuse, as the proxy's routes do, a method or a path under a stored response's id that neither
+    engine nor router serves (``rest``: after the id), rather than relay the engine's own answer."""
+    methods = RESPONSE_ITEM.get("/" + rest if rest else "")
+    if methods is None:
+        raise not_found(method, path[:256])
+    allowed = {*methods, "HEAD"} if "GET" in methods else set(methods)
+    if method not in allowed:
+        raise method_not_allowed(method, path, allowed)
 
 
 def _prefilled(stream: _Stream) -> None:

@@ -34,6 +34,10 @@ FORWARDED = (
     "/v1/messages/count_tokens",  # Anthropic's: a count, nothing generated
 )
 
+# A stored response's own paths, after ``/v1/responses/{response_id}``, and the methods each serves (a
+# GET also HEAD): the proxy's routes, and what the endpoint picker checks a path it is shown against.
+RESPONSE_ITEM = {"": ("GET", "DELETE"), "/cancel": ("POST",), "/input_items": ("GET",)}
+
 # The POST paths whose prompt is routed on (the API each speaks), for a front door that sees paths
 # only (the gateway's endpoint picker); the proxy registers a handler per path.
 ROUTED = {
