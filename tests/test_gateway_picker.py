@@ -632,10 +632,18 @@ async def test_a_stored_responses_pick_names_no_fallback_and_reads_its_id_as_the
             assert r.status == 200 and r.headers[ENGINE_HEADER] == holder
         assert named() == holder.removeprefix("http://")
         # A method or a path neither serves under it is refused as the proxy refuses it, never relayed.
-        for method, path, status in (("PUT", "", 405), ("GET", "/nonsense", 404), ("DELETE", "/cancel", 405)):
-            async with s.request(method, base + "/v1/responses/" + rid + path) as r:
+        refused = (
+            ("PUT", rid, 405, "DELETE,GET,HEAD"),
+            ("DELETE", rid + "/cancel", 405, "POST"),
+            ("GET", rid + "/nonsense", 404, None),
+            ("GET", rid + "/", 404, None),
+            ("GET", "", 404, None),
+        )
+        for method, path, status, allow in refused:
+            async with s.request(method, base + "/v1/responses/" + path) as r:
                 error = (await r.json())["error"]
                 assert r.status == status and error["code"] in ("method_not_allowed", "not_found"), error
+                assert r.headers.get("Allow") == allow
 
 
 async def pd_gateway(

@@ -288,6 +288,31 @@ async def test_only_policies_that_match_tokens_or_text_make_the_router_tokenize(
     }
 
 
+async def test_a_prompt_under_sglangs_lora_path_matches_no_text_either():
+    """SGLang runs a request under its ``lora_path`` adapter, vLLM ignores the field: its text matches
+    nothing in any namespace (approx_prefix routes it by load), as its tokens do under kv_aware."""
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(run_fake_engine(block_size=BS)) for _ in range(2)]
+        cfg = RouterConfig(
+            port=0,
+            metrics=LOCAL_METRICS,
+            workers=tuple(WorkerSpec(e.http_url, e.http_url) for e in engines),
+            kv=KvConfig(block_size=BS),
+            health=HealthConfig(interval_s=0),
+            scheduling=SchedulingConfig(policy="approx_prefix"),
+            proxy=ProxyConfig(engine_header=True),
+        )
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        router, url = await stack.enter_async_context(run_router(cfg))
+        body = {"prompt": "some text prompt " * 4, "max_tokens": 1}
+        await routed_to(session, url, body)
+        for _ in range(2):
+            await routed_to(session, url, {**body, "lora_path": "sql-adapter"})
+        decided = "routerfleet_routing_decisions_total"
+        assert sample(router, decided, policy="approx_prefix", reason="prefix") == 0
+        assert sample(router, "routerfleet_untokenized_requests_total", reason="unsupported") == 2
+
+
 class CountingExecutor(ThreadPoolExecutor):
     def __init__(self) -> None:
         super().__init__(2)

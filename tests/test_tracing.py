@@ -370,28 +370,48 @@ async def test_a_batch_goes_full_or_at_the_interval_never_just_what_queued_durin
 
 async def test_a_collectors_later_is_honoured_and_the_batch_sent_again():
     """OTLP/HTTP's 429 and 502-504 mean "retry later": the batch goes again once the collector's
-    Retry-After has passed, nothing lost; the stop's last flush does not wait for it."""
+    Retry-After has passed (at least the export interval: a "0" is no hot loop), nothing lost; the
+    stop's last flush does not wait for a pause."""
     loop = asyncio.get_running_loop()
     arrivals: list[float] = []
+    later = ["3"]  # the Retry-After of the next "later"; none left: the collector takes the batch
 
-    async def busy_once(request: web.Request) -> web.Response:
+    async def busy(request: web.Request) -> web.Response:
         await request.read()
         arrivals.append(loop.time())
-        if len(arrivals) == 1:
-            return web.Response(status=429, headers={"Retry-After": "1"})
+        if later:
+            return web.Response(status=429 if later[0] != "0" else 503, headers={"Retry-After": later.pop()})
         return web.Response(body=b"", content_type="application/x-protobuf")
 
-    async with loopback_app(web.post("/v1/traces", busy_once)) as url:
+    async with loopback_app(web.post("/v1/traces", busy)) as url:
         exporter, registry = exporter_to(url)
         exporter.start()
         try:
             for _ in range(BATCH_TRACES):
                 exporter.submit(finished_trace(0))
             await eventually(lambda: spans_counted(registry)[0] == BATCH_TRACES, 10, "the batch again")
-            assert len(arrivals) == 2 and arrivals[1] - arrivals[0] >= 0.95  # after its Retry-After
+            assert len(arrivals) == 2 and arrivals[1] - arrivals[0] >= 2.9  # after its Retry-After
+            arrivals.clear()
+            later.append("0")
+            for _ in range(BATCH_TRACES):
+                exporter.submit(finished_trace(0))
+            await eventually(lambda: spans_counted(registry)[0] == 2 * BATCH_TRACES, 10, "after a 0")
+            assert len(arrivals) == 2 and arrivals[1] - arrivals[0] >= INTERVAL_S - 0.05
         finally:
             await exporter.stop()
-        assert spans_counted(registry) == (BATCH_TRACES, 0, 0)
+        assert spans_counted(registry) == (2 * BATCH_TRACES, 0, 0)
+
+        # Paused by a "later" (30 s), the stop still flushes at once and within its bound: what the
+        # collector will not take now is counted lost.
+        exporter, registry = exporter_to(url)
+        exporter.start()
+        later.extend(["30", "30"])
+        for _ in range(BATCH_TRACES):
+            exporter.submit(finished_trace(0))
+        await eventually(lambda: not later[1:], 5, "the first later")
+        async with asyncio.timeout(FLUSH_TIMEOUT_S + 1):
+            await exporter.stop()
+        assert spans_counted(registry) == (0, BATCH_TRACES, 0)
 
 
 def test_a_full_queue_drops_new_traces_and_counts_their_spans():

@@ -635,7 +635,7 @@ def validate(fleet: Fleet) -> list[str]:
             "spec.router.extraArgs: --epp-fallbacks must be 0 with spec.gateway.standalone (its Envoy reads"
             " the picker's header as one address: a list is a 503)"
         )
-    if len(set(g.target_ports)) != len(g.target_ports):
+    if g.enabled and len(set(g.target_ports)) != len(g.target_ports):
         problems.append("spec.gateway.targetPorts must not repeat a port")
     http = s.engines.http_port
     if g.enabled and g.target_ports and isinstance(http, int) and http not in g.target_ports:

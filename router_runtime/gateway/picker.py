@@ -440,8 +440,8 @@ class EndpointPicker:
             return decision, x, asked if asked is not None else (raw if raw is not sent else None)
         # Not prompt-bearing: a stored response's own paths go to its engine, the rest by load.
         if path.startswith(_RESPONSE_ITEM) and self.scheduler.responses is not None:
-            item, _, rest = path[len(_RESPONSE_ITEM) :].partition("/")
-            _served_on_response_item(headers.get(":method", "?"), path, rest)
+            item, slash, rest = path[len(_RESPONSE_ITEM) :].partition("/")
+            _served_on_response_item(headers.get(":method", "?"), path, item, slash + rest)
             response_id = unquote(item)  # as the proxy reads it
             responses = self.scheduler.responses
             with stream.trace.span("response_lookup") as span:
@@ -572,10 +572,10 @@ async def _settled(
     return answers if isinstance(answers, list) else await answers
 
 
-def _served_on_response_item(method: str, path: str, rest: str) -> None:
+def _served_on_response_item(method: str, path: str, item: str, rest: str) -> None:
     """Refuse, as the proxy's routes do, a method or a path under a stored response's id that neither
     engine nor router serves (``rest``: after the id), rather than relay the engine's own answer."""
-    methods = RESPONSE_ITEM.get("/" + rest if rest else "")
+    methods = RESPONSE_ITEM.get(rest) if item else None
     if methods is None:
         raise not_found(method, path[:256])
     allowed = {*methods, "HEAD"} if "GET" in methods else set(methods)

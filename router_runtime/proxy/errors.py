@@ -114,6 +114,7 @@ def method_not_allowed(method: str, path: str, allowed: set[str]) -> ProxyError:
         405,
         f"{method} is not allowed on {path[:200]} (use {', '.join(sorted(allowed))})",
         code="method_not_allowed",
+        headers={"Allow": ",".join(sorted(allowed))},
     )
 
 
@@ -123,8 +124,6 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except web.HTTPMethodNotAllowed as e:
-        return method_not_allowed(request.method, request.path, e.allowed_methods).response(
-            {"Allow": ",".join(sorted(e.allowed_methods))}
-        )
+        return method_not_allowed(request.method, request.path, e.allowed_methods).response()
     except web.HTTPNotFound:
         return not_found(request.method, request.path).response()

@@ -195,8 +195,8 @@ def other_adapter(body: Mapping[str, Any], kind: Kind) -> bool:
     ``lora_name``): SGLang runs it under that adapter, whose blocks are another namespace, and vLLM
     ignores the field; which kind of engine takes it is not known here, so its tokens predict nothing.
     (On SGLang's ``/generate`` it is the adapter, read as such.)"""
-    path = body.get("lora_path")
-    return kind is not Kind.GENERATE and path is not None and path != body.get("lora_name")
+    path = body.get("lora_path")  # "" (or null): the base model, as SGLang reads it
+    return kind is not Kind.GENERATE and path not in (None, "") and path != body.get("lora_name")
 
 
 def parse_request(body: Any, kind: Kind) -> ParsedRequest:

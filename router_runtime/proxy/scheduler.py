@@ -344,6 +344,8 @@ class Scheduler:
                     text = await self.tokenizer.chat_text(chat, size)
                 except Untokenizable as e:
                     refused = refused or e.reason
+            if text is not None and other_adapter(parsed.body, parsed.kind):  # its namespace: unknown here
+                text, refused = None, refused or Reason.UNSUPPORTED
             if refused is not None:  # once per request, whatever the profile needed
                 self.metrics.untokenized.labels(refused).inc()
             if span.recording:

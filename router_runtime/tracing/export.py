@@ -201,8 +201,9 @@ class OtlpExporter:
             log.warning("trace export to %s: the collector asks to retry later; backing off", self.endpoint)
         self._backoff_s = min(max(self._backoff_s * 2, INTERVAL_S), MAX_BACKOFF_S)
         delay = self._backoff_s
-        if retry_after is not None and retry_after.isdigit():  # seconds (a date form: the backoff)
-            delay = min(float(retry_after), MAX_BACKOFF_S)
+        if retry_after is not None and retry_after.isascii() and retry_after.isdigit():  # seconds (else
+            # a date form: the backoff), at least the interval (a "0" would have the batch sent at once)
+            delay = min(max(int(retry_after), INTERVAL_S), MAX_BACKOFF_S)
         self._resume_at = asyncio.get_running_loop().time() + delay
         room = max(MAX_QUEUED_TRACES - len(self._queue), 0)
         kept, lost = batch[:room], batch[room:]

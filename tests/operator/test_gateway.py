@@ -94,7 +94,7 @@ def test_target_ports_must_list_the_port_the_routers_pick_the_engines_on():
     endpoint of its own (a number: refused with the spec; a name: when the slices resolve it)."""
     numbered = fleet({"gateway": {"enabled": True, "targetPorts": [9000]}, "engines": {"httpPort": 8000}})
     assert any("must list spec.engines.httpPort (8000)" in p for p in validate(numbered))
-    off = fleet({"gateway": {"enabled": False, "targetPorts": [9000]}, "engines": {"httpPort": 8000}})
+    off = fleet({"gateway": {"enabled": False, "targetPorts": [9000, 9000]}, "engines": {"httpPort": 8000}})
     assert not any("targetPorts" in p for p in validate(off))  # no pool rendered: nothing to refuse
     named = fleet({"gateway": {"enabled": True, "engineSelector": {"pool": "a"}, "targetPorts": [9000]}})
     with pytest.raises(PoolProblem) as e:
@@ -178,7 +178,8 @@ def test_without_the_gateway_nothing_of_it_is_rendered():
 def test_the_gateway_needs_the_engines_in_the_fleets_namespace():
     f = fleet({**ON, "engines": {"namespace": "elsewhere"}, "bootstrap": {"enabled": False}})
     assert any("spec.gateway.enabled needs the engines" in p for p in validate(f))
-    assert any("must not repeat" in p for p in validate(fleet({"gateway": {"targetPorts": [80, 80]}})))
+    repeated = fleet({"gateway": {"enabled": True, "targetPorts": [80, 80]}, "engines": {"httpPort": 80}})
+    assert any("must not repeat" in p for p in validate(repeated))
 
 
 # ---- GatewayReady -------------------------------------------------------------------------------------
