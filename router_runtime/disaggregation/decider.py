@@ -46,14 +46,19 @@ class Need:
     verdict: Verdict | None = None  # why not remote
 
 
+def uncached(decision: Decision, n_tokens: int, block_size: int) -> int:
+    """The tokens of an ``n_tokens`` prompt that ``decision``'s target lacks, by its confirmed blocks."""
+    return max(n_tokens - decision.matched_blocks * block_size, 0)
+
+
 def need(decision: Decision, n_tokens: int | None, block_size: int, threshold_tokens: int) -> Need:
     """Whether ``decision``'s decode target should take a remote prefill of an ``n_tokens`` prompt."""
     if n_tokens is None:
         return Need(True, None)
-    uncached = max(n_tokens - decision.matched_blocks * block_size, 0)
-    if uncached < threshold_tokens:
-        return Need(False, uncached, Verdict.SHORT_SUFFIX)
-    return Need(True, uncached)
+    missing = uncached(decision, n_tokens, block_size)
+    if missing < threshold_tokens:
+        return Need(False, missing, Verdict.SHORT_SUFFIX)
+    return Need(True, missing)
 
 
 def sooner(

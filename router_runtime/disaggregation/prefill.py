@@ -35,7 +35,7 @@ from ..tracing.spans import NO_TRACE, SpanKind, Trace
 from ..worker import Role
 from . import sglang, vllm
 from .config import DisaggregationConfig, Protocol
-from .decider import Need, Verdict, need, paired, sooner
+from .decider import Need, Verdict, need, paired, sooner, uncached
 from .metrics import PdMetrics
 from .queues import PrefillQueues, Queued
 
@@ -167,7 +167,7 @@ class RemotePrefill:
         """The prompt tokens ``decision``'s target lacks, by the index (0: not tokenized)."""
         if route.tokens is None or index is None:
             return 0
-        return max(len(route.tokens) - decision.matched_blocks * index.block_size, 0)
+        return uncached(decision, len(route.tokens), index.block_size)
 
     def _wanted(self, route: RouteRequest, index: RadixIndex | None, decision: Decision) -> Need:
         tokens = route.tokens
@@ -250,11 +250,11 @@ class RemotePrefill:
         if not streamed:
             return planned
         if planned.chosen is not None:
-            uncached = self._uncached(route, index, planned.chosen)
-            return replace(planned, queued=self.queues.add(planned.chosen.target, uncached))
+            missing = self._uncached(route, index, planned.chosen)
+            return replace(planned, queued=self.queues.add(planned.chosen.target, missing))
         if self.targets.role(decision.target.engine) is Role.DECODE and vllm_:
-            uncached = self._uncached(route, index, decision)
-            return replace(planned, queued=self.queues.add(decision.target, uncached))
+            missing = self._uncached(route, index, decision)
+            return replace(planned, queued=self.queues.add(decision.target, missing))
         return planned
 
     def serves_alone(self, target: Target) -> bool:
